@@ -1,0 +1,35 @@
+"""One exception family for kvq.
+
+The CLI turns any :class:`KVQError` into a one-line message and exit code 1; every other exception
+keeps its traceback because it is a bug, not bad input.
+"""
+
+from __future__ import annotations
+
+
+class KVQError(Exception):
+    """Base of every error kvq raises on purpose (bad input, missing dependency, bad file)."""
+
+
+class SchemeError(KVQError, ValueError):
+    """A quantization scheme (or preset name) is invalid."""
+
+
+class ModelError(KVQError):
+    """A model cannot be found, loaded or is of an unsupported architecture."""
+
+
+class ExportError(KVQError):
+    """Exporting a model to ONNX failed or was refused."""
+
+
+class RuntimeInputError(KVQError):
+    """Inputs given to an exported model do not match its manifest."""
+
+
+class QuantizationError(KVQError, ValueError):
+    """Values cannot be quantized (NaN/Inf, wrong shape)."""
+
+
+class DependencyError(KVQError, ImportError):
+    """An optional dependency (TensorRT, Triton, a GPU stack) is not installed."""
