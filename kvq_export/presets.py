@@ -1,0 +1,98 @@
+"""Named schemes: one table, listed by ``kvq schemes``.
+
+Defaults everywhere unless a row says otherwise: fp16 scales, dynamic scales, no recent window,
+no sinks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvq_export.errors import SchemeError
+from kvq_export.scheme import KVQuantScheme, TensorQuant
+
+_FP16 = TensorQuant.fp16()
+
+
+def _int(bits: int, group: int | None, *, sym: bool, axis: str = "token", **kw) -> TensorQuant:
+    return TensorQuant(format="int_sym" if sym else "int", bits=bits, axis=axis, group_size=group, **kw)
+
+
+def _kivi(bits: int) -> KVQuantScheme:
+    return KVQuantScheme(
+        key=_int(bits, 32, sym=False, axis="channel"), value=_int(bits, 32, sym=False), residual_length=128
+    )
+
+
+def _ort(bits: int) -> KVQuantScheme:
+    # GroupQueryAttention's quantized cache: symmetric, static float32 scales per (kv head, channel).
+    tq = _int(bits, None, sym=True, axis="channel", scales="static", scale_dtype="fp32")
+    return KVQuantScheme(key=tq, value=tq)
+
+
+#: name -> (scheme, one-line description). The single source of preset truth.
+PRESETS: dict[str, tuple[KVQuantScheme, str]] = {
+    "fp16": (KVQuantScheme(key=_FP16, value=_FP16), "baseline: unquantized fp16 cache"),
+    "int8": (
+        KVQuantScheme(key=_int(8, None, sym=True), value=_int(8, None, sym=True)),
+        "symmetric int8, one scale per token head vector",
+    ),
+    "q8_0": (
+        KVQuantScheme(key=_int(8, 32, sym=True), value=_int(8, 32, sym=True)),
+        "llama.cpp q8_0 layout: int8 sym, token groups of 32",
+    ),
+    "q4_0": (
+        KVQuantScheme(key=_int(4, 32, sym=True), value=_int(4, 32, sym=True)),
+        "llama.cpp q4_0 layout: int4 sym, token groups of 32",
+    ),
+    "q4_1": (
+        KVQuantScheme(key=_int(4, 32, sym=False), value=_int(4, 32, sym=False)),
+        "llama.cpp q4_1 layout: int4 with min, token groups of 32",
+    ),
+    "kivi-4": (_kivi(4), "KIVI: keys per-channel / values per-token int4 g32, recent 128 in fp16"),
+    "kivi-2": (_kivi(2), "KIVI: keys per-channel / values per-token int2 g32, recent 128 in fp16"),
+    "fp8": (
+        KVQuantScheme(key=TensorQuant(format="fp8_e4m3", bits=8), value=TensorQuant(format="fp8_e4m3", bits=8)),
+        "fp8 e4m3, one dynamic scale per token head vector",
+    ),
+    "ort-int8": (_ort(8), "ORT GroupQueryAttention int8: sym, static fp32 per-channel scales"),
+    "ort-int4": (_ort(4), "ORT GroupQueryAttention int4: sym, static fp32 per-channel scales"),
+}
+PRESETS = {name: (scheme.with_name(name), text) for name, (scheme, text) in PRESETS.items()}
+
+
+def preset_names() -> list[str]:
+    """Names of the presets, in table order."""
+    return list(PRESETS)
+
+
+def get_preset(name: str) -> KVQuantScheme:
+    """The preset called ``name``; an unknown name lists the allowed ones."""
+    try:
+        return PRESETS[name][0]
+    except KeyError:
+        raise SchemeError(f"unknown scheme preset {name!r}; allowed: {', '.join(PRESETS)}") from None
+
+
+def resolve_scheme(spec: str | KVQuantScheme) -> KVQuantScheme:
+    """A preset name, a path to a scheme JSON file, inline JSON, or a scheme object."""
+    if isinstance(spec, KVQuantScheme):
+        return spec
+    if spec in PRESETS:
+        return PRESETS[spec][0]
+    text = spec.strip()
+    if text.startswith("{"):
+        return KVQuantScheme.from_json(text)
+    path = Path(spec)
+    if path.suffix == ".json" or path.is_file():
+        if not path.is_file():
+            raise SchemeError(f"scheme file {spec} does not exist")
+        scheme = KVQuantScheme.from_json(path.read_text())
+        return scheme if scheme.name else scheme.with_name(path.stem)
+    raise SchemeError(f"unknown scheme {spec!r}; allowed: a preset ({', '.join(PRESETS)}) or a scheme .json file")
+
+
+def presets_json() -> str:
+    """Every preset as JSON (for documentation and tooling)."""
+    return json.dumps({name: scheme.to_dict() for name, (scheme, _) in PRESETS.items()}, indent=2)

@@ -1,0 +1,392 @@
+"""`KVQuantScheme`: the one frozen, validated description of a quantized KV cache.
+
+Everything in kvq (reference cache, memory model, exporter, runtime, plugin, validator) takes this
+object; nothing re-describes a cache on its own. Keys and values are described separately by a
+:class:`TensorQuant` because their errors act at different places in attention (keys before softmax,
+values after it).
+
+Token layout of one sequence of length T in one layer (for keys and values independently)::
+
+    [ sinks (first S tokens, high precision) | quantized region | recent window (high precision) ]
+
+* ``token`` axis (and every ``static``-scale stream): a token is quantized as soon as it is older than
+  the ``residual_length`` R most recent tokens, so exactly ``min(R, T - S)`` tokens stay in high precision.
+* ``channel`` axis with dynamic scales: tokens leave the recent window a whole group of ``group_size``
+  consecutive tokens at a time (the group's per-channel range needs all of them), so between R and
+  R + group_size - 1 tokens stay in high precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvq_export.errors import SchemeError
+
+FORMATS = ("fp16", "int", "int_sym", "fp8_e4m3")
+AXES = ("token", "channel")
+SCALE_DTYPES = ("fp16", "fp32")
+SCALE_MODES = ("dynamic", "static")
+HP_DTYPES = ("fp16", "fp32")
+INT_BITS = (2, 4, 8)
+
+#: Bytes per element of the floating dtypes a scheme can name.
+DTYPE_BYTES = {"fp16": 2, "fp32": 4}
+#: Largest finite float8 e4m3fn value.
+FP8_E4M3_MAX = 448.0
+
+
+def _fail(field_name: str, value: Any, allowed: str) -> SchemeError:
+    return SchemeError(f"invalid {field_name}={value!r}: {allowed}")
+
+
+@dataclass(frozen=True)
+class TensorQuant:
+    """How one cache tensor (keys or values) is stored.
+
+    Attributes:
+        format: ``fp16`` (not quantized), ``int`` (asymmetric: per-group scale and minimum),
+            ``int_sym`` (symmetric: per-group scale, codes stored with an offset of 2**(bits-1)),
+            ``fp8_e4m3`` (float8 e4m3fn codes with a per-group scale).
+        bits: 2, 4 or 8 for int formats; 8 for fp8; 16 for fp16.
+        axis: ``token`` (groups run along head_dim within one token) or ``channel`` (each channel is
+            grouped across ``group_size`` consecutive tokens).
+        group_size: group length along the axis, or ``None`` for the whole axis (per-token head
+            vector for ``token``; all tokens of a channel for ``channel``, static scales only).
+        scale_dtype: storage dtype of scales and minimums.
+        clip: the group's range is shrunk by this ratio about its midpoint (symmetric: ``amax * clip``).
+        scales: ``dynamic`` (from each group as tokens arrive) or ``static`` (fixed per layer, head and
+            channel/group, from a calibration artifact kept beside the scheme).
+    """
+
+    format: str = "int"
+    bits: int = 4
+    axis: str = "token"
+    group_size: int | None = None
+    scale_dtype: str = "fp16"
+    clip: float = 1.0
+    scales: str = "dynamic"
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    # -- derived facts ---------------------------------------------------------------------------
+    @property
+    def quantized(self) -> bool:
+        """False for the unquantized ``fp16`` format."""
+        return self.format != "fp16"
+
+    @property
+    def has_zero_point(self) -> bool:
+        """Asymmetric int stores a per-group minimum beside the scale."""
+        return self.format == "int"
+
+    @property
+    def is_int(self) -> bool:
+        """Integer codes (packed when bits < 8)."""
+        return self.format in ("int", "int_sym")
+
+    @property
+    def streaming(self) -> bool:
+        """Whether tokens are quantized one at a time (token axis or static scales)."""
+        return self.axis == "token" or self.scales == "static"
+
+    @property
+    def flush_unit(self) -> int:
+        """How many tokens leave the recent window together (1, or a channel-axis group)."""
+        return 1 if self.streaming else int(self.group_size)  # type: ignore[arg-type]
+
+    def token_group(self, head_dim: int) -> int:
+        """Group length along head_dim for ``token``-axis streams (whole head vector when None)."""
+        return head_dim if self.group_size is None else self.group_size
+
+    def codes_per_byte(self) -> int:
+        """Integer codes packed into one uint8 (1 for 8-bit and fp8)."""
+        return 8 // self.bits if self.is_int else 1
+
+    def packed_dim(self, head_dim: int) -> int:
+        """Bytes per token per head for the code payload."""
+        return -(-head_dim // self.codes_per_byte()) if self.quantized else 0
+
+    def metadata_shape(self, head_dim: int) -> tuple[str, int]:
+        """(``per_token`` | ``per_group_of_tokens`` | ``per_layer``, entries per unit) for scales.
+
+        ``per_token``: ``head_dim // group`` scales per token; ``per_group_of_tokens``: ``head_dim``
+        scales per ``group_size`` tokens; ``per_layer``: static, per kv head, independent of length.
+        """
+        if self.scales == "static":
+            return "per_layer", (head_dim // self.token_group(head_dim) if self.axis == "token" else head_dim)
+        if self.axis == "token":
+            return "per_token", head_dim // self.token_group(head_dim)
+        return "per_group_of_tokens", head_dim
+
+    def effective_bits(self, head_dim: int, hp_dtype: str = "fp16") -> float:
+        """Stored bits per element ignoring windows (static scales add nothing per element)."""
+        if not self.quantized:
+            return 8.0 * DTYPE_BYTES[hp_dtype]
+        meta_bits = 8 * DTYPE_BYTES[self.scale_dtype] * (2 if self.has_zero_point else 1)
+        if self.scales == "static":
+            return float(self.bits)
+        group = self.token_group(head_dim) if self.axis == "token" else self.group_size
+        return self.bits + meta_bits / group  # type: ignore[operator]
+
+    # -- validation ------------------------------------------------------------------------------
+    def _validate(self) -> None:
+        if self.format not in FORMATS:
+            raise _fail("format", self.format, f"allowed: {', '.join(FORMATS)}")
+        if self.format == "fp16":
+            if self.bits != 16:
+                raise _fail("bits", self.bits, "allowed for format fp16: 16")
+            return
+        if self.format == "fp8_e4m3" and self.bits != 8:
+            raise _fail("bits", self.bits, "allowed for format fp8_e4m3: 8")
+        if self.is_int and self.bits not in INT_BITS:
+            raise _fail("bits", self.bits, f"allowed for {self.format}: 2, 4, 8")
+        if self.axis not in AXES:
+            raise _fail("axis", self.axis, f"allowed: {', '.join(AXES)}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise _fail("scale_dtype", self.scale_dtype, f"allowed: {', '.join(SCALE_DTYPES)}")
+        if self.scales not in SCALE_MODES:
+            raise _fail("scales", self.scales, f"allowed: {', '.join(SCALE_MODES)}")
+        if self.group_size is not None and (
+            isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1
+        ):
+            raise _fail("group_size", self.group_size, "allowed: a positive integer, or null for the whole axis")
+        if self.axis == "channel" and self.scales == "dynamic" and self.group_size is None:
+            raise _fail(
+                "group_size", None, "allowed with axis=channel and dynamic scales: a positive integer "
+                "(a whole-axis channel group needs static scales)"
+            )
+        if self.axis == "channel" and self.scales == "static" and self.group_size is not None:
+            raise _fail(
+                "group_size", self.group_size, "allowed with axis=channel and static scales: null (one scale per channel)"
+            )
+        if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)) or not (0.0 < self.clip <= 1.0):
+            raise _fail("clip", self.clip, "allowed: a ratio in (0, 1]")
+
+    def check_head_dim(self, head_dim: int, where: str) -> None:
+        """Raise when this stream cannot describe a cache with ``head_dim`` channels."""
+        if not self.quantized:
+            return
+        if self.axis == "token" and self.group_size is not None and head_dim % self.group_size:
+            raise _fail(
+                f"{where}.group_size", self.group_size,
+                f"for axis=token it must divide head_dim={head_dim} (allowed: "
+                f"{', '.join(str(d) for d in range(1, head_dim + 1) if head_dim % d == 0)}, or null)",
+            )
+        if self.is_int and (head_dim * self.bits) % 8:
+            raise _fail(f"{where}.bits", self.bits, f"head_dim={head_dim} x bits must fill whole bytes")
+
+    # -- serialisation ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "tensor") -> TensorQuant:
+        """Inverse of :meth:`to_dict`; unknown keys are an error naming the allowed ones."""
+        if not isinstance(data, Mapping):
+            raise SchemeError(f"invalid {where}: expected an object with fields {', '.join(_TQ_FIELDS)}")
+        unknown = sorted(set(data) - set(_TQ_FIELDS))
+        if unknown:
+            raise SchemeError(f"unknown field(s) {', '.join(unknown)} in {where}; allowed: {', '.join(_TQ_FIELDS)}")
+        try:
+            return cls(**data)
+        except SchemeError as err:
+            raise SchemeError(f"{where}: {err}") from None
+
+    @classmethod
+    def fp16(cls) -> TensorQuant:
+        """The unquantized stream."""
+        return cls(format="fp16", bits=16)
+
+    def describe(self) -> str:
+        """Short human description, e.g. ``int4 asym token g32 fp16-scale``."""
+        if not self.quantized:
+            return "fp16"
+        name = {"int": f"int{self.bits}", "int_sym": f"int{self.bits} sym", "fp8_e4m3": "fp8 e4m3"}[self.format]
+        group = "whole" if self.group_size is None else f"g{self.group_size}"
+        clip = "" if self.clip == 1.0 else f" clip{self.clip:g}"
+        return f"{name} {self.axis} {group} {self.scale_dtype}-scale {self.scales}{clip}"
+
+
+_TQ_FIELDS = tuple(f.name for f in dataclasses.fields(TensorQuant))
+
+
+@dataclass(frozen=True)
+class LayerOverride:
+    """Per-layer replacement of the key and/or value description (mixed precision across layers)."""
+
+    layer: int
+    key: TensorQuant | None = None
+    value: TensorQuant | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < 0:
+            raise _fail("layer_overrides.layer", self.layer, "allowed: a layer index >= 0")
+        if self.key is None and self.value is None:
+            raise _fail("layer_overrides", self.layer, "an override must set key, value or both")
+
+
+@dataclass(frozen=True)
+class KVQuantScheme:
+    """A whole quantized KV cache: key/value streams, windows and per-layer overrides.
+
+    Frozen and hashable; equality ignores ``name`` (a label, not part of the cache format).
+    """
+
+    key: TensorQuant = field(default_factory=TensorQuant.fp16)
+    value: TensorQuant = field(default_factory=TensorQuant.fp16)
+    residual_length: int = 0
+    sink_tokens: int = 0
+    hp_dtype: str = "fp16"
+    layer_overrides: tuple[LayerOverride, ...] = ()
+    name: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        for label, count in (("residual_length", self.residual_length), ("sink_tokens", self.sink_tokens)):
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise _fail(label, count, "allowed: an integer >= 0")
+        if self.hp_dtype not in HP_DTYPES:
+            raise _fail("hp_dtype", self.hp_dtype, f"allowed: {', '.join(HP_DTYPES)}")
+        overrides = tuple(sorted(self.layer_overrides, key=lambda o: o.layer))
+        layers = [o.layer for o in overrides]
+        if len(set(layers)) != len(layers):
+            raise _fail("layer_overrides", layers, "each layer may be overridden once")
+        object.__setattr__(self, "layer_overrides", overrides)
+        for layer in range(-1, len(overrides)):
+            key, value = (self.key, self.value) if layer < 0 else self.for_layer(overrides[layer].layer)
+            for where, tq in (("key", key), ("value", value)):
+                if tq.quantized and not tq.streaming and self.residual_length % tq.flush_unit:
+                    raise _fail(
+                        "residual_length", self.residual_length,
+                        f"with {where}.axis=channel it must be a multiple of group_size={tq.group_size}",
+                    )
+
+    # -- per-layer view --------------------------------------------------------------------------
+    def for_layer(self, layer: int) -> tuple[TensorQuant, TensorQuant]:
+        """(key, value) descriptions in force for ``layer``."""
+        for override in self.layer_overrides:
+            if override.layer == layer:
+                return override.key or self.key, override.value or self.value
+        return self.key, self.value
+
+    def streams(self, num_layers: int) -> list[tuple[TensorQuant, TensorQuant]]:
+        """(key, value) for every layer of a model."""
+        return [self.for_layer(i) for i in range(num_layers)]
+
+    @property
+    def quantized(self) -> bool:
+        """True when any stream of any layer is quantized."""
+        tqs = [self.key, self.value] + [t for o in self.layer_overrides for t in (o.key, o.value) if t]
+        return any(t.quantized for t in tqs)
+
+    @property
+    def has_static_scales(self) -> bool:
+        """True when any stream needs a calibration artifact."""
+        tqs = [self.key, self.value] + [t for o in self.layer_overrides for t in (o.key, o.value) if t]
+        return any(t.quantized and t.scales == "static" for t in tqs)
+
+    def check_model(self, num_layers: int, head_dim: int) -> None:
+        """Raise when the scheme cannot describe this model's cache (group sizes, layer indices)."""
+        for override in self.layer_overrides:
+            if override.layer >= num_layers:
+                raise _fail(
+                    "layer_overrides.layer", override.layer, f"the model has layers 0..{num_layers - 1}"
+                )
+        for layer, (key, value) in enumerate(self.streams(num_layers)):
+            where = "" if layer == 0 and not self.layer_overrides else f"layer {layer} "
+            key.check_head_dim(head_dim, f"{where}key")
+            value.check_head_dim(head_dim, f"{where}value")
+
+    def effective_bits(self, head_dim: int, num_layers: int = 1) -> float:
+        """Mean stored bits per element, ignoring sinks and the recent window."""
+        streams = self.streams(num_layers)
+        total = sum(k.effective_bits(head_dim, self.hp_dtype) + v.effective_bits(head_dim, self.hp_dtype)
+                    for k, v in streams)
+        return total / (2 * len(streams))
+
+    def describe(self) -> str:
+        """One-line human description."""
+        text = f"K: {self.key.describe()} | V: {self.value.describe()}"
+        if self.residual_length:
+            text += f" | recent {self.residual_length}"
+        if self.sink_tokens:
+            text += f" | sinks {self.sink_tokens}"
+        if self.layer_overrides:
+            text += f" | {len(self.layer_overrides)} layer override(s)"
+        return text
+
+    # -- serialisation ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form (stable key order)."""
+        return {
+            "name": self.name,
+            "key": self.key.to_dict(),
+            "value": self.value.to_dict(),
+            "residual_length": self.residual_length,
+            "sink_tokens": self.sink_tokens,
+            "hp_dtype": self.hp_dtype,
+            "layer_overrides": [
+                {"layer": o.layer, **({"key": o.key.to_dict()} if o.key else {}),
+                 **({"value": o.value.to_dict()} if o.value else {})}
+                for o in self.layer_overrides
+            ],
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """JSON text; :meth:`from_json` inverts it exactly."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> KVQuantScheme:
+        """Build and validate from the plain-JSON form."""
+        if not isinstance(data, Mapping):
+            raise SchemeError("invalid scheme: expected a JSON object")
+        unknown = sorted(set(data) - set(_SCHEME_FIELDS))
+        if unknown:
+            raise SchemeError(
+                f"unknown field(s) {', '.join(unknown)} in scheme; allowed: {', '.join(_SCHEME_FIELDS)}"
+            )
+        overrides = []
+        for i, item in enumerate(data.get("layer_overrides") or ()):
+            if not isinstance(item, Mapping) or "layer" not in item:
+                raise SchemeError(f"invalid layer_overrides[{i}]: expected an object with 'layer' and key/value")
+            extra = sorted(set(item) - {"layer", "key", "value"})
+            if extra:
+                raise SchemeError(f"unknown field(s) {', '.join(extra)} in layer_overrides[{i}]; allowed: layer, key, value")
+            overrides.append(LayerOverride(
+                layer=item["layer"],
+                key=TensorQuant.from_dict(item["key"], f"layer_overrides[{i}].key") if "key" in item else None,
+                value=TensorQuant.from_dict(item["value"], f"layer_overrides[{i}].value") if "value" in item else None,
+            ))
+        kwargs = {k: data[k] for k in ("residual_length", "sink_tokens", "hp_dtype", "name") if k in data}
+        for part in ("key", "value"):
+            if part in data:
+                kwargs[part] = TensorQuant.from_dict(data[part], part)
+        return cls(layer_overrides=tuple(overrides), **kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> KVQuantScheme:
+        """Parse JSON text (see :meth:`to_json`)."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise SchemeError(f"scheme is not valid JSON: {err}") from None
+        return cls.from_dict(data)
+
+    def with_name(self, name: str | None) -> KVQuantScheme:
+        """Same scheme, another label."""
+        return dataclasses.replace(self, name=name)
+
+
+_SCHEME_FIELDS = ("name", "key", "value", "residual_length", "sink_tokens", "hp_dtype", "layer_overrides")
+
+
+def bits_label(bits: float) -> str:
+    """Format effective bits compactly (``4.5``, ``8``, ``5.25``)."""
+    return f"{bits:.3f}".rstrip("0").rstrip(".") if not math.isinf(bits) else "inf"

@@ -1,0 +1,142 @@
+"""KVQuantScheme: validation, JSON round-trip, equality/hashing, presets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvq_export.errors import SchemeError
+from kvq_export.presets import PRESETS, get_preset, resolve_scheme
+from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
+
+
+def tensor_quants():
+    """Valid TensorQuant values (head_dim 64 compatible)."""
+    ints = st.builds(
+        TensorQuant,
+        format=st.sampled_from(["int", "int_sym"]),
+        bits=st.sampled_from([2, 4, 8]),
+        axis=st.just("token"),
+        group_size=st.sampled_from([None, 8, 16, 32, 64]),
+        scale_dtype=st.sampled_from(["fp16", "fp32"]),
+        clip=st.floats(0.05, 1.0),
+    )
+    channel = st.builds(
+        TensorQuant, format=st.sampled_from(["int", "int_sym"]), bits=st.sampled_from([2, 4, 8]),
+        axis=st.just("channel"), group_size=st.sampled_from([4, 8, 32]),
+    )
+    fp8 = st.builds(TensorQuant, format=st.just("fp8_e4m3"), bits=st.just(8), group_size=st.sampled_from([None, 16]))
+    return st.one_of(ints, channel, fp8, st.just(TensorQuant.fp16()))
+
+
+@st.composite
+def schemes(draw):
+    key, value = draw(tensor_quants()), draw(tensor_quants())
+    units = [t.flush_unit for t in (key, value) if t.quantized]
+    lcm = 32 if units and max(units) > 1 else 1
+    residual = draw(st.integers(0, 4)) * lcm
+    overrides = ()
+    if draw(st.booleans()):
+        overrides = (LayerOverride(layer=draw(st.integers(0, 3)), key=TensorQuant(bits=8)),)
+    return KVQuantScheme(key=key, value=value, residual_length=residual,
+                         sink_tokens=draw(st.integers(0, 4)), layer_overrides=overrides)
+
+
+@given(schemes())
+def test_json_round_trip_is_exact(scheme):
+    again = KVQuantScheme.from_json(scheme.to_json())
+    assert again == scheme
+    assert hash(again) == hash(scheme)
+    assert again.to_dict() == scheme.to_dict()
+
+
+def test_name_is_a_label_not_part_of_equality():
+    a = get_preset("q4_0")
+    assert a.with_name("other") == a
+    assert {a, a.with_name("x")} == {a}
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(bits=3), "bits=3"),
+    (dict(format="int5"), "format='int5'"),
+    (dict(axis="head"), "axis='head'"),
+    (dict(scale_dtype="bf16"), "scale_dtype='bf16'"),
+    (dict(clip=0.0), "clip=0.0"),
+    (dict(clip=1.5), "clip=1.5"),
+    (dict(scales="learned"), "scales='learned'"),
+    (dict(group_size=0), "group_size=0"),
+    (dict(axis="channel", group_size=None), "group_size=None"),
+    (dict(format="fp8_e4m3", bits=4), "bits=4"),
+])
+def test_invalid_tensor_quant_names_field_and_allowed(kwargs, field):
+    with pytest.raises(SchemeError) as err:
+        TensorQuant(**kwargs)
+    assert field in str(err.value)
+    assert "allowed" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_group_must_divide_head_dim():
+    scheme = KVQuantScheme(key=TensorQuant(group_size=24), value=TensorQuant())
+    with pytest.raises(SchemeError, match=r"key.group_size=24.*divide head_dim=64.*32"):
+        scheme.check_model(num_layers=2, head_dim=64)
+
+
+def test_channel_residual_must_be_multiple_of_group():
+    with pytest.raises(SchemeError, match=r"residual_length=100.*multiple of group_size=32"):
+        KVQuantScheme(key=TensorQuant(axis="channel", group_size=32), value=TensorQuant(), residual_length=100)
+    # token-axis streams accept any residual length
+    KVQuantScheme(key=TensorQuant(group_size=32), value=TensorQuant(), residual_length=100)
+
+
+def test_override_layer_out_of_range():
+    scheme = KVQuantScheme(key=TensorQuant(), value=TensorQuant(),
+                           layer_overrides=(LayerOverride(layer=5, key=TensorQuant(bits=8)),))
+    with pytest.raises(SchemeError, match=r"layers 0..3"):
+        scheme.check_model(num_layers=4, head_dim=64)
+    assert scheme.for_layer(5)[0].bits == 8 and scheme.for_layer(4)[0].bits == 4
+
+
+def test_unknown_json_field_is_named():
+    data = get_preset("kivi-4").to_dict()
+    data["key"]["gruop_size"] = 4
+    with pytest.raises(SchemeError, match=r"gruop_size.*allowed: format"):
+        KVQuantScheme.from_dict(data)
+
+
+def test_unknown_preset_lists_allowed():
+    with pytest.raises(SchemeError, match=r"unknown scheme preset 'q3'.*fp16, int8"):
+        get_preset("q3")
+
+
+def test_resolve_scheme_from_file(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(get_preset("kivi-2").with_name(None).to_json())
+    scheme = resolve_scheme(str(path))
+    assert scheme == get_preset("kivi-2") and scheme.name == "mine"
+    with pytest.raises(SchemeError, match="does not exist"):
+        resolve_scheme(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.parametrize("name, bits", [
+    ("fp16", 16), ("int8", 8.25), ("q8_0", 8.5), ("q4_0", 4.5), ("q4_1", 5.0),
+    ("kivi-4", 5.0), ("kivi-2", 3.0), ("fp8", 8.25), ("ort-int8", 8), ("ort-int4", 4),
+])
+def test_preset_effective_bits_by_hand(name, bits):
+    # head_dim 64: whole-head groups carry one fp16 scale per 64 elements (+0.25 bit)
+    assert get_preset(name).effective_bits(64) == pytest.approx(bits)
+
+
+def test_presets_table_is_complete_and_valid():
+    assert list(PRESETS) == ["fp16", "int8", "q8_0", "q4_0", "q4_1", "kivi-4", "kivi-2", "fp8",
+                             "ort-int8", "ort-int4"]
+    for name, (scheme, about) in PRESETS.items():
+        assert scheme.name == name and about
+        scheme.check_model(num_layers=30, head_dim=64)
+        json.loads(scheme.to_json())
+    kivi = get_preset("kivi-4")
+    assert (kivi.key.axis, kivi.value.axis, kivi.residual_length) == ("channel", "token", 128)
+    assert get_preset("ort-int4").has_static_scales and not get_preset("q4_0").has_static_scales
