@@ -1,0 +1,1 @@
+"""Reference implementations (plain torch) that every backend is tested against."""

@@ -1,0 +1,209 @@
+"""The reference codec: quantize / dequantize / pack / unpack in plain torch.
+
+This is the arithmetic every backend (ONNX graph, ONNX Runtime fused path, Triton, TensorRT) must
+reproduce, so it is written as a fixed sequence of IEEE fp32 operations that each has an exact ONNX
+counterpart:
+
+* all math in fp32, whatever the input dtype;
+* scales and minimums are rounded to ``scale_dtype`` *before* they are used to quantize, so the codes
+  are computed against exactly the metadata that will be stored;
+* ``round`` is round-half-to-even (torch.round == ONNX Round), division is a true division.
+
+Code conventions:
+
+* ``int`` (asymmetric): ``code = clamp(round((x - zero) / scale), 0, 2**b - 1)``, ``x̂ = code * scale + zero``
+  where ``zero`` is the (clipped) group minimum.
+* ``int_sym``: ``code = clamp(round(x / scale), -(2**(b-1) - 1), 2**(b-1) - 1) + 2**(b-1)`` stored
+  unsigned (the ONNX Runtime int4 convention ``q + 8``), ``x̂ = (code - 2**(b-1)) * scale``.
+* ``fp8_e4m3``: ``code = float8_e4m3fn(clamp(x / scale, ±448))``, ``x̂ = float(code) * scale``.
+* A zero-range group has scale 0: quantization divides by 1 instead, so codes are finite and
+  ``x̂`` equals the stored minimum (asymmetric: exact for values representable in ``scale_dtype``) or 0.
+
+Packing (``pack``/``unpack``): codes of ``b < 8`` bits are packed along the last axis into uint8,
+lowest bits first: element ``i`` of the last axis lands in byte ``i // (8 // b)`` at bit offset
+``(i % (8 // b)) * b`` (for 4 bits: even element in the low nibble, odd element in the high nibble).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kvq_export.errors import QuantizationError
+from kvq_export.scheme import FP8_E4M3_MAX, TensorQuant
+
+TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+
+
+class Quantized(NamedTuple):
+    """Unpacked codes (uint8, or float8_e4m3fn for fp8) and the stored metadata.
+
+    ``scales``/``zeros`` have shape ``[..., T, D // G]`` for token-axis groups and ``[..., T // G, D]``
+    for channel-axis groups; for static scales they are the given per-layer tensors. ``zeros`` is
+    ``None`` unless the format is asymmetric ``int``.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+
+
+def int_levels(tq: TensorQuant) -> tuple[int, int, int]:
+    """(lowest code, highest code, offset) for an int format, as signed values before the offset."""
+    if tq.format == "int":
+        return 0, (1 << tq.bits) - 1, 0
+    qmax = (1 << (tq.bits - 1)) - 1
+    return -qmax, qmax, 1 << (tq.bits - 1)
+
+
+def _group_view(x: torch.Tensor, tq: TensorQuant) -> tuple[torch.Tensor, int]:
+    """Reshape ``[..., T, D]`` so one group sits along a single dim; return (view, reduce dim)."""
+    *lead, tokens, dim = x.shape
+    if tq.axis == "token":
+        group = tq.token_group(dim)
+        return x.reshape(*lead, tokens, dim // group, group), -1
+    group = tq.group_size
+    if tokens % group:
+        raise QuantizationError(f"channel-axis quantization needs whole groups of {group} tokens, got {tokens}")
+    return x.reshape(*lead, tokens // group, group, dim), -2
+
+
+def _static_view(meta: torch.Tensor, x: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
+    """Broadcast static per-(head, group/channel) metadata ``[H, n]`` against the grouped view of x."""
+    heads = x.shape[-3]
+    if meta.shape[0] != heads or meta.dim() != 2:
+        raise QuantizationError(f"static scales must have shape [kv_heads={heads}, n], got {list(meta.shape)}")
+    if tq.axis == "token":  # grouped x: [..., H, T, D/G, G]
+        return meta.reshape(heads, 1, meta.shape[1], 1)
+    return meta.reshape(heads, 1, meta.shape[1])  # x: [..., H, T, D] (whole-axis channel groups)
+
+
+def check_finite(x: torch.Tensor) -> None:
+    """Raise a clear error for NaN/Inf input (they would poison a whole group's scale)."""
+    if not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise QuantizationError(f"cannot quantize non-finite values: {bad} NaN/Inf element(s) in the input")
+
+
+def quantize(
+    x: torch.Tensor,
+    tq: TensorQuant,
+    *,
+    static_scales: torch.Tensor | None = None,
+    static_zeros: torch.Tensor | None = None,
+) -> Quantized:
+    """Quantize ``x`` of shape ``[..., T, D]`` (``[B, H, T, D]`` for static scales) by ``tq``.
+
+    Codes are returned unpacked; call :func:`pack` for the stored form of 2/4-bit codes.
+    """
+    if not tq.quantized:
+        raise QuantizationError("format fp16 is not quantized")
+    check_finite(x)
+    sdtype = TORCH_DTYPES[tq.scale_dtype]
+    xf = x.to(torch.float32)
+    static = tq.scales == "static"
+    if static:
+        if static_scales is None or (tq.has_zero_point and static_zeros is None):
+            raise QuantizationError("static scales need static_scales (and static_zeros for format int)")
+        xg, reduce_dim = (xf.reshape(*xf.shape[:-1], -1, tq.token_group(xf.shape[-1])), -1) \
+            if tq.axis == "token" else (xf, -2)
+    else:
+        xg, reduce_dim = _group_view(xf, tq)
+
+    if static:
+        scales = static_scales.to(sdtype)
+        scale = _static_view(scales.float(), xf, tq)
+        zeros = static_zeros.to(sdtype) if tq.has_zero_point else None
+        zero = _static_view(zeros.float(), xf, tq) if zeros is not None else None
+    elif tq.has_zero_point:
+        mn = xg.amin(dim=reduce_dim, keepdim=True)
+        mx = xg.amax(dim=reduce_dim, keepdim=True)
+        if tq.clip != 1.0:
+            mid, half = (mx + mn) * 0.5, (mx - mn) * (0.5 * tq.clip)
+            mn, mx = mid - half, mid + half
+        lo, hi, _ = int_levels(tq)
+        scale_kd = ((mx - mn) / float(hi - lo)).to(sdtype)
+        zero_kd = mn.to(sdtype)
+        scales, zeros = scale_kd.squeeze(reduce_dim), zero_kd.squeeze(reduce_dim)
+        scale, zero = scale_kd.float(), zero_kd.float()
+    else:
+        amax = xg.abs().amax(dim=reduce_dim, keepdim=True)
+        if tq.clip != 1.0:
+            amax = amax * tq.clip
+        top = FP8_E4M3_MAX if tq.format == "fp8_e4m3" else float(int_levels(tq)[1])
+        scale_kd = (amax / top).to(sdtype)
+        scales, zeros = scale_kd.squeeze(reduce_dim), None
+        scale, zero = scale_kd.float(), None
+
+    if not bool(torch.isfinite(scales).all()):
+        raise QuantizationError(
+            f"a group's scale overflows scale_dtype={tq.scale_dtype} (values too large); use scale_dtype fp32"
+        )
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    if tq.format == "fp8_e4m3":
+        codes = torch.clamp(xg / safe, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    else:
+        lo, hi, offset = int_levels(tq)
+        shifted = xg - zero if zero is not None else xg
+        codes = (torch.clamp(torch.round(shifted / safe), lo, hi) + offset).to(torch.uint8)
+    return Quantized(codes.reshape(x.shape), scales, zeros)
+
+
+def dequantize(q: Quantized, tq: TensorQuant, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize` on unpacked codes; returns ``[..., T, D]`` in ``out_dtype``."""
+    codes = q.codes
+    static = tq.scales == "static"
+    if tq.format == "fp8_e4m3":
+        values = codes.to(torch.float32)
+    else:
+        values = codes.to(torch.float32) - float(int_levels(tq)[2])
+    if static:
+        xg = values.reshape(*values.shape[:-1], -1, tq.token_group(values.shape[-1])) \
+            if tq.axis == "token" else values
+        scale = _static_view(q.scales.float(), values, tq)
+        zero = _static_view(q.zeros.float(), values, tq) if q.zeros is not None else None
+    else:
+        xg, reduce_dim = _group_view(values, tq)
+        scale = q.scales.float().unsqueeze(reduce_dim)
+        zero = q.zeros.float().unsqueeze(reduce_dim) if q.zeros is not None else None
+    out = xg * scale
+    if zero is not None:
+        out = out + zero
+    return out.reshape(codes.shape).to(out_dtype)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 codes of ``bits`` (2, 4 or 8) along the last axis, lowest bits first."""
+    if bits == 8:
+        return codes
+    per = 8 // bits
+    *lead, dim = codes.shape
+    if dim % per:
+        raise QuantizationError(f"cannot pack {dim} codes of {bits} bits into whole bytes")
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    grouped = codes.reshape(*lead, dim // per, per).to(torch.int32) << shifts.to(torch.int32)
+    return grouped.sum(dim=-1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: ``[..., D * bits / 8]`` uint8 -> ``[..., D]`` uint8 codes."""
+    if bits == 8:
+        return packed
+    per = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
+    mask = (1 << bits) - 1
+    values = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & mask
+    return values.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
+
+
+def quantize_packed(x: torch.Tensor, tq: TensorQuant, **static) -> Quantized:
+    """:func:`quantize` then :func:`pack` (the stored form)."""
+    q = quantize(x, tq, **static)
+    return q._replace(codes=pack(q.codes, tq.bits) if tq.is_int else q.codes)
+
+
+def dequantize_packed(q: Quantized, tq: TensorQuant, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`dequantize` of stored (packed) codes."""
+    codes = unpack(q.codes, tq.bits) if tq.is_int else q.codes
+    return dequantize(q._replace(codes=codes), tq, out_dtype)
