@@ -1,0 +1,333 @@
+"""The decoder body, written straight from the weights: embedding, layers, final norm, lm_head.
+
+The KV cache is not part of the body. A :class:`CacheGraph` declares the past/present cache tensors
+and computes attention; the body hands it rope-applied q/k/v per layer::
+
+    arch = get_arch(model.config)
+    model_ir = build_decoder(model, arch, MyCache(...), dtype="fp32")
+    save(model_ir, "out/model.onnx")
+
+Graph inputs: ``input_ids`` and ``attention_mask`` (int64 [batch, seq]; the mask is 1 for real
+tokens and 0 for left padding of this call's new tokens), then whatever the cache declares.
+Graph outputs: ``logits`` (float32 [batch, seq, vocab]), then the cache's outputs.
+
+Numerics follow transformers' eager code: RMSNorm and the rotary cos/sin tables are computed in
+float32 whatever the body dtype, then cast (like ``LlamaRMSNorm`` / ``LlamaRotaryEmbedding``).
+Linear weights are stored transposed ([in, out], so a plain MatMul applies them) under their
+Hugging Face state-dict names; a tied lm_head reuses the embedding through ``Gemm(transB=1)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import onnx_ir as ir
+
+from kvq_export.errors import ExportError, ModelError
+from kvq_export.export.arch import Arch, LinearNames, RopeSpec, get_arch
+from kvq_export.export.builder import GraphBuilder
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+logger = logging.getLogger(__name__)
+
+#: ``dtype=`` names accepted by :func:`build_decoder`.
+COMPUTE_DTYPES: dict[str, ir.DataType] = {"fp32": ir.DataType.FLOAT, "fp16": ir.DataType.FLOAT16}
+#: ReduceMean with axes as an input needs opset 18.
+MIN_OPSET = 18
+
+
+@dataclass(frozen=True)
+class DecoderFacts:
+    """What a cache graph needs to know about the decoder it serves.
+
+    ``sliding_window`` is the window of the layers that have one (None if none does);
+    ``layer_windows`` says per layer (empty = every layer uses ``sliding_window``). Ask
+    :meth:`window` rather than reading either field.
+    """
+
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    dtype: ir.DataType  # compute dtype of q/k/v and of the attention output
+    sliding_window: int | None
+    scaling: float  # applied to q.k before the softmax
+    layer_windows: tuple[int | None, ...] = ()
+    max_positions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelError(
+                f"{self.num_heads} query heads are not a multiple of {self.num_kv_heads} kv heads"
+            )
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ModelError(
+                f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers"
+            )
+
+    @property
+    def kv_groups(self) -> int:
+        """Query heads per key/value head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    def window(self, layer: int) -> int | None:
+        """Sliding window of ``layer``: a query at position q sees keys at p with q - window < p <= q."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+
+    @classmethod
+    def from_arch(cls, arch: Arch, dtype: ir.DataType) -> DecoderFacts:
+        """Read the facts of ``arch``'s config for a body computed in ``dtype``."""
+        windows = tuple(arch.layer_window(i) for i in range(arch.num_layers))
+        distinct = {w for w in windows if w is not None}
+        if len(distinct) > 1:
+            raise ExportError(f"{arch.model_type}: layers use different sliding windows {sorted(distinct)}")
+        return cls(
+            model_type=arch.model_type,
+            num_layers=arch.num_layers,
+            num_heads=arch.num_heads,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            hidden_size=arch.hidden_size,
+            vocab_size=arch.vocab_size,
+            dtype=dtype,
+            sliding_window=distinct.pop() if distinct else None,
+            scaling=arch.scaling,
+            layer_windows=windows,
+            max_positions=arch.max_positions,
+        )
+
+
+class CacheGraph(Protocol):
+    """The KV-cache part of the graph: declares cache inputs/outputs and computes attention."""
+
+    def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, facts: DecoderFacts) -> ir.Value:
+        """Declare the past-cache graph inputs; return `positions` int64 [B, t] of the new tokens."""
+        ...
+
+    def attend(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
+        """Attend: q [B, Hq, t, D], k/v [B, Hkv, t, D] (rope applied, compute dtype) -> [B, Hq, t, D]."""
+        ...
+
+    def end(self, b: GraphBuilder) -> None:
+        """Declare the present-cache graph outputs."""
+        ...
+
+
+def build_decoder(
+    source: PreTrainedModel | tuple[Mapping[str, Any], PretrainedConfig],
+    arch: Arch | None,
+    cache: CacheGraph,
+    *,
+    dtype: str = "fp32",
+    opset: int = 23,
+) -> ir.Model:
+    """Build the decoder graph of ``source`` (a HF causal LM, or ``(state_dict, config)``) around ``cache``.
+
+    ``arch`` defaults to ``get_arch(config)``. The state dict may hold torch tensors or numpy arrays
+    in any float dtype; they are cast to ``dtype`` (``"fp32"`` or ``"fp16"``).
+    """
+    state, config = _split_source(source)
+    arch = arch if arch is not None else get_arch(config)
+    if dtype not in COMPUTE_DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}; expected one of {', '.join(COMPUTE_DTYPES)}")
+    if opset < MIN_OPSET:
+        raise ExportError(f"opset {opset} is too old; the decoder needs opset >= {MIN_OPSET}")
+    start = time.perf_counter()
+    compute = COMPUTE_DTYPES[dtype]
+    facts = DecoderFacts.from_arch(arch, compute)
+    b = GraphBuilder(opset=opset, name=f"kvq_{arch.model_type}")
+    body = _Body(b, arch, facts, _Weights(state, compute, arch.model_type))
+
+    input_ids = b.input("input_ids", ir.DataType.INT64, ["batch", "seq"])
+    attention_mask = b.input("attention_mask", ir.DataType.INT64, ["batch", "seq"])
+    with b.scope("cache"):
+        positions = cache.begin(b, attention_mask=attention_mask, facts=facts)
+    with b.scope("rope"):
+        body.rotary_tables(positions, arch.rope())
+
+    with b.scope("embed"):
+        embed = body.weights.initializer(b, arch.embed_name(), (arch.vocab_size, arch.hidden_size))
+        hidden = b.op("Gather", embed, input_ids)
+    for layer in range(arch.num_layers):
+        with b.scope(f"layers.{layer}"):
+            hidden = body.layer(layer, hidden, cache)
+    with b.scope("head"):
+        hidden = body.rms_norm(hidden, arch.final_norm_name())
+        logits = body.lm_head(hidden, embed)
+        logits = body.to_float(logits)
+    b.output(logits, "logits", ir.DataType.FLOAT, ["batch", "seq", arch.vocab_size])
+    with b.scope("cache"):
+        cache.end(b)
+
+    model = b.build(metadata={"kvq.model_type": arch.model_type, "kvq.dtype": dtype})
+    logger.info(
+        "built %s decoder body: %d layers, %s, %d nodes in %.2f s",
+        arch.model_type,
+        arch.num_layers,
+        dtype,
+        len(model.graph),
+        time.perf_counter() - start,
+    )
+    return model
+
+
+def _split_source(source: Any) -> tuple[Mapping[str, Any], Any]:
+    if isinstance(source, tuple):
+        if len(source) != 2:
+            raise ExportError("a model source tuple must be (state_dict, config)")
+        return source[0], source[1]
+    if hasattr(source, "state_dict") and hasattr(source, "config"):
+        return source.state_dict(), source.config
+    raise ExportError(
+        f"cannot build a decoder from {type(source).__name__}; pass a transformers causal LM "
+        "or a (state_dict, config) pair"
+    )
+
+
+class _Weights:
+    """Reads state-dict tensors as numpy arrays of the compute dtype, checking names and shapes."""
+
+    def __init__(self, state: Mapping[str, Any], dtype: ir.DataType, model_type: str) -> None:
+        self.state = state
+        self.np_dtype = np.dtype(dtype.numpy())
+        self.model_type = model_type
+
+    def array(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """Return the tensor ``name`` as a numpy array of the compute dtype, checking its shape."""
+        if name not in self.state:
+            raise ModelError(
+                f"{self.model_type}: weight {name!r} is missing from the state dict "
+                "(expected a *ForCausalLM state dict with transformers' names)"
+            )
+        tensor = self.state[name]
+        if hasattr(tensor, "detach"):  # torch: cast in torch (numpy has no bfloat16)
+            import torch
+
+            torch_dtype = torch.float16 if self.np_dtype == np.float16 else torch.float32
+            array = tensor.detach().to(device="cpu", dtype=torch_dtype).numpy()
+        else:
+            array = np.asarray(tensor, dtype=self.np_dtype)
+        if array.shape != shape:
+            raise ModelError(f"{self.model_type}: weight {name!r} has shape {array.shape}, expected {shape}")
+        return array
+
+    def initializer(self, b: GraphBuilder, name: str, shape: tuple[int, ...]) -> ir.Value:
+        """Add the tensor ``name`` unchanged as an initializer of the same name."""
+        return b.initializer(name, self.array(name, shape))
+
+
+class _Body:
+    """Emits the pieces of the decoder body into one :class:`GraphBuilder`."""
+
+    def __init__(self, b: GraphBuilder, arch: Arch, facts: DecoderFacts, weights: _Weights) -> None:
+        self.b = b
+        self.arch = arch
+        self.facts = facts
+        self.weights = weights
+        self.dtype = facts.dtype
+        self.cos: ir.Value | None = None
+        self.sin: ir.Value | None = None
+
+    # --------------------------------------------------------------------------------- building blocks
+    def to_float(self, x: ir.Value) -> ir.Value:
+        """Cast a compute-dtype value to float32; no node for an fp32 body."""
+        return x if self.dtype == ir.DataType.FLOAT else self.b.op("Cast", x, to=ir.DataType.FLOAT)
+
+    def from_float(self, x: ir.Value) -> ir.Value:
+        """Cast a float32 value to the compute dtype; no node for an fp32 body."""
+        return x if self.dtype == ir.DataType.FLOAT else self.b.op("Cast", x, to=self.dtype)
+
+    def rms_norm(self, x: ir.Value, weight_name: str) -> ir.Value:
+        """HF RMSNorm: in float32, x * 1/sqrt(mean(x^2) + eps); cast back; then times the weight."""
+        b = self.b
+        xf = self.to_float(x)
+        variance = b.op("ReduceMean", b.op("Mul", xf, xf), b.const([-1]), keepdims=1)
+        inv_rms = b.op("Reciprocal", b.op("Sqrt", b.op("Add", variance, b.const(self.arch.rms_norm_eps))))
+        normed = self.from_float(b.op("Mul", xf, inv_rms))
+        weight = self.weights.initializer(b, weight_name, (self.arch.hidden_size,))
+        return b.op("Mul", weight, normed)
+
+    def linear(self, x: ir.Value, names: LinearNames, in_features: int, out_features: int) -> ir.Value:
+        """``x @ W.T + bias`` with W stored pre-transposed ([in, out]) under its HF name."""
+        b = self.b
+        weight = self.weights.array(names.weight, (out_features, in_features))
+        y = b.op("MatMul", x, b.initializer(names.weight, np.ascontiguousarray(weight.T)))
+        if names.bias is not None:
+            y = b.op("Add", y, self.weights.initializer(b, names.bias, (out_features,)))
+        return y
+
+    def rotary_tables(self, positions: ir.Value, rope: RopeSpec) -> None:
+        """cos/sin [B, 1, t, D] from int64 positions [B, t], computed in float32 like HF, then cast."""
+        b = self.b
+        inv_freq = b.initializer("rope.inv_freq", rope.inv_freq.astype(np.float32))
+        pos = b.op("Unsqueeze", b.op("Cast", positions, to=ir.DataType.FLOAT), b.const([-1]))
+        freqs = b.op("Mul", pos, inv_freq)  # [B, t, D/2]
+        emb = b.op("Concat", freqs, freqs, axis=-1)  # [B, t, D]
+        cos, sin = b.op("Cos", emb), b.op("Sin", emb)
+        if rope.attention_scaling != 1.0:
+            scale = b.const(rope.attention_scaling)
+            cos, sin = b.op("Mul", cos, scale), b.op("Mul", sin, scale)
+        heads_axis = b.const([1])  # broadcast over heads
+        self.cos = b.op("Unsqueeze", self.from_float(cos), heads_axis)
+        self.sin = b.op("Unsqueeze", self.from_float(sin), heads_axis)
+
+    def apply_rope(self, x: ir.Value) -> ir.Value:
+        """Return x * cos + rotate_half(x) * sin, with rotate_half(x) = concat(-x2, x1) (HF layout)."""
+        b = self.b
+        half = self.facts.head_dim // 2
+        x1, x2 = b.op_multi("Split", x, b.const([half, half]), num_outputs=2, axis=-1)
+        rotated = b.op("Concat", b.op("Neg", x2), x1, axis=-1)
+        return b.op("Add", b.op("Mul", x, self.cos), b.op("Mul", rotated, self.sin))
+
+    def heads(self, x: ir.Value, num_heads: int) -> ir.Value:
+        """[B, t, H*D] -> [B, H, t, D]."""
+        b = self.b
+        x = b.op("Reshape", x, b.const([0, 0, num_heads, self.facts.head_dim]))
+        return b.op("Transpose", x, perm=[0, 2, 1, 3])
+
+    # ------------------------------------------------------------------------------------ the layer
+    def layer(self, layer: int, hidden: ir.Value, cache: CacheGraph) -> ir.Value:
+        """One pre-norm decoder layer: attention and SwiGLU MLP, each with a residual."""
+        b, arch, f = self.b, self.arch, self.facts
+        names = arch.layer_names(layer)
+        q_size, kv_size = f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim
+
+        with b.scope("attn"):
+            x = self.rms_norm(hidden, names.input_norm)
+            q = self.apply_rope(self.heads(self.linear(x, names.q, f.hidden_size, q_size), f.num_heads))
+            k = self.apply_rope(self.heads(self.linear(x, names.k, f.hidden_size, kv_size), f.num_kv_heads))
+            v = self.heads(self.linear(x, names.v, f.hidden_size, kv_size), f.num_kv_heads)
+            attn = cache.attend(b, layer, q, k, v)  # [B, Hq, t, D]
+            attn = b.op("Reshape", b.op("Transpose", attn, perm=[0, 2, 1, 3]), b.const([0, 0, q_size]))
+            hidden = b.op("Add", hidden, self.linear(attn, names.o, q_size, f.hidden_size))
+
+        with b.scope("mlp"):
+            x = self.rms_norm(hidden, names.post_attention_norm)
+            inter = arch.intermediate_size
+            gate = self.linear(x, names.gate, f.hidden_size, inter)
+            up = self.linear(x, names.up, f.hidden_size, inter)
+            act = b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up)  # SiLU(gate) * up
+            hidden = b.op("Add", hidden, self.linear(act, names.down, inter, f.hidden_size))
+        return hidden
+
+    def lm_head(self, hidden: ir.Value, embed: ir.Value) -> ir.Value:
+        """Logits [B, t, V] in the compute dtype; a tied head reuses the embedding instead of a copy."""
+        b, arch = self.b, self.arch
+        name = arch.lm_head_name()
+        if name is not None:
+            return self.linear(hidden, LinearNames(name), arch.hidden_size, arch.vocab_size)
+        # Gemm reads the [V, H] embedding transposed in place; MatMul would need a [H, V] copy.
+        flat = b.op("Reshape", hidden, b.const([-1, arch.hidden_size]))
+        logits = b.op("Gemm", flat, embed, transB=1)
+        out_shape = b.op("Concat", b.op("Shape", hidden, end=2), b.const([arch.vocab_size]), axis=0)
+        return b.op("Reshape", logits, out_shape)
