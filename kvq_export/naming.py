@@ -1,0 +1,125 @@
+"""The one function that names every cache tensor and its dynamic axes.
+
+The exporter, the runtime, the manifest, the Polygraphy data loader and the plugin all read
+:func:`cache_tensors`; nothing else spells a cache tensor name.
+
+Layout of the exported cache (for ``past`` inputs and ``present`` outputs alike):
+
+* ``{direction}.seq_lengths`` int64 ``[batch]``: real tokens held per sequence (left padding excluded).
+* per layer ``i`` and ``part`` in ``key``/``value``, the roles of :data:`kvq_export.reference.cache.ROLES`
+  that the stream has, named ``{direction}.{i}.{part}.{role}``.
+
+Every region (sinks, quantized, recent) of a batch is sized to the longest row and each row's valid
+entries are *right-aligned* (padding on the left); which entries are valid follows from
+``seq_lengths`` alone through :func:`kvq_export.reference.cache.split_lengths`, so no mask is stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvq_export.scheme import KVQuantScheme, TensorQuant
+
+DIRECTIONS = ("past", "present")
+PARTS = ("key", "value")
+#: ONNX element type names used in the manifest.
+HP_TYPES = {"fp16": "float16", "fp32": "float32"}
+PACKING = "uint8, lowest bits first: element i -> byte i // (8 // bits), bit offset (i % (8 // bits)) * bits"
+
+
+@dataclass(frozen=True)
+class CacheTensor:
+    """One cache graph input or output, as the manifest describes it."""
+
+    name: str
+    direction: str
+    layer: int | None
+    part: str | None  # key | value | None for seq_lengths
+    role: str  # seq_lengths | sinks | codes | scales | zero_points | recent
+    dtype: str  # ONNX element type name
+    shape: tuple[int | str, ...]  # ints, or symbolic axis names
+    region: str | None = None  # sinks | quantized | recent
+    packing: str | None = None
+    group_axis: str | None = None  # token | channel (quantized roles)
+    group_size: int | None = None
+    format: str | None = None
+    bits: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form for the manifest."""
+        out = asdict(self)
+        out["shape"] = list(self.shape)
+        return out
+
+
+def tensor_name(direction: str, layer: int | None, part: str | None, role: str) -> str:
+    """``past.3.key.codes``; ``past.seq_lengths`` for the per-row lengths."""
+    if layer is None:
+        return f"{direction}.{role}"
+    return f"{direction}.{layer}.{part}.{role}"
+
+
+def region_axis(direction: str, layer: int, part: str, region: str, unit: str = "tokens") -> str:
+    """Symbolic name of a region's length axis (``past.3.key.quantized_tokens``)."""
+    return f"{direction}.{layer}.{part}.{region}_{unit}"
+
+
+def stream_tensors(
+    direction: str, layer: int, part: str, tq: TensorQuant, scheme: KVQuantScheme, *, kv_heads: int, head_dim: int
+) -> Iterator[CacheTensor]:
+    """The tensors of one layer's keys or values."""
+    hp = HP_TYPES[scheme.hp_dtype]
+    rows = ("batch", kv_heads)
+
+    def tensor(role, dtype, shape, region, **quant):
+        return CacheTensor(tensor_name(direction, layer, part, role), direction, layer, part, role, dtype,
+                           tuple(shape), region, **quant)
+
+    recent = (*rows, region_axis(direction, layer, part, "recent"), head_dim)
+    if not tq.quantized:
+        yield tensor("recent", hp, recent, "recent")
+        return
+    yield tensor("sinks", hp, (*rows, region_axis(direction, layer, part, "sinks"), head_dim), "sinks")
+    quant = {"group_axis": tq.axis, "group_size": tq.token_group(head_dim) if tq.axis == "token" else tq.group_size,
+             "format": tq.format, "bits": tq.bits}
+    tokens = region_axis(direction, layer, part, "quantized")
+    code_type = "float8e4m3fn" if tq.format == "fp8_e4m3" else "uint8"
+    packing = PACKING if tq.is_int and tq.bits < 8 else None
+    yield tensor("codes", code_type, (*rows, tokens, tq.packed_dim(head_dim)), "quantized", packing=packing, **quant)
+    if tq.scales == "dynamic":
+        kind, entries = tq.metadata_shape(head_dim)
+        length = tokens if kind == "per_token" else region_axis(direction, layer, part, "quantized", "groups")
+        meta_shape: tuple[int | str, ...] = (*rows, length, entries)
+        meta_type = HP_TYPES[tq.scale_dtype]
+        yield tensor("scales", meta_type, meta_shape, "quantized", **quant)
+        if tq.has_zero_point:
+            yield tensor("zero_points", meta_type, meta_shape, "quantized", **quant)
+    yield tensor("recent", hp, recent, "recent")
+
+
+def cache_tensors(
+    scheme: KVQuantScheme, *, num_layers: int, kv_heads: int, head_dim: int, direction: str = "past"
+) -> list[CacheTensor]:
+    """Every cache tensor crossing the graph boundary in ``direction`` (``past`` or ``present``).
+
+    Static scales are model constants, not cache state: they live in the graph and the manifest's
+    calibration section, not here.
+    """
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    out = [CacheTensor(tensor_name(direction, None, None, "seq_lengths"), direction, None, None, "seq_lengths",
+                       "int64", ("batch",))]
+    for layer, streams in enumerate(scheme.streams(num_layers)):
+        for part, tq in zip(PARTS, streams):
+            out.extend(stream_tensors(direction, layer, part, tq, scheme, kv_heads=kv_heads, head_dim=head_dim))
+    return out
+
+
+def present_name(past_name: str) -> str:
+    """The output that feeds a given past input on the next step."""
+    direction, rest = past_name.split(".", 1)
+    if direction != "past":
+        raise ValueError(f"not a past cache tensor: {past_name}")
+    return f"present.{rest}"

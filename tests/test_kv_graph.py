@@ -1,0 +1,152 @@
+"""The in-graph quantized cache against the reference cache, bit for bit, with left-padded batches."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from kvgraph_harness import CacheOnly
+from kvq_export.presets import PRESETS
+from kvq_export.reference.cache import LayerCache, StreamCache
+from kvq_export.scheme import KVQuantScheme, TensorQuant
+
+SMALL = {  # group 4, recent 8, sinks 2: every boundary is crossed within a few dozen tokens
+    "int4-token+int2-channel": KVQuantScheme(
+        key=TensorQuant(format="int", bits=4, group_size=8), value=TensorQuant(format="int", bits=2, axis="channel",
+                                                                                group_size=4),
+        residual_length=8, sink_tokens=2),
+    "channel-keys-kivi-like": KVQuantScheme(
+        key=TensorQuant(format="int", bits=2, axis="channel", group_size=4, clip=0.9),
+        value=TensorQuant(format="int_sym", bits=4, group_size=8, scale_dtype="fp32"), residual_length=8),
+    "fp8-sinks": KVQuantScheme(key=TensorQuant(format="fp8_e4m3", bits=8, group_size=8),
+                               value=TensorQuant(format="int_sym", bits=8), sink_tokens=3),
+    "static-sym4": KVQuantScheme(
+        key=TensorQuant(format="int_sym", bits=4, axis="channel", scales="static", scale_dtype="fp32"),
+        value=TensorQuant(format="int", bits=8, group_size=16, scales="static"), residual_length=3),
+    "fp16": PRESETS["fp16"][0],
+}
+
+
+def _static(scheme: KVQuantScheme, heads: int, dim: int):
+    if not scheme.has_static_scales:
+        return None
+    rng = np.random.default_rng(0)
+    out = {}
+    for part, tq in zip(("key", "value"), scheme.for_layer(0)):
+        if tq.quantized and tq.scales == "static":
+            n = dim // tq.token_group(dim) if tq.axis == "token" else dim
+            out[part] = {"scales": (rng.random((heads, n)) * 0.3 + 0.1).astype(np.float32),
+                         "zero_points": (-rng.random((heads, n)) * 3).astype(np.float32)}
+    return {0: out}
+
+
+def _reference_streams(scheme, static):
+    layer = []
+    for part, tq in zip(("key", "value"), scheme.for_layer(0)):
+        meta = (static or {}).get(0, {}).get(part, {})
+        layer.append(StreamCache(tq, scheme, static_scales=_t(meta.get("scales")),
+                                 static_zeros=_t(meta.get("zero_points"))))
+    return LayerCache(*layer)
+
+
+def _t(a):
+    return None if a is None else torch.from_numpy(a)
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).numpy()
+
+
+def _check_state(arrays: dict, refs: list[LayerCache], scheme):
+    """Row b's right-aligned valid entries of every present tensor equal the reference exactly."""
+    for row, ref in enumerate(refs):
+        assert arrays["past.seq_lengths"][row] == ref.key.length
+        for part in ("key", "value"):
+            stream = getattr(ref, part)
+            for role, tensor in stream.tensors().items():
+                if role in ("scales", "zero_points") and stream.tq.scales == "static":
+                    continue
+                got = arrays[f"past.0.{part}.{role}"][row]
+                want = _bits(tensor[0])
+                n = want.shape[1]
+                assert np.array_equal(got[:, got.shape[1] - n:], want), (row, part, role)
+
+
+def _attention_reference(q: np.ndarray, ref: LayerCache, positions: np.ndarray, window=None) -> np.ndarray:
+    """float64 attention of q [Hq, t, D] over the reference's dequantized K/V (GQA, causal)."""
+    k = ref.key.dequantized().double()[0]
+    v = ref.value.dequantized().double()[0]
+    groups = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+    scores = torch.from_numpy(q).double() @ k.transpose(1, 2) / q.shape[-1] ** 0.5
+    key_pos = torch.arange(k.shape[1])
+    allowed = key_pos[None, :] <= torch.from_numpy(positions)[:, None]
+    if window:
+        allowed &= key_pos[None, :] > torch.from_numpy(positions)[:, None] - window
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return (probs @ v).numpy()
+
+
+def run_schedule(scheme, schedule, *, heads=4, kv_heads=2, dim=32, seed=0, window=None):
+    """Feed per-row token counts ``schedule`` ([steps][rows]); check state + attention every step."""
+    static = _static(scheme, kv_heads, dim)
+    graph = CacheOnly(scheme, heads=heads, kv_heads=kv_heads, head_dim=dim, static=static, window=window)
+    rows = len(schedule[0])
+    refs = [_reference_streams(scheme, static) for _ in range(rows)]
+    rng = np.random.default_rng(seed)
+    cache = graph.empty(rows)
+    worst = 0.0
+    for counts in schedule:
+        t = max(max(counts), 1)
+        q = rng.standard_normal((rows, heads, t, dim)).astype(np.float32)
+        k = (rng.standard_normal((rows, kv_heads, t, dim)) * 2 + rng.standard_normal((1, kv_heads, 1, dim))
+             ).astype(np.float32)
+        v = rng.standard_normal((rows, kv_heads, t, dim)).astype(np.float32)
+        mask = np.zeros((rows, t), np.int64)
+        for row, c in enumerate(counts):
+            mask[row, t - c:] = 1
+            k[row, :, : t - c] = 1e4  # padding garbage must never reach a stored value
+            v[row, :, : t - c] = -1e4
+        out, cache, arrays = graph.step(q, k, v, mask, cache)
+        for row, c in enumerate(counts):
+            before = refs[row].key.length
+            refs[row].update(torch.from_numpy(k[row:row + 1, :, t - c:]), torch.from_numpy(v[row:row + 1, :, t - c:]))
+            if c:
+                want = _attention_reference(q[row, :, t - c:], refs[row], np.arange(before, before + c), window)
+                got = out[row, :, t - c:]
+                worst = max(worst, float(np.abs(got - want).max() / (np.abs(want).max() + 1e-9)))
+        _check_state(arrays, refs, scheme)
+    assert worst < 2e-5, worst
+    return worst
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_single_row_token_by_token(name):
+    run_schedule(SMALL[name], [[5]] + [[1]] * 24)
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_left_padded_batch_and_ragged_chunks(name):
+    rng = np.random.default_rng(1)
+    schedule = [[3, 7, 1]] + [list(rng.integers(0, 4, size=3)) for _ in range(12)] + [[1, 1, 1]] * 16
+    run_schedule(SMALL[name], schedule)
+
+
+def test_sliding_window_mask():
+    run_schedule(SMALL["int4-token+int2-channel"], [[9, 4]] + [[1, 1]] * 10, window=5)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_presets_cross_every_flush_boundary(preset):
+    scheme = PRESETS[preset][0]
+    groups = [t.group_size or 1 for t in scheme.for_layer(0) if t.quantized]
+    steps = 3 * max(groups + [1]) + scheme.residual_length + 2
+    run_schedule(scheme, [[5, 9]] + [[1, 1]] * steps, dim=64)
+
+
+def test_residual_flush_in_one_big_prefill():
+    scheme = dataclasses.replace(SMALL["channel-keys-kivi-like"], sink_tokens=2)
+    run_schedule(scheme, [[30, 17], [0, 13], [2, 2]])
