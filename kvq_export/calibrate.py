@@ -1,0 +1,371 @@
+"""Static-scale calibration: per-layer, per-(kv head, channel or group) scales from real K/V.
+
+A stream (keys or values of one layer) whose :class:`~kvq_export.scheme.TensorQuant` has
+``scales="static"`` quantizes every token against fixed metadata. :func:`calibrate_static_scales`
+measures that metadata on what the cache receives: the model's post-RoPE keys and values as they
+enter the cache (read from a ``transformers`` ``DynamicCache`` after one forward per window), in
+float32, over every token of every window.
+
+The result is the ``static`` mapping the reference cache and the exporters take::
+
+    {layer: {"key" | "value": {"scales": [kv_heads, n], "zero_points": [kv_heads, n]}}}
+
+numpy float32 arrays, ``n = head_dim // group`` for ``token``-axis streams and ``n = head_dim`` for
+``channel``-axis streams; ``zero_points`` only for the asymmetric ``int`` format; only the layers and
+parts whose stream is static. Values are already rounded to the stream's ``scale_dtype`` (so storing
+them as that dtype is exact) and every scale is at least the smallest positive *normal* number of that
+dtype (an all-zero channel would otherwise get scale 0; subnormals may be flushed to zero by GPU
+kernels).
+
+The arithmetic is the one :func:`kvq_export.reference.codec.quantize` applies to a dynamic group, with
+the group's statistic taken over all calibration tokens instead:
+
+* ``int_sym``: ``scale = (stat(|x|) * clip) / qmax``, ``qmax = 2**(bits-1) - 1``;
+* ``fp8_e4m3``: ``scale = (stat(|x|) * clip) / 448``;
+* ``int``: ``lo, hi = low/high stat(x)`` shrunk by ``clip`` about their midpoint, then
+  ``scale = (hi - lo) / (2**bits - 1)`` and ``zero_point = lo``;
+
+all in float32, the ``* clip`` step only when ``clip != 1``. ``stat`` is the max (``absmax``) or the
+``percentile`` (``100 - percentile`` for ``lo``) over the group's values.
+
+Files: :func:`save_calibration` writes one ``.npz`` with keys ``"<layer>.<key|value>.<scales|zero_points>"``;
+:func:`calibration_digest` fingerprints a calibration for manifests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvq_export.errors import KVQError, ModelError, QuantizationError, SchemeError
+from kvq_export.scheme import FP8_E4M3_MAX, KVQuantScheme, TensorQuant
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("absmax", "percentile")
+PARTS = ("key", "value")
+META_ROLES = ("scales", "zero_points")
+
+StaticArrays = dict[int, dict[str, dict[str, np.ndarray]]]
+"""``{layer: {"key"|"value": {"scales": [H, n], "zero_points": [H, n]}}}`` of numpy float32."""
+StaticLike = Mapping[int, Mapping[str, Mapping[str, Any]]]
+"""Any such mapping (numpy arrays, torch tensors or nested lists), as the functions below accept."""
+
+
+def static_streams(scheme: KVQuantScheme, num_layers: int) -> list[tuple[int, str, TensorQuant]]:
+    """(layer, ``key``|``value``, stream) for every quantized stream with static scales."""
+    return [
+        (layer, part, tq)
+        for layer, streams in enumerate(scheme.streams(num_layers))
+        for part, tq in zip(PARTS, streams, strict=True)
+        if tq.quantized and tq.scales == "static"
+    ]
+
+
+def calibrate_static_scales(
+    model: PreTrainedModel,
+    scheme: KVQuantScheme,
+    token_windows: Sequence[Sequence[int]],
+    *,
+    method: str = "absmax",
+    percentile: float = 99.9,
+) -> StaticArrays:
+    """Measure the static scales (and zero points) of every static stream of ``scheme`` on ``model``.
+
+    Args:
+        model: a Hugging Face causal LM (Llama family). It is run in eval mode under
+            ``torch.inference_mode``, one window per forward; its training flag is restored.
+        scheme: the cache scheme; only its ``scales="static"`` streams are calibrated.
+        token_windows: token-id sequences (e.g. from :func:`kvq_export.corpus.token_windows`); each is
+            one independent sequence starting at position 0.
+        method: ``absmax`` (the group maximum: no calibration value is clipped) or ``percentile``.
+        percentile: for ``method="percentile"``, in (50, 100]: the percentile of ``|x|`` (symmetric and
+            fp8) or of ``x`` for the top of the range (``int``, whose bottom uses ``100 - percentile``).
+
+    Returns:
+        the ``static`` mapping described in the module docstring.
+
+    Raises:
+        SchemeError: the scheme has no static stream, or does not fit the model.
+        KVQError: bad method/percentile, empty or malformed windows.
+        QuantizationError: non-finite K/V, or a scale that overflows ``scale_dtype``.
+
+    """
+    _check_method(method, percentile)
+    from kvq_export.model_source import model_facts
+
+    facts = model_facts(model.config)
+    scheme.check_model(facts.num_layers, facts.head_dim)
+    targets = static_streams(scheme, facts.num_layers)
+    if not targets:
+        raise SchemeError(
+            f"scheme {scheme.name or scheme.describe()!r} has no static-scale streams: nothing to calibrate"
+        )
+    windows = _check_windows(token_windows, facts.vocab_size)
+    collected = _collect_kv(model, windows, {(layer, part) for layer, part, _ in targets}, facts.num_layers)
+
+    static: StaticArrays = {}
+    for layer, part, tq in targets:
+        values = collected.pop((layer, part))
+        static.setdefault(layer, {})[part] = _stream_metadata(values, tq, method, percentile)
+    tokens = sum(len(w) for w in windows)
+    logger.info(
+        "calibrated %d static stream(s) over %d layer(s) on %d token(s) in %d window(s) (method=%s%s)",
+        len(targets), len(static), tokens, len(windows), method,
+        f", percentile={percentile:g}" if method == "percentile" else "",
+    )
+    return static
+
+
+def _check_method(method: str, percentile: float) -> None:
+    if method not in METHODS:
+        raise KVQError(f"unknown calibration method {method!r}; allowed: {', '.join(METHODS)}")
+    number = isinstance(percentile, (int, float)) and not isinstance(percentile, bool)
+    if method == "percentile" and not (number and 50.0 < percentile <= 100.0):
+        raise KVQError(f"invalid percentile={percentile!r}: allowed: a number in (50, 100]")
+
+
+def _check_windows(token_windows: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+    """Plain lists of ints; raise for no window, an empty window or an id outside the vocabulary."""
+    windows = [[int(t) for t in window] for window in token_windows]
+    if not windows:
+        raise KVQError("no calibration token windows given: need at least one non-empty window of token ids")
+    for i, window in enumerate(windows):
+        if not window:
+            raise KVQError(f"calibration token window {i} is empty")
+        bad = [t for t in window if not 0 <= t < vocab_size]
+        if bad:
+            raise KVQError(
+                f"calibration token window {i} has id {bad[0]} outside the vocabulary [0, {vocab_size})"
+            )
+    return windows
+
+
+def _collect_kv(
+    model: PreTrainedModel, windows: list[list[int]], needed: set[tuple[int, str]], num_layers: int
+) -> dict[tuple[int, str], torch.Tensor]:
+    """Run every window through ``model``; return the needed K/V streams as float32 ``[H, tokens, D]``."""
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    from kvq_export.reference.codec import check_finite
+
+    device = next(model.parameters()).device
+    chunks: dict[tuple[int, str], list[torch.Tensor]] = {key: [] for key in needed}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            for window in windows:
+                # A config-less DynamicCache keeps every token in every layer (no sliding-window layers).
+                cache = DynamicCache()
+                ids = torch.tensor([window], dtype=torch.long, device=device)
+                model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+                if len(cache.layers) != num_layers:
+                    raise ModelError(
+                        f"the model filled {len(cache.layers)} cache layer(s), its config says {num_layers}"
+                    )
+                for layer, part in needed:
+                    stored = cache.layers[layer].keys if part == "key" else cache.layers[layer].values
+                    if stored is None or stored.dim() != 4 or stored.shape[2] != len(window):
+                        got = None if stored is None else list(stored.shape)
+                        raise ModelError(
+                            f"layer {layer} cached {part}s of shape {got} for a window of {len(window)} "
+                            "tokens; calibration needs every token in the cache"
+                        )
+                    x = stored[0].to(device="cpu", dtype=torch.float32)
+                    check_finite(x)
+                    chunks[(layer, part)].append(x)
+    finally:
+        model.train(was_training)
+    return {key: torch.cat(parts, dim=1) for key, parts in chunks.items()}
+
+
+def _grouped(x: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
+    """``[H, N, D]`` -> ``[H, n, M]``: one static group per row of the last dim (all its values)."""
+    heads, tokens, dim = x.shape
+    if tq.axis == "channel":
+        return x.permute(0, 2, 1)
+    group = tq.token_group(dim)
+    return x.reshape(heads, tokens, dim // group, group).permute(0, 2, 1, 3).reshape(heads, dim // group, -1)
+
+
+def _stat(values: torch.Tensor, method: str, q: float, *, low: bool = False) -> torch.Tensor:
+    """Max (min when ``low``) or percentile ``q`` over the last dim, as float32."""
+    import torch
+
+    if method == "absmax":
+        return values.amin(dim=-1) if low else values.amax(dim=-1)
+    pct = np.percentile(values.numpy(), q, axis=-1)  # linear interpolation, float64
+    return torch.from_numpy(np.ascontiguousarray(pct)).to(torch.float32)
+
+
+def _stream_metadata(
+    x: torch.Tensor, tq: TensorQuant, method: str, percentile: float
+) -> dict[str, np.ndarray]:
+    """Scales (and zero points) of one stream from its calibration values ``[H, N, D]``."""
+    import torch
+
+    from kvq_export.reference.codec import TORCH_DTYPES, int_levels
+
+    sdtype = TORCH_DTYPES[tq.scale_dtype]
+    values = _grouped(x, tq)
+    zero = None
+    if tq.has_zero_point:
+        mn = _stat(values, method, 100.0 - percentile, low=True)
+        mx = _stat(values, method, percentile)
+        if tq.clip != 1.0:
+            mid, half = (mx + mn) * 0.5, (mx - mn) * (0.5 * tq.clip)
+            mn, mx = mid - half, mid + half
+        lo, hi, _ = int_levels(tq)
+        scale = ((mx - mn) / float(hi - lo)).to(sdtype)
+        zero = mn.to(sdtype)
+    else:
+        amax = _stat(values.abs(), method, percentile)
+        if tq.clip != 1.0:
+            amax = amax * tq.clip
+        top = FP8_E4M3_MAX if tq.format == "fp8_e4m3" else float(int_levels(tq)[1])
+        scale = (amax / top).to(sdtype)
+    if not bool(torch.isfinite(scale).all()) or (zero is not None and not bool(torch.isfinite(zero).all())):
+        raise QuantizationError(
+            f"a calibrated scale or zero point overflows scale_dtype={tq.scale_dtype} (values too large); "
+            "use scale_dtype fp32"
+        )
+    scale = torch.clamp_min(scale, torch.finfo(sdtype).tiny)
+    out = {"scales": scale.to(torch.float32).numpy().copy()}
+    if zero is not None:
+        out["zero_points"] = zero.to(torch.float32).numpy().copy()
+    return out
+
+
+# -- conversion, checks and files --------------------------------------------------------------------
+def static_to_torch(static: StaticLike) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
+    """Convert to torch float32 tensors (what :class:`~kvq_export.reference.cache.ReferenceCache` takes)."""
+    import torch
+
+    return {
+        int(layer): {
+            part: {role: torch.as_tensor(np.asarray(a, dtype=np.float32)) for role, a in meta.items()}
+            for part, meta in parts.items()
+        }
+        for layer, parts in static.items()
+    }
+
+
+def check_calibration(
+    static: StaticLike,
+    scheme: KVQuantScheme,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    """Raise :class:`SchemeError` unless ``static`` has every array the scheme's static streams need.
+
+    Checks presence, shape ``[num_kv_heads, n]``, finiteness and strictly positive scales. Shapes
+    cannot tell two schemes with the same layout apart (ort-int8 vs ort-int4): compare digests for that.
+    """
+    for layer, part, tq in static_streams(scheme, num_layers):
+        meta = static.get(layer, {}).get(part)
+        if meta is None:
+            raise SchemeError(
+                f"the calibration has no entry for layer {layer} {part} (a static-scale stream)"
+            )
+        n = tq.metadata_shape(head_dim)[1]
+        for role in ("scales", "zero_points") if tq.has_zero_point else ("scales",):
+            if role not in meta:
+                raise SchemeError(f"the calibration lacks {role} for layer {layer} {part}")
+            array = np.asarray(meta[role])
+            if array.shape != (num_kv_heads, n):
+                raise SchemeError(
+                    f"calibration {layer}.{part}.{role} has shape {list(array.shape)}; the scheme needs "
+                    f"[kv_heads={num_kv_heads}, {n}]"
+                )
+            if not np.isfinite(array).all() or (role == "scales" and not (array > 0).all()):
+                raise SchemeError(f"calibration {layer}.{part}.{role} has non-finite or non-positive values")
+
+
+def _flatten(static: StaticLike) -> dict[str, np.ndarray]:
+    """``{"<layer>.<part>.<role>": float32 array}`` in a stable (layer, part, role) order."""
+    flat: dict[str, np.ndarray] = {}
+    for layer in sorted(static, key=int):
+        for part in PARTS:
+            for role in META_ROLES:
+                array = static[layer].get(part, {}).get(role)
+                if array is not None:
+                    array = np.ascontiguousarray(np.asarray(array), dtype=np.float32)
+                    flat[f"{int(layer)}.{part}.{role}"] = array
+    return flat
+
+
+def save_calibration(static: StaticLike, path: str | os.PathLike[str]) -> Path:
+    """Write ``static`` to one ``.npz`` (keys ``"3.key.scales"``) atomically; return the path.
+
+    The file is written to a temporary name beside ``path`` and renamed over it, so a reader never sees
+    a partial file. The name is used as given (no ``.npz`` is appended).
+    """
+    target = Path(path)
+    flat = _flatten(static)
+    if not flat:
+        raise KVQError("nothing to save: the calibration has no arrays")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            np.savez(handle, **flat)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    logger.info(
+        "saved calibration (%d array(s), digest %s) to %s", len(flat), calibration_digest(static), target
+    )
+    return target
+
+
+def load_calibration(path: str | os.PathLike[str]) -> StaticArrays:
+    """Read a file written by :func:`save_calibration` back into the ``static`` mapping."""
+    source = Path(path)
+    if not source.is_file():
+        raise KVQError(f"calibration file {str(source)!r} does not exist")
+    try:
+        with np.load(source, allow_pickle=False) as data:
+            flat = {name: data[name] for name in data.files}
+    except (OSError, ValueError) as err:
+        raise KVQError(f"calibration file {str(source)!r} is not a readable .npz: {err}") from None
+    static: StaticArrays = {}
+    for name, array in flat.items():
+        layer, _, rest = name.partition(".")
+        part, _, role = rest.partition(".")
+        if not layer.isdigit() or part not in PARTS or role not in META_ROLES:
+            raise KVQError(
+                f"calibration file {str(source)!r} has an unexpected array {name!r}; expected names like "
+                "'3.key.scales' or '3.value.zero_points'"
+            )
+        if array.dtype != np.float32 or array.ndim != 2:
+            raise KVQError(
+                f"calibration array {name!r} must be 2-D float32, got {array.dtype} {list(array.shape)}"
+            )
+        static.setdefault(int(layer), {}).setdefault(part, {})[role] = array
+    if not static:
+        raise KVQError(f"calibration file {str(source)!r} holds no arrays")
+    return {layer: static[layer] for layer in sorted(static)}
+
+
+def calibration_digest(static: StaticLike, length: int = 16) -> str:
+    """Short sha256 hex digest of the arrays (names, shapes and float32 bytes), for manifests."""
+    digest = hashlib.sha256()
+    for name, array in _flatten(static).items():
+        digest.update(f"{name}:{'x'.join(map(str, array.shape))}:".encode())
+        digest.update(array.astype("<f4", copy=False).tobytes())
+    return digest.hexdigest()[:length]
