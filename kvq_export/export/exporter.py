@@ -1,0 +1,173 @@
+"""``export()``: a model + a scheme -> a deployable export directory.
+
+The directory holds ``model.onnx`` (+ ``model.onnx.data``), the tokenizer files, the calibration file
+for static-scale schemes, and ``kvq.json`` (the manifest). It is written into a hidden temporary
+directory beside the target and renamed into place at the end, so a half-written export never looks
+complete.
+
+Flavours are registered: each maps a scheme + model geometry to a
+:class:`~kvq_export.export.decoder.CacheGraph`. This issue ships ``reference`` (standard ONNX ops only).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from kvq_export.errors import ExportError
+from kvq_export.manifest import CALIBRATION_NAME, MODEL_NAME, Manifest
+from kvq_export.scheme import KVQuantScheme
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_OPSET = 23
+DTYPES = ("fp32", "fp16")
+
+FlavorFactory = Callable[..., Any]
+FLAVORS: dict[str, FlavorFactory] = {}
+
+
+def register_flavor(name: str) -> Callable[[FlavorFactory], FlavorFactory]:
+    """Register a factory ``(scheme, *, num_layers, kv_heads, head_dim, static) -> CacheGraph``."""
+
+    def wrap(factory: FlavorFactory) -> FlavorFactory:
+        FLAVORS[name] = factory
+        return factory
+
+    return wrap
+
+
+@register_flavor("reference")
+def _reference_flavor(scheme: KVQuantScheme, **geometry):
+    from kvq_export.export.kv_graph import QuantizedCacheGraph
+
+    return QuantizedCacheGraph(scheme, **geometry)
+
+
+def _model_facts(arch, config) -> dict[str, Any]:
+    rope = arch.rope()
+    return {
+        "model_type": arch.model_type,
+        "num_layers": arch.num_layers,
+        "num_heads": arch.num_heads,
+        "num_kv_heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim,
+        "hidden_size": arch.hidden_size,
+        "vocab_size": arch.vocab_size,
+        "max_position_embeddings": arch.max_positions,
+        "tie_word_embeddings": arch.tie_word_embeddings,
+        "sliding_windows": [arch.layer_window(i) for i in range(arch.num_layers)],
+        "rope": {"type": rope.rope_type, "attention_scaling": float(rope.attention_scaling),
+                 "parameters": {k: v for k, v in arch.rope_parameters().items() if _jsonable(v)}},
+    }
+
+
+def _jsonable(value: Any) -> bool:
+    return isinstance(value, (int, float, str, bool, type(None), list, dict))
+
+
+def _tokenizer_facts(tokenizer, config) -> dict[str, Any]:
+    eos = getattr(config, "eos_token_id", None)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos = tokenizer.eos_token_id
+    return {"eos_token_id": eos, "bos_token_id": getattr(config, "bos_token_id", None),
+            "pad_token_id": getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None,
+            "files": tokenizer is not None}
+
+
+def export(
+    model: str | os.PathLike[str] | Any,
+    scheme: KVQuantScheme | str,
+    out_dir: str | os.PathLike[str],
+    *,
+    dtype: str = "fp32",
+    opset: int = DEFAULT_OPSET,
+    flavor: str = "reference",
+    force: bool = False,
+    static: Mapping | None = None,
+    tokenizer: Any = None,
+) -> Path:
+    """Export ``model`` (a model spec, or a loaded HF causal LM) with ``scheme`` into ``out_dir``.
+
+    ``static`` holds calibrated scales for static-scale schemes (see :mod:`kvq_export.calibrate`);
+    such schemes are refused without it. Returns the export directory.
+    """
+    import kvq_export
+    from kvq_export.export.arch import get_arch
+    from kvq_export.export.builder import save
+    from kvq_export.export.decoder import build_decoder
+    from kvq_export.presets import resolve_scheme
+
+    scheme = resolve_scheme(scheme)
+    if flavor not in FLAVORS:
+        raise ExportError(f"unknown flavor {flavor!r}; allowed: {', '.join(FLAVORS)}")
+    if dtype not in DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+    out = Path(out_dir)
+    if out.exists() and not force:
+        raise ExportError(f"{out} already exists; pass --force (force=True) to replace it")
+
+    start = time.perf_counter()
+    if isinstance(model, (str, os.PathLike)):
+        from kvq_export.model_source import load_model
+
+        model, tokenizer = load_model(model)
+    config = model.config
+    arch = get_arch(config)
+    scheme.check_model(arch.num_layers, arch.head_dim)
+    if scheme.has_static_scales and static is None:
+        raise ExportError(
+            f"scheme {scheme.name or 'custom'} uses static scales: calibrate first (kvq never guesses a scale)"
+        )
+    cache = FLAVORS[flavor](scheme, num_layers=arch.num_layers, kv_heads=arch.num_kv_heads,
+                            head_dim=arch.head_dim, static=static)
+    graph = build_decoder(model, arch, cache, dtype=dtype, opset=opset)
+    logger.info("built the %s graph in %.1f s", flavor, time.perf_counter() - start)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save(graph, tmp / MODEL_NAME)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        calibration = None
+        if static is not None and scheme.has_static_scales:
+            from kvq_export.calibrate import calibration_digest, save_calibration
+
+            save_calibration(static, tmp / CALIBRATION_NAME)
+            calibration = {"file": CALIBRATION_NAME, "digest": calibration_digest(static)}
+        manifest = Manifest(
+            scheme=scheme, model=_model_facts(arch, config), flavor=flavor, opset=opset, dtype=dtype,
+            kvq_version=kvq_export.__version__,
+            inputs=[{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]},
+                    {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "seq"],
+                     "meaning": "1 = real token, 0 = left padding of this call's tokens"}],
+            outputs=[{"name": "logits", "dtype": "float32", "shape": ["batch", "seq", arch.vocab_size]}],
+            tokenizer=_tokenizer_facts(tokenizer, config), calibration=calibration,
+        )
+        manifest.save(tmp)  # last: a directory with kvq.json is complete
+        os.chmod(tmp, 0o755)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("exported %s (%s, %s) to %s in %.1f s", arch.model_type, scheme.name or "custom", flavor, out,
+                time.perf_counter() - start)
+    return out
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Move ``new`` to ``target``; an existing target is swapped out first, then removed."""
+    if target.exists():
+        trash = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, trash)
+        os.replace(new, target)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(new, target)

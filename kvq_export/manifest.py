@@ -1,0 +1,203 @@
+"""``kvq.json``: the contract between an export directory and the runtimes that serve it.
+
+It records the scheme, the model facts, opset, flavour and kvq version, the graph inputs, and for every
+cache input/output its name, layer, key/value, role, dtype, symbolic shape, packing order, group axis
+and size (from :func:`kvq_export.naming.cache_tensors`). :func:`decode_cache` turns cache tensors back
+into K/V using nothing but the manifest (and the calibration file it names), which is how a production
+runtime can check its own decoder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvq_export.errors import RuntimeInputError
+from kvq_export.naming import PARTS, CacheTensor, cache_tensors, tensor_name
+from kvq_export.reference.cache import split_lengths
+from kvq_export.scheme import KVQuantScheme
+
+MANIFEST_NAME = "kvq.json"
+MODEL_NAME = "model.onnx"
+CALIBRATION_NAME = "calibration.npz"
+FORMAT_VERSION = 1
+
+#: How a runtime finds the valid entries of each region; repeated in every manifest for its readers.
+LAYOUT_RULES = (
+    "Each row b holds seq_lengths[b] real tokens. Per layer and stream, split them as "
+    "sinks = min(sink_tokens, n); rest = n - sinks; quantized = floor(max(0, rest - residual_length) / unit) * unit "
+    "(unit = group_size for channel-axis dynamic streams, else 1); recent = rest - quantized "
+    "(an unquantized stream keeps all n in recent). Every region tensor is sized to the longest row and each "
+    "row's valid entries are right-aligned (padding on the left); channel-axis scales/zero_points count groups "
+    "(quantized / group_size). Token order is sinks, quantized, recent. Feed present.* outputs back as past.* "
+    "inputs unchanged; an empty cache is every region with 0 tokens and seq_lengths = 0."
+)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The parsed ``kvq.json`` of one export directory."""
+
+    scheme: KVQuantScheme
+    model: dict[str, Any]
+    flavor: str
+    opset: int
+    dtype: str
+    kvq_version: str
+    inputs: list[dict[str, Any]]
+    outputs: list[dict[str, Any]]
+    tokenizer: dict[str, Any] = field(default_factory=dict)
+    calibration: dict[str, Any] | None = None
+    format_version: int = FORMAT_VERSION
+
+    # -- the cache ------------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers."""
+        return int(self.model["num_layers"])
+
+    def cache(self, direction: str = "past") -> list[CacheTensor]:
+        """Cache tensors for ``direction`` (recomputed from the scheme: the single naming function)."""
+        return cache_tensors(self.scheme, num_layers=self.num_layers, kv_heads=int(self.model["num_kv_heads"]),
+                             head_dim=int(self.model["head_dim"]), direction=direction)
+
+    # -- (de)serialisation ------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {
+            "format_version": self.format_version,
+            "kvq_version": self.kvq_version,
+            "flavor": self.flavor,
+            "opset": self.opset,
+            "dtype": self.dtype,
+            "model": self.model,
+            "scheme": self.scheme.to_dict(),
+            "tokenizer": self.tokenizer,
+            "calibration": self.calibration,
+            "inputs": self.inputs,
+            "outputs": self.outputs,
+            "cache": {
+                "layout": LAYOUT_RULES,
+                "past": [t.to_dict() for t in self.cache("past")],
+                "present": [t.to_dict() for t in self.cache("present")],
+            },
+        }
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Write ``kvq.json`` atomically into ``directory``."""
+        path = Path(directory) / MANIFEST_NAME
+        fd, tmp = tempfile.mkstemp(prefix=".kvq-", suffix=".json", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Manifest:
+        """Parse and check a manifest dict (the cache section must match the scheme's naming)."""
+        try:
+            version = int(data["format_version"])
+            if version != FORMAT_VERSION:
+                raise RuntimeInputError(f"manifest format_version {version} is not supported (expected {FORMAT_VERSION})")
+            manifest = cls(
+                scheme=KVQuantScheme.from_dict(data["scheme"]), model=dict(data["model"]), flavor=data["flavor"],
+                opset=int(data["opset"]), dtype=data["dtype"], kvq_version=data["kvq_version"],
+                inputs=list(data["inputs"]), outputs=list(data["outputs"]), tokenizer=dict(data.get("tokenizer") or {}),
+                calibration=data.get("calibration"), format_version=version,
+            )
+        except KeyError as err:
+            raise RuntimeInputError(f"manifest is missing the field {err.args[0]!r}") from None
+        listed = [t["name"] for t in data.get("cache", {}).get("past", [])]
+        expected = [t.name for t in manifest.cache("past")]
+        if listed != expected:
+            raise RuntimeInputError("manifest cache section does not match its scheme: "
+                                    f"{len(listed)} listed vs {len(expected)} expected tensors")
+        return manifest
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str]) -> Manifest:
+        """Read ``DIR/kvq.json``."""
+        path = Path(directory) / MANIFEST_NAME
+        if not path.is_file():
+            raise RuntimeInputError(f"{directory} is not a kvq export directory: {MANIFEST_NAME} is missing")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise RuntimeInputError(f"{path} is not valid JSON: {err}") from None
+        return cls.from_dict(data)
+
+
+def load_static(directory: str | os.PathLike[str], manifest: Manifest) -> dict | None:
+    """The calibrated static scales the manifest names, as ``{layer: {part: {role: array}}}``."""
+    if not manifest.calibration:
+        return None
+    path = Path(directory) / manifest.calibration["file"]
+    with np.load(path) as data:
+        out: dict[int, dict[str, dict[str, np.ndarray]]] = {}
+        for key in data.files:
+            layer, part, role = key.split(".")
+            out.setdefault(int(layer), {}).setdefault(part, {})[role] = data[key]
+    return out
+
+
+def decode_cache(
+    manifest: Manifest, tensors: Mapping[str, np.ndarray], *, direction: str = "present", static: Mapping | None = None
+) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """Dequantize a cache using only the manifest: ``[row][layer] -> (K, V)`` each float32 ``[H, n_row, D]``.
+
+    ``tensors`` maps cache tensor names to arrays (fp8 codes may be given as raw uint8 bits). Static
+    scales come from ``static`` (see :func:`load_static`).
+    """
+    import torch
+
+    from kvq_export.reference.codec import Quantized, dequantize_packed
+
+    lengths = np.asarray(tensors[tensor_name(direction, None, None, "seq_lengths")]).astype(np.int64)
+    rows: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in lengths]
+    scheme = manifest.scheme
+    for layer, streams in enumerate(scheme.streams(manifest.num_layers)):
+        per_part = []
+        for part, tq in zip(PARTS, streams):
+            get = {role: tensors.get(tensor_name(direction, layer, part, role))
+                   for role in ("sinks", "codes", "scales", "zero_points", "recent")}
+            decoded = []
+            for row, n in enumerate(lengths):
+                s, q, r = split_lengths(tq, scheme, int(n))
+                pieces = []
+
+                def last(array, count):
+                    return torch.from_numpy(np.ascontiguousarray(array[row][:, array.shape[2] - count:]))
+
+                if tq.quantized:
+                    pieces.append(last(get["sinks"], s).float())
+                    if q:
+                        codes = last(get["codes"], q)
+                        if tq.format == "fp8_e4m3":
+                            codes = codes.view(torch.float8_e4m3fn) if codes.dtype == torch.uint8 else codes
+                        if tq.scales == "static":
+                            meta = static[layer][part]
+                            scales = torch.from_numpy(meta["scales"])
+                            zeros = torch.from_numpy(meta["zero_points"]) if tq.has_zero_point else None
+                        else:
+                            per = 1 if tq.axis == "token" else tq.group_size
+                            scales = last(get["scales"], q // per)
+                            zeros = last(get["zero_points"], q // per) if tq.has_zero_point else None
+                        deq = dequantize_packed(Quantized(codes.unsqueeze(0), scales if tq.scales == "static"
+                                                          else scales.unsqueeze(0),
+                                                          None if zeros is None else
+                                                          (zeros if tq.scales == "static" else zeros.unsqueeze(0))),
+                                                tq)
+                        pieces.append(deq[0])
+                pieces.append(last(get["recent"], r).float())
+                decoded.append(torch.cat(pieces, dim=1).numpy())
+            per_part.append(decoded)
+        for row in range(len(lengths)):
+            rows[row].append((per_part[0][row], per_part[1][row]))
+    return rows

@@ -1,0 +1,1 @@
+"""Drive an export directory on ONNX Runtime: quantized cache kept between steps, prefill + decode."""

@@ -1,0 +1,254 @@
+"""`KVQSession`: open an export directory, keep the quantized cache between steps, generate text.
+
+The cache crosses the graph boundary in its stored form; between steps the runtime only hands the
+``present.*`` ONNX Runtime values back as ``past.*`` inputs (no copy, no numpy round trip).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvq_export.errors import RuntimeInputError
+from kvq_export.manifest import MODEL_NAME, Manifest
+from kvq_export.naming import CacheTensor, present_name, tensor_name
+from kvq_export.runtime.sampling import Sampler, SamplingConfig
+
+logger = logging.getLogger(__name__)
+
+#: manifest dtype -> (ONNX Runtime type string, numpy dtype used to build values)
+_TYPES = {
+    "int64": ("tensor(int64)", np.int64),
+    "uint8": ("tensor(uint8)", np.uint8),
+    "float16": ("tensor(float16)", np.float16),
+    "float32": ("tensor(float)", np.float32),
+    "float8e4m3fn": ("tensor(float8e4m3fn)", np.uint8),  # fed as raw bits with an explicit ONNX type
+}
+_ELEMENT_BYTES = {"int64": 8, "uint8": 1, "float16": 2, "float32": 4, "float8e4m3fn": 1}
+
+CacheState = dict  # past tensor name -> onnxruntime.OrtValue
+
+
+def choose_providers(requested: Sequence[str] | None = None) -> list[str]:
+    """ONNX Runtime providers: the requested ones (checked), else CUDA when usable, else CPU."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if requested:
+        missing = [p for p in requested if p not in available]
+        if missing:
+            raise RuntimeInputError(f"provider(s) {', '.join(missing)} not available; available: {', '.join(available)}")
+        return list(requested)
+    if "CUDAExecutionProvider" in available:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+def _ort_value(array: np.ndarray, dtype: str):
+    import onnxruntime as ort
+
+    if dtype == "float8e4m3fn":
+        from onnx import TensorProto
+
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(np.ascontiguousarray(array).view(np.uint8),
+                                                               TensorProto.FLOAT8E4M3FN)
+    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype=_TYPES[dtype][1]))
+
+
+@dataclass
+class Generation:
+    """One prompt's result."""
+
+    prompt: str | None
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str = "length"  # "eos" or "length"
+    cache_bytes: int = 0  # bytes held by this batch's whole cache at the end
+
+    def to_dict(self) -> dict:
+        """JSON form for ``kvq generate --json``."""
+        return {"prompt": self.prompt, "prompt_tokens": self.prompt_tokens, "tokens": self.tokens,
+                "text": self.text, "finish_reason": self.finish_reason, "cache_bytes": self.cache_bytes}
+
+
+class KVQSession:
+    """An export directory on ONNX Runtime.
+
+    Args:
+        directory: a ``kvq export`` output directory (``kvq.json`` + ``model.onnx``).
+        providers: ONNX Runtime providers; default CUDA when onnxruntime-gpu sees a GPU, else CPU.
+        threads: intra-op threads (default: ONNX Runtime's choice).
+    """
+
+    def __init__(self, directory: str | Path, *, providers: Sequence[str] | None = None,
+                 threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        self.directory = Path(directory)
+        self.manifest = Manifest.load(self.directory)
+        model_path = self.directory / MODEL_NAME
+        if not model_path.is_file():
+            raise RuntimeInputError(f"{self.directory} has a manifest but no {MODEL_NAME}")
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(model_path), options, providers=choose_providers(providers))
+        self.past: list[CacheTensor] = self.manifest.cache("past")
+        self._check_graph()
+        self._outputs = ["logits", *(present_name(t.name) for t in self.past)]
+        self._tokenizer = None
+
+    # -- contract checks ----------------------------------------------------------------------------------
+    def _check_graph(self) -> None:
+        """The graph's inputs/outputs must be exactly what the manifest promises."""
+        graph_inputs = {i.name: i for i in self.session.get_inputs()}
+        graph_outputs = {o.name: o for o in self.session.get_outputs()}
+        expected_in = {"input_ids": "int64", "attention_mask": "int64", **{t.name: t.dtype for t in self.past}}
+        expected_out = {"logits": "float32", **{present_name(t.name): t.dtype for t in self.past}}
+        for kind, graph, expected in (("input", graph_inputs, expected_in), ("output", graph_outputs, expected_out)):
+            extra = sorted(set(graph) - set(expected))
+            if extra:
+                raise RuntimeInputError(f"graph {kind} {extra[0]} is not in the manifest (manifest does not match graph)")
+            for name, dtype in expected.items():
+                if name not in graph:
+                    raise RuntimeInputError(f"manifest {kind} {name} is missing from the graph")
+                if graph[name].type != _TYPES[dtype][0]:
+                    raise RuntimeInputError(
+                        f"graph {kind} {name}: manifest says {_TYPES[dtype][0]}, graph has {graph[name].type}")
+
+    def check_cache(self, cache: CacheState, batch: int) -> None:
+        """Every past tensor present, with the manifest's dtype, rank, fixed dims and batch size."""
+        for spec in self.past:
+            value = cache.get(spec.name)
+            if value is None:
+                raise RuntimeInputError(f"cache tensor {spec.name} is missing")
+            actual_type = value.data_type()
+            if actual_type != _TYPES[spec.dtype][0]:
+                raise RuntimeInputError(f"cache tensor {spec.name}: expected {_TYPES[spec.dtype][0]}, got {actual_type}")
+            shape = value.shape()
+            if len(shape) != len(spec.shape):
+                raise RuntimeInputError(f"cache tensor {spec.name}: expected shape {list(spec.shape)}, got {shape}")
+            for want, got in zip(spec.shape, shape):
+                expect = batch if want == "batch" else want
+                if isinstance(expect, int) and expect != got:
+                    raise RuntimeInputError(
+                        f"cache tensor {spec.name}: expected shape {_show(spec.shape, batch)}, got {shape}")
+
+    # -- cache ----------------------------------------------------------------------------------------------
+    def empty_cache(self, batch: int) -> CacheState:
+        """A cache holding no token for ``batch`` sequences."""
+        out = {}
+        for spec in self.past:
+            shape = [batch if d == "batch" else (d if isinstance(d, int) else 0) for d in spec.shape]
+            out[spec.name] = _ort_value(np.zeros(shape, dtype=_TYPES[spec.dtype][1]), spec.dtype)
+        return out
+
+    def cache_nbytes(self, cache: CacheState) -> int:
+        """Bytes of the stored cache regions (the per-row ``seq_lengths`` bookkeeping excluded)."""
+        total = 0
+        for spec in self.past:
+            if spec.role != "seq_lengths":
+                total += int(np.prod(cache[spec.name].shape())) * _ELEMENT_BYTES[spec.dtype]
+        return total
+
+    def cache_arrays(self, cache: CacheState) -> dict[str, np.ndarray]:
+        """The cache as numpy arrays keyed by past names (fp8 codes as raw uint8 bits)."""
+        return {name: value.numpy() for name, value in cache.items()}
+
+    @staticmethod
+    def seq_lengths(cache: CacheState) -> np.ndarray:
+        """Real tokens held per row."""
+        return cache[tensor_name("past", None, None, "seq_lengths")].numpy()
+
+    # -- one forward ----------------------------------------------------------------------------------------
+    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None,
+             cache: CacheState | None = None) -> tuple[np.ndarray, CacheState]:
+        """Run new tokens ``[B, t]`` (left-padded, mask 0 = padding) through the graph; return (logits, cache)."""
+        input_ids = np.asarray(input_ids, dtype=np.int64)
+        if input_ids.ndim != 2 or input_ids.shape[1] < 1:
+            raise RuntimeInputError(f"input_ids: expected shape [batch, seq >= 1], got {list(input_ids.shape)}")
+        mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask, dtype=np.int64)
+        if mask.shape != input_ids.shape:
+            raise RuntimeInputError(f"attention_mask: expected shape {list(input_ids.shape)}, got {list(mask.shape)}")
+        cache = self.empty_cache(input_ids.shape[0]) if cache is None else cache
+        self.check_cache(cache, input_ids.shape[0])
+        feeds = {"input_ids": _ort_value(input_ids, "int64"), "attention_mask": _ort_value(mask, "int64"), **cache}
+        outs = self.session.run_with_ort_values(self._outputs, feeds)
+        return outs[0].numpy(), {spec.name: value for spec, value in zip(self.past, outs[1:])}
+
+    # -- text ---------------------------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """The tokenizer saved in the export directory."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.directory, local_files_only=True)
+            except (OSError, ValueError) as err:
+                raise RuntimeInputError(f"{self.directory} has no usable tokenizer: {err}") from None
+        return self._tokenizer
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        max_new_tokens: int = 64,
+        sampling: SamplingConfig | None = None,
+        *,
+        stop_at_eos: bool = True,
+        on_token: Callable[[int, int], None] | None = None,
+    ) -> list[Generation]:
+        """Prefill a left-padded batch, then decode until EOS or ``max_new_tokens``.
+
+        ``prompts`` are strings (tokenized with the export's tokenizer) or token-id lists.
+        ``on_token(row, token)`` is called for every generated token (for streaming).
+        """
+        if max_new_tokens < 0:
+            raise RuntimeInputError(f"invalid max_new_tokens={max_new_tokens}: allowed: >= 0")
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        token_lists = [self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in prompts]
+        if not token_lists or any(len(t) == 0 for t in token_lists):
+            raise RuntimeInputError("every prompt needs at least one token")
+        eos = self.manifest.tokenizer.get("eos_token_id")
+        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        results = [Generation(text, toks) for text, toks in zip(texts, token_lists)]
+        sampler = Sampler(sampling or SamplingConfig())
+
+        width = max(len(t) for t in token_lists)
+        ids = np.zeros((len(token_lists), width), dtype=np.int64)
+        mask = np.zeros_like(ids)
+        for row, toks in enumerate(token_lists):
+            ids[row, width - len(toks):] = toks
+            mask[row, width - len(toks):] = 1
+        logits, cache = self.step(ids, mask)
+        active = np.ones(len(results), dtype=bool)
+        for _ in range(max_new_tokens):
+            nxt = sampler(logits[:, -1])
+            for row in np.flatnonzero(active):
+                token = int(nxt[row])
+                results[row].tokens.append(token)
+                if on_token is not None:
+                    on_token(int(row), token)
+                if stop_at_eos and token in eos_ids:
+                    active[row] = False
+                    results[row].finish_reason = "eos"
+            if not active.any() or len(results[0].tokens) >= max_new_tokens and all(
+                    len(r.tokens) >= max_new_tokens for r, a in zip(results, active) if a):
+                break
+            # finished rows feed padding: nothing is stored for them
+            logits, cache = self.step(nxt[:, None], active[:, None].astype(np.int64), cache)
+        nbytes = self.cache_nbytes(cache)
+        for result in results:
+            result.cache_bytes = nbytes
+            if self._tokenizer is not None or result.prompt is not None:
+                result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
+        return results
+
+
+def _show(shape, batch: int) -> list:
+    return [batch if d == "batch" else d for d in shape]

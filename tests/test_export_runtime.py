@@ -1,0 +1,282 @@
+"""Exported graphs on ONNX Runtime vs the PyTorch model running kvq's reference quantized cache.
+
+Each case teacher-forces the same token stream through both sides: a prefill, then enough single-token
+decode steps that every flush boundary (3 groups + the recent window) is crossed, for batch 1 and for
+a left-padded batch of 2. The PyTorch side runs each prompt alone.
+
+Tolerances (documented): logits max |Δ| <= 1e-4 (fp32). Cache state: ONNX Runtime and torch sum
+matmuls in different orders, so a K/V value sitting on an fp16 rounding boundary can land one fp16
+ulp apart before it is stored; hence high-precision windows are compared to 1 fp16 ulp (plus 2^-12 of
+the tensor's largest magnitude for values near zero, where fp32 noise exceeds an ulp) and codes may
+differ by ±1 in at most 0.1% of entries. The cache logic itself is bit-exact: tests/test_kv_graph.py
+feeds both sides identical K/V and requires identical state.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvq_export.calibrate import calibrate_static_scales, static_to_torch
+from kvq_export.errors import ExportError, ModelError, RuntimeInputError
+from kvq_export.export.exporter import export
+from kvq_export.manifest import Manifest, decode_cache, load_static
+from kvq_export.presets import PRESETS
+from kvq_export.reference.hf_cache import reference_hf_cache
+from kvq_export.runtime.session import KVQSession
+from tiny_models import ARCHS, VOCAB, tiny_model
+
+PROMPTS = {"solo": [[5, 17, 99, 3, 42, 8, 77]], "padded": [[11, 12, 13, 14, 15], [60, 61, 2, 9, 100, 4, 4, 7, 1]]}
+
+
+def _steps(scheme) -> int:
+    groups = [t.group_size or 1 for t in scheme.for_layer(0) if t.quantized and t.axis == "channel"
+              and t.scales == "dynamic"] or [1]
+    return 3 * max(groups + [4]) + scheme.residual_length + 2
+
+
+def _static(model, scheme):
+    if not scheme.has_static_scales:
+        return None
+    rng = np.random.default_rng(3)
+    windows = [list(rng.integers(0, VOCAB, 64)) for _ in range(4)]
+    return calibrate_static_scales(model, scheme, windows)
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    made = {}
+
+    def get(arch: str, preset: str):
+        if (arch, preset) not in made:
+            model, scheme = tiny_model(arch), PRESETS[preset][0]
+            out = tmp_path_factory.mktemp("exports") / f"{arch}-{preset}"
+            made[arch, preset] = export(model, scheme, out, static=_static(model, scheme))
+        return made[arch, preset]
+
+    return get
+
+
+def _reference_run(model, scheme, static, prompt, stream):
+    """Logits per call (prefill, then one per streamed token) and the final reference cache."""
+    cache, ref = reference_hf_cache(scheme, model.config.num_hidden_layers,
+                                    static_to_torch(static) if static else None)
+    logits = []
+    with torch.no_grad():
+        logits.append(model(torch.tensor([prompt]), cache=cache).logits[0].numpy())
+        for token in stream:
+            logits.append(model(torch.tensor([[token]]), cache=cache).logits[0].numpy())
+    return logits, ref
+
+
+def _compare_state(arrays, row, ref, scheme, static):
+    """Row's right-aligned valid entries vs the reference cache (tolerances in the module docstring)."""
+    code_mismatch = code_total = 0
+    for layer, layer_cache in enumerate(ref.layers):
+        for part in ("key", "value"):
+            stream = getattr(layer_cache, part)
+            for role, tensor in stream.tensors().items():
+                if role in ("scales", "zero_points") and stream.tq.scales == "static":
+                    continue
+                want = tensor[0]
+                got = arrays[f"past.{layer}.{part}.{role}"][row]
+                got = got[:, got.shape[1] - want.shape[1]:]
+                if role == "codes" and stream.tq.is_int:
+                    from kvq_export.reference.codec import unpack
+
+                    a = unpack(torch.from_numpy(got), stream.tq.bits).numpy().astype(int)
+                    b = unpack(want, stream.tq.bits).numpy().astype(int)
+                    assert np.abs(a - b).max(initial=0) <= 1, (layer, part)
+                    code_mismatch += int((a != b).sum())
+                    code_total += a.size
+                else:
+                    w = (want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want)
+                    w = w.numpy()
+                    if got.dtype == np.uint8:  # fp8 codes: compare as values, one e4m3 step apart at most
+                        import ml_dtypes
+
+                        g32 = got.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+                        w32 = w.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+                        assert np.allclose(g32, w32, rtol=2**-3, atol=2**-9), (layer, part, role)
+                    else:
+                        w32 = w.astype(np.float32)
+                        atol = 2**-12 * float(np.abs(w32).max(initial=0))  # upstream fp32 noise, absolute
+                        assert np.allclose(got.astype(np.float32), w32, rtol=2**-10, atol=atol), (layer, part, role)
+    assert code_mismatch <= max(1, code_total // 1000), (code_mismatch, code_total)
+
+
+def _check_case(exports, arch, preset, batch):
+    model, scheme = tiny_model(arch), PRESETS[preset][0]
+    directory = exports(arch, preset)
+    session = KVQSession(directory)
+    static = load_static(directory, session.manifest)
+    prompts = PROMPTS[batch]
+    rng = np.random.default_rng(len(prompts))
+    stream = rng.integers(0, VOCAB, (_steps(scheme), len(prompts)))
+
+    width = max(map(len, prompts))
+    ids = np.zeros((len(prompts), width), np.int64)
+    mask = np.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
+    onnx_logits = [session.step(ids, mask)]
+    cache = onnx_logits[0][1]
+    onnx_logits[0] = onnx_logits[0][0]
+    for tokens in stream:
+        logits, cache = session.step(tokens[:, None], None, cache)
+        onnx_logits.append(logits)
+
+    arrays = session.cache_arrays(cache)
+    decoded = decode_cache(session.manifest, arrays, direction="past", static=static)
+    worst = 0.0
+    for row, prompt in enumerate(prompts):
+        ref_logits, ref = _reference_run(model, scheme, static, prompt, stream[:, row])
+        worst = max(worst, float(np.abs(onnx_logits[0][row, width - len(prompt):] - ref_logits[0]).max()))
+        for step, want in enumerate(ref_logits[1:], start=1):
+            worst = max(worst, float(np.abs(onnx_logits[step][row] - want).max()))
+        _compare_state(arrays, row, ref, scheme, static)
+        for layer, (k, v) in enumerate(decoded[row]):  # the manifest alone decodes the cache
+            assert np.allclose(k, ref[layer].key.dequantized()[0].numpy(), atol=0.05, rtol=0.05)
+            assert np.allclose(v, ref[layer].value.dequantized()[0].numpy(), atol=0.05, rtol=0.05)
+    assert worst <= 1e-4, f"{arch}/{preset}/{batch}: max |Δlogits| {worst:.2e}"
+    nbytes = session.cache_nbytes(cache)
+    assert nbytes > 0
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("batch", ["solo", "padded"])
+def test_llama_every_preset(exports, preset, batch):
+    _check_case(exports, "llama", preset, batch)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])
+def test_other_architectures_every_preset_left_padded(exports, arch, preset):
+    _check_case(exports, arch, preset, "padded")
+
+
+def _plain_hf_vs_export(directory, model, tokens):
+    session = KVQSession(directory)
+    logits, cache = session.step(np.array([tokens[:6]]))
+    steps = [logits[0]]
+    for t in tokens[6:]:
+        logits, cache = session.step(np.array([[t]]), None, cache)
+        steps.append(logits[0])
+    with torch.no_grad():
+        full = model(torch.tensor([tokens])).logits[0].numpy()
+    return float(np.abs(np.concatenate(steps) - full).max()), float(np.abs(full).max()), session
+
+
+def test_fp16_export_matches_plain_hf_model(exports, tmp_path):
+    import dataclasses
+
+    model = tiny_model("llama")
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]
+    # fp32 storage of the same unquantized path: equal to the plain model
+    fp32 = export(model, dataclasses.replace(PRESETS["fp16"][0], hp_dtype="fp32"), tmp_path / "fp32")
+    diff32, _, _ = _plain_hf_vs_export(fp32, model, tokens)
+    assert diff32 <= 1e-4
+    # fp16 storage: attention reads fp16-rounded K/V, so logits move by fp16 rounding only
+    diff16, scale, session = _plain_hf_vs_export(exports("llama", "fp16"), model, tokens)
+    assert diff16 <= 2e-3 * scale
+    gens = session.generate([tokens], max_new_tokens=12)
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([tokens]), max_new_tokens=12, do_sample=False)[0, len(tokens):].tolist()
+    assert gens[0].tokens == hf
+
+
+def test_manifest_describes_every_cache_tensor(exports):
+    directory = exports("qwen2", "kivi-2")
+    manifest = Manifest.load(directory)
+    import json
+
+    data = json.loads((directory / "kvq.json").read_text())
+    assert data["flavor"] == "reference" and data["opset"] == 23 and data["model"]["num_kv_heads"] == 2
+    codes = next(t for t in data["cache"]["past"] if t["name"] == "past.1.key.codes")
+    assert codes == {**codes, "layer": 1, "part": "key", "role": "codes", "dtype": "uint8", "group_axis": "channel",
+                     "group_size": 32, "bits": 2, "shape": ["batch", 2, "past.1.key.quantized_tokens", 8]}
+    assert "lowest bits first" in codes["packing"]
+    assert manifest.scheme == PRESETS["kivi-2"][0]
+
+
+def test_generate_sampling_is_seeded_and_top_k_1_is_greedy(exports):
+    from kvq_export.runtime.sampling import SamplingConfig
+
+    session = KVQSession(exports("llama", "q4_0"))
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    greedy = [g.tokens for g in session.generate(prompts, 10)]
+    top1 = [g.tokens for g in session.generate(prompts, 10, SamplingConfig(temperature=0.7, top_k=1, seed=1))]
+    a = [g.tokens for g in session.generate(prompts, 10, SamplingConfig(temperature=1.0, top_p=0.9, seed=5))]
+    b = [g.tokens for g in session.generate(prompts, 10, SamplingConfig(temperature=1.0, top_p=0.9, seed=5))]
+    assert greedy == top1 and a == b and all(len(t) == 10 for t in a)
+
+
+def test_generate_stops_at_eos(exports, tmp_path):
+    session = KVQSession(exports("llama", "int8"))
+    first = session.generate([[1, 2, 3]], 5)[0].tokens
+    session.manifest.tokenizer["eos_token_id"] = first[2]
+    out = session.generate([[1, 2, 3], [9, 9]], 5)
+    assert out[0].tokens == first[:3] and out[0].finish_reason == "eos"
+
+
+def test_runtime_checks_inputs(exports):
+    session = KVQSession(exports("llama", "kivi-4"))
+    _, cache = session.step(np.array([[1, 2, 3]]))
+    broken = dict(cache)
+    del broken["past.1.value.scales"]
+    with pytest.raises(RuntimeInputError, match="past.1.value.scales is missing"):
+        session.step(np.array([[4]]), None, broken)
+    wrong = dict(cache, **{"past.0.key.codes": session.empty_cache(1)["past.0.key.recent"]})
+    with pytest.raises(RuntimeInputError, match=r"past.0.key.codes: expected tensor\(uint8\), got tensor\(float16\)"):
+        session.step(np.array([[4]]), None, wrong)
+    with pytest.raises(RuntimeInputError, match=r"past.seq_lengths: expected shape \[2\], got \[1\]"):
+        session.step(np.array([[4], [5]]), None, cache)
+    from kvq_export.runtime.session import _ort_value
+
+    narrow = dict(cache, **{"past.0.key.codes": _ort_value(np.zeros((1, 2, 0, 31), np.uint8), "uint8")})
+    with pytest.raises(RuntimeInputError, match=r"past.0.key.codes: expected shape \[1, 2, 'past.0.key.quantized_tokens"
+                                                r"', 16\], got \[1, 2, 0, 31\]"):
+        session.step(np.array([[4]]), None, narrow)
+
+
+def test_manifest_that_does_not_match_graph_is_refused(exports, tmp_path):
+    import dataclasses
+    import json
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(exports("llama", "q4_0"), copy)
+    # q4_1 adds zero_points inputs that the q4_0 graph does not have
+    data = dataclasses.replace(Manifest.load(copy), scheme=PRESETS["q4_1"][0]).to_dict()
+    (copy / "kvq.json").write_text(json.dumps(data))
+    with pytest.raises(RuntimeInputError, match="manifest input past.0.key.zero_points is missing from the graph"):
+        KVQSession(copy)
+    data["cache"]["past"] = data["cache"]["past"][:-1]
+    (copy / "kvq.json").write_text(json.dumps(data))
+    with pytest.raises(RuntimeInputError, match="cache section does not match its scheme"):
+        KVQSession(copy)
+
+
+def test_export_refusals(tmp_path, exports):
+    model = tiny_model("llama")
+    with pytest.raises(ExportError, match="already exists"):
+        export(model, "q4_0", exports("llama", "q4_0"))
+    with pytest.raises(ExportError, match="static scales: calibrate first"):
+        export(model, "ort-int8", tmp_path / "x")
+    with pytest.raises(ExportError, match="unknown flavor 'trt'; allowed: reference"):
+        export(model, "q4_0", tmp_path / "y", flavor="trt")
+    assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".*tmp*"))
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ModelError, match="unsupported model_type 'gpt2'; supported: llama, mistral, qwen2"):
+        export(gpt2, "q4_0", tmp_path / "z")
+
+
+def test_force_replaces_an_existing_export(tmp_path):
+    model = tiny_model("llama")
+    first = export(model, "q4_0", tmp_path / "out")
+    export(model, "kivi-4", first, force=True)
+    assert Manifest.load(first).scheme == PRESETS["kivi-4"][0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
