@@ -150,20 +150,117 @@ def memory(model_spec: str, scheme_spec: str, seq_len: int, batch: int, as_json:
                                 show_breakdown=False))
 
 
+@cli.command("export")
+@click.option("--model", "model_spec", default="smollm2", show_default=True,
+              help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
+@click.option("--scheme", "scheme_spec", required=True, help="Preset name or scheme .json file.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Export directory.")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+              help="Compute dtype of the graph.")
+@click.option("--opset", type=click.IntRange(18), default=23, show_default=True)
+@click.option("--flavor", default="reference", show_default=True,
+              help="Graph flavour: reference (standard ONNX ops, any ONNX Runtime).")
+@click.option("--force", is_flag=True, help="Replace an existing export directory.")
+@click.option("--calib-corpus", default=None, help="Static-scale schemes: corpus name (britannica) or text file.")
+@click.option("--calib-tokens", type=click.IntRange(1), default=4096, show_default=True)
+@click.option("--calib-method", type=click.Choice(["absmax", "percentile"]), default="absmax", show_default=True)
+@click.option("--percentile", type=float, default=99.9, show_default=True, help="For --calib-method percentile.")
+def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, calib_corpus, calib_tokens,
+               calib_method, percentile) -> None:
+    """Export MODEL with a quantized KV cache to an ONNX directory (model.onnx + kvq.json)."""
+    from kvq_export.export.exporter import export
+
+    out = export(model_spec, scheme_spec, out_dir, dtype=dtype, opset=opset, flavor=flavor, force=force,
+                 calib_corpus=calib_corpus, calib_tokens=calib_tokens, calib_method=calib_method,
+                 calib_percentile=percentile)
+    click.echo(f"exported to {out}")
+
+
+@cli.command()
+@click.argument("export_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text (repeat for a batch).")
+@click.option("--max-new-tokens", type=click.IntRange(0), default=64, show_default=True)
+@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=click.IntRange(1), default=None)
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None)
+@click.option("--seed", type=int, default=None)
+@click.option("--json", "as_json", is_flag=True, help="Print tokens, text and cache bytes as JSON.")
+def generate(export_dir, prompts, max_new_tokens, temperature, top_k, top_p, seed, as_json) -> None:
+    """Generate text from an export directory on ONNX Runtime (quantized cache between steps)."""
+    from kvq_export.runtime.sampling import SamplingConfig
+    from kvq_export.runtime.session import KVQSession
+
+    session = KVQSession(export_dir)
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    stream = None
+    if len(prompts) == 1 and not as_json:
+        stream = _TextStream(session.tokenizer, prompts[0])
+    results = session.generate(list(prompts), max_new_tokens, sampling, on_token=stream)
+    if as_json:
+        click.echo(json.dumps({"export": str(export_dir), "scheme": session.manifest.scheme.name,
+                               "results": [r.to_dict() for r in results]}, indent=2))
+        return
+    if stream is not None:
+        click.echo("")
+    else:
+        for r in results:
+            click.echo(f"{r.prompt}{r.text}")
+    click.echo(f"[cache: {results[0].cache_bytes} bytes]", err=True)
+
+
+class _TextStream:
+    """Prints a single prompt's continuation as tokens arrive (re-decoding the tail keeps spacing right)."""
+
+    def __init__(self, tokenizer, prompt: str) -> None:
+        self.tokenizer, self.prompt_tokens = tokenizer, tokenizer(prompt)["input_ids"]
+        self.tokens: list[int] = []
+        self.shown = ""
+        click.echo(prompt, nl=False)
+
+    def __call__(self, row: int, token: int) -> None:
+        from kvq_export.runtime.session import continuation_text
+
+        self.tokens.append(token)
+        text = continuation_text(self.tokenizer, self.prompt_tokens, self.tokens)
+        click.echo(text[len(self.shown):], nl=False)
+        self.shown = text
+
+
 @cli.command()
 @click.option("--model", "model_spec", default="smollm2", show_default=True)
-@click.option("--seq-len", type=click.IntRange(1), default=4096, show_default=True)
-def demo(model_spec: str, seq_len: int) -> None:
-    """Compare every preset's cache memory on the built-in model."""
+@click.option("--scheme", "scheme_spec", default="kivi-4", show_default=True, help="Quantized scheme to show.")
+@click.option("--prompt", default=None, help="Prompt text (default: a built-in ~130-token story opening, long "
+              "enough that kivi's 128-token recent window overflows and quantized tokens are attended to).")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=96, show_default=True)
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="Where the exports live (default: the kvq cache directory).")
+def demo(model_spec, scheme_spec, prompt, max_new_tokens, workdir) -> None:
+    """Export MODEL with fp16 and a quantized scheme, generate with both, compare text and cache memory."""
+    from rich.table import Table
+
     from kvq_export import memory as mem
+    from kvq_export.demo import run_demo
     from kvq_export.model_source import load_config, model_facts
     from kvq_export.presets import PRESETS
 
+    from kvq_export.demo import DEMO_PROMPT
+
+    console = _console()
+    prompt = prompt or DEMO_PROMPT
+    rows = run_demo(model_spec, scheme_spec, prompt, max_new_tokens, workdir)
+    console.print(f"[bold]prompt[/bold] ({rows[0].prompt_tokens} tokens): {prompt}")
+    table = Table(title=f"{model_spec}: greedy continuation, {max_new_tokens} new tokens, ONNX Runtime")
+    for col in ("scheme", "continuation", "tokens = fp16", "cache bytes", "vs fp16"):
+        table.add_column(col, justify="left" if col in ("scheme", "continuation") else "right")
+    base = rows[0].cache_bytes
+    for r in rows:
+        table.add_row(r.scheme, r.text, f"{r.agree_with_baseline}/{len(r.tokens)}", str(r.cache_bytes),
+                      f"{base / r.cache_bytes:.2f}x smaller" if r.cache_bytes else "-")
+    console.print(table)
     facts = model_facts(load_config(model_spec))
-    reports = [mem.predict(scheme, facts, seq_len) for scheme, _ in PRESETS.values()]
-    _console().print(_memory_table(
-        f"KV cache of {model_spec} at {seq_len} tokens ({facts.num_layers} layers, {facts.num_kv_heads} kv heads, "
-        f"head_dim {facts.head_dim}, batch 1)", reports, show_breakdown=True))
+    reports = [mem.predict(scheme, facts, 4096) for scheme, _ in PRESETS.values()]
+    console.print(_memory_table(f"predicted KV cache of {model_spec} at 4096 tokens (batch 1)", reports,
+                                show_breakdown=True))
 
 
 def main(argv: list[str] | None = None) -> None:

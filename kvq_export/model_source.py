@@ -162,7 +162,9 @@ def load_model(spec: str | os.PathLike[str]) -> tuple[PreTrainedModel, PreTraine
 def _load_hf_dir(model_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # library code: no progress bars on stderr for a sub-second load
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
     model.eval()

@@ -92,11 +92,16 @@ def export(
     force: bool = False,
     static: Mapping | None = None,
     tokenizer: Any = None,
+    calib_corpus: str | None = None,
+    calib_tokens: int = 4096,
+    calib_method: str = "absmax",
+    calib_percentile: float = 99.9,
 ) -> Path:
     """Export ``model`` (a model spec, or a loaded HF causal LM) with ``scheme`` into ``out_dir``.
 
-    ``static`` holds calibrated scales for static-scale schemes (see :mod:`kvq_export.calibrate`);
-    such schemes are refused without it. Returns the export directory.
+    Static-scale schemes need calibrated scales: pass ``static`` (see :mod:`kvq_export.calibrate`)
+    or ``calib_corpus`` (a corpus name or text file, of which ``calib_tokens`` tokens are used);
+    without either they are refused. Returns the export directory.
     """
     import kvq_export
     from kvq_export.export.arch import get_arch
@@ -114,17 +119,22 @@ def export(
         raise ExportError(f"{out} already exists; pass --force (force=True) to replace it")
 
     start = time.perf_counter()
+    source = None
     if isinstance(model, (str, os.PathLike)):
         from kvq_export.model_source import load_model
 
+        source = str(model)
         model, tokenizer = load_model(model)
     config = model.config
     arch = get_arch(config)
     scheme.check_model(arch.num_layers, arch.head_dim)
     if scheme.has_static_scales and static is None:
-        raise ExportError(
-            f"scheme {scheme.name or 'custom'} uses static scales: calibrate first (kvq never guesses a scale)"
-        )
+        if calib_corpus is None:
+            raise ExportError(
+                f"scheme {scheme.name or 'custom'} uses static scales: calibrate first (give --calib-corpus; "
+                "kvq never guesses a scale)"
+            )
+        static = _calibrate(model, tokenizer, scheme, calib_corpus, calib_tokens, calib_method, calib_percentile)
     cache = FLAVORS[flavor](scheme, num_layers=arch.num_layers, kv_heads=arch.num_kv_heads,
                             head_dim=arch.head_dim, static=static)
     graph = build_decoder(model, arch, cache, dtype=dtype, opset=opset)
@@ -143,7 +153,7 @@ def export(
             save_calibration(static, tmp / CALIBRATION_NAME)
             calibration = {"file": CALIBRATION_NAME, "digest": calibration_digest(static)}
         manifest = Manifest(
-            scheme=scheme, model=_model_facts(arch, config), flavor=flavor, opset=opset, dtype=dtype,
+            scheme=scheme, model={**_model_facts(arch, config), "source": source}, flavor=flavor, opset=opset, dtype=dtype,
             kvq_version=kvq_export.__version__,
             inputs=[{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]},
                     {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "seq"],
@@ -160,6 +170,18 @@ def export(
     logger.info("exported %s (%s, %s) to %s in %.1f s", arch.model_type, scheme.name or "custom", flavor, out,
                 time.perf_counter() - start)
     return out
+
+
+def _calibrate(model, tokenizer, scheme, corpus: str, tokens: int, method: str, percentile: float):
+    """Static scales from ``tokens`` tokens of ``corpus`` (windows of at most 1024 tokens)."""
+    from kvq_export.calibrate import calibrate_static_scales
+    from kvq_export.corpus import load_corpus, token_windows
+
+    if tokenizer is None:
+        raise ExportError("calibrating from a corpus needs the model's tokenizer")
+    window = min(1024, tokens)
+    windows = token_windows(tokenizer, load_corpus(corpus), max(1, tokens // window), window)
+    return calibrate_static_scales(model, scheme, windows, method=method, percentile=percentile)
 
 
 def _replace_dir(new: Path, target: Path) -> None:

@@ -246,8 +246,15 @@ class KVQSession:
         for result in results:
             result.cache_bytes = nbytes
             if self._tokenizer is not None or result.prompt is not None:
-                result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
+                result.text = continuation_text(self.tokenizer, result.prompt_tokens, result.tokens)
         return results
+
+
+def continuation_text(tokenizer, prompt_tokens: Sequence[int], tokens: Sequence[int]) -> str:
+    """Text of ``tokens`` as it reads after the prompt (keeps the leading space tokenizers fold in)."""
+    prompt = tokenizer.decode(list(prompt_tokens), skip_special_tokens=True)
+    full = tokenizer.decode([*prompt_tokens, *tokens], skip_special_tokens=True)
+    return full[len(prompt):] if full.startswith(prompt) else tokenizer.decode(list(tokens), skip_special_tokens=True)
 
 
 def _show(shape, batch: int) -> list:

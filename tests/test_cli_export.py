@@ -1,0 +1,83 @@
+"""`kvq export` and `kvq generate` on a tiny model directory with its own tokenizer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tiny_models import VOCAB, tiny_model
+
+WORDS = [f"w{i}" for i in range(VOCAB - 1)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    tiny_model("llama").save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
+    return path
+
+
+def kvq(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvq_export.cli", *args], capture_output=True, text=True)
+
+
+def test_export_then_generate_json(model_dir, tmp_path):
+    out = tmp_path / "exp"
+    proc = kvq("export", "--model", str(model_dir), "--scheme", "kivi-2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) >= ["kvq.json", "model.onnx", "model.onnx.data", "tokenizer.json"]
+    proc = kvq("generate", str(out), "--prompt", "w1 w2 w3", "--prompt", "w9", "--max-new-tokens", "6", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["scheme"] == "kivi-2" and len(data["results"]) == 2
+    for result in data["results"]:
+        assert len(result["tokens"]) == 6 and isinstance(result["text"], str) and result["cache_bytes"] > 0
+
+
+def test_generate_streams_one_prompt(model_dir, tmp_path):
+    out = tmp_path / "exp"
+    assert kvq("export", "--model", str(model_dir), "--scheme", "q4_0", "--out", str(out)).returncode == 0
+    proc = kvq("generate", str(out), "--prompt", "w5 w6", "--max-new-tokens", "4", "--temperature", "0.8",
+               "--seed", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("w5 w6") and len(proc.stdout.split()) == 2 + 4
+    assert "cache:" in proc.stderr
+
+
+def test_cli_errors_are_one_line(model_dir, tmp_path):
+    out = tmp_path / "exp"
+    assert kvq("export", "--model", str(model_dir), "--scheme", "q4_0", "--out", str(out)).returncode == 0
+    for args, message in [
+        (("export", "--model", str(model_dir), "--scheme", "q4_0", "--out", str(out)), "already exists"),
+        (("export", "--model", str(model_dir), "--scheme", "ort-int4", "--out", str(tmp_path / "s")),
+         "static scales: calibrate first"),
+        (("generate", str(tmp_path), "--prompt", "w1"), "not a kvq export directory"),
+        (("generate", str(out), "--prompt", "w1", "--top-p", "0.5", "--temperature", "-1"), None),
+    ]:
+        proc = kvq(*args)
+        assert proc.returncode != 0
+        assert "Traceback" not in proc.stderr
+        if message:
+            assert proc.returncode == 1 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_static_scheme_calibrates_from_a_text_file(model_dir, tmp_path):
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(WORDS * 20))
+    out = tmp_path / "ort"
+    proc = kvq("export", "--model", str(model_dir), "--scheme", "ort-int8", "--out", str(out), "--calib-corpus",
+               str(text), "--calib-tokens", "256")
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((out / "kvq.json").read_text())
+    assert manifest["calibration"]["file"] == "calibration.npz" and (out / "calibration.npz").is_file()
+    proc = kvq("generate", str(out), "--prompt", "w1 w2", "--max-new-tokens", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
