@@ -155,49 +155,53 @@ def decode_cache(
     ``tensors`` maps cache tensor names to arrays (fp8 codes may be given as raw uint8 bits). Static
     scales come from ``static`` (see :func:`load_static`).
     """
-    import torch
-
-    from kvq_export.reference.codec import Quantized, dequantize_packed
-
     lengths = np.asarray(tensors[tensor_name(direction, None, None, "seq_lengths")]).astype(np.int64)
     rows: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in lengths]
-    scheme = manifest.scheme
-    for layer, streams in enumerate(scheme.streams(manifest.num_layers)):
-        per_part = []
-        for part, tq in zip(PARTS, streams):
-            get = {role: tensors.get(tensor_name(direction, layer, part, role))
-                   for role in ("sinks", "codes", "scales", "zero_points", "recent")}
-            decoded = []
-            for row, n in enumerate(lengths):
-                s, q, r = split_lengths(tq, scheme, int(n))
-                pieces = []
-
-                def last(array, count):
-                    return torch.from_numpy(np.ascontiguousarray(array[row][:, array.shape[2] - count:]))
-
-                if tq.quantized:
-                    pieces.append(last(get["sinks"], s).float())
-                    if q:
-                        codes = last(get["codes"], q)
-                        if tq.format == "fp8_e4m3":
-                            codes = codes.view(torch.float8_e4m3fn) if codes.dtype == torch.uint8 else codes
-                        if tq.scales == "static":
-                            meta = static[layer][part]
-                            scales = torch.from_numpy(meta["scales"])
-                            zeros = torch.from_numpy(meta["zero_points"]) if tq.has_zero_point else None
-                        else:
-                            per = 1 if tq.axis == "token" else tq.group_size
-                            scales = last(get["scales"], q // per)
-                            zeros = last(get["zero_points"], q // per) if tq.has_zero_point else None
-                        deq = dequantize_packed(Quantized(codes.unsqueeze(0), scales if tq.scales == "static"
-                                                          else scales.unsqueeze(0),
-                                                          None if zeros is None else
-                                                          (zeros if tq.scales == "static" else zeros.unsqueeze(0))),
-                                                tq)
-                        pieces.append(deq[0])
-                pieces.append(last(get["recent"], r).float())
-                decoded.append(torch.cat(pieces, dim=1).numpy())
-            per_part.append(decoded)
-        for row in range(len(lengths)):
-            rows[row].append((per_part[0][row], per_part[1][row]))
+    for layer, streams in enumerate(manifest.scheme.streams(manifest.num_layers)):
+        for row, n in enumerate(lengths):
+            k, v = (
+                _decode_row(manifest.scheme, tq, row, int(n), (static or {}).get(layer, {}).get(part),
+                            {role: tensors.get(tensor_name(direction, layer, part, role))
+                             for role in ("sinks", "codes", "scales", "zero_points", "recent")})
+                for part, tq in zip(PARTS, streams)
+            )
+            rows[row].append((k, v))
     return rows
+
+
+def _decode_row(scheme, tq, row: int, n: int, static_meta, arrays) -> np.ndarray:
+    """One row of one stream -> float32 [H, n, D] (sinks, quantized, recent in token order)."""
+    import torch
+
+    def last(role: str, count: int) -> torch.Tensor:  # the row's right-aligned valid entries
+        array = arrays[role][row]
+        return torch.from_numpy(np.ascontiguousarray(array[:, array.shape[1] - count:]))
+
+    sinks, quantized, recent = split_lengths(tq, scheme, n)
+    pieces = []
+    if tq.quantized:
+        pieces.append(last("sinks", sinks).float())
+        if quantized:
+            pieces.append(_dequantize_region(tq, last, quantized, static_meta))
+    pieces.append(last("recent", recent).float())
+    return torch.cat(pieces, dim=1).numpy()
+
+
+def _dequantize_region(tq, last, count: int, static_meta):
+    """One row's quantized region -> float32 [H, count, D] through the reference codec."""
+    import torch
+
+    from kvq_export.reference.codec import TORCH_DTYPES, Quantized, dequantize_packed
+
+    codes = last("codes", count)
+    if tq.format == "fp8_e4m3" and codes.dtype == torch.uint8:  # raw bits as ONNX Runtime returns them
+        codes = codes.view(torch.float8_e4m3fn)
+    if tq.scales == "static":  # [H, n], shared by every row, stored rounded to scale_dtype
+        sdtype = TORCH_DTYPES[tq.scale_dtype]
+        scales = torch.as_tensor(static_meta["scales"]).to(sdtype)
+        zeros = torch.as_tensor(static_meta["zero_points"]).to(sdtype) if tq.has_zero_point else None
+    else:
+        groups = count if tq.axis == "token" else count // tq.group_size
+        scales = last("scales", groups)[None]
+        zeros = last("zero_points", groups)[None] if tq.has_zero_point else None
+    return dequantize_packed(Quantized(codes[None], scales, zeros), tq)[0]

@@ -285,3 +285,22 @@ def test_force_replaces_an_existing_export(tmp_path):
     export(model, "kivi-4", first, force=True)
     assert Manifest.load(first).scheme == PRESETS["kivi-4"][0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_fp16_compute_graph_tracks_the_fp32_graph(tmp_path):
+    """--dtype fp16: the body and attention run in fp16 (softmax in fp32); the cache format is unchanged."""
+    model = tiny_model("mistral")
+    fp32 = KVQSession(export(model, "kivi-4", tmp_path / "fp32"))
+    fp16 = KVQSession(export(model, "kivi-4", tmp_path / "fp16", dtype="fp16"))
+    assert fp16.manifest.cache("past") == fp32.manifest.cache("past")
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, VOCAB, (1, 170))  # past kivi's recent window: quantized tokens are attended
+    a, ca = fp32.step(prompt)
+    b, cb = fp16.step(prompt)
+    worst = float(np.abs(a - b).max() / np.abs(a).max())
+    for token in rng.integers(0, VOCAB, 8):
+        a, ca = fp32.step(np.array([[token]]), None, ca)
+        b, cb = fp16.step(np.array([[token]]), None, cb)
+        worst = max(worst, float(np.abs(a - b).max() / np.abs(a).max()))
+    assert worst < 2e-2
+    assert fp16.seq_lengths(cb).tolist() == [178]

@@ -75,6 +75,19 @@ def _check_state(arrays: dict, refs: list[LayerCache], scheme):
                 assert np.array_equal(got[:, got.shape[1] - n:], want), (row, part, role)
 
 
+def _check_manifest_decoder(scheme, arrays, refs, static, kv_heads, dim):
+    """decode_cache, reading only the manifest, rebuilds exactly what the reference attends to."""
+    from kvq_export.manifest import Manifest, decode_cache
+
+    manifest = Manifest(scheme=scheme, model={"num_layers": 1, "num_kv_heads": kv_heads, "head_dim": dim},
+                        flavor="reference", opset=23, dtype="fp32", kvq_version="test", inputs=[], outputs=[])
+    decoded = decode_cache(manifest, arrays, direction="past", static=static)
+    for row, ref in enumerate(refs):
+        k, v = decoded[row][0]
+        assert np.array_equal(k, ref.key.dequantized()[0].numpy())
+        assert np.array_equal(v, ref.value.dequantized()[0].numpy())
+
+
 def _attention_reference(q: np.ndarray, ref: LayerCache, positions: np.ndarray, window=None) -> np.ndarray:
     """float64 attention of q [Hq, t, D] over the reference's dequantized K/V (GQA, causal)."""
     k = ref.key.dequantized().double()[0]
@@ -119,6 +132,7 @@ def run_schedule(scheme, schedule, *, heads=4, kv_heads=2, dim=32, seed=0, windo
                 got = out[row, :, t - c:]
                 worst = max(worst, float(np.abs(got - want).max() / (np.abs(want).max() + 1e-9)))
         _check_state(arrays, refs, scheme)
+    _check_manifest_decoder(scheme, arrays, refs, static, kv_heads, dim)
     assert worst < 2e-5, worst
     return worst
 

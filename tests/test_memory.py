@@ -67,22 +67,23 @@ def test_q4_0_smollm2_4096_is_4_5_bits():
     assert r.total_bytes == 26_542_080 and r.bits_per_element == 4.5
 
 
-def test_kivi_2_by_hand():
+@pytest.mark.parametrize("preset, bits, total", [("kivi-2", 2, 20_090_880), ("kivi-4", 4, 31_518_720)])
+def test_kivi_by_hand(preset, bits, total):
     n = 4096
-    r = predict(get_preset("kivi-2"), SMOLLM2, n)
+    r = predict(get_preset(preset), SMOLLM2, n)
     rows = 30 * 3  # layers x kv heads (batch 1)
     # keys: channel groups of 32 -> (4096-128)//32*32 = 3968 quantized, 128 recent
     # values: token axis -> 3968 quantized, exactly 128 recent
     q, hp = 3968, 128
-    payload = 2 * rows * q * 64 * 2 // 8
+    payload = 2 * rows * q * 64 * bits // 8
     key_meta = rows * (q // 32) * 64 * 2  # fp16 scale per channel per group of 32 tokens
     value_meta = rows * q * (64 // 32) * 2  # fp16 scale per 32 channels per token
     high = 2 * rows * hp * 64 * 2
     assert r.breakdown == {"payload": payload, "scales": key_meta + value_meta,
                            "zero_points": key_meta + value_meta, "high_precision": high, "padding": 0}
-    assert r.total_bytes == payload + 2 * (key_meta + value_meta) + high == 20_090_880
+    assert r.total_bytes == payload + 2 * (key_meta + value_meta) + high == total
     # one token more: keys still hold 129 recent (no full group yet), values quantize one more
-    r2 = predict(get_preset("kivi-2"), SMOLLM2, n + 1)
+    r2 = predict(get_preset(preset), SMOLLM2, n + 1)
     assert r2.breakdown["high_precision"] == rows * (129 + 128) * 64 * 2
 
 
@@ -94,12 +95,13 @@ def test_presets_without_windows_by_hand(name, bits):
     assert r.ratio == pytest.approx(16 / bits)
 
 
-def test_static_presets_count_calibrated_scales_once():
-    r = predict(get_preset("ort-int4"), SMOLLM2, 2048, batch=4)
+@pytest.mark.parametrize("preset, bits", [("ort-int4", 4), ("ort-int8", 8)])
+def test_static_presets_count_calibrated_scales_once(preset, bits):
+    r = predict(get_preset(preset), SMOLLM2, 2048, batch=4)
     elements = 2 * 30 * 4 * 3 * 2048 * 64
     static = 2 * 30 * 3 * 64 * 4  # fp32 per (layer, K/V, kv head, channel), shared by the batch
-    assert r.breakdown["payload"] == elements // 2 and r.breakdown["scales"] == static
-    assert r.total_bytes == elements // 2 + static
+    assert r.breakdown["payload"] == elements * bits // 8 and r.breakdown["scales"] == static
+    assert r.total_bytes == elements * bits // 8 + static
 
 
 def test_empty_cache_is_zero_bytes():
