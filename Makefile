@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check kvq_export tests
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

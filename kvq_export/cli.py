@@ -239,11 +239,9 @@ def demo(model_spec, scheme_spec, prompt, max_new_tokens, workdir) -> None:
     from rich.table import Table
 
     from kvq_export import memory as mem
-    from kvq_export.demo import run_demo
+    from kvq_export.demo import DEMO_PROMPT, run_demo
     from kvq_export.model_source import load_config, model_facts
     from kvq_export.presets import PRESETS
-
-    from kvq_export.demo import DEMO_PROMPT
 
     console = _console()
     prompt = prompt or DEMO_PROMPT

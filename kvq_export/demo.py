@@ -1,5 +1,8 @@
-"""The demo behind ``make demo``: export the built-in model twice (fp16 and a quantized scheme),
-generate from one prompt with both, and compare text, agreement and cache memory."""
+"""The demo behind ``make demo``.
+
+Export the built-in model twice (fp16 and a quantized scheme), generate from one prompt with both, and
+compare text, agreement and cache memory.
+"""
 
 from __future__ import annotations
 

@@ -105,7 +105,8 @@ class Manifest:
         try:
             version = int(data["format_version"])
             if version != FORMAT_VERSION:
-                raise RuntimeInputError(f"manifest format_version {version} is not supported (expected {FORMAT_VERSION})")
+                raise RuntimeInputError(
+                    f"manifest format_version {version} is not supported (expected {FORMAT_VERSION})")
             manifest = cls(
                 scheme=KVQuantScheme.from_dict(data["scheme"]), model=dict(data["model"]), flavor=data["flavor"],
                 opset=int(data["opset"]), dtype=data["dtype"], kvq_version=data["kvq_version"],

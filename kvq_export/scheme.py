@@ -163,7 +163,8 @@ class TensorQuant:
             )
         if self.axis == "channel" and self.scales == "static" and self.group_size is not None:
             raise _fail(
-                "group_size", self.group_size, "allowed with axis=channel and static scales: null (one scale per channel)"
+                "group_size", self.group_size,
+                "allowed with axis=channel and static scales: null (one scale per channel)",
             )
         if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)) or not (0.0 < self.clip <= 1.0):
             raise _fail("clip", self.clip, "allowed: a ratio in (0, 1]")
@@ -358,7 +359,8 @@ class KVQuantScheme:
                 raise SchemeError(f"invalid layer_overrides[{i}]: expected an object with 'layer' and key/value")
             extra = sorted(set(item) - {"layer", "key", "value"})
             if extra:
-                raise SchemeError(f"unknown field(s) {', '.join(extra)} in layer_overrides[{i}]; allowed: layer, key, value")
+                raise SchemeError(
+                    f"unknown field(s) {', '.join(extra)} in layer_overrides[{i}]; allowed: layer, key, value")
             overrides.append(LayerOverride(
                 layer=item["layer"],
                 key=TensorQuant.from_dict(item["key"], f"layer_overrides[{i}].key") if "key" in item else None,

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from tiny_models import VOCAB, tiny_model
 
 WORDS = [f"w{i}" for i in range(VOCAB - 1)]

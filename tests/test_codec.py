@@ -8,7 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvq_export.errors import QuantizationError
-from kvq_export.reference.codec import dequantize, dequantize_packed, int_levels, pack, quantize, quantize_packed, unpack
+from kvq_export.reference.codec import (
+    dequantize,
+    dequantize_packed,
+    int_levels,
+    pack,
+    quantize,
+    quantize_packed,
+    unpack,
+)
 from kvq_export.scheme import TensorQuant
 
 INT_FORMATS = ["int", "int_sym"]

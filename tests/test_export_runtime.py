@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import ARCHS, VOCAB, tiny_model
 
 from kvq_export.calibrate import calibrate_static_scales, static_to_torch
 from kvq_export.errors import ExportError, ModelError, RuntimeInputError
@@ -25,7 +26,6 @@ from kvq_export.manifest import Manifest, decode_cache, load_static
 from kvq_export.presets import PRESETS
 from kvq_export.reference.hf_cache import reference_hf_cache
 from kvq_export.runtime.session import KVQSession
-from tiny_models import ARCHS, VOCAB, tiny_model
 
 PROMPTS = {"solo": [[5, 17, 99, 3, 42, 8, 77]], "padded": [[11, 12, 13, 14, 15], [60, 61, 2, 9, 100, 4, 4, 7, 1]]}
 

@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-
 from kvgraph_harness import CacheOnly
+
 from kvq_export.presets import PRESETS
 from kvq_export.reference.cache import LayerCache, StreamCache
 from kvq_export.scheme import KVQuantScheme, TensorQuant

@@ -153,7 +153,8 @@ def export(
             save_calibration(static, tmp / CALIBRATION_NAME)
             calibration = {"file": CALIBRATION_NAME, "digest": calibration_digest(static)}
         manifest = Manifest(
-            scheme=scheme, model={**_model_facts(arch, config), "source": source}, flavor=flavor, opset=opset, dtype=dtype,
+            scheme=scheme, model={**_model_facts(arch, config), "source": source}, flavor=flavor, opset=opset,
+            dtype=dtype,
             kvq_version=kvq_export.__version__,
             inputs=[{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]},
                     {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "seq"],

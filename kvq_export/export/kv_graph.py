@@ -73,7 +73,7 @@ class _Ops:
         return b.op("Reshape", x, b.op("Concat", lead, tokens, b.const(list(tail)), axis=0))
 
     def scalar_max(self, v: ir.Value) -> ir.Value:
-        """max over a [B] vector as a 1-element tensor."""
+        """Max over a [B] vector as a 1-element tensor."""
         return self.b.op("ReduceMax", v, self.b.const([0]), keepdims=1)
 
     def take(
@@ -376,7 +376,6 @@ class QuantizedCacheGraph:
     def _unpack(self, b: GraphBuilder, tq: TensorQuant, packed: ir.Value) -> ir.Value:
         if tq.bits == 8:
             return packed
-        per = 8 // tq.bits
         shifts = np.arange(0, 8, tq.bits, dtype=np.uint8)
         values = b.op("BitShift", b.op("Unsqueeze", packed, b.const([-1])), b.const(shifts), direction="RIGHT")
         values = b.op("BitwiseAnd", values, b.const(np.uint8((1 << tq.bits) - 1)))

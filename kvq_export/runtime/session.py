@@ -41,7 +41,8 @@ def choose_providers(requested: Sequence[str] | None = None) -> list[str]:
     if requested:
         missing = [p for p in requested if p not in available]
         if missing:
-            raise RuntimeInputError(f"provider(s) {', '.join(missing)} not available; available: {', '.join(available)}")
+            raise RuntimeInputError(
+                f"provider(s) {', '.join(missing)} not available; available: {', '.join(available)}")
         return list(requested)
     if "CUDAExecutionProvider" in available:
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -113,7 +114,8 @@ class KVQSession:
         for kind, graph, expected in (("input", graph_inputs, expected_in), ("output", graph_outputs, expected_out)):
             extra = sorted(set(graph) - set(expected))
             if extra:
-                raise RuntimeInputError(f"graph {kind} {extra[0]} is not in the manifest (manifest does not match graph)")
+                raise RuntimeInputError(
+                    f"graph {kind} {extra[0]} is not in the manifest (manifest does not match graph)")
             for name, dtype in expected.items():
                 if name not in graph:
                     raise RuntimeInputError(f"manifest {kind} {name} is missing from the graph")
@@ -129,7 +131,8 @@ class KVQSession:
                 raise RuntimeInputError(f"cache tensor {spec.name} is missing")
             actual_type = value.data_type()
             if actual_type != _TYPES[spec.dtype][0]:
-                raise RuntimeInputError(f"cache tensor {spec.name}: expected {_TYPES[spec.dtype][0]}, got {actual_type}")
+                raise RuntimeInputError(
+                    f"cache tensor {spec.name}: expected {_TYPES[spec.dtype][0]}, got {actual_type}")
             shape = value.shape()
             if len(shape) != len(spec.shape):
                 raise RuntimeInputError(f"cache tensor {spec.name}: expected shape {list(spec.shape)}, got {shape}")
