@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvq_export.errors import KVQError, ModelError, QuantizationError, SchemeError
-from kvq_export.scheme import FP8_E4M3_MAX, KVQuantScheme, TensorQuant
+from kvq_export.scheme import KVQuantScheme, TensorQuant
 
 if TYPE_CHECKING:
     import torch
@@ -217,26 +217,16 @@ def _stream_metadata(
     """Scales (and zero points) of one stream from its calibration values ``[H, N, D]``."""
     import torch
 
-    from kvq_export.reference.codec import TORCH_DTYPES, int_levels
+    from kvq_export.reference.codec import TORCH_DTYPES, metadata_from_range, scale_from_amax
 
     sdtype = TORCH_DTYPES[tq.scale_dtype]
     values = _grouped(x, tq)
     zero = None
     if tq.has_zero_point:
-        mn = _stat(values, method, 100.0 - percentile, low=True)
-        mx = _stat(values, method, percentile)
-        if tq.clip != 1.0:
-            mid, half = (mx + mn) * 0.5, (mx - mn) * (0.5 * tq.clip)
-            mn, mx = mid - half, mid + half
-        lo, hi, _ = int_levels(tq)
-        scale = ((mx - mn) / float(hi - lo)).to(sdtype)
-        zero = mn.to(sdtype)
+        scale, zero = metadata_from_range(tq, _stat(values, method, 100.0 - percentile, low=True),
+                                          _stat(values, method, percentile))
     else:
-        amax = _stat(values.abs(), method, percentile)
-        if tq.clip != 1.0:
-            amax = amax * tq.clip
-        top = FP8_E4M3_MAX if tq.format == "fp8_e4m3" else float(int_levels(tq)[1])
-        scale = (amax / top).to(sdtype)
+        scale = scale_from_amax(tq, _stat(values.abs(), method, percentile))
     if not bool(torch.isfinite(scale).all()) or (zero is not None and not bool(torch.isfinite(zero).all())):
         raise QuantizationError(
             f"a calibrated scale or zero point overflows scale_dtype={tq.scale_dtype} (values too large); "

@@ -57,6 +57,27 @@ def int_levels(tq: TensorQuant) -> tuple[int, int, int]:
     return -qmax, qmax, 1 << (tq.bits - 1)
 
 
+def metadata_from_range(tq: TensorQuant, mn: torch.Tensor, mx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric ``int``: (scale, zero point) in ``scale_dtype`` for a group range, clip applied about its midpoint.
+
+    Shared with calibration so static and dynamic scales come from the same arithmetic.
+    """
+    sdtype = TORCH_DTYPES[tq.scale_dtype]
+    if tq.clip != 1.0:
+        mid, half = (mx + mn) * 0.5, (mx - mn) * (0.5 * tq.clip)
+        mn, mx = mid - half, mid + half
+    lo, hi, _ = int_levels(tq)
+    return ((mx - mn) / float(hi - lo)).to(sdtype), mn.to(sdtype)
+
+
+def scale_from_amax(tq: TensorQuant, amax: torch.Tensor) -> torch.Tensor:
+    """Symmetric ``int_sym`` / ``fp8_e4m3``: the scale in ``scale_dtype`` for a group's max |x|, clip applied."""
+    if tq.clip != 1.0:
+        amax = amax * tq.clip
+    top = FP8_E4M3_MAX if tq.format == "fp8_e4m3" else float(int_levels(tq)[1])
+    return (amax / top).to(TORCH_DTYPES[tq.scale_dtype])
+
+
 def _group_view(x: torch.Tensor, tq: TensorQuant) -> tuple[torch.Tensor, int]:
     """Reshape ``[..., T, D]`` so one group sits along a single dim; return (view, reduce dim)."""
     *lead, tokens, dim = x.shape
@@ -117,22 +138,12 @@ def quantize(
         zeros = static_zeros.to(sdtype) if tq.has_zero_point else None
         zero = _static_view(zeros.float(), xf, tq) if zeros is not None else None
     elif tq.has_zero_point:
-        mn = xg.amin(dim=reduce_dim, keepdim=True)
-        mx = xg.amax(dim=reduce_dim, keepdim=True)
-        if tq.clip != 1.0:
-            mid, half = (mx + mn) * 0.5, (mx - mn) * (0.5 * tq.clip)
-            mn, mx = mid - half, mid + half
-        lo, hi, _ = int_levels(tq)
-        scale_kd = ((mx - mn) / float(hi - lo)).to(sdtype)
-        zero_kd = mn.to(sdtype)
+        scale_kd, zero_kd = metadata_from_range(
+            tq, xg.amin(dim=reduce_dim, keepdim=True), xg.amax(dim=reduce_dim, keepdim=True))
         scales, zeros = scale_kd.squeeze(reduce_dim), zero_kd.squeeze(reduce_dim)
         scale, zero = scale_kd.float(), zero_kd.float()
     else:
-        amax = xg.abs().amax(dim=reduce_dim, keepdim=True)
-        if tq.clip != 1.0:
-            amax = amax * tq.clip
-        top = FP8_E4M3_MAX if tq.format == "fp8_e4m3" else float(int_levels(tq)[1])
-        scale_kd = (amax / top).to(sdtype)
+        scale_kd = scale_from_amax(tq, xg.abs().amax(dim=reduce_dim, keepdim=True))
         scales, zeros = scale_kd.squeeze(reduce_dim), None
         scale, zero = scale_kd.float(), None
 
