@@ -55,6 +55,26 @@ def facts_window(facts, layer: int) -> int | None:
     return facts.window(layer)
 
 
+@dataclass
+class StoredStream:
+    """One stream's present state as graph values (roles of :mod:`kvq_export.naming`) and its counts."""
+
+    tq: TensorQuant
+    counts: _Counts
+    sinks: ir.Value | None = None
+    codes: ir.Value | None = None
+    scales: ir.Value | None = None  # static: the [H, n] constant
+    zeros: ir.Value | None = None
+    recent: ir.Value | None = None
+
+    def roles(self) -> dict[str, ir.Value]:
+        """The state that crosses the graph boundary, by role."""
+        out = {"sinks": self.sinks, "codes": self.codes, "recent": self.recent}
+        if self.tq.quantized and self.tq.scales == "dynamic":
+            out.update(scales=self.scales, zero_points=self.zeros)
+        return {role: value for role, value in out.items() if value is not None}
+
+
 class _Ops:
     """Small graph idioms shared by every stream."""
 
@@ -191,8 +211,8 @@ class QuantizedCacheGraph:
         """Store k/v, dequantize the cache and run grouped attention for ``q``."""
         key_tq, value_tq = self.scheme.for_layer(layer)
         with b.scope(f"kv{layer}"):
-            keys = self._stream(b, layer, "key", key_tq, k)
-            values = self._stream(b, layer, "value", value_tq, v)
+            keys = self.read(b, self.store(b, layer, "key", key_tq, k))
+            values = self.read(b, self.store(b, layer, "value", value_tq, v))
             window = facts_window(self.facts, layer)
             if window not in self._masks:
                 with b.scope(f"mask_w{window}"):
@@ -220,15 +240,15 @@ class QuantizedCacheGraph:
         return _Counts(sinks, quantized, b.op("Sub", rest, quantized))
 
     # -- one stream ---------------------------------------------------------------------------------------
-    def _stream(self, b: GraphBuilder, layer: int, part: str, tq: TensorQuant, x: ir.Value) -> ir.Value:
-        """Update one stream's state; return all its tokens dequantized, token-ordered ([B,H,N,D])."""
+    def store(self, b: GraphBuilder, layer: int, part: str, tq: TensorQuant, x: ir.Value) -> StoredStream:
+        """Append this call's tokens ``x`` [B,H,t,D] to one stream; emit and return its present state.
+
+        Flavours that read the stored state themselves (a fused attention plugin) call this and skip
+        :meth:`read`.
+        """
         ops, hp = self.ops, self.hp_type
         past = {role: self.past.get(tensor_name("past", layer, part, role))
                 for role in ("sinks", "codes", "scales", "zero_points", "recent")}
-
-        def emit(role: str, value: ir.Value) -> None:
-            self.present[tensor_name("present", layer, part, role)] = value
-
         before, after = self._split(b, tq, self.n0), self._split(b, tq, self.n1)
         x_hp = b.op("Cast", x, to=hp)
         # the new tokens are right-aligned (left padding): count m per row
@@ -236,8 +256,7 @@ class QuantizedCacheGraph:
         pending_parts = [(past["recent"], before.recent), (x_hp, self.new_count)]
         if not tq.quantized:
             recent = ops.take(pending_parts, None, after.recent, ops.scalar_max(after.recent), hp)
-            emit("recent", recent)
-            return b.op("Cast", recent, to=self.compute_type)
+            return self._emit(layer, part, StoredStream(tq, after, recent=recent))
 
         pending = ops.take(pending_parts, None, pending_count, ops.scalar_max(pending_count), hp)
         pend = [(pending, pending_count)]
@@ -247,8 +266,6 @@ class QuantizedCacheGraph:
                          ops.scalar_max(after.sinks), hp)
         block = ops.take(pend, to_sinks, to_quant, ops.scalar_max(to_quant), hp)
         recent = ops.take(pend, b.op("Add", to_sinks, to_quant), after.recent, ops.scalar_max(after.recent), hp)
-        emit("sinks", sinks)
-        emit("recent", recent)
 
         codes_new, scales_new, zeros_new = self._quantize(b, layer, part, tq, block)
         past_codes, code_type = past["codes"], ir.DataType.UINT8
@@ -257,27 +274,39 @@ class QuantizedCacheGraph:
         quant_len = ops.scalar_max(after.quantized)
         codes = ops.take([(past_codes, before.quantized), (codes_new, to_quant)], None, after.quantized,
                          quant_len, code_type)
-        emit("codes", b.op("Cast", codes, to=ir.DataType.FLOAT8E4M3FN) if tq.format == "fp8_e4m3" else codes)
-        scales = zeros = None
+        if tq.format == "fp8_e4m3":
+            codes = b.op("Cast", codes, to=ir.DataType.FLOAT8E4M3FN)
         if tq.scales == "dynamic":
-            per = 1 if tq.axis == "token" else tq.group_size
-            unit = b.const(per)
+            unit = b.const(1 if tq.axis == "token" else tq.group_size)
             q0, dq, q1 = (b.op("Div", c, unit) for c in (before.quantized, to_quant, after.quantized))
             meta_len = b.op("Div", quant_len, unit)
             sdtype = _FLOAT[tq.scale_dtype]
             scales = ops.take([(past["scales"], q0), (scales_new, dq)], None, q1, meta_len, sdtype)
-            emit("scales", scales)
+            zeros = None
             if tq.has_zero_point:
                 zeros = ops.take([(past["zero_points"], q0), (zeros_new, dq)], None, q1, meta_len, sdtype)
-                emit("zero_points", zeros)
         else:
             scales, zeros = self._static_meta(b, layer, part, tq)
+        return self._emit(layer, part, StoredStream(tq, after, sinks, codes, scales, zeros, recent))
 
-        deq = self._dequantize(b, tq, codes, scales, zeros)
-        ct = self.compute_type
-        return ops.take(
-            [(b.op("Cast", sinks, to=ct), after.sinks), (b.op("Cast", deq, to=ct), after.quantized),
-             (b.op("Cast", recent, to=ct), after.recent)],
+    def _emit(self, layer: int, part: str, state: StoredStream) -> StoredStream:
+        """Record the present outputs of one stream (static metadata is a constant, not an output)."""
+        for role, value in state.roles().items():
+            self.present[tensor_name("present", layer, part, role)] = value
+        return state
+
+    def read(self, b: GraphBuilder, state: StoredStream) -> ir.Value:
+        """Dequantize a stored stream into one token-ordered tensor [B,H,N,D] in the compute dtype."""
+        ct, counts = self.compute_type, state.counts
+        if not state.tq.quantized:
+            return b.op("Cast", state.recent, to=ct)
+        codes = state.codes
+        if state.tq.format == "fp8_e4m3":  # see _quantize: float8 moves as fp16
+            codes = b.op("Cast", codes, to=ir.DataType.FLOAT16)
+        deq = self._dequantize(b, state.tq, codes, state.scales, state.zeros)
+        return self.ops.take(
+            [(b.op("Cast", state.sinks, to=ct), counts.sinks), (b.op("Cast", deq, to=ct), counts.quantized),
+             (b.op("Cast", state.recent, to=ct), counts.recent)],
             None, self.n1, self.total_len, ct,
         )
 
