@@ -123,3 +123,15 @@ def present_name(past_name: str) -> str:
     if direction != "past":
         raise ValueError(f"not a past cache tensor: {past_name}")
     return f"present.{rest}"
+
+
+#: Inside-graph values a validator may expose as extra outputs (post-RoPE q, and this call's k/v
+#: before they are stored), one set per layer. Every flavour names them the same way.
+PROBES = ("q", "key", "value")
+
+
+def probe_name(layer: int, which: str) -> str:
+    """Name of an attention input inside the graph (``probe.3.key``); see :data:`PROBES`."""
+    if which not in PROBES:
+        raise ValueError(f"probe must be one of {PROBES}, got {which!r}")
+    return f"probe.{layer}.{which}"

@@ -26,7 +26,7 @@ import onnx_ir as ir
 
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
-from kvq_export.naming import PARTS, cache_tensors, tensor_name
+from kvq_export.naming import PARTS, PROBES, cache_tensors, probe_name, tensor_name
 from kvq_export.reference.codec import int_levels
 from kvq_export.scheme import FP8_E4M3_MAX, KVQuantScheme, TensorQuant
 
@@ -48,6 +48,15 @@ class _Counts:
     sinks: ir.Value
     quantized: ir.Value
     recent: ir.Value
+
+
+def name_probes(b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> None:
+    """Stable names for attention's inputs, so a validator can expose them (:func:`naming.probe_name`).
+
+    Unused Identity nodes cost nothing: ONNX Runtime prunes them unless they are made outputs.
+    """
+    for which, value in zip(PROBES, (q, k, v)):
+        b.op("Identity", value).name = probe_name(layer, which)
 
 
 def facts_window(facts, layer: int) -> int | None:
@@ -210,6 +219,7 @@ class QuantizedCacheGraph:
     def attend(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
         """Store k/v, dequantize the cache and run grouped attention for ``q``."""
         key_tq, value_tq = self.scheme.for_layer(layer)
+        name_probes(b, layer, q, k, v)
         with b.scope(f"kv{layer}"):
             keys = self.read(b, self.store(b, layer, "key", key_tq, k))
             values = self.read(b, self.store(b, layer, "value", value_tq, v))
