@@ -227,6 +227,73 @@ class _TextStream:
 
 
 @cli.command()
+@click.argument("export_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--baseline", type=click.Path(exists=True, file_okay=False), default=None,
+              help="fp16 export of the same model (default: exported on the fly from the manifest's source).")
+@click.option("--corpus", default="britannica", show_default=True, help="Corpus name or text file.")
+@click.option("--windows", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--window-len", type=click.IntRange(2), default=512, show_default=True)
+@click.option("--chunk", type=click.IntRange(1), default=None,
+              help="Feed C tokens per step instead of strict one-token decode (faster, less strict).")
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Greedy-agreement prompts, one per line (default: a built-in set of 8).")
+@click.option("--gen-tokens", type=click.IntRange(0), default=64, show_default=True)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write every number here.")
+@click.option("--report", "report_out", type=click.Path(dir_okay=False), default=None,
+              help="Write a self-contained HTML report here.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def validate(export_dir, baseline, corpus, windows, window_len, chunk, prompts_file, gen_tokens, json_out,
+             report_out, quiet) -> None:
+    """Compare an export with its fp16 baseline: tokens, attention (key vs value error), memory, latency."""
+    from rich.table import Table
+
+    from kvq_export.validate import report
+    from kvq_export.validate.runner import DEFAULT_PROMPTS, ValidateConfig
+    from kvq_export.validate.runner import validate as run_validation
+
+    prompts = DEFAULT_PROMPTS
+    if prompts_file:
+        with open(prompts_file) as f:
+            prompts = tuple(line.rstrip("\n") for line in f if line.strip())
+    config = ValidateConfig(corpus=corpus, windows=windows, window_len=window_len, chunk=chunk, prompts=prompts,
+                            gen_tokens=gen_tokens)
+    result = run_validation(export_dir, baseline, config, progress=not quiet)
+    if json_out:
+        report.write_json(result, json_out)
+    if report_out:
+        report.write_html(result, report_out)
+    table = Table(title=f"kvq validate {export_dir} ({result['seconds']} s)", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for label, value in report.summary_rows(result):
+        table.add_row(label, value)
+    _console().print(table)
+
+
+@cli.command()
+@click.argument("dir_a", type=click.Path(exists=True, file_okay=False))
+@click.argument("dir_b", type=click.Path(exists=True, file_okay=False))
+@click.option("--logits-atol", type=float, default=1e-3, show_default=True)
+@click.option("--logits-rtol", type=float, default=1e-3, show_default=True)
+@click.option("--cache-atol", type=float, default=1e-3, show_default=True,
+              help="For the cache each export holds, decoded with its manifest.")
+@click.option("--cache-rtol", type=float, default=1e-3, show_default=True)
+@click.option("--steps", type=click.IntRange(0), default=4, show_default=True, help="Decode steps after prefill.")
+@click.option("--prompt-len", type=click.IntRange(1), default=48, show_default=True)
+@click.option("--batch", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def compare(dir_a, dir_b, logits_atol, logits_rtol, cache_atol, cache_rtol, steps, prompt_len, batch, seed) -> None:
+    """Run two exports through Polygraphy's Comparator; exit 1 when they differ beyond tolerance."""
+    from kvq_export.validate.compare import Tolerances, compare_exports
+
+    tol = Tolerances(logits_atol, logits_rtol, cache_atol, cache_rtol)
+    if not compare_exports(dir_a, dir_b, tol, prompt_len=prompt_len, batch=batch, steps=steps, seed=seed):
+        click.echo(f"error: {dir_a} and {dir_b} differ beyond tolerance", err=True)
+        raise SystemExit(1)
+    click.echo(f"{dir_a} and {dir_b} match within tolerance")
+
+
+@cli.command()
 @click.option("--model", "model_spec", default="smollm2", show_default=True)
 @click.option("--scheme", "scheme_spec", default="kivi-4", show_default=True, help="Quantized scheme to show.")
 @click.option("--prompt", default=None, help="Prompt text (default: a built-in ~130-token story opening, long "

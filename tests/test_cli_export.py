@@ -7,22 +7,12 @@ import subprocess
 import sys
 
 import pytest
-from tiny_models import VOCAB, tiny_model
-
-WORDS = [f"w{i}" for i in range(VOCAB - 1)]
+from tiny_models import WORDS, save_tiny_model_dir
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    tiny_model("llama").save_pretrained(path)
-    tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
-    return path
+    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
 def kvq(*args: str) -> subprocess.CompletedProcess:

@@ -43,3 +43,18 @@ def tiny_model(kind: str):
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
     return model
+
+
+WORDS = [f"w{i}" for i in range(VOCAB - 1)]
+
+
+def save_tiny_model_dir(path, kind: str = "llama"):
+    """Write a tiny model plus a word-level tokenizer (``w0 w1 ...``) as a Hugging Face directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tiny_model(kind).save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
+    return path

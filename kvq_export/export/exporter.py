@@ -89,6 +89,7 @@ def _model_facts(arch, config) -> dict[str, Any]:
         "vocab_size": arch.vocab_size,
         "max_position_embeddings": arch.max_positions,
         "tie_word_embeddings": arch.tie_word_embeddings,
+        "scaling": float(arch.scaling),
         "sliding_windows": [arch.layer_window(i) for i in range(arch.num_layers)],
         "rope": {"type": rope.rope_type, "attention_scaling": float(rope.attention_scaling),
                  "parameters": {k: v for k, v in arch.rope_parameters().items() if _jsonable(v)}},

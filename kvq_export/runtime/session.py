@@ -102,6 +102,9 @@ class KVQSession:
         self.past: list[CacheTensor] = self.manifest.cache("past")
         self._check_graph()
         self._outputs = ["logits", *(present_name(t.name) for t in self.past)]
+        #: extra graph outputs fetched by every step (validation probes), values left in ``last_extra``
+        self.extra_outputs: tuple[str, ...] = ()
+        self.last_extra: dict[str, np.ndarray] = {}
         self._tokenizer = None
 
     # -- contract checks ----------------------------------------------------------------------------------
@@ -181,8 +184,10 @@ class KVQSession:
         cache = self.empty_cache(input_ids.shape[0]) if cache is None else cache
         self.check_cache(cache, input_ids.shape[0])
         feeds = {"input_ids": _ort_value(input_ids, "int64"), "attention_mask": _ort_value(mask, "int64"), **cache}
-        outs = self.session.run_with_ort_values(self._outputs, feeds)
-        return outs[0].numpy(), {spec.name: value for spec, value in zip(self.past, outs[1:])}
+        outs = self.session.run_with_ort_values(self._outputs + list(self.extra_outputs), feeds)
+        count = len(self._outputs)
+        self.last_extra = {name: value.numpy() for name, value in zip(self.extra_outputs, outs[count:])}
+        return outs[0].numpy(), {spec.name: value for spec, value in zip(self.past, outs[1:count])}
 
     # -- text ---------------------------------------------------------------------------------------------
     @property

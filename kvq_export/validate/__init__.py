@@ -1,0 +1,1 @@
+"""Validation against the fp16 baseline: token behaviour, attention behaviour, memory and latency."""

@@ -1,0 +1,122 @@
+"""``kvq compare``: two export directories through Polygraphy's Comparator.
+
+Each export runs in a :class:`KVQRunner` (ONNX Runtime underneath, the cache carried from one
+iteration to the next exactly as a serving runtime would), fed the same tokens: a left-padded prefill
+and then single-token decode steps. Outputs compared per iteration: ``logits`` and, per layer, the
+cache each export holds decoded with only its manifest (``cache.<layer>.key`` / ``.value``, float32
+``[batch, kv_heads, tokens, head_dim]``, right-aligned), so exports of different schemes are
+comparable. Tolerances are per output: one pair for logits, one for the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Per-output tolerances (Polygraphy's ``max`` error statistic)."""
+
+    logits_atol: float = 1e-3
+    logits_rtol: float = 1e-3
+    cache_atol: float = 1e-3
+    cache_rtol: float = 1e-3
+
+
+def _runner_class():
+    from polygraphy.backend.base import BaseRunner
+    from polygraphy.common import TensorMetadata
+
+    class KVQRunner(BaseRunner):
+        """A Polygraphy runner over :class:`~kvq_export.runtime.session.KVQSession`."""
+
+        def __init__(self, directory: str | os.PathLike[str], name: str | None = None) -> None:
+            super().__init__(name=name or Path(directory).name, prefix="kvq-onnxrt-runner")
+            self.directory = Path(directory)
+
+        def activate_impl(self) -> None:
+            from kvq_export.manifest import load_static
+            from kvq_export.runtime.session import KVQSession
+
+            self.session = KVQSession(self.directory)
+            self.static = load_static(self.directory, self.session.manifest)
+            self.cache = None
+
+        def get_input_metadata_impl(self):
+            return (TensorMetadata().add("input_ids", np.int64, (-1, -1))
+                    .add("attention_mask", np.int64, (-1, -1)))
+
+        def infer_impl(self, feed_dict):
+            import time
+
+            start = time.perf_counter()
+            logits, self.cache = self.session.step(feed_dict["input_ids"], feed_dict["attention_mask"], self.cache)
+            self.inference_time = time.perf_counter() - start  # Polygraphy reports it
+            return {"logits": logits, **decoded_cache(self.session, self.cache, self.static)}
+
+        def deactivate_impl(self) -> None:
+            del self.session, self.cache
+
+    return KVQRunner
+
+
+def decoded_cache(session, cache, static) -> dict[str, np.ndarray]:
+    """The held cache decoded with only the manifest, as right-aligned [B, H, N, D] arrays per layer."""
+    from kvq_export.manifest import decode_cache
+
+    rows = decode_cache(session.manifest, session.cache_arrays(cache), direction="past", static=static)
+    out = {}
+    longest = max(k.shape[1] for k, _ in (row[0] for row in rows))
+    for layer in range(session.manifest.num_layers):
+        for index, part in enumerate(("key", "value")):
+            first = rows[0][layer][index]
+            array = np.zeros((len(rows), first.shape[0], longest, first.shape[2]), np.float32)
+            for b, row in enumerate(rows):
+                tensor = row[layer][index]
+                array[b, :, longest - tensor.shape[1]:] = tensor
+            out[f"cache.{layer}.{part}"] = array
+    return out
+
+
+def compare_feeds(vocab_size: int, *, prompt_len: int = 48, batch: int = 2, steps: int = 4,
+                  seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """A left-padded prefill then ``steps`` single-token decode feeds (token ids only)."""
+    from kvq_export.validate.feeds import prompt_batch
+
+    ids, mask = prompt_batch(vocab_size, prompt_len=prompt_len, batch=batch, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    feeds = [{"input_ids": ids, "attention_mask": mask}]
+    for _ in range(steps):
+        feeds.append({"input_ids": rng.integers(0, vocab_size, (batch, 1)).astype(np.int64),
+                      "attention_mask": np.ones((batch, 1), np.int64)})
+    return feeds
+
+
+def compare_exports(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str],
+                    tolerances: Tolerances | None = None, *, prompt_len: int = 48, batch: int = 2, steps: int = 4,
+                    seed: int = 0) -> bool:
+    """Run both exports through Polygraphy's Comparator; True when every output is within tolerance."""
+    from polygraphy.comparator import Comparator, CompareFunc
+
+    from kvq_export.errors import KVQError
+    from kvq_export.manifest import Manifest
+
+    tol = tolerances or Tolerances()
+    ma, mb = Manifest.load(dir_a), Manifest.load(dir_b)
+    for field in ("vocab_size", "num_layers", "num_kv_heads", "head_dim"):
+        if ma.model[field] != mb.model[field]:
+            raise KVQError(
+                f"{dir_a} and {dir_b} are different models ({field}: {ma.model[field]} vs {mb.model[field]})")
+    runner = _runner_class()
+    feeds = compare_feeds(int(ma.model["vocab_size"]), prompt_len=prompt_len, batch=batch, steps=steps, seed=seed)
+    results = Comparator.run([runner(dir_a), runner(dir_b)], data_loader=feeds)
+    compare = CompareFunc.simple(atol={"logits": tol.logits_atol, "": tol.cache_atol},
+                                 rtol={"logits": tol.logits_rtol, "": tol.cache_rtol}, check_error_stat="max")
+    return bool(Comparator.compare_accuracy(results, compare_func=compare))

@@ -1,0 +1,162 @@
+"""Validation output: the one-screen summary, the JSON file and a self-contained HTML report."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def _atomic_write(path: str | os.PathLike[str], text: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    return path
+
+
+def write_json(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Every number, as JSON (written atomically)."""
+    return _atomic_write(path, json.dumps(result, indent=2))
+
+
+def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, value) pairs of the one-screen summary."""
+    tok, att, mem, lat = result["token"], result["attention"], result["memory"], result["latency"]
+    greedy = tok["greedy"]
+    rows = [
+        ("scheme", f"{result['scheme'].get('name') or 'custom'} ({result['flavor']}) vs fp16 baseline"),
+        ("perplexity", f"{tok['perplexity']:.4f} vs {tok['perplexity_baseline']:.4f} "
+                       f"({100 * tok['perplexity_delta_rel']:+.3f}%, {tok['predictions']} predictions)"),
+        ("logit KL", f"mean {tok['kl']['mean']:.3g}, p99 {tok['kl']['p99']:.3g}, max {tok['kl']['max']:.3g}"),
+        ("top-1 agreement", f"{100 * tok['top1_agreement']:.2f}%"),
+    ]
+    if greedy.get("prompts"):
+        rows.append(("greedy", f"{greedy['mean_tokens_to_divergence']:.1f} tokens to divergence (mean), "
+                               f"{100 * greedy['identical_fraction']:.0f}% of {greedy['prompts']} prompts "
+                               f"identical over {greedy['tokens']}"))
+    if att.get("samples"):
+        s = att["summary"]
+        rows += [
+            ("attention (keys)", f"score shift mean {s['score_shift_mean']:.3g} / max {s['score_shift_max']:.3g}, "
+                                 f"KL {s['kl_keys']:.3g}, TV {s['tv_keys']:.3g}, top-1 {100 * s['top1_keys']:.1f}%, "
+                                 f"top-2 flips {100 * s['top2_flip']:.1f}%"),
+            ("output error", f"keys only {s['out_rel_keys']:.3g}, values only {s['out_rel_values']:.3g}, "
+                             f"both {s['out_rel_both']:.3g}"),
+            ("error split", f"key-induced {s['key_induced']:.3g}, value-induced {s['value_induced']:.3g}, "
+                            f"cross {s['cross_term']:.3g}"),
+            ("key error hurts most", ", ".join(f"L{t['layer']}H{t['head']} ({t['key_induced']:.3g}, MSE rank "
+                                               f"{t['mse_rank']})" for t in att["key_error_hurts_most"][:3])),
+            ("MSE vs attention rank", f"Spearman {att['rank_agreement_mse_vs_key_induced']:.2f} (key-induced), "
+                                      f"{att['rank_agreement_mse_vs_kl']:.2f} (KL)"),
+        ]
+    rows += [
+        ("memory", f"{mem['measured_bytes']} B held (predicted {mem['predicted_cache_state_bytes']}: "
+                   f"{'match' if mem['prediction_matches'] else 'MISMATCH'}), fp16 {mem['fp16_bytes']} B, "
+                   f"{mem['ratio']:.2f}x smaller, {mem['bits_per_element']:.3f} bits/element"),
+        ("decode latency", f"{lat['quantized']['median_ms']:.2f} ms vs {lat['baseline']['median_ms']:.2f} ms "
+                           f"median per step (batch {lat['batch']}), ratio {lat['ratio']:.2f}"),
+    ]
+    return rows
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _plots(result: dict[str, Any]) -> list[tuple[str, str]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    out = []
+    att = result["attention"]
+    if att.get("samples"):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, metric, title in zip(axes, ("key_induced", "value_induced"),
+                                     ("key-induced output error (a'-a)V", "value-induced output error a(V'-V)")):
+            grid = np.asarray(att["per_layer_head"][metric])
+            im = ax.imshow(grid, aspect="auto", cmap="viridis")
+            ax.set(title=title, xlabel="query head", ylabel="layer")
+            fig.colorbar(im, ax=ax)
+        out.append(("Per layer and head: key vs value error (relative to |o|)", _png(fig)))
+        plt.close(fig)
+        positions = sorted(int(p) for p in att["by_position"])
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for metric, label in (("out_rel_keys", "keys only"), ("out_rel_values", "values only"),
+                              ("out_rel_both", "both")):
+            ax.plot(positions, [att["by_position"][str(p)][metric] for p in positions], marker="o", label=label)
+        ax.set(xlabel="decode position", ylabel="attention output rel. error", title="Error vs position")
+        ax.legend()
+        out.append(("Attention output error vs position", _png(fig)))
+        plt.close(fig)
+    kl = result["token"].get("kl_by_position")
+    if kl:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(range(1, len(kl) + 1), kl)
+        ax.set(xlabel="position in window", ylabel="mean KL(baseline || quantized)", title="Logit KL vs position")
+        out.append(("Logit KL vs position", _png(fig)))
+        plt.close(fig)
+    curve = result["memory"]["curve"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([c["seq_len"] for c in curve], [c["bytes"] / 2**20 for c in curve], marker="o", label="quantized")
+    ax.plot([c["seq_len"] for c in curve], [c["fp16_bytes"] / 2**20 for c in curve], marker="o", label="fp16")
+    ax.set(xscale="log", xlabel="sequence length", ylabel="cache MiB (batch 1)", title="Memory vs sequence length")
+    ax.legend()
+    out.append(("Cache memory vs sequence length", _png(fig)))
+    plt.close(fig)
+    return out
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def write_html(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """One self-contained HTML file (plots embedded as PNG data URIs)."""
+    att, lat, mem = result["attention"], result["latency"], result["memory"]
+    parts = [
+        "<!doctype html><meta charset='utf-8'><title>kvq validation</title>",
+        "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse;"
+        "margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#eee}</style>",
+        f"<h1>kvq validation: {html.escape(str(result['scheme'].get('name') or 'custom'))}</h1>",
+        f"<p>export <code>{html.escape(result['export'])}</code> vs baseline "
+        f"<code>{html.escape(result['baseline'])}</code>, {result['seconds']} s</p>",
+        "<h2>Summary</h2>", _table(["", ""], [list(r) for r in summary_rows(result)]),
+    ]
+    if att.get("samples"):
+        parts += ["<h2>Layers/heads where key error hurts most</h2>",
+                  _table(["layer", "head", "key-induced", "out err (keys only)", "attention KL", "key MSE",
+                          "MSE rank"],
+                         [[t["layer"], t["head"], t["key_induced"], t["out_rel_keys"], t["kl_keys"], t["key_mse"],
+                           t["mse_rank"]] for t in att["key_error_hurts_most"]])]
+    parts += ["<h2>Latency</h2>",
+              _table(["context", "quantized median ms", "p10", "p90", "baseline median ms", "ratio"],
+                     [[f"{b['context_from']}-{b['context_to']}", b["quantized"]["median_ms"], b["quantized"]["p10_ms"],
+                       b["quantized"]["p90_ms"], b["baseline"]["median_ms"], b["ratio"]] for b in lat["buckets"]]),
+              "<h2>Memory</h2>",
+              _table(["part", "bytes"], [[k, v] for k, v in mem["breakdown"].items()]
+                     + [["total (predicted)", mem["predicted_bytes"]], ["measured cache state", mem["measured_bytes"]],
+                        ["fp16", mem["fp16_bytes"]]])]
+    for title, png in _plots(result):
+        parts.append(f"<h2>{html.escape(title)}</h2><img src='data:image/png;base64,{png}'>")
+    return _atomic_write(path, "\n".join(parts))

@@ -1,0 +1,313 @@
+"""``validate()``: run an export and its fp16 baseline side by side on real text, on ONNX Runtime.
+
+One lockstep pass over N windows of L tokens (the windows are the rows of one batch) gives every
+number: strict-decode perplexity (one token per step, so every prediction attends to the stored
+cache), per-position logit KL and top-1 agreement, attention behaviour at sampled decode positions
+(q and this step's exact K/V come from the quantized graph's own probes, K̂/V̂ from its stored cache
+decoded with only the manifest), the cache bytes held vs the memory model, and decode-step latency of
+both graphs measured alternately. Free-running greedy generation on a prompt set adds
+tokens-to-divergence.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvq_export.errors import KVQError
+from kvq_export.validate.attention import METRICS, AttentionSample, attention_metrics, rank_agreement
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PROMPTS = (
+    "Once upon a time",
+    "The capital of France is",
+    "In a small village at the foot of the mountains, there lived an old clockmaker who",
+    "The three most important inventions of the nineteenth century were",
+    "Photosynthesis is the process by which",
+    "def fibonacci(n):",
+    "The recipe calls for two cups of flour, one egg and",
+    "When the war ended, the soldiers returned home to find",
+)
+
+
+@dataclass(frozen=True)
+class ValidateConfig:
+    """What to run; the defaults are the issue's 8 x 512 strict decode on the britannica text."""
+
+    corpus: str = "britannica"
+    windows: int = 8
+    window_len: int = 512
+    offset: int = 0  # tokens skipped at the start of the corpus
+    chunk: int | None = None  # None = strict decode (one token per step)
+    prompts: tuple[str, ...] = DEFAULT_PROMPTS
+    gen_tokens: int = 64
+    attention_samples: int = 4  # decode positions per window for the attention analysis
+    top_k: int = 8
+    latency_buckets: int = 4  # context-length buckets for the latency table
+
+
+def _logsoftmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def _stats(values: list[float] | np.ndarray) -> dict[str, float]:
+    v = np.asarray(values, dtype=np.float64)
+    if v.size == 0:
+        return {"mean": float("nan"), "p99": float("nan"), "max": float("nan")}
+    return {"mean": float(v.mean()), "p99": float(np.percentile(v, 99)), "max": float(v.max())}
+
+
+def _timing(ms: list[float]) -> dict[str, float]:
+    v = np.asarray(ms, dtype=np.float64)
+    return {"median_ms": float(np.median(v)), "p10_ms": float(np.percentile(v, 10)),
+            "p90_ms": float(np.percentile(v, 90)), "steps": int(v.size)}
+
+
+@dataclass
+class _Accumulator:
+    nll: list[np.ndarray] = field(default_factory=list)
+    nll_base: list[np.ndarray] = field(default_factory=list)
+    kl: list[np.ndarray] = field(default_factory=list)
+    top1: list[np.ndarray] = field(default_factory=list)
+    times: dict[str, list[tuple[int, float]]] = field(default_factory=lambda: defaultdict(list))
+    attention: list[tuple[int, int, dict[str, np.ndarray]]] = field(default_factory=list)  # (layer, pos, metrics)
+
+
+def resolve_baseline(manifest, baseline: str | os.PathLike[str] | None) -> Path:
+    """The fp16 baseline directory: given, or exported on the fly from the manifest's model source."""
+    if baseline is not None:
+        return Path(baseline)
+    source = manifest.model.get("source")
+    if not source:
+        raise KVQError("this export does not record its model source; pass --baseline DIR (an fp16 export)")
+    from kvq_export.demo import ensure_export
+    from kvq_export.model_source import cache_root
+
+    return ensure_export(source, "fp16", cache_root() / "exports")
+
+
+def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike[str] | None = None,
+             config: ValidateConfig | None = None, *, progress: bool = True) -> dict[str, Any]:
+    """Run the whole validation; return every number as a JSON-ready dict."""
+    from kvq_export.corpus import load_corpus, token_windows
+    from kvq_export.runtime.session import KVQSession
+    from kvq_export.validate.probe import probed_session
+
+    config = config or ValidateConfig()
+    quant = probed_session(export_dir)
+    base_dir = resolve_baseline(quant.manifest, baseline_dir)
+    base = KVQSession(base_dir)
+    if base.manifest.model.get("vocab_size") != quant.manifest.model.get("vocab_size") or \
+            base.manifest.num_layers != quant.manifest.num_layers:
+        raise KVQError(f"baseline {base_dir} is not the same model as {export_dir}")
+    tokens = np.asarray(token_windows(quant.tokenizer, load_corpus(config.corpus), config.windows,
+                                      config.window_len, offset=config.offset), dtype=np.int64)
+    start = time.perf_counter()
+    acc, quant_cache = _lockstep(quant, base, tokens, config, progress)
+    greedy = _greedy(quant, base, config)
+    result = {
+        "export": str(export_dir),
+        "baseline": str(base_dir),
+        "scheme": quant.manifest.scheme.to_dict(),
+        "model": {k: quant.manifest.model.get(k) for k in ("source", "model_type", "num_layers", "num_heads",
+                                                             "num_kv_heads", "head_dim")},
+        "flavor": quant.manifest.flavor,
+        "config": {**asdict(config), "prompts": list(config.prompts)},
+        "token": _token_section(acc, greedy),
+        "attention": _attention_section(acc, quant.manifest),
+        "memory": _memory_section(quant, base, quant_cache, tokens.shape),
+        "latency": _latency_section(acc, config),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    return result
+
+
+def _lockstep(quant, base, tokens: np.ndarray, config: ValidateConfig, progress: bool):
+    """Feed the windows through both graphs; collect token metrics, attention samples and timings."""
+    from kvq_export.manifest import load_static
+
+    n_rows, length = tokens.shape
+    step = config.chunk or 1
+    manifest = quant.manifest
+    hp = np.float16 if manifest.scheme.hp_dtype == "fp16" else np.float32
+    scaling = float(manifest.model.get("scaling") or int(manifest.model["head_dim"]) ** -0.5)
+    static = load_static(quant.directory, manifest)
+    layers = manifest.num_layers
+    sample_at = set(np.linspace(length // config.attention_samples, length - 1, config.attention_samples,
+                                dtype=int).tolist()) if config.attention_samples else set()
+    exact: dict[tuple[int, str], list[np.ndarray]] = defaultdict(list)
+    acc = _Accumulator()
+    q_cache = b_cache = None
+    bar = _progress(progress, total=length, desc=f"validate {manifest.scheme.name or 'custom'}")
+    for begin in range(0, length, step):
+        chunk = tokens[:, begin:begin + step]
+        end = begin + chunk.shape[1]
+        order = (("quant", quant), ("base", base)) if (begin // step) % 2 == 0 else (("base", base), ("quant", quant))
+        out = {}
+        for name, session in order:  # alternate who goes first: neither profits from a warm cache
+            cache = q_cache if name == "quant" else b_cache
+            t0 = time.perf_counter()
+            logits, cache = session.step(chunk, None, cache)
+            acc.times[name].append((end, (time.perf_counter() - t0) * 1e3))
+            out[name] = logits
+            if name == "quant":
+                q_cache = cache
+            else:
+                b_cache = cache
+        for layer in range(layers):
+            for part in ("key", "value"):
+                exact[layer, part].append(quant.last_extra[f"probe.{layer}.{part}"].astype(hp).astype(np.float32))
+        # predictions for positions begin+1 .. end (the last of the window has no target)
+        targets = tokens[:, begin + 1:end + 1]
+        usable = targets.shape[1]
+        lq, lb = _logsoftmax(out["quant"][:, :usable]), _logsoftmax(out["base"][:, :usable])
+        rows = np.arange(n_rows)[:, None]
+        cols = np.arange(usable)[None, :]
+        acc.nll.append(-lq[rows, cols, targets])
+        acc.nll_base.append(-lb[rows, cols, targets])
+        acc.kl.append(np.sum(np.exp(lb) * (lb - lq), axis=-1))
+        acc.top1.append(lq.argmax(-1) == lb.argmax(-1))
+        if sample_at & set(range(begin, end)):
+            _sample_attention(acc, quant, q_cache, exact, end - 1, scaling, config, static)
+        bar.update(chunk.shape[1])
+    bar.close()
+    return acc, q_cache
+
+
+def _sample_attention(acc, quant, cache, exact, position, scaling, config, static):
+    """Attention metrics of the last query of this step, every layer and row, against the stored cache."""
+    from kvq_export.manifest import decode_cache
+
+    decoded = decode_cache(quant.manifest, quant.cache_arrays(cache), direction="past", static=static)
+    for layer in range(quant.manifest.num_layers):
+        q = quant.last_extra[f"probe.{layer}.q"][:, :, -1].astype(np.float64)  # [B, Hq, D]
+        keys = np.concatenate(exact[layer, "key"], axis=2)
+        values = np.concatenate(exact[layer, "value"], axis=2)
+        for row in range(q.shape[0]):
+            k_hat, v_hat = decoded[row][layer]
+            n = k_hat.shape[1]
+            sample = AttentionSample(q[row], keys[row, :, :n], values[row, :, :n], k_hat, v_hat, scaling)
+            acc.attention.append((layer, position, attention_metrics(sample, top_k=config.top_k)))
+
+
+def _greedy(quant, base, config: ValidateConfig) -> dict[str, Any]:
+    if not config.prompts or not config.gen_tokens:
+        return {"prompts": 0}
+    got = quant.generate(list(config.prompts), config.gen_tokens, stop_at_eos=False)
+    ref = base.generate(list(config.prompts), config.gen_tokens, stop_at_eos=False)
+    agree = [next((i for i, (a, b) in enumerate(zip(g.tokens, r.tokens)) if a != b), len(r.tokens))
+             for g, r in zip(got, ref)]
+    return {"prompts": len(agree), "tokens": config.gen_tokens, "tokens_to_divergence": agree,
+            "mean_tokens_to_divergence": float(np.mean(agree)),
+            "identical_fraction": float(np.mean([a == config.gen_tokens for a in agree]))}
+
+
+def _token_section(acc: _Accumulator, greedy: dict) -> dict[str, Any]:
+    nll = np.concatenate(acc.nll, axis=1)
+    nll_base = np.concatenate(acc.nll_base, axis=1)
+    kl = np.concatenate(acc.kl, axis=1)
+    ppl, ppl_base = float(np.exp(nll.mean())), float(np.exp(nll_base.mean()))
+    return {
+        "perplexity": ppl,
+        "perplexity_baseline": ppl_base,
+        "perplexity_delta_rel": ppl / ppl_base - 1.0,
+        "predictions": int(nll.size),
+        "kl": _stats(kl.ravel()),
+        "kl_by_position": kl.mean(axis=0).tolist(),
+        "top1_agreement": float(np.concatenate(acc.top1, axis=1).mean()),
+        "greedy": greedy,
+    }
+
+
+def _attention_section(acc: _Accumulator, manifest) -> dict[str, Any]:
+    if not acc.attention:
+        return {"samples": 0}
+    layers, heads = manifest.num_layers, int(manifest.model["num_heads"])
+    grid = {m: np.zeros((layers, heads)) for m in METRICS}
+    counts = np.zeros(layers)
+    by_position: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for layer, position, metrics in acc.attention:
+        counts[layer] += 1
+        for m in METRICS:
+            grid[m][layer] += metrics[m]
+        for m in ("out_rel_keys", "out_rel_values", "out_rel_both", "kl_keys"):
+            by_position[position][m].append(float(np.mean(metrics[m])))
+    for m in METRICS:
+        grid[m] /= np.maximum(counts, 1)[:, None]
+    hurt = grid["key_induced"].ravel()
+    mse = grid["key_mse"].ravel()
+    order = np.argsort(-hurt)
+    mse_rank = np.argsort(np.argsort(-mse))
+    top = [{"layer": int(i // heads), "head": int(i % heads), "key_induced": float(hurt[i]),
+            "out_rel_keys": float(grid["out_rel_keys"].ravel()[i]), "kl_keys": float(grid["kl_keys"].ravel()[i]),
+            "key_mse": float(mse[i]), "mse_rank": int(mse_rank[i]) + 1} for i in order[:10]]
+    summary = {m: float(np.mean(grid[m])) for m in METRICS}
+    return {
+        "samples": len(acc.attention),
+        "summary": summary,
+        "per_layer_head": {m: grid[m].tolist() for m in METRICS},
+        "by_position": {str(p): {m: float(np.mean(v)) for m, v in ms.items()} for p, ms in sorted(by_position.items())},
+        "key_error_hurts_most": top,
+        "rank_agreement_mse_vs_key_induced": rank_agreement(mse, hurt),
+        "rank_agreement_mse_vs_kl": rank_agreement(mse, grid["kl_keys"].ravel()),
+    }
+
+
+def _memory_section(quant, base, cache, shape) -> dict[str, Any]:
+    from kvq_export.memory import Geometry, curve, predict
+
+    rows, length = shape
+    m = quant.manifest.model
+    geo = Geometry(int(m["num_layers"]), int(m["num_kv_heads"]), int(m["head_dim"]))
+    scheme = quant.manifest.scheme
+    report = predict(scheme, geo, length, rows)
+    static = (report.breakdown["scales"] + report.breakdown["zero_points"]) if scheme.has_static_scales else 0
+    measured = quant.cache_nbytes(cache)
+    lengths = sorted({64, 128, 256, 512, 1024, 2048, 4096, 8192, length})
+    return {
+        "seq_len": length, "batch": rows,
+        "predicted_bytes": report.total_bytes,
+        "predicted_cache_state_bytes": report.total_bytes - static,  # static scales live in the graph
+        "measured_bytes": measured,
+        "prediction_matches": measured == report.total_bytes - static,
+        "fp16_bytes": report.fp16_bytes,
+        "ratio": report.ratio,
+        "bits_per_element": report.bits_per_element,
+        "breakdown": report.breakdown,
+        "curve": [{"seq_len": r.seq_len, "bytes": r.total_bytes, "fp16_bytes": r.fp16_bytes}
+                  for r in curve(scheme, geo, lengths)],
+    }
+
+
+def _latency_section(acc: _Accumulator, config: ValidateConfig) -> dict[str, Any]:
+    length = max(pos for pos, _ in acc.times["quant"])
+    edges = np.linspace(0, length, config.latency_buckets + 1)
+    buckets = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        q = [ms for pos, ms in acc.times["quant"][1:] if lo < pos <= hi]  # first step excluded: warm-up
+        b = [ms for pos, ms in acc.times["base"][1:] if lo < pos <= hi]
+        if q and b:
+            tq, tb = _timing(q), _timing(b)
+            buckets.append({"context_from": int(lo), "context_to": int(hi), "quantized": tq, "baseline": tb,
+                            "ratio": tq["median_ms"] / tb["median_ms"]})
+    overall_q = _timing([ms for _, ms in acc.times["quant"][1:]])
+    overall_b = _timing([ms for _, ms in acc.times["base"][1:]])
+    return {"buckets": buckets, "quantized": overall_q, "baseline": overall_b,
+            "ratio": overall_q["median_ms"] / overall_b["median_ms"], "batch": config.windows,
+            "tokens_per_step": config.chunk or 1}
+
+
+def _progress(enabled: bool, total: int, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, leave=False)

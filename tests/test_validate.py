@@ -1,0 +1,221 @@
+"""Validation: analytic attention cases, end-to-end on tiny exports, kvq compare, Polygraphy commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_models import WORDS, save_tiny_model_dir, tiny_model
+
+from kvq_export.export.exporter import export
+from kvq_export.scheme import KVQuantScheme, TensorQuant
+from kvq_export.validate.attention import METRICS, AttentionSample, attention_metrics, rank_agreement
+from kvq_export.validate.runner import ValidateConfig, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- analytic cases on the metric definitions -------------------------------------------------------------
+def _sample(seed, hq=6, hkv=2, n=40, d=16, key_noise=0.0, value_noise=0.0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((hq, d))
+    k, v = rng.standard_normal((hkv, n, d)), rng.standard_normal((hkv, n, d))
+    return AttentionSample(q, k, v, k + key_noise * rng.standard_normal(k.shape),
+                           v + value_noise * rng.standard_normal(v.shape), d**-0.5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31), noise=st.floats(1e-3, 0.5))
+def test_values_only_leaves_attention_probabilities_unchanged(seed, noise):
+    m = attention_metrics(_sample(seed, value_noise=noise))
+    for name in ("score_shift_max", "kl_keys", "tv_keys", "key_induced", "out_rel_keys", "cross_term"):
+        assert np.all(m[name] == 0), name
+    assert np.all(m["top1_keys"] == 1) and np.all(m["top2_flip"] == 0)
+    assert np.all(m["value_induced"] > 0)
+    assert np.allclose(m["out_rel_values"], m["out_rel_both"])
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31), noise=st.floats(1e-3, 0.5))
+def test_keys_only_has_no_value_induced_term(seed, noise):
+    m = attention_metrics(_sample(seed, key_noise=noise))
+    assert np.all(m["value_induced"] == 0) and np.all(m["cross_term"] == 0) and np.all(m["value_mse"] == 0)
+    assert np.all(m["key_induced"] > 0)
+    assert np.allclose(m["out_rel_keys"], m["key_induced"]) and np.allclose(m["out_rel_keys"], m["out_rel_both"])
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31), kn=st.floats(1e-3, 1.0), vn=st.floats(1e-3, 1.0))
+def test_key_value_and_cross_terms_reconstruct_the_total(seed, kn, vn):
+    m = attention_metrics(_sample(seed, key_noise=kn, value_noise=vn))
+    assert np.all(m["decomposition_residual"] < 1e-12)
+    # triangle inequality on the relative norms
+    assert np.all(m["out_rel_both"] <= m["key_induced"] + m["value_induced"] + m["cross_term"] + 1e-12)
+
+
+def test_no_quantization_is_zero_everywhere():
+    m = attention_metrics(_sample(3))
+    for name in METRICS:
+        if name in ("top1_keys", "topk_keys"):
+            assert np.all(m[name] == 1)
+        elif name == "margin":
+            assert np.all(m[name] >= 0)
+        else:
+            assert np.all(m[name] == 0), name
+
+
+def test_top2_flip_detects_a_swapped_order():
+    s = _sample(5, n=3)
+    scores = np.einsum("hd,hnd->hn", s.q[:2], s.keys[:1].repeat(2, 0))
+    assert scores.shape == (2, 3)
+    k_hat = s.keys.copy()
+    k_hat[:, [0, 1, 2]] = k_hat[:, [2, 1, 0]]  # permuting keys changes which key scores highest
+    m = attention_metrics(AttentionSample(s.q, s.keys, s.values, k_hat, s.values, s.scaling))
+    assert m["top1_keys"].mean() < 1 or m["top2_flip"].mean() > 0
+
+
+def test_rank_agreement():
+    assert rank_agreement(np.array([1, 2, 3.0]), np.array([10, 20, 30.0])) == pytest.approx(1.0)
+    assert rank_agreement(np.array([1, 2, 3.0]), np.array([3, 2, 1.0])) == pytest.approx(-1.0)
+
+
+# -- end to end on tiny exports -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("validate")
+    model_dir = save_tiny_model_dir(root / "tiny-llama")
+    random.seed(0)
+    corpus = root / "words.txt"
+    corpus.write_text(" ".join(random.choice(WORDS) for _ in range(4000)))
+    fp16 = TensorQuant.fp16()
+    schemes = {
+        "fp16": "fp16",
+        "kivi-2": "kivi-2",
+        "q4_0": "q4_0",
+        "values-only": KVQuantScheme(key=fp16, value=TensorQuant(format="int", bits=2, group_size=32), name="vo"),
+        "keys-only": KVQuantScheme(key=TensorQuant(format="int", bits=2, group_size=32), value=fp16, name="ko"),
+    }
+    dirs = {name: export(str(model_dir), scheme, root / name) for name, scheme in schemes.items()}
+    return {"root": root, "model_dir": model_dir, "corpus": corpus, **dirs}
+
+
+def _config(tiny, **kw):
+    base = dict(corpus=str(tiny["corpus"]), windows=3, window_len=96, prompts=("w1 w2 w3", "w7"), gen_tokens=12,
+                attention_samples=3)
+    return ValidateConfig(**{**base, **kw})
+
+
+def test_values_only_scheme_leaves_attention_unchanged_on_the_real_graph(tiny):
+    r = validate(tiny["values-only"], tiny["fp16"], _config(tiny), progress=False)
+    s = r["attention"]["summary"]
+    assert r["attention"]["samples"] == 3 * 3 * 2  # positions x windows x layers
+    assert s["kl_keys"] == 0 and s["score_shift_max"] == 0 and s["key_induced"] == 0 and s["top1_keys"] == 1
+    assert s["value_induced"] > 0
+
+
+def test_keys_only_scheme_has_no_value_induced_term_on_the_real_graph(tiny):
+    r = validate(tiny["keys-only"], tiny["fp16"], _config(tiny), progress=False)
+    s = r["attention"]["summary"]
+    assert s["value_induced"] == 0 and s["cross_term"] == 0 and s["key_induced"] > 0 and s["score_shift_max"] > 0
+    assert s["decomposition_residual"] < 1e-12
+
+
+def test_no_quantization_gives_zero_everywhere(tiny):
+    r = validate(tiny["fp16"], tiny["fp16"], _config(tiny), progress=False)
+    tok, s = r["token"], r["attention"]["summary"]
+    assert tok["perplexity"] == tok["perplexity_baseline"] and tok["kl"]["max"] == 0 and tok["top1_agreement"] == 1
+    assert tok["greedy"]["identical_fraction"] == 1
+    for name in ("key_mse", "value_mse", "score_shift_max", "kl_keys", "out_rel_both", "key_induced",
+                 "value_induced"):
+        assert s[name] == 0, name
+    assert r["memory"]["prediction_matches"] and r["memory"]["ratio"] == 1
+
+
+def test_strict_decode_perplexity_equals_pytorch_full_forward(tiny):
+    import dataclasses
+
+    from kvq_export.corpus import load_corpus, token_windows
+    from kvq_export.presets import get_preset
+    from kvq_export.runtime.session import KVQSession
+
+    fp32 = export(str(tiny["model_dir"]), dataclasses.replace(get_preset("fp16"), hp_dtype="fp32", name="fp32"),
+                  tiny["root"] / "fp32")
+    r = validate(tiny["kivi-2"], fp32, _config(tiny, attention_samples=0), progress=False)
+    windows = token_windows(KVQSession(fp32).tokenizer, load_corpus(str(tiny["corpus"])), 3, 96)
+    model = tiny_model("llama")
+    with torch.no_grad():
+        logits = model(torch.tensor(windows)).logits.double()
+    nll = -torch.log_softmax(logits[:, :-1], -1).gather(-1, torch.tensor(windows)[:, 1:, None]).mean()
+    assert r["token"]["perplexity_baseline"] == pytest.approx(float(torch.exp(nll)), rel=1e-4)
+
+
+def test_quantized_validation_reports_every_section(tiny, tmp_path):
+    from kvq_export.validate.report import summary_rows, write_html, write_json
+
+    r = validate(tiny["kivi-2"], tiny["fp16"], _config(tiny, window_len=200), progress=False)
+    assert r["attention"]["summary"]["key_mse"] > 0  # keys past the 128-token window got quantized
+    assert r["memory"]["prediction_matches"] and r["memory"]["measured_bytes"] < r["memory"]["fp16_bytes"]
+    assert len(r["latency"]["buckets"]) == 4 and r["latency"]["ratio"] > 0
+    assert len(r["attention"]["key_error_hurts_most"]) == 8  # 2 layers x 4 heads, top 10 capped
+    json.loads(write_json(r, tmp_path / "r.json").read_text())
+    page = write_html(r, tmp_path / "r.html").read_text()
+    assert page.count("data:image/png;base64,") == 4 and "key error hurts most" in page.lower()
+    assert len(summary_rows(r)) >= 10
+
+
+def test_baseline_is_exported_on_the_fly(tiny, monkeypatch, tmp_path):
+    monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path))
+    r = validate(tiny["q4_0"], None, _config(tiny, attention_samples=0, gen_tokens=0), progress=False)
+    assert Path(r["baseline"]).parent == tmp_path / "exports" and r["token"]["perplexity_baseline"] > 0
+
+
+# -- kvq compare and the plain Polygraphy commands ----------------------------------------------------------
+def _kvq(*args):
+    return subprocess.run([sys.executable, "-m", "kvq_export.cli", *args], capture_output=True, text=True)
+
+
+def test_kvq_compare_passes_on_itself_and_fails_on_a_perturbed_export(tiny, tmp_path):
+    import onnx
+    from onnx import numpy_helper
+
+    assert _kvq("compare", str(tiny["q4_0"]), str(tiny["q4_0"])).returncode == 0
+    perturbed = tmp_path / "perturbed"
+    shutil.copytree(tiny["q4_0"], perturbed)
+    model = onnx.load(str(perturbed / "model.onnx"))
+    weight = next(t for t in model.graph.initializer if "layers.1.self_attn.k_proj" in t.name)
+    array = numpy_helper.to_array(weight).copy()
+    array[:, :3] *= 1.05  # a 5% error in three output channels of one projection
+    weight.CopyFrom(numpy_helper.from_array(array, weight.name))
+    onnx.save(model, str(perturbed / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
+    proc = _kvq("compare", str(tiny["q4_0"]), str(perturbed))
+    assert proc.returncode == 1 and "differ beyond tolerance" in proc.stderr
+
+
+def test_readme_polygraphy_commands(tiny, tmp_path):
+    polygraphy = str(Path(sys.executable).parent / "polygraphy")
+    loader = str(ROOT / "tools" / "polygraphy_data_loader.py")
+
+    def run(directory, *extra):
+        env = {**os.environ, "KVQ_EXPORT": str(directory)}
+        return subprocess.run([polygraphy, "run", str(Path(directory) / "model.onnx"), "--onnxrt", "--onnx-outputs",
+                               "logits", "--data-loader-script", loader, *extra], capture_output=True, text=True,
+                              env=env, cwd=tmp_path)
+
+    base = run(tiny["fp16"], "--save-outputs", "fp16.json")
+    assert base.returncode == 0, base.stderr[-2000:]
+    loose = run(tiny["q4_0"], "--load-outputs", "fp16.json", "--atol", "0.5", "--rtol", "0",
+                "--check-error-stat", "max")
+    assert loose.returncode == 0, (loose.stdout + loose.stderr)[-2000:]
+    tight = run(tiny["q4_0"], "--load-outputs", "fp16.json", "--atol", "1e-4", "--rtol", "0",
+                "--check-error-stat", "max")
+    assert tight.returncode == 1
