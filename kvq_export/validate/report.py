@@ -84,10 +84,11 @@ def _plots(result: dict[str, Any]) -> list[tuple[str, str]]:
     att = result["attention"]
     if att.get("samples"):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for ax, metric, title in zip(axes, ("key_induced", "value_induced"),
+        grids = {m: np.asarray(att["per_layer_head"][m]) for m in ("key_induced", "value_induced")}
+        top = max(float(g.max()) for g in grids.values()) or 1.0  # one colour scale: the two are comparable
+        for ax, metric, title in zip(axes, grids,
                                      ("key-induced output error (a'-a)V", "value-induced output error a(V'-V)")):
-            grid = np.asarray(att["per_layer_head"][metric])
-            im = ax.imshow(grid, aspect="auto", cmap="viridis")
+            im = ax.imshow(grids[metric], aspect="auto", cmap="viridis", vmin=0, vmax=top)
             ax.set(title=title, xlabel="query head", ylabel="layer")
             fig.colorbar(im, ax=ax)
         out.append(("Per layer and head: key vs value error (relative to |o|)", _png(fig)))
