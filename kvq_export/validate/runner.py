@@ -193,10 +193,13 @@ def _sample_attention(acc, quant, cache, exact, position, scaling, config, stati
         q = quant.last_extra[f"probe.{layer}.q"][:, :, -1].astype(np.float64)  # [B, Hq, D]
         keys = np.concatenate(exact[layer, "key"], axis=2)
         values = np.concatenate(exact[layer, "value"], axis=2)
+        window = (quant.manifest.model.get("sliding_windows") or [None] * (layer + 1))[layer]
         for row in range(q.shape[0]):
             k_hat, v_hat = decoded[row][layer]
             n = k_hat.shape[1]
-            sample = AttentionSample(q[row], keys[row, :, :n], values[row, :, :n], k_hat, v_hat, scaling)
+            seen = slice(max(0, n - window) if window else 0, n)  # a sliding-window layer sees its last keys
+            sample = AttentionSample(q[row], keys[row, :, seen], values[row, :, seen], k_hat[:, seen],
+                                     v_hat[:, seen], scaling)
             acc.attention.append((layer, position, attention_metrics(sample, top_k=config.top_k)))
 
 
