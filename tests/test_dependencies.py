@@ -46,3 +46,27 @@ def test_every_cli_help_without_gpu_stacks():
         "assert not sys.modules.get('torch'), 'help imported torch'\n"
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_every_kvq_plugins_module_imports_without_gpu_stacks():
+    """The kernels and the TensorRT plugin import triton / tensorrt only when a kernel runs or a plugin registers."""
+    import kvq_plugins
+
+    names = [m.name for m in pkgutil.walk_packages(kvq_plugins.__path__, "kvq_plugins.")]
+    assert {"kvq_plugins.triton_kernels", "kvq_plugins.trt_plugin", "kvq_plugins.attention"} <= set(names)
+    proc = _python("import importlib\n" + "".join(f"importlib.import_module({n!r})\n" for n in names)
+                   + "import kvq_export.trt, kvq_export.export.trt_flavor\n"
+                   + "assert not any(sys.modules.get(m) for m in ('triton', 'tensorrt')), 'a GPU stack was imported'\n")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_pyproject_lists_every_package():
+    """pyproject lists packages explicitly (plugins/ installs as kvq_plugins): a new subpackage must be added."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "kvq_export").rglob("__init__.py")}
+    assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
+    assert "kvq_plugins" in listed

@@ -59,6 +59,11 @@ def name_probes(b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Val
         b.op("Identity", value).name = probe_name(layer, which)
 
 
+def static_name(layer: int, part: str, role: str) -> str:
+    """Initializer holding a static-scale stream's calibrated ``scales`` / ``zero_points`` (``static.0.key.scales``)."""
+    return f"static.{layer}.{part}.{role}"
+
+
 def facts_window(facts, layer: int) -> int | None:
     """Sliding window of ``layer`` (None: full causal attention)."""
     return facts.window(layer)
@@ -343,10 +348,10 @@ class QuantizedCacheGraph:
             return made
         meta = self.static[layer][part]
         sdtype = _NP_FLOAT[tq.scale_dtype]
-        scales = b.initializer(f"static.{layer}.{part}.scales", np.asarray(meta["scales"], dtype=sdtype))
+        scales = b.initializer(static_name(layer, part, "scales"), np.asarray(meta["scales"], dtype=sdtype))
         zeros = None
         if tq.has_zero_point:
-            zeros = b.initializer(f"static.{layer}.{part}.zero_points",
+            zeros = b.initializer(static_name(layer, part, "zero_points"),
                                   np.asarray(meta["zero_points"], dtype=sdtype))
         self._static_values[(layer, part)] = (scales, zeros)
         return scales, zeros

@@ -1,0 +1,73 @@
+"""The ``trt`` export flavour: the reference cache update, then one TensorRT plugin node per layer.
+
+Per layer, :meth:`QuantizedCacheGraph.store` appends the new tokens with standard ONNX ops exactly as in
+the reference flavour (so the cache inputs/outputs and the stored state are identical), and instead of
+dequantizing the whole cache and running attention in the graph, one node calls the fused kernel:
+``op_type`` = plugin name, ``domain`` = plugin namespace, the plugin attributes plus
+``plugin_namespace`` and ``aot`` (TensorRT's ONNX parser maps such a node to the registered
+``tensorrt.plugin``), all from :func:`kvq_export.trt.signature.plugin_signature`.
+
+The model carries no local function body for the plugin op: TensorRT's parser would inline a body instead
+of calling the plugin. ONNX Runtime therefore cannot run this flavour; compare it with the reference
+flavour through TensorRT (:func:`kvq_export.trt.compare_with_onnxruntime`).
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from kvq_export.export.builder import GraphBuilder
+from kvq_export.export.exporter import register_flavor
+from kvq_export.export.kv_graph import QuantizedCacheGraph, StoredStream, facts_window, name_probes
+from kvq_export.scheme import KVQuantScheme
+from kvq_export.trt.signature import PluginSignature, plugin_signature
+
+_COMPUTE_NAMES = {ir.DataType.FLOAT: "fp32", ir.DataType.FLOAT16: "fp16"}
+
+
+class TrtCacheGraph(QuantizedCacheGraph):
+    """:class:`QuantizedCacheGraph` whose attention is one fused plugin node per layer.
+
+    Args:
+        scheme, geometry: as for :class:`QuantizedCacheGraph`.
+        aot: mark nodes for the ahead-of-time implementation (PTX inside the engine; runs without Python).
+    """
+
+    def __init__(self, scheme: KVQuantScheme, *, aot: bool = True, **geometry) -> None:
+        super().__init__(scheme, **geometry)
+        self.aot = aot
+        self.signatures: dict[int, PluginSignature] = {}
+
+    def signature(self, layer: int) -> PluginSignature:
+        """The plugin signature of ``layer`` for this graph's model facts."""
+        f = self.facts
+        return plugin_signature(self.scheme, layer, num_heads=f.num_heads, kv_heads=self.kv_heads,
+                                head_dim=self.head_dim, scaling=f.scaling, window=facts_window(f, layer),
+                                dtype=_COMPUTE_NAMES[self.compute_type])
+
+    def attend(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
+        """Store k/v with standard ops, then one plugin node reads the stored cache and attends for ``q``."""
+        key_tq, value_tq = self.scheme.for_layer(layer)
+        name_probes(b, layer, q, k, v)
+        with b.scope(f"kv{layer}"):
+            states = {"key": self.store(b, layer, "key", key_tq, k),
+                      "value": self.store(b, layer, "value", value_tq, v)}
+            sig = self.signature(layer)
+            inputs = [q, self.n1] + [_role_value(states[i.part], i.role) for i in sig.inputs[2:]]
+            out = b.op(sig.name, *inputs, domain=sig.namespace, **sig.node_attributes(aot=self.aot))
+        self.signatures[layer] = sig
+        return out
+
+
+def _role_value(state: StoredStream, role: str) -> ir.Value:
+    """The graph value of one stored role (static metadata included: the calibrated constant)."""
+    value = {"sinks": state.sinks, "codes": state.codes, "scales": state.scales, "zero_points": state.zeros,
+             "recent": state.recent}[role]
+    if value is None:
+        raise AssertionError(f"stream has no {role} value")  # the signature and the store disagree: a bug
+    return value
+
+
+@register_flavor("trt")
+def _trt_flavor(scheme: KVQuantScheme, **geometry) -> TrtCacheGraph:
+    return TrtCacheGraph(scheme, **geometry)

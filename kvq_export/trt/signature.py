@@ -1,0 +1,143 @@
+"""The TensorRT plugin's signature, derived from the scheme and the cache naming (written once, here).
+
+One fused attention node per layer replaces the reference flavour's dequantize + attention. Its
+signature — plugin name and namespace, ordered inputs with their roles and dtypes, attributes — comes from
+:func:`plugin_signature`; the ``trt`` export flavour emits nodes from it and
+:mod:`kvq_plugins.trt_plugin` registers the TensorRT plugin from it, so neither spells a name, an input
+or an attribute on its own.
+
+Inputs, in order: the rope-applied query ``q [B, Hq, t, D]`` (compute dtype), the *present*
+``seq_lengths`` (int64 ``[B]``, this call's tokens included), then for keys and then values the stored
+tensors of :func:`kvq_export.naming.stream_tensors` (``sinks``, ``codes``, ``scales``, ``zero_points``,
+``recent`` — those the stream has), with a static stream's calibrated ``[kv_heads, n]`` scales (and zero
+points) in their place. One output: the attention ``[B, Hq, t, D]`` in the compute dtype.
+
+The plugin name says which inputs there are: ``kvq_attention_{key}_{value}`` with ``fp16`` (only
+``recent``), ``sym`` (sinks, codes, scales, recent) or ``asym`` (with zero points).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvq_export.naming import HP_TYPES, PARTS, stream_tensors, tensor_name
+from kvq_export.scheme import KVQuantScheme
+
+PLUGIN_NAMESPACE = "kvq"
+PLUGIN_PREFIX = "kvq_attention"
+#: compute dtype name (``kvq export --dtype``) -> ONNX element type of q and of the output
+COMPUTE_TYPES = {"fp32": "float32", "fp16": "float16"}
+#: ONNX element type -> TensorRT DataType name (as ``tensorrt.plugin.AutoTuneCombination`` spells it)
+TRT_TYPES = {"float32": "FP32", "float16": "FP16", "int64": "INT64", "uint8": "UINT8", "float8e4m3fn": "FP8"}
+
+
+@dataclass(frozen=True)
+class PluginInput:
+    """One plugin input: its argument name, role, stream, ONNX dtype and the graph value that feeds it."""
+
+    name: str  # argument name of the plugin functions (q, seq_lengths, key_codes, ...)
+    role: str  # query | seq_lengths | sinks | codes | scales | zero_points | recent
+    part: str | None  # key | value | None
+    dtype: str  # ONNX element type name
+    source: str | None  # graph value name (present cache tensor / static initializer); None for the query
+
+
+@dataclass(frozen=True)
+class PluginSignature:
+    """Everything a plugin node and the plugin registration agree on."""
+
+    name: str
+    namespace: str
+    inputs: tuple[PluginInput, ...]
+    attributes: tuple[tuple[str, int | float | str], ...]  # ordered (name, value)
+    output_dtype: str
+
+    @property
+    def plugin_id(self) -> str:
+        """``namespace::name`` as ``tensorrt.plugin.register`` takes it."""
+        return f"{self.namespace}::{self.name}"
+
+    @property
+    def attribute_dict(self) -> dict[str, int | float | str]:
+        """Attributes by name, in order."""
+        return dict(self.attributes)
+
+    def node_attributes(self, *, aot: bool = True) -> dict[str, int | float | str]:
+        """The ONNX node's attributes: the plugin attributes plus ``plugin_namespace`` and ``aot``.
+
+        TensorRT's ONNX parser reads those two; ``aot=1`` picks the ahead-of-time implementation.
+        """
+        return {**self.attribute_dict, "plugin_namespace": self.namespace, "aot": int(aot)}
+
+    def io_types(self, compute: str | None = None) -> list[str]:
+        """TensorRT type names of every input then the output (q and output in ``compute``, if given)."""
+        out = self.output_dtype if compute is None else COMPUTE_TYPES[compute]
+        types = [out if i.role == "query" else i.dtype for i in self.inputs] + [out]
+        return [TRT_TYPES[t] for t in types]
+
+    def structure(self) -> tuple:
+        """What a registration fixes: name, input names and attribute names with their Python types."""
+        return (self.plugin_id, tuple(i.name for i in self.inputs),
+                tuple((k, type(v).__name__) for k, v in self.attributes))
+
+
+def stream_tag(roles: tuple[str, ...]) -> str:
+    """``fp16`` | ``sym`` | ``asym`` from the roles a stream is read from."""
+    if roles == ("recent",):
+        return "fp16"
+    return "asym" if "zero_points" in roles else "sym"
+
+
+def plugin_signature(
+    scheme: KVQuantScheme,
+    layer: int,
+    *,
+    num_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scaling: float | None = None,
+    window: int | None = None,
+    dtype: str = "fp32",
+) -> PluginSignature:
+    """The signature of ``layer``'s plugin node (``scaling`` defaults to ``head_dim ** -0.5``)."""
+    from kvq_plugins.layout import StreamLayout
+
+    from kvq_export.export.kv_graph import static_name
+
+    compute = COMPUTE_TYPES[dtype]
+    lengths = tensor_name("present", None, None, "seq_lengths")
+    inputs = [PluginInput("q", "query", None, compute, None),
+              PluginInput("seq_lengths", "seq_lengths", None, "int64", lengths)]
+    attributes: dict[str, Any] = {
+        "num_heads": int(num_heads), "num_kv_heads": int(kv_heads), "head_dim": int(head_dim),
+        "scale": float(head_dim ** -0.5 if scaling is None else scaling), "window": int(window or 0),
+        "sink_tokens": scheme.sink_tokens, "residual_length": scheme.residual_length, "hp_dtype": scheme.hp_dtype,
+    }
+    tags = []
+    for part, tq in zip(PARTS, scheme.for_layer(layer)):
+        layout = StreamLayout.of(tq, scheme, head_dim)
+        stored = {t.role: t for t in stream_tensors("present", layer, part, tq, scheme, kv_heads=kv_heads,
+                                                     head_dim=head_dim)}
+        for role in layout.roles:
+            if role in stored:
+                inputs.append(PluginInput(f"{part}_{role}", role, part, stored[role].dtype, stored[role].name))
+            else:  # static metadata: a graph constant, not cache state
+                inputs.append(PluginInput(f"{part}_{role}", role, part, HP_TYPES[tq.scale_dtype],
+                                          static_name(layer, part, role)))
+        tags.append(stream_tag(layout.roles))
+        attributes.update(layout.attributes(part))
+    return PluginSignature(f"{PLUGIN_PREFIX}_{tags[0]}_{tags[1]}", PLUGIN_NAMESPACE, tuple(inputs),
+                           tuple(attributes.items()), compute)
+
+
+def manifest_signatures(manifest) -> list[PluginSignature]:
+    """Every layer's signature for an export's :class:`~kvq_export.manifest.Manifest` (its model facts)."""
+    model: Mapping[str, Any] = manifest.model
+    windows = model.get("sliding_windows") or [None] * manifest.num_layers
+    head_dim = int(model["head_dim"])
+    return [plugin_signature(manifest.scheme, layer, num_heads=int(model["num_heads"]),
+                             kv_heads=int(model["num_kv_heads"]), head_dim=head_dim,
+                             scaling=model.get("scaling"), window=windows[layer], dtype=manifest.dtype)
+            for layer in range(manifest.num_layers)]

@@ -1,0 +1,100 @@
+"""Synthetic stored caches for kernel tests and benchmarks, built by kvq's reference cache.
+
+:func:`random_layer_cache` draws random keys/values for each row, feeds them through one reference
+``LayerCache`` per row (the ground truth) and stacks the stored tensors into the batch layout the exported
+graph keeps (regions right-aligned per row). Keys get a per-channel offset so channel-axis groups matter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvq_plugins.layout import StreamLayout, stack_streams
+
+from kvq_export.scheme import KVQuantScheme, TensorQuant
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class LayerCase:
+    """One layer's stored cache for a batch, with the reference caches that produced it."""
+
+    key_layout: StreamLayout
+    value_layout: StreamLayout
+    key: dict[str, torch.Tensor]
+    value: dict[str, torch.Tensor]
+    seq_lengths: torch.Tensor
+    rows: list  # one kvq_export.reference.cache.LayerCache per row
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every stored tensor (what one attention call reads, at most)."""
+        return sum(t.numel() * t.element_size() for s in (self.key, self.value) for t in s.values())
+
+
+def static_metadata(tq: TensorQuant, sample: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Calibration-like static ``[H, n]`` scales (and minimums) covering ``sample [1, H, T, D]``."""
+    from kvq_export.reference.codec import metadata_from_range, scale_from_amax
+
+    x = sample[0].float()  # [H, T, D]
+    heads, _, dim = x.shape
+    if tq.axis == "token":
+        g = tq.token_group(dim)
+        grouped = x.reshape(heads, -1, dim // g, g).transpose(1, 2).reshape(heads, dim // g, -1)
+    else:
+        grouped = x.transpose(1, 2)  # [H, D, T]
+    if tq.has_zero_point:
+        scales, zeros = metadata_from_range(tq, grouped.amin(-1), grouped.amax(-1))
+        return {"scales": scales, "zero_points": zeros}
+    return {"scales": scale_from_amax(tq, grouped.abs().amax(-1))}
+
+
+def random_layer_cache(
+    scheme: KVQuantScheme,
+    lengths: Sequence[int],
+    *,
+    kv_heads: int,
+    head_dim: int,
+    layer: int = 0,
+    generator: torch.Generator | None = None,
+    device=None,
+) -> LayerCase:
+    """A batch whose row ``b`` holds ``lengths[b]`` random tokens, stored by the reference cache."""
+    import torch
+
+    from kvq_export.reference.cache import LayerCache, StreamCache
+
+    key_tq, value_tq = scheme.for_layer(layer)
+    longest = max(lengths)
+    where = device if generator is None else None  # a CPU generator draws on the CPU; else draw (and quantize) there
+    data = []
+    for n in lengths:
+        k = torch.randn(1, kv_heads, n, head_dim, generator=generator, device=where) * 2 \
+            + torch.randn(1, kv_heads, 1, head_dim, generator=generator, device=where)
+        v = torch.randn(1, kv_heads, n, head_dim, generator=generator, device=where)
+        data.append((k, v))
+    static = {}
+    for part, tq, index in (("key", key_tq, 0), ("value", value_tq, 1)):
+        if tq.quantized and tq.scales == "static":
+            sample = torch.cat([d[index] for d in data if d[index].shape[2]], dim=2) if longest else \
+                torch.randn(1, kv_heads, 1, head_dim, generator=generator, device=where)
+            static[part] = static_metadata(tq, sample)
+    rows = []
+    for k, v in data:
+        streams = []
+        for part, tq in (("key", key_tq), ("value", value_tq)):
+            meta = static.get(part, {})
+            streams.append(StreamCache(tq, scheme, static_scales=meta.get("scales"),
+                                       static_zeros=meta.get("zero_points")))
+        cache = LayerCache(*streams)
+        cache.key.append(k)
+        cache.value.append(v)
+        rows.append(cache)
+    key = stack_streams([r.key for r in rows], device=device)
+    value = stack_streams([r.value for r in rows], device=device)
+    return LayerCase(StreamLayout.of(key_tq, scheme, head_dim), StreamLayout.of(value_tq, scheme, head_dim), key,
+                     value, torch.tensor(list(lengths), dtype=torch.int64, device=device), rows)
