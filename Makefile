@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check kvq_export tests
+	$(VENV)/bin/ruff check kvq_export plugins tests tools
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

@@ -272,7 +272,11 @@ def validate(export_dir, baseline, corpus, windows, window_len, chunk, prompts_f
 
 @cli.command()
 @click.argument("dir_a", type=click.Path(exists=True, file_okay=False))
-@click.argument("dir_b", type=click.Path(exists=True, file_okay=False))
+@click.argument("dir_b", type=click.Path(exists=True, file_okay=False), required=False)
+@click.option("--backend", type=click.Choice(["onnxrt", "trt"]), default="onnxrt", show_default=True,
+              help="onnxrt: DIR_A vs DIR_B on ONNX Runtime. trt: the TensorRT engine of DIR_A (a --flavor trt "
+                   "export) vs its reference flavour on ONNX Runtime (DIR_B, or re-exported from the model source).")
+@click.option("--engine", type=click.Path(dir_okay=False), default=None, help="--backend trt: engine file.")
 @click.option("--logits-atol", type=float, default=1e-3, show_default=True)
 @click.option("--logits-rtol", type=float, default=1e-3, show_default=True)
 @click.option("--cache-atol", type=float, default=1e-3, show_default=True,
@@ -282,15 +286,43 @@ def validate(export_dir, baseline, corpus, windows, window_len, chunk, prompts_f
 @click.option("--prompt-len", type=click.IntRange(1), default=48, show_default=True)
 @click.option("--batch", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-def compare(dir_a, dir_b, logits_atol, logits_rtol, cache_atol, cache_rtol, steps, prompt_len, batch, seed) -> None:
-    """Run two exports through Polygraphy's Comparator; exit 1 when they differ beyond tolerance."""
+def compare(dir_a, dir_b, backend, engine, logits_atol, logits_rtol, cache_atol, cache_rtol, steps, prompt_len, batch,
+            seed) -> None:
+    """Run two exports (or an engine and its ONNX reference) through Polygraphy's Comparator; exit 1 on mismatch."""
     from kvq_export.validate.compare import Tolerances, compare_exports
 
     tol = Tolerances(logits_atol, logits_rtol, cache_atol, cache_rtol)
-    if not compare_exports(dir_a, dir_b, tol, prompt_len=prompt_len, batch=batch, steps=steps, seed=seed):
-        click.echo(f"error: {dir_a} and {dir_b} differ beyond tolerance", err=True)
+    run = dict(prompt_len=prompt_len, batch=batch, steps=steps, seed=seed)
+    if backend == "trt":
+        from kvq_export.trt import compare_with_onnxruntime
+
+        ok = compare_with_onnxruntime(dir_a, reference_dir=dir_b, engine=engine, tolerances=tol, **run)
+        other = dir_b or "its reference flavour"
+    else:
+        if dir_b is None:
+            raise click.UsageError("--backend onnxrt compares two export directories: give DIR_B")
+        ok = compare_exports(dir_a, dir_b, tol, **run)
+        other = dir_b
+    if not ok:
+        click.echo(f"error: {dir_a} and {other} differ beyond tolerance", err=True)
         raise SystemExit(1)
-    click.echo(f"{dir_a} and {dir_b} match within tolerance")
+    click.echo(f"{dir_a} and {other} match within tolerance")
+
+
+@cli.command()
+@click.argument("export_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--fp16", is_flag=True, help="Allow fp16 kernels.")
+@click.option("--max-batch", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--max-context", type=click.IntRange(1), default=4096, show_default=True)
+@click.option("--max-prefill", type=click.IntRange(1), default=None, help="Longest prefill (default: max context).")
+@click.option("--output", type=click.Path(dir_okay=False), default=None, help="Engine path (default DIR/model.engine).")
+def build(export_dir, fp16, max_batch, max_context, max_prefill, output) -> None:
+    """Build a TensorRT engine from a --flavor trt export (plugin loaded; prefill and decode profiles)."""
+    from kvq_export.trt import build_engine
+
+    path = build_engine(export_dir, fp16=fp16, max_batch=max_batch, max_context=max_context,
+                        max_prefill=max_prefill, output=output)
+    click.echo(f"engine written to {path}")
 
 
 @cli.command()

@@ -30,7 +30,8 @@ class Tolerances:
     cache_rtol: float = 1e-3
 
 
-def _runner_class():
+def kvq_runner_class():
+    """The Polygraphy runner class over a KVQSession (made on first use: Polygraphy is imported lazily)."""
     from polygraphy.backend.base import BaseRunner
     from polygraphy.common import TensorMetadata
 
@@ -114,7 +115,7 @@ def compare_exports(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str]
         if ma.model[field] != mb.model[field]:
             raise KVQError(
                 f"{dir_a} and {dir_b} are different models ({field}: {ma.model[field]} vs {mb.model[field]})")
-    runner = _runner_class()
+    runner = kvq_runner_class()
     feeds = compare_feeds(int(ma.model["vocab_size"]), prompt_len=prompt_len, batch=batch, steps=steps, seed=seed)
     results = Comparator.run([runner(dir_a), runner(dir_b)], data_loader=feeds)
     compare = CompareFunc.simple(atol={"logits": tol.logits_atol, "": tol.cache_atol},
