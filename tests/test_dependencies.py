@@ -61,7 +61,7 @@ def test_every_kvq_plugins_module_imports_without_gpu_stacks():
 
 
 def test_pyproject_lists_every_package():
-    """pyproject lists packages explicitly (plugins/ installs as kvq_plugins): a new subpackage must be added."""
+    """Every package is listed in pyproject (plugins/ installs as kvq_plugins, so packages are explicit)."""
     import tomllib
     from pathlib import Path
 
