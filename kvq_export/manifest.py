@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvq_export.errors import RuntimeInputError
-from kvq_export.naming import PARTS, CacheTensor, cache_tensors, tensor_name
+from kvq_export.naming import PARTS, CacheTensor, cache_tensors, layout_for_flavor, tensor_name
 from kvq_export.reference.cache import split_lengths
 from kvq_export.scheme import KVQuantScheme
 
@@ -39,6 +39,20 @@ LAYOUT_RULES = (
     "(quantized / group_size). Token order is sinks, quantized, recent. Feed present.* outputs back as past.* "
     "inputs unchanged; an empty cache is every region with 0 tokens and seq_lengths = 0."
 )
+#: The rules of the ``buffer`` layout (the ``ort-gqa`` flavour's GroupQueryAttention cache).
+BUFFER_LAYOUT_RULES = (
+    "Each row b holds seq_lengths[b] real tokens. Per layer and stream there is one tensor <dir>.<i>.<part>.buffer "
+    "[batch, kv_heads, capacity, packed head_dim]; row b's tokens sit at positions [0, seq_lengths[b]) in token "
+    "order (left-aligned), positions beyond are unspecified. The runtime chooses capacity (dim 2) and binds the "
+    "same buffer as past.* input and present.* output (ONNX Runtime IO binding), so new tokens are written in "
+    "place and nothing is copied per step; a step needs max(seq_lengths) + new tokens <= capacity (grow by "
+    "copying the valid rows into a larger buffer). Without binding, present.* comes back as a copy of "
+    "max(capacity, longest row) positions. Quantized buffers hold symmetric codes with the static scales of the "
+    "calibration file: 8-bit as int8 q, 4-bit as uint8 with two codes per byte (low nibble first) stored as "
+    "q + 8; x = q * scale. An empty cache is seq_lengths = 0 (buffer contents irrelevant)."
+)
+#: Layout name -> its rules, repeated in every manifest.
+LAYOUT_TEXT = {"regions": LAYOUT_RULES, "buffer": BUFFER_LAYOUT_RULES}
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,7 @@ class Manifest:
     tokenizer: dict[str, Any] = field(default_factory=dict)
     calibration: dict[str, Any] | None = None
     format_version: int = FORMAT_VERSION
+    layout: str | None = None  # cache layout name; None: the flavour's (see naming.layout_for_flavor)
 
     # -- the cache ------------------------------------------------------------------------------------
     @property
@@ -63,10 +78,15 @@ class Manifest:
         """Decoder layers."""
         return int(self.model["num_layers"])
 
+    @property
+    def cache_layout(self) -> str:
+        """The cache layout (``regions`` or ``buffer``, see :data:`kvq_export.naming.LAYOUTS`)."""
+        return self.layout or layout_for_flavor(self.flavor)
+
     def cache(self, direction: str = "past") -> list[CacheTensor]:
         """Cache tensors for ``direction`` (recomputed from the scheme: the single naming function)."""
         return cache_tensors(self.scheme, num_layers=self.num_layers, kv_heads=int(self.model["num_kv_heads"]),
-                             head_dim=int(self.model["head_dim"]), direction=direction)
+                             head_dim=int(self.model["head_dim"]), direction=direction, layout=self.cache_layout)
 
     # -- (de)serialisation ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -84,7 +104,8 @@ class Manifest:
             "inputs": self.inputs,
             "outputs": self.outputs,
             "cache": {
-                "layout": LAYOUT_RULES,
+                "layout": LAYOUT_TEXT[self.cache_layout],
+                "layout_name": self.cache_layout,
                 "past": [t.to_dict() for t in self.cache("past")],
                 "present": [t.to_dict() for t in self.cache("present")],
             },
@@ -112,9 +133,13 @@ class Manifest:
                 opset=int(data["opset"]), dtype=data["dtype"], kvq_version=data["kvq_version"],
                 inputs=list(data["inputs"]), outputs=list(data["outputs"]), tokenizer=dict(data.get("tokenizer") or {}),
                 calibration=data.get("calibration"), format_version=version,
+                layout=(data.get("cache") or {}).get("layout_name"),
             )
         except KeyError as err:
             raise RuntimeInputError(f"manifest is missing the field {err.args[0]!r}") from None
+        if manifest.cache_layout not in LAYOUT_TEXT:
+            raise RuntimeInputError(f"manifest cache layout {manifest.cache_layout!r} is not supported "
+                                    f"(known: {', '.join(LAYOUT_TEXT)})")
         listed = [t["name"] for t in data.get("cache", {}).get("past", [])]
         expected = [t.name for t in manifest.cache("past")]
         if listed != expected:
@@ -158,6 +183,14 @@ def decode_cache(
     """
     lengths = np.asarray(tensors[tensor_name(direction, None, None, "seq_lengths")]).astype(np.int64)
     rows: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in lengths]
+    if manifest.cache_layout == "buffer":
+        for layer, streams in enumerate(manifest.scheme.streams(manifest.num_layers)):
+            for row, n in enumerate(lengths):
+                k, v = (_decode_buffer_row(tq, np.asarray(tensors[tensor_name(direction, layer, part, "buffer")])
+                                           [row, :, :int(n)], (static or {}).get(layer, {}).get(part))
+                        for part, tq in zip(PARTS, streams))
+                rows[row].append((k, v))
+        return rows
     for layer, streams in enumerate(manifest.scheme.streams(manifest.num_layers)):
         for row, n in enumerate(lengths):
             k, v = (
@@ -186,6 +219,27 @@ def _decode_row(scheme, tq, row: int, n: int, static_meta, arrays) -> np.ndarray
             pieces.append(_dequantize_region(tq, last, quantized, static_meta))
     pieces.append(last("recent", recent).float())
     return torch.cat(pieces, dim=1).numpy()
+
+
+def buffer_codes_to_kvq(tq, stored: np.ndarray) -> np.ndarray:
+    """A ``buffer`` layout's stored codes -> kvq's stored (packed) int_sym codes, uint8.
+
+    8-bit buffers hold int8 ``q``; kvq stores ``q + 128`` (the same byte with its top bit flipped).
+    4-bit buffers already hold kvq's packing (``q + 8`` per nibble, low nibble first).
+    """
+    if tq.bits == 8:
+        return (np.asarray(stored).view(np.uint8) ^ np.uint8(0x80)).astype(np.uint8)
+    return np.asarray(stored, dtype=np.uint8)
+
+
+def _decode_buffer_row(tq, stored: np.ndarray, static_meta) -> np.ndarray:
+    """One row of a ``buffer`` stream (its valid positions) -> float32 [H, n, D]."""
+    import torch
+
+    if not tq.quantized:
+        return np.asarray(stored, dtype=np.float32)
+    codes = torch.from_numpy(np.ascontiguousarray(buffer_codes_to_kvq(tq, stored)))
+    return _dequantize_region(tq, lambda role, count: codes, int(stored.shape[1]), static_meta).numpy()
 
 
 def _dequantize_region(tq, last, count: int, static_meta):

@@ -12,6 +12,13 @@ Layout of the exported cache (for ``past`` inputs and ``present`` outputs alike)
 Every region (sinks, quantized, recent) of a batch is sized to the longest row and each row's valid
 entries are *right-aligned* (padding on the left); which entries are valid follows from
 ``seq_lengths`` alone through :func:`kvq_export.reference.cache.split_lengths`, so no mask is stored.
+That is the ``regions`` layout (the reference flavour's).
+
+A flavour may use another layout (:data:`LAYOUTS`, :data:`FLAVOR_LAYOUTS`); the manifest records its name
+and rules. ``buffer`` (the ``ort-gqa`` flavour): one tensor per layer and stream,
+``{direction}.{i}.{part}.buffer`` ``[batch, kv_heads, capacity, packed head_dim]``, whose row ``b`` holds
+its ``seq_lengths[b]`` tokens at positions ``[0, seq_lengths[b])`` (*left*-aligned, the rest unspecified).
+``capacity`` is chosen by the runtime, and past and present are meant to be the same buffer.
 """
 
 from __future__ import annotations
@@ -28,6 +35,20 @@ PARTS = ("key", "value")
 HP_TYPES = {"fp16": "float16", "fp32": "float32"}
 PACKING = "uint8, lowest bits first: element i -> byte i // (8 // bits), bit offset (i % (8 // bits)) * bits"
 
+#: Cache layouts: ``regions`` (sinks / quantized / recent, right-aligned; the reference) and ``buffer``
+#: (one fixed-capacity buffer per stream, left-aligned, shared by past and present).
+LAYOUTS = ("regions", "buffer")
+#: Flavours whose cache is not in the ``regions`` layout.
+FLAVOR_LAYOUTS = {"ort-gqa": "buffer"}
+#: Symbolic name of a ``buffer`` layout's token axis.
+CAPACITY_AXIS = "capacity"
+#: How a ``buffer`` holds int_sym codes (ONNX Runtime GroupQueryAttention's convention), by bits.
+BUFFER_CODES = {
+    8: "int8 two's complement q (kvq's stored code is q + 128, i.e. the same byte with its top bit flipped)",
+    4: "uint8, two codes per byte, element 2j in the low nibble and 2j+1 in the high nibble, each stored as "
+       "q + 8 (exactly kvq's packed int_sym codes)",
+}
+
 
 @dataclass(frozen=True)
 class CacheTensor:
@@ -37,7 +58,7 @@ class CacheTensor:
     direction: str
     layer: int | None
     part: str | None  # key | value | None for seq_lengths
-    role: str  # seq_lengths | sinks | codes | scales | zero_points | recent
+    role: str  # seq_lengths | sinks | codes | scales | zero_points | recent | buffer
     dtype: str  # ONNX element type name
     shape: tuple[int | str, ...]  # ints, or symbolic axis names
     region: str | None = None  # sinks | quantized | recent
@@ -99,21 +120,47 @@ def stream_tensors(
     yield tensor("recent", hp, recent, "recent")
 
 
+def buffer_tensor(
+    direction: str, layer: int, part: str, tq: TensorQuant, scheme: KVQuantScheme, *, kv_heads: int, head_dim: int
+) -> CacheTensor:
+    """The one tensor of a stream in the ``buffer`` layout (codes or high-precision values)."""
+    name = tensor_name(direction, layer, part, "buffer")
+    shape = ("batch", kv_heads, CAPACITY_AXIS)
+    if not tq.quantized:
+        return CacheTensor(name, direction, layer, part, "buffer", HP_TYPES[scheme.hp_dtype], (*shape, head_dim))
+    quant = {"group_axis": tq.axis, "group_size": tq.token_group(head_dim) if tq.axis == "token" else tq.group_size,
+             "format": tq.format, "bits": tq.bits}
+    dtype = "int8" if tq.bits == 8 else "uint8"
+    return CacheTensor(name, direction, layer, part, "buffer", dtype, (*shape, tq.packed_dim(head_dim)),
+                       packing=BUFFER_CODES.get(tq.bits), **quant)
+
+
+def layout_for_flavor(flavor: str) -> str:
+    """The cache layout a flavour's graphs use (``regions`` unless :data:`FLAVOR_LAYOUTS` says otherwise)."""
+    return FLAVOR_LAYOUTS.get(flavor, "regions")
+
+
 def cache_tensors(
-    scheme: KVQuantScheme, *, num_layers: int, kv_heads: int, head_dim: int, direction: str = "past"
+    scheme: KVQuantScheme, *, num_layers: int, kv_heads: int, head_dim: int, direction: str = "past",
+    layout: str = "regions",
 ) -> list[CacheTensor]:
     """Every cache tensor crossing the graph boundary in ``direction`` (``past`` or ``present``).
 
     Static scales are model constants, not cache state: they live in the graph and the manifest's
-    calibration section, not here.
+    calibration section, not here. ``layout`` is one of :data:`LAYOUTS`.
     """
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     out = [CacheTensor(tensor_name(direction, None, None, "seq_lengths"), direction, None, None, "seq_lengths",
                        "int64", ("batch",))]
     for layer, streams in enumerate(scheme.streams(num_layers)):
         for part, tq in zip(PARTS, streams):
-            out.extend(stream_tensors(direction, layer, part, tq, scheme, kv_heads=kv_heads, head_dim=head_dim))
+            if layout == "buffer":
+                out.append(buffer_tensor(direction, layer, part, tq, scheme, kv_heads=kv_heads, head_dim=head_dim))
+            else:
+                out.extend(stream_tensors(direction, layer, part, tq, scheme, kv_heads=kv_heads, head_dim=head_dim))
     return out
 
 

@@ -1,7 +1,9 @@
 """The decoder body, written straight from the weights: embedding, layers, final norm, lm_head.
 
 The KV cache is not part of the body. A :class:`CacheGraph` declares the past/present cache tensors
-and computes attention; the body hands it rope-applied q/k/v per layer::
+and computes attention; the body hands it rope-applied q/k/v per layer (or, to a cache graph with
+``fuses_rotary = True`` such as a fused attention kernel, the raw projections through
+:meth:`FusedRotaryCacheGraph.attend_projected`; it applies RoPE itself from ``facts.rope``)::
 
     arch = get_arch(model.config)
     model_ir = build_decoder(model, arch, MyCache(...), dtype="fp32")
@@ -22,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -64,6 +66,7 @@ class DecoderFacts:
     scaling: float  # applied to q.k before the softmax
     layer_windows: tuple[int | None, ...] = ()
     max_positions: int | None = None
+    rope: RopeSpec | None = field(default=None, compare=False)  # set by build_decoder
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -123,6 +126,24 @@ class CacheGraph(Protocol):
         ...
 
 
+class FusedRotaryCacheGraph(CacheGraph, Protocol):
+    """A cache graph whose attention applies RoPE itself (a fused kernel); opt in with ``fuses_rotary = True``.
+
+    Its :meth:`begin` may return None (the body then builds no cos/sin tables); RoPE comes from ``facts.rope``.
+    """
+
+    fuses_rotary: bool
+
+    def attend_projected(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
+        """Attend: q [B, t, Hq*D], k/v [B, t, Hkv*D] straight from the projections (no RoPE) -> [B, t, Hq*D]."""
+        ...
+
+
+def fuses_rotary(cache: CacheGraph) -> bool:
+    """Whether ``cache`` takes the raw projections through ``attend_projected`` and applies RoPE itself."""
+    return bool(getattr(cache, "fuses_rotary", False)) and callable(getattr(cache, "attend_projected", None))
+
+
 def build_decoder(
     source: PreTrainedModel | tuple[Mapping[str, Any], PretrainedConfig],
     arch: Arch | None,
@@ -144,7 +165,8 @@ def build_decoder(
         raise ExportError(f"opset {opset} is too old; the decoder needs opset >= {MIN_OPSET}")
     start = time.perf_counter()
     compute = COMPUTE_DTYPES[dtype]
-    facts = DecoderFacts.from_arch(arch, compute)
+    rope = arch.rope()
+    facts = replace(DecoderFacts.from_arch(arch, compute), rope=rope)
     b = GraphBuilder(opset=opset, name=f"kvq_{arch.model_type}")
     body = _Body(b, arch, facts, _Weights(state, compute, arch.model_type))
 
@@ -152,8 +174,9 @@ def build_decoder(
     attention_mask = b.input("attention_mask", ir.DataType.INT64, ["batch", "seq"])
     with b.scope("cache"):
         positions = cache.begin(b, attention_mask=attention_mask, facts=facts)
-    with b.scope("rope"):
-        body.rotary_tables(positions, arch.rope())
+    if not fuses_rotary(cache):
+        with b.scope("rope"):
+            body.rotary_tables(positions, rope)
 
     with b.scope("embed"):
         embed = body.weights.initializer(b, arch.embed_name(), (arch.vocab_size, arch.hidden_size))
@@ -304,11 +327,16 @@ class _Body:
 
         with b.scope("attn"):
             x = self.rms_norm(hidden, names.input_norm)
-            q = self.apply_rope(self.heads(self.linear(x, names.q, f.hidden_size, q_size), f.num_heads))
-            k = self.apply_rope(self.heads(self.linear(x, names.k, f.hidden_size, kv_size), f.num_kv_heads))
-            v = self.heads(self.linear(x, names.v, f.hidden_size, kv_size), f.num_kv_heads)
-            attn = cache.attend(b, layer, q, k, v)  # [B, Hq, t, D]
-            attn = b.op("Reshape", b.op("Transpose", attn, perm=[0, 2, 1, 3]), b.const([0, 0, q_size]))
+            q = self.linear(x, names.q, f.hidden_size, q_size)
+            k = self.linear(x, names.k, f.hidden_size, kv_size)
+            v = self.linear(x, names.v, f.hidden_size, kv_size)
+            if fuses_rotary(cache):  # [B, t, H*D] in and out: the cache graph's kernel applies RoPE
+                attn = cache.attend_projected(b, layer, q, k, v)  # type: ignore[attr-defined]
+            else:
+                q = self.apply_rope(self.heads(q, f.num_heads))
+                k = self.apply_rope(self.heads(k, f.num_kv_heads))
+                attn = cache.attend(b, layer, q, k, self.heads(v, f.num_kv_heads))  # [B, Hq, t, D]
+                attn = b.op("Reshape", b.op("Transpose", attn, perm=[0, 2, 1, 3]), b.const([0, 0, q_size]))
             hidden = b.op("Add", hidden, self.linear(attn, names.o, q_size, f.hidden_size))
 
         with b.scope("mlp"):

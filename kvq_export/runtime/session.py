@@ -2,6 +2,12 @@
 
 The cache crosses the graph boundary in its stored form; between steps the runtime only hands the
 ``present.*`` ONNX Runtime values back as ``past.*`` inputs (no copy, no numpy round trip).
+
+Exports in the ``buffer`` layout (``--flavor ort-gqa``) hold one fixed-capacity buffer per stream: the
+session binds the same OrtValue as ``past.*`` input and ``present.*`` output (IO binding), so the kernel
+appends in place and ``step`` returns the *same* buffers, updated; an older cache dict of that session
+shares them (do not branch from it). A step that would overflow the capacity first copies the rows into
+buffers of twice the size (or of the capacity needed).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import numpy as np
 
 from kvq_export.errors import RuntimeInputError
 from kvq_export.manifest import MODEL_NAME, Manifest
-from kvq_export.naming import CacheTensor, present_name, tensor_name
+from kvq_export.naming import CAPACITY_AXIS, CacheTensor, present_name, tensor_name
 from kvq_export.runtime.sampling import Sampler, SamplingConfig
 
 logger = logging.getLogger(__name__)
@@ -23,14 +29,17 @@ logger = logging.getLogger(__name__)
 #: manifest dtype -> (ONNX Runtime type string, numpy dtype used to build values)
 _TYPES = {
     "int64": ("tensor(int64)", np.int64),
+    "int8": ("tensor(int8)", np.int8),
     "uint8": ("tensor(uint8)", np.uint8),
     "float16": ("tensor(float16)", np.float16),
     "float32": ("tensor(float)", np.float32),
     "float8e4m3fn": ("tensor(float8e4m3fn)", np.uint8),  # fed as raw bits with an explicit ONNX type
 }
-_ELEMENT_BYTES = {"int64": 8, "uint8": 1, "float16": 2, "float32": 4, "float8e4m3fn": 1}
+_ELEMENT_BYTES = {"int64": 8, "int8": 1, "uint8": 1, "float16": 2, "float32": 4, "float8e4m3fn": 1}
 
 CacheState = dict  # past tensor name -> onnxruntime.OrtValue
+#: Tokens per row of a new ``buffer``-layout cache when nothing says how many.
+DEFAULT_CAPACITY = 256
 
 
 def choose_providers(requested: Sequence[str] | None = None) -> list[str]:
@@ -47,6 +56,11 @@ def choose_providers(requested: Sequence[str] | None = None) -> list[str]:
     if "CUDAExecutionProvider" in available:
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
     return ["CPUExecutionProvider"]
+
+
+def ort_value(array: np.ndarray, dtype: str):
+    """An OrtValue holding ``array`` as the manifest element type ``dtype`` (fp8: from raw uint8 bits)."""
+    return _ort_value(array, dtype)
 
 
 def _ort_value(array: np.ndarray, dtype: str):
@@ -84,10 +98,12 @@ class KVQSession:
         directory: a ``kvq export`` output directory (``kvq.json`` + ``model.onnx``).
         providers: ONNX Runtime providers; default CUDA when onnxruntime-gpu sees a GPU, else CPU.
         threads: intra-op threads (default: ONNX Runtime's choice).
+        capacity: tokens per row a new ``buffer``-layout cache holds before it must grow (default: what
+            ``generate`` needs, else :data:`DEFAULT_CAPACITY`); ignored by the ``regions`` layout.
     """
 
     def __init__(self, directory: str | Path, *, providers: Sequence[str] | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, capacity: int | None = None) -> None:
         import onnxruntime as ort
 
         self.directory = Path(directory)
@@ -100,6 +116,10 @@ class KVQSession:
             options.intra_op_num_threads = threads
         self.session = ort.InferenceSession(str(model_path), options, providers=choose_providers(providers))
         self.past: list[CacheTensor] = self.manifest.cache("past")
+        self.layout = self.manifest.cache_layout
+        self.capacity = capacity
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+            raise RuntimeInputError(f"invalid capacity={capacity!r}: allowed: an integer >= 1")
         self._check_graph()
         self._outputs = ["logits", *(present_name(t.name) for t in self.past)]
         #: extra graph outputs fetched by every step (validation probes), values left in ``last_extra``
@@ -146,12 +166,50 @@ class KVQSession:
                         f"cache tensor {spec.name}: expected shape {_show(spec.shape, batch)}, got {shape}")
 
     # -- cache ----------------------------------------------------------------------------------------------
-    def empty_cache(self, batch: int) -> CacheState:
-        """A cache holding no token for ``batch`` sequences."""
+    def empty_cache(self, batch: int, *, capacity: int | None = None) -> CacheState:
+        """A cache holding no token for ``batch`` sequences (``buffer`` layout: ``capacity`` tokens per row)."""
+        size = self._capacity(capacity or self.capacity or DEFAULT_CAPACITY)
         out = {}
         for spec in self.past:
-            shape = [batch if d == "batch" else (d if isinstance(d, int) else 0) for d in spec.shape]
+            shape = [batch if d == "batch" else d if isinstance(d, int) else size if d == CAPACITY_AXIS else 0
+                     for d in spec.shape]
             out[spec.name] = _ort_value(np.zeros(shape, dtype=_TYPES[spec.dtype][1]), spec.dtype)
+        return out
+
+    @property
+    def max_capacity(self) -> int | None:
+        """Largest ``buffer`` capacity the graph supports (its fused rotary table), None if unbounded."""
+        if self.layout != "buffer":
+            return None
+        return int(self.manifest.model.get("max_position_embeddings") or 0) or None
+
+    def _capacity(self, wanted: int) -> int:
+        """``wanted`` if the graph supports it (capped at :attr:`max_capacity` for generous defaults)."""
+        top = self.max_capacity
+        if top is not None and wanted > top:
+            raise RuntimeInputError(
+                f"cache capacity {wanted} exceeds the {top} positions this ort-gqa export supports "
+                "(its fused RoPE table has max_position_embeddings rows)")
+        return wanted
+
+    def _grow(self, cache: CacheState, need: int) -> CacheState:
+        """Copy a ``buffer`` cache into buffers holding at least ``need`` tokens per row."""
+        buffers = [spec for spec in self.past if spec.role == "buffer"]
+        if not buffers:
+            return cache
+        old = cache[buffers[0].name].shape()[2]
+        if need <= old:
+            return cache
+        top = self.max_capacity
+        size = max(need, 2 * old) if top is None else max(min(2 * old, top), need)
+        size = self._capacity(size)  # refuses a need beyond the graph's positions
+        logger.info("growing the cache buffers from %d to %d tokens per row (one copy)", old, size)
+        out = dict(cache)
+        for spec in buffers:
+            array = cache[spec.name].numpy()
+            grown = np.zeros((*array.shape[:2], size, array.shape[3]), dtype=array.dtype)
+            grown[:, :, :old] = array
+            out[spec.name] = _ort_value(grown, spec.dtype)
         return out
 
     def cache_nbytes(self, cache: CacheState) -> int:
@@ -183,11 +241,40 @@ class KVQSession:
             raise RuntimeInputError(f"attention_mask: expected shape {list(input_ids.shape)}, got {list(mask.shape)}")
         cache = self.empty_cache(input_ids.shape[0]) if cache is None else cache
         self.check_cache(cache, input_ids.shape[0])
+        if self.layout == "buffer":
+            return self._step_in_place(input_ids, mask, cache)
         feeds = {"input_ids": _ort_value(input_ids, "int64"), "attention_mask": _ort_value(mask, "int64"), **cache}
         outs = self.session.run_with_ort_values(self._outputs + list(self.extra_outputs), feeds)
         count = len(self._outputs)
         self.last_extra = {name: value.numpy() for name, value in zip(self.extra_outputs, outs[count:])}
         return outs[0].numpy(), {spec.name: value for spec, value in zip(self.past, outs[1:count])}
+
+    def _step_in_place(self, input_ids: np.ndarray, mask: np.ndarray,
+                       cache: CacheState) -> tuple[np.ndarray, CacheState]:
+        """One step on a ``buffer`` cache: the same OrtValues are bound as past inputs and present outputs."""
+        need = int(self.seq_lengths(cache).max(initial=0)) + input_ids.shape[1]
+        cache = self._grow(cache, need)
+        binding = self.session.io_binding()
+        binding.bind_ortvalue_input("input_ids", _ort_value(input_ids, "int64"))
+        binding.bind_ortvalue_input("attention_mask", _ort_value(mask, "int64"))
+        binding.bind_output("logits")
+        names = ["logits"]  # get_outputs() follows the binding order
+        for spec in self.past:
+            binding.bind_ortvalue_input(spec.name, cache[spec.name])
+            if spec.role == "buffer":  # written in place: past and present are one buffer
+                binding.bind_ortvalue_output(present_name(spec.name), cache[spec.name])
+            else:
+                binding.bind_output(present_name(spec.name))
+            names.append(present_name(spec.name))
+        extra = list(getattr(self, "extra_outputs", ()))
+        for name in extra:
+            binding.bind_output(name)
+        self.session.run_with_iobinding(binding)
+        values = dict(zip(names + extra, binding.get_outputs()))
+        self.last_extra = {name: values[name].numpy() for name in extra}
+        new = {spec.name: cache[spec.name] if spec.role == "buffer" else values[present_name(spec.name)]
+               for spec in self.past}
+        return values["logits"].numpy(), new
 
     # -- text ---------------------------------------------------------------------------------------------
     @property
@@ -233,7 +320,10 @@ class KVQSession:
         for row, toks in enumerate(token_lists):
             ids[row, width - len(toks):] = toks
             mask[row, width - len(toks):] = 1
-        logits, cache = self.step(ids, mask)
+        capacity = self.capacity or (width + max_new_tokens if self.layout == "buffer" else None)
+        if capacity is not None and self.max_capacity is not None:
+            capacity = min(capacity, self.max_capacity)
+        logits, cache = self.step(ids, mask, self.empty_cache(len(token_lists), capacity=capacity))
         active = np.ones(len(results), dtype=bool)
         for _ in range(max_new_tokens):
             nxt = sampler(logits[:, -1])

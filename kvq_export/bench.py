@@ -1,0 +1,499 @@
+"""``kvq bench``: prefill throughput, decode-step latency, cache bytes and memory, each next to a baseline.
+
+For every flavour, the baseline scheme (``fp16`` by default) and the benchmarked schemes are exported once
+(reused from ``$KVQ_CACHE_DIR/bench`` while their export parameters are unchanged) and opened side by side
+in this process. For each (context, batch):
+
+* **decode**: every session gets a cache of ``context - warmup - steps`` tokens per row, then all sessions
+  take ``warmup + steps`` single-token steps *interleaved* (one step each, in an order that rotates every
+  step, so drift in machine load hits every scheme alike); the first ``warmup`` steps are not timed. The
+  cache is **synthetic** by default: random codes and values in the exact stored layout
+  (:func:`synthetic_cache`). A step's cost depends on the cache's shapes, not its values (checked: a real
+  chunked prefill, ``fill="prefill"``, gives the same step times within noise, and flushing denormals
+  changes nothing), and it avoids an O(context^2) prefill at 8192 tokens on two cores. Each timed step is a full
+  :meth:`KVQSession.step` (binding, run, logits to numpy), what a caller of the runtime pays.
+* **prefill**: ``min(context, prefill_tokens)`` real tokens per row from an empty cache, one untimed
+  warm-up then ``prefill_repeats`` timed runs (median), interleaved the same way; measured once per
+  (flavour, scheme, batch, length) and repeated for every context that shares the length.
+* **cache bytes**: what the session holds after the decode steps (:meth:`KVQSession.cache_nbytes`; for the
+  ``buffer`` layout that is the whole preallocated capacity, here exactly ``context``), beside the memory
+  model's prediction for ``context`` tokens.
+* **memory**: the process's peak RSS so far (``ru_maxrss``, a high-water mark over everything measured
+  before, including other sessions) and its current RSS.
+
+Every result is also a ratio to the baseline of the same flavour, context and batch: ``decode_ms``
+(< 1: faster), ``prefill_tok_s`` (> 1: faster), ``cache_bytes`` (< 1: smaller), and ``cache_reduction``
+(baseline bytes / bytes). :func:`perplexity` adds a strict-decode perplexity (every token fed alone, so
+it attends to the stored cache) for quality deltas.
+
+Timings are printed, never asserted: tests only check that a bench runs and its JSON is well formed.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvq_export.errors import DependencyError, KVQError
+
+logger = logging.getLogger(__name__)
+
+BENCH_VERSION = 1
+DEFAULT_CONTEXTS = (512, 2048, 8192)
+DEFAULT_BATCHES = (1, 4)
+FILLS = ("synthetic", "prefill")
+#: Text of the perplexity windows starts this many tokens into the corpus (calibration reads its start).
+PPL_OFFSET = 60000
+
+
+@dataclass
+class BenchResult:
+    """One (flavour, scheme, context, batch) measurement; ``ratio`` compares it with the baseline."""
+
+    flavor: str
+    scheme: str
+    context: int
+    batch: int
+    baseline: str
+    decode_ms_median: float
+    decode_ms_p10: float
+    decode_ms_p90: float
+    decode_steps: int
+    decode_tok_s: float  # batch tokens per second at the median step
+    prefill_tokens: int  # per row
+    prefill_s: float
+    prefill_tok_s: float  # batch * prefill_tokens / prefill_s
+    cache_bytes: int  # held by the session's cache after the decode steps
+    cache_bytes_predicted: int  # the memory model for `context` tokens (static scales excluded)
+    peak_rss_bytes: int
+    rss_bytes: int
+    ratio: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return asdict(self)
+
+
+@dataclass
+class BenchReport:
+    """Everything one bench run measured."""
+
+    model: str
+    baseline: str
+    fill: str
+    settings: dict[str, Any]
+    results: list[BenchResult] = field(default_factory=list)
+    perplexity: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (``kvq bench --json``)."""
+        return {"bench_version": BENCH_VERSION, "model": self.model, "baseline": self.baseline, "fill": self.fill,
+                "settings": self.settings, "results": [r.to_dict() for r in self.results],
+                "perplexity": self.perplexity}
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """JSON text."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+# -- exports ------------------------------------------------------------------------------------------------
+def bench_export(
+    model: Any, tokenizer: Any, scheme: Any, flavor: str, root: Path, *, tag: str, dtype: str = "fp32",
+    calib_corpus: str = "britannica", calib_tokens: int = 2048, calib_method: str = "absmax",
+    calib_percentile: float = 99.9,
+) -> Path:
+    """Export ``scheme`` with ``flavor`` under ``root``, reusing an earlier export made with the same parameters."""
+    import kvq_export
+    from kvq_export.export.exporter import export
+    from kvq_export.presets import resolve_scheme
+
+    scheme = resolve_scheme(scheme)
+    params = {"tag": tag, "flavor": flavor, "scheme": scheme.to_dict(), "dtype": dtype,
+              "kvq_version": kvq_export.__version__, "bench_version": BENCH_VERSION}
+    if scheme.has_static_scales:
+        params.update(calib_corpus=calib_corpus, calib_tokens=calib_tokens, calib_method=calib_method,
+                      calib_percentile=calib_percentile)
+    name = f"{tag}-{flavor}-{(scheme.name or 'custom').replace('/', '_')}-{dtype}"
+    directory = root / name
+    marker = directory / "bench.json"
+    if marker.is_file() and json.loads(marker.read_text()) == params:
+        logger.info("reusing %s", directory)
+        return directory
+    start = time.perf_counter()
+    export(model, scheme, directory, dtype=dtype, flavor=flavor, force=True, tokenizer=tokenizer,
+           calib_corpus=calib_corpus if scheme.has_static_scales else None, calib_tokens=calib_tokens,
+           calib_method=calib_method, calib_percentile=calib_percentile)
+    marker.write_text(json.dumps(params))
+    logger.info("exported %s in %.1f s", directory, time.perf_counter() - start)
+    return directory
+
+
+# -- synthetic caches -----------------------------------------------------------------------------------------
+def synthetic_cache(session: Any, batch: int, length: int, *, capacity: int | None = None, seed: int = 0) -> dict:
+    """A cache of ``length`` tokens per row in ``session``'s exact stored layout, filled with random data.
+
+    Region sizes come from the same split the reference cache and the memory model use; codes are random
+    bytes (fp8: finite e4m3 values only), high-precision values N(0, 0.5), scales in [0.005, 0.02].
+    ``capacity`` sizes a ``buffer`` layout (default ``length``).
+    """
+    from kvq_export.naming import CAPACITY_AXIS, region_axis
+    from kvq_export.reference.cache import split_lengths
+    from kvq_export.runtime.session import ort_value
+
+    rng = np.random.default_rng(seed)
+    scheme = session.manifest.scheme
+    sizes: dict[str, int] = {CAPACITY_AXIS: max(capacity or length, length)}
+    for layer, streams in enumerate(scheme.streams(session.manifest.num_layers)):
+        for part, tq in zip(("key", "value"), streams):
+            sinks, quantized, recent = split_lengths(tq, scheme, length)
+            unit = 1 if (not tq.quantized or tq.streaming) else tq.group_size
+            for region, count in (("sinks", sinks), ("quantized", quantized), ("recent", recent)):
+                sizes[region_axis("past", layer, part, region)] = count
+            sizes[region_axis("past", layer, part, "quantized", "groups")] = quantized // unit
+    cache = {}
+    for spec in session.past:
+        shape = [batch if d == "batch" else d if isinstance(d, int) else sizes[d] for d in spec.shape]
+        if spec.role == "seq_lengths":
+            array = np.full(shape, length, np.int64)
+        elif spec.dtype == "float8e4m3fn":
+            magnitude = rng.integers(0, 0x77, shape, dtype=np.uint8)  # below the NaN pattern 0x7F
+            array = magnitude | (rng.integers(0, 2, shape, dtype=np.uint8) << 7)
+        elif spec.dtype in ("int8", "uint8"):
+            info = np.iinfo(spec.dtype)
+            array = rng.integers(info.min, info.max + 1, shape, dtype=spec.dtype)
+        elif spec.role == "scales":
+            array = rng.uniform(0.005, 0.02, shape).astype(np.float32)
+        else:
+            array = (rng.standard_normal(shape, dtype=np.float32) * 0.5).astype(np.float32)
+        cache[spec.name] = ort_value(array, spec.dtype)
+    return cache
+
+
+def _filled(session: Any, batch: int, length: int, capacity: int, fill: str, seed: int, chunk: int,
+            vocab: int) -> dict:
+    """A cache holding ``length`` tokens per row, made by ``fill`` (see :func:`run_bench`)."""
+    if fill == "synthetic":
+        return synthetic_cache(session, batch, length, capacity=capacity, seed=seed)
+    rng = np.random.default_rng(seed)
+    cache = session.empty_cache(batch, capacity=capacity)
+    for start in range(0, length, chunk):
+        _, cache = session.step(rng.integers(0, vocab, (batch, min(chunk, length - start))), None, cache)
+    return cache
+
+
+# -- measuring --------------------------------------------------------------------------------------------------
+def _rss() -> tuple[int, int]:
+    """(peak RSS so far, current RSS) of this process in bytes."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    try:
+        with open("/proc/self/statm") as handle:
+            current = int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        current = 0
+    return peak, current
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+def _rotations(names: Sequence[str], i: int) -> list[str]:
+    k = i % len(names)
+    return list(names[k:]) + list(names[:k])
+
+
+def _timed_decode(sessions: dict, caches: dict, tokens: np.ndarray, warmup: int) -> dict[str, list[float]]:
+    """Interleaved single-token steps; returns seconds per timed step by name (caches are updated)."""
+    names = list(sessions)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i, step_tokens in enumerate(tokens):
+        for name in _rotations(names, i):
+            start = time.perf_counter()
+            _, caches[name] = sessions[name].step(step_tokens, None, caches[name])
+            elapsed = time.perf_counter() - start
+            if i >= warmup:
+                times[name].append(elapsed)
+    return times
+
+
+def _timed_prefill(sessions: dict, ids: np.ndarray, repeats: int) -> dict[str, float]:
+    """Median seconds of a prefill of ``ids`` from an empty cache (one untimed warm-up run each)."""
+    names = list(sessions)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(repeats + 1):
+        for name in _rotations(names, i):
+            cache = sessions[name].empty_cache(ids.shape[0], capacity=ids.shape[1])
+            start = time.perf_counter()
+            sessions[name].step(ids, None, cache)
+            elapsed = time.perf_counter() - start
+            if i:
+                times[name].append(elapsed)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def run_bench(
+    model: str,
+    schemes: Sequence[str],
+    *,
+    flavors: Sequence[str] = ("ort-gqa",),
+    contexts: Sequence[int] = DEFAULT_CONTEXTS,
+    batches: Sequence[int] = DEFAULT_BATCHES,
+    baseline: str = "fp16",
+    steps: int = 32,
+    warmup: int = 4,
+    prefill_tokens: int = 512,
+    prefill_repeats: int = 2,
+    threads: int | None = None,
+    dtype: str = "fp32",
+    work_dir: str | os.PathLike[str] | None = None,
+    calib_corpus: str = "britannica",
+    calib_tokens: int = 2048,
+    calib_method: str = "absmax",
+    calib_percentile: float = 99.9,
+    ppl_windows: int = 0,
+    ppl_tokens: int = 512,
+    seed: int = 0,
+    fill: str = "synthetic",
+    on_result: Callable[[BenchResult], None] | None = None,
+) -> BenchReport:
+    """Benchmark ``schemes`` (and ``baseline``) for every flavour, context and batch; see the module docstring.
+
+    Args:
+        model: a model spec (``smollm2``, a Hugging Face directory or a ``.gguf`` file).
+        schemes: preset names or scheme JSON files; the baseline is added (and reported) automatically.
+        flavors: export flavours to compare (each against its own baseline).
+        contexts: tokens held per row while decoding (steps end exactly at ``context``).
+        batches: batch sizes.
+        baseline: the scheme every result is compared with (same flavour, context and batch).
+        steps: timed decode steps per session.
+        warmup: untimed decode steps before them.
+        prefill_tokens: prefill length cap (a prefill is ``min(context, prefill_tokens)`` tokens per row).
+        prefill_repeats: timed prefill runs (median), after one untimed run.
+        threads: ONNX Runtime intra-op threads (default: its choice).
+        dtype: compute dtype of the exports.
+        work_dir: where exports are kept (default ``$KVQ_CACHE_DIR/bench``).
+        calib_corpus: calibration corpus of static-scale schemes (see ``kvq export``).
+        calib_tokens: calibration tokens.
+        calib_method: ``absmax`` or ``percentile``.
+        calib_percentile: the percentile for ``percentile``.
+        ppl_windows: when > 0, also a strict-decode perplexity per export on this many windows of the
+            calibration corpus (from token :data:`PPL_OFFSET` on, away from the calibration text).
+        ppl_tokens: tokens per perplexity window.
+        seed: seeds the synthetic caches and token ids.
+        fill: ``synthetic`` (random data in the stored layout, instant) or ``prefill`` (a real chunked prefill
+            of random token ids, ``prefill_tokens`` per chunk: slow at long contexts, a check of the former).
+        on_result: called with each result as soon as it is measured (progress output).
+    """
+    _check_positive(contexts=contexts, batches=batches, steps=[steps], prefill_tokens=[prefill_tokens],
+                    prefill_repeats=[prefill_repeats])
+    if warmup < 0:
+        raise KVQError(f"invalid warmup={warmup}: allowed: an integer >= 0")
+    if fill not in FILLS:
+        raise KVQError(f"invalid fill={fill!r}: allowed: {', '.join(FILLS)}")
+    too_short = [c for c in contexts if c < warmup + steps + 1]
+    if too_short:
+        raise KVQError(f"context {too_short[0]} is shorter than warmup + steps + 1 = {warmup + steps + 1}")
+    from kvq_export.memory import predict
+    from kvq_export.model_source import cache_root, load_model, model_facts
+    from kvq_export.presets import resolve_scheme
+    from kvq_export.runtime.session import KVQSession
+
+    resolved = {}
+    for spec in [baseline, *schemes]:
+        scheme = resolve_scheme(spec)
+        resolved.setdefault(scheme.name or str(spec), scheme)
+    base_name = resolve_scheme(baseline).name or baseline
+    root = Path(work_dir) if work_dir else cache_root() / "bench"
+    tag = Path(str(model)).stem if os.sep in str(model) else str(model)
+    hf_model, tokenizer = load_model(model)
+    facts = model_facts(hf_model.config)
+    settings = {"flavors": list(flavors), "schemes": list(resolved), "contexts": list(contexts),
+                "batches": list(batches), "steps": steps, "warmup": warmup, "prefill_tokens": prefill_tokens,
+                "prefill_repeats": prefill_repeats, "threads": threads, "dtype": dtype, "cpu_count": os.cpu_count(),
+                "calibration": {"corpus": calib_corpus, "tokens": calib_tokens, "method": calib_method,
+                                "percentile": calib_percentile},
+                "load_average_start": list(os.getloadavg())}
+    report = BenchReport(model=str(model), baseline=base_name, fill=fill, settings=settings)
+    rng = np.random.default_rng(seed)
+    exports = {flavor: {name: bench_export(hf_model, tokenizer, scheme, flavor, root, tag=tag, dtype=dtype,
+                                           calib_corpus=calib_corpus, calib_tokens=calib_tokens,
+                                           calib_method=calib_method, calib_percentile=calib_percentile)
+                        for name, scheme in resolved.items()}
+               for flavor in flavors}
+    settings["exports"] = {flavor: {name: str(d) for name, d in dirs.items()} for flavor, dirs in exports.items()}
+    del hf_model, tokenizer  # the PyTorch model is not needed while measuring
+    gc.collect()
+    for flavor in flavors:
+        sessions = {name: KVQSession(d, threads=threads) for name, d in exports[flavor].items()}
+        prefills: dict[tuple[int, int], dict[str, float]] = {}
+        for batch in batches:
+            for context in contexts:
+                length = min(context, prefill_tokens)
+                if (batch, length) not in prefills:
+                    ids = rng.integers(0, facts.vocab_size, (batch, length))
+                    prefills[batch, length] = _timed_prefill(sessions, ids, prefill_repeats)
+                caches = {name: _filled(s, batch, context - warmup - steps, context, fill, seed, prefill_tokens,
+                                        facts.vocab_size) for name, s in sessions.items()}
+                tokens = rng.integers(0, facts.vocab_size, (warmup + steps, batch, 1))
+                times = _timed_decode(sessions, caches, tokens, warmup)
+                peak, current = _rss()
+                group = []
+                for name, session in sessions.items():
+                    median = statistics.median(times[name])
+                    prefill_s = prefills[batch, length][name]
+                    predicted = predict(resolved[name], facts, context, batch)
+                    static = predicted.breakdown["scales"] + predicted.breakdown["zero_points"] \
+                        if resolved[name].has_static_scales else 0
+                    group.append(BenchResult(
+                        flavor=flavor, scheme=name, context=context, batch=batch, baseline=base_name,
+                        decode_ms_median=1e3 * median, decode_ms_p10=1e3 * _percentile(times[name], 10),
+                        decode_ms_p90=1e3 * _percentile(times[name], 90), decode_steps=len(times[name]),
+                        decode_tok_s=batch / median, prefill_tokens=length, prefill_s=prefill_s,
+                        prefill_tok_s=batch * length / prefill_s, cache_bytes=session.cache_nbytes(caches[name]),
+                        cache_bytes_predicted=predicted.total_bytes - static, peak_rss_bytes=peak,
+                        rss_bytes=current))
+                del caches
+                gc.collect()
+                base = next(r for r in group if r.scheme == base_name)
+                for result in group:
+                    result.ratio = {
+                        "decode_ms": result.decode_ms_median / base.decode_ms_median,
+                        "prefill_tok_s": result.prefill_tok_s / base.prefill_tok_s,
+                        "cache_bytes": result.cache_bytes / base.cache_bytes,
+                        "cache_reduction": base.cache_bytes / result.cache_bytes,
+                    }
+                    report.results.append(result)
+                    if on_result is not None:
+                        on_result(result)
+        if ppl_windows > 0:
+            report.perplexity.extend(_perplexities(sessions, base_name, flavor, calib_corpus, ppl_windows, ppl_tokens))
+        del sessions
+        gc.collect()
+    settings["load_average_end"] = list(os.getloadavg())  # other processes share the cores: compare ratios
+    return report
+
+
+def _check_positive(**lists: Sequence[int]) -> None:
+    for name, values in lists.items():
+        if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+            raise KVQError(f"invalid {name}={list(values)!r}: allowed: integers >= 1")
+
+
+# -- quality ----------------------------------------------------------------------------------------------------
+def perplexity(session: Any, windows: Sequence[Sequence[int]]) -> dict[str, float]:
+    """Strict-decode perplexity: every token is fed alone, so each prediction reads the stored cache.
+
+    All windows run as one batch (they must have equal length). Returns ``ppl``, ``nll`` (mean, nats) and
+    ``tokens`` (predictions scored) and ``seconds``.
+    """
+    ids = np.asarray(windows, dtype=np.int64)
+    if ids.ndim != 2 or ids.shape[1] < 2:
+        raise KVQError("perplexity needs windows of equal length >= 2")
+    start = time.perf_counter()
+    capacity = ids.shape[1] if session.layout == "buffer" else None
+    cache = session.empty_cache(ids.shape[0], capacity=capacity)
+    total = 0.0
+    for i in range(ids.shape[1] - 1):
+        logits, cache = session.step(ids[:, i:i + 1], None, cache)
+        last = logits[:, -1].astype(np.float64)
+        top = last.max(axis=-1, keepdims=True)
+        logz = top[:, 0] + np.log(np.exp(last - top).sum(axis=-1))
+        total += float((logz - last[np.arange(ids.shape[0]), ids[:, i + 1]]).sum())
+    count = ids.shape[0] * (ids.shape[1] - 1)
+    nll = total / count
+    return {"ppl": math.exp(nll), "nll": nll, "tokens": count, "seconds": time.perf_counter() - start}
+
+
+def _perplexities(sessions: dict, base_name: str, flavor: str, corpus: str, n: int, length: int) -> list[dict]:
+    from kvq_export.corpus import load_corpus, token_windows
+
+    tokenizer = sessions[base_name].tokenizer
+    windows = token_windows(tokenizer, load_corpus(corpus), n, length, offset=PPL_OFFSET)
+    out = {name: perplexity(session, windows) for name, session in sessions.items()}
+    base = out[base_name]["ppl"]
+    return [{"flavor": flavor, "scheme": name, "corpus": corpus, "windows": n, "window_tokens": length,
+             "offset": PPL_OFFSET, **values, "ppl_delta": values["ppl"] - base, "ppl_ratio": values["ppl"] / base}
+            for name, values in out.items()]
+
+
+# -- output ------------------------------------------------------------------------------------------------------
+def report_table(report: BenchReport):
+    """A rich Table of the results (ratios to the baseline in parentheses)."""
+    from rich.table import Table
+
+    table = Table(title=f"kvq bench on {report.model} ({report.fill} cache fill; ratios vs {report.baseline} "
+                        "of the same flavour)")
+    for col in ("flavor", "scheme", "ctx", "batch", "decode ms (p10-p90)", "x base", "tok/s", "prefill tok/s",
+                "x base", "cache", "x less", "peak RSS"):
+        table.add_column(col, justify="left" if col in ("flavor", "scheme") else "right")
+    for r in report.results:
+        table.add_row(
+            r.flavor, r.scheme, str(r.context), str(r.batch),
+            f"{r.decode_ms_median:.2f} ({r.decode_ms_p10:.2f}-{r.decode_ms_p90:.2f})", f"{r.ratio['decode_ms']:.2f}",
+            f"{r.decode_tok_s:.1f}", f"{r.prefill_tok_s:.0f}", f"{r.ratio['prefill_tok_s']:.2f}",
+            _mib(r.cache_bytes), f"{r.ratio['cache_reduction']:.2f}", _mib(r.peak_rss_bytes))
+    return table
+
+
+def perplexity_table(report: BenchReport):
+    """A rich Table of the perplexities, if any were measured."""
+    from rich.table import Table
+
+    table = Table(title="strict-decode perplexity")
+    for col in ("flavor", "scheme", "corpus", "tokens", "ppl", "Δ vs base", "x base"):
+        table.add_column(col, justify="left" if col in ("flavor", "scheme", "corpus") else "right")
+    for p in report.perplexity:
+        table.add_row(p["flavor"], p["scheme"], p["corpus"], str(p["tokens"]), f"{p['ppl']:.3f}",
+                      f"{p['ppl_delta']:+.3f}", f"{p['ppl_ratio']:.4f}")
+    return table
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def plot(report: BenchReport, path: str | os.PathLike[str]) -> Path:
+    """Decode latency and cache bytes against context, one line per (flavour, scheme, batch); saved as PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise DependencyError(f"plotting needs matplotlib ({err}); install: pip install matplotlib") from None
+    out = Path(path)
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
+    keys = sorted({(r.flavor, r.scheme, r.batch) for r in report.results})
+    for flavor, scheme, batch in keys:
+        rows = sorted((r for r in report.results if (r.flavor, r.scheme, r.batch) == (flavor, scheme, batch)),
+                      key=lambda r: r.context)
+        label = f"{flavor} {scheme} b{batch}"
+        style = "--" if scheme == report.baseline else "-"
+        xs = [r.context for r in rows]
+        ax_t.plot(xs, [r.decode_ms_median for r in rows], style, marker="o", label=label)
+        ax_m.plot(xs, [r.cache_bytes / 2**20 for r in rows], style, marker="o", label=label)
+    for ax, ylabel in ((ax_t, "decode step, median ms"), (ax_m, "cache held, MiB")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    ax_m.legend(fontsize=7)
+    fig.suptitle(f"kvq bench: {report.model} ({report.fill} cache, baseline {report.baseline} dashed)")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

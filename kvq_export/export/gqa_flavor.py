@@ -1,0 +1,289 @@
+"""``--flavor ort-gqa``: ONNX Runtime's fused ``com.microsoft.GroupQueryAttention`` over a shared cache buffer.
+
+Each layer's attention is one GroupQueryAttention (GQA) node that reads the cache in place: int8/int4
+codes with static float32 scales (``ort-int8``/``ort-int4`` and any symmetric static scheme), or an
+unquantized fp16/fp32 buffer (``fp16``: the like-for-like baseline). RoPE is fused into the node
+(``do_rotary`` with cos/sin tables of ``max_position_embeddings`` rows), and the cache is the ``buffer``
+layout of :mod:`kvq_export.naming`: one ``[batch, kv_heads, capacity, packed head_dim]`` tensor per
+stream, row ``b``'s tokens at ``[0, seq_lengths[b])``. The runtime binds the same buffer as ``past.*``
+input and ``present.*`` output, so the kernel appends in place and no step copies the cache.
+
+What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py``):
+
+* **Quantized cache**: ``T_CACHE`` is ``int8`` for ``kv_cache_bit_width=8`` (signed ``q``; a uint8 cache is
+  rejected) and ``uint8`` for 4 bits (two codes per byte, low nibble first, each ``q + 8``). Codes are
+  ``clip(round_half_even(x / scale), -2^(b-1), 2^(b-1) - 1)``: the same rounding as kvq's codec, but the
+  negative end is ``-128``/``-8`` where kvq clamps to ``-127``/``-7`` (only reached by values beyond the
+  calibrated range). Scales: float32 ``[1]`` (``PER_TENSOR``) or ``[1, kv_heads, 1, head_dim]``
+  (``PER_CHANNEL``); kvq's per-(head, channel) static scales map to ``PER_CHANNEL`` exactly, per-head or
+  per-group token-axis static scales by repeating them along head_dim, and a stream whose scales are all
+  equal maps to ``PER_TENSOR`` (the CPU kernel needs ``k_quant_type == v_quant_type``, so a layer with one
+  ``PER_TENSOR`` and one ``PER_CHANNEL`` stream uses ``PER_CHANNEL`` for both). New tokens are quantized
+  *before* attention, in prefill too (like kvq's reference cache with no high-precision window), but from
+  the compute-dtype values: kvq's reference rounds them to ``hp_dtype`` (fp16) first, so with the fp16
+  presets about 0.02-3% of codes differ by one (with ``hp_dtype=fp32`` they are identical). fp8 caches
+  are not implemented on CPU.
+* **Padding**: the kernel takes *right*-padded chunks through ``query_seqlens`` (ragged batched prefill and
+  multi-token steps work, and an idle row has ``query_seqlens = 0``); positions follow from
+  ``seqlens_k + 1 - query_seqlens``. kvq's inputs are *left*-padded, so the graph moves each row's tokens
+  to the front (GatherND) before the node and back after it; padding rows get zeros. So left-padded
+  batches are fully supported and a batched prompt gives what it gives alone.
+* ``seqlens_k = max(seq_lengths + new - 1, 0)`` (int32), ``total_sequence_length = max(longest row, t)``,
+  ``query_seqlens = new tokens per row``, all computed in-graph from ``past.seq_lengths`` and the mask.
+* **Buffer sharing**: when ``past_key`` and ``present_key`` are the same memory (IO binding), the kernel
+  writes the new tokens in place; otherwise it returns a copy of ``max(capacity, longest row)`` positions.
+  A step needs ``max(seq_lengths) + t <= capacity`` (:class:`~kvq_export.runtime.session.KVQSession` grows
+  the buffer by doubling when it would overflow, and never beyond the rotary table's rows).
+* **Sliding windows**: ``local_window_size = sliding_window`` gives exactly Hugging Face Mistral's window
+  (checked past the window in the tests; ``sliding_window - 1`` would drop one key).
+* **Not supported** (refused at export with the reason): dynamic scales, asymmetric ``int``, fp8, 2 bits,
+  high-precision windows (``residual_length``/``sink_tokens``), a layer whose key and value differ in
+  quantized/bit width (one cache type and ``kv_cache_bit_width`` per node).
+* **Probes**: with fused RoPE the post-RoPE q/k never exist as graph values, so ``probe.*`` values are only
+  named when ``fuse_rotary=False`` (then RoPE runs in the body and the node gets ``do_rotary=0``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from kvq_export.errors import ExportError
+from kvq_export.export.builder import GraphBuilder
+from kvq_export.export.exporter import register_flavor
+from kvq_export.naming import PARTS, cache_tensors, tensor_name
+from kvq_export.scheme import KVQuantScheme, TensorQuant
+
+logger = logging.getLogger(__name__)
+
+GQA_DOMAIN = "com.microsoft"
+GQA_BITS = (8, 4)
+_IR_TYPES = {"int64": ir.DataType.INT64, "int8": ir.DataType.INT8, "uint8": ir.DataType.UINT8,
+             "float16": ir.DataType.FLOAT16, "float32": ir.DataType.FLOAT}
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How one layer's GQA node stores its cache."""
+
+    bits: int | None  # None: unquantized buffer
+    k_quant: str = "NONE"  # NONE | PER_TENSOR | PER_CHANNEL
+    v_quant: str = "NONE"
+    k_scale: np.ndarray | None = None  # float32 [1] or [1, kv_heads, 1, head_dim]
+    v_scale: np.ndarray | None = None
+
+
+def unsupported(scheme: KVQuantScheme, num_layers: int) -> list[str]:
+    """Why GroupQueryAttention cannot hold ``scheme``'s cache (empty when it can)."""
+    reasons: list[str] = []
+
+    def note(text: str) -> None:
+        if text not in reasons:
+            reasons.append(text)
+
+    for layer, (key, value) in enumerate(scheme.streams(num_layers)):
+        where = f"layer {layer}" if scheme.layer_overrides else "every layer"
+        for part, tq in zip(PARTS, (key, value)):
+            if not tq.quantized:
+                continue
+            if tq.format != "int_sym":
+                note(f"{where} {part}: format {tq.format} (GQA's cache is symmetric int8/int4 only; "
+                     "fp8 is not implemented on CPU)")
+            elif tq.bits not in GQA_BITS:
+                note(f"{where} {part}: {tq.bits} bits (kv_cache_bit_width is 8 or 4)")
+            if tq.scales != "static":
+                note(f"{where} {part}: dynamic scales (GQA takes fixed k_scale/v_scale: use static scales, "
+                     "e.g. the ort-int8 / ort-int4 presets)")
+        if key.quantized != value.quantized or (key.quantized and key.bits != value.bits):
+            note(f"{where}: key ({key.describe()}) and value ({value.describe()}) differ, but one GQA node has "
+                 "one cache type and one kv_cache_bit_width")
+    if scheme.quantized and (scheme.residual_length or scheme.sink_tokens):
+        note(f"residual_length={scheme.residual_length}, sink_tokens={scheme.sink_tokens}: GQA keeps no "
+             "high-precision window (both must be 0)")
+    return reasons
+
+
+def gqa_scale(tq: TensorQuant, scales: np.ndarray, kv_heads: int, head_dim: int) -> tuple[str, np.ndarray]:
+    """Map kvq static scales ``[kv_heads, n]`` to (``PER_TENSOR`` | ``PER_CHANNEL``, float32 GQA scale tensor).
+
+    The values are first rounded to the stream's ``scale_dtype`` (what kvq's codec quantizes with).
+    """
+    sdtype = np.float16 if tq.scale_dtype == "fp16" else np.float32
+    s = np.asarray(scales, dtype=np.float32).astype(sdtype).astype(np.float32)
+    if s.shape[0] != kv_heads:
+        raise ExportError(f"static scales have shape {list(s.shape)}; expected [kv_heads={kv_heads}, n]")
+    if tq.axis == "token":  # one scale per (head, group of channels): repeat it over the group
+        s = np.repeat(s, tq.token_group(head_dim), axis=1)
+    if s.shape != (kv_heads, head_dim):
+        raise ExportError(f"static scales expand to {list(s.shape)}; expected [{kv_heads}, {head_dim}]")
+    if np.all(s == s.flat[0]):
+        return "PER_TENSOR", s.reshape(-1)[:1].copy()
+    return "PER_CHANNEL", np.ascontiguousarray(s.reshape(1, kv_heads, 1, head_dim))
+
+
+class GQACacheGraph:
+    """:class:`~kvq_export.export.decoder.CacheGraph` built on ``com.microsoft.GroupQueryAttention``.
+
+    Args:
+        scheme: the cache description (see :func:`unsupported` for what GQA can hold).
+        num_layers, kv_heads, head_dim: the model's cache geometry.
+        static: calibrated static scales ``{layer: {"key"|"value": {"scales": [H, n]}}}``.
+        fuse_rotary: apply RoPE inside the node (default); False leaves it to the decoder body.
+    """
+
+    layout = "buffer"
+
+    def __init__(
+        self,
+        scheme: KVQuantScheme,
+        *,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        static: Mapping[int, Mapping[str, Mapping[str, np.ndarray]]] | None = None,
+        fuse_rotary: bool = True,
+    ) -> None:
+        scheme.check_model(num_layers, head_dim)
+        reasons = unsupported(scheme, num_layers)
+        if reasons:
+            raise ExportError(f"flavor ort-gqa cannot hold scheme {scheme.name or 'custom'}: " + "; ".join(reasons))
+        self.scheme = scheme
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.fuses_rotary = fuse_rotary
+        self.plans = [self._plan(layer, key, value, static or {})
+                      for layer, (key, value) in enumerate(scheme.streams(num_layers))]
+        self.past: dict[str, ir.Value] = {}
+        self.present: dict[str, ir.Value] = {}
+
+    def _plan(self, layer: int, key: TensorQuant, value: TensorQuant, static: Mapping) -> LayerPlan:
+        if not key.quantized:
+            return LayerPlan(bits=None)
+        types, arrays = [], []
+        for part, tq in zip(PARTS, (key, value)):
+            scales = static.get(layer, {}).get(part, {}).get("scales")
+            if scales is None:
+                raise ExportError(f"layer {layer} {part} uses static scales but no calibration was given "
+                                  "(calibrate first; kvq never guesses a scale)")
+            kind, array = gqa_scale(tq, scales, self.kv_heads, self.head_dim)
+            types.append(kind)
+            arrays.append(array)
+        if types[0] != types[1]:  # the CPU kernel needs k_quant_type == v_quant_type
+            shape = (1, self.kv_heads, 1, self.head_dim)
+            arrays = [np.ascontiguousarray(np.broadcast_to(a.reshape(-1)[0] if a.size == 1 else a, shape))
+                      for a in arrays]
+            types = ["PER_CHANNEL", "PER_CHANNEL"]
+        return LayerPlan(key.bits, types[0], types[1], arrays[0], arrays[1])
+
+    # -- CacheGraph protocol --------------------------------------------------------------------------
+    def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, facts) -> ir.Value | None:
+        """Declare the past buffers; compute GQA's length inputs and the left/right realignment."""
+        self.facts = facts
+        self.compute_type = facts.dtype
+        for spec in self._specs("past"):
+            self.past[spec.name] = b.input(spec.name, _IR_TYPES[spec.dtype], spec.shape)
+        n0 = self.past[tensor_name("past", None, None, "seq_lengths")]
+        mask = b.op("Cast", attention_mask, to=ir.DataType.INT64)
+        m = b.op("ReduceSum", mask, b.const([1]), keepdims=0)  # new real tokens per row [B]
+        self.n1 = b.op("Add", n0, m)
+        t = b.op("Gather", b.op("Shape", mask), b.const([1]), axis=0)  # [1]
+        t_scalar = b.op("Squeeze", t, b.const([0]))
+        int32 = ir.DataType.INT32
+        self.seqlens_k = b.op("Cast", b.op("Max", b.op("Sub", self.n1, b.const(1)), b.const(0)), to=int32)
+        self.query_seqlens = b.op("Cast", m, to=int32)
+        longest = b.op("ReduceMax", self.n1, b.const([0]), keepdims=1)
+        self.total = b.op("Cast", b.op("Squeeze", b.op("Max", longest, t), b.const([0])), to=int32)
+        # left-padded row b holds its m_b tokens at [t - m_b, t); GQA wants them at [0, m_b)
+        s = b.op("Unsqueeze", b.op("Range", b.const(0), t_scalar, b.const(1)), b.const([0]))  # [1, t]
+        m2 = b.op("Unsqueeze", m, b.const([1]))  # [B, 1]
+        shift = b.op("Sub", t, m2)
+        self.to_right = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, shift), t), b.const([-1]))  # [B, t, 1]
+        self.to_left = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, m2), t), b.const([-1]))
+        self.valid = b.op("Unsqueeze", b.op("Cast", mask, to=ir.DataType.BOOL), b.const([-1]))  # [B, t, 1]
+        np_type = ir.DataType(self.compute_type).numpy()
+        self.zero = b.const(np.array(0, dtype=np_type))
+        self.cos = self.sin = None
+        if self.fuses_rotary:
+            self.cos, self.sin = self._rotary_caches(b, facts, np_type)
+            return None
+        # positions of the new tokens for the body's RoPE (pads clamp to 0), as in the reference flavour
+        offset = b.op("Sub", b.op("Unsqueeze", n0, b.const([1])), shift)
+        return b.op("Max", b.op("Add", s, offset), b.const(0))
+
+    def attend_projected(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
+        """Attend: q [B,t,Hq*D], k/v [B,t,Hkv*D] before RoPE -> [B,t,Hq*D] (GQA applies RoPE)."""
+        with b.scope(f"gqa{layer}"):
+            return self._gqa(b, layer, q, k, v, rotary=True)
+
+    def attend(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
+        """Attend: q [B,Hq,t,D], k/v [B,Hkv,t,D] with RoPE applied -> [B,Hq,t,D] (the unfused path)."""
+        from kvq_export.export.kv_graph import name_probes
+
+        name_probes(b, layer, q, k, v)
+        f = self.facts
+        with b.scope(f"gqa{layer}"):
+            flat = [b.op("Reshape", b.op("Transpose", x, perm=[0, 2, 1, 3]), b.const([0, 0, heads * f.head_dim]))
+                    for x, heads in ((q, f.num_heads), (k, f.num_kv_heads), (v, f.num_kv_heads))]
+            out = self._gqa(b, layer, *flat, rotary=False)
+            out = b.op("Reshape", out, b.const([0, 0, f.num_heads, f.head_dim]))
+            return b.op("Transpose", out, perm=[0, 2, 1, 3])
+
+    def end(self, b: GraphBuilder) -> None:
+        """Declare the present outputs in manifest order."""
+        self.present[tensor_name("present", None, None, "seq_lengths")] = self.n1
+        for spec in self._specs("present"):
+            b.output(self.present[spec.name], spec.name, _IR_TYPES[spec.dtype], spec.shape)
+
+    # -- pieces --------------------------------------------------------------------------------------------
+    def _specs(self, direction: str):
+        return cache_tensors(self.scheme, num_layers=self.num_layers, kv_heads=self.kv_heads,
+                             head_dim=self.head_dim, direction=direction, layout="buffer")
+
+    def _rotary_caches(self, b: GraphBuilder, facts, np_type) -> tuple[ir.Value, ir.Value]:
+        """cos/sin tables [max_positions, D/2] in the compute dtype (computed in float32, like the body)."""
+        rope = facts.rope
+        if rope is None or not facts.max_positions:
+            raise ExportError("ort-gqa with fused rotary needs the model's RoPE and max_position_embeddings")
+        pos = np.arange(facts.max_positions, dtype=np.float32)[:, None]
+        freqs = pos * rope.inv_freq.astype(np.float32)[None, :]
+        cos, sin = np.cos(freqs), np.sin(freqs)
+        if rope.attention_scaling != 1.0:
+            cos, sin = cos * np.float32(rope.attention_scaling), sin * np.float32(rope.attention_scaling)
+        return (b.initializer("rope.cos_cache", cos.astype(np_type)),
+                b.initializer("rope.sin_cache", sin.astype(np_type)))
+
+    def _gqa(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value, *, rotary: bool) -> ir.Value:
+        """Realign to right padding, run the node on the shared buffers, realign back."""
+        f, plan = self.facts, self.plans[layer]
+        qr, kr, vr = (b.op("GatherND", x, self.to_right, batch_dims=1) for x in (q, k, v))
+        past = [self.past[tensor_name("past", layer, part, "buffer")] for part in PARTS]
+        scales: list[ir.Value | None] = [None, None]
+        attrs = {}
+        if plan.bits is not None:
+            scales = [b.initializer(f"static.{layer}.{part}.scales", array)
+                      for part, array in zip(PARTS, (plan.k_scale, plan.v_scale))]
+            attrs = {"k_quant_type": plan.k_quant, "v_quant_type": plan.v_quant, "kv_cache_bit_width": plan.bits}
+        window = f.window(layer)
+        out, present_k, present_v = b.op_multi(
+            "GroupQueryAttention", qr, kr, vr, past[0], past[1], self.seqlens_k, self.total,
+            self.cos if rotary else None, self.sin if rotary else None,
+            None, None, None,  # position_ids (implied by query_seqlens), attention_bias, head_sink
+            scales[0], scales[1],
+            None, None,  # q_norm_weight, k_norm_weight
+            self.query_seqlens,
+            num_outputs=3, domain=GQA_DOMAIN,
+            num_heads=f.num_heads, kv_num_heads=f.num_kv_heads, scale=float(f.scaling),
+            do_rotary=int(rotary), rotary_interleaved=0, local_window_size=int(window) if window else -1,
+            **attrs,
+        )
+        for part, value in zip(PARTS, (present_k, present_v)):
+            self.present[tensor_name("present", layer, part, "buffer")] = value
+        return b.op("Where", self.valid, b.op("GatherND", out, self.to_left, batch_dims=1), self.zero)
+
+
+@register_flavor("ort-gqa")
+def _gqa_flavor(scheme: KVQuantScheme, **geometry) -> GQACacheGraph:
+    return GQACacheGraph(scheme, **geometry)

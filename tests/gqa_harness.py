@@ -1,0 +1,142 @@
+"""Shared pieces of the ort-gqa tests: schemes, exports, and a teacher-forced run against the reference cache."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tiny_models import VOCAB, tiny_model
+
+from kvq_export.calibrate import calibrate_static_scales, static_to_torch
+from kvq_export.manifest import buffer_codes_to_kvq, decode_cache
+from kvq_export.presets import PRESETS
+from kvq_export.reference.codec import unpack
+from kvq_export.reference.hf_cache import reference_hf_cache
+from kvq_export.runtime.session import KVQSession
+
+
+def _hp32(name: str):
+    return dataclasses.replace(PRESETS[name][0], hp_dtype="fp32", name=f"{name}/hp-fp32")
+
+
+#: The presets GQA holds, and the same with fp32 high precision (the reference then quantizes the fp32 K/V,
+#: exactly what GQA does, so codes must agree up to the saturation convention).
+SCHEMES = {
+    "fp16": PRESETS["fp16"][0],
+    "ort-int8": PRESETS["ort-int8"][0],
+    "ort-int4": PRESETS["ort-int4"][0],
+    "fp32": _hp32("fp16"),
+    "ort-int8/hp-fp32": _hp32("ort-int8"),
+    "ort-int4/hp-fp32": _hp32("ort-int4"),
+}
+PROMPTS = {"solo": [[5, 17, 99, 3, 42, 8, 77]], "padded": [[11, 12, 13, 14, 15], [60, 61, 2, 9, 100, 4, 4, 7, 1]]}
+#: decode steps after the prompt: past the tiny mistral's 48-token sliding window
+STEPS = 50
+
+
+def token_stream(prompts: list[list[int]], steps: int = STEPS) -> np.ndarray:
+    """The teacher-forced tokens after the prompts, ``[steps, batch]`` (seeded by the batch size)."""
+    return np.random.default_rng(len(prompts)).integers(0, VOCAB, (steps, len(prompts)))
+
+
+def calibration(arch: str, scheme, *, covering: list[list[int]] | None = None):
+    """Static scales (None for schemes without static streams).
+
+    By default measured on four random 64-token windows, so later tokens can exceed the calibrated range
+    and saturate. With ``covering`` (the test's own sequences) the scales are measured on exactly the
+    tokens the test runs and widened by 5%: no code saturates.
+    """
+    if not scheme.has_static_scales:
+        return None
+    if covering is None:
+        rng = np.random.default_rng(3)
+        windows = [list(rng.integers(0, VOCAB, 64)) for _ in range(4)]
+        return calibrate_static_scales(tiny_model(arch), scheme, windows)
+    static = calibrate_static_scales(tiny_model(arch), scheme, covering)
+    return {layer: {part: {role: a * np.float32(1.05) for role, a in meta.items()} for part, meta in parts.items()}
+            for layer, parts in static.items()}
+
+
+def sequences(prompts: list[list[int]], steps: int = STEPS) -> list[list[int]]:
+    """Each row's whole token sequence (prompt + stream)."""
+    stream = token_stream(prompts, steps)
+    return [list(p) + [int(t) for t in stream[:, row]] for row, p in enumerate(prompts)]
+
+
+@dataclass
+class Comparison:
+    """What one teacher-forced run measured (worst cases over rows, steps, layers)."""
+
+    logits: float = 0.0  # max |Δlogits| vs the reference cache
+    logits_scale: float = 0.0  # max |logits|
+    codes: int = 0  # quantized codes compared
+    saturated: int = 0  # GQA at -2^(b-1) where the reference clamps to -(2^(b-1) - 1)
+    off_by_one: int = 0  # other codes differing by exactly 1
+    worse: int = 0  # codes differing by more than 1
+    hp: float = 0.0  # unquantized buffers: max |Δ| relative to the tensor's max magnitude
+    decoded: float = 0.0  # manifest-only decode vs the reference's dequantized K/V, max |Δ|
+    alone: list[np.ndarray] = field(default_factory=list, repr=False)
+
+
+def left_pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded ids and mask."""
+    width = max(map(len, prompts))
+    ids = np.zeros((len(prompts), width), np.int64)
+    mask = np.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
+    return ids, mask
+
+
+def compare(session: KVQSession, arch: str, scheme, static, prompts, *, steps: int = STEPS,
+            capacity: int = 16) -> Comparison:
+    """Teacher-force prompts + random tokens through ``session`` and the PyTorch reference cache."""
+    model = tiny_model(arch)
+    stream = token_stream(prompts, steps)
+    ids, mask = left_pad(prompts)
+    logits, cache = session.step(ids, mask, session.empty_cache(len(prompts), capacity=capacity))
+    got = [logits]
+    for tokens in stream:
+        logits, cache = session.step(tokens[:, None], None, cache)
+        got.append(logits)
+    arrays = session.cache_arrays(cache)
+    decoded = decode_cache(session.manifest, arrays, direction="past", static=static)
+    out = Comparison()
+    width = ids.shape[1]
+    for row, prompt in enumerate(prompts):
+        cache_hf, ref = reference_hf_cache(scheme, model.config.num_hidden_layers,
+                                           static_to_torch(static) if static else None)
+        with torch.no_grad():
+            want = [model(torch.tensor([prompt]), cache=cache_hf).logits[0].numpy()]
+            for token in stream[:, row]:
+                want.append(model(torch.tensor([[token]]), cache=cache_hf).logits[0].numpy())
+        mine = [got[0][row, width - len(prompt):]] + [g[row] for g in got[1:]]
+        out.alone.append(np.concatenate(mine))
+        for a, b in zip(mine, want):
+            out.logits = max(out.logits, float(np.abs(a - b).max()))
+            out.logits_scale = max(out.logits_scale, float(np.abs(b).max()))
+        n = int(session.seq_lengths(cache)[row])
+        assert n == len(prompt) + steps
+        for layer, layer_cache in enumerate(ref.layers):
+            for part in ("key", "value"):
+                stream_ref = getattr(layer_cache, part)
+                stored = arrays[f"past.{layer}.{part}.buffer"][row][:, :n]
+                if stream_ref.tq.quantized:
+                    bits = stream_ref.tq.bits
+                    a = unpack(torch.from_numpy(buffer_codes_to_kvq(stream_ref.tq, stored)), bits).numpy().astype(int)
+                    b = unpack(stream_ref.tensors()["codes"][0], bits).numpy().astype(int)
+                    diff = a - b
+                    sat = (a == 0) & (b == 1)
+                    out.codes += a.size
+                    out.saturated += int(sat.sum())
+                    out.off_by_one += int(((np.abs(diff) == 1) & ~sat).sum())
+                    out.worse += int((np.abs(diff) > 1).sum())
+                else:
+                    want_hp = stream_ref.tensors()["recent"][0].float().numpy()
+                    scale = max(float(np.abs(want_hp).max()), 1e-30)
+                    out.hp = max(out.hp, float(np.abs(stored.astype(np.float32) - want_hp).max()) / scale)
+                k_or_v = decoded[row][layer][0 if part == "key" else 1]
+                out.decoded = max(out.decoded, float(np.abs(k_or_v - stream_ref.dequantized()[0].numpy()).max()))
+    return out

@@ -1,0 +1,100 @@
+"""``kvq_export.bench`` runs end to end on a tiny model and writes well-formed results (timings never asserted)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from tiny_models import tiny_model
+
+from kvq_export.bench import plot, report_table, run_bench, synthetic_cache
+from kvq_export.errors import KVQError
+
+
+def _char_tokenizer():
+    """One token per ASCII character (ids 0-127, the tiny models' vocabulary), built offline."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={chr(i): i for i in range(128)}, unk_token=chr(0)))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(out)
+    _char_tokenizer().save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def report(model_dir, tmp_path_factory):
+    return run_bench(str(model_dir), ["ort-int8"], flavors=("ort-gqa", "reference"), contexts=(24, 40),
+                     batches=(1, 2), steps=4, warmup=1, prefill_tokens=16, prefill_repeats=1,
+                     work_dir=tmp_path_factory.mktemp("bench"), calib_tokens=256, ppl_windows=2, ppl_tokens=12)
+
+
+def test_report_is_well_formed_json(report):
+    data = json.loads(report.to_json())
+    assert data["fill"] == "synthetic" and data["baseline"] == "fp16" and data["bench_version"] == 1
+    rows = data["results"]
+    assert len(rows) == 2 * 2 * 2 * 2  # flavours x (baseline, ort-int8) x contexts x batches
+    assert {(r["flavor"], r["scheme"]) for r in rows} == {(f, s) for f in ("ort-gqa", "reference")
+                                                           for s in ("fp16", "ort-int8")}
+    for r in rows:
+        assert r["decode_steps"] == 4 and 0 < r["decode_ms_p10"] <= r["decode_ms_median"] <= r["decode_ms_p90"]
+        assert r["prefill_tokens"] == 16 and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
+        assert r["peak_rss_bytes"] >= r["rss_bytes"] > 0
+        assert set(r["ratio"]) == {"decode_ms", "prefill_tok_s", "cache_bytes", "cache_reduction"}
+        # the bytes held equal the memory model (buffer capacity == context; regions exact)
+        assert r["cache_bytes"] == r["cache_bytes_predicted"]
+        if r["scheme"] == "fp16":
+            assert r["ratio"]["decode_ms"] == 1.0 and r["ratio"]["cache_bytes"] == 1.0
+        else:  # int8 codes, static scales in the graph: half of fp16
+            assert r["ratio"]["cache_bytes"] == 0.5 and r["ratio"]["cache_reduction"] == 2.0
+    ppl = data["perplexity"]
+    assert len(ppl) == 4 and all(math.isfinite(p["ppl"]) and p["ppl"] > 1 and p["tokens"] == 22 for p in ppl)
+    assert all(p["ppl_delta"] == 0.0 for p in ppl if p["scheme"] == "fp16")
+
+
+def test_table_and_plot(report, tmp_path):
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(report_table(report))
+    assert "ort-int8" in console.export_text()
+    png = plot(report, tmp_path / "bench.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_exports_are_reused(model_dir, tmp_path):
+    kwargs = dict(flavors=("ort-gqa",), contexts=(8,), batches=(1,), steps=2, warmup=0, prefill_tokens=4,
+                  prefill_repeats=1, work_dir=tmp_path)
+    run_bench(str(model_dir), [], **kwargs)
+    onnx_file = next(tmp_path.glob("*-ort-gqa-fp16-fp32/model.onnx"))
+    stamp = onnx_file.stat().st_mtime_ns
+    again = run_bench(str(model_dir), [], **kwargs)
+    assert onnx_file.stat().st_mtime_ns == stamp and len(again.results) == 1
+
+
+def test_synthetic_cache_matches_every_layout(model_dir, tmp_path):
+    from kvq_export.export.exporter import export
+    from kvq_export.runtime.session import KVQSession
+
+    for flavor, scheme in (("reference", "kivi-4"), ("reference", "fp8"), ("ort-gqa", "fp16")):
+        session = KVQSession(export(tiny_model("llama"), scheme, tmp_path / f"{flavor}-{scheme}", flavor=flavor))
+        cache = synthetic_cache(session, 2, 150, capacity=160)
+        session.check_cache(cache, 2)
+        logits, cache = session.step(np.array([[1], [2]]), None, cache)
+        assert np.isfinite(logits).all() and session.seq_lengths(cache).tolist() == [151, 151]
+
+
+def test_bad_settings_are_refused(model_dir):
+    with pytest.raises(KVQError, match="context 8 is shorter than warmup \\+ steps \\+ 1 = 37"):
+        run_bench(str(model_dir), [], contexts=(8,))
+    with pytest.raises(KVQError, match="invalid batches"):
+        run_bench(str(model_dir), [], batches=(0,))
