@@ -325,6 +325,45 @@ def build(export_dir, fp16, max_batch, max_context, max_prefill, output) -> None
     click.echo(f"engine written to {path}")
 
 
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+
+
+@cli.command()
+@click.option("--model", "model_spec", default="smollm2", show_default=True)
+@click.option("--schemes", required=True, help="Comma-separated presets or scheme files (the fp16 baseline is added).")
+@click.option("--flavors", default="ort-gqa", show_default=True, help="Comma-separated flavours (reference, ort-gqa).")
+@click.option("--contexts", default="512,2048,8192", show_default=True)
+@click.option("--batch", "batches", default="1,4", show_default=True)
+@click.option("--steps", type=click.IntRange(1), default=32, show_default=True, help="Timed decode steps.")
+@click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--ppl-windows", type=click.IntRange(0), default=0, show_default=True,
+              help="Also report strict-decode perplexity on this many britannica windows.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
+              help="PNG of decode latency and cache bytes against context length.")
+def bench(model_spec, schemes, flavors, contexts, batches, steps, threads, ppl_windows, json_out, plot_out) -> None:
+    """Decode latency, prefill throughput, cache bytes and RSS per scheme, as ratios to the fp16 baseline."""
+    from kvq_export import bench as kvq_bench
+
+    report = kvq_bench.run_bench(model_spec, [s for s in schemes.split(",") if s], flavors=flavors.split(","),
+                                 contexts=_ints(contexts), batches=_ints(batches), steps=steps, threads=threads,
+                                 ppl_windows=ppl_windows)
+    console = _console()
+    console.print(kvq_bench.report_table(report))
+    if ppl_windows:
+        console.print(kvq_bench.perplexity_table(report))
+    if json_out:
+        from kvq_export.validate.report import write_json
+
+        write_json(report.to_dict(), json_out)
+    if plot_out:
+        kvq_bench.plot(report, plot_out)
+
+
 @cli.command()
 @click.option("--model", "model_spec", default="smollm2", show_default=True)
 @click.option("--scheme", "scheme_spec", default="kivi-4", show_default=True, help="Quantized scheme to show.")
