@@ -176,9 +176,16 @@ def present_name(past_name: str) -> str:
 #: before they are stored), one set per layer. Every flavour names them the same way.
 PROBES = ("q", "key", "value")
 
+#: Initializers of a graph whose attention kernel applies RoPE itself: cos/sin ``[max_positions, head_dim/2]``.
+ROTARY_TABLES = ("rope.cos_cache", "rope.sin_cache")
 
-def probe_name(layer: int, which: str) -> str:
-    """Name of an attention input inside the graph (``probe.3.key``); see :data:`PROBES`."""
+
+def probe_name(layer: int, which: str, *, projected: bool = False) -> str:
+    """Name of an attention input inside the graph (``probe.3.key``); see :data:`PROBES`.
+
+    ``projected=True`` names the raw projection ``[B, t, H*D]`` before RoPE (``probe.3.key.projected``): what a
+    graph whose fused attention kernel applies RoPE (tables :data:`ROTARY_TABLES`) exposes instead.
+    """
     if which not in PROBES:
         raise ValueError(f"probe must be one of {PROBES}, got {which!r}")
-    return f"probe.{layer}.{which}"
+    return f"probe.{layer}.{which}" + (".projected" if projected else "")

@@ -154,24 +154,35 @@ def test_fp16_compute_graph_tracks_the_fp32_graph(tmp_path_factory):
 
 
 def test_unfused_rotary_path_matches_and_names_probes(tmp_path_factory, monkeypatch):
-    """fuse_rotary=False: RoPE in the body, do_rotary=0 in the node, probe.* named like the reference."""
+    """fuse_rotary=False: RoPE in the body, do_rotary=0 in the node, probe.* named like the reference.
+
+    The fused graph names only the raw projections; its probed session rotates them with the graph's own
+    tables at each row's positions, and must give the unfused graph's post-RoPE probes (left-padded batch).
+    """
     import onnx
 
     from kvq_export import naming
     from kvq_export.export import exporter
+    from kvq_export.validate.probe import ProbedSession
 
     monkeypatch.setitem(exporter.FLAVORS, "ort-gqa-unfused",
                         lambda scheme, **geo: GQACacheGraph(scheme, fuse_rotary=False, **geo))
     monkeypatch.setitem(naming.FLAVOR_LAYOUTS, "ort-gqa-unfused", "buffer")
     scheme = SCHEMES["ort-int8/hp-fp32"]
     static = calibration("qwen2", scheme)
-    fused = _export(tmp_path_factory, "qwen2", scheme, static)
+    fused = ProbedSession(_export(tmp_path_factory, "qwen2", scheme, static).directory)
     out = tmp_path_factory.mktemp("unfused") / "m"
-    unfused = KVQSession(export(tiny_model("qwen2"), scheme, out, static=static, flavor="ort-gqa-unfused"))
+    unfused = ProbedSession(export(tiny_model("qwen2"), scheme, out, static=static, flavor="ort-gqa-unfused"))
     ids, mask = left_pad(PROMPTS["padded"])
     a, ca = fused.step(ids, mask)
     b, cb = unfused.step(ids, mask)
     for token in range(5):
+        assert fused.last_extra.keys() == unfused.last_extra.keys()
+        for name, want in unfused.last_extra.items():
+            got = fused.last_extra[name]
+            assert got.shape == want.shape, name
+            real = np.broadcast_to(mask[:, None, :, None].astype(bool), want.shape) if token == 0 else ...
+            assert np.abs(got - want)[real].max() <= 1e-5 * max(1.0, np.abs(want).max()), name
         a, ca = fused.step(np.full((2, 1), token), None, ca)
         b, cb = unfused.step(np.full((2, 1), token), None, cb)
         assert np.abs(a - b).max() <= 1e-4
@@ -181,6 +192,9 @@ def test_unfused_rotary_path_matches_and_names_probes(tmp_path_factory, monkeypa
     rotary = {a.i for n in graph.node if n.op_type == "GroupQueryAttention" for a in n.attribute
               if a.name == "do_rotary"}
     assert rotary == {0}
+    fused_names = {o for n in onnx.load(fused.directory / "model.onnx", load_external_data=False).graph.node
+                   for o in n.output}
+    assert "probe.1.key.projected" in fused_names and "probe.1.key" not in fused_names
 
 
 def _gqa_attrs(session) -> list[dict]:

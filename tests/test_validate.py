@@ -179,6 +179,25 @@ def test_baseline_is_exported_on_the_fly(tiny, monkeypatch, tmp_path):
     assert Path(r["baseline"]).parent == tmp_path / "exports" and r["token"]["perplexity_baseline"] > 0
 
 
+def test_ort_gqa_export_validates_like_the_reference_flavour(tiny):
+    """Fused RoPE leaves no post-RoPE q/k in the graph; the probed session rotates the projections itself.
+
+    Same scheme, same static scales, two flavours: the analyses must agree (GQA quantizes fp32 K/V where the
+    reference rounds them to fp16 first, so a few codes differ by one: close, not identical).
+    """
+    calib = dict(calib_corpus=str(tiny["corpus"]), calib_tokens=512)
+    dirs = {flavor: export(str(tiny["model_dir"]), "ort-int8", tiny["root"] / f"ort-int8-{flavor}", flavor=flavor,
+                           **calib) for flavor in ("ort-gqa", "reference")}
+    config = _config(tiny, gen_tokens=4)
+    got, want = (validate(dirs[f], tiny["fp16"], config, progress=False) for f in ("ort-gqa", "reference"))
+    assert got["flavor"] == "ort-gqa" and got["attention"]["samples"] == want["attention"]["samples"] == 18
+    assert got["memory"]["prediction_matches"]
+    s, w = got["attention"]["summary"], want["attention"]["summary"]
+    for name in ("key_mse", "value_mse", "out_rel_both", "key_induced", "value_induced"):
+        assert s[name] > 0 and s[name] == pytest.approx(w[name], rel=0.1), name
+    assert got["token"]["perplexity"] == pytest.approx(want["token"]["perplexity"], rel=1e-3)
+
+
 # -- kvq compare and the plain Polygraphy commands ----------------------------------------------------------
 def _kvq(*args):
     return subprocess.run([sys.executable, "-m", "kvq_export.cli", *args], capture_output=True, text=True)

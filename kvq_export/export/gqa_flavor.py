@@ -39,8 +39,11 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
 * **Not supported** (refused at export with the reason): dynamic scales, asymmetric ``int``, fp8, 2 bits,
   high-precision windows (``residual_length``/``sink_tokens``), a layer whose key and value differ in
   quantized/bit width (one cache type and ``kv_cache_bit_width`` per node).
-* **Probes**: with fused RoPE the post-RoPE q/k never exist as graph values, so ``probe.*`` values are only
-  named when ``fuse_rotary=False`` (then RoPE runs in the body and the node gets ``do_rotary=0``).
+* **Probes**: with fused RoPE the post-RoPE q/k never exist as graph values, so the graph names the raw
+  projections (``probe.<layer>.<q|key|value>.projected``) and a validator applies the graph's own rotary
+  tables to them (:mod:`kvq_export.validate.probe`); computing RoPE in the graph just for probes would run
+  on every step, since ONNX Runtime executes dead branches. With ``fuse_rotary=False`` RoPE runs in the
+  body, the node gets ``do_rotary=0`` and the usual ``probe.*`` values are named.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ import onnx_ir as ir
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.exporter import register_flavor
-from kvq_export.naming import PARTS, cache_tensors, tensor_name
+from kvq_export.export.kv_graph import name_probes
+from kvq_export.naming import PARTS, ROTARY_TABLES, cache_tensors, tensor_name
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
 logger = logging.getLogger(__name__)
@@ -215,13 +219,12 @@ class GQACacheGraph:
 
     def attend_projected(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
         """Attend: q [B,t,Hq*D], k/v [B,t,Hkv*D] before RoPE -> [B,t,Hq*D] (GQA applies RoPE)."""
+        name_probes(b, layer, q, k, v, projected=True)
         with b.scope(f"gqa{layer}"):
             return self._gqa(b, layer, q, k, v, rotary=True)
 
     def attend(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
         """Attend: q [B,Hq,t,D], k/v [B,Hkv,t,D] with RoPE applied -> [B,Hq,t,D] (the unfused path)."""
-        from kvq_export.export.kv_graph import name_probes
-
         name_probes(b, layer, q, k, v)
         f = self.facts
         with b.scope(f"gqa{layer}"):
@@ -252,8 +255,8 @@ class GQACacheGraph:
         cos, sin = np.cos(freqs), np.sin(freqs)
         if rope.attention_scaling != 1.0:
             cos, sin = cos * np.float32(rope.attention_scaling), sin * np.float32(rope.attention_scaling)
-        return (b.initializer("rope.cos_cache", cos.astype(np_type)),
-                b.initializer("rope.sin_cache", sin.astype(np_type)))
+        return (b.initializer(ROTARY_TABLES[0], cos.astype(np_type)),
+                b.initializer(ROTARY_TABLES[1], sin.astype(np_type)))
 
     def _gqa(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value, *, rotary: bool) -> ir.Value:
         """Realign to right padding, run the node on the shared buffers, realign back."""

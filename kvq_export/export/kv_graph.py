@@ -50,13 +50,15 @@ class _Counts:
     recent: ir.Value
 
 
-def name_probes(b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> None:
+def name_probes(b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value, *,
+                projected: bool = False) -> None:
     """Stable names for attention's inputs, so a validator can expose them (:func:`naming.probe_name`).
 
-    Unused Identity nodes cost nothing: ONNX Runtime prunes them unless they are made outputs.
+    Unused Identity nodes cost nothing: ONNX Runtime removes them unless they are made outputs (it does
+    *not* remove other dead nodes, so probes never get computation of their own).
     """
     for which, value in zip(PROBES, (q, k, v)):
-        b.op("Identity", value).name = probe_name(layer, which)
+        b.op("Identity", value).name = probe_name(layer, which, projected=projected)
 
 
 def static_name(layer: int, part: str, role: str) -> str:
@@ -366,7 +368,7 @@ class QuantizedCacheGraph:
         """Quantize a [B,H,F,D] block (F whole groups); return (stored codes, scales, zeros)."""
         f32, sdtype = ir.DataType.FLOAT, _FLOAT[tq.scale_dtype]
         xg, axis = self._grouped(b, tq, b.op("Cast", block, to=f32))
-        axes = b.const([axis])
+        axes = None if tq.scales == "static" else b.const([axis])  # static: no reduction, no dangling constant
         scales = zeros = zero = None
         if tq.scales == "static":
             s_meta, z_meta = self._static_meta(b, layer, part, tq)

@@ -4,43 +4,103 @@ The graph names them ``probe.<layer>.{q,key,value}`` (:func:`kvq_export.naming.p
 session loads ``model.onnx`` with those values added as outputs; the weights stay in the export's
 external data file, which the probed copy (written beside it only while the session is created)
 refers to.
+
+A graph whose attention kernel applies RoPE itself (``--flavor ort-gqa``) never holds post-RoPE q/k; it
+names the raw projections instead (``probe.<layer>.<which>.projected``, ``[B, t, H*D]``), and the probed
+session rotates them with the graph's own cos/sin tables at each token's position, so every consumer sees
+the same ``[B, H, t, D]`` post-RoPE probes whatever the flavour.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from pathlib import Path
+
+import numpy as np
 
 from kvq_export.errors import RuntimeInputError
 from kvq_export.manifest import MODEL_NAME
-from kvq_export.naming import PROBES, probe_name
-from kvq_export.runtime.session import KVQSession
+from kvq_export.naming import PROBES, ROTARY_TABLES, probe_name
+from kvq_export.runtime.session import CacheState, KVQSession
 
 
-def probed_session(directory: str | os.PathLike[str], **kwargs) -> KVQSession:
-    """A :class:`KVQSession` whose every step also returns the probes (in ``session.last_extra``)."""
-    import onnx
-    import onnxruntime as ort
+def token_positions(seq_lengths: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Position of every new token ``[B, t]``: row ``b`` continues at ``seq_lengths[b]``; left pads get 0.
 
-    from kvq_export.runtime.session import choose_providers
+    The same rule as the exported graph (left-padded inputs, a row's real tokens are its last ``m_b`` columns).
+    """
+    t = mask.shape[1]
+    new = mask.sum(axis=1, keepdims=True)
+    cols = np.arange(t)[None, :]
+    return np.maximum(seq_lengths[:, None].astype(np.int64) + cols - (t - new), 0)
 
-    session = KVQSession(directory, **kwargs)
-    directory = Path(directory)
-    model = onnx.load(str(directory / MODEL_NAME), load_external_data=False)
-    layers = int(session.manifest.model["num_layers"])
-    names = [probe_name(layer, which) for layer in range(layers) for which in PROBES]
-    produced = {out for node in model.graph.node for out in node.output}
-    missing = [n for n in names if n not in produced]
-    if missing:
-        raise RuntimeInputError(f"{directory}: the graph has no {missing[0]} (exported by an older kvq?)")
-    model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names)
-    fd, tmp = tempfile.mkstemp(prefix=".probed-", suffix=".onnx", dir=directory)
-    os.close(fd)
-    try:
-        onnx.save(model, tmp)
-        session.session = ort.InferenceSession(tmp, providers=choose_providers(kwargs.get("providers")))
-    finally:
-        os.unlink(tmp)
-    session.extra_outputs = tuple(names)
-    return session
+
+def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """RoPE (half-split, Hugging Face ``rotate_half`` layout) of ``x [B, H, t, D]`` with tables ``[P, D/2]``."""
+    c = cos[positions][:, None].astype(np.float32)  # [B, 1, t, D/2]
+    s = sin[positions][:, None].astype(np.float32)
+    x1, x2 = np.split(x.astype(np.float32), 2, axis=-1)
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+class ProbedSession(KVQSession):
+    """A :class:`KVQSession` whose every step also returns the post-RoPE probes (``last_extra[probe_name(...)]``)."""
+
+    def __init__(self, directory: str | os.PathLike[str], **kwargs) -> None:
+        import onnx
+        import onnxruntime as ort
+        from onnx import numpy_helper
+
+        from kvq_export.runtime.session import choose_providers
+
+        super().__init__(directory, **kwargs)
+        model = onnx.load(str(self.directory / MODEL_NAME), load_external_data=False)
+        layers = self.manifest.num_layers
+        produced = {out for node in model.graph.node for out in node.output}
+        names = [probe_name(layer, which) for layer in range(layers) for which in PROBES]
+        self._rotary: tuple[np.ndarray, np.ndarray] | None = None
+        if not all(n in produced for n in names):
+            projected = [probe_name(layer, which, projected=True) for layer in range(layers) for which in PROBES]
+            tables = {t.name: t for t in model.graph.initializer if t.name in ROTARY_TABLES}
+            missing = [n for n in names if n not in produced]
+            if not all(n in produced for n in projected) or len(tables) != len(ROTARY_TABLES):
+                raise RuntimeInputError(f"{self.directory}: the graph has no {missing[0]} (exported by an older kvq?)")
+            self._rotary = tuple(numpy_helper.to_array(tables[n], base_dir=str(self.directory))
+                                 for n in ROTARY_TABLES)
+            names = projected
+        model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names)
+        fd, tmp = tempfile.mkstemp(prefix=".probed-", suffix=".onnx", dir=self.directory)
+        os.close(fd)
+        try:
+            onnx.save(model, tmp)
+            self.session = ort.InferenceSession(tmp, providers=choose_providers(kwargs.get("providers")))
+        finally:
+            os.unlink(tmp)
+        self.extra_outputs = tuple(names)
+
+    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None,
+             cache: CacheState | None = None) -> tuple[np.ndarray, CacheState]:
+        """:meth:`KVQSession.step`, then put the probes in post-RoPE ``[B, H, t, D]`` form."""
+        if self._rotary is None:
+            return super().step(input_ids, attention_mask, cache)
+        ids = np.asarray(input_ids)
+        mask = np.ones(ids.shape, np.int64) if attention_mask is None else np.asarray(attention_mask, np.int64)
+        before = np.zeros(ids.shape[0], np.int64) if cache is None else self.seq_lengths(cache).copy()
+        logits, cache = super().step(input_ids, attention_mask, cache)
+        positions = token_positions(before, mask)
+        model = self.manifest.model
+        head_dim = int(model["head_dim"])
+        probes = {}
+        for layer in range(self.manifest.num_layers):
+            for which in PROBES:
+                raw = self.last_extra[probe_name(layer, which, projected=True)]
+                heads = int(model["num_heads"] if which == "q" else model["num_kv_heads"])
+                x = raw.reshape(raw.shape[0], raw.shape[1], heads, head_dim).transpose(0, 2, 1, 3)
+                probes[probe_name(layer, which)] = x if which == "value" else rotate(x, *self._rotary, positions)
+        self.last_extra = probes
+        return logits, cache
+
+
+def probed_session(directory: str | os.PathLike[str], **kwargs) -> ProbedSession:
+    """A session whose every step also returns the probes (in ``session.last_extra``)."""
+    return ProbedSession(directory, **kwargs)

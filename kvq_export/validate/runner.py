@@ -147,7 +147,8 @@ def _lockstep(quant, base, tokens: np.ndarray, config: ValidateConfig, progress:
                                 dtype=int).tolist()) if config.attention_samples else set()
     exact: dict[tuple[int, str], list[np.ndarray]] = defaultdict(list)
     acc = _Accumulator()
-    q_cache = b_cache = None
+    # a ``buffer``-layout cache is preallocated: sized to the window, it holds exactly what the model predicts
+    q_cache, b_cache = quant.empty_cache(n_rows, capacity=length), base.empty_cache(n_rows, capacity=length)
     bar = _progress(progress, total=length, desc=f"validate {manifest.scheme.name or 'custom'}")
     for begin in range(0, length, step):
         chunk = tokens[:, begin:begin + step]
