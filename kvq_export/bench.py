@@ -32,6 +32,7 @@ Timings are printed, never asserted: tests only check that a bench runs and its 
 from __future__ import annotations
 
 import gc
+import io
 import json
 import logging
 import math
@@ -45,7 +46,9 @@ from typing import Any
 
 import numpy as np
 
+from kvq_export.calibrate import DEFAULT_CALIB_TOKENS
 from kvq_export.errors import DependencyError, KVQError
+from kvq_export.validate.report import atomic_write, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +113,7 @@ class BenchReport:
 # -- exports ------------------------------------------------------------------------------------------------
 def bench_export(
     model: Any, tokenizer: Any, scheme: Any, flavor: str, root: Path, *, tag: str, dtype: str = "fp32",
-    calib_corpus: str = "britannica", calib_tokens: int = 2048, calib_method: str = "absmax",
+    calib_corpus: str = "britannica", calib_tokens: int = DEFAULT_CALIB_TOKENS, calib_method: str = "absmax",
     calib_percentile: float = 99.9,
 ) -> Path:
     """Export ``scheme`` with ``flavor`` under ``root``, reusing an earlier export made with the same parameters."""
@@ -134,7 +137,7 @@ def bench_export(
     export(model, scheme, directory, dtype=dtype, flavor=flavor, force=True, tokenizer=tokenizer,
            calib_corpus=calib_corpus if scheme.has_static_scales else None, calib_tokens=calib_tokens,
            calib_method=calib_method, calib_percentile=calib_percentile)
-    marker.write_text(json.dumps(params))
+    write_json(params, marker)
     logger.info("exported %s in %.1f s", directory, time.perf_counter() - start)
     return directory
 
@@ -260,7 +263,7 @@ def run_bench(
     dtype: str = "fp32",
     work_dir: str | os.PathLike[str] | None = None,
     calib_corpus: str = "britannica",
-    calib_tokens: int = 2048,
+    calib_tokens: int = DEFAULT_CALIB_TOKENS,
     calib_method: str = "absmax",
     calib_percentile: float = 99.9,
     ppl_windows: int = 0,
@@ -493,7 +496,7 @@ def plot(report: BenchReport, path: str | os.PathLike[str]) -> Path:
     ax_m.legend(fontsize=7)
     fig.suptitle(f"kvq bench: {report.model} ({report.fill} cache, baseline {report.baseline} dashed)")
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
-    return out
+    return atomic_write(out, buf.getvalue())

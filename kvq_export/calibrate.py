@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 METHODS = ("absmax", "percentile")
+#: calibration tokens when none are given (``kvq export`` and ``kvq bench`` share it, so their scales agree)
+DEFAULT_CALIB_TOKENS = 4096
 PARTS = ("key", "value")
 META_ROLES = ("scales", "zero_points")
 

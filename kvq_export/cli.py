@@ -37,6 +37,28 @@ def _console():
     return console if console.is_terminal else Console(highlight=False, width=140)
 
 
+def calibration_options(*, corpus_default: str | None):
+    """The static-scale calibration options ``export`` and ``bench`` share (same names, same defaults)."""
+    from kvq_export.calibrate import DEFAULT_CALIB_TOKENS, METHODS
+
+    corpus_help = "Static-scale schemes: corpus name (britannica) or text file."
+    options = [
+        click.option("--calib-corpus", default=corpus_default, show_default=corpus_default is not None,
+                     help=corpus_help),
+        click.option("--calib-tokens", type=click.IntRange(1), default=DEFAULT_CALIB_TOKENS, show_default=True),
+        click.option("--calib-method", type=click.Choice(METHODS), default="absmax", show_default=True),
+        click.option("--percentile", type=click.FloatRange(0, 100, min_open=True), default=99.9, show_default=True,
+                     help="For --calib-method percentile."),
+    ]
+
+    def apply(func):
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return apply
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
 @click.version_option(package_name="kvq")
@@ -159,12 +181,10 @@ def memory(model_spec: str, scheme_spec: str, seq_len: int, batch: int, as_json:
               help="Compute dtype of the graph.")
 @click.option("--opset", type=click.IntRange(18), default=23, show_default=True)
 @click.option("--flavor", default="reference", show_default=True,
-              help="Graph flavour: reference (standard ONNX ops, any ONNX Runtime).")
+              help="Graph flavour: reference (standard ONNX ops, any ONNX Runtime), ort-gqa (ONNX Runtime's fused "
+              "GroupQueryAttention, static int8/int4), trt (Triton/TensorRT plugin nodes).")
 @click.option("--force", is_flag=True, help="Replace an existing export directory.")
-@click.option("--calib-corpus", default=None, help="Static-scale schemes: corpus name (britannica) or text file.")
-@click.option("--calib-tokens", type=click.IntRange(1), default=4096, show_default=True)
-@click.option("--calib-method", type=click.Choice(["absmax", "percentile"]), default="absmax", show_default=True)
-@click.option("--percentile", type=float, default=99.9, show_default=True, help="For --calib-method percentile.")
+@calibration_options(corpus_default=None)
 def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, calib_corpus, calib_tokens,
                calib_method, percentile) -> None:
     """Export MODEL with a quantized KV cache to an ONNX directory (model.onnx + kvq.json)."""
@@ -334,24 +354,41 @@ def _ints(text: str) -> list[int]:
 
 @cli.command()
 @click.option("--model", "model_spec", default="smollm2", show_default=True)
-@click.option("--schemes", required=True, help="Comma-separated presets or scheme files (the fp16 baseline is added).")
+@click.option("--schemes", required=True, help="Comma-separated presets or scheme files (the baseline is added).")
 @click.option("--flavors", default="ort-gqa", show_default=True, help="Comma-separated flavours (reference, ort-gqa).")
 @click.option("--contexts", default="512,2048,8192", show_default=True)
 @click.option("--batch", "batches", default="1,4", show_default=True)
+@click.option("--baseline", default="fp16", show_default=True, help="Scheme every result is a ratio to.")
 @click.option("--steps", type=click.IntRange(1), default=32, show_default=True, help="Timed decode steps.")
+@click.option("--warmup", type=click.IntRange(0), default=4, show_default=True, help="Untimed decode steps first.")
+@click.option("--prefill-tokens", type=click.IntRange(1), default=512, show_default=True,
+              help="Prefill length cap (and chunk size of --fill prefill).")
+@click.option("--fill", type=click.Choice(["synthetic", "prefill"]), default="synthetic", show_default=True,
+              help="How the cache reaches the context: random data in the stored layout, or a real prefill.")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+              help="Compute dtype of the exports.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads.")
 @click.option("--ppl-windows", type=click.IntRange(0), default=0, show_default=True,
-              help="Also report strict-decode perplexity on this many britannica windows.")
+              help="Also report strict-decode perplexity on this many windows of the calibration corpus.")
+@click.option("--ppl-tokens", type=click.IntRange(2), default=512, show_default=True, help="Tokens per window.")
+@calibration_options(corpus_default="britannica")
+@click.option("--work-dir", type=click.Path(file_okay=False), default=None,
+              help="Where the exports are kept and reused (default: the kvq cache directory).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
               help="PNG of decode latency and cache bytes against context length.")
-def bench(model_spec, schemes, flavors, contexts, batches, steps, threads, ppl_windows, json_out, plot_out) -> None:
-    """Decode latency, prefill throughput, cache bytes and RSS per scheme, as ratios to the fp16 baseline."""
+def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warmup, prefill_tokens, fill, dtype,
+          threads, ppl_windows, ppl_tokens, calib_corpus, calib_tokens, calib_method, percentile, work_dir,
+          json_out, plot_out) -> None:
+    """Decode latency, prefill throughput, cache bytes and RSS per scheme, as ratios to the baseline."""
     from kvq_export import bench as kvq_bench
 
-    report = kvq_bench.run_bench(model_spec, [s for s in schemes.split(",") if s], flavors=flavors.split(","),
-                                 contexts=_ints(contexts), batches=_ints(batches), steps=steps, threads=threads,
-                                 ppl_windows=ppl_windows)
+    report = kvq_bench.run_bench(
+        model_spec, [s for s in schemes.split(",") if s], flavors=[f for f in flavors.split(",") if f],
+        contexts=_ints(contexts), batches=_ints(batches), baseline=baseline, steps=steps, warmup=warmup,
+        prefill_tokens=prefill_tokens, fill=fill, dtype=dtype, threads=threads, ppl_windows=ppl_windows,
+        ppl_tokens=ppl_tokens, calib_corpus=calib_corpus, calib_tokens=calib_tokens, calib_method=calib_method,
+        calib_percentile=percentile, work_dir=work_dir)
     console = _console()
     console.print(kvq_bench.report_table(report))
     if ppl_windows:

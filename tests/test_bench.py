@@ -98,3 +98,27 @@ def test_bad_settings_are_refused(model_dir):
         run_bench(str(model_dir), [], contexts=(8,))
     with pytest.raises(KVQError, match="invalid batches"):
         run_bench(str(model_dir), [], batches=(0,))
+
+
+def test_cli_passes_every_setting_through(model_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from kvq_export.cli import cli
+
+    out = tmp_path / "bench.json"
+    args = ["bench", "--model", str(model_dir), "--schemes", "ort-int4", "--flavors", "ort-gqa", "--contexts", "12",
+            "--batch", "1", "--baseline", "fp16", "--steps", "2", "--warmup", "1", "--prefill-tokens", "4",
+            "--fill", "prefill", "--calib-tokens", "128", "--calib-method", "percentile", "--percentile", "99",
+            "--ppl-windows", "1", "--ppl-tokens", "10", "--work-dir", str(tmp_path / "work"), "--json", str(out),
+            "--plot", str(tmp_path / "bench.png")]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    s = data["settings"]
+    assert data["fill"] == "prefill" and s["warmup"] == 1 and s["steps"] == 2 and s["prefill_tokens"] == 4
+    assert s["calibration"] == {"corpus": "britannica", "tokens": 128, "method": "percentile", "percentile": 99.0}
+    assert all(d.startswith(str(tmp_path / "work")) for d in s["exports"]["ort-gqa"].values())
+    assert [p["tokens"] for p in data["perplexity"]] == [9, 9]
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    bad = CliRunner().invoke(cli, ["bench", "--schemes", "int8", "--fill", "disk"])
+    assert bad.exit_code == 2 and "'disk' is not one of 'synthetic', 'prefill'" in bad.output

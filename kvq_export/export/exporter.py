@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from kvq_export.calibrate import DEFAULT_CALIB_TOKENS
 from kvq_export.errors import ExportError
 from kvq_export.manifest import CALIBRATION_NAME, MODEL_NAME, Manifest
 from kvq_export.scheme import KVQuantScheme
@@ -121,7 +122,7 @@ def export(
     static: Mapping | None = None,
     tokenizer: Any = None,
     calib_corpus: str | None = None,
-    calib_tokens: int = 4096,
+    calib_tokens: int = DEFAULT_CALIB_TOKENS,
     calib_method: str = "absmax",
     calib_percentile: float = 99.9,
 ) -> Path:

@@ -12,19 +12,24 @@ from pathlib import Path
 from typing import Any
 
 
-def _atomic_write(path: str | os.PathLike[str], text: str) -> Path:
+def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> Path:
+    """Write ``data`` to a temporary file beside ``path``, then rename: a reader never sees half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 
 def write_json(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """Every number, as JSON (written atomically)."""
-    return _atomic_write(path, json.dumps(result, indent=2))
+    return atomic_write(path, json.dumps(result, indent=2))
 
 
 def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
@@ -160,4 +165,4 @@ def write_html(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
                         ["fp16", mem["fp16_bytes"]]])]
     for title, png in _plots(result):
         parts.append(f"<h2>{html.escape(title)}</h2><img src='data:image/png;base64,{png}'>")
-    return _atomic_write(path, "\n".join(parts))
+    return atomic_write(path, "\n".join(parts))
