@@ -37,13 +37,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvq_export._atomic import atomic_writer
 from kvq_export.errors import KVQError, ModelError, QuantizationError, SchemeError
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
@@ -310,15 +310,8 @@ def save_calibration(static: StaticLike, path: str | os.PathLike[str]) -> Path:
     flat = _flatten(static)
     if not flat:
         raise KVQError("nothing to save: the calibration has no arrays")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.savez(handle, **flat)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_writer(target, "wb") as handle:
+        np.savez(handle, **flat)
     logger.info(
         "saved calibration (%d array(s), digest %s) to %s", len(flat), calibration_digest(static), target
     )

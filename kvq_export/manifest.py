@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from kvq_export._atomic import atomic_write
 from kvq_export.errors import RuntimeInputError
 from kvq_export.naming import PARTS, CacheTensor, cache_tensors, layout_for_flavor, tensor_name
 from kvq_export.reference.cache import split_lengths
@@ -113,12 +113,7 @@ class Manifest:
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``kvq.json`` atomically into ``directory``."""
-        path = Path(directory) / MANIFEST_NAME
-        fd, tmp = tempfile.mkstemp(prefix=".kvq-", suffix=".json", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
-        os.replace(tmp, path)
-        return path
+        return atomic_write(Path(directory) / MANIFEST_NAME, json.dumps(self.to_dict(), indent=2))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Manifest:

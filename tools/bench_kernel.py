@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -196,9 +195,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['stored_bytes'] / row['predicted_bytes']:>10.3f}", flush=True)
                 torch.cuda.empty_cache()
     if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump({"date": str(datetime.date.today()), "device": device, "copy_GB_per_s": copy_bw / 1e9,
-                       "rows": rows}, f, indent=2)
+        from kvq_export.validate.report import write_json
+
+        write_json({"date": str(datetime.date.today()), "device": device, "copy_GB_per_s": copy_bw / 1e9,
+                    "rows": rows}, args.json_path)
     return 0
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import logging
 import math
 import statistics
@@ -303,8 +302,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       fmt(r.decode_ms, ".2f"), fmt(r.speed_ratio, ".2f"), r.status)
     Console(width=200).print(table)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"settings": vars(args), "rows": [asdict(r) for r in rows]},
-                                                  indent=2))
+        from kvq_export.validate.report import write_json
+
+        write_json({"settings": vars(args), "rows": [asdict(r) for r in rows]}, args.json_out)
     return 0
 
 

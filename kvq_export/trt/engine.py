@@ -20,10 +20,10 @@ from __future__ import annotations
 import logging
 import os
 import re
-import tempfile
 import time
 from pathlib import Path
 
+from kvq_export._atomic import atomic_write
 from kvq_export._lazy import require
 from kvq_export.errors import ExportError
 
@@ -143,9 +143,6 @@ def build_engine(
     if engine is None:
         raise ExportError(f"TensorRT could not build an engine for {export_dir} (see the TensorRT log above)")
     target = Path(output) if output else Path(export_dir) / ENGINE_NAME
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    with os.fdopen(fd, "wb") as f:
-        f.write(bytes(engine))
-    os.replace(tmp, target)
+    atomic_write(target, bytes(engine))
     logger.info("built %s in %.1f s", target, time.perf_counter() - start)
     return target

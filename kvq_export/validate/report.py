@@ -7,24 +7,10 @@ import html
 import io
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
-
-def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> Path:
-    """Write ``data`` to a temporary file beside ``path``, then rename: a reader never sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+from kvq_export._atomic import atomic_write
 
 
 def write_json(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
