@@ -46,9 +46,10 @@ from typing import Any
 
 import numpy as np
 
+from kvq_export._atomic import atomic_write
 from kvq_export.calibrate import DEFAULT_CALIB_TOKENS
 from kvq_export.errors import DependencyError, KVQError
-from kvq_export.validate.report import atomic_write, write_json
+from kvq_export.validate.report import write_json
 
 logger = logging.getLogger(__name__)
 
@@ -469,7 +470,11 @@ def _mib(n: int) -> str:
 
 
 def plot(report: BenchReport, path: str | os.PathLike[str]) -> Path:
-    """Decode latency and cache bytes against context, one line per (flavour, scheme, batch); saved as PNG."""
+    """Decode latency and cache bytes against context, saved as PNG.
+
+    One column per flavour (each against its own baseline); a scheme keeps its colour everywhere, batch
+    sizes differ by line style, the baseline is drawn thicker.
+    """
     try:
         import matplotlib
 
@@ -477,26 +482,36 @@ def plot(report: BenchReport, path: str | os.PathLike[str]) -> Path:
         import matplotlib.pyplot as plt
     except ImportError as err:
         raise DependencyError(f"plotting needs matplotlib ({err}); install: pip install matplotlib") from None
-    out = Path(path)
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
-    keys = sorted({(r.flavor, r.scheme, r.batch) for r in report.results})
-    for flavor, scheme, batch in keys:
-        rows = sorted((r for r in report.results if (r.flavor, r.scheme, r.batch) == (flavor, scheme, batch)),
-                      key=lambda r: r.context)
-        label = f"{flavor} {scheme} b{batch}"
-        style = "--" if scheme == report.baseline else "-"
-        xs = [r.context for r in rows]
-        ax_t.plot(xs, [r.decode_ms_median for r in rows], style, marker="o", label=label)
-        ax_m.plot(xs, [r.cache_bytes / 2**20 for r in rows], style, marker="o", label=label)
-    for ax, ylabel in ((ax_t, "decode step, median ms"), (ax_m, "cache held, MiB")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context tokens")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-    ax_m.legend(fontsize=7)
-    fig.suptitle(f"kvq bench: {report.model} ({report.fill} cache, baseline {report.baseline} dashed)")
+    flavors = sorted({r.flavor for r in report.results})
+    schemes = sorted({r.scheme for r in report.results}, key=lambda s: (s != report.baseline, s))
+    batches = sorted({r.batch for r in report.results})
+    colors = {s: plt.get_cmap("tab10")(i % 10) for i, s in enumerate(schemes)}
+    styles = {b: ("-", "--", ":", "-.")[i % 4] for i, b in enumerate(batches)}
+    fig, axes = plt.subplots(2, len(flavors), figsize=(6 * len(flavors), 8), squeeze=False, sharex=True)
+    for col, flavor in enumerate(flavors):
+        ax_t, ax_m = axes[0, col], axes[1, col]
+        for scheme in schemes:
+            for batch in batches:
+                rows = sorted((r for r in report.results if (r.flavor, r.scheme, r.batch) == (flavor, scheme, batch)),
+                              key=lambda r: r.context)
+                if not rows:
+                    continue
+                xs = [r.context for r in rows]
+                kw = dict(color=colors[scheme], linestyle=styles[batch], marker="o",
+                          linewidth=2.5 if scheme == report.baseline else 1.5, label=f"{scheme} batch {batch}")
+                ax_t.plot(xs, [r.decode_ms_median for r in rows], **kw)
+                ax_m.plot(xs, [r.cache_bytes / 2**20 for r in rows], **kw)
+        ax_t.set_title(f"flavour {flavor}")
+        for ax, ylabel in ((ax_t, "decode step, median ms"), (ax_m, "cache held, MiB")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, which="both", alpha=0.3)
+        ax_m.set_xlabel("context tokens")
+        ax_t.legend(fontsize=7)
+    fig.suptitle(f"kvq bench: {report.model} ({report.fill} cache fill; baseline {report.baseline} drawn thicker)")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
-    return atomic_write(out, buf.getvalue())
+    return atomic_write(path, buf.getvalue())

@@ -381,14 +381,22 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
           threads, ppl_windows, ppl_tokens, calib_corpus, calib_tokens, calib_method, percentile, work_dir,
           json_out, plot_out) -> None:
     """Decode latency, prefill throughput, cache bytes and RSS per scheme, as ratios to the baseline."""
+    from rich.console import Console
+
     from kvq_export import bench as kvq_bench
+
+    progress = Console(stderr=True, highlight=False)
+
+    def show(r) -> None:  # a long run reports each result as it is measured
+        progress.print(f"{r.flavor} {r.scheme} ctx {r.context} batch {r.batch}: decode {r.decode_ms_median:.2f} ms "
+                       f"(x{r.ratio['decode_ms']:.2f}), cache {r.ratio['cache_reduction']:.2f}x smaller")
 
     report = kvq_bench.run_bench(
         model_spec, [s for s in schemes.split(",") if s], flavors=[f for f in flavors.split(",") if f],
         contexts=_ints(contexts), batches=_ints(batches), baseline=baseline, steps=steps, warmup=warmup,
         prefill_tokens=prefill_tokens, fill=fill, dtype=dtype, threads=threads, ppl_windows=ppl_windows,
         ppl_tokens=ppl_tokens, calib_corpus=calib_corpus, calib_tokens=calib_tokens, calib_method=calib_method,
-        calib_percentile=percentile, work_dir=work_dir)
+        calib_percentile=percentile, work_dir=work_dir, on_result=show)
     console = _console()
     console.print(kvq_bench.report_table(report))
     if ppl_windows:

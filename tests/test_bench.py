@@ -122,3 +122,26 @@ def test_cli_passes_every_setting_through(model_dir, tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     bad = CliRunner().invoke(cli, ["bench", "--schemes", "int8", "--fill", "disk"])
     assert bad.exit_code == 2 and "'disk' is not one of 'synthetic', 'prefill'" in bad.output
+
+
+def test_profile_step_tool_splits_a_step_by_operator(tmp_path):
+    """tools/profile_step.py: per-operator time of real profiled steps (values not asserted, only their shape)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvq_export.export.exporter import export
+
+    dirs = [export(tiny_model("llama"), "fp16", tmp_path / f, flavor=f) for f in ("ort-gqa", "reference")]
+    tool = Path(__file__).resolve().parents[1] / "tools" / "profile_step.py"
+    out = tmp_path / "profile.json"
+    proc = subprocess.run([sys.executable, str(tool), *map(str, dirs), "--context", "40", "--steps", "3",
+                           "--json", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    gqa, ref = json.loads(out.read_text())["results"]
+    assert gqa["flavor"] == "ort-gqa" and "GroupQueryAttention" in gqa["ops_us_per_step"]
+    assert "GroupQueryAttention" not in ref["ops_us_per_step"] and "MatMul" in ref["ops_us_per_step"]
+    for r in (gqa, ref):
+        assert r["steps"] == 3 and 0 < r["node_us_per_step"] <= r["run_us_per_step"]
+        assert sum(r["ops_us_per_step"].values()) == pytest.approx(r["node_us_per_step"])
+    assert "GroupQueryAttention" in proc.stderr  # the printed table

@@ -1,0 +1,107 @@
+#!/usr/bin/env python
+"""Where a decode step's time goes: ONNX Runtime's profiler over single-token steps, summed by operator type.
+
+Gives the *cause* behind a ``kvq bench`` latency ratio. The cache is the bench's synthetic fill (the exact
+stored layout with random data); then ``--warmup`` untimed steps, one more once the profiler is on, and
+``--steps`` profiled single-token steps run through :class:`kvq_export.runtime.session.KVQSession`, the
+last of them ending at ``context`` tokens per row::
+
+    python tools/profile_step.py EXPORT_DIR [EXPORT_DIR ...] --context 8192 --batch 1 --steps 16
+
+prints, per export, the share of node time of the top operator types and the ms per step they cost, and
+with ``--json`` writes every operator type's total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger("profile_step")
+
+
+def profile_export(directory: str | os.PathLike[str], *, context: int, batch: int, steps: int, warmup: int,
+                   threads: int | None = None, seed: int = 0) -> dict:
+    """Profile ``steps`` single-token steps of one export; return per-operator-type microseconds per step."""
+    import onnxruntime as ort
+
+    from kvq_export.bench import synthetic_cache
+    from kvq_export.manifest import MODEL_NAME
+    from kvq_export.runtime.session import KVQSession, choose_providers
+
+    session = KVQSession(directory, threads=threads)
+    filled = context - warmup - 1 - steps  # the last profiled step ends exactly at ``context`` tokens
+    if filled < 0:
+        raise SystemExit(f"context {context} is shorter than warmup + 1 + steps = {warmup + 1 + steps}")
+    cache = synthetic_cache(session, batch, filled, capacity=context, seed=seed)
+    rng = np.random.default_rng(seed)
+    vocab = int(session.manifest.model["vocab_size"])
+    for _ in range(warmup):
+        _, cache = session.step(rng.integers(0, vocab, (batch, 1)), None, cache)
+    with tempfile.TemporaryDirectory(prefix="kvq-profile-") as tmp:
+        options = ort.SessionOptions()
+        options.enable_profiling = True
+        options.profile_file_prefix = str(Path(tmp) / "step")
+        if threads:
+            options.intra_op_num_threads = threads
+        # the same graph, now with the profiler on (its own warm-up step first: the first run allocates)
+        session.session = ort.InferenceSession(str(session.directory / MODEL_NAME), options,
+                                               providers=choose_providers(None))
+        _, cache = session.step(rng.integers(0, vocab, (batch, 1)), None, cache)
+        for _ in range(steps):
+            _, cache = session.step(rng.integers(0, vocab, (batch, 1)), None, cache)
+        events = json.loads(Path(session.session.end_profiling()).read_text())
+    runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    nodes = [e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")]
+    # drop the profiler's own warm-up run: keep the last ``steps`` runs and the nodes inside them
+    timed = runs[-steps:]
+    start = timed[0]["ts"] if timed else 0
+    by_op: dict[str, float] = defaultdict(float)
+    for e in nodes:
+        if e["ts"] >= start:
+            by_op[e["args"].get("op_name", "?")] += e["dur"]
+    node_us = sum(by_op.values())
+    return {
+        "export": str(directory), "scheme": session.manifest.scheme.name, "flavor": session.manifest.flavor,
+        "context": context, "batch": batch, "steps": steps,
+        "run_us_per_step": float(np.median([r["dur"] for r in timed])) if timed else None,
+        "node_us_per_step": node_us / steps,
+        "ops_us_per_step": {op: us / steps for op, us in sorted(by_op.items(), key=lambda kv: -kv[1])},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("exports", nargs="+", help="kvq export directories")
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--top", type=int, default=6, help="operator types to print per export")
+    parser.add_argument("--json", dest="json_out", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    results = [profile_export(d, context=args.context, batch=args.batch, steps=args.steps, warmup=args.warmup,
+                              threads=args.threads) for d in args.exports]
+    for r in results:
+        total = r["node_us_per_step"]
+        logger.info("%s %s @%d x%d: step %.2f ms (median), node time %.2f ms", r["flavor"], r["scheme"],
+                    r["context"], r["batch"], (r["run_us_per_step"] or 0) / 1e3, total / 1e3)
+        for op, us in list(r["ops_us_per_step"].items())[:args.top]:
+            logger.info("  %-22s %6.2f ms  %5.1f%%", op, us / 1e3, 100 * us / total)
+    if args.json_out:
+        from kvq_export.validate.report import write_json
+
+        write_json({"results": results}, args.json_out)
+
+
+if __name__ == "__main__":
+    main()
