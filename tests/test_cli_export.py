@@ -70,3 +70,30 @@ def test_static_scheme_calibrates_from_a_text_file(model_dir, tmp_path):
     assert manifest["calibration"]["file"] == "calibration.npz" and (out / "calibration.npz").is_file()
     proc = kvq("generate", str(out), "--prompt", "w1 w2", "--max-new-tokens", "3", "--json")
     assert proc.returncode == 0, proc.stderr
+
+
+def test_ort_gqa_export_generates_validates_and_compares_from_the_cli(model_dir, tmp_path):
+    """The fast path goes through the same commands as the reference flavour."""
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(WORDS * 40))
+    out, base = tmp_path / "gqa", tmp_path / "fp16"
+    for args in (("--scheme", "ort-int4", "--out", str(out), "--flavor", "ort-gqa", "--calib-corpus", str(text),
+                  "--calib-tokens", "256", "--calib-method", "percentile", "--percentile", "99.5"),
+                 ("--scheme", "fp16", "--out", str(base))):
+        proc = kvq("export", "--model", str(model_dir), *args)
+        assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((out / "kvq.json").read_text())
+    assert manifest["flavor"] == "ort-gqa"
+    assert {k: manifest["calibration"][k] for k in ("source", "corpus", "tokens", "method", "percentile")} == {
+        "source": "calibrated", "corpus": str(text), "tokens": 256, "method": "percentile", "percentile": 99.5}
+    proc = kvq("generate", str(out), "--prompt", "w1 w2", "--prompt", "w3", "--max-new-tokens", "4", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert [len(r["tokens"]) for r in json.loads(proc.stdout)["results"]] == [4, 4]
+    result = tmp_path / "v.json"
+    proc = kvq("validate", str(out), "--baseline", str(base), "--corpus", str(text), "--windows", "2",
+               "--window-len", "40", "--gen-tokens", "4", "--json", str(result), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(result.read_text())
+    assert r["flavor"] == "ort-gqa" and r["memory"]["prediction_matches"] and r["attention"]["samples"] > 0
+    assert r["attention"]["summary"]["key_mse"] > 0 and r["token"]["predictions"] == 2 * 39
+    assert kvq("compare", str(out), str(out)).returncode == 0

@@ -156,13 +156,18 @@ def export(
     config = model.config
     arch = get_arch(config)
     scheme.check_model(arch.num_layers, arch.head_dim)
+    provenance: dict[str, Any] = {"source": "given"}  # how the static scales were chosen, for the manifest
     if scheme.has_static_scales and static is None:
         if calib_corpus is None:
             raise ExportError(
                 f"scheme {scheme.name or 'custom'} uses static scales: calibrate first (give --calib-corpus; "
                 "kvq never guesses a scale)"
             )
-        static = _calibrate(model, tokenizer, scheme, calib_corpus, calib_tokens, calib_method, calib_percentile)
+        static, used = _calibrate(model, tokenizer, scheme, calib_corpus, calib_tokens, calib_method,
+                                  calib_percentile)
+        provenance = {"source": "calibrated", "corpus": str(calib_corpus), "tokens": used,
+                      "method": calib_method,
+                      **({"percentile": calib_percentile} if calib_method == "percentile" else {})}
     cache = get_flavor(flavor)(scheme, num_layers=arch.num_layers, kv_heads=arch.num_kv_heads,
                             head_dim=arch.head_dim, static=static)
     graph = build_decoder(model, arch, cache, dtype=dtype, opset=opset)
@@ -179,7 +184,7 @@ def export(
             from kvq_export.calibrate import calibration_digest, save_calibration
 
             save_calibration(static, tmp / CALIBRATION_NAME)
-            calibration = {"file": CALIBRATION_NAME, "digest": calibration_digest(static)}
+            calibration = {"file": CALIBRATION_NAME, "digest": calibration_digest(static), **provenance}
         manifest = Manifest(
             scheme=scheme, model={**_model_facts(arch, config), "source": source}, flavor=flavor, opset=opset,
             dtype=dtype,
@@ -202,7 +207,7 @@ def export(
 
 
 def _calibrate(model, tokenizer, scheme, corpus: str, tokens: int, method: str, percentile: float):
-    """Static scales from ``tokens`` tokens of ``corpus`` (windows of at most 1024 tokens)."""
+    """(static scales, tokens used) from about ``tokens`` tokens of ``corpus`` (whole windows of <= 1024 tokens)."""
     from kvq_export.calibrate import calibrate_static_scales
     from kvq_export.corpus import load_corpus, token_windows
 
@@ -210,7 +215,8 @@ def _calibrate(model, tokenizer, scheme, corpus: str, tokens: int, method: str, 
         raise ExportError("calibrating from a corpus needs the model's tokenizer")
     window = min(1024, tokens)
     windows = token_windows(tokenizer, load_corpus(corpus), max(1, tokens // window), window)
-    return calibrate_static_scales(model, scheme, windows, method=method, percentile=percentile)
+    static = calibrate_static_scales(model, scheme, windows, method=method, percentile=percentile)
+    return static, sum(len(w) for w in windows)
 
 
 def _replace_dir(new: Path, target: Path) -> None:
