@@ -278,3 +278,28 @@ def test_static_scales_need_calibration(tmp_path):
         export(tiny_model("llama"), "ort-int4", tmp_path / "x", flavor="ort-gqa")
     with pytest.raises(ExportError, match="layer 0 key uses static scales but no calibration was given"):
         GQACacheGraph(PRESETS["ort-int4"][0], num_layers=2, kv_heads=2, head_dim=32, static=None)
+
+
+def test_fp16_buffer_with_fp32_compute_warns_about_cpu_casts(tmp_path, caplog):
+    """ORT's CPU GQA has no fp16 kernel: it would cast the whole fp16 buffer every step; the export says so."""
+    import logging
+
+    import onnx
+    import onnxruntime as ort
+
+    with caplog.at_level(logging.WARNING, logger="kvq_export.export.gqa_flavor"):
+        out = export(tiny_model("llama"), SCHEMES["fp16"], tmp_path / "fp16", flavor="ort-gqa")
+    assert "casts the whole buffer to float32 and back every step" in caplog.text
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(out / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    inserted = [n for n in onnx.load(tmp_path / "optimized.onnx", load_external_data=False).graph.node
+                if n.op_type == "Cast" and any("buffer" in name for name in n.input)]
+    assert inserted  # what the warning is about; an fp32 buffer gets none, and no warning:
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvq_export.export.gqa_flavor"):
+        out = export(tiny_model("llama"), SCHEMES["fp32"], tmp_path / "fp32", flavor="ort-gqa")
+    assert "casts the whole buffer" not in caplog.text
+    ort.InferenceSession(str(out / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    assert not [n for n in onnx.load(tmp_path / "optimized.onnx", load_external_data=False).graph.node
+                if n.op_type == "Cast" and any("buffer" in name for name in n.input)]

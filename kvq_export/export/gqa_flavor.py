@@ -34,6 +34,11 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   writes the new tokens in place; otherwise it returns a copy of ``max(capacity, longest row)`` positions.
   A step needs ``max(seq_lengths) + t <= capacity`` (:class:`~kvq_export.runtime.session.KVQSession` grows
   the buffer by doubling when it would overflow, and never beyond the rotary table's rows).
+* **fp16 buffers on CPU**: ONNX Runtime 1.32's CPU GroupQueryAttention has no float16 kernel; with an
+  unquantized fp16 buffer it inserts Casts around the node (``InsertedPrecisionFreeCast_past.*``), so every
+  step converts the whole buffer to float32 and back (measured on SmolLM2 at 8192 tokens: Cast is half of
+  the step). The export warns; the copy-free CPU baseline is an fp32 buffer (``hp_dtype="fp32"``,
+  ``tools/schemes/fp32-cache.json``). int8/int4 buffers are read natively.
 * **Sliding windows**: ``local_window_size = sliding_window`` gives exactly Hugging Face Mistral's window
   (checked past the window in the tests; ``sliding_window - 1`` would drop one key).
 * **Not supported** (refused at export with the reason): dynamic scales, asymmetric ``int``, fp8, 2 bits,
@@ -208,6 +213,12 @@ class GQACacheGraph:
         self.to_left = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, m2), t), b.const([-1]))
         self.valid = b.op("Unsqueeze", b.op("Cast", mask, to=ir.DataType.BOOL), b.const([-1]))  # [B, t, 1]
         np_type = ir.DataType(self.compute_type).numpy()
+        hp = ir.DataType.FLOAT16 if self.scheme.hp_dtype == "fp16" else ir.DataType.FLOAT
+        if any(plan.bits is None for plan in self.plans) and hp != self.compute_type:
+            logger.warning("ort-gqa: unquantized %s cache with %s compute; ONNX Runtime's CPU GroupQueryAttention "
+                           "has no float16 kernel, so on CPU it casts the whole buffer to float32 and back every "
+                           "step (use hp_dtype fp32 for a copy-free CPU baseline)", hp.name, ir.DataType(
+                               self.compute_type).name)
         self.zero = b.const(np.array(0, dtype=np_type))
         self.cos = self.sin = None
         if self.fuses_rotary:
