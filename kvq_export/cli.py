@@ -253,6 +253,8 @@ class _TextStream:
 @click.option("--corpus", default="britannica", show_default=True, help="Corpus name or text file.")
 @click.option("--windows", type=click.IntRange(1), default=8, show_default=True)
 @click.option("--window-len", type=click.IntRange(2), default=512, show_default=True)
+@click.option("--offset", type=click.IntRange(0), default=0, show_default=True,
+              help="Corpus tokens skipped before the first window (e.g. past a static scheme's calibration text).")
 @click.option("--chunk", type=click.IntRange(1), default=None,
               help="Feed C tokens per step instead of strict one-token decode (faster, less strict).")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -262,7 +264,7 @@ class _TextStream:
 @click.option("--report", "report_out", type=click.Path(dir_okay=False), default=None,
               help="Write a self-contained HTML report here.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def validate(export_dir, baseline, corpus, windows, window_len, chunk, prompts_file, gen_tokens, json_out,
+def validate(export_dir, baseline, corpus, windows, window_len, offset, chunk, prompts_file, gen_tokens, json_out,
              report_out, quiet) -> None:
     """Compare an export with its fp16 baseline: tokens, attention (key vs value error), memory, latency."""
     from rich.table import Table
@@ -275,8 +277,8 @@ def validate(export_dir, baseline, corpus, windows, window_len, chunk, prompts_f
     if prompts_file:
         with open(prompts_file) as f:
             prompts = tuple(line.rstrip("\n") for line in f if line.strip())
-    config = ValidateConfig(corpus=corpus, windows=windows, window_len=window_len, chunk=chunk, prompts=prompts,
-                            gen_tokens=gen_tokens)
+    config = ValidateConfig(corpus=corpus, windows=windows, window_len=window_len, offset=offset, chunk=chunk,
+                            prompts=prompts, gen_tokens=gen_tokens)
     result = run_validation(export_dir, baseline, config, progress=not quiet)
     if json_out:
         report.write_json(result, json_out)

@@ -96,4 +96,9 @@ def test_ort_gqa_export_generates_validates_and_compares_from_the_cli(model_dir,
     r = json.loads(result.read_text())
     assert r["flavor"] == "ort-gqa" and r["memory"]["prediction_matches"] and r["attention"]["samples"] > 0
     assert r["attention"]["summary"]["key_mse"] > 0 and r["token"]["predictions"] == 2 * 39
+    assert r["calibration"]["windows_overlap_calibration"] and "in-sample" in proc.stdout
+    proc = kvq("validate", str(out), "--baseline", str(base), "--corpus", str(text), "--windows", "1",
+               "--window-len", "40", "--offset", "256", "--gen-tokens", "0", "--json", str(result), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(result.read_text())["calibration"]["windows_overlap_calibration"] is False
     assert kvq("compare", str(out), str(out)).returncode == 0

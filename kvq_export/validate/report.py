@@ -29,6 +29,12 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         ("logit KL", f"mean {tok['kl']['mean']:.3g}, p99 {tok['kl']['p99']:.3g}, max {tok['kl']['max']:.3g}"),
         ("top-1 agreement", f"{100 * tok['top1_agreement']:.2f}%"),
     ]
+    cal = result.get("calibration")
+    if cal and cal.get("source") == "calibrated":
+        where = {True: "the scored text IS calibration text (in-sample: use --offset past it for held-out text)",
+                 False: "scored text is held out", None: "overlap unknown"}[cal.get("windows_overlap_calibration")]
+        rows.append(("static scales", f"{cal.get('method')} on {cal.get('tokens')} tokens of {cal.get('corpus')}; "
+                                      f"{where}"))
     if greedy.get("prompts"):
         rows.append(("greedy", f"{greedy['mean_tokens_to_divergence']:.1f} tokens to divergence (mean), "
                                f"{100 * greedy['identical_fraction']:.0f}% of {greedy['prompts']} prompts "

@@ -123,6 +123,7 @@ def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike
                                                              "num_kv_heads", "head_dim")},
         "flavor": quant.manifest.flavor,
         "config": {**asdict(config), "prompts": list(config.prompts)},
+        "calibration": _calibration_section(quant.manifest, config),
         "token": _token_section(acc, greedy),
         "attention": _attention_section(acc, quant.manifest),
         "memory": _memory_section(quant, base, quant_cache, tokens.shape),
@@ -130,6 +131,19 @@ def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike
         "seconds": round(time.perf_counter() - start, 1),
     }
     return result
+
+
+def _calibration_section(manifest, config: ValidateConfig) -> dict[str, Any] | None:
+    """How the static scales were chosen, and whether the scored text is the calibration text itself."""
+    cal = manifest.calibration
+    if not cal:
+        return None
+    used = cal.get("tokens")
+    overlap = None  # unknown: the export does not say which text calibrated it
+    if cal.get("source") == "calibrated" and used is not None:
+        # calibration read tokens [0, used) of its corpus; validation starts at config.offset
+        overlap = cal.get("corpus") == config.corpus and config.offset < int(used)
+    return {**cal, "windows_overlap_calibration": overlap}
 
 
 def _lockstep(quant, base, tokens: np.ndarray, config: ValidateConfig, progress: bool):
