@@ -34,7 +34,7 @@ def profile_export(directory: str | os.PathLike[str], *, context: int, batch: in
 
     from kvq_export.bench import synthetic_cache
     from kvq_export.manifest import MODEL_NAME
-    from kvq_export.runtime.session import KVQSession, choose_providers
+    from kvq_export.runtime.session import KVQSession, choose_providers, session_options
 
     session = KVQSession(directory, threads=threads)
     filled = context - warmup - 1 - steps  # the last profiled step ends exactly at ``context`` tokens
@@ -46,11 +46,9 @@ def profile_export(directory: str | os.PathLike[str], *, context: int, batch: in
     for _ in range(warmup):
         _, cache = session.step(rng.integers(0, vocab, (batch, 1)), None, cache)
     with tempfile.TemporaryDirectory(prefix="kvq-profile-") as tmp:
-        options = ort.SessionOptions()
+        options = session_options(threads)
         options.enable_profiling = True
         options.profile_file_prefix = str(Path(tmp) / "step")
-        if threads:
-            options.intra_op_num_threads = threads
         # the same graph, now with the profiler on (its own warm-up step first: the first run allocates)
         session.session = ort.InferenceSession(str(session.directory / MODEL_NAME), options,
                                                providers=choose_providers(None))

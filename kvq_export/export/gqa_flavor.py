@@ -73,6 +73,7 @@ GQA_DOMAIN = "com.microsoft"
 GQA_BITS = (8, 4)
 _IR_TYPES = {"int64": ir.DataType.INT64, "int8": ir.DataType.INT8, "uint8": ir.DataType.UINT8,
              "float16": ir.DataType.FLOAT16, "float32": ir.DataType.FLOAT}
+_HP_TYPES = {"fp16": ir.DataType.FLOAT16, "fp32": ir.DataType.FLOAT}  # scheme.hp_dtype -> buffer type
 
 
 @dataclass(frozen=True)
@@ -213,12 +214,11 @@ class GQACacheGraph:
         self.to_left = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, m2), t), b.const([-1]))
         self.valid = b.op("Unsqueeze", b.op("Cast", mask, to=ir.DataType.BOOL), b.const([-1]))  # [B, t, 1]
         np_type = ir.DataType(self.compute_type).numpy()
-        hp = ir.DataType.FLOAT16 if self.scheme.hp_dtype == "fp16" else ir.DataType.FLOAT
-        if any(plan.bits is None for plan in self.plans) and hp != self.compute_type:
+        hp, compute = _HP_TYPES[self.scheme.hp_dtype], ir.DataType(self.compute_type)
+        if any(plan.bits is None for plan in self.plans) and hp != compute:
             logger.warning("ort-gqa: unquantized %s cache with %s compute; ONNX Runtime's CPU GroupQueryAttention "
                            "has no float16 kernel, so on CPU it casts the whole buffer to float32 and back every "
-                           "step (use hp_dtype fp32 for a copy-free CPU baseline)", hp.name, ir.DataType(
-                               self.compute_type).name)
+                           "step (use hp_dtype fp32 for a copy-free CPU baseline)", hp.name, compute.name)
         self.zero = b.const(np.array(0, dtype=np_type))
         self.cos = self.sin = None
         if self.fuses_rotary:

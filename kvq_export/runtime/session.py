@@ -58,6 +58,16 @@ def choose_providers(requested: Sequence[str] | None = None) -> list[str]:
     return ["CPUExecutionProvider"]
 
 
+def session_options(threads: int | None = None):
+    """ONNX Runtime session options every kvq session uses (``threads``: intra-op threads, None = ORT's choice)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    return options
+
+
 def ort_value(array: np.ndarray, dtype: str):
     """An OrtValue holding ``array`` as the manifest element type ``dtype`` (fp8: from raw uint8 bits)."""
     return _ort_value(array, dtype)
@@ -111,10 +121,8 @@ class KVQSession:
         model_path = self.directory / MODEL_NAME
         if not model_path.is_file():
             raise RuntimeInputError(f"{self.directory} has a manifest but no {MODEL_NAME}")
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(str(model_path), options, providers=choose_providers(providers))
+        self.session = ort.InferenceSession(str(model_path), session_options(threads),
+                                            providers=choose_providers(providers))
         self.past: list[CacheTensor] = self.manifest.cache("past")
         self.layout = self.manifest.cache_layout
         self.capacity = capacity

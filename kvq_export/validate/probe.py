@@ -51,7 +51,7 @@ class ProbedSession(KVQSession):
         import onnxruntime as ort
         from onnx import numpy_helper
 
-        from kvq_export.runtime.session import choose_providers
+        from kvq_export.runtime.session import choose_providers, session_options
 
         super().__init__(directory, **kwargs)
         model = onnx.load(str(self.directory / MODEL_NAME), load_external_data=False)
@@ -73,7 +73,8 @@ class ProbedSession(KVQSession):
         os.close(fd)
         try:
             onnx.save(model, tmp)
-            self.session = ort.InferenceSession(tmp, providers=choose_providers(kwargs.get("providers")))
+            self.session = ort.InferenceSession(tmp, session_options(kwargs.get("threads")),
+                                                providers=choose_providers(kwargs.get("providers")))
         finally:
             os.unlink(tmp)
         self.extra_outputs = tuple(names)
