@@ -1,8 +1,8 @@
 """``kvq bench``: prefill throughput, decode-step latency, cache bytes and memory, each next to a baseline.
 
 For every flavour, the baseline scheme (``fp16`` by default) and the benchmarked schemes are exported once
-(reused from ``$KVQ_CACHE_DIR/bench`` while their export parameters are unchanged) and opened side by side
-in this process. For each (context, batch):
+(reused from ``$KVQ_CACHE_DIR/bench`` while their export parameters and kvq's source are unchanged) and
+opened side by side in this process. For each (context, batch):
 
 * **decode**: every session gets a cache of ``context - warmup - steps`` tokens per row, then all sessions
   take ``warmup + steps`` single-token steps *interleaved* (one step each, in an order that rotates every
@@ -31,7 +31,9 @@ Timings are printed, never asserted: tests only check that a bench runs and its 
 
 from __future__ import annotations
 
+import functools
 import gc
+import hashlib
 import io
 import json
 import logging
@@ -112,19 +114,35 @@ class BenchReport:
 
 
 # -- exports ------------------------------------------------------------------------------------------------
+@functools.cache
+def code_digest() -> str:
+    """Digest of kvq_export's source: a reused export was built by exactly this code (not just this version)."""
+    import kvq_export
+
+    h = hashlib.sha256()
+    root = Path(kvq_export.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def bench_export(
     model: Any, tokenizer: Any, scheme: Any, flavor: str, root: Path, *, tag: str, dtype: str = "fp32",
     calib_corpus: str = "britannica", calib_tokens: int = DEFAULT_CALIB_TOKENS, calib_method: str = "absmax",
     calib_percentile: float = 99.9,
 ) -> Path:
-    """Export ``scheme`` with ``flavor`` under ``root``, reusing an earlier export made with the same parameters."""
+    """Export ``scheme`` with ``flavor`` under ``root``; reuse an earlier one made with the same parameters.
+
+    "Same" includes the kvq source that built it (:func:`code_digest`), so a code change re-exports.
+    """
     import kvq_export
     from kvq_export.export.exporter import export
     from kvq_export.presets import resolve_scheme
 
     scheme = resolve_scheme(scheme)
     params = {"tag": tag, "flavor": flavor, "scheme": scheme.to_dict(), "dtype": dtype,
-              "kvq_version": kvq_export.__version__, "bench_version": BENCH_VERSION}
+              "kvq_version": kvq_export.__version__, "kvq_code": code_digest(), "bench_version": BENCH_VERSION}
     if scheme.has_static_scales:
         params.update(calib_corpus=calib_corpus, calib_tokens=calib_tokens, calib_method=calib_method,
                       calib_percentile=calib_percentile)
