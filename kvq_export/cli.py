@@ -387,7 +387,7 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
 
     from kvq_export import bench as kvq_bench
 
-    progress = Console(stderr=True, highlight=False)
+    progress = Console(stderr=True, highlight=False, soft_wrap=True)
 
     def show(r) -> None:  # a long run reports each result as it is measured
         progress.print(f"{r.flavor} {r.scheme} ctx {r.context} batch {r.batch}: decode {r.decode_ms_median:.2f} ms "
