@@ -63,7 +63,7 @@ import onnx_ir as ir
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.exporter import register_flavor
-from kvq_export.export.kv_graph import name_probes
+from kvq_export.export.kv_graph import FLOAT_TYPES, IR_TYPES, name_probes, static_scales
 from kvq_export.naming import PARTS, ROTARY_TABLES, cache_tensors, tensor_name
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
@@ -71,9 +71,6 @@ logger = logging.getLogger(__name__)
 
 GQA_DOMAIN = "com.microsoft"
 GQA_BITS = (8, 4)
-_IR_TYPES = {"int64": ir.DataType.INT64, "int8": ir.DataType.INT8, "uint8": ir.DataType.UINT8,
-             "float16": ir.DataType.FLOAT16, "float32": ir.DataType.FLOAT}
-_HP_TYPES = {"fp16": ir.DataType.FLOAT16, "fp32": ir.DataType.FLOAT}  # scheme.hp_dtype -> buffer type
 
 
 @dataclass(frozen=True)
@@ -174,11 +171,7 @@ class GQACacheGraph:
             return LayerPlan(bits=None)
         types, arrays = [], []
         for part, tq in zip(PARTS, (key, value)):
-            scales = static.get(layer, {}).get(part, {}).get("scales")
-            if scales is None:
-                raise ExportError(f"layer {layer} {part} uses static scales but no calibration was given "
-                                  "(calibrate first; kvq never guesses a scale)")
-            kind, array = gqa_scale(tq, scales, self.kv_heads, self.head_dim)
+            kind, array = gqa_scale(tq, static_scales(static, layer, part), self.kv_heads, self.head_dim)
             types.append(kind)
             arrays.append(array)
         if types[0] != types[1]:  # the CPU kernel needs k_quant_type == v_quant_type
@@ -194,7 +187,7 @@ class GQACacheGraph:
         self.facts = facts
         self.compute_type = facts.dtype
         for spec in self._specs("past"):
-            self.past[spec.name] = b.input(spec.name, _IR_TYPES[spec.dtype], spec.shape)
+            self.past[spec.name] = b.input(spec.name, IR_TYPES[spec.dtype], spec.shape)
         n0 = self.past[tensor_name("past", None, None, "seq_lengths")]
         mask = b.op("Cast", attention_mask, to=ir.DataType.INT64)
         m = b.op("ReduceSum", mask, b.const([1]), keepdims=0)  # new real tokens per row [B]
@@ -214,7 +207,7 @@ class GQACacheGraph:
         self.to_left = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, m2), t), b.const([-1]))
         self.valid = b.op("Unsqueeze", b.op("Cast", mask, to=ir.DataType.BOOL), b.const([-1]))  # [B, t, 1]
         np_type = ir.DataType(self.compute_type).numpy()
-        hp, compute = _HP_TYPES[self.scheme.hp_dtype], ir.DataType(self.compute_type)
+        hp, compute = FLOAT_TYPES[self.scheme.hp_dtype], ir.DataType(self.compute_type)
         if any(plan.bits is None for plan in self.plans) and hp != compute:
             logger.warning("ort-gqa: unquantized %s cache with %s compute; ONNX Runtime's CPU GroupQueryAttention "
                            "has no float16 kernel, so on CPU it casts the whole buffer to float32 and back every "
@@ -249,7 +242,7 @@ class GQACacheGraph:
         """Declare the present outputs in manifest order."""
         self.present[tensor_name("present", None, None, "seq_lengths")] = self.n1
         for spec in self._specs("present"):
-            b.output(self.present[spec.name], spec.name, _IR_TYPES[spec.dtype], spec.shape)
+            b.output(self.present[spec.name], spec.name, IR_TYPES[spec.dtype], spec.shape)
 
     # -- pieces --------------------------------------------------------------------------------------------
     def _specs(self, direction: str):

@@ -30,14 +30,17 @@ from kvq_export.naming import PARTS, PROBES, cache_tensors, probe_name, tensor_n
 from kvq_export.reference.codec import int_levels
 from kvq_export.scheme import FP8_E4M3_MAX, KVQuantScheme, TensorQuant
 
-_IR_TYPES = {
+#: manifest dtype name -> ONNX type of a cache tensor (every flavour declares its cache I/O with it)
+IR_TYPES = {
     "int64": ir.DataType.INT64,
+    "int8": ir.DataType.INT8,
     "uint8": ir.DataType.UINT8,
     "float16": ir.DataType.FLOAT16,
     "float32": ir.DataType.FLOAT,
     "float8e4m3fn": ir.DataType.FLOAT8E4M3FN,
 }
-_FLOAT = {"fp16": ir.DataType.FLOAT16, "fp32": ir.DataType.FLOAT}
+#: scheme dtype name (hp_dtype, scale_dtype) -> ONNX float type
+FLOAT_TYPES = {"fp16": ir.DataType.FLOAT16, "fp32": ir.DataType.FLOAT}
 _NP_FLOAT = {"fp16": np.float16, "fp32": np.float32}
 
 
@@ -64,6 +67,15 @@ def name_probes(b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Val
 def static_name(layer: int, part: str, role: str) -> str:
     """Initializer holding a static-scale stream's calibrated ``scales`` / ``zero_points`` (``static.0.key.scales``)."""
     return f"static.{layer}.{part}.{role}"
+
+
+def static_scales(static: Mapping, layer: int, part: str) -> np.ndarray:
+    """The calibrated ``[H, n]`` scales of one static stream; refuses a stream that was never calibrated."""
+    scales = static.get(layer, {}).get(part, {}).get("scales")
+    if scales is None:
+        raise ExportError(f"layer {layer} {part} uses static scales but no calibration was given "
+                          "(calibrate first; kvq never guesses a scale)")
+    return scales
 
 
 def facts_window(facts, layer: int) -> int | None:
@@ -188,12 +200,9 @@ class QuantizedCacheGraph:
         self.static = static or {}
         for layer, streams in enumerate(scheme.streams(num_layers)):
             for part, tq in zip(PARTS, streams):
-                if tq.quantized and tq.scales == "static" and "scales" not in self.static.get(layer, {}).get(part, {}):
-                    raise ExportError(
-                        f"layer {layer} {part} uses static scales but no calibration was given "
-                        "(calibrate first; kvq never guesses a scale)"
-                    )
-        self.hp_type = _FLOAT[scheme.hp_dtype]
+                if tq.quantized and tq.scales == "static":
+                    static_scales(self.static, layer, part)
+        self.hp_type = FLOAT_TYPES[scheme.hp_dtype]
         self.past: dict[str, ir.Value] = {}
         self.present: dict[str, ir.Value] = {}
         self._static_values: dict[tuple[int, str], tuple[ir.Value, ir.Value | None]] = {}
@@ -202,10 +211,10 @@ class QuantizedCacheGraph:
     def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, facts) -> ir.Value:
         """Declare past inputs; compute per-row counts, positions and the attention mask."""
         self.ops, self.facts = _Ops(b), facts
-        self.compute_type = _FLOAT[facts.dtype] if isinstance(facts.dtype, str) else facts.dtype
+        self.compute_type = FLOAT_TYPES[facts.dtype] if isinstance(facts.dtype, str) else facts.dtype
         for spec in cache_tensors(self.scheme, num_layers=self.num_layers, kv_heads=self.kv_heads,
                                   head_dim=self.head_dim, direction="past"):
-            self.past[spec.name] = b.input(spec.name, _IR_TYPES[spec.dtype], spec.shape)
+            self.past[spec.name] = b.input(spec.name, IR_TYPES[spec.dtype], spec.shape)
         n0 = self.past[tensor_name("past", None, None, "seq_lengths")]
         mask = b.op("Cast", attention_mask, to=ir.DataType.INT64)
         self.new_count = b.op("ReduceSum", mask, b.const([1]), keepdims=0)  # m [B]
@@ -241,7 +250,7 @@ class QuantizedCacheGraph:
         self.present[tensor_name("present", None, None, "seq_lengths")] = self.n1
         for spec in cache_tensors(self.scheme, num_layers=self.num_layers, kv_heads=self.kv_heads,
                                   head_dim=self.head_dim, direction="present"):
-            b.output(self.present[spec.name], spec.name, _IR_TYPES[spec.dtype], spec.shape)
+            b.output(self.present[spec.name], spec.name, IR_TYPES[spec.dtype], spec.shape)
 
     # -- per-row counts -------------------------------------------------------------------------------
     def _split(self, b: GraphBuilder, tq: TensorQuant, n: ir.Value) -> _Counts:
@@ -297,7 +306,7 @@ class QuantizedCacheGraph:
             unit = b.const(1 if tq.axis == "token" else tq.group_size)
             q0, dq, q1 = (b.op("Div", c, unit) for c in (before.quantized, to_quant, after.quantized))
             meta_len = b.op("Div", quant_len, unit)
-            sdtype = _FLOAT[tq.scale_dtype]
+            sdtype = FLOAT_TYPES[tq.scale_dtype]
             scales = ops.take([(past["scales"], q0), (scales_new, dq)], None, q1, meta_len, sdtype)
             zeros = None
             if tq.has_zero_point:
@@ -366,7 +375,7 @@ class QuantizedCacheGraph:
 
     def _quantize(self, b: GraphBuilder, layer: int, part: str, tq: TensorQuant, block: ir.Value):
         """Quantize a [B,H,F,D] block (F whole groups); return (stored codes, scales, zeros)."""
-        f32, sdtype = ir.DataType.FLOAT, _FLOAT[tq.scale_dtype]
+        f32, sdtype = ir.DataType.FLOAT, FLOAT_TYPES[tq.scale_dtype]
         xg, axis = self._grouped(b, tq, b.op("Cast", block, to=f32))
         axes = None if tq.scales == "static" else b.const([axis])  # static: no reduction, no dangling constant
         scales = zeros = zero = None
