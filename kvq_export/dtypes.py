@@ -1,0 +1,102 @@
+"""One dtype vocabulary for every cache tensor and compute type kvq names.
+
+A scheme says ``fp16``/``fp32``; the manifest and ONNX say ``float16``/``float32``; numpy, torch, ONNX
+Runtime, onnx-ir, TensorRT and Triton each have their own spelling. :class:`DType` holds one row per
+element type and converts to each framework on demand (torch, onnx-ir and TensorRT are imported only by
+the converter that needs them), so no module keeps a private map.
+
+    DType.get("fp16").onnx        -> "float16"
+    DType.get("float16").numpy    -> numpy.float16
+    DType.get("uint8").ort_type   -> "tensor(uint8)"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvq_export.errors import KVQError
+
+
+@dataclass(frozen=True)
+class DType:
+    """One element type under every name kvq meets it by.
+
+    Attributes:
+        onnx: the ONNX element type name (``float16``), as written in manifests.
+        short: the scheme's short name (``fp16``) where a scheme can name it, else the ONNX name.
+        itemsize: bytes per element.
+        trt: TensorRT's ``DataType`` member name.
+        triton: Triton's pointer type string for a kernel argument of this type.
+    """
+
+    onnx: str
+    short: str
+    itemsize: int
+    trt: str
+    triton: str
+
+    @staticmethod
+    def get(name: str) -> DType:
+        """The row for a short name (``fp16``) or an ONNX name (``float16``); unknown names list the allowed ones."""
+        try:
+            return _BY_NAME[name]
+        except (KeyError, TypeError):
+            raise KVQError(f"unknown dtype {name!r}; allowed: {', '.join(sorted(_BY_NAME))}") from None
+
+    @property
+    def numpy(self) -> np.dtype:
+        """The numpy dtype (float8 comes from ml_dtypes)."""
+        if self.onnx == "float8e4m3fn":
+            import ml_dtypes
+
+            return np.dtype(ml_dtypes.float8_e4m3fn)
+        return np.dtype(self.onnx)
+
+    @property
+    def torch(self) -> Any:
+        """The torch dtype."""
+        import torch
+
+        return getattr(torch, _TORCH_NAMES.get(self.onnx, self.onnx))
+
+    @property
+    def ir(self) -> Any:
+        """The onnx-ir ``DataType``."""
+        import onnx_ir as ir
+
+        return ir.DataType[_IR_NAMES[self.onnx]]
+
+    @property
+    def ort_type(self) -> str:
+        """ONNX Runtime's type string of a tensor of this type (``tensor(float16)``)."""
+        return f"tensor({self.onnx})"
+
+    def tensorrt(self) -> Any:
+        """The TensorRT ``DataType`` (imports TensorRT)."""
+        from kvq_export._lazy import require
+
+        return getattr(require("tensorrt"), self.trt)
+
+
+_ROWS = (
+    DType("float32", "fp32", 4, "float32", "*fp32"),
+    DType("float16", "fp16", 2, "float16", "*fp16"),
+    DType("int64", "int64", 8, "int64", "*i64"),
+    DType("int32", "int32", 4, "int32", "*i32"),
+    DType("int8", "int8", 1, "int8", "*i8"),
+    DType("uint8", "uint8", 1, "uint8", "*u8"),
+    DType("bool", "bool", 1, "bool", "*i1"),
+    DType("float8e4m3fn", "fp8_e4m3", 1, "fp8", "*u8"),
+)
+_BY_NAME = {name: row for row in _ROWS for name in {row.onnx, row.short}}
+_TORCH_NAMES = {"float8e4m3fn": "float8_e4m3fn"}
+_IR_NAMES = {"float32": "FLOAT", "float16": "FLOAT16", "int64": "INT64", "int32": "INT32", "int8": "INT8",
+             "uint8": "UINT8", "bool": "BOOL", "float8e4m3fn": "FLOAT8E4M3FN"}
+
+
+def onnx_name(name: str) -> str:
+    """``fp16`` -> ``float16`` (ONNX names pass through)."""
+    return DType.get(name).onnx
