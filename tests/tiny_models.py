@@ -72,7 +72,22 @@ def tiny_model(kind: str):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
-    if kind in NEW_ARCHS:  # O(1) activations, random norms: every weight (and soft-cap) matters
+    return model
+
+
+@functools.cache
+def loud_model(kind: str):
+    """:func:`tiny_model` with O(1) activations and random norms: every weight (and soft-cap) matters.
+
+    (transformers' init keeps activations near 0.02, where soft-capping is linear and a norm's weight hardly
+    shows. The quantized-cache tests keep that quiet init: there one code that float noise puts one step
+    apart moves the logits by about the activations' size.)
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(sum(map(ord, kind)) + 1)
+    model = AutoModelForCausalLM.from_config(_config(kind), attn_implementation="eager").eval()
+    if kind in NEW_ARCHS:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:  # Gemma's norms hold w of (1 + w), the others w itself

@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 COMPUTE_DTYPES: dict[str, ir.DataType] = {"fp32": ir.DataType.FLOAT, "fp16": ir.DataType.FLOAT16}
 #: ReduceMean with axes as an input needs opset 18.
 MIN_OPSET = 18
+#: ONNX Gelu (with ``approximate="tanh"``) needs opset 20.
+GELU_OPSET = 20
 
 
 @dataclass(frozen=True)
@@ -389,6 +391,8 @@ class _Body:
         """act(gate) * up: SiLU, or GELU with the tanh approximation (Gemma)."""
         b = self.b
         if self.arch.activation in GELU_TANH_ACTIVATIONS:
+            if b.opset < GELU_OPSET:
+                raise ExportError(f"{self.arch.model_type}: GELU needs opset >= {GELU_OPSET} (got {b.opset})")
             return b.op("Mul", b.op("Gelu", gate, approximate="tanh"), up)
         return b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up)  # SiLU(gate) * up
 
