@@ -13,19 +13,25 @@ import logging
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from gqa_harness import PROMPTS, SCHEMES, calibration, compare, sequences
 from test_export_runtime import _compare_state, _reference_run, _static
+from test_kv_graph import SMALL, run_schedule
 from tiny_models import NEW_ARCHS, VOCAB, loud_model, tiny_model
+from transformers import AutoConfig
 
+from kvq_export.errors import ExportError, ModelError
+from kvq_export.export.arch import get_arch, supported_model_types
 from kvq_export.export.exporter import export
-from kvq_export.manifest import decode_cache, load_static
+from kvq_export.manifest import Manifest, decode_cache, load_static
 from kvq_export.memory import predict
 from kvq_export.model_source import model_facts
 from kvq_export.presets import PRESETS, resolve_scheme
 from kvq_export.runtime.session import KVQSession
 from kvq_export.scheme import KVQuantScheme
+from kvq_export.trt.signature import PLUGIN_NAMESPACE, manifest_signatures
 
 logger = logging.getLogger(__name__)
 
@@ -203,3 +209,56 @@ def test_ort_gqa_codes_equal_the_reference_cache(tmp_path, arch, name):
         assert c.decoded == 0.0 and c.logits <= 1e-4, c
     else:  # float noise put a code one step apart (or one step past the range): it shows in the logits
         assert c.logits <= 1e-3 * c.logits_scale, c
+
+
+# ------------------------------------------------------------------------- codec, trt, registry
+@pytest.mark.parametrize("name", ["int4-token+int2-channel", "channel-keys-kivi-like", "fp8-sinks", "static-sym4"])
+def test_cache_graph_is_bit_exact_with_one_kv_head_and_head_dim_256(name):
+    """The in-graph codec fed the reference's own K/V: identical state, attention to 2e-5 (left-padded, ragged)."""
+    run_schedule(SMALL[name], [[7, 3]] + [[1, 1]] * 3 + [[0, 2], [3, 1]] + [[1, 1]] * 14, heads=4, kv_heads=1,
+                 dim=256, window=6)
+
+
+@pytest.mark.parametrize("arch", [a for a in NEW_ARCHS if a != "gemma2"])
+def test_trt_flavour_plugin_nodes(tmp_path, arch):
+    """One plugin node per layer with the model's geometry, scaling (query_pre_attn_scalar) and per-layer window."""
+    model = tiny_model(arch)
+    directory = export(model, PRESETS["kivi-4"][0], tmp_path / arch, flavor="trt")
+    manifest = Manifest.load(directory)
+    graph = onnx.load(str(directory / "model.onnx"), load_external_data=False).graph
+    nodes = [n for n in graph.node if n.domain == PLUGIN_NAMESPACE]
+    assert len(nodes) == manifest.num_layers == model.config.num_hidden_layers
+    arch_info = get_arch(model.config)
+    for layer, (node, sig) in enumerate(zip(nodes, manifest_signatures(manifest))):
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert node.op_type == sig.name and list(node.input[1:]) == [i.source for i in sig.inputs[1:]]
+        assert attrs["window"] == (arch_info.layer_window(layer) or 0)
+        assert attrs["scale"] == pytest.approx(arch_info.scaling)
+        assert (attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]) == (
+            arch_info.num_heads, arch_info.num_kv_heads, arch_info.head_dim)
+
+
+def test_attention_softcap_is_refused_where_the_attention_cannot_apply_it(tmp_path):
+    with pytest.raises(ExportError, match="soft-caps its attention scores.*TrtCacheGraph"):
+        export(tiny_model("gemma2"), PRESETS["kivi-4"][0], tmp_path / "trt", flavor="trt")
+    assert not (tmp_path / "trt").exists()
+
+
+def test_registry_lists_the_new_families():
+    assert set(supported_model_types()) >= {"qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2"}
+    with pytest.raises(ModelError) as err:
+        get_arch(AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2))
+    assert str(err.value).count("\n") == 0
+    for model_type in supported_model_types():
+        assert model_type in str(err.value)
+
+
+def test_unsupported_activation_and_bidirectional_attention_are_refused():
+    config = tiny_model("gemma2").config.__class__(**{**tiny_model("gemma2").config.to_dict(),
+                                                        "hidden_activation": "relu"})
+    with pytest.raises(ExportError, match="activation 'relu' is not supported"):
+        get_arch(config)
+    config = tiny_model("gemma3").config.__class__(**{**tiny_model("gemma3").config.to_dict(),
+                                                        "use_bidirectional_attention": True})
+    with pytest.raises(ExportError, match="use_bidirectional_attention"):
+        get_arch(config)
