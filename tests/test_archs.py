@@ -262,3 +262,69 @@ def test_unsupported_activation_and_bidirectional_attention_are_refused():
                                                         "use_bidirectional_attention": True})
     with pytest.raises(ExportError, match="use_bidirectional_attention"):
         get_arch(config)
+
+
+# ------------------------------------------------------------------------------------------- GGUF
+def _write_gguf(model, path: Path, arch) -> Path:
+    """A float32 GGUF of ``model`` with llama.cpp's tensor names and a byte-level tokenizer of the tiny vocabulary."""
+    import gguf
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_vocab_size(VOCAB)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"w{i}" for i in range(VOCAB)])
+    writer.add_token_types([1] * VOCAB)
+    writer.add_token_merges([])
+    writer.add_token_scores([0.0] * VOCAB)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        base, suffix = name.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_qwen3_gguf_loads_through_the_hf_path(tmp_path, monkeypatch):
+    """A Qwen3 GGUF goes through load_model/export like an HF directory: same weights, same logits.
+
+    head_dim is 128 here: transformers reads no ``attention.key_length`` for qwen3 GGUFs, so Qwen3Config's
+    default (128, that of the released dense Qwen3 models) is what a GGUF gets.
+    """
+    pytest.importorskip("gguf")
+    import gguf
+    from tiny_models import COMMON
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from kvq_export.model_source import load_model
+
+    monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(3)
+    config = Qwen3Config(**{**COMMON, "head_dim": 128}, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    path = _write_gguf(model, tmp_path / "tiny-qwen3.gguf", gguf.MODEL_ARCH.QWEN3)
+    loaded, tokenizer = load_model(path)
+    assert loaded.config.model_type == "qwen3" and tokenizer is not None
+    want = model.state_dict()
+    got = loaded.state_dict()
+    assert all(torch.equal(got[name], tensor) for name, tensor in want.items())
+    session = KVQSession(export(path, FP32_CACHE, tmp_path / "export", flavor="ort-gqa"))
+    tokens = PROMPT + [7, 8, 9]
+    with torch.no_grad():
+        ref = model(torch.tensor([tokens])).logits[0].numpy()
+    assert float(np.abs(_teacher_forced(session, tokens, len(PROMPT)) - ref).max()) <= 1e-4
