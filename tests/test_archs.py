@@ -68,6 +68,22 @@ def test_fp32_logits_match_transformers(tmp_path, arch, flavor):
     assert err <= 1e-4, f"{arch}/{flavor}: max |Δlogits| {err:.2e}"
 
 
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_fp16_bodies_stay_close(tmp_path, arch):
+    """fp16 body and cache stay within tests/test_decoder_body.py's fp16 bound of transformers' fp32 logits.
+
+    Covers Gemma's float32 norm products, fp16 GELU and soft-caps in fp16 (measured: <= 1e-3 of the largest logit).
+    """
+    model = loud_model(arch)
+    rng = np.random.default_rng(7)
+    tokens = PROMPT + [int(t) for t in rng.integers(0, VOCAB, 3)]
+    session = KVQSession(export(model, "fp16", tmp_path / arch, dtype="fp16"))
+    got = _teacher_forced(session, tokens, len(PROMPT))
+    with torch.no_grad():
+        want = model(torch.tensor([tokens])).logits[0].numpy()
+    assert float(np.abs(got - want).max()) < 5e-3 * float(np.abs(want).max())
+
+
 # ------------------------------------------------------------------------------- quantized caches
 def _small(name: str, scheme) -> KVQuantScheme:
     """A preset with groups of 8 and a window of 8 (and 2 sinks): every region fills within ~30 steps."""
