@@ -131,6 +131,8 @@ class Arch:
     qk_norm: ClassVar[str | None] = None
     #: Per-layer-type ``rope_parameters`` entry that :meth:`rope` describes (None: one RoPE for all layers).
     global_rope_layer_type: ClassVar[str | None] = None
+    #: The family's default RoPE honours ``partial_rotary_factor`` (Phi3); others rotate the whole head.
+    partial_rotary: ClassVar[bool] = False
 
     def __init__(self, config: PretrainedConfig) -> None:
         self.config = config
@@ -321,7 +323,8 @@ class Arch:
         if rope_type == "default":
             # Same expression as the models' compute_default_rope_parameters (bit-identical).
             base = params["rope_theta"]
-            dim = int(self.head_dim * float(params.get("partial_rotary_factor", 1.0)))
+            factor = float(params.get("partial_rotary_factor", 1.0)) if self.partial_rotary else 1.0
+            dim = int(self.head_dim * factor)
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             attention_scaling = 1.0
         elif rope_type in ROPE_INIT_FUNCTIONS:
@@ -541,6 +544,8 @@ class Phi3Arch(Arch):
 
     No biases; ``sliding_window`` on every layer when set; partial rotary via ``partial_rotary_factor``.
     """
+
+    partial_rotary = True
 
     def layer_names(self, layer: int) -> LayerNames:
         """q/k/v and gate/up are row ranges of the fused projections."""
