@@ -241,6 +241,8 @@ def model_facts(config: PretrainedConfig) -> ModelFacts:
     num_heads = int(config.num_attention_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     rope = getattr(config, "rope_parameters", None) or {}
+    if isinstance(rope.get("full_attention"), dict):  # per-layer-type RoPE (Gemma3): the global layers' base
+        rope = rope["full_attention"]
     rope_theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
     if rope_theta is None:
         raise ModelError(f"config of type {config.model_type!r} has no rope_theta (not a RoPE model?)")

@@ -275,7 +275,8 @@ def test_export_refusals(tmp_path, exports):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(ModelError, match="unsupported model_type 'gpt2'; supported: llama, mistral, qwen2"):
+    with pytest.raises(ModelError, match="unsupported model_type 'gpt2'; supported: gemma, gemma2, gemma3_text, "
+                                         "llama, mistral, olmo2, phi3, qwen2, qwen3$"):
         export(gpt2, "q4_0", tmp_path / "z")
 
 

@@ -24,10 +24,40 @@ def _config(kind: str):
         return MistralConfig(**COMMON, sliding_window=48)
     if kind == "qwen2":  # q/k/v biases, tied embeddings
         return Qwen2Config(**COMMON, tie_word_embeddings=True)
+    return _new_config(kind)
+
+
+def _new_config(kind: str):
+    """The families with QK-norms, Gemma's norms/soft-capping/per-layer RoPE, fused projections, OLMo2 norms."""
+    from transformers import Gemma2Config, Gemma3TextConfig, GemmaConfig, Olmo2Config, Phi3Config, Qwen3Config
+
+    mqa_256 = {**COMMON, "num_key_value_heads": 1, "head_dim": 256}  # one KV head, head_dim 256
+    if kind == "qwen3":  # per-head q/k norms; layer 1 slides (i >= max_window_layers)
+        return Qwen3Config(**COMMON, tie_word_embeddings=True, use_sliding_window=True, sliding_window=8,
+                           max_window_layers=1)
+    if kind == "gemma":
+        return GemmaConfig(**mqa_256, tie_word_embeddings=True)
+    if kind == "gemma2":  # layer 0 slides; small caps so soft-capping bites on O(1) activations
+        return Gemma2Config(**{**COMMON, "head_dim": 64}, query_pre_attn_scalar=48, sliding_window=8,
+                            attn_logit_softcapping=2.0, final_logit_softcapping=5.0, tie_word_embeddings=True)
+    if kind == "gemma3":
+        return Gemma3TextConfig(
+            **mqa_256, query_pre_attn_scalar=200, sliding_window=8, tie_word_embeddings=True,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
+    if kind == "phi3":  # fused qkv / gate_up; RoPE on half of each head
+        return Phi3Config(**COMMON, tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                           "partial_rotary_factor": 0.5})
+    if kind == "olmo2":
+        return Olmo2Config(**COMMON, tie_word_embeddings=False)
     raise ValueError(kind)
 
 
 ARCHS = ("llama", "llama-tied", "mistral", "qwen2")
+#: the newer families (tests/test_archs.py); kept apart so the preset-by-preset suites stay fast
+NEW_ARCHS = ("qwen3", "gemma", "gemma2", "gemma3", "phi3", "olmo2")
 
 
 @functools.cache
@@ -42,6 +72,30 @@ def tiny_model(kind: str):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    return model
+
+
+@functools.cache
+def loud_model(kind: str):
+    """:func:`tiny_model` with O(1) activations and random norms: every weight (and soft-cap) matters.
+
+    (transformers' init keeps activations near 0.02, where soft-capping is linear and a norm's weight hardly
+    shows. The quantized-cache tests keep that quiet init: there one code that float noise puts one step
+    apart moves the logits by about the activations' size.)
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(sum(map(ord, kind)) + 1)
+    model = AutoModelForCausalLM.from_config(_config(kind), attn_implementation="eager").eval()
+    if kind in NEW_ARCHS:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:  # Gemma's norms hold w of (1 + w), the others w itself
+                    p.copy_((0.0 if kind.startswith("gemma") else 1.0) + 0.2 * torch.randn_like(p))
+                elif "embed_tokens" in name:  # Gemma scales embeddings by sqrt(hidden): O(1) either way
+                    p.normal_(0.0, p.shape[1] ** -0.5 if kind.startswith("gemma") else 0.25)
+                elif p.dim() == 2:
+                    p.normal_(0.0, p.shape[1] ** -0.5)
     return model
 
 

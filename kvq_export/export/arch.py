@@ -7,17 +7,29 @@ Families are registered, not branched on::
 
     arch = get_arch(config)          # ModelError naming the supported model_types if unknown
     arch.layer_names(0).q.weight     # 'model.layers.0.self_attn.q_proj.weight'
-    arch.rope().inv_freq             # float32 [head_dim // 2], exactly transformers' own
+    arch.rope().inv_freq             # float32 [rotary_dim // 2], exactly transformers' own
 
 The decoder (:mod:`kvq_export.export.decoder`) only talks to :class:`Arch`; adding a family is one
-class here. transformers and torch are imported only inside :meth:`Arch.rope`.
+class here. What differs between families is declared, and the body switches on the declarations:
+
+* names: :meth:`Arch.layer_names` (a missing norm is None; a fused ``qkv_proj``/``gate_up_proj`` is
+  described as row ranges of one tensor, split when the weights are read);
+* norms: ``norm_offset`` (Gemma's ``x * (1 + w)``), ``norm_weight_in_float`` (the weight multiplies the
+  float32 normalized value before the cast back: Gemma, OLMo2), ``qk_norm`` (``"head"``: an RMSNorm over
+  each head's ``head_dim`` (Qwen3, Gemma3); ``"projection"``: over the whole q/k projection (OLMo2));
+* numbers: :attr:`Arch.scaling` (Gemma's ``query_pre_attn_scalar``), :attr:`Arch.embedding_scale`,
+  :attr:`Arch.final_logit_softcap`, :attr:`Arch.attn_logit_softcap`, :attr:`Arch.activation`;
+* RoPE per layer: :meth:`Arch.layer_rope` (Gemma3's local and global bases), partial rotary
+  (``partial_rotary_factor``: the RoPE covers the first ``rotary_dim`` of each head).
+
+transformers and torch are imported only inside :meth:`Arch.rope`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
@@ -33,19 +45,39 @@ logger = logging.getLogger(__name__)
 DYNAMIC_ROPE_TYPES = frozenset({"dynamic", "longrope"})
 #: Activations computed as x * sigmoid(x).
 SILU_ACTIVATIONS = frozenset({"silu", "swish"})
+#: Activations computed as GELU with the tanh approximation (ONNX ``Gelu(approximate="tanh")``).
+GELU_TANH_ACTIVATIONS = frozenset({"gelu_pytorch_tanh", "gelu_python_tanh"})
+#: ``qk_norm`` values: None, an RMSNorm over each head, or over the whole projection.
+QK_NORMS = (None, "head", "projection")
 
 
 @dataclass(frozen=True)
 class LinearNames:
-    """State-dict names of one ``nn.Linear``: weight [out, in] and optional bias [out]."""
+    """State-dict names of one ``nn.Linear``: weight [out, in] and optional bias [out].
+
+    ``rows = (start, stop)`` takes output rows ``start:stop`` of a fused projection (Phi3's ``qkv_proj``
+    and ``gate_up_proj``); the split happens when the weights are read, so the graph has plain MatMuls.
+    """
 
     weight: str
     bias: str | None = None
+    rows: tuple[int, int] | None = None
+
+    @property
+    def initializer(self) -> str:
+        """Name of the graph initializer: the HF name, plus the row range for a slice of a fused tensor."""
+        return self.weight if self.rows is None else f"{self.weight}[{self.rows[0]}:{self.rows[1]}]"
 
 
 @dataclass(frozen=True)
 class LayerNames:
-    """State-dict names of one decoder layer."""
+    """State-dict names of one decoder layer.
+
+    The layer is ``h += out_norm(attn(input_norm(h)))`` then ``h += mlp_out_norm(mlp(post_attention_norm(h)))``;
+    a norm that is None is skipped. ``post_attention_norm`` keeps Llama's name for the norm *before* the
+    MLP; the norms on the attention/MLP outputs (Gemma2/3's ``post_attention_layernorm`` and
+    ``post_feedforward_layernorm``, OLMo2's) are ``attention_out_norm`` / ``mlp_out_norm``.
+    """
 
     q: LinearNames
     k: LinearNames
@@ -54,17 +86,31 @@ class LayerNames:
     gate: LinearNames
     up: LinearNames
     down: LinearNames
-    input_norm: str
-    post_attention_norm: str
+    input_norm: str | None
+    post_attention_norm: str | None
+    attention_out_norm: str | None = None
+    mlp_out_norm: str | None = None
+    q_norm: str | None = None  # with Arch.qk_norm
+    k_norm: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RopeSpec:
-    """RoPE: cos/sin = cos/sin(position * inv_freq) * attention_scaling (HF rotate_half layout)."""
+    """RoPE: cos/sin = cos/sin(position * inv_freq) * attention_scaling (HF rotate_half layout).
+
+    It rotates the first ``rotary_dim`` (= 2 * len(inv_freq)) channels of each head and passes the rest
+    through (partial rotary). ``layer_type`` names the per-layer-type entry it came from (Gemma3), or None.
+    """
 
     rope_type: str
-    inv_freq: np.ndarray  # float32 [head_dim // 2]
+    inv_freq: np.ndarray  # float32 [rotary_dim // 2]
     attention_scaling: float
+    layer_type: str | None = None
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates."""
+        return 2 * int(self.inv_freq.shape[-1])
 
 
 class Arch:
@@ -76,9 +122,21 @@ class Arch:
 
     model_types: ClassVar[tuple[str, ...]] = ()
     prefix: ClassVar[str] = "model."
+    #: RMSNorm multiplies by ``norm_offset + w`` (Gemma stores w around 0: ``x * (1 + w)``).
+    norm_offset: ClassVar[float] = 0.0
+    #: The norm weight multiplies the float32 normalized value, then the result is cast (Gemma, OLMo2);
+    #: False: cast first, then multiply in the compute dtype (Llama).
+    norm_weight_in_float: ClassVar[bool] = False
+    #: RMSNorm of q and k before RoPE: None, "head" (over head_dim) or "projection" (over the projection).
+    qk_norm: ClassVar[str | None] = None
+    #: Per-layer-type ``rope_parameters`` entry that :meth:`rope` describes (None: one RoPE for all layers).
+    global_rope_layer_type: ClassVar[str | None] = None
+    #: The family's default RoPE honours ``partial_rotary_factor`` (Phi3); others rotate the whole head.
+    partial_rotary: ClassVar[bool] = False
 
     def __init__(self, config: PretrainedConfig) -> None:
         self.config = config
+        self._ropes: dict[str | None, RopeSpec] = {}
         self._check()
 
     # ------------------------------------------------------------------------------------ numbers
@@ -138,6 +196,28 @@ class Arch:
         return float(self.head_dim**-0.5)
 
     @property
+    def activation(self) -> str:
+        """The MLP activation's transformers name (``hidden_act``)."""
+        return str(getattr(self.config, "hidden_act", None) or "silu")
+
+    @property
+    def embedding_scale(self) -> float | None:
+        """Factor on the token embeddings (Gemma: sqrt(hidden_size)), or None."""
+        return None
+
+    @property
+    def final_logit_softcap(self) -> float | None:
+        """``cap * tanh(logits / cap)`` on the logits (Gemma2), or None."""
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return float(cap) if cap else None
+
+    @property
+    def attn_logit_softcap(self) -> float | None:
+        """``cap * tanh(scores / cap)`` on the scaled attention scores, before the mask (Gemma2), or None."""
+        cap = getattr(self.config, "attn_logit_softcapping", None)
+        return float(cap) if cap else None
+
+    @property
     def tie_word_embeddings(self) -> bool:
         """Whether the lm_head reuses the token embedding."""
         return bool(getattr(self.config, "tie_word_embeddings", False))
@@ -192,26 +272,47 @@ class Arch:
             down=linear("mlp.down_proj", mlp_bias),
             input_norm=f"{p}input_layernorm.weight",
             post_attention_norm=f"{p}post_attention_layernorm.weight",
+            q_norm=f"{p}self_attn.q_norm.weight" if self.qk_norm else None,
+            k_norm=f"{p}self_attn.k_norm.weight" if self.qk_norm else None,
         )
 
     # ---------------------------------------------------------------------------------------- rope
-    def rope_parameters(self) -> dict[str, Any]:
-        """Return the config's (flat) ``rope_parameters``; older configs fall back to ``rope_theta``."""
+    def rope_layer_type(self, layer: int) -> str | None:
+        """Key of ``layer``'s entry in per-layer-type ``rope_parameters`` (Gemma3), or None for one RoPE."""
+        return None
+
+    def rope_parameters(self, layer_type: str | None = None) -> dict[str, Any]:
+        """Return the config's (flat) ``rope_parameters``; older configs fall back to ``rope_theta``.
+
+        With ``layer_type``, the entry of per-layer-type parameters (``{"full_attention": {...}, ...}``).
+        """
         params = getattr(self.config, "rope_parameters", None)
         if not params:
             return {"rope_type": "default", "rope_theta": float(getattr(self.config, "rope_theta", 10000.0))}
         if any(isinstance(v, dict) for v in params.values()):
-            raise ExportError(
-                f"{self.model_type}: per-layer-type rope_parameters {sorted(params)} are not supported"
-            )
+            if layer_type is None or not isinstance(params.get(layer_type), dict):
+                raise ExportError(
+                    f"{self.model_type}: per-layer-type rope_parameters {sorted(params)} are not supported"
+                )
+            return dict(params[layer_type])
         return dict(params)
 
     def rope(self) -> RopeSpec:
+        """The RoPE of the global (full-attention) layers; :meth:`layer_rope` says per layer."""
+        return self._rope(self.global_rope_layer_type)
+
+    def layer_rope(self, layer: int) -> RopeSpec:
+        """The RoPE of ``layer`` (the same object for every layer that shares it)."""
+        return self._rope(self.rope_layer_type(layer))
+
+    def _rope(self, layer_type: str | None) -> RopeSpec:
         """Inverse frequencies and attention scaling, computed by transformers' own RoPE functions."""
+        if layer_type in self._ropes:
+            return self._ropes[layer_type]
         import torch
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        params = self.rope_parameters()
+        params = self.rope_parameters(layer_type)
         rope_type = str(params.get("rope_type", params.get("type", "default")))
         if rope_type in DYNAMIC_ROPE_TYPES:
             raise ExportError(
@@ -222,30 +323,39 @@ class Arch:
         if rope_type == "default":
             # Same expression as the models' compute_default_rope_parameters (bit-identical).
             base = params["rope_theta"]
-            dim = self.head_dim
+            factor = float(params.get("partial_rotary_factor", 1.0)) if self.partial_rotary else 1.0
+            dim = int(self.head_dim * factor)
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             attention_scaling = 1.0
         elif rope_type in ROPE_INIT_FUNCTIONS:
-            inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config)
+            kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+            inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, **kwargs)
         else:
             raise ExportError(
                 f"unknown rope_type {rope_type!r}; supported: default, "
                 f"{', '.join(sorted(set(ROPE_INIT_FUNCTIONS) - DYNAMIC_ROPE_TYPES))}"
             )
         inv = inv_freq.detach().to(torch.float32).cpu().numpy()
-        if 2 * inv.shape[-1] != self.head_dim:
-            raise ExportError(
-                f"{self.model_type}: RoPE covers {2 * inv.shape[-1]} of {self.head_dim} head dims "
-                "(partial rotary is not supported)"
-            )
-        return RopeSpec(rope_type, inv, float(attention_scaling))
+        rotary = 2 * inv.shape[-1]
+        if rotary > self.head_dim or rotary % 2:
+            raise ExportError(f"{self.model_type}: RoPE covers {rotary} of {self.head_dim} head dims")
+        spec = RopeSpec(rope_type, inv, float(attention_scaling), layer_type)
+        self._ropes[layer_type] = spec
+        return spec
 
     # ------------------------------------------------------------------------------------- checks
     def _check(self) -> None:
         """Refuse configs this family description cannot export faithfully."""
-        act = str(getattr(self.config, "hidden_act", "silu"))
-        if act not in SILU_ACTIVATIONS:
-            raise ExportError(f"{self.model_type}: hidden_act {act!r} is not supported (only silu)")
+        act = self.activation
+        if act not in SILU_ACTIVATIONS | GELU_TANH_ACTIVATIONS:
+            raise ExportError(
+                f"{self.model_type}: activation {act!r} is not supported "
+                f"(allowed: {', '.join(sorted(SILU_ACTIVATIONS | GELU_TANH_ACTIVATIONS))})"
+            )
+        if self.qk_norm not in QK_NORMS:
+            raise ExportError(f"{self.model_type}: qk_norm {self.qk_norm!r}; allowed: {QK_NORMS}")
+        if getattr(self.config, "use_bidirectional_attention", False):
+            raise ExportError(f"{self.model_type}: use_bidirectional_attention is not causal decoding")
         if self.num_heads % self.num_kv_heads:
             raise ModelError(
                 f"{self.model_type}: {self.num_heads} query heads are not a multiple of "
@@ -332,3 +442,157 @@ class Qwen2Arch(Arch):
         if not window or layer_types is None:
             return None
         return int(window) if layer_types[layer] == "sliding_attention" else None
+
+
+def _layer_types_window(config: PretrainedConfig, layer: int) -> int | None:
+    """``sliding_window`` for layers that ``config.layer_types`` marks ``sliding_attention``, else None."""
+    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if not window or layer_types is None:
+        return None
+    return int(window) if layer_types[layer] == "sliding_attention" else None
+
+
+@register("qwen3")
+class Qwen3Arch(Qwen2Arch):
+    """Qwen3: Qwen2's layout with an RMSNorm on each q/k head before RoPE; biases follow ``attention_bias``."""
+
+    qk_norm = "head"
+
+    def attention_biases(self) -> tuple[bool, bool]:
+        """Every attention projection has a bias iff ``attention_bias``."""
+        bias = bool(getattr(self.config, "attention_bias", False))
+        return bias, bias
+
+
+@register("gemma")
+class GemmaArch(Arch):
+    """Gemma: ``x * (1 + w)`` RMSNorms in float32, embeddings times sqrt(hidden_size), GELU-tanh MLP."""
+
+    norm_offset = 1.0
+    norm_weight_in_float = True
+
+    @property
+    def embedding_scale(self) -> float | None:
+        """sqrt(hidden_size), as transformers' ``GemmaTextScaledWordEmbedding``."""
+        return float(self.hidden_size**0.5)
+
+    def mlp_bias(self) -> bool:
+        """Gemma MLPs have no bias."""
+        return False
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layers marked ``sliding_attention`` in ``layer_types`` use ``sliding_window``."""
+        return _layer_types_window(self.config, layer)
+
+
+@register("gemma2")
+class Gemma2Arch(GemmaArch):
+    """Gemma2: Gemma plus output norms, ``query_pre_attn_scalar``, soft-capping, alternating windows.
+
+    Norms on the attention and MLP outputs, soft-capping of attention scores and of logits, layers marked
+    ``sliding_attention`` use ``sliding_window``.
+    """
+
+    @property
+    def activation(self) -> str:
+        """``hidden_activation`` (Gemma2/3's name for it)."""
+        return str(getattr(self.config, "hidden_activation", None) or "gelu_pytorch_tanh")
+
+    @property
+    def scaling(self) -> float:
+        """``query_pre_attn_scalar ** -0.5`` (not head_dim's)."""
+        return float(self.config.query_pre_attn_scalar) ** -0.5
+
+    def layer_names(self, layer: int) -> LayerNames:
+        """Four norms per layer: before/after attention, before/after the MLP."""
+        names = super().layer_names(layer)
+        p = f"{self.prefix}layers.{layer}."
+        return replace(
+            names,
+            attention_out_norm=f"{p}post_attention_layernorm.weight",
+            post_attention_norm=f"{p}pre_feedforward_layernorm.weight",
+            mlp_out_norm=f"{p}post_feedforward_layernorm.weight",
+        )
+
+
+@register("gemma3_text")
+class Gemma3TextArch(Gemma2Arch):
+    """Gemma3's text model: Gemma2's layer with q/k-head norms and a RoPE per layer type.
+
+    The q/k norms are (1 + w) RMSNorms over each head; local (sliding) and global layers use their own
+    RoPE (``rope_parameters["sliding_attention"]`` / ``["full_attention"]``).
+    """
+
+    qk_norm = "head"
+    global_rope_layer_type = "full_attention"
+
+    def rope_layer_type(self, layer: int) -> str | None:
+        """The layer's ``layer_types`` entry keys its RoPE parameters."""
+        return str(self.config.layer_types[layer])
+
+    def rope_parameters(self, layer_type: str | None = None) -> dict[str, Any]:
+        """Per-layer-type parameters; without ``layer_type`` the whole mapping (for the manifest)."""
+        if layer_type is None:
+            return {key: dict(value) for key, value in self.config.rope_parameters.items()}
+        return super().rope_parameters(layer_type)
+
+
+@register("phi3")
+class Phi3Arch(Arch):
+    """Phi3: fused ``qkv_proj`` and ``gate_up_proj``, split into row ranges when the weights are read.
+
+    No biases; ``sliding_window`` on every layer when set; partial rotary via ``partial_rotary_factor``.
+    """
+
+    partial_rotary = True
+
+    def layer_names(self, layer: int) -> LayerNames:
+        """q/k/v and gate/up are row ranges of the fused projections."""
+        p = f"{self.prefix}layers.{layer}."
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        inter = self.intermediate_size
+        qkv, gate_up = f"{p}self_attn.qkv_proj.weight", f"{p}mlp.gate_up_proj.weight"
+        return LayerNames(
+            q=LinearNames(qkv, rows=(0, q_size)),
+            k=LinearNames(qkv, rows=(q_size, q_size + kv_size)),
+            v=LinearNames(qkv, rows=(q_size + kv_size, q_size + 2 * kv_size)),
+            o=LinearNames(f"{p}self_attn.o_proj.weight"),
+            gate=LinearNames(gate_up, rows=(0, inter)),
+            up=LinearNames(gate_up, rows=(inter, 2 * inter)),
+            down=LinearNames(f"{p}mlp.down_proj.weight"),
+            input_norm=f"{p}input_layernorm.weight",
+            post_attention_norm=f"{p}post_attention_layernorm.weight",
+        )
+
+    def layer_window(self, layer: int) -> int | None:
+        """``config.sliding_window`` for every layer (None disables it)."""
+        window = getattr(self.config, "sliding_window", None)
+        return int(window) if window else None
+
+
+@register("olmo2")
+class Olmo2Arch(Arch):
+    """OLMo2: norms on the attention and MLP outputs only, and over the whole q/k projections.
+
+    The norm weights multiply in float32; the q/k norms run before RoPE.
+    """
+
+    norm_weight_in_float = True
+    qk_norm = "projection"
+
+    def mlp_bias(self) -> bool:
+        """OLMo2 MLPs have no bias."""
+        return False
+
+    def layer_names(self, layer: int) -> LayerNames:
+        """Output norms only: ``post_attention_layernorm`` and ``post_feedforward_layernorm``."""
+        names = super().layer_names(layer)
+        p = f"{self.prefix}layers.{layer}."
+        return replace(
+            names,
+            input_norm=None,
+            post_attention_norm=None,
+            attention_out_norm=f"{p}post_attention_layernorm.weight",
+            mlp_out_norm=f"{p}post_feedforward_layernorm.weight",
+        )

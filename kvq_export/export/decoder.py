@@ -16,7 +16,13 @@ Graph outputs: ``logits`` (float32 [batch, seq, vocab]), then the cache's output
 Numerics follow transformers' eager code: RMSNorm and the rotary cos/sin tables are computed in
 float32 whatever the body dtype, then cast (like ``LlamaRMSNorm`` / ``LlamaRotaryEmbedding``).
 Linear weights are stored transposed ([in, out], so a plain MatMul applies them) under their
-Hugging Face state-dict names; a tied lm_head reuses the embedding through ``Gemm(transB=1)``.
+Hugging Face state-dict names (a slice of a fused projection adds its row range to the name);
+a tied lm_head reuses the embedding through ``Gemm(transB=1)``.
+
+Family differences are the :class:`~kvq_export.export.arch.Arch` declarations (norm placement and
+style, q/k norms, embedding scale, logit soft-capping, activation, per-layer RoPE). Soft-capping of
+attention scores is the cache graph's job (it computes the scores): a cache graph that implements
+``facts.attn_softcap`` says so with ``supports_attn_softcap = True``; others are refused for such models.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kvq_export.errors import ExportError, ModelError
-from kvq_export.export.arch import Arch, LinearNames, RopeSpec, get_arch
+from kvq_export.export.arch import GELU_TANH_ACTIVATIONS, Arch, LinearNames, RopeSpec, get_arch
 from kvq_export.export.builder import GraphBuilder
 
 if TYPE_CHECKING:
@@ -43,6 +49,8 @@ logger = logging.getLogger(__name__)
 COMPUTE_DTYPES: dict[str, ir.DataType] = {"fp32": ir.DataType.FLOAT, "fp16": ir.DataType.FLOAT16}
 #: ReduceMean with axes as an input needs opset 18.
 MIN_OPSET = 18
+#: ONNX Gelu (with ``approximate="tanh"``) needs opset 20.
+GELU_OPSET = 20
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,8 @@ class DecoderFacts:
     layer_windows: tuple[int | None, ...] = ()
     max_positions: int | None = None
     rope: RopeSpec | None = field(default=None, compare=False)  # set by build_decoder
+    attn_softcap: float | None = None  # cap * tanh(scores / cap) on the scaled scores, before the mask
+    layer_ropes: tuple[RopeSpec, ...] = field(default=(), compare=False)  # per layer; empty: ``rope`` everywhere
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -86,6 +96,10 @@ class DecoderFacts:
     def window(self, layer: int) -> int | None:
         """Sliding window of ``layer``: a query at position q sees keys at p with q - window < p <= q."""
         return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+
+    def rope_for(self, layer: int) -> RopeSpec | None:
+        """The RoPE of ``layer`` (Gemma3's local layers have their own base)."""
+        return self.layer_ropes[layer] if self.layer_ropes else self.rope
 
     @classmethod
     def from_arch(cls, arch: Arch, dtype: ir.DataType) -> DecoderFacts:
@@ -107,6 +121,7 @@ class DecoderFacts:
             scaling=arch.scaling,
             layer_windows=windows,
             max_positions=arch.max_positions,
+            attn_softcap=arch.attn_logit_softcap,
         )
 
 
@@ -166,7 +181,13 @@ def build_decoder(
     start = time.perf_counter()
     compute = COMPUTE_DTYPES[dtype]
     rope = arch.rope()
-    facts = replace(DecoderFacts.from_arch(arch, compute), rope=rope)
+    facts = replace(DecoderFacts.from_arch(arch, compute), rope=rope,
+                    layer_ropes=tuple(arch.layer_rope(i) for i in range(arch.num_layers)))
+    if facts.attn_softcap and not getattr(cache, "supports_attn_softcap", False):
+        raise ExportError(
+            f"{arch.model_type} soft-caps its attention scores (attn_logit_softcapping={facts.attn_softcap}), "
+            f"which the {type(cache).__name__} attention does not implement"
+        )
     b = GraphBuilder(opset=opset, name=f"kvq_{arch.model_type}")
     body = _Body(b, arch, facts, _Weights(state, compute, arch.model_type))
 
@@ -176,17 +197,22 @@ def build_decoder(
         positions = cache.begin(b, attention_mask=attention_mask, facts=facts)
     if not fuses_rotary(cache):
         with b.scope("rope"):
-            body.rotary_tables(positions, rope)
+            for spec in dict.fromkeys(facts.rope_for(i) for i in range(arch.num_layers)):
+                body.rotary_tables(positions, spec)
 
     with b.scope("embed"):
         embed = body.weights.initializer(b, arch.embed_name(), (arch.vocab_size, arch.hidden_size))
         hidden = b.op("Gather", embed, input_ids)
+        if arch.embedding_scale is not None:  # in the weights' dtype, like GemmaTextScaledWordEmbedding
+            hidden = b.op("Mul", hidden, b.const(np.array(arch.embedding_scale, dtype=body.weights.np_dtype)))
     for layer in range(arch.num_layers):
         with b.scope(f"layers.{layer}"):
             hidden = body.layer(layer, hidden, cache)
     with b.scope("head"):
         hidden = body.rms_norm(hidden, arch.final_norm_name())
         logits = body.lm_head(hidden, embed)
+        if arch.final_logit_softcap is not None:
+            logits = body.softcap(logits, arch.final_logit_softcap)
         logits = body.to_float(logits)
     b.output(logits, "logits", ir.DataType.FLOAT, ["batch", "seq", arch.vocab_size])
     with b.scope("cache"):
@@ -225,8 +251,13 @@ class _Weights:
         self.np_dtype = np.dtype(dtype.numpy())
         self.model_type = model_type
 
-    def array(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """Return the tensor ``name`` as a numpy array of the compute dtype, checking its shape."""
+    def array(self, name: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None,
+              dtype: np.dtype | None = None) -> np.ndarray:
+        """Return the tensor ``name`` as a numpy array of the compute dtype (or ``dtype``), checking its shape.
+
+        With ``rows``, ``shape`` is that of the slice ``[start:stop]`` of a fused tensor along its first axis.
+        """
+        np_dtype = self.np_dtype if dtype is None else np.dtype(dtype)
         if name not in self.state:
             raise ModelError(
                 f"{self.model_type}: weight {name!r} is missing from the state dict "
@@ -236,10 +267,15 @@ class _Weights:
         if hasattr(tensor, "detach"):  # torch: cast in torch (numpy has no bfloat16)
             import torch
 
-            torch_dtype = torch.float16 if self.np_dtype == np.float16 else torch.float32
+            torch_dtype = torch.float16 if np_dtype == np.float16 else torch.float32
             array = tensor.detach().to(device="cpu", dtype=torch_dtype).numpy()
         else:
-            array = np.asarray(tensor, dtype=self.np_dtype)
+            array = np.asarray(tensor, dtype=np_dtype)
+        if rows is not None:
+            if rows[1] > array.shape[0]:
+                raise ModelError(f"{self.model_type}: weight {name!r} has {array.shape[0]} rows; "
+                                 f"expected at least {rows[1]}")
+            array = array[rows[0]:rows[1]]
         if array.shape != shape:
             raise ModelError(f"{self.model_type}: weight {name!r} has shape {array.shape}, expected {shape}")
         return array
@@ -258,8 +294,7 @@ class _Body:
         self.facts = facts
         self.weights = weights
         self.dtype = facts.dtype
-        self.cos: ir.Value | None = None
-        self.sin: ir.Value | None = None
+        self.tables: dict[int, tuple[ir.Value, ir.Value]] = {}  # id(RopeSpec) -> (cos, sin) [B, 1, t, R]
 
     # --------------------------------------------------------------------------------- building blocks
     def to_float(self, x: ir.Value) -> ir.Value:
@@ -270,29 +305,48 @@ class _Body:
         """Cast a float32 value to the compute dtype; no node for an fp32 body."""
         return x if self.dtype == ir.DataType.FLOAT else self.b.op("Cast", x, to=self.dtype)
 
-    def rms_norm(self, x: ir.Value, weight_name: str) -> ir.Value:
-        """HF RMSNorm: in float32, x * 1/sqrt(mean(x^2) + eps); cast back; then times the weight."""
-        b = self.b
+    def rms_norm(self, x: ir.Value, weight_name: str, width: int | None = None) -> ir.Value:
+        """HF RMSNorm over the last axis (``width``, default hidden_size): in float32, x / sqrt(mean(x^2) + eps).
+
+        Llama style: cast back, then times the weight. ``Arch.norm_weight_in_float``: times the float32
+        weight (plus ``Arch.norm_offset``: Gemma's ``1 + w``), then cast back.
+        """
+        b, arch = self.b, self.arch
+        width = arch.hidden_size if width is None else width
         xf = self.to_float(x)
         variance = b.op("ReduceMean", b.op("Mul", xf, xf), b.const([-1]), keepdims=1)
-        inv_rms = b.op("Reciprocal", b.op("Sqrt", b.op("Add", variance, b.const(self.arch.rms_norm_eps))))
-        normed = self.from_float(b.op("Mul", xf, inv_rms))
-        weight = self.weights.initializer(b, weight_name, (self.arch.hidden_size,))
-        return b.op("Mul", weight, normed)
+        inv_rms = b.op("Reciprocal", b.op("Sqrt", b.op("Add", variance, b.const(arch.rms_norm_eps))))
+        normed = b.op("Mul", xf, inv_rms)
+        if not arch.norm_weight_in_float and not arch.norm_offset:
+            weight = self.weights.initializer(b, weight_name, (width,))
+            return b.op("Mul", weight, self.from_float(normed))
+        weight = b.initializer(weight_name, self.weights.array(weight_name, (width,), dtype=np.float32))
+        if arch.norm_offset:  # 1 + w in float32, exactly as transformers computes it
+            weight = b.op("Add", weight, b.const(np.float32(arch.norm_offset)))
+        if arch.norm_weight_in_float:
+            return self.from_float(b.op("Mul", normed, weight))
+        return b.op("Mul", self.from_float(weight), self.from_float(normed))
+
+    def softcap(self, x: ir.Value, cap: float) -> ir.Value:
+        """``cap * tanh(x / cap)`` in the dtype of ``x`` (Gemma2's soft-capping)."""
+        b = self.b
+        c = b.const(np.array(cap, dtype=self.weights.np_dtype))
+        return b.op("Mul", b.op("Tanh", b.op("Div", x, c)), c)
 
     def linear(self, x: ir.Value, names: LinearNames, in_features: int, out_features: int) -> ir.Value:
         """``x @ W.T + bias`` with W stored pre-transposed ([in, out]) under its HF name."""
         b = self.b
-        weight = self.weights.array(names.weight, (out_features, in_features))
-        y = b.op("MatMul", x, b.initializer(names.weight, np.ascontiguousarray(weight.T)))
+        weight = self.weights.array(names.weight, (out_features, in_features), names.rows)
+        y = b.op("MatMul", x, b.initializer(names.initializer, np.ascontiguousarray(weight.T)))
         if names.bias is not None:
             y = b.op("Add", y, self.weights.initializer(b, names.bias, (out_features,)))
         return y
 
     def rotary_tables(self, positions: ir.Value, rope: RopeSpec) -> None:
-        """cos/sin [B, 1, t, D] from int64 positions [B, t], computed in float32 like HF, then cast."""
+        """cos/sin [B, 1, t, R] (R = rope.rotary_dim) from int64 positions [B, t], in float32 like HF, then cast."""
         b = self.b
-        inv_freq = b.initializer("rope.inv_freq", rope.inv_freq.astype(np.float32))
+        name = "rope.inv_freq" if rope.layer_type is None else f"rope.{rope.layer_type}.inv_freq"
+        inv_freq = b.initializer(name, rope.inv_freq.astype(np.float32))
         pos = b.op("Unsqueeze", b.op("Cast", positions, to=ir.DataType.FLOAT), b.const([-1]))
         freqs = b.op("Mul", pos, inv_freq)  # [B, t, D/2]
         emb = b.op("Concat", freqs, freqs, axis=-1)  # [B, t, D]
@@ -301,16 +355,46 @@ class _Body:
             scale = b.const(rope.attention_scaling)
             cos, sin = b.op("Mul", cos, scale), b.op("Mul", sin, scale)
         heads_axis = b.const([1])  # broadcast over heads
-        self.cos = b.op("Unsqueeze", self.from_float(cos), heads_axis)
-        self.sin = b.op("Unsqueeze", self.from_float(sin), heads_axis)
+        self.tables[id(rope)] = (b.op("Unsqueeze", self.from_float(cos), heads_axis),
+                                 b.op("Unsqueeze", self.from_float(sin), heads_axis))
 
-    def apply_rope(self, x: ir.Value) -> ir.Value:
-        """Return x * cos + rotate_half(x) * sin, with rotate_half(x) = concat(-x2, x1) (HF layout)."""
+    def apply_rope(self, x: ir.Value, layer: int) -> ir.Value:
+        """Return x * cos + rotate_half(x) * sin, with rotate_half(x) = concat(-x2, x1) (HF layout).
+
+        Partial rotary: only the first ``rotary_dim`` channels rotate; the rest pass through.
+        """
         b = self.b
-        half = self.facts.head_dim // 2
+        rope = self.facts.rope_for(layer)
+        cos, sin = self.tables[id(rope)]
+        rot, d = rope.rotary_dim, self.facts.head_dim
+        passed = None
+        if rot < d:
+            x, passed = b.op_multi("Split", x, b.const([rot, d - rot]), num_outputs=2, axis=-1)
+        half = rot // 2
         x1, x2 = b.op_multi("Split", x, b.const([half, half]), num_outputs=2, axis=-1)
         rotated = b.op("Concat", b.op("Neg", x2), x1, axis=-1)
-        return b.op("Add", b.op("Mul", x, self.cos), b.op("Mul", rotated, self.sin))
+        out = b.op("Add", b.op("Mul", x, cos), b.op("Mul", rotated, sin))
+        return out if passed is None else b.op("Concat", out, passed, axis=-1)
+
+    def qk_norm(self, x: ir.Value, weight_name: str | None, num_heads: int) -> ir.Value:
+        """``Arch.qk_norm`` on a projection [B, t, H*D]: per head (over D) or over the whole projection."""
+        mode, d = self.arch.qk_norm, self.facts.head_dim
+        if mode is None or weight_name is None:
+            return x
+        if mode == "projection":
+            return self.rms_norm(x, weight_name, num_heads * d)
+        b = self.b
+        per_head = b.op("Reshape", x, b.const([0, 0, num_heads, d]))
+        return b.op("Reshape", self.rms_norm(per_head, weight_name, d), b.const([0, 0, num_heads * d]))
+
+    def mlp_activation(self, gate: ir.Value, up: ir.Value) -> ir.Value:
+        """act(gate) * up: SiLU, or GELU with the tanh approximation (Gemma)."""
+        b = self.b
+        if self.arch.activation in GELU_TANH_ACTIVATIONS:
+            if b.opset < GELU_OPSET:
+                raise ExportError(f"{self.arch.model_type}: GELU needs opset >= {GELU_OPSET} (got {b.opset})")
+            return b.op("Mul", b.op("Gelu", gate, approximate="tanh"), up)
+        return b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up)  # SiLU(gate) * up
 
     def heads(self, x: ir.Value, num_heads: int) -> ir.Value:
         """[B, t, H*D] -> [B, H, t, D]."""
@@ -319,33 +403,38 @@ class _Body:
         return b.op("Transpose", x, perm=[0, 2, 1, 3])
 
     # ------------------------------------------------------------------------------------ the layer
+    def maybe_norm(self, x: ir.Value, weight_name: str | None) -> ir.Value:
+        """RMSNorm with ``weight_name``, or ``x`` itself where the family has no norm there."""
+        return x if weight_name is None else self.rms_norm(x, weight_name)
+
     def layer(self, layer: int, hidden: ir.Value, cache: CacheGraph) -> ir.Value:
-        """One pre-norm decoder layer: attention and SwiGLU MLP, each with a residual."""
+        """One decoder layer: attention and gated MLP, each with a residual (norms as ``LayerNames`` says)."""
         b, arch, f = self.b, self.arch, self.facts
         names = arch.layer_names(layer)
         q_size, kv_size = f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim
 
         with b.scope("attn"):
-            x = self.rms_norm(hidden, names.input_norm)
-            q = self.linear(x, names.q, f.hidden_size, q_size)
-            k = self.linear(x, names.k, f.hidden_size, kv_size)
+            x = self.maybe_norm(hidden, names.input_norm)
+            q = self.qk_norm(self.linear(x, names.q, f.hidden_size, q_size), names.q_norm, f.num_heads)
+            k = self.qk_norm(self.linear(x, names.k, f.hidden_size, kv_size), names.k_norm, f.num_kv_heads)
             v = self.linear(x, names.v, f.hidden_size, kv_size)
             if fuses_rotary(cache):  # [B, t, H*D] in and out: the cache graph's kernel applies RoPE
                 attn = cache.attend_projected(b, layer, q, k, v)  # type: ignore[attr-defined]
             else:
-                q = self.apply_rope(self.heads(q, f.num_heads))
-                k = self.apply_rope(self.heads(k, f.num_kv_heads))
+                q = self.apply_rope(self.heads(q, f.num_heads), layer)
+                k = self.apply_rope(self.heads(k, f.num_kv_heads), layer)
                 attn = cache.attend(b, layer, q, k, self.heads(v, f.num_kv_heads))  # [B, Hq, t, D]
                 attn = b.op("Reshape", b.op("Transpose", attn, perm=[0, 2, 1, 3]), b.const([0, 0, q_size]))
-            hidden = b.op("Add", hidden, self.linear(attn, names.o, q_size, f.hidden_size))
+            out = self.maybe_norm(self.linear(attn, names.o, q_size, f.hidden_size), names.attention_out_norm)
+            hidden = b.op("Add", hidden, out)
 
         with b.scope("mlp"):
-            x = self.rms_norm(hidden, names.post_attention_norm)
+            x = self.maybe_norm(hidden, names.post_attention_norm)
             inter = arch.intermediate_size
             gate = self.linear(x, names.gate, f.hidden_size, inter)
             up = self.linear(x, names.up, f.hidden_size, inter)
-            act = b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up)  # SiLU(gate) * up
-            hidden = b.op("Add", hidden, self.linear(act, names.down, inter, f.hidden_size))
+            out = self.linear(self.mlp_activation(gate, up), names.down, inter, f.hidden_size)
+            hidden = b.op("Add", hidden, self.maybe_norm(out, names.mlp_out_norm))
         return hidden
 
     def lm_head(self, hidden: ir.Value, embed: ir.Value) -> ir.Value:

@@ -143,6 +143,8 @@ class GQACacheGraph:
     """
 
     layout = "buffer"
+    #: the node's ``softcap`` attribute is Gemma2's attention soft-capping
+    supports_attn_softcap = True
 
     def __init__(
         self,
@@ -213,9 +215,12 @@ class GQACacheGraph:
                            "has no float16 kernel, so on CPU it casts the whole buffer to float32 and back every "
                            "step (use hp_dtype fp32 for a copy-free CPU baseline)", hp.name, compute.name)
         self.zero = b.const(np.array(0, dtype=np_type))
-        self.cos = self.sin = None
+        self.tables: dict[int, tuple[ir.Value, ir.Value]] = {}
         if self.fuses_rotary:
-            self.cos, self.sin = self._rotary_caches(b, facts, np_type)
+            for layer in range(facts.num_layers):  # one table pair per distinct RoPE (Gemma3: local, global)
+                rope = facts.rope_for(layer)
+                if id(rope) not in self.tables:
+                    self.tables[id(rope)] = self._rotary_caches(b, facts, np_type, rope)
             return None
         # positions of the new tokens for the body's RoPE (pads clamp to 0), as in the reference flavour
         offset = b.op("Sub", b.op("Unsqueeze", n0, b.const([1])), shift)
@@ -249,9 +254,12 @@ class GQACacheGraph:
         return cache_tensors(self.scheme, num_layers=self.num_layers, kv_heads=self.kv_heads,
                              head_dim=self.head_dim, direction=direction, layout="buffer")
 
-    def _rotary_caches(self, b: GraphBuilder, facts, np_type) -> tuple[ir.Value, ir.Value]:
-        """cos/sin tables [max_positions, D/2] in the compute dtype (computed in float32, like the body)."""
-        rope = facts.rope
+    def _rotary_caches(self, b: GraphBuilder, facts, np_type, rope) -> tuple[ir.Value, ir.Value]:
+        """cos/sin tables [max_positions, R/2] in the compute dtype (computed in float32, like the body).
+
+        R is the rotary dim (GQA rotates the first 2 * table width channels); the global RoPE's tables are
+        :data:`ROTARY_TABLES`, another layer type's (Gemma3's local layers) ``rope.<layer_type>.*_cache``.
+        """
         if rope is None or not facts.max_positions:
             raise ExportError("ort-gqa with fused rotary needs the model's RoPE and max_position_embeddings")
         pos = np.arange(facts.max_positions, dtype=np.float32)[:, None]
@@ -259,8 +267,10 @@ class GQACacheGraph:
         cos, sin = np.cos(freqs), np.sin(freqs)
         if rope.attention_scaling != 1.0:
             cos, sin = cos * np.float32(rope.attention_scaling), sin * np.float32(rope.attention_scaling)
-        return (b.initializer(ROTARY_TABLES[0], cos.astype(np_type)),
-                b.initializer(ROTARY_TABLES[1], sin.astype(np_type)))
+        names = ROTARY_TABLES
+        if rope is not facts.rope:
+            names = tuple(name.replace("rope.", f"rope.{rope.layer_type}.", 1) for name in ROTARY_TABLES)
+        return (b.initializer(names[0], cos.astype(np_type)), b.initializer(names[1], sin.astype(np_type)))
 
     def _gqa(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value, *, rotary: bool) -> ir.Value:
         """Realign to right padding, run the node on the shared buffers, realign back."""
@@ -274,9 +284,12 @@ class GQACacheGraph:
                       for part, array in zip(PARTS, (plan.k_scale, plan.v_scale))]
             attrs = {"k_quant_type": plan.k_quant, "v_quant_type": plan.v_quant, "kv_cache_bit_width": plan.bits}
         window = f.window(layer)
+        cos, sin = self.tables[id(f.rope_for(layer))] if rotary else (None, None)
+        if f.attn_softcap:
+            attrs["softcap"] = float(f.attn_softcap)
         out, present_k, present_v = b.op_multi(
             "GroupQueryAttention", qr, kr, vr, past[0], past[1], self.seqlens_k, self.total,
-            self.cos if rotary else None, self.sin if rotary else None,
+            cos, sin,
             None, None, None,  # position_ids (implied by query_seqlens), attention_bias, head_sink
             scales[0], scales[1],
             None, None,  # q_norm_weight, k_norm_weight

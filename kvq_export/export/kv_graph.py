@@ -185,6 +185,9 @@ class QuantizedCacheGraph:
             for streams with ``scales="static"`` (numpy arrays).
     """
 
+    #: :meth:`_attention` applies ``facts.attn_softcap`` (Gemma2's attention soft-capping).
+    supports_attn_softcap = True
+
     def __init__(
         self,
         scheme: KVQuantScheme,
@@ -492,7 +495,12 @@ class QuantizedCacheGraph:
         d = facts.head_dim
         qg = b.op("Reshape", q, b.const([0, facts.num_kv_heads, -1, d]))  # [B,Hkv,g*t,D]
         scores = b.op("MatMul", qg, b.op("Transpose", keys, perm=[0, 1, 3, 2]))
-        scores = b.op("Mul", scores, b.const(np.array(facts.scaling, dtype=ir.DataType(self.compute_type).numpy())))
+        np_type = ir.DataType(self.compute_type).numpy()
+        scores = b.op("Mul", scores, b.const(np.array(facts.scaling, dtype=np_type)))
+        cap = getattr(facts, "attn_softcap", None)
+        if cap:  # Gemma2: cap * tanh(scores / cap), before the mask (transformers' eager order)
+            c = b.const(np.array(cap, dtype=np_type))
+            scores = b.op("Mul", b.op("Tanh", b.op("Div", scores, c)), c)
         shape5 = b.op("Concat", b.const([0, facts.num_kv_heads, groups, -1]), self.total_len, axis=0)
         scores = b.op("Add", b.op("Reshape", scores, shape5), mask)
         if self.compute_type != ir.DataType.FLOAT:  # softmax in fp32, as Hugging Face does

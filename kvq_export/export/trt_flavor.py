@@ -33,6 +33,9 @@ class TrtCacheGraph(QuantizedCacheGraph):
         aot: mark nodes for the ahead-of-time implementation (PTX inside the engine; runs without Python).
     """
 
+    #: the plugin kernel computes the scores itself and has no soft-capping
+    supports_attn_softcap = False
+
     def __init__(self, scheme: KVQuantScheme, *, aot: bool = True, **geometry) -> None:
         super().__init__(scheme, **geometry)
         self.aot = aot
