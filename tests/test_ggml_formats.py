@@ -34,7 +34,7 @@ def ggml_tq(kind: str) -> TensorQuant:
     return TensorQuant(format=fmt, bits=bits, group_size=32, quantizer="ggml")
 
 
-# -- transcription of ggml's reference quantizers (one block of 32 floats) --------------------------------------
+# -- transcription of ggml's reference quantizers (one block of 32 floats) ----------
 def _ref_x_0(block, nmax: int, top: int):  # q4_0 (nmax 8, top 15) / q5_0 (16, 31)
     amax, vmax = F(0.0), F(0.0)
     for v in block:
@@ -73,7 +73,7 @@ def _ref_8_0(block):
 
 
 def ggml_reference(kind: str, row: np.ndarray):
-    """ggml's quantize_row_*_ref on one row (length a multiple of 32) -> (codes, d, m) with kvq's code offsets."""
+    """Ggml's quantize_row_*_ref on one row (length a multiple of 32) -> (codes, d, m) with kvq's code offsets."""
     codes, ds, ms = [], [], []
     for start in range(0, row.size, 32):
         block = [F(v) for v in row[start:start + 32]]
@@ -109,7 +109,7 @@ def check_row(kind: str, row: np.ndarray) -> None:
         assert q.zeros is None
 
 
-# -- adversarial inputs ------------------------------------------------------------------------------------------
+# -- adversarial inputs ----------
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 0.49999997, -0.49999997, 1e-30, -1e-30, 1e-45, 6e4, -6e4, 3.0, -3.0,
            7.5, 8.0, -8.0, 1.5, 2.5, 0.1, 1 / 3]
 
@@ -155,7 +155,7 @@ def test_codes_and_scales_match_ggml_property(kind, values, blocks, shift):
     check_row(kind, row)
 
 
-# -- dequantization and packing -------------------------------------------------------------------------------------
+# -- dequantization and packing ----------
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_dequantize_is_ggml_dequantize(kind):
     rng = np.random.default_rng(1)
@@ -187,7 +187,7 @@ def test_five_bit_layout_is_nibbles_then_high_plane():
     assert packed[32:40] == [0, 0, 0xFF, 0xFF, 0, 0, 0xFF, 0xFF]  # fifth bits: codes 16..31 of each run of 32
 
 
-# -- the scheme, presets, memory and flavours ---------------------------------------------------------------------------
+# -- the scheme, presets, memory and flavours ----------
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(format="int", bits=8, group_size=32, quantizer="ggml"), "allowed with quantizer ggml"),
     (dict(format="int_sym", bits=4, group_size=64, quantizer="ggml"), "group_size=64"),
@@ -235,7 +235,7 @@ def test_ort_gqa_refuses_ggml_formats():
     assert any("ggml" in r for r in reasons)
 
 
-# -- the reference flavour's graph: present cache bit-exact with the reference cache --------------------------------------
+# -- the reference flavour's graph: present cache bit-exact with the reference cache ----------
 def _graph_vs_reference(scheme: KVQuantScheme, k_rows: list[np.ndarray], *, kv_heads=2, dim=64):
     """Feed K rows one token at a time (V = -K / 3) and compare every present tensor with the reference cache."""
     graph = CacheOnly(scheme, heads=kv_heads * 2, kv_heads=kv_heads, head_dim=dim)

@@ -421,7 +421,7 @@ class QuantizedCacheGraph:
         return self._pack(b, tq, codes), scales, zeros
 
     def _quantize_ggml(self, b: GraphBuilder, tq: TensorQuant, xg: ir.Value, block: ir.Value):
-        """ggml's reference block quantizers on [B,H,F,D/32,32] fp32 groups, op for op the codec's ``_quantize_ggml``.
+        """Ggml's reference block quantizers on [B,H,F,D/32,32] fp32 groups, op for op the codec's ``_quantize_ggml``.
 
         C's ``(int)(y)`` is Floor here because every y is >= 0; ``roundf`` is built from exact steps
         (:func:`kvq_export.reference.codec.round_away`); ArgMax/ArgMin return the first index, like ggml's loops.

@@ -202,7 +202,7 @@ def round_away(y: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_ggml(xg: torch.Tensor, tq: TensorQuant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """ggml's reference block quantizers on ``[..., n, 32]`` fp32 groups -> (uint8 codes, fp16 d, fp16 m or None)."""
+    """Ggml's reference block quantizers on ``[..., n, 32]`` fp32 groups -> (uint8 codes, fp16 d, fp16 m or None)."""
     top = (1 << tq.bits) - 1
     half = 1 << (tq.bits - 1)
     mn = None
