@@ -57,7 +57,7 @@ class TensorQuant:
         format: ``fp16`` (not quantized), ``int`` (asymmetric: per-group scale and minimum),
             ``int_sym`` (symmetric: per-group scale, codes stored with an offset of 2**(bits-1)),
             ``fp8_e4m3`` (float8 e4m3fn codes with a per-group scale).
-        bits: 2, 4 or 8 for int formats; 8 for fp8; 16 for fp16.
+        bits: 2, 4 or 8 for int formats (4, 5 or 8 with the ggml quantizer); 8 for fp8; 16 for fp16.
         axis: ``token`` (groups run along head_dim within one token) or ``channel`` (each channel is
             grouped across ``group_size`` consecutive tokens).
         group_size: group length along the axis, or ``None`` for the whole axis (per-token head
