@@ -161,15 +161,14 @@ class TensorQuant:
         if self.quantizer not in QUANTIZERS:
             raise _fail("quantizer", self.quantizer, f"allowed: {', '.join(QUANTIZERS)}")
         if self.quantizer == "ggml":
-            self._validate_ggml()
-            return
+            self._validate_ggml()  # pins format/bits/axis/group/scales; the generic checks below still run
         if self.format == "fp16":
             if self.bits != 16:
                 raise _fail("bits", self.bits, "allowed for format fp16: 16")
             return
         if self.format == "fp8_e4m3" and self.bits != 8:
             raise _fail("bits", self.bits, "allowed for format fp8_e4m3: 8")
-        if self.is_int and self.bits not in INT_BITS:
+        if self.is_int and self.bits not in INT_BITS and self.quantizer != "ggml":
             raise _fail("bits", self.bits, f"allowed for {self.format} with quantizer kvq: 2, 4, 8 "
                         "(5 bits: quantizer ggml)")
         if self.axis not in AXES:
