@@ -292,3 +292,16 @@ def test_export_with_per_layer_mixed_formats_matches_torch_reference(tmp_path, m
     directory = export(model, scheme, tmp_path / "mixed")
 
     ter._check_case(lambda arch, preset: directory, "llama", "mixed-layers", "padded")
+
+
+def test_schemes_command_prints_bits_at_512_and_4096():
+    from click.testing import CliRunner
+
+    from kvq_export.cli import cli
+
+    result = CliRunner().invoke(cli, ["schemes"], catch_exceptions=False, terminal_width=250)
+    assert result.exit_code == 0
+    for name, at512, at4096 in [("kivi-4", "7.750", "5.344"), ("kivi-2", "6.250", "3.406"), ("q5_0", "5.500", "5.500"),
+                                ("kivi-4-r0-g64", "4.500", "4.500"), ("ort-int4", "4.062", "4.008")]:
+        line = next(row for row in result.output.splitlines() if f" {name} " in row)
+        assert f" {at512} " in line and f" {at4096} " in line, line
