@@ -33,6 +33,7 @@ CASES = {  # (arch, scheme): presets of every stream kind, a mixed-precision ove
     "qwen2-fp8": ("qwen2", PRESETS["fp8"][0]),
     "llama-ort-int4": ("llama", PRESETS["ort-int4"][0]),
     "mistral-fp16-window": ("mistral", PRESETS["fp16"][0]),
+    "llama-ggml-q5_1-q5_0": ("llama", dataclasses.replace(PRESETS["q5_1"][0], value=PRESETS["q5_0"][0].value)),
     "llama-override": ("llama", dataclasses.replace(
         PRESETS["int4-g32"][0], sink_tokens=2, residual_length=8,
         layer_overrides=(LayerOverride(layer=1, key=TensorQuant.fp16(),
