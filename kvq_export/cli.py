@@ -70,10 +70,16 @@ def cli(verbose: int) -> None:
 
 @cli.command()
 @click.option("--head-dim", type=click.IntRange(1), default=64, show_default=True,
-              help="head_dim used for bits/element of whole-axis groups.")
+              help="head_dim of the bits/element columns (SmolLM2's: 64).")
 @click.option("--json", "as_json", is_flag=True, help="Print every preset as scheme JSON.")
 def schemes(head_dim: int, as_json: bool) -> None:
-    """List the named scheme presets with their effective bits per element."""
+    """List the named scheme presets with their bits per element.
+
+    ``bits/elem`` ignores windows; the ``@512`` / ``@4096`` columns are the memory model's bits per cached
+    element for a SmolLM2-shaped cache (30 layers, 3 kv heads) holding that many tokens, metadata, sinks,
+    recent windows and partial channel groups included.
+    """
+    from kvq_export.memory import Geometry, predict
     from kvq_export.presets import PRESETS, presets_json
     from kvq_export.scheme import bits_label
 
@@ -82,14 +88,18 @@ def schemes(head_dim: int, as_json: bool) -> None:
         return
     from rich.table import Table
 
-    table = Table(title=f"kvq scheme presets (bits/element at head_dim={head_dim}, without windows)")
-    for col in ("preset", "bits/elem", "keys", "values", "window", "about"):
+    geometry = Geometry(num_layers=30, num_kv_heads=3, head_dim=head_dim)
+    lengths = (512, 4096)
+    table = Table(title=f"kvq scheme presets (bits/element at head_dim={head_dim}; @N: SmolLM2-shaped cache "
+                        "of N tokens, everything stored included)")
+    for col in ("preset", "bits/elem", *(f"@{n}" for n in lengths), "keys", "values", "window", "about"):
         table.add_column(col)
     for name, (scheme, about) in PRESETS.items():
         window = f"R={scheme.residual_length}" if scheme.residual_length else "-"
         if scheme.sink_tokens:
             window += f" S={scheme.sink_tokens}"
-        table.add_row(name, bits_label(scheme.effective_bits(head_dim)), scheme.key.describe(),
+        at = [f"{predict(scheme, geometry, n).bits_per_element:.3f}" for n in lengths]
+        table.add_row(name, bits_label(scheme.effective_bits(head_dim)), *at, scheme.key.describe(),
                       scheme.value.describe(), window, about)
     _console().print(table)
 

@@ -34,6 +34,9 @@ PARTS = ("key", "value")
 #: ONNX element type names used in the manifest.
 HP_TYPES = {"fp16": "float16", "fp32": "float32"}
 PACKING = "uint8, lowest bits first: element i -> byte i // (8 // bits), bit offset (i % (8 // bits)) * bits"
+#: 5-bit codes (ggml q5_0 / q5_1): two planes along head_dim D.
+PACKING_5BIT = ("uint8, two planes: bytes [0, D/2) hold the low 4 bits (element i -> byte i // 2, bit offset "
+                "(i % 2) * 4), bytes [D/2, D/2 + D/8) the fifth bits (element i -> byte D/2 + i // 8, bit i % 8)")
 
 #: Cache layouts: ``regions`` (sinks / quantized / recent, right-aligned; the reference) and ``buffer``
 #: (one fixed-capacity buffer per stream, left-aligned, shared by past and present).
@@ -67,6 +70,7 @@ class CacheTensor:
     group_size: int | None = None
     format: str | None = None
     bits: int | None = None
+    quantizer: str | None = None  # kvq | ggml: how codes were chosen (decoding is the same)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form for the manifest."""
@@ -104,10 +108,10 @@ def stream_tensors(
         return
     yield tensor("sinks", hp, (*rows, region_axis(direction, layer, part, "sinks"), head_dim), "sinks")
     quant = {"group_axis": tq.axis, "group_size": tq.token_group(head_dim) if tq.axis == "token" else tq.group_size,
-             "format": tq.format, "bits": tq.bits}
+             "format": tq.format, "bits": tq.bits, "quantizer": tq.quantizer}
     tokens = region_axis(direction, layer, part, "quantized")
     code_type = "float8e4m3fn" if tq.format == "fp8_e4m3" else "uint8"
-    packing = PACKING if tq.is_int and tq.bits < 8 else None
+    packing = (PACKING_5BIT if tq.bits == 5 else PACKING) if tq.is_int and tq.bits < 8 else None
     yield tensor("codes", code_type, (*rows, tokens, tq.packed_dim(head_dim)), "quantized", packing=packing, **quant)
     if tq.scales == "dynamic":
         kind, entries = tq.metadata_shape(head_dim)

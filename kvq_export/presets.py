@@ -25,6 +25,19 @@ def _kivi(bits: int) -> KVQuantScheme:
     )
 
 
+def _kivi_r0(key_bits: int, value_bits: int, group: int) -> KVQuantScheme:
+    # KIVI's split without its recent window: keys per-channel (groups of `group` tokens), values per-token.
+    # Only the tokens of a partial key group stay in fp16 (fewer than `group`).
+    return KVQuantScheme(key=_int(key_bits, group, sym=False, axis="channel"),
+                         value=_int(value_bits, group, sym=False), residual_length=0)
+
+
+def _ggml(kind: str) -> TensorQuant:
+    fmt, bits = {"q4_0": ("int_sym", 4), "q4_1": ("int", 4), "q5_0": ("int_sym", 5), "q5_1": ("int", 5),
+                 "q8_0": ("int_sym", 8)}[kind]
+    return TensorQuant(format=fmt, bits=bits, group_size=32, quantizer="ggml")
+
+
 def _ort(bits: int) -> KVQuantScheme:
     # GroupQueryAttention's quantized cache: symmetric, static float32 scales per (kv head, channel).
     tq = _int(bits, None, sym=True, axis="channel", scales="static", scale_dtype="fp32")
@@ -38,18 +51,28 @@ PRESETS: dict[str, tuple[KVQuantScheme, str]] = {
         KVQuantScheme(key=_int(8, None, sym=True), value=_int(8, None, sym=True)),
         "symmetric int8, one scale per token head vector",
     ),
-    "q8_0": (
+    "int8-sym-g32": (
         KVQuantScheme(key=_int(8, 32, sym=True), value=_int(8, 32, sym=True)),
-        "llama.cpp q8_0 layout: int8 sym, token groups of 32",
+        "int8 sym (255 levels, round-half-even), token groups of 32",
     ),
-    "q4_0": (
+    "int4-sym-g32": (
         KVQuantScheme(key=_int(4, 32, sym=True), value=_int(4, 32, sym=True)),
-        "llama.cpp q4_0 layout: int4 sym, token groups of 32",
+        "int4 sym (15 levels: amax/7, codes -7..7), token groups of 32",
     ),
-    "q4_1": (
+    "int4-g32": (
         KVQuantScheme(key=_int(4, 32, sym=False), value=_int(4, 32, sym=False)),
-        "llama.cpp q4_1 layout: int4 with min, token groups of 32",
+        "int4 with min (round-half-even), token groups of 32",
     ),
+    # llama.cpp's block formats, bit-exact with ggml's reference quantizers, without rotation.
+    **{kind: (KVQuantScheme(key=_ggml(kind), value=_ggml(kind)), f"ggml {kind} (exact), unrotated")
+       for kind in ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")},
+    "k-q8_0-v-q4_0": (
+        KVQuantScheme(key=_ggml("q8_0"), value=_ggml("q4_0")),
+        "mixed K/V like llama.cpp -ctk q8_0 -ctv q4_0 (exact), unrotated",
+    ),
+    "kivi-4-r0": (_kivi_r0(4, 4, 32), "keys per-channel / values per-token int4 g32, no recent window"),
+    "kivi-4-r0-g64": (_kivi_r0(4, 4, 64), "keys per-channel / values per-token int4 g64, no recent window"),
+    "k8v4-r0-g64": (_kivi_r0(8, 4, 64), "mixed: keys int8 per-channel g64 / values int4 per-token g64, no window"),
     "kivi-4": (_kivi(4), "KIVI: keys per-channel / values per-token int4 g32, recent 128 in fp16"),
     "kivi-2": (_kivi(2), "KIVI: keys per-channel / values per-token int2 g32, recent 128 in fp16"),
     "fp8": (

@@ -33,6 +33,11 @@ SCALE_DTYPES = ("fp16", "fp32")
 SCALE_MODES = ("dynamic", "static")
 HP_DTYPES = ("fp16", "fp32")
 INT_BITS = (2, 4, 8)
+QUANTIZERS = ("kvq", "ggml")
+#: quantizer ggml: (format, bits) -> ggml block type it reproduces bit for bit (blocks of GGML_BLOCK along head_dim)
+GGML_TYPES = {("int_sym", 4): "q4_0", ("int", 4): "q4_1", ("int_sym", 5): "q5_0", ("int", 5): "q5_1",
+              ("int_sym", 8): "q8_0"}
+GGML_BLOCK = 32
 
 #: Bytes per element of the floating dtypes a scheme can name.
 DTYPE_BYTES = {"fp16": 2, "fp32": 4}
@@ -52,7 +57,7 @@ class TensorQuant:
         format: ``fp16`` (not quantized), ``int`` (asymmetric: per-group scale and minimum),
             ``int_sym`` (symmetric: per-group scale, codes stored with an offset of 2**(bits-1)),
             ``fp8_e4m3`` (float8 e4m3fn codes with a per-group scale).
-        bits: 2, 4 or 8 for int formats; 8 for fp8; 16 for fp16.
+        bits: 2, 4 or 8 for int formats (4, 5 or 8 with the ggml quantizer); 8 for fp8; 16 for fp16.
         axis: ``token`` (groups run along head_dim within one token) or ``channel`` (each channel is
             grouped across ``group_size`` consecutive tokens).
         group_size: group length along the axis, or ``None`` for the whole axis (per-token head
@@ -61,6 +66,11 @@ class TensorQuant:
         clip: the group's range is shrunk by this ratio about its midpoint (symmetric: ``amax * clip``).
         scales: ``dynamic`` (from each group as tokens arrive) or ``static`` (fixed per layer, head and
             channel/group, from a calibration artifact kept beside the scheme).
+        quantizer: the rule that picks scales and codes. ``kvq``: round-half-even codes against the
+            stored (rounded) metadata, symmetric formats on ``2**(bits-1) - 1`` levels each side.
+            ``ggml``: llama.cpp's reference quantizers bit for bit (:data:`GGML_TYPES`: ``int_sym`` 4/5/8 =
+            q4_0/q5_0/q8_0, ``int`` 4/5 = q4_1/q5_1; token axis, groups of 32, fp16 dynamic scales, no
+            clip). Dequantization is the same for both: ``(code - offset) * scale`` or ``code * scale + min``.
     """
 
     format: str = "int"
@@ -70,6 +80,7 @@ class TensorQuant:
     scale_dtype: str = "fp16"
     clip: float = 1.0
     scales: str = "dynamic"
+    quantizer: str = "kvq"
 
     def __post_init__(self) -> None:
         self._validate()
@@ -105,12 +116,21 @@ class TensorQuant:
         return head_dim if self.group_size is None else self.group_size
 
     def codes_per_byte(self) -> int:
-        """Integer codes packed into one uint8 (1 for 8-bit and fp8)."""
-        return 8 // self.bits if self.is_int else 1
+        """Integer codes packed into one uint8 (1 for 8-bit and fp8; 5-bit codes: see :meth:`packed_dim`)."""
+        return 8 // self.bits if self.is_int and self.bits in (2, 4) else 1
 
     def packed_dim(self, head_dim: int) -> int:
-        """Bytes per token per head for the code payload."""
-        return -(-head_dim // self.codes_per_byte()) if self.quantized else 0
+        """Bytes per token per head for the code payload (5 bits: head_dim/2 nibble bytes + head_dim/8 high bits)."""
+        if not self.quantized:
+            return 0
+        if self.is_int and self.bits == 5:
+            return head_dim // 2 + head_dim // 8
+        return -(-head_dim // self.codes_per_byte())
+
+    @property
+    def ggml_type(self) -> str | None:
+        """The ggml block type this stream reproduces (``q4_0`` ...), None for the kvq quantizer."""
+        return GGML_TYPES.get((self.format, self.bits)) if self.quantizer == "ggml" else None
 
     def metadata_shape(self, head_dim: int) -> tuple[str, int]:
         """(``per_token`` | ``per_group_of_tokens`` | ``per_layer``, entries per unit) for scales.
@@ -138,14 +158,19 @@ class TensorQuant:
     def _validate(self) -> None:
         if self.format not in FORMATS:
             raise _fail("format", self.format, f"allowed: {', '.join(FORMATS)}")
+        if self.quantizer not in QUANTIZERS:
+            raise _fail("quantizer", self.quantizer, f"allowed: {', '.join(QUANTIZERS)}")
+        if self.quantizer == "ggml":
+            self._validate_ggml()  # pins format/bits/axis/group/scales; the generic checks below still run
         if self.format == "fp16":
             if self.bits != 16:
                 raise _fail("bits", self.bits, "allowed for format fp16: 16")
             return
         if self.format == "fp8_e4m3" and self.bits != 8:
             raise _fail("bits", self.bits, "allowed for format fp8_e4m3: 8")
-        if self.is_int and self.bits not in INT_BITS:
-            raise _fail("bits", self.bits, f"allowed for {self.format}: 2, 4, 8")
+        if self.is_int and self.bits not in INT_BITS and self.quantizer != "ggml":
+            raise _fail("bits", self.bits, f"allowed for {self.format} with quantizer kvq: 2, 4, 8 "
+                        "(5 bits: quantizer ggml)")
         if self.axis not in AXES:
             raise _fail("axis", self.axis, f"allowed: {', '.join(AXES)}")
         if self.scale_dtype not in SCALE_DTYPES:
@@ -169,6 +194,20 @@ class TensorQuant:
         if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)) or not (0.0 < self.clip <= 1.0):
             raise _fail("clip", self.clip, "allowed: a ratio in (0, 1]")
 
+    def _validate_ggml(self) -> None:
+        """The ggml quantizer reproduces five fixed block types; anything else has no ggml meaning."""
+        allowed = ", ".join(f"{fmt} {bits} ({name})" for (fmt, bits), name in GGML_TYPES.items())
+        if (self.format, self.bits) not in GGML_TYPES:
+            raise _fail("format/bits", f"{self.format} {self.bits}", f"allowed with quantizer ggml: {allowed}")
+        fixed = (("axis", self.axis, "token"), ("group_size", self.group_size, GGML_BLOCK),
+                 ("scale_dtype", self.scale_dtype, "fp16"), ("scales", self.scales, "dynamic"))
+        for name, value, required in fixed:
+            if value != required:
+                raise _fail(name, value, f"allowed with quantizer ggml: {required!r} (ggml blocks are "
+                            f"{GGML_BLOCK} consecutive head_dim elements with an fp16 scale)")
+        if self.clip != 1.0:
+            raise _fail("clip", self.clip, "allowed with quantizer ggml: 1.0 (ggml never clips)")
+
     def check_head_dim(self, head_dim: int, where: str) -> None:
         """Raise when this stream cannot describe a cache with ``head_dim`` channels."""
         if not self.quantized:
@@ -181,6 +220,8 @@ class TensorQuant:
             )
         if self.is_int and (head_dim * self.bits) % 8:
             raise _fail(f"{where}.bits", self.bits, f"head_dim={head_dim} x bits must fill whole bytes")
+        if self.is_int and self.bits == 5 and head_dim % 8:
+            raise _fail(f"{where}.bits", self.bits, f"5-bit codes need head_dim={head_dim} to be a multiple of 8")
 
     # -- serialisation ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -209,6 +250,8 @@ class TensorQuant:
         """Short human description, e.g. ``int4 asym token g32 fp16-scale``."""
         if not self.quantized:
             return "fp16"
+        if self.ggml_type:
+            return f"ggml {self.ggml_type}"
         name = {"int": f"int{self.bits}", "int_sym": f"int{self.bits} sym", "fp8_e4m3": "fp8 e4m3"}[self.format]
         group = "whole" if self.group_size is None else f"g{self.group_size}"
         clip = "" if self.clip == 1.0 else f" clip{self.clip:g}"

@@ -43,6 +43,7 @@ class StreamLayout:
         unit: tokens that leave the recent window together (1, or a channel-axis group).
         scale_dtype, hp_dtype: ``fp16`` / ``fp32`` storage of metadata and of sinks/recent.
         clip: range shrink ratio used when quantizing (see :class:`~kvq_export.scheme.TensorQuant`).
+        quantizer: ``kvq`` or ``ggml`` (how scales and codes are chosen; the stored meaning is the same).
     """
 
     format: str
@@ -58,6 +59,7 @@ class StreamLayout:
     scale_dtype: str
     hp_dtype: str
     clip: float = 1.0
+    quantizer: str = "kvq"
 
     @classmethod
     def of(cls, tq: TensorQuant, scheme: KVQuantScheme, head_dim: int) -> StreamLayout:
@@ -72,7 +74,7 @@ class StreamLayout:
             group = 0 if tq.scales == "static" else int(tq.group_size)
         return cls(tq.format, tq.bits, tq.axis, group, tq.scales == "static", tq.has_zero_point, head_dim,
                    scheme.sink_tokens, scheme.residual_length, tq.flush_unit, tq.scale_dtype, scheme.hp_dtype,
-                   float(tq.clip))
+                   float(tq.clip), tq.quantizer)
 
     @classmethod
     def for_layer(cls, scheme: KVQuantScheme, layer: int, head_dim: int) -> tuple[StreamLayout, StreamLayout]:
@@ -93,13 +95,15 @@ class StreamLayout:
 
     @property
     def per_byte(self) -> int:
-        """Codes per stored byte."""
-        return 8 // self.bits if self.is_int else 1
+        """Codes per stored byte (5-bit codes: two planes, see :func:`kvq_export.reference.codec.pack`)."""
+        return 8 // self.bits if self.is_int and self.bits in (2, 4) else 1
 
     @property
     def packed_dim(self) -> int:
         """Bytes per token and head of the code payload."""
-        return self.head_dim // self.per_byte if self.quantized else 0
+        if not self.quantized:
+            return 0
+        return self.head_dim * self.bits // 8 if self.is_int else self.head_dim
 
     @property
     def offset(self) -> int:
@@ -131,11 +135,12 @@ class StreamLayout:
     def attributes(self, prefix: str) -> dict[str, int | str]:
         """The stream as plugin attributes (ints and strings only: ONNX and TensorRT plugin fields).
 
-        Names: ``{prefix}_format``, ``_bits``, ``_axis``, ``_group``, ``_static``, ``_scale_dtype``.
+        Names: ``{prefix}_format``, ``_bits``, ``_axis``, ``_group``, ``_static``, ``_scale_dtype``,
+        ``_quantizer``.
         """
         return {f"{prefix}_format": self.format, f"{prefix}_bits": self.bits, f"{prefix}_axis": self.axis,
                 f"{prefix}_group": self.group, f"{prefix}_static": int(self.static),
-                f"{prefix}_scale_dtype": self.scale_dtype}
+                f"{prefix}_scale_dtype": self.scale_dtype, f"{prefix}_quantizer": self.quantizer}
 
     @classmethod
     def from_attributes(cls, prefix: str, attrs: Mapping[str, object]) -> StreamLayout:
@@ -146,7 +151,8 @@ class StreamLayout:
         unit = group if fmt != "fp16" and axis == "channel" and not static else 1
         return cls(fmt, int(attrs[f"{prefix}_bits"]), axis, group, static, fmt == "int", int(attrs["head_dim"]),
                    int(attrs["sink_tokens"]), int(attrs["residual_length"]), unit,
-                   str(attrs[f"{prefix}_scale_dtype"]), str(attrs["hp_dtype"]))
+                   str(attrs[f"{prefix}_scale_dtype"]), str(attrs["hp_dtype"]),
+                   quantizer=str(attrs.get(f"{prefix}_quantizer", "kvq")))
 
     def tensor_quant(self) -> TensorQuant:
         """The :class:`TensorQuant` this layout was made from (for the reference codec)."""
@@ -154,7 +160,7 @@ class StreamLayout:
             return TensorQuant.fp16()
         return TensorQuant(format=self.format, bits=self.bits, axis=self.axis, group_size=self.group or None,
                            scale_dtype=self.scale_dtype, clip=self.clip,
-                           scales="static" if self.static else "dynamic")
+                           scales="static" if self.static else "dynamic", quantizer=self.quantizer)
 
     # -- per-row counts (torch) ---------------------------------------------------------------------------
     def counts(self, seq_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

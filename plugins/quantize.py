@@ -87,14 +87,18 @@ def quantize_block(
         s_arg, z_arg = scales, zeros
     name, consts = quantize_constants(layout, heads)
     if not tk.interpreted():
-        consts["enable_fp_fusion"] = False  # keep mid - half (clip) from becoming an FMA
+        consts["enable_fp_fusion"] = False  # keep mid - half (clip), x * id + 8.5 (ggml) from becoming FMAs
+    args = (x, counts, codes, s_arg, z_arg)
+    if name == "_quantize_ggml_kernel":  # fp32 scratch: ggml quantizes with the unrounded d (and minimum)
+        scratch = torch.zeros((batch, heads, length, layout.meta_width), dtype=torch.float32, device=x.device)
+        args += (scratch, torch.zeros_like(scratch) if layout.has_zero else scratch)
     if batch * heads and length:
         with tk.launch_context():
             if name == "_quantize_channel_kernel":
                 grid = (batch * heads, length // layout.group)
             else:
                 grid = (batch * heads, -(-length // consts["BLOCK_T"]))
-            kernels[name][grid](x, counts, codes, s_arg, z_arg, length, **consts)
+            kernels[name][grid](*args, length, **consts)
     if scales is not None and not bool(torch.isfinite(scales).all()):
         raise QuantizationError(
             f"a group's scale overflows scale_dtype={layout.scale_dtype} (values too large); use scale_dtype fp32")
@@ -108,10 +112,16 @@ def quantize_constants(layout: StreamLayout, heads: int) -> tuple[str, dict[str,
 
     Token-axis and static streams quantize token by token (``_quantize_token_kernel``; a static channel-axis
     stream is one group per channel: GROUP 1, META head_dim); dynamic channel-axis streams one group of
-    tokens per program (``_quantize_channel_kernel``).
+    tokens per program (``_quantize_channel_kernel``); the ggml quantizer has its own token kernel
+    (``_quantize_ggml_kernel``).
     """
     lo, hi, top = _levels(layout)
     dim, per = layout.head_dim, layout.per_byte
+    if layout.quantizer == "ggml":  # token axis, groups of 32, dynamic fp16 scales (the scheme guarantees it)
+        return "_quantize_ggml_kernel", dict(
+            HEADS=heads, HEAD_DIM=dim, META=layout.meta_width, BITS=layout.bits, SYM=layout.format == "int_sym",
+            BLOCK_T=16, BLOCK_G=_next_pow2(layout.meta_width),
+            BLOCK_P=_next_pow2(dim if layout.bits == 8 else dim // 2), BLOCK_H=_next_pow2(max(dim // 8, 1)))
     common = dict(HEADS=heads, HEAD_DIM=dim, BITS=layout.bits, PER=per, FP8=layout.format == "fp8_e4m3",
                   HAS_ZERO=layout.has_zero, LO=lo, HI=hi, OFFSET=layout.offset, TOP=top, CLIP=layout.clip,
                   HALF_CLIP=0.5 * layout.clip, BLOCK_P=_next_pow2(dim // per))

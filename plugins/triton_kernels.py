@@ -119,6 +119,12 @@ def _stream_tile(sinks_ptr, codes_ptr, scales_ptr, zeros_ptr, recent_ptr, b, h, 
         if FP8:
             raw = tl.load(codes_ptr + (bh * Q_LEN + slot)[:, None] * HEAD_DIM + d[None, :], mask=m2, other=0)
             val = _fp8_decode(raw)
+        elif BITS == 5:  # D/2 bytes of low nibbles, then D/8 bytes of fifth bits (see the codec's pack)
+            base = (bh * Q_LEN + slot)[:, None] * (HEAD_DIM * 5 // 8)
+            low = tl.load(codes_ptr + base + (d // 2)[None, :], mask=m2, other=0).to(tl.int32)
+            high = tl.load(codes_ptr + base + (HEAD_DIM // 2 + d // 8)[None, :], mask=m2, other=0).to(tl.int32)
+            code = ((low >> ((d % 2) * 4)[None, :]) & 15) | (((high >> (d % 8)[None, :]) & 1) << 4)
+            val = code.to(tl.float32) - OFFSET
         else:
             PER: tl.constexpr = 8 // BITS
             raw = tl.load(codes_ptr + (bh * Q_LEN + slot)[:, None] * (HEAD_DIM // PER) + (d // PER)[None, :],
@@ -359,6 +365,108 @@ def _quantize_token_kernel(
              mask=tok_ok[:, None] & (p < HEAD_DIM // PER)[None, :])
 
 
+def _first_of(xg, hit, e):
+    """Per group (axis 2), the element at the first lane where ``hit`` holds (sign of zero kept)."""
+    first = _rmin(tl.where(hit, e[None, None, :], 1 << 20), 2)
+    return _rmin(tl.where(e[None, None, :] == first[:, :, None], xg, float("inf")), 2)
+
+
+def _ggml_code(x, d, mn, SYM: tl.constexpr, BITS: tl.constexpr):
+    """int32 codes of fp32 ``x`` against the fp32 (unrounded) block scale ``d`` / minimum ``mn``, as ggml's C."""
+    inv = tl.where(d == 0.0, 0.0, tl.div_rn(1.0, tl.where(d == 0.0, 1.0, d)))
+    if SYM and BITS == 8:  # roundf(x * id) from exact steps, stored + 128
+        y = x * inv
+        a = tl.abs(y)
+        whole = tl.floor(a)
+        r = whole + tl.where(a - whole >= 0.5, 1.0, 0.0)
+        return tl.where(y < 0.0, -r, r).to(tl.int32) + 128
+    if SYM:
+        y = tl.floor(x * inv + ((1 << (BITS - 1)) + 0.5))
+    else:
+        y = tl.floor((x - mn) * inv + 0.5)
+    return tl.minimum(y, (1 << BITS) - 1.0).to(tl.int32)
+
+
+def _quantize_ggml_kernel(
+    x_ptr, counts_ptr, codes_ptr, scales_ptr, zeros_ptr, d_ptr, m_ptr, F_LEN,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, META: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """The ggml block formats (blocks of 32 along head_dim) on BLOCK_T tokens of one (row, head).
+
+    Pass 1 finds each block's fp32 ``d`` (and minimum) as ggml's reference quantizers do (first element of
+    largest magnitude for q4_0/q5_0, first minimum/maximum for q4_1/q5_1, max |x| / 127 for q8_0), stores them
+    rounded to fp16 and keeps the fp32 values in the ``d``/``m`` scratch (ggml quantizes with the unrounded
+    scale). Pass 2 computes codes per element and packs them (5 bits: nibbles, then the plane of fifth bits).
+    """
+    pid_bh = tl.program_id(0)
+    b = pid_bh // HEADS
+    c = tl.load(counts_ptr + b).to(tl.int32)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = (t < F_LEN) & (t >= F_LEN - c)
+    row = pid_bh.to(tl.int64) * F_LEN + t
+    g = tl.arange(0, BLOCK_G)
+    e = tl.arange(0, 32)
+    m3 = tok_ok[:, None, None] & (g < META)[None, :, None] & (e < 32)[None, None, :]
+    xg = tl.load(x_ptr + row[:, None, None] * HEAD_DIM + (g * 32)[None, :, None] + e[None, None, :],
+                 mask=m3, other=0.0).to(tl.float32)
+    if SYM and BITS == 8:
+        d = tl.div_rn(_rmax(tl.abs(xg), 2), 127.0)
+        mn = d
+    elif SYM:
+        ax = tl.abs(xg)
+        amax = _rmax(ax, 2)
+        v = _first_of(xg, ax == amax[:, :, None], e)
+        d = tl.div_rn(tl.where(amax == 0.0, 0.0, v), -1.0 * (1 << (BITS - 1)))
+        mn = d
+    else:
+        mn = _first_of(xg, xg == _rmin(xg, 2)[:, :, None], e)
+        mx = _first_of(xg, xg == _rmax(xg, 2)[:, :, None], e)
+        d = tl.div_rn(mx - mn, (1 << BITS) - 1.0)
+    moff = row[:, None] * META + g[None, :]
+    mmask = tok_ok[:, None] & (g < META)[None, :]
+    tl.store(scales_ptr + moff, d.to(scales_ptr.dtype.element_ty), mask=mmask)
+    tl.store(d_ptr + moff, d, mask=mmask)
+    if not SYM:
+        tl.store(zeros_ptr + moff, mn.to(zeros_ptr.dtype.element_ty), mask=mmask)
+        tl.store(m_ptr + moff, mn, mask=mmask)
+    tl.debug_barrier()
+    PACKED: tl.constexpr = HEAD_DIM * BITS // 8
+    PER: tl.constexpr = 1 if BITS == 8 else 2
+    p = tl.arange(0, BLOCK_P)
+    k = tl.arange(0, PER)
+    el = p[:, None] * PER + k[None, :]
+    emask = el < HEAD_DIM
+    m3 = tok_ok[:, None, None] & emask[None, :, :]
+    x = tl.load(x_ptr + row[:, None, None] * HEAD_DIM + el[None, :, :], mask=m3, other=0.0).to(tl.float32)
+    moff3 = row[:, None, None] * META + (el // 32)[None, :, :]
+    dd = tl.load(d_ptr + moff3, mask=m3, other=0.0)
+    mm = dd
+    if not SYM:
+        mm = tl.load(m_ptr + moff3, mask=m3, other=0.0)
+    code = _ggml_code(x, dd, mm, SYM, BITS)
+    if BITS == 5:
+        code = code & 15
+    packed = _rsum(code << (k * 4)[None, None, :], 2)
+    tl.store(codes_ptr + row[:, None] * PACKED + p[None, :], packed.to(tl.uint8),
+             mask=tok_ok[:, None] & (p < HEAD_DIM // PER)[None, :])
+    if BITS == 5:
+        p8 = tl.arange(0, BLOCK_H)
+        k8 = tl.arange(0, 8)
+        el8 = p8[:, None] * 8 + k8[None, :]
+        m8 = tok_ok[:, None, None] & (el8 < HEAD_DIM)[None, :, :]
+        x8 = tl.load(x_ptr + row[:, None, None] * HEAD_DIM + el8[None, :, :], mask=m8, other=0.0).to(tl.float32)
+        moff8 = row[:, None, None] * META + (el8 // 32)[None, :, :]
+        d8 = tl.load(d_ptr + moff8, mask=m8, other=0.0)
+        mn8 = d8
+        if not SYM:
+            mn8 = tl.load(m_ptr + moff8, mask=m8, other=0.0)
+        high = _ggml_code(x8, d8, mn8, SYM, BITS) >> 4
+        packed8 = _rsum(high << k8[None, None, :], 2)
+        tl.store(codes_ptr + row[:, None] * PACKED + HEAD_DIM // 2 + p8[None, :], packed8.to(tl.uint8),
+                 mask=tok_ok[:, None] & (p8 < HEAD_DIM // 8)[None, :])
+
+
 def _quantize_channel_kernel(
     x_ptr, counts_ptr, codes_ptr, scales_ptr, zeros_ptr, F_LEN,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
@@ -412,8 +520,8 @@ def _quantize_channel_kernel(
 # ---------------------------------------------------------------------------------------------- build
 #: every function handed to triton.jit, helpers first
 JIT_NAMES = ("_rmax", "_rmin", "_rsum", "_fp8_decode", "_fp8_encode", "_stream_tile", "_decode_attention_kernel",
-             "_reduce_kernel", "_round_even", "_encode", "_group_meta", "_quantize_token_kernel",
-             "_quantize_channel_kernel")
+             "_reduce_kernel", "_round_even", "_encode", "_group_meta", "_first_of", "_ggml_code",
+             "_quantize_token_kernel", "_quantize_channel_kernel", "_quantize_ggml_kernel")
 SOURCES = {name: globals()[name] for name in JIT_NAMES}
 
 

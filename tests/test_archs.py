@@ -99,9 +99,9 @@ def _small(name: str, scheme) -> KVQuantScheme:
 #: token-axis int, channel-axis int4 with sinks and a high-precision window, fp8, static int: each codec path.
 #: (2-bit codes are one third of their range apart: a code that float noise moves by one step moves the next
 #: layer by more than these tests' logit bound; tests/test_kv_graph.py checks 2 bits with identical K/V.)
-REFERENCE_SCHEMES = {name: _small(name, PRESETS[name][0]) for name in ("q4_0", "kivi-4", "fp8", "ort-int8")}
+REFERENCE_SCHEMES = {name: _small(name, PRESETS[name][0]) for name in ("int4-sym-g32", "kivi-4", "fp8", "ort-int8")}
 #: every path once or twice, every family once, head_dim 256 with one KV head (gemma, gemma3) on three paths
-REFERENCE_CASES = [("qwen3", "kivi-4"), ("gemma", "q4_0"), ("gemma2", "kivi-4"), ("gemma3", "kivi-4"),
+REFERENCE_CASES = [("qwen3", "kivi-4"), ("gemma", "int4-sym-g32"), ("gemma2", "kivi-4"), ("gemma3", "kivi-4"),
                    ("gemma3", "ort-int8"), ("phi3", "fp8"), ("olmo2", "ort-int8")]
 
 

@@ -29,7 +29,7 @@ def test_every_command_has_help():
 def test_schemes_lists_every_preset_with_bits():
     result = run("schemes")
     assert result.exit_code == 0
-    for name, bits in [("q4_0", "4.5"), ("kivi-2", "3"), ("int8", "8.25"), ("ort-int4", "4")]:
+    for name, bits in [("int4-sym-g32", "4.5"), ("kivi-2", "3"), ("int8", "8.25"), ("ort-int4", "4")]:
         line = next(row for row in result.output.splitlines() if f" {name} " in row)
         assert f" {bits} " in line
     data = json.loads(run("schemes", "--json").output)
@@ -37,7 +37,7 @@ def test_schemes_lists_every_preset_with_bits():
 
 
 def test_memory_json_q4_0_smollm2():
-    result = run("memory", "--model", "smollm2", "--scheme", "q4_0", "--seq-len", "4096", "--json")
+    result = run("memory", "--model", "smollm2", "--scheme", "int4-sym-g32", "--seq-len", "4096", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["bits_per_element"] == 4.5
@@ -54,7 +54,7 @@ def test_memory_table_shows_breakdown_and_curve():
 
 @pytest.mark.parametrize("args, message", [
     (["memory", "--scheme", "q3", "--seq-len", "8"], "unknown scheme 'q3'"),
-    (["memory", "--scheme", "q4_0", "--seq-len", "8", "--model", "no-such-model"], "no-such-model"),
+    (["memory", "--scheme", "int4-sym-g32", "--seq-len", "8", "--model", "no-such-model"], "no-such-model"),
     (["memory", "--scheme", '{"key": {"bits": 3}}', "--seq-len", "8"], "bits=3"),
 ])
 def test_bad_input_is_one_line_exit_1(args, message):

@@ -34,7 +34,7 @@ def test_export_then_generate_json(model_dir, tmp_path):
 
 def test_generate_streams_one_prompt(model_dir, tmp_path):
     out = tmp_path / "exp"
-    assert kvq("export", "--model", str(model_dir), "--scheme", "q4_0", "--out", str(out)).returncode == 0
+    assert kvq("export", "--model", str(model_dir), "--scheme", "int4-sym-g32", "--out", str(out)).returncode == 0
     proc = kvq("generate", str(out), "--prompt", "w5 w6", "--max-new-tokens", "4", "--temperature", "0.8",
                "--seed", "3")
     assert proc.returncode == 0, proc.stderr
@@ -44,9 +44,9 @@ def test_generate_streams_one_prompt(model_dir, tmp_path):
 
 def test_cli_errors_are_one_line(model_dir, tmp_path):
     out = tmp_path / "exp"
-    assert kvq("export", "--model", str(model_dir), "--scheme", "q4_0", "--out", str(out)).returncode == 0
+    assert kvq("export", "--model", str(model_dir), "--scheme", "int4-sym-g32", "--out", str(out)).returncode == 0
     for args, message in [
-        (("export", "--model", str(model_dir), "--scheme", "q4_0", "--out", str(out)), "already exists"),
+        (("export", "--model", str(model_dir), "--scheme", "int4-sym-g32", "--out", str(out)), "already exists"),
         (("export", "--model", str(model_dir), "--scheme", "ort-int4", "--out", str(tmp_path / "s")),
          "static scales: calibrate first"),
         (("generate", str(tmp_path), "--prompt", "w1"), "not a kvq export directory"),

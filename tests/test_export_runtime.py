@@ -208,7 +208,7 @@ def test_manifest_describes_every_cache_tensor(exports):
 def test_generate_sampling_is_seeded_and_top_k_1_is_greedy(exports):
     from kvq_export.runtime.sampling import SamplingConfig
 
-    session = KVQSession(exports("llama", "q4_0"))
+    session = KVQSession(exports("llama", "int4-sym-g32"))
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     greedy = [g.tokens for g in session.generate(prompts, 10)]
     top1 = [g.tokens for g in session.generate(prompts, 10, SamplingConfig(temperature=0.7, top_k=1, seed=1))]
@@ -251,9 +251,9 @@ def test_manifest_that_does_not_match_graph_is_refused(exports, tmp_path):
     import shutil
 
     copy = tmp_path / "copy"
-    shutil.copytree(exports("llama", "q4_0"), copy)
+    shutil.copytree(exports("llama", "int4-sym-g32"), copy)
     # q4_1 adds zero_points inputs that the q4_0 graph does not have
-    data = dataclasses.replace(Manifest.load(copy), scheme=PRESETS["q4_1"][0]).to_dict()
+    data = dataclasses.replace(Manifest.load(copy), scheme=PRESETS["int4-g32"][0]).to_dict()
     (copy / "kvq.json").write_text(json.dumps(data))
     with pytest.raises(RuntimeInputError, match="manifest input past.0.key.zero_points is missing from the graph"):
         KVQSession(copy)
@@ -266,23 +266,23 @@ def test_manifest_that_does_not_match_graph_is_refused(exports, tmp_path):
 def test_export_refusals(tmp_path, exports):
     model = tiny_model("llama")
     with pytest.raises(ExportError, match="already exists"):
-        export(model, "q4_0", exports("llama", "q4_0"))
+        export(model, "int4-sym-g32", exports("llama", "int4-sym-g32"))
     with pytest.raises(ExportError, match="static scales: calibrate first"):
         export(model, "ort-int8", tmp_path / "x")
     with pytest.raises(ExportError, match=r"unknown flavor 'nope'; allowed: (ort-gqa, )?reference(, trt)?"):
-        export(model, "q4_0", tmp_path / "y", flavor="nope")
+        export(model, "int4-sym-g32", tmp_path / "y", flavor="nope")
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".*tmp*"))
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(ModelError, match="unsupported model_type 'gpt2'; supported: gemma, gemma2, gemma3_text, "
                                          "llama, mistral, olmo2, phi3, qwen2, qwen3$"):
-        export(gpt2, "q4_0", tmp_path / "z")
+        export(gpt2, "int4-sym-g32", tmp_path / "z")
 
 
 def test_force_replaces_an_existing_export(tmp_path):
     model = tiny_model("llama")
-    first = export(model, "q4_0", tmp_path / "out")
+    first = export(model, "int4-sym-g32", tmp_path / "out")
     export(model, "kivi-4", first, force=True)
     assert Manifest.load(first).scheme == PRESETS["kivi-4"][0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

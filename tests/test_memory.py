@@ -59,7 +59,7 @@ def test_mixed_precision_overrides_are_counted():
 
 
 def test_q4_0_smollm2_4096_is_4_5_bits():
-    r = predict(get_preset("q4_0"), SMOLLM2, 4096)
+    r = predict(get_preset("int4-sym-g32"), SMOLLM2, 4096)
     elements = 2 * 30 * 3 * 4096 * 64
     assert r.fp16_bytes == elements * 2
     assert r.breakdown == {"payload": elements // 2, "scales": elements // 32 * 2, "zero_points": 0,
@@ -87,7 +87,7 @@ def test_kivi_by_hand(preset, bits, total):
     assert r2.breakdown["high_precision"] == rows * (129 + 128) * 64 * 2
 
 
-@pytest.mark.parametrize("name, bits", [("fp16", 16), ("int8", 8.25), ("q8_0", 8.5), ("q4_1", 5.0),
+@pytest.mark.parametrize("name, bits", [("fp16", 16), ("int8", 8.25), ("int8-sym-g32", 8.5), ("int4-g32", 5.0),
                                         ("fp8", 8.25)])
 def test_presets_without_windows_by_hand(name, bits):
     r = predict(get_preset(name), SMOLLM2, 1024, batch=2)

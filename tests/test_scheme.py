@@ -54,7 +54,7 @@ def test_json_round_trip_is_exact(scheme):
 
 
 def test_name_is_a_label_not_part_of_equality():
-    a = get_preset("q4_0")
+    a = get_preset("int4-sym-g32")
     assert a.with_name("other") == a
     assert {a, a.with_name("x")} == {a}
 
@@ -122,7 +122,7 @@ def test_resolve_scheme_from_file(tmp_path):
 
 
 @pytest.mark.parametrize("name, bits", [
-    ("fp16", 16), ("int8", 8.25), ("q8_0", 8.5), ("q4_0", 4.5), ("q4_1", 5.0),
+    ("fp16", 16), ("int8", 8.25), ("int8-sym-g32", 8.5), ("int4-sym-g32", 4.5), ("int4-g32", 5.0),
     ("kivi-4", 5.0), ("kivi-2", 3.0), ("fp8", 8.25), ("ort-int8", 8), ("ort-int4", 4),
 ])
 def test_preset_effective_bits_by_hand(name, bits):
@@ -131,12 +131,13 @@ def test_preset_effective_bits_by_hand(name, bits):
 
 
 def test_presets_table_is_complete_and_valid():
-    assert list(PRESETS) == ["fp16", "int8", "q8_0", "q4_0", "q4_1", "kivi-4", "kivi-2", "fp8",
-                             "ort-int8", "ort-int4"]
+    assert list(PRESETS) == ["fp16", "int8", "int8-sym-g32", "int4-sym-g32", "int4-g32", "q8_0", "q5_1", "q5_0",
+                             "q4_1", "q4_0", "k-q8_0-v-q4_0", "kivi-4-r0", "kivi-4-r0-g64", "k8v4-r0-g64",
+                             "kivi-4", "kivi-2", "fp8", "ort-int8", "ort-int4"]
     for name, (scheme, about) in PRESETS.items():
         assert scheme.name == name and about
         scheme.check_model(num_layers=30, head_dim=64)
         json.loads(scheme.to_json())
     kivi = get_preset("kivi-4")
     assert (kivi.key.axis, kivi.value.axis, kivi.residual_length) == ("channel", "token", 128)
-    assert get_preset("ort-int4").has_static_scales and not get_preset("q4_0").has_static_scales
+    assert get_preset("ort-int4").has_static_scales and not get_preset("int4-sym-g32").has_static_scales

@@ -38,7 +38,7 @@ out = {"aot": [], "other": []}
 work = Path(tempfile.mkdtemp())
 mixed = KVQuantScheme(key=TensorQuant.fp16(), value=TensorQuant(format="fp8_e4m3", bits=8, axis="channel",
                       group_size=16, scale_dtype="fp32"), residual_length=16, sink_tokens=4)
-cases = [("kivi-2", PRESETS["kivi-2"][0], "fp16", 90), ("q4_0", PRESETS["q4_0"][0], "fp32", 80),
+cases = [("kivi-2", PRESETS["kivi-2"][0], "fp16", 90), ("int4-sym-g32", PRESETS["int4-sym-g32"][0], "fp32", 80),
          ("ort-int4", PRESETS["ort-int4"][0], "fp16", 80), ("fp8", PRESETS["fp8"][0], "fp16", 90),
          ("mixed", mixed, "fp32", 90)]
 for name, scheme, dtype, arch in cases:
@@ -53,7 +53,7 @@ for name, scheme, dtype, arch in cases:
                           capture_output=True, text=True)
     out["aot"].append({"case": name, "params": entry.count(".param"), "expected": len(sig.inputs) + 8,
                        "ptxas": proc.returncode, "stderr": proc.stderr[-500:]})
-for scheme_name in ("kivi-2", "q4_1", "fp8", "ort-int8"):
+for scheme_name in ("kivi-2", "int4-g32", "fp8", "ort-int8"):
     scheme = PRESETS[scheme_name][0]
     for part, tq in zip(("key", "value"), scheme.for_layer(0)):
         layout = StreamLayout.of(tq, scheme, 128)

@@ -111,7 +111,7 @@ def test_quantize_kernel_matches_its_reference():
 
 
 def test_kernels_refuse_tensors_on_the_wrong_device():
-    case = random_layer_cache(ALL["q4_0"], [5], kv_heads=1, head_dim=32)
+    case = random_layer_cache(ALL["int4-sym-g32"], [5], kv_heads=1, head_dim=32)
     other = "cuda" if DEVICE == "cpu" else "cpu"
     if other == "cuda":
         q = torch.zeros(1, 1, 1, 32).to("meta")  # any non-CPU tensor is refused before launching
@@ -140,7 +140,7 @@ def test_gpu_decode_attention_real_sizes(preset):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("name", ["kivi-4", "kivi-2", "q4_0", "fp8", "int8"])
+@pytest.mark.parametrize("name", ["kivi-4", "kivi-2", "int4-sym-g32", "fp8", "int8"])
 def test_gpu_append_real_sizes(name):
     seed, gen = seeded()
     check_append(ALL[name], get_kernel("append"), seed, gen, heads=8, dim=128, device=DEVICE)

@@ -119,7 +119,7 @@ def test_registered_attention_reference_matches_the_cache(name):
     assert rel_err(got, want) < 1e-12, f"seed={seed}"
 
 
-@pytest.mark.parametrize("name", ["kivi-4", "q4_0", "fp8", "static-sym4", "sinks-int4tok-int2chan"])
+@pytest.mark.parametrize("name", ["kivi-4", "int4-sym-g32", "fp8", "static-sym4", "sinks-int4tok-int2chan"])
 def test_prefill_path_matches_the_reference(name):
     seed, gen = seeded()
     scheme = ALL[name]

@@ -29,12 +29,13 @@ from kvq_export.trt.signature import PLUGIN_NAMESPACE, manifest_signatures, plug
 
 CASES = {  # (arch, scheme): presets of every stream kind, a mixed-precision override, a sliding window
     "llama-kivi-4": ("llama", PRESETS["kivi-4"][0]),
-    "llama-q4_0": ("llama", PRESETS["q4_0"][0]),
+    "llama-int4-sym-g32": ("llama", PRESETS["int4-sym-g32"][0]),
     "qwen2-fp8": ("qwen2", PRESETS["fp8"][0]),
     "llama-ort-int4": ("llama", PRESETS["ort-int4"][0]),
     "mistral-fp16-window": ("mistral", PRESETS["fp16"][0]),
+    "llama-ggml-q5_1-q5_0": ("llama", dataclasses.replace(PRESETS["q5_1"][0], value=PRESETS["q5_0"][0].value)),
     "llama-override": ("llama", dataclasses.replace(
-        PRESETS["q4_1"][0], sink_tokens=2, residual_length=8,
+        PRESETS["int4-g32"][0], sink_tokens=2, residual_length=8,
         layer_overrides=(LayerOverride(layer=1, key=TensorQuant.fp16(),
                                        value=TensorQuant(format="int", bits=2, axis="channel", group_size=4)),))),
 }
@@ -178,4 +179,4 @@ def test_signature_is_derived_from_the_scheme():
 
 def test_unknown_flavor_lists_trt():
     with pytest.raises(ExportError, match="trt"):
-        export(tiny_model("llama"), "q4_0", "/nonexistent/never-written", flavor="nope")
+        export(tiny_model("llama"), "int4-sym-g32", "/nonexistent/never-written", flavor="nope")

@@ -101,7 +101,7 @@ def tiny(tmp_path_factory):
     schemes = {
         "fp16": "fp16",
         "kivi-2": "kivi-2",
-        "q4_0": "q4_0",
+        "int4-sym-g32": "int4-sym-g32",
         "values-only": KVQuantScheme(key=fp16, value=TensorQuant(format="int", bits=2, group_size=32), name="vo"),
         "keys-only": KVQuantScheme(key=TensorQuant(format="int", bits=2, group_size=32), value=fp16, name="ko"),
     }
@@ -175,7 +175,7 @@ def test_quantized_validation_reports_every_section(tiny, tmp_path):
 
 def test_baseline_is_exported_on_the_fly(tiny, monkeypatch, tmp_path):
     monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path))
-    r = validate(tiny["q4_0"], None, _config(tiny, attention_samples=0, gen_tokens=0), progress=False)
+    r = validate(tiny["int4-sym-g32"], None, _config(tiny, attention_samples=0, gen_tokens=0), progress=False)
     assert Path(r["baseline"]).parent == tmp_path / "exports" and r["token"]["perplexity_baseline"] > 0
 
 
@@ -207,16 +207,16 @@ def test_kvq_compare_passes_on_itself_and_fails_on_a_perturbed_export(tiny, tmp_
     import onnx
     from onnx import numpy_helper
 
-    assert _kvq("compare", str(tiny["q4_0"]), str(tiny["q4_0"])).returncode == 0
+    assert _kvq("compare", str(tiny["int4-sym-g32"]), str(tiny["int4-sym-g32"])).returncode == 0
     perturbed = tmp_path / "perturbed"
-    shutil.copytree(tiny["q4_0"], perturbed)
+    shutil.copytree(tiny["int4-sym-g32"], perturbed)
     model = onnx.load(str(perturbed / "model.onnx"))
     weight = next(t for t in model.graph.initializer if "layers.1.self_attn.k_proj" in t.name)
     array = numpy_helper.to_array(weight).copy()
     array[:, :3] *= 1.05  # a 5% error in three output channels of one projection
     weight.CopyFrom(numpy_helper.from_array(array, weight.name))
     onnx.save(model, str(perturbed / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
-    proc = _kvq("compare", str(tiny["q4_0"]), str(perturbed))
+    proc = _kvq("compare", str(tiny["int4-sym-g32"]), str(perturbed))
     assert proc.returncode == 1 and "differ beyond tolerance" in proc.stderr
 
 
@@ -232,9 +232,9 @@ def test_readme_polygraphy_commands(tiny, tmp_path):
 
     base = run(tiny["fp16"], "--save-outputs", "fp16.json")
     assert base.returncode == 0, base.stderr[-2000:]
-    loose = run(tiny["q4_0"], "--load-outputs", "fp16.json", "--atol", "0.5", "--rtol", "0",
+    loose = run(tiny["int4-sym-g32"], "--load-outputs", "fp16.json", "--atol", "0.5", "--rtol", "0",
                 "--check-error-stat", "max")
     assert loose.returncode == 0, (loose.stdout + loose.stderr)[-2000:]
-    tight = run(tiny["q4_0"], "--load-outputs", "fp16.json", "--atol", "1e-4", "--rtol", "0",
+    tight = run(tiny["int4-sym-g32"], "--load-outputs", "fp16.json", "--atol", "1e-4", "--rtol", "0",
                 "--check-error-stat", "max")
     assert tight.returncode == 1

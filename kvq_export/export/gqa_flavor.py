@@ -97,6 +97,8 @@ def unsupported(scheme: KVQuantScheme, num_layers: int) -> list[str]:
         for part, tq in zip(PARTS, (key, value)):
             if not tq.quantized:
                 continue
+            if tq.quantizer != "kvq":
+                note(f"{where} {part}: quantizer {tq.quantizer} (ggml blocks need dynamic per-32 scales; GQA: static)")
             if tq.format != "int_sym":
                 note(f"{where} {part}: format {tq.format} (GQA's cache is symmetric int8/int4 only; "
                      "fp8 is not implemented on CPU)")

@@ -380,6 +380,8 @@ class QuantizedCacheGraph:
         """Quantize a [B,H,F,D] block (F whole groups); return (stored codes, scales, zeros)."""
         f32, sdtype = ir.DataType.FLOAT, FLOAT_TYPES[tq.scale_dtype]
         xg, axis = self._grouped(b, tq, b.op("Cast", block, to=f32))
+        if tq.quantizer == "ggml":
+            return self._quantize_ggml(b, tq, xg, block)
         axes = None if tq.scales == "static" else b.const([axis])  # static: no reduction, no dangling constant
         scales = zeros = zero = None
         if tq.scales == "static":
@@ -421,13 +423,63 @@ class QuantizedCacheGraph:
         codes = self.ops.reshape_tokens(codes, self.ops.dim(block, 2), [d])
         return self._pack(b, tq, codes), scales, zeros
 
+    def _quantize_ggml(self, b: GraphBuilder, tq: TensorQuant, xg: ir.Value, block: ir.Value):
+        """Ggml's reference block quantizers on [B,H,F,D/32,32] fp32 groups, op for op the codec's ``_quantize_ggml``.
+
+        C's ``(int)(y)`` is Floor here because every y is >= 0; ``roundf`` is built from exact steps
+        (:func:`kvq_export.reference.codec.round_away`); ArgMax/ArgMin return the first index, like ggml's loops.
+        """
+        f32 = ir.DataType.FLOAT
+        axes = b.const([-1])
+        top, half = (1 << tq.bits) - 1, 1 << (tq.bits - 1)
+        absx = b.op("Abs", xg)
+        amax = b.op("ReduceMax", absx, axes, keepdims=1)
+        mn = None
+        if tq.format == "int_sym" and tq.bits == 8:  # q8_0
+            d = b.op("Div", amax, b.const(127.0))
+        elif tq.format == "int_sym":  # q4_0 / q5_0
+            v = b.op("GatherElements", xg, b.op("ArgMax", absx, axis=-1, keepdims=1), axis=-1)
+            v = b.op("Where", b.op("Equal", amax, b.const(0.0)), b.const(0.0), v)
+            d = b.op("Div", v, b.const(float(-half)))
+        else:  # q4_1 / q5_1
+            mn = b.op("GatherElements", xg, b.op("ArgMin", xg, axis=-1, keepdims=1), axis=-1)
+            mx = b.op("GatherElements", xg, b.op("ArgMax", xg, axis=-1, keepdims=1), axis=-1)
+            d = b.op("Div", b.op("Sub", mx, mn), b.const(float(top)))
+        is_zero = b.op("Equal", d, b.const(0.0))
+        inv = b.op("Where", is_zero, b.const(0.0), b.op("Div", b.const(1.0), b.op("Where", is_zero, b.const(1.0), d)))
+        if tq.format == "int_sym" and tq.bits == 8:
+            y = b.op("Mul", xg, inv)
+            a = b.op("Abs", y)
+            whole = b.op("Floor", a)
+            r = b.op("Add", whole, b.op("Cast", b.op("GreaterOrEqual", b.op("Sub", a, whole), b.const(0.5)), to=f32))
+            r = b.op("Where", b.op("Less", y, b.const(0.0)), b.op("Neg", r), r)
+            codes = b.op("Add", r, b.const(128.0))
+        else:
+            shifted = xg if mn is None else b.op("Sub", xg, mn)
+            bias = b.const(half + 0.5 if mn is None else 0.5)
+            codes = b.op("Min", b.op("Floor", b.op("Add", b.op("Mul", shifted, inv), bias)), b.const(float(top)))
+        codes = self.ops.reshape_tokens(b.op("Cast", codes, to=ir.DataType.UINT8), self.ops.dim(block, 2),
+                                        [self.head_dim])
+        scales = b.op("Squeeze", b.op("Cast", d, to=ir.DataType.FLOAT16), axes)
+        zeros = None if mn is None else b.op("Squeeze", b.op("Cast", mn, to=ir.DataType.FLOAT16), axes)
+        return self._pack(b, tq, codes), scales, zeros
+
     def _pack(self, b: GraphBuilder, tq: TensorQuant, codes: ir.Value) -> ir.Value:
         if tq.bits == 8:
             return codes
-        per = 8 // tq.bits
-        weights = np.array([1 << (tq.bits * i) for i in range(per)], dtype=np.int32)
-        grouped = b.op("Reshape", b.op("Cast", codes, to=ir.DataType.INT32),
-                       b.const([0, 0, 0, self.head_dim // per, per]))
+        codes = b.op("Cast", codes, to=ir.DataType.INT32)
+        if tq.bits == 5:  # low nibbles, then the plane of fifth bits (see the codec)
+            sixteen = b.const(np.array(16, dtype=np.int32))
+            high = b.op("Div", codes, sixteen)  # integer division: the fifth bit
+            low = b.op("Sub", codes, b.op("Mul", high, sixteen))
+            return b.op("Concat", self._pack_bits(b, low, 4), self._pack_bits(b, high, 1), axis=-1)
+        return self._pack_bits(b, codes, tq.bits)
+
+    def _pack_bits(self, b: GraphBuilder, codes: ir.Value, bits: int) -> ir.Value:
+        """int32 codes [B,H,T,D] of ``bits`` each -> uint8 [B,H,T,D*bits/8], lowest bits first."""
+        per = 8 // bits
+        weights = np.array([1 << (bits * i) for i in range(per)], dtype=np.int32)
+        grouped = b.op("Reshape", codes, b.const([0, 0, 0, self.head_dim // per, per]))
         packed = b.op("ReduceSum", b.op("Mul", grouped, b.const(weights)), b.const([-1]), keepdims=0)
         return b.op("Cast", packed, to=ir.DataType.UINT8)
 
@@ -441,9 +493,19 @@ class QuantizedCacheGraph:
         values = b.op("Cast", packed, to=ir.DataType.FLOAT)
         if tq.bits == 8:
             return values
-        base = b.const(float(1 << tq.bits))
+        if tq.bits == 5:  # D/2 nibble bytes, then D/8 bytes of fifth bits
+            d = self.head_dim
+            low = b.op("Slice", values, b.const([0]), b.const([d // 2]), b.const([-1]))
+            high = b.op("Slice", values, b.const([d // 2]), b.const([d // 2 + d // 8]), b.const([-1]))
+            return b.op("Add", self._unpack_bits(b, low, 4),
+                        b.op("Mul", self._unpack_bits(b, high, 1), b.const(16.0)))
+        return self._unpack_bits(b, values, tq.bits)
+
+    def _unpack_bits(self, b: GraphBuilder, values: ir.Value, bits: int) -> ir.Value:
+        """float32 byte values [B,H,T,D*bits/8] -> float32 fields [B,H,T,D] of ``bits`` each, lowest first."""
+        base = b.const(float(1 << bits))
         fields, rest = [], values
-        for _ in range(8 // tq.bits - 1):
+        for _ in range(8 // bits - 1):
             upper = b.op("Floor", b.op("Div", rest, base))
             fields.append(b.op("Sub", rest, b.op("Mul", upper, base)))
             rest = upper

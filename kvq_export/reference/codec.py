@@ -19,9 +19,23 @@ Code conventions:
 * A zero-range group has scale 0: quantization divides by 1 instead, so codes are finite and
   ``x̂`` equals the stored minimum (asymmetric: exact for values representable in ``scale_dtype``) or 0.
 
+The ``ggml`` quantizer (``TensorQuant.quantizer``) replaces how scales and codes are *chosen* by the
+reference quantizers of ggml (``quantize_row_q4_0_ref`` ...), blocks of 32 along head_dim, fp32 arithmetic
+in C's order, the fp32 scale used to quantize and its fp16 rounding stored; the stored meaning is the one
+above (``x̂ = (code - 2**(b-1)) * d`` for q4_0/q5_0/q8_0, ``x̂ = code * d + m`` for q4_1/q5_1):
+
+* q4_0 / q5_0: ``v`` = first element of largest magnitude (0 for an all-zero block), ``d = v / -2**(b-1)``,
+  ``id = 1 / d`` (0 when d is 0), ``code = min(2**b - 1, floor(x * id + (2**(b-1) + 0.5)))``;
+* q4_1 / q5_1: ``m`` / ``M`` = first minimum / maximum, ``d = (M - m) / (2**b - 1)``,
+  ``code = min(2**b - 1, floor((x - m) * id + 0.5))``;
+* q8_0: ``d = max|x| / 127``, ``code = roundf(x * id) + 128`` (round half away from zero).
+
 Packing (``pack``/``unpack``): codes of ``b < 8`` bits are packed along the last axis into uint8,
 lowest bits first: element ``i`` of the last axis lands in byte ``i // (8 // b)`` at bit offset
 ``(i % (8 // b)) * b`` (for 4 bits: even element in the low nibble, odd element in the high nibble).
+5-bit codes are two planes along the last axis: ``D/2`` bytes holding the low 4 bits as 4-bit codes, then
+``D/8`` bytes holding the fifth bits as 1-bit codes (element ``i``'s high bit in byte ``D/2 + i // 8`` at
+bit ``i % 8``).
 """
 
 from __future__ import annotations
@@ -53,6 +67,8 @@ def int_levels(tq: TensorQuant) -> tuple[int, int, int]:
     """(lowest code, highest code, offset) for an int format, as signed values before the offset."""
     if tq.format == "int":
         return 0, (1 << tq.bits) - 1, 0
+    if tq.quantizer == "ggml" and tq.bits < 8:  # q4_0 / q5_0 use all 2**bits codes
+        return -(1 << (tq.bits - 1)), (1 << (tq.bits - 1)) - 1, 1 << (tq.bits - 1)
     qmax = (1 << (tq.bits - 1)) - 1
     return -qmax, qmax, 1 << (tq.bits - 1)
 
@@ -131,6 +147,10 @@ def quantize(
             if tq.axis == "token" else (xf, -2)
     else:
         xg, reduce_dim = _group_view(xf, tq)
+    if tq.quantizer == "ggml":  # token axis, dynamic scales (the scheme refuses anything else)
+        codes, scales, zeros = _quantize_ggml(xg, tq)
+        _check_scales(scales, tq)
+        return Quantized(codes.reshape(x.shape), scales, zeros)
 
     if static:
         scales = static_scales.to(sdtype)
@@ -147,10 +167,7 @@ def quantize(
         scales, zeros = scale_kd.squeeze(reduce_dim), None
         scale, zero = scale_kd.float(), None
 
-    if not bool(torch.isfinite(scales).all()):
-        raise QuantizationError(
-            f"a group's scale overflows scale_dtype={tq.scale_dtype} (values too large); use scale_dtype fp32"
-        )
+    _check_scales(scales, tq)
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     if tq.format == "fp8_e4m3":
         codes = torch.clamp(xg / safe, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
@@ -159,6 +176,56 @@ def quantize(
         shifted = xg - zero if zero is not None else xg
         codes = (torch.clamp(torch.round(shifted / safe), lo, hi) + offset).to(torch.uint8)
     return Quantized(codes.reshape(x.shape), scales, zeros)
+
+
+def _check_scales(scales: torch.Tensor, tq: TensorQuant) -> None:
+    if not bool(torch.isfinite(scales).all()):
+        raise QuantizationError(
+            f"a group's scale overflows scale_dtype={tq.scale_dtype} (values too large); use scale_dtype fp32"
+        )
+
+
+def _first_at(xg: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The element of each group at ``index`` (argmax/argmin give the first occurrence, as ggml's loops do)."""
+    return xg.gather(-1, index)
+
+
+def round_away(y: torch.Tensor) -> torch.Tensor:
+    """C's ``roundf`` (half away from zero) from exact fp32 steps: ``floor(|y|)`` plus 1 when the fraction >= 0.5.
+
+    ``floor(|y| + 0.5)`` would be wrong for ``0.49999997`` (the sum rounds up to 1.0).
+    """
+    a = y.abs()
+    whole = torch.floor(a)
+    r = whole + (a - whole >= 0.5).to(torch.float32)
+    return torch.where(y < 0, -r, r)
+
+
+def _quantize_ggml(xg: torch.Tensor, tq: TensorQuant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Ggml's reference block quantizers on ``[..., n, 32]`` fp32 groups -> (uint8 codes, fp16 d, fp16 m or None)."""
+    top = (1 << tq.bits) - 1
+    half = 1 << (tq.bits - 1)
+    mn = None
+    if tq.format == "int_sym" and tq.bits == 8:  # q8_0
+        d = xg.abs().amax(dim=-1, keepdim=True) / 127.0
+    elif tq.format == "int_sym":  # q4_0 / q5_0: the signed element of largest magnitude, first one on ties
+        amax = xg.abs().amax(dim=-1, keepdim=True)
+        v = _first_at(xg, xg.abs().argmax(dim=-1, keepdim=True))
+        v = torch.where(amax == 0, torch.zeros_like(v), v)  # ggml starts from +0.0 and keeps it
+        d = v / float(-half)
+    else:  # q4_1 / q5_1
+        mn = _first_at(xg, xg.argmin(dim=-1, keepdim=True))
+        mx = _first_at(xg, xg.argmax(dim=-1, keepdim=True))
+        d = (mx - mn) / float(top)
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / torch.where(d == 0, torch.ones_like(d), d))
+    if tq.format == "int_sym" and tq.bits == 8:
+        codes = round_away(xg * inv) + 128.0
+    elif tq.format == "int_sym":
+        codes = torch.clamp(torch.floor(xg * inv + (half + 0.5)), max=float(top))
+    else:
+        codes = torch.clamp(torch.floor((xg - mn) * inv + 0.5), max=float(top))
+    zeros = mn.squeeze(-1).to(torch.float16) if mn is not None else None
+    return codes.to(torch.uint8), d.squeeze(-1).to(torch.float16), zeros
 
 
 def dequantize(q: Quantized, tq: TensorQuant, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -185,9 +252,11 @@ def dequantize(q: Quantized, tq: TensorQuant, out_dtype: torch.dtype = torch.flo
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack uint8 codes of ``bits`` (2, 4 or 8) along the last axis, lowest bits first."""
+    """Pack uint8 codes of ``bits`` (1, 2, 4, 5 or 8) along the last axis, lowest bits first (5: two planes)."""
     if bits == 8:
         return codes
+    if bits == 5:
+        return torch.cat([pack(codes & 15, 4), pack(codes >> 4, 1)], dim=-1)
     per = 8 // bits
     *lead, dim = codes.shape
     if dim % per:
@@ -201,6 +270,9 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack`: ``[..., D * bits / 8]`` uint8 -> ``[..., D]`` uint8 codes."""
     if bits == 8:
         return packed
+    if bits == 5:
+        low = packed.shape[-1] * 4 // 5  # D/2 of the D*5/8 bytes
+        return unpack(packed[..., :low], 4) | (unpack(packed[..., low:], 1) << 4)
     per = 8 // bits
     shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
     mask = (1 << bits) - 1

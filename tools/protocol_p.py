@@ -1,0 +1,83 @@
+#!/usr/bin/env python
+"""Protocol P on kvq's reference cache in PyTorch: Δppl, KL and top-1 of schemes against the fp32 model.
+
+SmolLM2 (``--model``), ``--windows`` non-overlapping windows of ``--window-len`` corpus tokens from token 0
+(model tokenizer, no BOS), each from an empty cache, strict decode (one token per step; the current token is
+stored, and quantized when the scheme says so, before attention reads it), every token but a window's first
+scored. All windows are decoded together as one batch (equal lengths, no padding), on
+:func:`kvq_export.reference.hf_cache.reference_hf_cache` — the arithmetic every exported graph is tested
+bit-exact against. The baseline is one full fp32 forward per window (token by token agrees within 5e-5 per
+token), so only the quantized side is decoded step by step: about half the work of ``kvq validate``, without
+its attention analysis or latency.
+
+One JSON line per scheme is appended to ``OUT`` (bits/element at 512 and 4096 tokens from the memory model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+from kvq_export.corpus import load_corpus, token_windows
+from kvq_export.memory import Geometry, predict
+from kvq_export.model_source import load_model
+from kvq_export.presets import resolve_scheme
+from kvq_export.reference.hf_cache import reference_hf_cache
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="JSON-lines file to append results to")
+    parser.add_argument("schemes", nargs="+", help="preset names or scheme .json files")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--corpus", default="britannica")
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--window-len", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    model.eval()
+    cfg = model.config
+    geometry = Geometry(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    ids = torch.tensor(token_windows(tokenizer, load_corpus(args.corpus), args.windows, args.window_len))
+    with torch.no_grad():
+        base = torch.stack([model(ids[w:w + 1]).logits[0].float().log_softmax(-1) for w in range(args.windows)])
+    rows, targets = torch.arange(args.windows), ids[:, 1:]
+    base_ppl = math.exp(float(-base[:, :-1].gather(-1, targets[..., None]).double().mean()))
+    print(f"fp32 baseline ppl {base_ppl:.4f} over {targets.numel()} tokens", flush=True)
+
+    for spec in args.schemes:
+        scheme = resolve_scheme(spec)
+        start = time.time()
+        cache, _ = reference_hf_cache(scheme, cfg.num_hidden_layers)
+        nll, kl, top1 = [], [], []
+        with torch.no_grad():
+            for t in range(args.window_len - 1):
+                lq = model(ids[:, t:t + 1], cache=cache).logits[:, -1].float().log_softmax(-1)
+                lb = base[:, t]
+                nll.append(-lq[rows, targets[:, t]].double())
+                kl.append((lb.exp() * (lb - lq)).sum(-1).double())
+                top1.append((lq.argmax(-1) == lb.argmax(-1)).double())
+        ppl = math.exp(float(torch.stack(nll).mean()))
+        result = {
+            "scheme": spec, "ppl": ppl, "baseline_ppl": base_ppl, "delta_pct": 100 * (ppl / base_ppl - 1),
+            "mean_kl": float(torch.stack(kl).mean()), "top1": float(torch.stack(top1).mean()),
+            "bits_512": predict(scheme, geometry, 512).bits_per_element,
+            "bits_4096": predict(scheme, geometry, 4096).bits_per_element,
+            "windows": args.windows, "window_len": args.window_len, "scored": int(targets.numel()),
+            "seconds": round(time.time() - start),
+        }
+        print(json.dumps(result), flush=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
