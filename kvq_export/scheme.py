@@ -33,6 +33,8 @@ SCALE_DTYPES = ("fp16", "fp32")
 SCALE_MODES = ("dynamic", "static")
 HP_DTYPES = ("fp16", "fp32")
 INT_BITS = (2, 4, 8)
+#: Rotations of the head dimension applied before a stream is stored (:mod:`kvq_export.rotation`).
+ROTATIONS = ("none", "hadamard")
 
 #: Bytes per element of the floating dtypes a scheme can name.
 DTYPE_BYTES = {"fp16": 2, "fp32": 4}
@@ -61,6 +63,10 @@ class TensorQuant:
         clip: the group's range is shrunk by this ratio about its midpoint (symmetric: ``amax * clip``).
         scales: ``dynamic`` (from each group as tokens arrive) or ``static`` (fixed per layer, head and
             channel/group, from a calibration artifact kept beside the scheme).
+        rotation: ``none`` or ``hadamard``: the stream is stored in a rotated basis ``x @ R``
+            (:mod:`kvq_export.rotation`; keys: q and k rotated after RoPE; values: v rotated before it is
+            stored and the attention output rotated back). Allowed for unquantized streams too (a no-op
+            in exact arithmetic).
     """
 
     format: str = "int"
@@ -70,6 +76,7 @@ class TensorQuant:
     scale_dtype: str = "fp16"
     clip: float = 1.0
     scales: str = "dynamic"
+    rotation: str = "none"
 
     def __post_init__(self) -> None:
         self._validate()
@@ -136,6 +143,8 @@ class TensorQuant:
 
     # -- validation ------------------------------------------------------------------------------
     def _validate(self) -> None:
+        if self.rotation not in ROTATIONS:
+            raise _fail("rotation", self.rotation, f"allowed: {', '.join(ROTATIONS)}")
         if self.format not in FORMATS:
             raise _fail("format", self.format, f"allowed: {', '.join(FORMATS)}")
         if self.format == "fp16":
@@ -171,6 +180,10 @@ class TensorQuant:
 
     def check_head_dim(self, head_dim: int, where: str) -> None:
         """Raise when this stream cannot describe a cache with ``head_dim`` channels."""
+        if self.rotation != "none":
+            from kvq_export.rotation import check_rotation
+
+            check_rotation(self.rotation, head_dim, where)
         if not self.quantized:
             return
         if self.axis == "token" and self.group_size is not None and head_dim % self.group_size:
@@ -207,12 +220,13 @@ class TensorQuant:
 
     def describe(self) -> str:
         """Short human description, e.g. ``int4 asym token g32 fp16-scale``."""
+        rotation = "" if self.rotation == "none" else f" rot-{self.rotation}"
         if not self.quantized:
-            return "fp16"
+            return f"fp16{rotation}"
         name = {"int": f"int{self.bits}", "int_sym": f"int{self.bits} sym", "fp8_e4m3": "fp8 e4m3"}[self.format]
         group = "whole" if self.group_size is None else f"g{self.group_size}"
         clip = "" if self.clip == 1.0 else f" clip{self.clip:g}"
-        return f"{name} {self.axis} {group} {self.scale_dtype}-scale {self.scales}{clip}"
+        return f"{name} {self.axis} {group} {self.scale_dtype}-scale {self.scales}{clip}{rotation}"
 
 
 _TQ_FIELDS = tuple(f.name for f in dataclasses.fields(TensorQuant))
