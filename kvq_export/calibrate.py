@@ -45,6 +45,7 @@ import numpy as np
 
 from kvq_export._atomic import atomic_writer
 from kvq_export.errors import KVQError, ModelError, QuantizationError, SchemeError
+from kvq_export.rotation import rotate_torch, rotation_matrix
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
 if TYPE_CHECKING:
@@ -119,7 +120,8 @@ def calibrate_static_scales(
 
     static: StaticArrays = {}
     for layer, part, tq in targets:
-        values = collected.pop((layer, part))
+        # a rotated stream stores (and so quantizes) x @ R: its static scales belong to that basis
+        values = rotate_torch(collected.pop((layer, part)), rotation_matrix(tq.rotation, facts.head_dim))
         static.setdefault(layer, {})[part] = _stream_metadata(values, tq, method, percentile)
     tokens = sum(len(w) for w in windows)
     logger.info(

@@ -51,6 +51,19 @@ BUFFER_LAYOUT_RULES = (
     "calibration file: 8-bit as int8 q, 4-bit as uint8 with two codes per byte (low nibble first) stored as "
     "q + 8; x = q * scale. An empty cache is seq_lengths = 0 (buffer contents irrelevant)."
 )
+#: How a rotated stream (``rotation`` of a scheme stream) is stored and decoded; repeated in every manifest.
+ROTATION_RULES = (
+    "A stream whose scheme sets rotation='hadamard' stores every row as x @ R instead of x (x: a post-RoPE key "
+    "or a value row of head_dim D, before quantization; R: the normalized Sylvester Hadamard matrix of size D, "
+    "entries +-1/sqrt(D), built as H_2n = [[H_n, H_n], [H_n, -H_n]] / sqrt(2); for a D that is not a power of "
+    "two the block-diagonal matrix of such blocks over D's binary expansion, largest first, e.g. 96 = 64 + 32; "
+    "R = R^T = R^-1). Decoding the regions/buffer as described yields rows in this stored basis; multiply by "
+    "R^T to get the model's basis. Keys: the graph multiplies queries by the same R after RoPE, so scores over "
+    "stored keys need q @ R. Values: R is folded into the exported v_proj rows and o_proj columns (an "
+    "architecture that cannot fold it rotates v and un-rotates the attention output in the graph), so attention "
+    "over stored values yields o @ R and o_proj rotates it back. Rotation costs no bytes. rotation='none' "
+    "streams are stored in the model's basis."
+)
 #: Layout name -> its rules, repeated in every manifest.
 LAYOUT_TEXT = {"regions": LAYOUT_RULES, "buffer": BUFFER_LAYOUT_RULES}
 
@@ -106,10 +119,21 @@ class Manifest:
             "cache": {
                 "layout": LAYOUT_TEXT[self.cache_layout],
                 "layout_name": self.cache_layout,
+                "rotation": {"rule": ROTATION_RULES, "layers": self._rotations()},
                 "past": [t.to_dict() for t in self.cache("past")],
                 "present": [t.to_dict() for t in self.cache("present")],
             },
         }
+
+    def _rotations(self) -> list[dict[str, Any]]:
+        """Per layer with any rotated stream: the matrix each stream is stored with (empty: none rotated)."""
+        from kvq_export.rotation import describe_rotation
+
+        head_dim = int(self.model["head_dim"])
+        return [{"layer": layer, "key": describe_rotation(key.rotation, head_dim),
+                 "value": describe_rotation(value.rotation, head_dim)}
+                for layer, (key, value) in enumerate(self.scheme.streams(self.num_layers))
+                if key.rotation != "none" or value.rotation != "none"]
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``kvq.json`` atomically into ``directory``."""
@@ -169,13 +193,37 @@ def load_static(directory: str | os.PathLike[str], manifest: Manifest) -> dict |
 
 
 def decode_cache(
-    manifest: Manifest, tensors: Mapping[str, np.ndarray], *, direction: str = "present", static: Mapping | None = None
+    manifest: Manifest, tensors: Mapping[str, np.ndarray], *, direction: str = "present", static: Mapping | None = None,
+    basis: str = "stored",
 ) -> list[list[tuple[np.ndarray, np.ndarray]]]:
     """Dequantize a cache using only the manifest: ``[row][layer] -> (K, V)`` each float32 ``[H, n_row, D]``.
 
     ``tensors`` maps cache tensor names to arrays (fp8 codes may be given as raw uint8 bits). Static
-    scales come from ``static`` (see :func:`load_static`).
+    scales come from ``static`` (see :func:`load_static`). ``basis``: ``stored`` returns rotated streams as
+    stored (``x @ R``, the basis of the graph's attention and ``probe.*`` values, see :data:`ROTATION_RULES`);
+    ``model`` multiplies them by ``R.T`` (float32), e.g. to compare exports whose rotations differ.
     """
+    if basis not in ("stored", "model"):
+        raise RuntimeInputError(f"invalid basis={basis!r}: allowed: stored, model")
+    rows = _decode_stored(manifest, tensors, direction, static)
+    if basis == "stored":
+        return rows
+    import torch
+
+    from kvq_export.rotation import rotate_torch, rotation_matrix
+
+    head_dim = int(manifest.model["head_dim"])
+    for layer, streams in enumerate(manifest.scheme.streams(manifest.num_layers)):
+        matrices = [rotation_matrix(tq.rotation, head_dim) for tq in streams]
+        for row in rows:
+            row[layer] = tuple(x if r is None else rotate_torch(torch.from_numpy(x), r, inverse=True).numpy()
+                               for x, r in zip(row[layer], matrices))
+    return rows
+
+
+def _decode_stored(manifest: Manifest, tensors: Mapping[str, np.ndarray], direction: str,
+                   static: Mapping | None) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """:func:`decode_cache` in the stored basis."""
     lengths = np.asarray(tensors[tensor_name(direction, None, None, "seq_lengths")]).astype(np.int64)
     rows: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in lengths]
     if manifest.cache_layout == "buffer":

@@ -38,6 +38,8 @@ QUANTIZERS = ("kvq", "ggml")
 GGML_TYPES = {("int_sym", 4): "q4_0", ("int", 4): "q4_1", ("int_sym", 5): "q5_0", ("int", 5): "q5_1",
               ("int_sym", 8): "q8_0"}
 GGML_BLOCK = 32
+#: Rotations of the head dimension applied before a stream is stored (:mod:`kvq_export.rotation`).
+ROTATIONS = ("none", "hadamard")
 
 #: Bytes per element of the floating dtypes a scheme can name.
 DTYPE_BYTES = {"fp16": 2, "fp32": 4}
@@ -71,6 +73,10 @@ class TensorQuant:
             ``ggml``: llama.cpp's reference quantizers bit for bit (:data:`GGML_TYPES`: ``int_sym`` 4/5/8 =
             q4_0/q5_0/q8_0, ``int`` 4/5 = q4_1/q5_1; token axis, groups of 32, fp16 dynamic scales, no
             clip). Dequantization is the same for both: ``(code - offset) * scale`` or ``code * scale + min``.
+        rotation: ``none`` or ``hadamard``: the stream is stored in a rotated basis ``x @ R``
+            (:mod:`kvq_export.rotation`; keys: q and k rotated after RoPE; values: v rotated before it is
+            stored and the attention output rotated back). Allowed for unquantized streams too (a no-op
+            in exact arithmetic).
     """
 
     format: str = "int"
@@ -81,6 +87,7 @@ class TensorQuant:
     clip: float = 1.0
     scales: str = "dynamic"
     quantizer: str = "kvq"
+    rotation: str = "none"
 
     def __post_init__(self) -> None:
         self._validate()
@@ -156,6 +163,8 @@ class TensorQuant:
 
     # -- validation ------------------------------------------------------------------------------
     def _validate(self) -> None:
+        if self.rotation not in ROTATIONS:
+            raise _fail("rotation", self.rotation, f"allowed: {', '.join(ROTATIONS)}")
         if self.format not in FORMATS:
             raise _fail("format", self.format, f"allowed: {', '.join(FORMATS)}")
         if self.quantizer not in QUANTIZERS:
@@ -210,6 +219,10 @@ class TensorQuant:
 
     def check_head_dim(self, head_dim: int, where: str) -> None:
         """Raise when this stream cannot describe a cache with ``head_dim`` channels."""
+        if self.rotation != "none":
+            from kvq_export.rotation import check_rotation
+
+            check_rotation(self.rotation, head_dim, where)
         if not self.quantized:
             return
         if self.axis == "token" and self.group_size is not None and head_dim % self.group_size:
@@ -248,14 +261,15 @@ class TensorQuant:
 
     def describe(self) -> str:
         """Short human description, e.g. ``int4 asym token g32 fp16-scale``."""
+        rotation = "" if self.rotation == "none" else f" rot-{self.rotation}"
         if not self.quantized:
-            return "fp16"
+            return f"fp16{rotation}"
         if self.ggml_type:
-            return f"ggml {self.ggml_type}"
+            return f"ggml {self.ggml_type}{rotation}"
         name = {"int": f"int{self.bits}", "int_sym": f"int{self.bits} sym", "fp8_e4m3": "fp8 e4m3"}[self.format]
         group = "whole" if self.group_size is None else f"g{self.group_size}"
         clip = "" if self.clip == 1.0 else f" clip{self.clip:g}"
-        return f"{name} {self.axis} {group} {self.scale_dtype}-scale {self.scales}{clip}"
+        return f"{name} {self.axis} {group} {self.scale_dtype}-scale {self.scales}{clip}{rotation}"
 
 
 _TQ_FIELDS = tuple(f.name for f in dataclasses.fields(TensorQuant))

@@ -138,5 +138,6 @@ def compare(session: KVQSession, arch: str, scheme, static, prompts, *, steps: i
                     scale = max(float(np.abs(want_hp).max()), 1e-30)
                     out.hp = max(out.hp, float(np.abs(stored.astype(np.float32) - want_hp).max()) / scale)
                 k_or_v = decoded[row][layer][0 if part == "key" else 1]
-                out.decoded = max(out.decoded, float(np.abs(k_or_v - stream_ref.dequantized()[0].numpy()).max()))
+                want_kv = stream_ref.dequantized(basis="stored")[0].numpy()  # decode_cache's default basis
+                out.decoded = max(out.decoded, float(np.abs(k_or_v - want_kv).max()))
     return out

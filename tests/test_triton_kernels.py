@@ -91,6 +91,37 @@ def test_decode_attention_sinks_windows_and_empty_rows(name):
         assert err <= TOLERANCE, f"{name} window={window} {dtype}: {err:.2e} (seed={seed})"
 
 
+@pytest.mark.parametrize("preset", ["q4_0", "kivi-4", "int8"])
+def test_decode_attention_rotated_streams(preset):
+    """Rotated keys and values: the kernel attends in the stored basis (q @ R, rows x @ R).
+
+    Its output rotated back (@ R.T) is float64 attention in the model basis, and it matches the stored-basis
+    reference.
+    """
+    import dataclasses
+
+    from kvq_export.rotation import rotate_torch, rotation_matrix
+
+    seed, gen = seeded()
+    base = ALL[preset]
+    scheme = dataclasses.replace(base, key=dataclasses.replace(base.key, rotation="hadamard"),
+                                 value=dataclasses.replace(base.value, rotation="hadamard"))
+    lengths = row_lengths(scheme, random.Random(seed), rows=2)
+    case = random_layer_cache(scheme, lengths, kv_heads=2, head_dim=64, generator=gen, device=DEVICE)
+    r = rotation_matrix("hadamard", 64)
+    q = torch.randn(2, 6, 1, 64, generator=gen)
+    q_stored = rotate_torch(q, r).to(DEVICE)
+    out = torch.full_like(q_stored, float("nan"))
+    get_kernel("decode_attention")(q_stored, case.seq_lengths, case.key, case.value, case.key_layout,
+                                   case.value_layout, scale=0.125, num_splits=2, out=out)
+    want = float64_attention(q, case, 0.125)  # the rows' dequantized() K/V: model basis
+    err = rel_err(rotate_torch(out.cpu(), r, inverse=True).double(), want)
+    assert err <= TOLERANCE, f"{preset} lengths={lengths}: {err:.2e} (seed={seed})"
+    ref = get_reference("decode_attention")(q_stored, case.seq_lengths, case.key, case.value, case.key_layout,
+                                            case.value_layout, scale=0.125)
+    assert rel_err(out.cpu().double(), ref.cpu().double()) <= TOLERANCE, f"{preset} (seed={seed})"
+
+
 @pytest.mark.parametrize("name", sorted(ALL))
 def test_append_kernel_is_bit_exact(name):
     """Quantize-and-append with the Triton quantizer stores exactly what the reference cache stores."""

@@ -34,6 +34,9 @@ CASES = {  # (arch, scheme): presets of every stream kind, a mixed-precision ove
     "llama-ort-int4": ("llama", PRESETS["ort-int4"][0]),
     "mistral-fp16-window": ("mistral", PRESETS["fp16"][0]),
     "llama-ggml-q5_1-q5_0": ("llama", dataclasses.replace(PRESETS["q5_1"][0], value=PRESETS["q5_0"][0].value)),
+    "llama-int4-sym-g32-rotated": ("llama", dataclasses.replace(  # q rotated in-graph before the plugin, v folded
+        PRESETS["int4-sym-g32"][0], key=dataclasses.replace(PRESETS["int4-sym-g32"][0].key, rotation="hadamard"),
+        value=dataclasses.replace(PRESETS["int4-sym-g32"][0].value, rotation="hadamard"))),
     "llama-override": ("llama", dataclasses.replace(
         PRESETS["int4-g32"][0], sink_tokens=2, residual_length=8,
         layer_overrides=(LayerOverride(layer=1, key=TensorQuant.fp16(),
@@ -127,7 +130,7 @@ def test_plugin_nodes_match_the_declared_signature(exported, case):
         assert StreamLayout.from_attributes("value", want) == dataclasses.replace(value_layout, clip=1.0)
 
 
-@pytest.mark.parametrize("case", ["llama-kivi-4", "llama-ort-int4", "llama-override"])
+@pytest.mark.parametrize("case", ["llama-kivi-4", "llama-ort-int4", "llama-override", "llama-int4-sym-g32-rotated"])
 def test_cache_io_and_update_equal_the_reference_flavour(exported, case):
     trt_dir, ref_dir = exported(case, "trt"), exported(case, "reference")
     trt_model, ref_model = _load(trt_dir), _load(ref_dir)
@@ -157,6 +160,22 @@ def test_cache_io_and_update_equal_the_reference_flavour(exported, case):
         results.append(sess.run(names_out, feeds))
     for name, a, b in zip(names_out, *results):
         assert np.array_equal(a, b), name
+
+
+def test_rotated_keys_reach_the_plugin_rotated(exported):
+    """The plugin's q is the body's rotation MatMul output; its signature ignores the rotation."""
+    directory = exported("llama-int4-sym-g32-rotated", "trt")
+    model = _load(directory)
+    producer = {out: node for node in model.graph.node for out in node.output}
+    rotations = {t.name for t in model.graph.initializer if t.name.startswith("rotation.")}
+    for node in (n for n in model.graph.node if n.domain == PLUGIN_NAMESPACE):
+        q = producer[node.input[0]]
+        while q.op_type in ("Identity", "Cast"):
+            q = producer[q.input[0]]
+        assert q.op_type == "MatMul" and q.input[1] in rotations
+    plain = Manifest.load(exported("llama-q4_0", "trt"))
+    assert [s.name for s in manifest_signatures(Manifest.load(directory))] == \
+        [s.name for s in manifest_signatures(plain)]
 
 
 def test_signature_is_derived_from_the_scheme():

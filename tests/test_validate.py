@@ -141,6 +141,27 @@ def test_no_quantization_gives_zero_everywhere(tiny):
     assert r["memory"]["prediction_matches"] and r["memory"]["ratio"] == 1
 
 
+def test_rotated_streams_are_analysed_in_one_basis(tiny):
+    """Probes, exact and decoded K/V of a rotated export share the stored basis.
+
+    No error without quantization, and a values-only rotated scheme still leaves attention probabilities unchanged.
+    """
+    fp16 = TensorQuant.fp16()
+    rot = TensorQuant(format="fp16", bits=16, rotation="hadamard")
+    plain = KVQuantScheme(key=rot, value=rot, name="fp16-rot")
+    values = KVQuantScheme(key=fp16, value=TensorQuant(format="int", bits=2, group_size=32, rotation="hadamard"),
+                           name="vo-rot")
+    dirs = {s.name: export(str(tiny["model_dir"]), s, tiny["root"] / s.name) for s in (plain, values)}
+    s = validate(dirs["fp16-rot"], tiny["fp16"], _config(tiny, gen_tokens=0), progress=False)["attention"]["summary"]
+    for name in ("key_mse", "value_mse", "score_shift_max", "key_induced", "value_induced", "out_rel_both"):
+        assert s[name] < 1e-9, name
+    r = validate(dirs["vo-rot"], tiny["fp16"], _config(tiny, gen_tokens=0), progress=False)
+    s, plain_values = r["attention"]["summary"], validate(tiny["values-only"], tiny["fp16"], _config(
+        tiny, gen_tokens=0), progress=False)["attention"]["summary"]
+    assert s["kl_keys"] == 0 and s["key_induced"] == 0 and s["value_induced"] > 0
+    assert 0.3 < s["value_mse"] / plain_values["value_mse"] < 3  # same 2-bit error size, not a basis mismatch
+
+
 def test_strict_decode_perplexity_equals_pytorch_full_forward(tiny):
     import dataclasses
 

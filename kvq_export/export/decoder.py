@@ -23,6 +23,22 @@ Family differences are the :class:`~kvq_export.export.arch.Arch` declarations (n
 style, q/k norms, embedding scale, logit soft-capping, activation, per-layer RoPE). Soft-capping of
 attention scores is the cache graph's job (it computes the scores): a cache graph that implements
 ``facts.attn_softcap`` says so with ``supports_attn_softcap = True``; others are refused for such models.
+
+Rotated caches (``rotation`` of a scheme stream, :mod:`kvq_export.rotation`): a cache graph that stores a
+layer's keys or values in a rotated basis says so through ``rotation(layer, part) -> R | None``, and the
+body feeds it that basis, so every flavour's cache, kernel and probes see rotated tensors only:
+
+* keys: q and k are multiplied by ``R`` (a float32 MatMul per layer) after RoPE, before the cache graph
+  gets them; scores are unchanged in exact arithmetic. A cache graph that applies RoPE itself
+  (``fuses_rotary``) cannot take rotated keys and is refused: it must let the body apply RoPE.
+* values: the rotation is folded into the weights at export, at zero run-time cost: each kv head's block of
+  ``v_proj`` output rows (and of its bias) becomes ``R.T @ W_v[block]`` (``v R`` comes out of the
+  projection) and each query head's block of ``o_proj`` input columns becomes ``W_o[:, block] @ R`` (the
+  rotated attention output is rotated back inside ``o_proj``), computed in float64 and cast. This holds
+  whenever attention's output goes straight into ``o_proj`` and v straight from ``v_proj`` into the cache
+  -- true of every registered architecture. An :class:`~kvq_export.export.arch.Arch` that puts something
+  between them (a norm or gate on v or on the attention output) sets ``folds_value_rotation = False``;
+  the body then rotates v and un-rotates the output with float32 MatMuls in the graph instead.
 """
 
 from __future__ import annotations
@@ -141,6 +157,20 @@ class CacheGraph(Protocol):
         ...
 
 
+class RotatingCacheGraph(CacheGraph, Protocol):
+    """A cache graph whose scheme stores rotated streams (see the module docstring)."""
+
+    def rotation(self, layer: int, part: str) -> np.ndarray | None:
+        """``R`` [D, D] (float64) of ``layer``'s ``key``/``value`` stream, or None when it is not rotated."""
+        ...
+
+
+def cache_rotation(cache: CacheGraph, layer: int, part: str) -> np.ndarray | None:
+    """The rotation ``cache`` stores ``layer``'s ``part`` stream in (None for a cache without rotations)."""
+    method = getattr(cache, "rotation", None)
+    return method(layer, part) if callable(method) else None
+
+
 class FusedRotaryCacheGraph(CacheGraph, Protocol):
     """A cache graph whose attention applies RoPE itself (a fused kernel); opt in with ``fuses_rotary = True``.
 
@@ -230,6 +260,28 @@ def build_decoder(
     return model
 
 
+def _fold_rotation(wt: np.ndarray, rotate_out: np.ndarray | None, rotate_in: np.ndarray | None) -> np.ndarray:
+    """Fold head-block rotations into a pre-transposed weight ``[in, out]`` (float64 result).
+
+    ``rotate_out``: output columns, block by block of R's size, become ``wt[:, block] @ R`` (so
+    ``x @ wt`` yields every head rotated); ``rotate_in``: input rows become ``R.T @ wt[block]`` (so a
+    rotated input is rotated back before the product).
+    """
+    out = wt.astype(np.float64)
+    if rotate_out is not None:
+        d = rotate_out.shape[0]
+        out = (out.reshape(out.shape[0], -1, d) @ rotate_out).reshape(out.shape)
+    if rotate_in is not None:
+        d = rotate_in.shape[0]
+        out = (rotate_in.T @ out.reshape(-1, d, out.shape[1])).reshape(out.shape)
+    return out
+
+
+def _block_diag(matrix: np.ndarray, heads: int) -> np.ndarray:
+    """``heads`` copies of a per-head ``R`` on the diagonal: rotates a ``[.., heads * D]`` projection."""
+    return np.kron(np.eye(heads), matrix)
+
+
 def _split_source(source: Any) -> tuple[Mapping[str, Any], Any]:
     if isinstance(source, tuple):
         if len(source) != 2:
@@ -295,6 +347,7 @@ class _Body:
         self.weights = weights
         self.dtype = facts.dtype
         self.tables: dict[int, tuple[ir.Value, ir.Value]] = {}  # id(RopeSpec) -> (cos, sin) [B, 1, t, R]
+        self._rotations: dict[bytes, ir.Value] = {}  # one float32 initializer per distinct R
 
     # --------------------------------------------------------------------------------- building blocks
     def to_float(self, x: ir.Value) -> ir.Value:
@@ -333,14 +386,35 @@ class _Body:
         c = b.const(np.array(cap, dtype=self.weights.np_dtype))
         return b.op("Mul", b.op("Tanh", b.op("Div", x, c)), c)
 
-    def linear(self, x: ir.Value, names: LinearNames, in_features: int, out_features: int) -> ir.Value:
-        """``x @ W.T + bias`` with W stored pre-transposed ([in, out]) under its HF name."""
+    def linear(self, x: ir.Value, names: LinearNames, in_features: int, out_features: int, *,
+               rotate_out: np.ndarray | None = None, rotate_in: np.ndarray | None = None) -> ir.Value:
+        """``x @ W.T + bias`` with W stored pre-transposed ([in, out]) under its HF name.
+
+        ``rotate_out``: every head-sized block of outputs (and bias) is rotated, ``y_block @ R``;
+        ``rotate_in``: every head-sized block of inputs is un-rotated first, ``x_block @ R.T``. Both are
+        folded into the stored weight (float64, then cast to the compute dtype).
+        """
         b = self.b
         weight = self.weights.array(names.weight, (out_features, in_features), names.rows)
-        y = b.op("MatMul", x, b.initializer(names.initializer, np.ascontiguousarray(weight.T)))
+        wt = np.ascontiguousarray(weight.T)  # [in, out]
+        if rotate_out is not None or rotate_in is not None:
+            wt = _fold_rotation(wt, rotate_out, rotate_in).astype(weight.dtype)
+        y = b.op("MatMul", x, b.initializer(names.initializer, wt))
         if names.bias is not None:
-            y = b.op("Add", y, self.weights.initializer(b, names.bias, (out_features,)))
+            bias = self.weights.array(names.bias, (out_features,))
+            if rotate_out is not None:
+                bias = _fold_rotation(bias[None, :], rotate_out, None)[0].astype(bias.dtype)
+            y = b.op("Add", y, b.initializer(names.bias, bias))
         return y
+
+    def rotate(self, x: ir.Value, matrix: np.ndarray, *, inverse: bool = False) -> ir.Value:
+        """``x @ R`` (``x @ R.T`` with ``inverse``) over the last axis, as a float32 MatMul."""
+        b = self.b
+        r = np.ascontiguousarray(matrix.T if inverse else matrix, dtype=np.float32)
+        key = r.tobytes()
+        if key not in self._rotations:
+            self._rotations[key] = b.initializer(f"rotation.{len(self._rotations)}", r)
+        return self.from_float(b.op("MatMul", self.to_float(x), self._rotations[key]))
 
     def rotary_tables(self, positions: ir.Value, rope: RopeSpec) -> None:
         """cos/sin [B, 1, t, R] (R = rope.rotary_dim) from int64 positions [B, t], in float32 like HF, then cast."""
@@ -412,21 +486,38 @@ class _Body:
         b, arch, f = self.b, self.arch, self.facts
         names = arch.layer_names(layer)
         q_size, kv_size = f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim
+        key_rot, value_rot = cache_rotation(cache, layer, "key"), cache_rotation(cache, layer, "value")
+        fold = value_rot is not None and bool(getattr(arch, "folds_value_rotation", True))
+        in_graph = value_rot if not fold else None  # value rotation that the weights cannot absorb
 
         with b.scope("attn"):
             x = self.maybe_norm(hidden, names.input_norm)
             q = self.qk_norm(self.linear(x, names.q, f.hidden_size, q_size), names.q_norm, f.num_heads)
             k = self.qk_norm(self.linear(x, names.k, f.hidden_size, kv_size), names.k_norm, f.num_kv_heads)
-            v = self.linear(x, names.v, f.hidden_size, kv_size)
+            v = self.linear(x, names.v, f.hidden_size, kv_size, rotate_out=value_rot if fold else None)
             if fuses_rotary(cache):  # [B, t, H*D] in and out: the cache graph's kernel applies RoPE
+                if key_rot is not None:
+                    raise ExportError(f"layer {layer}: rotated keys need RoPE before the rotation, but this "
+                                      "cache graph applies RoPE itself (export it with the body's RoPE)")
+                if in_graph is not None:
+                    v = self.rotate(v, _block_diag(in_graph, f.num_kv_heads))
                 attn = cache.attend_projected(b, layer, q, k, v)  # type: ignore[attr-defined]
+                if in_graph is not None:
+                    attn = self.rotate(attn, _block_diag(in_graph, f.num_heads), inverse=True)
             else:
                 q = self.apply_rope(self.heads(q, f.num_heads), layer)
                 k = self.apply_rope(self.heads(k, f.num_kv_heads), layer)
-                attn = cache.attend(b, layer, q, k, self.heads(v, f.num_kv_heads))  # [B, Hq, t, D]
+                if key_rot is not None:
+                    q, k = self.rotate(q, key_rot), self.rotate(k, key_rot)
+                v = self.heads(v, f.num_kv_heads)
+                if in_graph is not None:
+                    v = self.rotate(v, in_graph)
+                attn = cache.attend(b, layer, q, k, v)  # [B, Hq, t, D]
+                if in_graph is not None:
+                    attn = self.rotate(attn, in_graph, inverse=True)
                 attn = b.op("Reshape", b.op("Transpose", attn, perm=[0, 2, 1, 3]), b.const([0, 0, q_size]))
-            out = self.maybe_norm(self.linear(attn, names.o, q_size, f.hidden_size), names.attention_out_norm)
-            hidden = b.op("Add", hidden, out)
+            out = self.linear(attn, names.o, q_size, f.hidden_size, rotate_in=value_rot if fold else None)
+            hidden = b.op("Add", hidden, self.maybe_norm(out, names.attention_out_norm))
 
         with b.scope("mlp"):
             x = self.maybe_norm(hidden, names.post_attention_norm)

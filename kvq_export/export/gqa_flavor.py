@@ -49,6 +49,11 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   tables to them (:mod:`kvq_export.validate.probe`); computing RoPE in the graph just for probes would run
   on every step, since ONNX Runtime executes dead branches. With ``fuse_rotary=False`` RoPE runs in the
   body, the node gets ``do_rotary=0`` and the usual ``probe.*`` values are named.
+* **Rotation** (``rotation`` of a scheme stream): rotated keys must be rotated *after* RoPE, which the node
+  cannot do when it applies RoPE itself, so a scheme with any rotated key stream is exported with
+  ``fuse_rotary=False`` (RoPE and the q/k rotation run in the body; the node gets ``do_rotary=0``). A value
+  rotation is folded into ``v_proj``/``o_proj`` by the body and keeps the fused RoPE. Static scales are
+  calibrated in the rotated basis, so the node's buffer holds rotated codes.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.exporter import register_flavor
 from kvq_export.export.kv_graph import FLOAT_TYPES, IR_TYPES, name_probes, static_scales
 from kvq_export.naming import PARTS, ROTARY_TABLES, cache_tensors, tensor_name
+from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
 logger = logging.getLogger(__name__)
@@ -141,7 +147,8 @@ class GQACacheGraph:
         scheme: the cache description (see :func:`unsupported` for what GQA can hold).
         num_layers, kv_heads, head_dim: the model's cache geometry.
         static: calibrated static scales ``{layer: {"key"|"value": {"scales": [H, n]}}}``.
-        fuse_rotary: apply RoPE inside the node (default); False leaves it to the decoder body.
+        fuse_rotary: apply RoPE inside the node (default; refused with rotated keys); False leaves it to
+            the decoder body.
     """
 
     layout = "buffer"
@@ -164,6 +171,9 @@ class GQACacheGraph:
             raise ExportError(f"flavor ort-gqa cannot hold scheme {scheme.name or 'custom'}: " + "; ".join(reasons))
         self.scheme = scheme
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        if fuse_rotary and rotates_keys(scheme, num_layers):
+            raise ExportError("ort-gqa: rotated keys are rotated after RoPE, so RoPE cannot be fused into "
+                              "GroupQueryAttention (use fuse_rotary=False)")
         self.fuses_rotary = fuse_rotary
         self.plans = [self._plan(layer, key, value, static or {})
                       for layer, (key, value) in enumerate(scheme.streams(num_layers))]
@@ -186,6 +196,10 @@ class GQACacheGraph:
         return LayerPlan(key.bits, types[0], types[1], arrays[0], arrays[1])
 
     # -- CacheGraph protocol --------------------------------------------------------------------------
+    def rotation(self, layer: int, part: str) -> np.ndarray | None:
+        """``R`` of ``layer``'s ``key``/``value`` stream (the body rotates q/k and folds v with it)."""
+        return stream_rotation(self.scheme, layer, part, self.head_dim)
+
     def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, facts) -> ir.Value | None:
         """Declare the past buffers; compute GQA's length inputs and the left/right realignment."""
         self.facts = facts
@@ -306,6 +320,11 @@ class GQACacheGraph:
         return b.op("Where", self.valid, b.op("GatherND", out, self.to_left, batch_dims=1), self.zero)
 
 
+def rotates_keys(scheme: KVQuantScheme, num_layers: int) -> bool:
+    """Whether any layer stores rotated keys (then RoPE must run before the node, in the body)."""
+    return any(key.rotation != "none" for key, _ in scheme.streams(num_layers))
+
+
 @register_flavor("ort-gqa")
 def _gqa_flavor(scheme: KVQuantScheme, **geometry) -> GQACacheGraph:
-    return GQACacheGraph(scheme, **geometry)
+    return GQACacheGraph(scheme, fuse_rotary=not rotates_keys(scheme, geometry["num_layers"]), **geometry)

@@ -8,6 +8,11 @@ Per layer and per stream (keys, values) the graph
 3. emits the present state (same layout as the past, see :mod:`kvq_export.naming`), and
 4. dequantizes the whole stored state into one token-ordered tensor for attention.
 
+A rotated stream (``rotation`` of the scheme) is stored exactly like any other: the decoder body hands
+:meth:`QuantizedCacheGraph.attend` q/k/v already in the rotated basis (it asks :meth:`rotation` which
+``R`` to use), so the cache, attention and the ``probe.*`` values all live in the stored basis and the
+graph computes the same codes as the reference cache fed the same rotated tokens.
+
 Layout rule: every region of a batch is sized to its longest row and each row's valid entries are
 right-aligned; per-row counts come from ``seq_lengths`` through the same split the reference cache
 uses. All moves are one primitive, :meth:`_Ops.take`: pick consecutive valid entries out of a list of
@@ -28,6 +33,7 @@ from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.naming import PARTS, PROBES, cache_tensors, probe_name, tensor_name
 from kvq_export.reference.codec import int_levels
+from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import FP8_E4M3_MAX, KVQuantScheme, TensorQuant
 
 #: manifest dtype name -> ONNX type of a cache tensor (every flavour declares its cache I/O with it)
@@ -211,6 +217,10 @@ class QuantizedCacheGraph:
         self._static_values: dict[tuple[int, str], tuple[ir.Value, ir.Value | None]] = {}
 
     # -- CacheGraph protocol --------------------------------------------------------------------------
+    def rotation(self, layer: int, part: str) -> np.ndarray | None:
+        """``R`` of ``layer``'s ``key``/``value`` stream (the body rotates q/k and folds v with it)."""
+        return stream_rotation(self.scheme, layer, part, self.head_dim)
+
     def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, facts) -> ir.Value:
         """Declare past inputs; compute per-row counts, positions and the attention mask."""
         self.ops, self.facts = _Ops(b), facts

@@ -7,6 +7,10 @@ dequantizing the whole cache and running attention in the graph, one node calls 
 ``plugin_namespace`` and ``aot`` (TensorRT's ONNX parser maps such a node to the registered
 ``tensorrt.plugin``), all from :func:`kvq_export.trt.signature.plugin_signature`.
 
+Rotated schemes need nothing from the plugin: the decoder body rotates q (and the stored k) after RoPE and
+folds the value rotation into ``v_proj``/``o_proj``, so the plugin attends in the stored basis and its output
+comes back rotated for ``o_proj`` to undo (see :mod:`kvq_export.trt.signature`).
+
 The model carries no local function body for the plugin op: TensorRT's parser would inline a body instead
 of calling the plugin. ONNX Runtime therefore cannot run this flavour; compare it with the reference
 flavour through TensorRT (:func:`kvq_export.trt.compare_with_onnxruntime`).

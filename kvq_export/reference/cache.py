@@ -20,6 +20,14 @@ tokens, ``G`` group size, ``P = D * bits / 8``):
 * ``recent``      ``[B, H, R', D]``            hp_dtype
 
 An unquantized (``fp16``) stream keeps every token in ``recent``.
+
+Rotation (``tq.rotation``, :mod:`kvq_export.rotation`): a rotated stream stores ``x @ R`` in every region.
+:meth:`StreamCache.append` takes tokens in the model's basis (post-RoPE keys, values as projected) and
+rotates them in float32 first, then rounds to ``hp_dtype`` -- the order of the exported graphs, whose body
+rotates in the compute dtype before the cache stores. :meth:`StreamCache.dequantized` returns the model
+basis by default (``y @ R.T``, so a Hugging Face attention with unrotated queries sees consistent keys and
+values; scores and outputs equal the rotated-basis attention up to float rounding) or the stored basis with
+``basis="stored"``. Tokens that are already rotated (a graph's probes) go in with ``append(x, basis="stored")``.
 """
 
 from __future__ import annotations
@@ -31,9 +39,17 @@ import torch
 
 from kvq_export.errors import QuantizationError
 from kvq_export.reference.codec import TORCH_DTYPES, Quantized, check_finite, dequantize_packed, quantize_packed
+from kvq_export.rotation import rotate_torch, rotation_matrix
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
 ROLES = ("sinks", "codes", "scales", "zero_points", "recent")
+#: ``basis=`` values of :meth:`StreamCache.append` / :meth:`StreamCache.dequantized`.
+BASES = ("model", "stored")
+
+
+def _check_basis(basis: str) -> None:
+    if basis not in BASES:
+        raise QuantizationError(f"invalid basis={basis!r}: allowed: {', '.join(BASES)}")
 
 
 def split_lengths(tq: TensorQuant, scheme: KVQuantScheme, total: int) -> tuple[int, int, int]:
@@ -77,6 +93,7 @@ class StreamCache:
         self.codes: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
         self.zeros: torch.Tensor | None = None
+        self.rotation = None  # R [D, D] (numpy float64) of a rotated stream, set with the first tokens
         self._dequantized: torch.Tensor | None = None  # fp32 copy of the quantized region, grown per flush
 
     # -- state -------------------------------------------------------------------------------------
@@ -114,6 +131,7 @@ class StreamCache:
     def _init_storage(self, x: torch.Tensor) -> None:
         batch, heads, _, dim = x.shape
         self.tq.check_head_dim(dim, "stream")
+        self.rotation = rotation_matrix(self.tq.rotation, dim)
         empty = x.new_empty((batch, heads, 0, dim), dtype=self.hp_dtype)
         self.sinks, self.recent = empty, empty.clone()
         if not self.tq.quantized:
@@ -127,8 +145,12 @@ class StreamCache:
             self.scales = x.new_empty((batch, heads, 0, entries), dtype=sdtype)
             self.zeros = self.scales.clone() if self.tq.has_zero_point else None
 
-    def append(self, x: torch.Tensor) -> None:
-        """Append ``x`` of shape ``[B, H, t, D]`` (t >= 0 new tokens, any float dtype)."""
+    def append(self, x: torch.Tensor, *, basis: str = "model") -> None:
+        """Append ``x`` of shape ``[B, H, t, D]`` (t >= 0 new tokens, any float dtype).
+
+        ``basis="model"``: ``x`` is rotated first when the stream is; ``"stored"``: ``x`` is already rotated.
+        """
+        _check_basis(basis)
         if x.dim() != 4:
             raise QuantizationError(f"expected new tokens as [batch, kv_heads, tokens, head_dim], got {list(x.shape)}")
         if self.recent is None:
@@ -138,6 +160,8 @@ class StreamCache:
                 f"new tokens of shape {list(x.shape)} do not match the cache's {list(self.recent.shape)}"
             )
         check_finite(x)
+        if basis == "model":
+            x = rotate_torch(x, self.rotation)
         x = x.to(self.hp_dtype)
         if not self.tq.quantized:
             self.recent = torch.cat([self.recent, x], dim=2)
@@ -170,13 +194,21 @@ class StreamCache:
         t = self.tensors()
         return Quantized(t["codes"], t["scales"], t.get("zero_points"))
 
-    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """What attention sees: ``[B, H, T, D]``, tokens in their original order."""
+    def dequantized(self, dtype: torch.dtype = torch.float32, *, basis: str = "model") -> torch.Tensor:
+        """What attention sees: ``[B, H, T, D]``, tokens in their original order.
+
+        ``basis="model"`` un-rotates a rotated stream (``y @ R.T`` in float32); ``"stored"`` does not.
+        """
+        _check_basis(basis)
         if self.recent is None:
             raise QuantizationError("the cache is empty")
         if not self.tq.quantized:
-            return self.recent.to(dtype)
-        return torch.cat([self.sinks.float(), self._dequantized, self.recent.float()], dim=2).to(dtype)
+            out = self.recent
+        else:
+            out = torch.cat([self.sinks.float(), self._dequantized, self.recent.float()], dim=2)
+        if basis == "model" and self.rotation is not None:
+            out = rotate_torch(out, self.rotation, inverse=True)
+        return out.to(dtype)
 
 
 @dataclass

@@ -4,6 +4,11 @@
 in a :class:`~kvq_export.reference.cache.ReferenceCache` and hand attention the dequantized tensors.
 This is the PyTorch side every exported graph is compared against (one sequence per cache: the
 reference does not model padding).
+
+Rotated streams (``rotation`` of the scheme): Hugging Face attention keeps its unrotated queries, so the
+layer stores ``x @ R`` and hands attention the dequantized K/V rotated back (``@ R.T``); scores and outputs
+equal the exported graphs' rotated-basis attention up to float32 rounding, and the stored tensors equal
+the graphs' present cache.
 """
 
 from __future__ import annotations

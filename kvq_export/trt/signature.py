@@ -12,6 +12,11 @@ tensors of :func:`kvq_export.naming.stream_tensors` (``sinks``, ``codes``, ``sca
 ``recent`` — those the stream has), with a static stream's calibrated ``[kv_heads, n]`` scales (and zero
 points) in their place. One output: the attention ``[B, Hq, t, D]`` in the compute dtype.
 
+Rotation is outside the contract: for a scheme with rotated streams (:mod:`kvq_export.rotation`) the
+graph hands the plugin q already multiplied by the key stream's ``R`` (after RoPE), the stored tensors hold
+rotated rows, and the output (``o @ R_value``) is rotated back by the folded ``o_proj``. The plugin attends
+over whatever basis it is given, so its attributes do not carry the rotation and one plugin serves both.
+
 The plugin name says which inputs there are: ``kvq_attention_{key}_{value}`` with ``fp16`` (only
 ``recent``), ``sym`` (sinks, codes, scales, recent) or ``asym`` (with zero points).
 """

@@ -69,10 +69,12 @@ def kvq_runner_class():
 
 
 def decoded_cache(session, cache, static) -> dict[str, np.ndarray]:
-    """The held cache decoded with only the manifest, as right-aligned [B, H, N, D] arrays per layer."""
+    """The held cache decoded with only the manifest, as right-aligned [B, H, N, D] arrays per layer (model basis)."""
     from kvq_export.manifest import decode_cache
 
-    rows = decode_cache(session.manifest, session.cache_arrays(cache), direction="past", static=static)
+    # the model's basis: exports with different rotations hold comparable K/V
+    rows = decode_cache(session.manifest, session.cache_arrays(cache), direction="past", static=static,
+                        basis="model")
     out = {}
     longest = max(k.shape[1] for k, _ in (row[0] for row in rows))
     for layer in range(session.manifest.num_layers):

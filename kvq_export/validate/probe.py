@@ -9,6 +9,10 @@ A graph whose attention kernel applies RoPE itself (``--flavor ort-gqa``) never 
 names the raw projections instead (``probe.<layer>.<which>.projected``, ``[B, t, H*D]``), and the probed
 session rotates them with the graph's own cos/sin tables at each token's position, so every consumer sees
 the same ``[B, H, t, D]`` post-RoPE probes whatever the flavour.
+
+A rotated stream (``rotation`` of the scheme) is probed in its stored basis: q and k after the rotation
+that follows RoPE, v as the folded ``v_proj`` yields it (``v @ R``). Decode the cache with
+``decode_cache(..., basis="stored")`` to compare with them.
 """
 
 from __future__ import annotations

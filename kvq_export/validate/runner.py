@@ -203,7 +203,10 @@ def _sample_attention(acc, quant, cache, exact, position, scaling, config, stati
     """Attention metrics of the last query of this step, every layer and row, against the stored cache."""
     from kvq_export.manifest import decode_cache
 
-    decoded = decode_cache(quant.manifest, quant.cache_arrays(cache), direction="past", static=static)
+    # The stored basis: a rotated stream's probes (q and k after the rotation, v out of the folded v_proj) live
+    # there too, so q, exact and decoded K/V share one basis; every metric is invariant under that rotation.
+    decoded = decode_cache(quant.manifest, quant.cache_arrays(cache), direction="past", static=static,
+                           basis="stored")
     for layer in range(quant.manifest.num_layers):
         q = quant.last_extra[f"probe.{layer}.q"][:, :, -1].astype(np.float64)  # [B, Hq, D]
         keys = np.concatenate(exact[layer, "key"], axis=2)
