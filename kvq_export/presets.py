@@ -6,6 +6,7 @@ no sinks.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -36,6 +37,10 @@ def _ggml(kind: str) -> TensorQuant:
     fmt, bits = {"q4_0": ("int_sym", 4), "q4_1": ("int", 4), "q5_0": ("int_sym", 5), "q5_1": ("int", 5),
                  "q8_0": ("int_sym", 8)}[kind]
     return TensorQuant(format=fmt, bits=bits, group_size=32, quantizer="ggml")
+
+
+def _rotated(tq: TensorQuant) -> TensorQuant:
+    return dataclasses.replace(tq, rotation="hadamard")
 
 
 def _ort(bits: int) -> KVQuantScheme:
@@ -69,6 +74,14 @@ PRESETS: dict[str, tuple[KVQuantScheme, str]] = {
     "k-q8_0-v-q4_0": (
         KVQuantScheme(key=_ggml("q8_0"), value=_ggml("q4_0")),
         "mixed K/V like llama.cpp -ctk q8_0 -ctv q4_0 (exact), unrotated",
+    ),
+    # The same formats stored in a Hadamard-rotated basis, as llama.cpp stores a quantized cache.
+    **{f"{kind}-rot": (KVQuantScheme(key=_rotated(_ggml(kind)), value=_rotated(_ggml(kind))),
+                       f"ggml {kind} (exact) in a Hadamard-rotated basis, like llama.cpp")
+       for kind in ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")},
+    "k-q8_0-v-q4_0-rot": (
+        KVQuantScheme(key=_rotated(_ggml("q8_0")), value=_rotated(_ggml("q4_0"))),
+        "mixed K q8_0 / V q4_0 (exact) in a Hadamard-rotated basis, like llama.cpp",
     ),
     "kivi-4-r0": (_kivi_r0(4, 4, 32), "keys per-channel / values per-token int4 g32, no recent window"),
     "kivi-4-r0-g64": (_kivi_r0(4, 4, 64), "keys per-channel / values per-token int4 g64, no recent window"),

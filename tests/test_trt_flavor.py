@@ -173,7 +173,7 @@ def test_rotated_keys_reach_the_plugin_rotated(exported):
         while q.op_type in ("Identity", "Cast"):
             q = producer[q.input[0]]
         assert q.op_type == "MatMul" and q.input[1] in rotations
-    plain = Manifest.load(exported("llama-q4_0", "trt"))
+    plain = Manifest.load(exported("llama-int4-sym-g32", "trt"))
     assert [s.name for s in manifest_signatures(Manifest.load(directory))] == \
         [s.name for s in manifest_signatures(plain)]
 
