@@ -440,3 +440,22 @@ def test_calibration_windows_offset(tmp_path):
     windows = calibration_windows(Words(), str(corpus), 2048, offset=500)
     assert [w[0] for w in windows] == [500, 1524] and all(len(w) == 1024 for w in windows)
     assert calibration_windows(Words(), str(corpus), 100, offset=7) == [list(range(7, 107))]
+
+
+def test_validate_knows_where_offset_calibration_text_lies():
+    from types import SimpleNamespace
+
+    from kvq_export.validate.runner import ValidateConfig, _calibration_section
+
+    cal = {"source": "calibrated", "corpus": "britannica", "tokens": 4096, "offset": 60000, "method": "attention"}
+    manifest = SimpleNamespace(calibration=cal)
+    protocol = ValidateConfig(corpus="britannica", windows=8, window_len=512, offset=0)
+    assert _calibration_section(manifest, protocol)["windows_overlap_calibration"] is False
+    inside = ValidateConfig(corpus="britannica", windows=2, window_len=512, offset=61000)
+    assert _calibration_section(manifest, inside)["windows_overlap_calibration"] is True
+    before = ValidateConfig(corpus="britannica", windows=8, window_len=512, offset=59000)  # reaches into it
+    assert _calibration_section(manifest, before)["windows_overlap_calibration"] is True
+    other = ValidateConfig(corpus="shakespeare", windows=8, window_len=512, offset=60000)
+    assert _calibration_section(manifest, other)["windows_overlap_calibration"] is False
+    legacy = SimpleNamespace(calibration={k: v for k, v in cal.items() if k != "offset"})  # read from token 0
+    assert _calibration_section(legacy, protocol)["windows_overlap_calibration"] is True
