@@ -347,8 +347,8 @@ def run_bench(
     settings = {"flavors": list(flavors), "schemes": list(resolved), "contexts": list(contexts),
                 "batches": list(batches), "steps": steps, "warmup": warmup, "prefill_tokens": prefill_tokens,
                 "prefill_repeats": prefill_repeats, "threads": threads, "dtype": dtype, "cpu_count": os.cpu_count(),
-                "calibration": {"corpus": calib_corpus, "tokens": calib_tokens, "offset": calib_offset,
-                                "method": calib_method, "percentile": calib_percentile},
+                "calibration": {"corpus": calib_corpus, "tokens": calib_tokens, "method": calib_method,
+                                "percentile": calib_percentile, **({"offset": calib_offset} if calib_offset else {})},
                 "load_average_start": list(os.getloadavg())}
     report = BenchReport(model=str(model), baseline=base_name, fill=fill, settings=settings)
     rng = np.random.default_rng(seed)
