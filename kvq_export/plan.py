@@ -234,7 +234,10 @@ def attention_damage(
 
 
 def _o_proj(model: PreTrainedModel, layer: int) -> torch.Tensor:
-    return model.model.layers[layer].self_attn.o_proj.weight.detach().to(dtype=__import__("torch").float32)
+    """The layer's attention output projection ``[hidden, Hq * D]`` as float32 (Llama-family layout)."""
+    import torch
+
+    return model.model.layers[layer].self_attn.o_proj.weight.detach().to(device="cpu", dtype=torch.float32)
 
 
 def measure_attention(
