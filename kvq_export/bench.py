@@ -130,7 +130,7 @@ def code_digest() -> str:
 def bench_export(
     model: Any, tokenizer: Any, scheme: Any, flavor: str, root: Path, *, tag: str, dtype: str = "fp32",
     calib_corpus: str = "britannica", calib_tokens: int = DEFAULT_CALIB_TOKENS, calib_method: str = "absmax",
-    calib_percentile: float = 99.9,
+    calib_percentile: float = 99.9, calib_offset: int = 0,
 ) -> Path:
     """Export ``scheme`` with ``flavor`` under ``root``; reuse an earlier one made with the same parameters.
 
@@ -145,7 +145,7 @@ def bench_export(
               "kvq_version": kvq_export.__version__, "kvq_code": code_digest(), "bench_version": BENCH_VERSION}
     if scheme.has_static_scales:
         params.update(calib_corpus=calib_corpus, calib_tokens=calib_tokens, calib_method=calib_method,
-                      calib_percentile=calib_percentile)
+                      calib_percentile=calib_percentile, **({"calib_offset": calib_offset} if calib_offset else {}))
     name = f"{tag}-{flavor}-{(scheme.name or 'custom').replace('/', '_')}-{dtype}"
     directory = root / name
     marker = directory / "bench.json"
@@ -155,7 +155,7 @@ def bench_export(
     start = time.perf_counter()
     export(model, scheme, directory, dtype=dtype, flavor=flavor, force=True, tokenizer=tokenizer,
            calib_corpus=calib_corpus if scheme.has_static_scales else None, calib_tokens=calib_tokens,
-           calib_method=calib_method, calib_percentile=calib_percentile)
+           calib_method=calib_method, calib_percentile=calib_percentile, calib_offset=calib_offset)
     write_json(params, marker)
     logger.info("exported %s in %.1f s", directory, time.perf_counter() - start)
     return directory
@@ -285,6 +285,7 @@ def run_bench(
     calib_tokens: int = DEFAULT_CALIB_TOKENS,
     calib_method: str = "absmax",
     calib_percentile: float = 99.9,
+    calib_offset: int = 0,
     ppl_windows: int = 0,
     ppl_tokens: int = 512,
     seed: int = 0,
@@ -311,6 +312,7 @@ def run_bench(
         calib_tokens: calibration tokens.
         calib_method: ``absmax`` or ``percentile``.
         calib_percentile: the percentile for ``percentile``.
+        calib_offset: corpus tokens skipped before the calibration text.
         ppl_windows: when > 0, also a strict-decode perplexity per export on this many windows of the
             calibration corpus (from token :data:`PPL_OFFSET` on, away from the calibration text).
         ppl_tokens: tokens per perplexity window.
@@ -346,13 +348,14 @@ def run_bench(
                 "batches": list(batches), "steps": steps, "warmup": warmup, "prefill_tokens": prefill_tokens,
                 "prefill_repeats": prefill_repeats, "threads": threads, "dtype": dtype, "cpu_count": os.cpu_count(),
                 "calibration": {"corpus": calib_corpus, "tokens": calib_tokens, "method": calib_method,
-                                "percentile": calib_percentile},
+                                "percentile": calib_percentile, **({"offset": calib_offset} if calib_offset else {})},
                 "load_average_start": list(os.getloadavg())}
     report = BenchReport(model=str(model), baseline=base_name, fill=fill, settings=settings)
     rng = np.random.default_rng(seed)
     exports = {flavor: {name: bench_export(hf_model, tokenizer, scheme, flavor, root, tag=tag, dtype=dtype,
                                            calib_corpus=calib_corpus, calib_tokens=calib_tokens,
-                                           calib_method=calib_method, calib_percentile=calib_percentile)
+                                           calib_method=calib_method, calib_percentile=calib_percentile,
+                                           calib_offset=calib_offset)
                         for name, scheme in resolved.items()}
                for flavor in flavors}
     settings["exports"] = {flavor: {name: str(d) for name, d in dirs.items()} for flavor, dirs in exports.items()}

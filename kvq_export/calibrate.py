@@ -28,6 +28,22 @@ the group's statistic taken over all calibration tokens instead:
 all in float32, the ``* clip`` step only when ``clip != 1``. ``stat`` is the max (``absmax``) or the
 ``percentile`` (``100 - percentile`` for ``lo``) over the group's values.
 
+``attention`` chooses a clip ratio per (kv head, channel or group) from :data:`ATTENTION_CLIP_GRID`
+(multiplying the absmax statistic; ``int`` shrinks the range about its midpoint) that minimises what the
+error does to attention, not the tensor error. With the exact attention ``A = softmax(q Kᵀ s)`` of the
+model's own (post-RoPE) queries on the calibration windows (causal, every kv group's query heads):
+
+* values: the value-induced output error ``A (V̂ - V)``; output channel ``j`` depends only on value
+  channel ``j``, so ``Σ_q ((A E_c)_qj)²`` (``E_c = V̂_c - V``) is minimised per channel exactly;
+* keys: a quantization error ``e`` shifts the scores by ``δs = s q eᵀ``, and to second order the
+  attention KL is ``½ Var_A(δs)``; its per-channel part ``s² Σ_q q_j² (Σ_n A_qn e_nj² - (Σ_n A_qn e_nj)²)``
+  (cross-channel terms dropped) is minimised per channel.
+
+The per-channel choice is then checked against the real key-/value-induced output error of the whole
+head (``‖(A' - A) V‖²`` and ``‖A (V̂ - V)‖²`` summed over the calibration queries), and per (layer, kv
+head) the best of the per-channel ratios, the best single ratio and absmax is kept, so on the
+calibration text the method is never worse than ``absmax`` by that measure.
+
 Files: :func:`save_calibration` writes one ``.npz`` with keys ``"<layer>.<key|value>.<scales|zero_points>"``;
 :func:`calibration_digest` fingerprints a calibration for manifests.
 """
@@ -38,6 +54,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +71,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("absmax", "percentile")
+METHODS = ("absmax", "percentile", "attention")
+#: clip ratios (of the absmax statistic) the ``attention`` method tries per channel
+ATTENTION_CLIP_GRID = tuple(round(1.0 - 0.04 * i, 2) for i in range(16))
+#: decode queries per window the ``attention`` method scores (evenly spaced positions)
+ATTENTION_QUERIES = 128
 #: calibration tokens when none are given (``kvq export`` and ``kvq bench`` share it, so their scales agree)
 DEFAULT_CALIB_TOKENS = 4096
 PARTS = ("key", "value")
@@ -92,7 +113,8 @@ def calibrate_static_scales(
         scheme: the cache scheme; only its ``scales="static"`` streams are calibrated.
         token_windows: token-id sequences (e.g. from :func:`kvq_export.corpus.token_windows`); each is
             one independent sequence starting at position 0.
-        method: ``absmax`` (the group maximum: no calibration value is clipped) or ``percentile``.
+        method: ``absmax`` (the group maximum: no calibration value is clipped), ``percentile``, or
+            ``attention`` (per-channel clipping chosen by its effect on attention, see the module docstring).
         percentile: for ``method="percentile"``, in (50, 100]: the percentile of ``|x|`` (symmetric and
             fp8) or of ``x`` for the top of the range (``int``, whose bottom uses ``100 - percentile``).
 
@@ -116,13 +138,20 @@ def calibrate_static_scales(
             f"scheme {scheme.name or scheme.describe()!r} has no static-scale streams: nothing to calibrate"
         )
     windows = _check_windows(token_windows, facts.vocab_size)
-    collected = _collect_kv(model, windows, {(layer, part) for layer, part, _ in targets}, facts.num_layers)
-
     static: StaticArrays = {}
-    for layer, part, tq in targets:
-        # a rotated stream stores (and so quantizes) x @ R: its static scales belong to that basis
-        values = rotate_torch(collected.pop((layer, part)), rotation_matrix(tq.rotation, facts.head_dim))
-        static.setdefault(layer, {})[part] = _stream_metadata(values, tq, method, percentile)
+    if method == "attention":
+        samples = collect_attention_samples(model, windows, sorted({layer for layer, _, _ in targets}),
+                                            facts.num_layers)
+        for layer, part, tq in targets:
+            rotation = rotation_matrix(tq.rotation, facts.head_dim)
+            static.setdefault(layer, {})[part] = attention_metadata(
+                [s.rotated(rotation) for s in samples[layer]], part, tq)
+    else:
+        collected = _collect_kv(model, windows, {(layer, part) for layer, part, _ in targets}, facts.num_layers)
+        for layer, part, tq in targets:
+            # a rotated stream stores (and so quantizes) x @ R: its static scales belong to that basis
+            values = rotate_torch(collected.pop((layer, part)), rotation_matrix(tq.rotation, facts.head_dim))
+            static.setdefault(layer, {})[part] = _stream_metadata(values, tq, method, percentile)
     tokens = sum(len(w) for w in windows)
     logger.info(
         "calibrated %d static stream(s) over %d layer(s) on %d token(s) in %d window(s) (method=%s%s)",
@@ -130,6 +159,18 @@ def calibrate_static_scales(
         f", percentile={percentile:g}" if method == "percentile" else "",
     )
     return static
+
+
+def calibration_windows(tokenizer: Any, corpus: str, tokens: int, *, offset: int = 0) -> list[list[int]]:
+    """About ``tokens`` calibration tokens of ``corpus`` from token ``offset`` on, in whole windows of <= 1024.
+
+    ``kvq export``, ``kvq bench`` and ``kvq plan`` cut calibration text the same way, so the same options
+    give the same scales.
+    """
+    from kvq_export.corpus import load_corpus, token_windows
+
+    window = min(1024, tokens)
+    return token_windows(tokenizer, load_corpus(corpus), max(1, tokens // window), window, offset=offset)
 
 
 def _check_method(method: str, percentile: float) -> None:
@@ -194,6 +235,222 @@ def _collect_kv(
     finally:
         model.train(was_training)
     return {key: torch.cat(parts, dim=1) for key, parts in chunks.items()}
+
+
+@dataclass
+class AttentionSample:
+    """One calibration window of one layer: sampled post-RoPE queries and every cached K/V (float32).
+
+    ``q`` [Hq, P, D] at token positions ``positions`` [P]; ``keys``/``values`` [Hkv, T, D]; ``scaling``
+    the softmax scale.
+    """
+
+    q: torch.Tensor
+    positions: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    scaling: float
+    residual_norm: torch.Tensor | None = None  # [P]: |residual stream| entering the layer (for planning)
+
+    def rotated(self, matrix: np.ndarray | None) -> AttentionSample:
+        """The same window in a rotated basis (q, K and V times ``matrix``).
+
+        Scores and errors are unchanged in exact arithmetic, but a rotated stream is quantized in that basis.
+        """
+        if matrix is None:
+            return self
+        return replace(self, q=rotate_torch(self.q, matrix), keys=rotate_torch(self.keys, matrix),
+                                   values=rotate_torch(self.values, matrix))
+
+    def attention(self) -> torch.Tensor:
+        """Exact causal attention weights ``[Hkv, G * P, T]`` (each kv head's query heads stacked)."""
+        return self.attention_with(self.keys)
+
+    def grouped_queries(self) -> torch.Tensor:
+        """Queries by kv head ``[Hkv, G * P, D]`` (query head ``h`` reads kv head ``h // G``)."""
+        hkv = self.keys.shape[0]
+        hq, p, d = self.q.shape
+        return self.q.reshape(hkv, (hq // hkv) * p, d)
+
+    def attention_with(self, keys: torch.Tensor) -> torch.Tensor:
+        """Causal attention weights of the sampled queries over ``keys`` [Hkv, T, D]."""
+        import torch
+
+        q = self.grouped_queries()
+        scores = torch.bmm(q, keys.transpose(1, 2)) * self.scaling
+        groups = q.shape[1] // self.positions.shape[0]
+        future = torch.arange(keys.shape[1])[None, :] > self.positions.repeat(groups)[:, None]
+        return torch.softmax(scores.masked_fill(future[None], float("-inf")), dim=-1)
+
+
+def collect_attention_samples(
+    model: PreTrainedModel, windows: list[list[int]], layers: list[int], num_layers: int
+) -> dict[int, list[AttentionSample]]:
+    """K/V from the cache and post-RoPE queries (hooked on each attention module) for every window.
+
+    Queries are taken at :data:`ATTENTION_QUERIES` evenly spaced positions of each window (all of them
+    when the window is shorter). RoPE is applied with the module's own ``position_embeddings`` and
+    ``transformers``' Llama ``apply_rotary_pos_emb`` (the Llama family's convention).
+    """
+    import torch
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    try:
+        modules = {layer: model.model.layers[layer].self_attn for layer in layers}
+    except (AttributeError, IndexError) as err:
+        raise ModelError(f"the attention calibration needs a Llama-family model (model.layers[i].self_attn): {err}") \
+            from None
+    captured: dict[int, torch.Tensor] = {}
+    residual: dict[int, torch.Tensor] = {}
+
+    def stream_hook(layer: int):
+        def run(module, args, kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            residual[layer] = hidden[0].to(device="cpu", dtype=torch.float32).norm(dim=-1)
+        return run
+
+    def hook(layer: int):
+        def run(module, args, kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs["position_embeddings"]
+            batch, tokens, _ = hidden.shape
+            q = module.q_proj(hidden).view(batch, tokens, -1, module.head_dim).transpose(1, 2)
+            q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+            captured[layer] = q[0].to(device="cpu", dtype=torch.float32)
+        return run
+
+    handles = [modules[layer].register_forward_pre_hook(hook(layer), with_kwargs=True) for layer in layers]
+    handles += [model.model.layers[layer].register_forward_pre_hook(stream_hook(layer), with_kwargs=True)
+                for layer in layers]
+    samples: dict[int, list[AttentionSample]] = {layer: [] for layer in layers}
+    try:
+        for window in windows:
+            captured.clear()
+            kv = _collect_kv(model, [window], {(layer, part) for layer in layers for part in PARTS}, num_layers)
+            n = len(window)
+            positions = torch.unique(torch.linspace(0, n - 1, min(n, ATTENTION_QUERIES)).round().long())
+            for layer in layers:
+                module = modules[layer]
+                scaling = float(getattr(module, "scaling", module.head_dim ** -0.5))
+                samples[layer].append(AttentionSample(captured[layer][:, positions].contiguous(), positions,
+                                                      kv[(layer, "key")], kv[(layer, "value")], scaling,
+                                                      residual[layer][positions].contiguous()))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return samples
+
+
+def static_from_samples(samples: Mapping[int, list[AttentionSample]], scheme: KVQuantScheme, num_layers: int,
+                        *, method: str = "attention", percentile: float = 99.9) -> StaticArrays:
+    """Metadata of every static stream of ``scheme`` by ``method`` from already collected samples.
+
+    The same numbers :func:`calibrate_static_scales` gives on the windows the samples came from, without
+    running the model again (the planner calibrates many candidate formats from one pass).
+    """
+    import torch
+
+    _check_method(method, percentile)
+    static: StaticArrays = {}
+    for layer, part, tq in static_streams(scheme, num_layers):
+        if layer not in samples:
+            raise KVQError(f"no attention samples were collected for layer {layer}")
+        if method == "attention":
+            meta = attention_metadata(samples[layer], part, tq)
+        else:
+            x = torch.cat([s.keys if part == "key" else s.values for s in samples[layer]], dim=1)
+            meta = _stream_metadata(x, tq, method, percentile)
+        static.setdefault(layer, {})[part] = meta
+    return static
+
+
+def candidate_metadata(tq: TensorQuant, stats: tuple[torch.Tensor, ...], ratio: torch.Tensor) -> dict:
+    """Scales (and zero points) ``[H, n]`` for the absmax statistics shrunk by ``ratio`` ([H, n] or scalar)."""
+    import torch
+
+    from kvq_export.reference.codec import TORCH_DTYPES, metadata_from_range, scale_from_amax
+
+    sdtype = TORCH_DTYPES[tq.scale_dtype]
+    if tq.has_zero_point:
+        lo, hi = stats
+        mid, half = (hi + lo) * 0.5, (hi - lo) * (0.5 * ratio)
+        scale, zero = metadata_from_range(tq, mid - half, mid + half)
+        return {"scales": torch.clamp_min(scale, torch.finfo(sdtype).tiny).float(), "zero_points": zero.float()}
+    scale = scale_from_amax(tq, stats[0] * ratio)
+    return {"scales": torch.clamp_min(scale, torch.finfo(sdtype).tiny).float()}
+
+
+def fake_quant(x: torch.Tensor, tq: TensorQuant, meta: dict) -> torch.Tensor:
+    """Quantize then dequantize ``x`` [H, T, D] with static metadata, exactly as the reference codec does."""
+    from kvq_export.reference.codec import dequantize, quantize
+
+    q = quantize(x, tq, static_scales=meta["scales"], static_zeros=meta.get("zero_points"))
+    return dequantize(q, tq)
+
+
+def _unit_sum(per_channel: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
+    """Sum ``[..., D]`` per-channel objectives over each static group: ``[..., n]``."""
+    if tq.axis == "channel":
+        return per_channel
+    dim = per_channel.shape[-1]
+    group = tq.token_group(dim)
+    return per_channel.reshape(*per_channel.shape[:-1], dim // group, group).sum(dim=-1)
+
+
+def _output_error(samples: list[AttentionSample], part: str, tq: TensorQuant, meta: dict) -> torch.Tensor:
+    """Key- or value-induced attention-output error energy per kv head [H] over all sampled queries."""
+    import torch
+
+    total = None
+    for sample in samples:
+        a = sample.attention()
+        if part == "key":
+            a_hat = sample.attention_with(fake_quant(sample.keys, tq, meta))
+            err = torch.bmm(a_hat - a, sample.values)
+        else:
+            err = torch.bmm(a, fake_quant(sample.values, tq, meta) - sample.values)
+        energy = err.pow(2).sum(dim=(1, 2)).double()
+        total = energy if total is None else total + energy
+    return total
+
+
+def attention_metadata(samples: list[AttentionSample], part: str, tq: TensorQuant) -> dict[str, np.ndarray]:
+    """Static metadata of one stream with per-(head, unit) clip ratios chosen by attention error."""
+    import torch
+
+    xs = [s.keys if part == "key" else s.values for s in samples]
+    values = _grouped(torch.cat(xs, dim=1), tq)
+    stats = (values.amin(dim=-1), values.amax(dim=-1)) if tq.has_zero_point else (values.abs().amax(dim=-1),)
+    grid = torch.tensor(ATTENTION_CLIP_GRID, dtype=torch.float32)
+    objective = None  # [C, H, n]
+    for sample, x in zip(samples, xs):
+        a = sample.attention()
+        if part == "key":
+            q2 = sample.grouped_queries().pow(2) * sample.scaling ** 2  # [H, G*P, D]
+            weight = torch.bmm(a.transpose(1, 2), q2)  # [H, T, D]: attention received x query energy
+        rows = []
+        for ratio in grid:
+            err = fake_quant(x, tq, candidate_metadata(tq, stats, ratio)) - x  # [H, T, D]
+            moved = torch.bmm(a, err)  # [H, G*P, D]
+            if part == "key":
+                per_channel = (weight * err.pow(2)).sum(dim=1) - (q2 * moved.pow(2)).sum(dim=1)
+            else:
+                per_channel = moved.pow(2).sum(dim=1)
+            rows.append(_unit_sum(per_channel.double(), tq))
+        window_objective = torch.stack(rows)
+        objective = window_objective if objective is None else objective + window_objective
+    per_unit = grid[objective.argmin(dim=0)]  # [H, n]
+    uniform = grid[objective.sum(dim=2).argmin(dim=0)][:, None].expand_as(per_unit)  # [H, n]
+    choices = [per_unit, uniform, torch.ones_like(per_unit)]
+    metas = [candidate_metadata(tq, stats, ratio) for ratio in choices]
+    errors = torch.stack([_output_error(samples, part, tq, meta) for meta in metas])  # [3, H]
+    best = errors.argmin(dim=0)  # per kv head
+    out = {role: torch.stack([metas[int(best[h])][role][h] for h in range(best.shape[0])])
+           for role in metas[0]}
+    logger.debug("attention calibration %s: choice per head %s (0 per-channel, 1 uniform, 2 absmax), "
+                 "output error vs absmax %s", part, best.tolist(),
+                 (errors.min(dim=0).values / errors[2].clamp_min(1e-300)).tolist())
+    return {role: array.numpy().astype(np.float32).copy() for role, array in out.items()}
 
 
 def _grouped(x: torch.Tensor, tq: TensorQuant) -> torch.Tensor:

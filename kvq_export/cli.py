@@ -46,6 +46,8 @@ def calibration_options(*, corpus_default: str | None):
         click.option("--calib-corpus", default=corpus_default, show_default=corpus_default is not None,
                      help=corpus_help),
         click.option("--calib-tokens", type=click.IntRange(1), default=DEFAULT_CALIB_TOKENS, show_default=True),
+        click.option("--calib-offset", type=click.IntRange(0), default=0, show_default=True,
+                     help="Corpus tokens skipped before the calibration text (keep it apart from scored text)."),
         click.option("--calib-method", type=click.Choice(METHODS), default="absmax", show_default=True),
         click.option("--percentile", type=click.FloatRange(0, 100, min_open=True), default=99.9, show_default=True,
                      help="For --calib-method percentile."),
@@ -196,14 +198,66 @@ def memory(model_spec: str, scheme_spec: str, seq_len: int, batch: int, as_json:
 @click.option("--force", is_flag=True, help="Replace an existing export directory.")
 @calibration_options(corpus_default=None)
 def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, calib_corpus, calib_tokens,
-               calib_method, percentile) -> None:
+               calib_offset, calib_method, percentile) -> None:
     """Export MODEL with a quantized KV cache to an ONNX directory (model.onnx + kvq.json)."""
     from kvq_export.export.exporter import export
 
     out = export(model_spec, scheme_spec, out_dir, dtype=dtype, opset=opset, flavor=flavor, force=force,
                  calib_corpus=calib_corpus, calib_tokens=calib_tokens, calib_method=calib_method,
-                 calib_percentile=percentile)
+                 calib_percentile=percentile, calib_offset=calib_offset)
     click.echo(f"exported to {out}")
+
+
+@cli.command()
+@click.option("--model", "model_spec", default="smollm2", show_default=True,
+              help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
+@click.option("--corpus", default="britannica", show_default=True, help="Calibration text: corpus name or text file.")
+@click.option("--tokens", type=click.IntRange(2), default=2048, show_default=True, help="Calibration tokens.")
+@click.option("--offset", type=click.IntRange(0), default=60000, show_default=True,
+              help="Corpus tokens skipped first (keep the planning text apart from the text you score).")
+@click.option("--budget", type=click.FloatRange(0, min_open=True), required=True,
+              help="Most bits per cached element at --context (memory model: metadata and windows count).")
+@click.option("--context", type=click.IntRange(1), default=4096, show_default=True,
+              help="Cache length the budget is stated at.")
+@click.option("--candidates", default="ort-gqa", show_default=True,
+              help="Built-in set (ort-gqa, kivi) or comma-separated presets / scheme files (one layer option each).")
+@click.option("--metric", type=click.Choice(["attention", "kl"]), default="attention", show_default=True,
+              help="attention: output error through o_proj relative to the residual stream (one model pass); "
+                   "kl: logit KL with one layer's stream quantized (a forward per layer and candidate).")
+@click.option("--calib-method", type=click.Choice(["absmax", "percentile", "attention"]), default="attention",
+              show_default=True, help="Calibration of static candidates (export them with the same method).")
+@click.option("--percentile", type=click.FloatRange(0, 100, min_open=True), default=99.9, show_default=True)
+@click.option("--name", default=None, help="Name of the planned scheme (default plan-<budget>b).")
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Scheme JSON to write.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write the measured damage per layer and candidate, and the uniform choices, as JSON.")
+def plan(model_spec, corpus, tokens, offset, budget, context, candidates, metric, calib_method, percentile, name,
+         out_path, report_path) -> None:
+    """Choose per-layer key/value formats under a bit budget by measured attention damage; write a scheme."""
+    from pathlib import Path
+
+    from kvq_export.calibrate import calibration_windows
+    from kvq_export.model_source import load_model
+    from kvq_export.plan import plan_scheme
+
+    model, tokenizer = load_model(model_spec)
+    if tokenizer is None:
+        raise KVQError(f"model {model_spec} has no tokenizer: kvq plan reads calibration text")
+    windows = calibration_windows(tokenizer, corpus, tokens, offset=offset)
+    result = plan_scheme(model, windows, budget=budget, context=context, candidates=candidates, metric=metric,
+                         calib_method=calib_method, percentile=percentile,
+                         name=name or Path(out_path).stem)
+    result.settings.update(model=model_spec, corpus=corpus, offset=offset)
+    Path(out_path).write_text(result.scheme.to_json() + "\n")
+    if report_path:
+        from kvq_export.validate.report import write_json
+
+        write_json(result.to_dict(), report_path)
+    click.echo(f"{out_path}: {result.bits_per_element:.3f} bits/element at {context} tokens (budget {budget:g}), "
+               f"predicted damage {result.damage:.4g} ({metric}); {result.scheme.describe()}")
+    for row in result.uniform:
+        click.echo(f"  uniform K {row['key']} / V {row['value']}: {row['bits_per_element']:.3f} bits/element, "
+                   f"damage {row['damage']:.4g}")
 
 
 @cli.command()
@@ -390,8 +444,8 @@ def _ints(text: str) -> list[int]:
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
               help="PNG of decode latency and cache bytes against context length.")
 def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warmup, prefill_tokens, fill, dtype,
-          threads, ppl_windows, ppl_tokens, calib_corpus, calib_tokens, calib_method, percentile, work_dir,
-          json_out, plot_out) -> None:
+          threads, ppl_windows, ppl_tokens, calib_corpus, calib_tokens, calib_offset, calib_method, percentile,
+          work_dir, json_out, plot_out) -> None:
     """Decode latency, prefill throughput, cache bytes and RSS per scheme, as ratios to the baseline."""
     from rich.console import Console
 
@@ -408,7 +462,7 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
         contexts=_ints(contexts), batches=_ints(batches), baseline=baseline, steps=steps, warmup=warmup,
         prefill_tokens=prefill_tokens, fill=fill, dtype=dtype, threads=threads, ppl_windows=ppl_windows,
         ppl_tokens=ppl_tokens, calib_corpus=calib_corpus, calib_tokens=calib_tokens, calib_method=calib_method,
-        calib_percentile=percentile, work_dir=work_dir, on_result=show)
+        calib_percentile=percentile, calib_offset=calib_offset, work_dir=work_dir, on_result=show)
     console = _console()
     console.print(kvq_bench.report_table(report))
     if ppl_windows:

@@ -342,3 +342,120 @@ def test_token_windows():
         token_windows(tok, text, 0, 4)
     with pytest.raises(KVQError, match="invalid offset=-1"):
         token_windows(tok, text, 1, 4, offset=-1)
+
+
+# -- attention-aware calibration ------------------------------------------------------------------------
+def _eager_attention(model, window) -> list[torch.Tensor]:
+    """Per layer, the model's own softmax weights [Hq, T, T] (an independent view of the exact attention)."""
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([window]), output_attentions=True)
+    return [a[0].float() for a in out.attentions]
+
+
+@pytest.mark.parametrize("tq", [get_preset("ort-int4").key, ASYM_CHANNEL, SYM_TOKEN_G8])
+def test_attention_method_clips_within_the_grid(model, windows, tq):
+    from kvq_export.calibrate import ATTENTION_CLIP_GRID
+
+    scheme = _static(tq)
+    top = calibrate_static_scales(model, scheme, windows)
+    att = calibrate_static_scales(model, scheme, windows, method="attention")
+    check_calibration(att, scheme, LAYERS, KV_HEADS, HEAD_DIM)
+    ratios = []
+    for layer in range(LAYERS):
+        for part in ("key", "value"):
+            ratio = att[layer][part]["scales"] / top[layer][part]["scales"]
+            assert ratio.min() >= min(ATTENTION_CLIP_GRID) - 1e-3 and ratio.max() <= 1 + 1e-3
+            ratios.append(ratio)
+            if tq.has_zero_point:  # the range shrinks about its midpoint: the bottom moves up
+                assert (att[layer][part]["zero_points"] >= top[layer][part]["zero_points"] - 1e-6).all()
+    assert min(float(r.min()) for r in ratios) < 0.99  # 4-bit: some channel is clipped
+
+
+def test_attention_samples_reproduce_the_models_attention(windows):
+    from tiny_models import tiny_model
+
+    from kvq_export.calibrate import collect_attention_samples
+
+    model = tiny_model("llama")
+    samples = collect_attention_samples(model, windows[:1], [0, 1], 2)
+    eager = _eager_attention(model, windows[0])
+    for layer in range(2):
+        sample = samples[layer][0]
+        assert sample.positions.tolist() == list(range(len(windows[0])))  # short window: every position
+        hkv, gp, tokens = sample.attention().shape
+        mine = sample.attention().reshape(4, len(windows[0]), tokens)  # [Hq, P, T]
+        torch.testing.assert_close(mine, eager[layer], atol=1e-5, rtol=1e-4)
+        assert sample.residual_norm.shape == (len(windows[0]),) and (sample.residual_norm > 0).all()
+
+
+def test_attention_method_lowers_the_value_induced_error(windows):
+    """Σ‖A (V̂ - V)‖² with the model's own attention weights: attention-calibrated <= absmax, per layer."""
+    from tiny_models import tiny_model
+
+    from kvq_export.reference.codec import dequantize, quantize
+
+    model = tiny_model("llama")
+    tq = get_preset("ort-int4").value
+    scheme = _static(tq)
+    top = calibrate_static_scales(model, scheme, windows)
+    att = calibrate_static_scales(model, scheme, windows, method="attention")
+    errors = {"absmax": [0.0] * LAYERS, "attention": [0.0] * LAYERS}
+    for window in windows:
+        weights = _eager_attention(model, window)
+        cache = DynamicCache()
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([window]), cache=cache, use_cache=True)
+        for layer in range(LAYERS):
+            v = cache.layers[layer].values[0].float()  # [Hkv, T, D]
+            for name, static in (("absmax", top), ("attention", att)):
+                scales = torch.from_numpy(static[layer]["value"]["scales"])
+                v_hat = dequantize(quantize(v, tq, static_scales=scales), tq)
+                err = torch.einsum("hqt,htd->hqd", weights[layer], (v_hat - v).repeat_interleave(2, dim=0))
+                errors[name][layer] += float(err.pow(2).sum())
+    for layer in range(LAYERS):
+        assert errors["attention"][layer] <= errors["absmax"][layer] * (1 + 1e-6), errors
+    assert sum(errors["attention"]) < sum(errors["absmax"])
+
+
+def test_static_from_samples_equals_calibration(model, windows):
+    from kvq_export.calibrate import collect_attention_samples, static_from_samples
+
+    samples = collect_attention_samples(model, windows, [0, 1], LAYERS)
+    scheme = _static(ASYM_CHANNEL)
+    for method in ("absmax", "attention"):
+        want = calibrate_static_scales(model, scheme, windows, method=method)
+        got = static_from_samples(samples, scheme, LAYERS, method=method)
+        assert calibration_digest(got) == calibration_digest(want)
+
+
+def test_calibration_windows_offset(tmp_path):
+    from kvq_export.calibrate import calibration_windows
+
+    class Words:
+        def encode(self, text, add_special_tokens=False):
+            return [int(w) for w in text.split()]
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(" ".join(str(i) for i in range(3000)))
+    windows = calibration_windows(Words(), str(corpus), 2048, offset=500)
+    assert [w[0] for w in windows] == [500, 1524] and all(len(w) == 1024 for w in windows)
+    assert calibration_windows(Words(), str(corpus), 100, offset=7) == [list(range(7, 107))]
+
+
+def test_validate_knows_where_offset_calibration_text_lies():
+    from types import SimpleNamespace
+
+    from kvq_export.validate.runner import ValidateConfig, _calibration_section
+
+    cal = {"source": "calibrated", "corpus": "britannica", "tokens": 4096, "offset": 60000, "method": "attention"}
+    manifest = SimpleNamespace(calibration=cal)
+    protocol = ValidateConfig(corpus="britannica", windows=8, window_len=512, offset=0)
+    assert _calibration_section(manifest, protocol)["windows_overlap_calibration"] is False
+    inside = ValidateConfig(corpus="britannica", windows=2, window_len=512, offset=61000)
+    assert _calibration_section(manifest, inside)["windows_overlap_calibration"] is True
+    before = ValidateConfig(corpus="britannica", windows=8, window_len=512, offset=59000)  # reaches into it
+    assert _calibration_section(manifest, before)["windows_overlap_calibration"] is True
+    other = ValidateConfig(corpus="shakespeare", windows=8, window_len=512, offset=60000)
+    assert _calibration_section(manifest, other)["windows_overlap_calibration"] is False
+    legacy = SimpleNamespace(calibration={k: v for k, v in cal.items() if k != "offset"})  # read from token 0
+    assert _calibration_section(legacy, protocol)["windows_overlap_calibration"] is True

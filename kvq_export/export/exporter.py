@@ -125,11 +125,13 @@ def export(
     calib_tokens: int = DEFAULT_CALIB_TOKENS,
     calib_method: str = "absmax",
     calib_percentile: float = 99.9,
+    calib_offset: int = 0,
 ) -> Path:
     """Export ``model`` (a model spec, or a loaded HF causal LM) with ``scheme`` into ``out_dir``.
 
     Static-scale schemes need calibrated scales: pass ``static`` (see :mod:`kvq_export.calibrate`)
-    or ``calib_corpus`` (a corpus name or text file, of which ``calib_tokens`` tokens are used);
+    or ``calib_corpus`` (a corpus name or text file, of which ``calib_tokens`` tokens from token
+    ``calib_offset`` on are used);
     without either they are refused. Returns the export directory.
     """
     import kvq_export
@@ -164,9 +166,9 @@ def export(
                 "kvq never guesses a scale)"
             )
         static, used = _calibrate(model, tokenizer, scheme, calib_corpus, calib_tokens, calib_method,
-                                  calib_percentile)
+                                  calib_percentile, calib_offset)
         provenance = {"source": "calibrated", "corpus": str(calib_corpus), "tokens": used,
-                      "method": calib_method,
+                      "offset": calib_offset, "method": calib_method,
                       **({"percentile": calib_percentile} if calib_method == "percentile" else {})}
     cache = get_flavor(flavor)(scheme, num_layers=arch.num_layers, kv_heads=arch.num_kv_heads,
                             head_dim=arch.head_dim, static=static)
@@ -206,15 +208,13 @@ def export(
     return out
 
 
-def _calibrate(model, tokenizer, scheme, corpus: str, tokens: int, method: str, percentile: float):
-    """(static scales, tokens used) from about ``tokens`` tokens of ``corpus`` (whole windows of <= 1024 tokens)."""
-    from kvq_export.calibrate import calibrate_static_scales
-    from kvq_export.corpus import load_corpus, token_windows
+def _calibrate(model, tokenizer, scheme, corpus: str, tokens: int, method: str, percentile: float, offset: int = 0):
+    """(static scales, tokens used) from about ``tokens`` tokens of ``corpus`` from token ``offset`` on."""
+    from kvq_export.calibrate import calibrate_static_scales, calibration_windows
 
     if tokenizer is None:
         raise ExportError("calibrating from a corpus needs the model's tokenizer")
-    window = min(1024, tokens)
-    windows = token_windows(tokenizer, load_corpus(corpus), max(1, tokens // window), window)
+    windows = calibration_windows(tokenizer, corpus, tokens, offset=offset)
     static = calibrate_static_scales(model, scheme, windows, method=method, percentile=percentile)
     return static, sum(len(w) for w in windows)
 

@@ -141,8 +141,10 @@ def _calibration_section(manifest, config: ValidateConfig) -> dict[str, Any] | N
     used = cal.get("tokens")
     overlap = None  # unknown: the export does not say which text calibrated it
     if cal.get("source") == "calibrated" and used is not None:
-        # calibration read tokens [0, used) of its corpus; validation starts at config.offset
-        overlap = cal.get("corpus") == config.corpus and config.offset < int(used)
+        # calibration read tokens [start, start + used) of its corpus; validation reads the windows below
+        start = int(cal.get("offset") or 0)
+        end = config.offset + config.windows * config.window_len
+        overlap = cal.get("corpus") == config.corpus and config.offset < start + int(used) and start < end
     return {**cal, "windows_overlap_calibration": overlap}
 
 

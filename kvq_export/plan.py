@@ -1,0 +1,482 @@
+"""``kvq plan``: choose per-layer key/value formats under a bit budget by measured attention damage.
+
+Layers differ a lot in how much a quantization error hurts (an outlier channel in one layer's keys can
+cost more than every other layer's keys together), so a mixed-precision cache spends bits where the
+damage is. The planner
+
+1. runs the model once over calibration text and keeps, per layer, sampled post-RoPE queries, every
+   cached key/value and the size of the residual stream entering the layer
+   (:func:`kvq_export.calibrate.collect_attention_samples`);
+2. calibrates every static candidate format from those samples (``--calib-method``, the same arithmetic
+   ``kvq export`` applies);
+3. measures, per layer and candidate, the damage to attention (the ``metric``):
+
+   * ``attention`` (default, one model pass in all): the candidate's key-induced and value-induced
+     attention-output error (:mod:`kvq_export.validate.attention`'s decomposition, with the exact
+     ``softmax(q Kᵀ s)`` of the sampled queries), carried through the layer's ``o_proj`` into the
+     residual stream and divided by that stream's size: ``mean_q |o_proj(ô - o)|² / |h|²``. Key and
+     value errors are measured together for layers whose two streams are chosen together (``tied``
+     candidate sets) and separately otherwise (then added);
+   * ``kl``: the logit KL divergence from the unquantized model with only that layer's stream(s)
+     quantized in kvq's reference cache (one full forward per layer, stream and candidate: exact end to
+     end, slow on large models);
+
+4. picks one candidate per layer minimising the summed damage with the cache's bits/element at
+   ``context`` tokens (the memory model's count: metadata and high-precision windows included) at most
+   ``budget`` — an exact multiple-choice knapsack over bytes (dynamic programming on a grid of
+   ``budget / resolution`` bytes with costs rounded up, so the result never exceeds the budget);
+5. writes the choice as a scheme with ``layer_overrides`` (the most common choice is the default).
+
+Candidate sets (:data:`CANDIDATE_SETS`) or any comma-separated presets / scheme files (each one a layer
+option: its key and value together).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvq_export.errors import KVQError, SchemeError
+from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+    from kvq_export.calibrate import AttentionSample
+
+logger = logging.getLogger(__name__)
+
+METRICS = ("attention", "kl")
+#: budget grid of the allocation (the knapsack's byte unit is ``budget / RESOLUTION``)
+RESOLUTION = 4000
+
+
+def _static(bits: int) -> TensorQuant:
+    return TensorQuant(format="int_sym", bits=bits, axis="channel", scales="static", scale_dtype="fp32")
+
+
+def _channel(bits: int, group: int) -> TensorQuant:
+    return TensorQuant(format="int", bits=bits, axis="channel", group_size=group)
+
+
+def _token(bits: int, group: int) -> TensorQuant:
+    return TensorQuant(format="int", bits=bits, axis="token", group_size=group)
+
+
+@dataclass(frozen=True)
+class CandidateSet:
+    """What each layer may choose.
+
+    ``tied``: a layer takes one of ``pairs`` (key and value chosen together, e.g. one GroupQueryAttention
+    node has one ``kv_cache_bit_width``); otherwise any key of ``keys`` with any value of ``values``.
+    """
+
+    about: str
+    keys: tuple[TensorQuant, ...] = ()
+    values: tuple[TensorQuant, ...] = ()
+    pairs: tuple[tuple[TensorQuant, TensorQuant], ...] = ()
+
+    @property
+    def tied(self) -> bool:
+        """True when key and value are chosen together."""
+        return bool(self.pairs)
+
+    def options(self) -> list[tuple[TensorQuant, TensorQuant]]:
+        """Every (key, value) a layer may take."""
+        return list(self.pairs) if self.tied else list(itertools.product(self.keys, self.values))
+
+
+CANDIDATE_SETS: dict[str, CandidateSet] = {
+    "ort-gqa": CandidateSet(
+        "GroupQueryAttention: per layer int8 or int4, key and value alike, static per-channel scales",
+        pairs=((_static(8), _static(8)), (_static(4), _static(4))),
+    ),
+    "kivi": CandidateSet(
+        "per-channel keys / per-token values, asymmetric int8/int4/int2, groups of 32 or 64, no window",
+        keys=(_channel(8, 64), _channel(4, 32), _channel(4, 64), _channel(2, 32), _channel(2, 64)),
+        values=(_token(8, 64), _token(4, 32), _token(4, 64), _token(2, 32), _token(2, 64)),
+    ),
+}
+
+
+def candidate_set(spec: str) -> CandidateSet:
+    """A built-in set name, or comma-separated presets / scheme files (each a tied layer option)."""
+    if spec in CANDIDATE_SETS:
+        return CANDIDATE_SETS[spec]
+    from kvq_export.presets import resolve_scheme
+
+    names = [part.strip() for part in spec.split(",") if part.strip()]
+    if not names:
+        raise SchemeError(f"no candidates in {spec!r}; allowed: {', '.join(CANDIDATE_SETS)} or presets/scheme files")
+    pairs = []
+    for name in names:
+        scheme = resolve_scheme(name)
+        if scheme.layer_overrides or scheme.residual_length or scheme.sink_tokens:
+            raise SchemeError(f"candidate {name!r} has layer overrides or windows; a candidate is one layer's "
+                              "key and value only")
+        if (scheme.key, scheme.value) not in pairs:
+            pairs.append((scheme.key, scheme.value))
+    return CandidateSet(f"layer options from {', '.join(names)}", pairs=tuple(pairs))
+
+
+def fitting(cset: CandidateSet, head_dim: int) -> CandidateSet:
+    """``cset`` without the candidates a cache of ``head_dim`` channels cannot hold (e.g. groups > head_dim)."""
+    def fits(tq: TensorQuant) -> bool:
+        try:
+            tq.check_head_dim(head_dim, "candidate")
+        except SchemeError:
+            return False
+        return True
+
+    kept = CandidateSet(cset.about, tuple(filter(fits, cset.keys)), tuple(filter(fits, cset.values)),
+                        tuple(pair for pair in cset.pairs if fits(pair[0]) and fits(pair[1])))
+    if not kept.options():
+        raise SchemeError(f"no candidate of {cset.about!r} fits head_dim={head_dim}")
+    dropped = len(cset.options()) - len(kept.options())
+    if dropped:
+        logger.info("left out %d candidate option(s) that do not fit head_dim=%d", dropped, head_dim)
+    return kept
+
+
+# -- damage ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Damage:
+    """Measured damage of one (layer, key, value) choice; ``None`` streams are left unquantized."""
+
+    layer: int
+    key: TensorQuant | None
+    value: TensorQuant | None
+    damage: float
+    key_induced: float = 0.0
+    value_induced: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"layer": self.layer, "key": self.key.describe() if self.key else None,
+                "value": self.value.describe() if self.value else None, "damage": self.damage,
+                "key_induced": self.key_induced, "value_induced": self.value_induced}
+
+
+def _static_for(candidates: set[TensorQuant], samples, num_layers: int, method: str, percentile: float):
+    """Calibrated metadata per static candidate: ``{tq: {layer: {"key"|"value": {...}}}}``."""
+    from kvq_export.calibrate import static_from_samples
+
+    out = {}
+    for tq in candidates:
+        if tq.quantized and tq.scales == "static":
+            out[tq] = static_from_samples(samples, KVQuantScheme(key=tq, value=tq), num_layers, method=method,
+                                          percentile=percentile)
+    return out
+
+
+def _layer_static(static_by: Mapping, layer: int, key: TensorQuant | None, value: TensorQuant | None) -> dict:
+    out: dict[str, Any] = {}
+    for part, tq in (("key", key), ("value", value)):
+        if tq is not None and tq in static_by:
+            out[part] = static_by[tq][layer][part]
+    return out
+
+
+def _reference_dequant(x: torch.Tensor, tq: TensorQuant, meta: Mapping | None) -> torch.Tensor:
+    """What attention reads for ``x`` [H, T, D] after kvq's reference cache stores it (no window)."""
+    import torch
+
+    from kvq_export.reference.cache import StreamCache
+
+    metadata = {k: torch.as_tensor(np.asarray(v)) for k, v in (meta or {}).items()}
+    stream = StreamCache(tq, KVQuantScheme(key=tq, value=tq, hp_dtype="fp32"),
+                         static_scales=metadata.get("scales"), static_zeros=metadata.get("zero_points"))
+    stream.append(x[None])
+    return stream.dequantized(torch.float32)[0]
+
+
+def attention_damage(
+    samples: Sequence[AttentionSample], o_proj: torch.Tensor, key: TensorQuant | None, value: TensorQuant | None,
+    meta: Mapping[str, Mapping] | None = None,
+) -> tuple[float, float, float]:
+    """(residual damage, key-induced, value-induced) of quantizing one layer's key and/or value.
+
+    ``o_proj`` is the layer's output projection weight ``[hidden, Hq * D]``. The damage is the mean over
+    sampled queries of ``|o_proj(ô - o)|² / |h|²`` (``h`` the residual stream entering the layer); the
+    key-/value-induced errors are ``|(A' - A) V| / |o|`` and ``|A (V̂ - V)| / |o|`` averaged over query
+    heads and queries (the quantities ``kvq validate`` reports).
+    """
+    import torch
+
+    meta = meta or {}
+    damage = key_induced = value_induced = 0.0
+    count = 0
+    for sample in samples:
+        a = sample.attention()
+        v = sample.values
+        a_hat = a if key is None else sample.attention_with(_reference_dequant(sample.keys, key, meta.get("key")))
+        v_hat = v if value is None else _reference_dequant(v, value, meta.get("value"))
+        o = torch.bmm(a, v)
+        err = torch.bmm(a_hat, v_hat) - o  # [Hkv, G*P, D]
+        hq, p, d = sample.q.shape
+        norm_o = o.norm(dim=-1).clamp_min(1e-30)
+        key_induced += float((torch.bmm(a_hat - a, v).norm(dim=-1) / norm_o).mean())
+        value_induced += float((torch.bmm(a, v_hat - v).norm(dim=-1) / norm_o).mean())
+        per_head = err.reshape(hq, p, d).permute(1, 0, 2).reshape(p, hq * d)  # [P, Hq*D]
+        moved = per_head @ o_proj.T  # [P, hidden]
+        residual = sample.residual_norm.clamp_min(1e-30) if sample.residual_norm is not None else torch.ones(p)
+        damage += float((moved.pow(2).sum(dim=-1) / residual.pow(2)).mean())
+        count += 1
+    return damage / count, key_induced / count, value_induced / count
+
+
+def _o_proj(model: PreTrainedModel, layer: int) -> torch.Tensor:
+    """The layer's attention output projection ``[hidden, Hq * D]`` as float32 (Llama-family layout)."""
+    import torch
+
+    return model.model.layers[layer].self_attn.o_proj.weight.detach().to(device="cpu", dtype=torch.float32)
+
+
+def measure_attention(
+    model: PreTrainedModel, samples: Mapping[int, Sequence[AttentionSample]], cset: CandidateSet,
+    static_by: Mapping, num_layers: int,
+) -> list[Damage]:
+    """Damage of every candidate of every layer by the ``attention`` metric."""
+    out = []
+    for layer in range(num_layers):
+        weight = _o_proj(model, layer)
+        for key, value in _measured_configs(cset):
+            meta = _layer_static(static_by, layer, key, value)
+            damage, ki, vi = attention_damage(samples[layer], weight, key, value, meta)
+            out.append(Damage(layer, key, value, damage, ki, vi))
+    return out
+
+
+def _measured_configs(cset: CandidateSet) -> list[tuple[TensorQuant | None, TensorQuant | None]]:
+    """Tied: each pair at once; untied: each key alone, then each value alone (damages add up)."""
+    if cset.tied:
+        return [(k if k.quantized else None, v if v.quantized else None) for k, v in cset.pairs]
+    return [(k if k.quantized else None, None) for k in cset.keys] + \
+        [(None, v if v.quantized else None) for v in cset.values]
+
+
+def measure_kl(
+    model: PreTrainedModel, windows: Sequence[Sequence[int]], cset: CandidateSet, static_by: Mapping,
+    num_layers: int,
+) -> list[Damage]:
+    """Damage of every candidate of every layer as the logit KL from the unquantized model (mean per token)."""
+    import torch
+
+    from kvq_export.calibrate import static_to_torch
+    from kvq_export.reference.hf_cache import reference_hf_cache
+
+    configs = [(layer, k, v) for layer in range(num_layers) for k, v in _measured_configs(cset)]
+    totals = np.zeros(len(configs))
+    tokens = 0
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            for window in windows:
+                ids = torch.tensor([list(window)], dtype=torch.long, device=device)
+                base = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+                p = base.exp()
+                for i, (layer, key, value) in enumerate(configs):
+                    override = LayerOverride(layer, key=key or TensorQuant.fp16(), value=value or TensorQuant.fp16())
+                    scheme = KVQuantScheme(hp_dtype="fp32", layer_overrides=(override,))
+                    static = static_to_torch({layer: _layer_static(static_by, layer, key, value)})
+                    cache, _ = reference_hf_cache(scheme, num_layers, static)
+                    logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0].float()
+                    quant = torch.log_softmax(logits, dim=-1)
+                    totals[i] += float((p * (base - quant)).sum())
+                tokens += len(window)
+    finally:
+        model.train(was_training)
+    return [Damage(layer, k, v, max(float(t) / tokens, 0.0)) for (layer, k, v), t in zip(configs, totals)]
+
+
+# -- allocation -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Option:
+    """One (key, value) choice for one layer with its damage and cache bytes at the planned context."""
+
+    key: TensorQuant
+    value: TensorQuant
+    damage: float
+    nbytes: int
+
+
+def layer_options(damages: Sequence[Damage], cset: CandidateSet, num_layers: int,
+                  stream_bytes: Callable[[TensorQuant], int]) -> list[list[Option]]:
+    """Per layer, every option of ``cset`` with its (additive, for untied sets) damage and bytes."""
+    table = {(d.layer, d.key, d.value): d.damage for d in damages}
+
+    def measured(layer: int, key: TensorQuant | None, value: TensorQuant | None) -> float:
+        return table[(layer, key if key and key.quantized else None, value if value and value.quantized else None)]
+
+    options = []
+    for layer in range(num_layers):
+        row = []
+        for key, value in cset.options():
+            damage = measured(layer, key, value) if cset.tied else measured(layer, key, None) + \
+                measured(layer, None, value)
+            row.append(Option(key, value, damage, stream_bytes(key) + stream_bytes(value)))
+        options.append(row)
+    return options
+
+
+def allocate(options: Sequence[Sequence[Option]], budget_bytes: int, resolution: int = RESOLUTION) -> list[int]:
+    """Index of the chosen option per layer: least total damage with total bytes <= ``budget_bytes``.
+
+    Exact dynamic programming over a byte grid of ``budget_bytes / resolution``; each option's cost is
+    rounded *up* to the grid, so the choice always fits the budget (and is optimal up to that rounding).
+
+    Raises:
+        KVQError: no choice fits (the message gives the smallest possible bytes).
+
+    """
+    cheapest = sum(min(o.nbytes for o in row) for row in options)
+    if cheapest > budget_bytes:
+        raise KVQError(f"no allocation fits the budget: it allows {budget_bytes} bytes, the cheapest choice "
+                       f"needs {cheapest}")
+    unit = budget_bytes / resolution
+    inf = math.inf
+    best = np.full(resolution + 1, inf)
+    best[0] = 0.0
+    picks = []
+    for row in options:
+        nxt = np.full(resolution + 1, inf)
+        pick = np.full(resolution + 1, -1, dtype=np.int64)
+        for i, option in enumerate(row):
+            cost = math.ceil(option.nbytes / unit - 1e-9) if option.nbytes else 0
+            if cost > resolution:
+                continue
+            shifted = np.full(resolution + 1, inf)
+            shifted[cost:] = best[: resolution + 1 - cost] + option.damage
+            better = shifted < nxt
+            nxt[better], pick[better] = shifted[better], i
+        best = nxt
+        picks.append(pick)
+    end = int(np.argmin(best))
+    if not np.isfinite(best[end]):  # the rounding up left no room although the exact bytes fit
+        raise KVQError(f"no allocation fits the budget of {budget_bytes} bytes at resolution {resolution}")
+    chosen = []
+    for row, pick in zip(reversed(options), reversed(picks)):
+        i = int(pick[end])
+        chosen.append(i)
+        end -= math.ceil(row[i].nbytes / unit - 1e-9) if row[i].nbytes else 0
+    return chosen[::-1]
+
+
+def scheme_from_choice(choice: Sequence[tuple[TensorQuant, TensorQuant]], name: str | None = None) -> KVQuantScheme:
+    """A scheme whose default is the most common (key, value) and whose overrides are the other layers."""
+    base_key, base_value = Counter(choice).most_common(1)[0][0]
+    overrides = []
+    for layer, (key, value) in enumerate(choice):
+        if (key, value) != (base_key, base_value):
+            overrides.append(LayerOverride(layer, key=key if key != base_key else None,
+                                           value=value if value != base_value else None))
+    return KVQuantScheme(key=base_key, value=base_value, layer_overrides=tuple(overrides), name=name)
+
+
+# -- the whole plan ---------------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    """A planned scheme with what it was chosen from."""
+
+    scheme: KVQuantScheme
+    bits_per_element: float
+    damage: float
+    budget: float
+    context: int
+    metric: str
+    damages: list[Damage] = field(default_factory=list)
+    uniform: list[dict[str, Any]] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (the ``--report`` file)."""
+        return {"scheme": self.scheme.to_dict(), "bits_per_element": self.bits_per_element,
+                "predicted_damage": self.damage, "budget": self.budget, "context": self.context,
+                "metric": self.metric, "uniform": self.uniform, "settings": self.settings,
+                "damages": [d.to_dict() for d in self.damages]}
+
+
+def plan_scheme(
+    model: PreTrainedModel,
+    windows: Sequence[Sequence[int]],
+    *,
+    budget: float,
+    context: int,
+    candidates: CandidateSet | str = "ort-gqa",
+    metric: str = "attention",
+    calib_method: str = "attention",
+    percentile: float = 99.9,
+    name: str | None = None,
+    resolution: int = RESOLUTION,
+) -> Plan:
+    """Plan a per-layer scheme for ``model`` (see the module docstring).
+
+    Args:
+        model: a Hugging Face causal LM (Llama family).
+        windows: calibration token windows (e.g. :func:`kvq_export.calibrate.calibration_windows`).
+        budget: most bits per cached element at ``context`` tokens (memory model, batch 1).
+        context: the cache length the budget is stated at.
+        candidates: a :class:`CandidateSet` or a spec for :func:`candidate_set`.
+        metric: ``attention`` or ``kl``.
+        calib_method: calibration of static candidates (``absmax``, ``percentile``, ``attention``).
+        percentile: for ``calib_method="percentile"``.
+        name: the planned scheme's name.
+        resolution: the knapsack grid (see :func:`allocate`).
+
+    Raises:
+        KVQError: unknown metric, a non-positive budget/context, or a budget no choice fits.
+
+    """
+    from kvq_export.calibrate import _check_windows, collect_attention_samples
+    from kvq_export.memory import predict, stream_bytes
+    from kvq_export.model_source import model_facts
+
+    if metric not in METRICS:
+        raise KVQError(f"unknown plan metric {metric!r}; allowed: {', '.join(METRICS)}")
+    if not (isinstance(budget, (int, float)) and budget > 0) or context < 1:
+        raise KVQError(f"invalid budget={budget!r} / context={context!r}: need a positive bits/element and >= 1 token")
+    cset = candidate_set(candidates) if isinstance(candidates, str) else candidates
+    facts = model_facts(model.config)
+    layers, heads, dim = facts.num_layers, facts.num_kv_heads, facts.head_dim
+    cset = fitting(cset, dim)
+    windows = _check_windows(windows, facts.vocab_size)
+    samples = collect_attention_samples(model, windows, list(range(layers)), layers)
+    static_by = _static_for({t for pair in cset.options() for t in pair}, samples, layers, calib_method, percentile)
+    if metric == "attention":
+        damages = measure_attention(model, samples, cset, static_by, layers)
+    else:
+        damages = measure_kl(model, windows, cset, static_by, layers)
+
+    def nbytes(tq: TensorQuant) -> int:
+        return sum(stream_bytes(tq, KVQuantScheme(key=tq, value=tq), seq_len=context, batch=1, kv_heads=heads,
+                                head_dim=dim).values())
+
+    options = layer_options(damages, cset, layers, nbytes)
+    elements = 2 * layers * heads * context * dim
+    budget_bytes = int(budget * elements / 8)
+    chosen = allocate(options, budget_bytes, resolution)
+    choice = [(options[layer][i].key, options[layer][i].value) for layer, i in enumerate(chosen)]
+    scheme = scheme_from_choice(choice, name or f"plan-{budget:g}b")
+    bits = predict(scheme, facts, context).bits_per_element
+    total = sum(options[layer][i].damage for layer, i in enumerate(chosen))
+    uniform = []
+    for i, (key, value) in enumerate(cset.options()):
+        same = KVQuantScheme(key=key, value=value)
+        uniform.append({"key": key.describe(), "value": value.describe(),
+                        "bits_per_element": predict(same, facts, context).bits_per_element,
+                        "damage": sum(row[i].damage for row in options)})
+    logger.info("planned %s: %.3f bits/element at %d tokens (budget %g), predicted damage %.4g (%s metric)",
+                scheme.name, bits, context, budget, total, metric)
+    return Plan(scheme, bits, total, budget, context, metric, damages, uniform,
+                {"candidates": cset.about, "calib_method": calib_method, "windows": len(windows),
+                 "tokens": sum(len(w) for w in windows)})

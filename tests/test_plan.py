@@ -1,0 +1,187 @@
+"""kvq plan (kvq_export.plan): per-layer formats under a bit budget by measured attention damage."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from gqa_harness import compare, sequences
+from tiny_models import VOCAB, save_tiny_model_dir, tiny_model
+
+from kvq_export.calibrate import calibrate_static_scales
+from kvq_export.cli import cli
+from kvq_export.errors import KVQError, SchemeError
+from kvq_export.export.exporter import export
+from kvq_export.memory import predict
+from kvq_export.model_source import model_facts
+from kvq_export.plan import (
+    CANDIDATE_SETS,
+    Option,
+    allocate,
+    candidate_set,
+    fitting,
+    plan_scheme,
+    scheme_from_choice,
+)
+from kvq_export.presets import get_preset
+from kvq_export.runtime.session import KVQSession
+from kvq_export.scheme import KVQuantScheme, LayerOverride
+
+INT8, INT4 = get_preset("ort-int8").key, get_preset("ort-int4").key
+
+
+@pytest.fixture(scope="module")
+def windows() -> list[list[int]]:
+    return np.random.default_rng(5).integers(0, VOCAB, (2, 48)).tolist()
+
+
+# -- allocation ---------------------------------------------------------------------------------------------
+def _random_options(rng, layers: int, per_layer: int) -> list[list[Option]]:
+    return [[Option(INT4, INT4, float(rng.random()), int(rng.integers(10, 100))) for _ in range(per_layer)]
+            for _ in range(layers)]
+
+
+def test_allocate_matches_exhaustive_search():
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        options = _random_options(rng, 4, 3)
+        budget = int(rng.integers(60, 300))
+        feasible = [c for c in itertools.product(range(3), repeat=4)
+                    if sum(options[i][j].nbytes for i, j in enumerate(c)) <= budget]
+        if not feasible:
+            with pytest.raises(KVQError, match="no allocation fits"):
+                allocate(options, budget, resolution=budget)
+            continue
+        best = min(sum(options[i][j].damage for i, j in enumerate(c)) for c in feasible)
+        got = allocate(options, budget, resolution=budget)  # a grid of one byte: exact
+        assert sum(options[i][j].nbytes for i, j in enumerate(got)) <= budget, trial
+        assert sum(options[i][j].damage for i, j in enumerate(got)) == pytest.approx(best), trial
+
+
+def test_allocate_coarse_grid_never_exceeds_the_budget():
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        options = _random_options(rng, 6, 4)
+        budget = int(rng.integers(400, 600))
+        got = allocate(options, budget, resolution=7)
+        assert sum(options[i][j].nbytes for i, j in enumerate(got)) <= budget
+
+
+def test_scheme_from_choice_round_trips():
+    choice = [(INT4, INT4), (INT8, INT8), (INT4, INT4), (INT4, INT8)]
+    scheme = scheme_from_choice(choice, "p")
+    assert scheme.key == INT4 and scheme.value == INT4 and len(scheme.layer_overrides) == 2
+    assert scheme.streams(4) == choice
+    assert KVQuantScheme.from_json(scheme.to_json()).streams(4) == choice
+
+
+def test_candidate_sets():
+    assert CANDIDATE_SETS["ort-gqa"].tied and not CANDIDATE_SETS["kivi"].tied
+    assert len(CANDIDATE_SETS["kivi"].options()) == 25
+    custom = candidate_set("ort-int8,ort-int4,ort-int8")
+    assert custom.options() == [(INT8, INT8), (INT4, INT4)]
+    with pytest.raises(SchemeError, match="windows"):
+        candidate_set("kivi-4")
+    small = fitting(CANDIDATE_SETS["kivi"], 32)  # token groups of 64 do not fit head_dim 32
+    assert all(v.group_size == 32 for _, v in small.options()) and len(small.options()) == 5 * 2
+
+
+# -- planning on a tiny model -----------------------------------------------------------------------------
+@pytest.mark.parametrize("metric", ["attention", "kl"])
+def test_ort_gqa_plan_spends_the_budget_where_damage_is(windows, metric):
+    model = tiny_model("llama")
+    facts = model_facts(model.config)
+    context = 4096
+    low = predict(KVQuantScheme(key=INT4, value=INT4), facts, context).bits_per_element
+    high = predict(KVQuantScheme(key=INT8, value=INT8), facts, context).bits_per_element
+    budget = (low + high) / 2 + 0.01  # room for exactly one of the two layers at 8 bits
+    plan = plan_scheme(model, windows, budget=budget, context=context, candidates="ort-gqa", metric=metric,
+                       calib_method="absmax")
+    assert plan.bits_per_element <= budget
+    streams = plan.scheme.streams(2)
+    assert sorted(k.bits for k, _ in streams) == [4, 8] and all(k == v for k, v in streams)
+    damage = {(d.layer, d.key.bits): d.damage for d in plan.damages}
+    assert all(damage[(layer, 4)] > damage[(layer, 8)] for layer in range(2))
+    gain = [damage[(layer, 4)] - damage[(layer, 8)] for layer in range(2)]
+    upgraded = next(layer for layer, (k, _) in enumerate(streams) if k.bits == 8)
+    assert upgraded == int(np.argmax(gain))  # the 8 bits go to the layer where they remove more damage
+    assert plan.damage == pytest.approx(sum(damage[(layer, k.bits)] for layer, (k, _) in enumerate(streams)))
+    uniform4 = next(u for u in plan.uniform if u["key"].startswith("int4"))
+    assert plan.damage < uniform4["damage"] and uniform4["bits_per_element"] == pytest.approx(low)
+
+
+def test_untied_plan_measures_keys_and_values_separately(windows):
+    model = tiny_model("llama")
+    cset = fitting(CANDIDATE_SETS["kivi"], 32)
+    plan = plan_scheme(model, windows, budget=4.5, context=4096, candidates=cset)
+    assert plan.bits_per_element <= 4.5
+    measured = {(d.key is not None, d.value is not None) for d in plan.damages}
+    assert measured == {(True, False), (False, True)}
+    two_bit = [d for d in plan.damages if d.key is not None and d.key.bits == 2]
+    eight_bit = [d for d in plan.damages if d.key is not None and d.key.bits == 8]
+    assert sum(d.damage for d in two_bit) > sum(d.damage for d in eight_bit)
+    assert all(d.value_induced == 0 for d in plan.damages if d.value is None)  # keys alone: no value error
+
+
+def test_plan_errors(windows):
+    model = tiny_model("llama")
+    with pytest.raises(KVQError, match="no allocation fits"):
+        plan_scheme(model, windows, budget=2.0, context=4096, candidates="ort-gqa", calib_method="absmax")
+    with pytest.raises(KVQError, match="allowed: attention, kl"):
+        plan_scheme(model, windows, budget=5.0, context=4096, metric="mse")
+
+
+def test_mixed_bit_widths_export_per_layer_on_ort_gqa(tmp_path):
+    """One GroupQueryAttention node per layer, each with its own kv_cache_bit_width, equal to the reference."""
+    import onnx
+
+    scheme = KVQuantScheme(key=INT8, value=INT8, hp_dtype="fp32", name="mixed-bits",
+                           layer_overrides=(LayerOverride(1, key=INT4, value=INT4),))
+    prompts = [[5, 17, 99, 3, 42, 8, 77]]
+    static = calibrate_static_scales(tiny_model("llama"), scheme, sequences(prompts))
+    static = {layer: {part: {role: a * np.float32(1.05) for role, a in meta.items()} for part, meta in parts.items()}
+              for layer, parts in static.items()}
+    session = KVQSession(export(tiny_model("llama"), scheme, tmp_path / "x", static=static, flavor="ort-gqa"))
+    graph = onnx.load(session.directory / "model.onnx", load_external_data=False).graph
+    widths = [next(a.i for a in n.attribute if a.name == "kv_cache_bit_width") for n in graph.node
+              if n.op_type == "GroupQueryAttention"]
+    assert widths == [8, 4]
+    c = compare(session, "llama", scheme, static, prompts)
+    assert c.logits <= 1e-4 and c.worse == 0 and c.off_by_one <= c.codes // 500, c
+
+
+def test_cli_plan_writes_a_scheme(tmp_path):
+    model_dir = save_tiny_model_dir(tmp_path / "tiny")
+    rng = np.random.default_rng(2)
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(" ".join(f"w{i}" for i in rng.integers(0, VOCAB - 1, 400)))
+    out, report = tmp_path / "planned.json", tmp_path / "report.json"
+    result = CliRunner().invoke(cli, ["plan", "--model", str(model_dir), "--corpus", str(corpus), "--tokens", "128",
+                                      "--offset", "100", "--budget", "6", "--context", "1024", "--calib-method",
+                                      "absmax", "--out", str(out), "--report", str(report)])
+    assert result.exit_code == 0, result.output
+    scheme = KVQuantScheme.from_json(out.read_text())
+    assert scheme.name == "planned" and "bits/element at 1024 tokens" in result.output
+    data = json.loads(report.read_text())
+    assert data["bits_per_element"] <= 6 and len(data["damages"]) == 2 * 2  # 2 layers x 2 tied candidates
+    assert data["settings"]["offset"] == 100
+    bad = CliRunner().invoke(cli, ["plan", "--model", str(model_dir), "--corpus", str(corpus), "--budget", "1",
+                                   "--tokens", "64", "--offset", "0", "--out", str(out)])
+    assert bad.exit_code == 1 and "no allocation fits" in bad.output
+
+
+def test_kl_metric_is_zero_for_an_unquantized_candidate(windows):
+    fp32 = KVQuantScheme(hp_dtype="fp32")
+    from kvq_export.plan import CandidateSet, measure_kl
+
+    cset = CandidateSet("exact", pairs=((fp32.key, fp32.value), (INT4, INT4)))
+    static = calibrate_static_scales(tiny_model("llama"), KVQuantScheme(key=INT4, value=INT4), windows)
+    damages = measure_kl(tiny_model("llama"), windows, cset, {INT4: static}, 2)
+    exact = [d.damage for d in damages if d.key is None]
+    assert exact and max(exact) < 1e-9
+    assert min(d.damage for d in damages if d.key is not None) > 1e-7
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()  # inference mode does not leak
