@@ -384,6 +384,9 @@ def _move_into_place(new: Path, target: Path) -> None:
     never replaced.
     """
     if target.is_dir() and any(target.iterdir()):
+        if not (target / MANIFEST_NAME).is_file():
+            raise ExportError(f"{target} was filled by someone else while exporting (it is not a kvq export); "
+                              "nothing was replaced")
         if exchange(new, target):
             shutil.rmtree(new, ignore_errors=True)  # ``new`` now names the old export
             return
