@@ -1,5 +1,8 @@
-"""An export never destroys or clobbers a directory: only a kvq export is replaced, one writer at a time, and a
-crash at any point leaves the old export or the new one under the user's name."""
+"""An export never destroys or clobbers a directory.
+
+Only a kvq export is replaced, one writer at a time, and a crash at any point leaves the old export or the
+new one under the user's name.
+"""
 
 from __future__ import annotations
 

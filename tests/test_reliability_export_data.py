@@ -1,5 +1,8 @@
-"""An export is data, not code: every file stays inside the directory, the manifest is typed and checked against
-the graph, weights and calibration against their checksums; and one rule says when an export may be reused."""
+"""An export is data, not code.
+
+Every file stays inside the directory, the manifest is typed and checked against the graph, weights and
+calibration against their checksums; and one rule says when an export may be reused.
+"""
 
 from __future__ import annotations
 

@@ -155,6 +155,21 @@ class KVQSession:
     # -- contract checks ----------------------------------------------------------------------------------
     def _check_graph(self) -> None:
         """The graph's inputs/outputs and its own scheme must be exactly what the manifest promises."""
+        graph_inputs = {i.name: i for i in self.session.get_inputs()}
+        graph_outputs = {o.name: o for o in self.session.get_outputs()}
+        expected_in = {"input_ids": "int64", "attention_mask": "int64", **{t.name: t.dtype for t in self.past}}
+        expected_out = {"logits": "float32", **{present_name(t.name): t.dtype for t in self.past}}
+        for kind, graph, expected in (("input", graph_inputs, expected_in), ("output", graph_outputs, expected_out)):
+            extra = sorted(set(graph) - set(expected))
+            if extra:
+                raise RuntimeInputError(
+                    f"graph {kind} {extra[0]} is not in the manifest (manifest does not match graph)")
+            for name, dtype in expected.items():
+                if name not in graph:
+                    raise RuntimeInputError(f"manifest {kind} {name} is missing from the graph")
+                if graph[name].type != _TYPES[dtype][0]:
+                    raise RuntimeInputError(
+                        f"graph {kind} {name}: manifest says {_TYPES[dtype][0]}, graph has {graph[name].type}")
         carried = self.session.get_modelmeta().custom_metadata_map.get(GRAPH_SCHEME_KEY)
         if carried is not None:
             try:
@@ -172,21 +187,6 @@ class KVQSession:
                     isinstance(w, int) and isinstance(g, int) and w != g for w, g in zip(want, value.shape)):
                 raise RuntimeInputError(f"graph input {value.name} has shape {value.shape}, the manifest says "
                                         f"{list(want)} (manifest does not match graph)")
-        graph_inputs = {i.name: i for i in self.session.get_inputs()}
-        graph_outputs = {o.name: o for o in self.session.get_outputs()}
-        expected_in = {"input_ids": "int64", "attention_mask": "int64", **{t.name: t.dtype for t in self.past}}
-        expected_out = {"logits": "float32", **{present_name(t.name): t.dtype for t in self.past}}
-        for kind, graph, expected in (("input", graph_inputs, expected_in), ("output", graph_outputs, expected_out)):
-            extra = sorted(set(graph) - set(expected))
-            if extra:
-                raise RuntimeInputError(
-                    f"graph {kind} {extra[0]} is not in the manifest (manifest does not match graph)")
-            for name, dtype in expected.items():
-                if name not in graph:
-                    raise RuntimeInputError(f"manifest {kind} {name} is missing from the graph")
-                if graph[name].type != _TYPES[dtype][0]:
-                    raise RuntimeInputError(
-                        f"graph {kind} {name}: manifest says {_TYPES[dtype][0]}, graph has {graph[name].type}")
 
     def check_cache(self, cache: CacheState, batch: int) -> None:
         """Every past tensor present, with the manifest's dtype, rank, fixed dims and batch size."""
