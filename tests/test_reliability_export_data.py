@@ -234,3 +234,24 @@ def test_bench_and_validate_use_the_same_reuse_rule():
     for module in (bench, demo, runner):
         assert "ensure_export" in inspect.getsource(module)
     assert not hasattr(bench, "code_digest")
+
+
+def test_ensure_export_waits_for_a_concurrent_writer_then_reuses_its_export(model_dir, tmp_path):
+    import threading
+    import time
+
+    from kvq_export.export import exporter
+
+    out = ensure_export(str(model_dir), "fp16", tmp_path / "shared")
+    code = Manifest.load(out).build["kvq_code"]
+    stamp = os.stat(out / "model.onnx").st_mtime_ns
+    result = {}
+    with exporter._target_lock(out):  # another process is (re)making the shared baseline
+        _edit(out, lambda m: m["build"].update(kvq_code="stale"))
+        waiter = threading.Thread(target=lambda: result.update(path=ensure_export(str(model_dir), "fp16", out)))
+        waiter.start()
+        time.sleep(0.5)
+        assert waiter.is_alive()  # blocked on the lock, not failing and not exporting a second time
+        _edit(out, lambda m: m["build"].update(kvq_code=code))  # the other process finishes
+    waiter.join(60)
+    assert result["path"] == out and os.stat(out / "model.onnx").st_mtime_ns == stamp

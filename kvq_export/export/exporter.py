@@ -15,6 +15,7 @@ Flavours are registered: each maps a scheme + model geometry to a
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import logging
 import os
@@ -153,14 +154,21 @@ def export(
     get_flavor(flavor)
     if dtype not in DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
-    out = Path(out_dir)
+    return _export_to(model, scheme, Path(out_dir), force=force, wait=False, reuse=None, dtype=dtype, opset=opset,
+                      flavor=flavor, static=static, tokenizer=tokenizer, calib_corpus=calib_corpus,
+                      calib_tokens=calib_tokens, calib_method=calib_method, calib_percentile=calib_percentile)
+
+
+def _export_to(model, scheme: KVQuantScheme, out: Path, *, force: bool, wait: bool,
+               reuse: Callable[[], bool] | None, **options) -> Path:
+    """Check ``out``, take its lock (or wait for it), then export unless ``reuse()`` says the result is there."""
     _check_target(out, force)
-    with _target_lock(out):
+    with _target_lock(out, wait=wait):
+        if reuse is not None and reuse():  # another process made it while we waited
+            return out
         _clean_leftovers(out)
         _check_target(out, force)  # again, now that no other export can be changing it
-        return _export_locked(model, scheme, out, dtype=dtype, opset=opset, flavor=flavor, static=static,
-                              tokenizer=tokenizer, calib_corpus=calib_corpus, calib_tokens=calib_tokens,
-                              calib_method=calib_method, calib_percentile=calib_percentile)
+        return _export_locked(model, scheme, out, **options)
 
 
 def _export_locked(model, scheme: KVQuantScheme, out: Path, *, dtype: str, opset: int, flavor: str, static,
@@ -296,17 +304,31 @@ def ensure_export(model: str | os.PathLike[str] | Any, scheme: KVQuantScheme | s
 
     scheme = resolve_scheme(scheme)
     out = Path(out_dir)
+    unknown = sorted(set(options) - set(_REQUEST_DEFAULTS) - {"static", "tokenizer"})
+    if unknown:
+        raise ExportError(f"unknown export option(s) {', '.join(unknown)}")
     wanted = {key: options.get(key, default) for key, default in _REQUEST_DEFAULTS.items()}
+    get_flavor(wanted["flavor"])
+    if wanted["dtype"] not in DTYPES:
+        raise ExportError(f"unknown dtype {wanted['dtype']!r}; allowed: {', '.join(DTYPES)}")
     request = _request(model, scheme, static=options.get("static"), **wanted)
-    try:
-        manifest = Manifest.load(out)
-        if manifest.build == {"kvq_code": source_digest(), "request": request}:
-            verify_weights(out, manifest)
-            logger.info("reusing %s", out)
-            return out
-    except KVQError as err:
-        logger.info("not reusing %s: %s", out, err)
-    return export(model, scheme, out, force=True, **options)
+
+    def current() -> bool:
+        try:
+            manifest = Manifest.load(out)
+            if manifest.build == {"kvq_code": source_digest(), "request": request}:
+                verify_weights(out, manifest)
+                logger.info("reusing %s", out)
+                return True
+        except KVQError as err:
+            logger.info("not reusing %s: %s", out, err)
+        return False
+
+    if current():
+        return out
+    # concurrent callers (parallel validations sharing one baseline) wait for the first, then reuse its export
+    return _export_to(model, scheme, out, force=True, wait=True, reuse=current, static=options.get("static"),
+                      tokenizer=options.get("tokenizer"), **wanted)
 
 
 _REQUEST_DEFAULTS = {"flavor": "reference", "dtype": "fp32", "opset": DEFAULT_OPSET, "calib_corpus": None,
@@ -330,8 +352,11 @@ def _check_target(out: Path, force: bool) -> None:
 
 
 @contextmanager
-def _target_lock(out: Path) -> Iterator[None]:
-    """Hold ``.<name>.lock`` beside ``out`` for the whole export; a second export of ``out`` fails at once."""
+def _target_lock(out: Path, *, wait: bool = False) -> Iterator[None]:
+    """Hold ``.<name>.lock`` beside ``out`` for the whole export.
+
+    A second export of ``out`` fails at once, or with ``wait`` blocks until the first has finished.
+    """
     import fcntl
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -339,7 +364,7 @@ def _target_lock(out: Path) -> Iterator[None]:
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, file_mode())
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             os.close(fd)
             raise ExportError(f"another kvq export is writing {out} right now; run again when it has finished"
@@ -363,14 +388,15 @@ def _clean_leftovers(out: Path) -> None:
     An old export swapped aside (``.<name>.old-*``) while ``out`` is missing is put back first: a crash
     between the two renames of the fallback swap then costs nothing.
     """
-    for old in sorted(out.parent.glob(f".{out.name}.old-*")):
+    name = glob.escape(out.name)  # a name like "run[1]" is not a pattern
+    for old in sorted(out.parent.glob(f".{name}.old-*")):
         if not os.path.lexists(out) and (old / MANIFEST_NAME).is_file():
             logger.warning("restoring %s from %s (an export was interrupted while replacing it)", out, old.name)
             os.rename(old, out)
         else:
             logger.info("removing %s, left by an interrupted export", old)
             shutil.rmtree(old, ignore_errors=True)
-    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
+    for tmp in out.parent.glob(f".{name}.tmp-*"):
         logger.info("removing %s, left by an interrupted export", tmp)
         shutil.rmtree(tmp, ignore_errors=True)
 

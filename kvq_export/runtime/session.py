@@ -311,8 +311,8 @@ class KVQSession:
         if raw.dtype.kind not in "iu":
             raise RuntimeInputError(f"input_ids: expected integer token ids, got dtype {raw.dtype}")
         vocab = int(self.manifest.model["vocab_size"])
-        bad = (raw < 0) | (raw >= vocab)
-        if bad.any():
+        if raw.min() < 0 or raw.max() >= vocab:
+            bad = (raw < 0) | (raw >= vocab)
             row, col = (int(i) for i in np.argwhere(bad)[0])
             raise RuntimeInputError(f"input_ids[{row}, {col}] = {int(raw[row, col])} is outside the vocabulary; "
                                     f"allowed: 0 .. {vocab - 1}")
@@ -326,12 +326,12 @@ class KVQSession:
         raw = np.asarray(attention_mask)
         if raw.shape != shape:
             raise RuntimeInputError(f"attention_mask: expected shape {list(shape)}, got {list(raw.shape)}")
-        if raw.dtype.kind not in "iub" or not np.isin(raw, (0, 1)).all():
+        if raw.dtype.kind not in "iub" or raw.size and (raw.min() < 0 or raw.max() > 1):
             raise RuntimeInputError("attention_mask: allowed values are 0 (left padding) and 1 (real token), got "
                                     f"{np.unique(raw)[:8].tolist()}")
-        mask = raw.astype(np.int64)
-        unsorted = (np.diff(mask, axis=1) < 0).any(axis=1)
-        if unsorted.any():
+        mask = raw.astype(np.int64, copy=False)
+        if mask.shape[1] > 1 and (mask[:, 1:] < mask[:, :-1]).any():
+            unsorted = (mask[:, 1:] < mask[:, :-1]).any(axis=1)
             raise RuntimeInputError(f"attention_mask row {int(np.flatnonzero(unsorted)[0])} is not left-padded "
                                     "(a 0 after a 1); pad on the left: [0, .., 0, 1, .., 1]")
         return mask
@@ -351,8 +351,10 @@ class KVQSession:
 
     def _check_finite(self, logits: np.ndarray, mask: np.ndarray, fed: CacheState) -> None:
         """NaN/Inf logits of a real token: name the fed cache tensor that holds non-finite values, else the logits."""
+        if np.isfinite(logits[:, -1]).all():  # the usual case: one pass over [batch, vocab]
+            return
         real = mask[:, -1] == 1
-        if np.isfinite(logits[real, -1]).all():
+        if np.isfinite(logits[real, -1]).all():  # only padding rows (finished in generate) are not finite
             return
         for spec in self.past:
             if spec.dtype in ("float16", "float32") and spec.role != "seq_lengths":
