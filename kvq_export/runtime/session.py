@@ -289,7 +289,8 @@ class KVQSession:
         mask = self._check_mask(attention_mask, input_ids.shape)
         cache = self.empty_cache(input_ids.shape[0]) if cache is None else cache
         self.check_cache(cache, input_ids.shape[0])
-        self._check_positions(self.seq_lengths(cache).astype(np.int64) + mask.sum(axis=1))
+        if self.layout != "buffer":  # a buffer's capacity check (in _grow) refuses the same before any work
+            self._check_positions(self.seq_lengths(cache).astype(np.int64) + mask.sum(axis=1))
         if self.layout == "buffer":
             logits, new = self._step_in_place(input_ids, mask, cache)
         else:
