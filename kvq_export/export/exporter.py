@@ -32,6 +32,7 @@ from kvq_export.calibrate import DEFAULT_CALIB_TOKENS
 from kvq_export.errors import ExportError
 from kvq_export.manifest import (
     CALIBRATION_NAME,
+    COMPUTE_DTYPES,
     GRAPH_SCHEME_KEY,
     MANIFEST_NAME,
     MODEL_NAME,
@@ -44,7 +45,7 @@ from kvq_export.scheme import KVQuantScheme
 logger = logging.getLogger(__name__)
 
 DEFAULT_OPSET = 23
-DTYPES = ("fp32", "fp16")
+DTYPES = COMPUTE_DTYPES
 
 FlavorFactory = Callable[..., Any]
 FLAVORS: dict[str, FlavorFactory] = {}
