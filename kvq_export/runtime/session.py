@@ -440,7 +440,11 @@ class KVQSession:
         for row, toks in enumerate(token_lists):
             if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in toks):
                 raise RuntimeInputError(f"prompt {row}: expected text or a list of integer token ids")
-        self._check_ids(np.array([t for toks in token_lists for t in toks], dtype=np.int64)[None])
+        try:
+            flat = np.array([t for toks in token_lists for t in toks], dtype=np.int64)
+        except OverflowError:
+            raise RuntimeInputError("a prompt token id does not fit in int64 (outside the vocabulary)") from None
+        self._check_ids(flat[None])
         width = max(len(t) for t in token_lists)
         # the last sampled token is never fed: a row holds at most width + max_new_tokens - 1 tokens
         self._check_positions(np.array([width + max(max_new_tokens - 1, 0)]),
