@@ -7,6 +7,7 @@ by one user can be served by another.
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from collections.abc import Iterator
@@ -19,6 +20,54 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def file_mode() -> int:
+    """Permissions an ordinary ``open()`` gives a new file under the current umask."""
+    return 0o666 & ~_umask()
+
+
+def dir_mode() -> int:
+    """Permissions an ordinary ``mkdir()`` gives a new directory under the current umask."""
+    return 0o777 & ~_umask()
+
+
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """Linux ``renameat2``; False where the C library or the filesystem does not offer it."""
+    import ctypes
+
+    try:
+        call = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    if call(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), flags) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(dst))
+
+
+def exchange(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Swap two existing paths in one atomic step (a reader sees one or the other, never neither).
+
+    Returns False where the platform cannot (the caller then falls back to two renames).
+    """
+    return _renameat2(Path(a), Path(b), _RENAME_EXCHANGE)
+
+
+def rename_noreplace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Rename ``src`` to ``dst``; raise :class:`FileExistsError` if ``dst`` exists, even if created meanwhile."""
+    if _renameat2(Path(src), Path(dst), _RENAME_NOREPLACE):
+        return
+    if os.path.lexists(dst):  # no atomic no-replace here: the check then the rename is the best available
+        raise FileExistsError(errno.EEXIST, "exists", str(dst))
+    os.rename(src, dst)
 
 
 @contextmanager
@@ -35,7 +84,7 @@ def atomic_writer(path: str | os.PathLike[str], mode: str = "w") -> Iterator[IO]
     try:
         with os.fdopen(fd, mode) as handle:
             yield handle
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, file_mode())
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -31,9 +31,7 @@ Timings are printed, never asserted: tests only check that a bench runs and its 
 
 from __future__ import annotations
 
-import functools
 import gc
-import hashlib
 import io
 import json
 import logging
@@ -51,7 +49,6 @@ import numpy as np
 from kvq_export._atomic import atomic_write
 from kvq_export.calibrate import DEFAULT_CALIB_TOKENS
 from kvq_export.errors import DependencyError, KVQError
-from kvq_export.validate.report import write_json
 
 logger = logging.getLogger(__name__)
 
@@ -114,19 +111,6 @@ class BenchReport:
 
 
 # -- exports ------------------------------------------------------------------------------------------------
-@functools.cache
-def code_digest() -> str:
-    """Digest of kvq_export's source: a reused export was built by exactly this code (not just this version)."""
-    import kvq_export
-
-    h = hashlib.sha256()
-    root = Path(kvq_export.__file__).parent
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
-
-
 def bench_export(
     model: Any, tokenizer: Any, scheme: Any, flavor: str, root: Path, *, tag: str, dtype: str = "fp32",
     calib_corpus: str = "britannica", calib_tokens: int = DEFAULT_CALIB_TOKENS, calib_method: str = "absmax",
@@ -134,31 +118,21 @@ def bench_export(
 ) -> Path:
     """Export ``scheme`` with ``flavor`` under ``root``; reuse an earlier one made with the same parameters.
 
-    "Same" includes the kvq source that built it (:func:`code_digest`), so a code change re-exports.
+    "Same" is :func:`kvq_export.export.exporter.ensure_export`'s rule: the same request built by the same
+    kvq source (its digest, not just its version), so a code change re-exports.
     """
-    import kvq_export
-    from kvq_export.export.exporter import export
+    from kvq_export.export.exporter import ensure_export
     from kvq_export.presets import resolve_scheme
 
     scheme = resolve_scheme(scheme)
-    params = {"tag": tag, "flavor": flavor, "scheme": scheme.to_dict(), "dtype": dtype,
-              "kvq_version": kvq_export.__version__, "kvq_code": code_digest(), "bench_version": BENCH_VERSION}
-    if scheme.has_static_scales:
-        params.update(calib_corpus=calib_corpus, calib_tokens=calib_tokens, calib_method=calib_method,
-                      calib_percentile=calib_percentile, **({"calib_offset": calib_offset} if calib_offset else {}))
-    name = f"{tag}-{flavor}-{(scheme.name or 'custom').replace('/', '_')}-{dtype}"
-    directory = root / name
-    marker = directory / "bench.json"
-    if marker.is_file() and json.loads(marker.read_text()) == params:
-        logger.info("reusing %s", directory)
-        return directory
+    directory = root / f"{tag}-{flavor}-{(scheme.name or 'custom').replace('/', '_')}-{dtype}"
     start = time.perf_counter()
-    export(model, scheme, directory, dtype=dtype, flavor=flavor, force=True, tokenizer=tokenizer,
-           calib_corpus=calib_corpus if scheme.has_static_scales else None, calib_tokens=calib_tokens,
-           calib_method=calib_method, calib_percentile=calib_percentile, calib_offset=calib_offset)
-    write_json(params, marker)
-    logger.info("exported %s in %.1f s", directory, time.perf_counter() - start)
-    return directory
+    out = ensure_export(model, scheme, directory, dtype=dtype, flavor=flavor, tokenizer=tokenizer,
+                        calib_corpus=calib_corpus if scheme.has_static_scales else None, calib_tokens=calib_tokens,
+                        calib_method=calib_method, calib_percentile=calib_percentile,
+                        calib_offset=calib_offset)
+    logger.info("export %s ready in %.1f s", directory, time.perf_counter() - start)
+    return out
 
 
 # -- synthetic caches -----------------------------------------------------------------------------------------

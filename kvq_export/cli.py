@@ -188,14 +188,14 @@ def memory(model_spec: str, scheme_spec: str, seq_len: int, batch: int, as_json:
 @click.option("--model", "model_spec", default="smollm2", show_default=True,
               help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
 @click.option("--scheme", "scheme_spec", required=True, help="Preset name or scheme .json file.")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Export directory.")
+@click.option("--out", "out_dir", required=True, help="Export directory.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
               help="Compute dtype of the graph.")
 @click.option("--opset", type=click.IntRange(18), default=23, show_default=True)
 @click.option("--flavor", default="reference", show_default=True,
               help="Graph flavour: reference (standard ONNX ops, any ONNX Runtime), ort-gqa (ONNX Runtime's fused "
               "GroupQueryAttention, static int8/int4), trt (Triton/TensorRT plugin nodes).")
-@click.option("--force", is_flag=True, help="Replace an existing export directory.")
+@click.option("--force", is_flag=True, help="Replace an existing export directory (only a kvq export is replaced).")
 @calibration_options(corpus_default=None)
 def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, calib_corpus, calib_tokens,
                calib_offset, calib_method, percentile) -> None:
@@ -269,12 +269,16 @@ def plan(model_spec, corpus, tokens, offset, budget, context, candidates, metric
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None)
 @click.option("--seed", type=int, default=None)
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and cache bytes as JSON.")
-def generate(export_dir, prompts, max_new_tokens, temperature, top_k, top_p, seed, as_json) -> None:
+@click.option("--no-verify", "no_verify", is_flag=True,
+              help="Skip checking the weight files against the checksums in kvq.json (faster on trusted storage).")
+def generate(export_dir, prompts, max_new_tokens, temperature, top_k, top_p, seed, as_json, no_verify) -> None:
     """Generate text from an export directory on ONNX Runtime (quantized cache between steps)."""
     from kvq_export.runtime.sampling import SamplingConfig
     from kvq_export.runtime.session import KVQSession
 
-    session = KVQSession(export_dir)
+    for prompt in prompts:  # bytes that are not UTF-8 arrive as lone surrogates: refuse them before any work
+        _utf8_arg(prompt, "--prompt")
+    session = KVQSession(export_dir, verify_weights=not no_verify)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     stream = None
     if len(prompts) == 1 and not as_json:
@@ -328,8 +332,10 @@ class _TextStream:
 @click.option("--report", "report_out", type=click.Path(dir_okay=False), default=None,
               help="Write a self-contained HTML report here.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--no-verify", "no_verify", is_flag=True,
+              help="Skip checking the weight files against the checksums in kvq.json (faster on trusted storage).")
 def validate(export_dir, baseline, corpus, windows, window_len, offset, chunk, prompts_file, gen_tokens, json_out,
-             report_out, quiet) -> None:
+             report_out, quiet, no_verify) -> None:
     """Compare an export with its fp16 baseline: tokens, attention (key vs value error), memory, latency."""
     from rich.table import Table
 
@@ -339,11 +345,10 @@ def validate(export_dir, baseline, corpus, windows, window_len, offset, chunk, p
 
     prompts = DEFAULT_PROMPTS
     if prompts_file:
-        with open(prompts_file) as f:
-            prompts = tuple(line.rstrip("\n") for line in f if line.strip())
+        prompts = tuple(line for line in _utf8_text(prompts_file, "prompts file").splitlines() if line.strip())
     config = ValidateConfig(corpus=corpus, windows=windows, window_len=window_len, offset=offset, chunk=chunk,
                             prompts=prompts, gen_tokens=gen_tokens)
-    result = run_validation(export_dir, baseline, config, progress=not quiet)
+    result = run_validation(export_dir, baseline, config, progress=not quiet, verify_weights=not no_verify)
     if json_out:
         report.write_json(result, json_out)
     if report_out:
@@ -372,8 +377,10 @@ def validate(export_dir, baseline, corpus, windows, window_len, offset, chunk, p
 @click.option("--prompt-len", type=click.IntRange(1), default=48, show_default=True)
 @click.option("--batch", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--no-verify", "no_verify", is_flag=True,
+              help="Skip checking the weight files against the checksums in kvq.json (faster on trusted storage).")
 def compare(dir_a, dir_b, backend, engine, logits_atol, logits_rtol, cache_atol, cache_rtol, steps, prompt_len, batch,
-            seed) -> None:
+            seed, no_verify) -> None:
     """Run two exports (or an engine and its ONNX reference) through Polygraphy's Comparator; exit 1 on mismatch."""
     from kvq_export.validate.compare import Tolerances, compare_exports
 
@@ -387,7 +394,7 @@ def compare(dir_a, dir_b, backend, engine, logits_atol, logits_rtol, cache_atol,
     else:
         if dir_b is None:
             raise click.UsageError("--backend onnxrt compares two export directories: give DIR_B")
-        ok = compare_exports(dir_a, dir_b, tol, **run)
+        ok = compare_exports(dir_a, dir_b, tol, verify_weights=not no_verify, **run)
         other = dir_b
     if not ok:
         click.echo(f"error: {dir_a} and {other} differ beyond tolerance", err=True)
@@ -409,6 +416,23 @@ def build(export_dir, fp16, max_batch, max_context, max_prefill, output) -> None
     path = build_engine(export_dir, fp16=fp16, max_batch=max_batch, max_context=max_context,
                         max_prefill=max_prefill, output=output)
     click.echo(f"engine written to {path}")
+
+
+def _utf8_text(path: str, what: str) -> str:
+    """A text file's content; bytes that are not UTF-8 are a one-line error, not a traceback."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except UnicodeDecodeError as err:
+        raise KVQError(f"{what} {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+def _utf8_arg(text: str, option: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise KVQError(f"{option} {text[:40]!r} is not UTF-8 text") from None
+    return text
 
 
 def _ints(text: str) -> list[int]:

@@ -39,24 +39,17 @@ class DemoRow:
     prompt_tokens: int
 
 
-def ensure_export(model_spec: str, scheme_spec: str, workdir: Path) -> Path:
-    """Reuse ``workdir/<model>-<scheme>`` if it is a complete export of the same scheme and kvq version."""
-    import kvq_export
-    from kvq_export.errors import KVQError
-    from kvq_export.export.exporter import export
-    from kvq_export.manifest import Manifest
-
+def baseline_dir(model_spec: str, scheme_spec: str, workdir: Path) -> Path:
+    """Where the demo and validation keep ``model_spec`` exported with ``scheme_spec``."""
     scheme = resolve_scheme(scheme_spec)
-    out = workdir / f"{Path(model_spec).name}-{scheme.name or 'custom'}"
-    try:
-        manifest = Manifest.load(out)
-        if (manifest.scheme == scheme and manifest.kvq_version == kvq_export.__version__
-                and manifest.model.get("source") == model_spec and manifest.flavor == "reference"):
-            logger.info("reusing %s", out)
-            return out
-    except KVQError:
-        pass
-    return export(model_spec, scheme, out, force=True)
+    return workdir / f"{Path(model_spec).name}-{scheme.name or 'custom'}"
+
+
+def ensure_export(model_spec: str, scheme_spec: str, workdir: Path) -> Path:
+    """``workdir/<model>-<scheme>``, reused while current (see :func:`kvq_export.export.exporter.ensure_export`)."""
+    from kvq_export.export.exporter import ensure_export as ensure
+
+    return ensure(model_spec, scheme_spec, baseline_dir(model_spec, scheme_spec, workdir))
 
 
 def run_demo(model_spec: str, scheme_spec: str, prompt: str, max_new_tokens: int,

@@ -9,6 +9,7 @@ runtime can check its own decoder.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvq_export._atomic import atomic_write
-from kvq_export.errors import RuntimeInputError
+from kvq_export.errors import KVQError, RuntimeInputError
 from kvq_export.naming import PARTS, CacheTensor, cache_tensors, layout_for_flavor, tensor_name
 from kvq_export.reference.cache import split_lengths
 from kvq_export.scheme import KVQuantScheme
@@ -28,6 +29,16 @@ MANIFEST_NAME = "kvq.json"
 MODEL_NAME = "model.onnx"
 CALIBRATION_NAME = "calibration.npz"
 FORMAT_VERSION = 1
+#: The files whose sha256 the manifest records at export and a loader verifies (the graph and its weights).
+WEIGHT_FILES = (MODEL_NAME, MODEL_NAME + ".data")
+#: ONNX metadata key under which the graph carries the scheme it was built for (compared with the manifest's).
+GRAPH_SCHEME_KEY = "kvq.scheme"
+#: Compute dtypes an export can have.
+COMPUTE_DTYPES = ("fp32", "fp16")
+#: Model facts every reader relies on: positive integers.
+_MODEL_INTS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_position_embeddings")
+#: Upper bounds of the structural facts: a mistyped huge value must not make a loader build millions of names.
+_MODEL_INT_MAX = {"num_layers": 4096, "num_heads": 4096, "num_kv_heads": 4096, "head_dim": 65536}
 
 #: How a runtime finds the valid entries of each region; repeated in every manifest for its readers.
 LAYOUT_RULES = (
@@ -84,6 +95,8 @@ class Manifest:
     calibration: dict[str, Any] | None = None
     format_version: int = FORMAT_VERSION
     layout: str | None = None  # cache layout name; None: the flavour's (see naming.layout_for_flavor)
+    weights: dict[str, Any] | None = None  # {file: {"sha256", "bytes"}} recorded at export
+    build: dict[str, Any] | None = None  # {"kvq_code": source digest, "request": what shaped the export}
 
     # -- the cache ------------------------------------------------------------------------------------
     @property
@@ -116,6 +129,8 @@ class Manifest:
             "calibration": self.calibration,
             "inputs": self.inputs,
             "outputs": self.outputs,
+            "weights": self.weights,
+            "build": self.build,
             "cache": {
                 "layout": LAYOUT_TEXT[self.cache_layout],
                 "layout_name": self.cache_layout,
@@ -141,54 +156,186 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Manifest:
-        """Parse and check a manifest dict (the cache section must match the scheme's naming)."""
+        """Parse and check a manifest dict: every field's type, the scheme against the model, the cache section.
+
+        Anything malformed is a :class:`RuntimeInputError` naming the field, never another exception.
+        """
         try:
-            version = int(data["format_version"])
-            if version != FORMAT_VERSION:
-                raise RuntimeInputError(
-                    f"manifest format_version {version} is not supported (expected {FORMAT_VERSION})")
-            manifest = cls(
-                scheme=KVQuantScheme.from_dict(data["scheme"]), model=dict(data["model"]), flavor=data["flavor"],
-                opset=int(data["opset"]), dtype=data["dtype"], kvq_version=data["kvq_version"],
-                inputs=list(data["inputs"]), outputs=list(data["outputs"]), tokenizer=dict(data.get("tokenizer") or {}),
-                calibration=data.get("calibration"), format_version=version,
-                layout=(data.get("cache") or {}).get("layout_name"),
-            )
-        except KeyError as err:
-            raise RuntimeInputError(f"manifest is missing the field {err.args[0]!r}") from None
+            return cls._from_dict(data)
+        except KVQError as err:
+            raise RuntimeInputError(f"invalid manifest: {err}") from None
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as err:
+            raise RuntimeInputError(f"invalid manifest: malformed content ({type(err).__name__}: {err})") from None
+
+    @classmethod
+    def _from_dict(cls, data: Mapping[str, Any]) -> Manifest:
+        if not isinstance(data, Mapping):
+            raise RuntimeInputError(f"expected a JSON object, got {type(data).__name__}")
+        version = _get(data, "format_version", int)
+        if version != FORMAT_VERSION:
+            raise RuntimeInputError(f"format_version {version} is not supported (expected {FORMAT_VERSION})")
+        model = _get(data, "model", dict)
+        for name in _MODEL_INTS:
+            value = _get(model, name, int, where="model.")
+            if not 1 <= value <= _MODEL_INT_MAX.get(name, 2**40):
+                raise RuntimeInputError(f"field 'model.{name}' is {value}; allowed: 1 .. "
+                                        f"{_MODEL_INT_MAX.get(name, 2**40)}")
+        dtype = _get(data, "dtype", str)
+        if dtype not in COMPUTE_DTYPES:
+            raise RuntimeInputError(f"field 'dtype' is {dtype!r}; allowed: {', '.join(COMPUTE_DTYPES)}")
+        cache = _get(data, "cache", dict, optional=True) or {}
+        calibration = _get(data, "calibration", dict, optional=True)
+        if calibration is not None:
+            _get(calibration, "file", str, where="calibration.")
+            _get(calibration, "digest", str, where="calibration.")
+        weights = _get(data, "weights", dict, optional=True)
+        for name, entry in (weights or {}).items():
+            if not isinstance(entry, dict):
+                raise RuntimeInputError(f"field 'weights.{name}' must be an object")
+            _get(entry, "sha256", str, where=f"weights.{name}.")
+            _get(entry, "bytes", int, where=f"weights.{name}.")
+        scheme = KVQuantScheme.from_dict(_get(data, "scheme", dict))
+        scheme.check_model(int(model["num_layers"]), int(model["head_dim"]))
+        manifest = cls(
+            scheme=scheme, model=dict(model), flavor=_get(data, "flavor", str), opset=_get(data, "opset", int),
+            dtype=dtype, kvq_version=_get(data, "kvq_version", str), inputs=_list_of_objects(data, "inputs"),
+            outputs=_list_of_objects(data, "outputs"), tokenizer=dict(_get(data, "tokenizer", dict, optional=True)
+                                                                      or {}),
+            calibration=calibration, format_version=version,
+            layout=_get(cache, "layout_name", str, optional=True, where="cache."), weights=weights,
+            build=_get(data, "build", dict, optional=True),
+        )
         if manifest.cache_layout not in LAYOUT_TEXT:
-            raise RuntimeInputError(f"manifest cache layout {manifest.cache_layout!r} is not supported "
+            raise RuntimeInputError(f"cache layout {manifest.cache_layout!r} is not supported "
                                     f"(known: {', '.join(LAYOUT_TEXT)})")
-        listed = [t["name"] for t in data.get("cache", {}).get("past", [])]
+        if scheme.has_static_scales and calibration is None:
+            raise RuntimeInputError("the scheme uses static scales but no calibration file is named")
+        listed = [t.get("name") if isinstance(t, dict) else t for t in _list_of_objects(cache, "past", "cache.")] \
+            if "past" in cache else []
         expected = [t.name for t in manifest.cache("past")]
         if listed != expected:
-            raise RuntimeInputError("manifest cache section does not match its scheme: "
+            raise RuntimeInputError("cache section does not match its scheme: "
                                     f"{len(listed)} listed vs {len(expected)} expected tensors")
         return manifest
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> Manifest:
-        """Read ``DIR/kvq.json``."""
+        """Read ``DIR/kvq.json`` and check that every file it names lies inside ``DIR``."""
         path = Path(directory) / MANIFEST_NAME
         if not path.is_file():
             raise RuntimeInputError(f"{directory} is not a kvq export directory: {MANIFEST_NAME} is missing")
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise RuntimeInputError(f"{path} is not UTF-8 text: {err}") from None
         except json.JSONDecodeError as err:
             raise RuntimeInputError(f"{path} is not valid JSON: {err}") from None
-        return cls.from_dict(data)
+        except RecursionError:
+            raise RuntimeInputError(f"{path} is not valid JSON: nested too deeply") from None
+        manifest = cls.from_dict(data)
+        check_export_files(directory, manifest)
+        return manifest
+
+
+def _get(data: Mapping[str, Any], name: str, kind: type, *, optional: bool = False, where: str = "") -> Any:
+    """``data[name]`` if it has type ``kind`` (bool is not an int); a missing optional field is None."""
+    if name not in data or (optional and data[name] is None):
+        if optional:
+            return None
+        raise RuntimeInputError(f"missing the field {where + name!r}")
+    value = data[name]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        label = {int: "an integer", str: "a string", dict: "an object", list: "a list"}.get(kind, kind.__name__)
+        raise RuntimeInputError(f"field {where + name!r} must be {label}, got {type(value).__name__}")
+    return value
+
+
+def _list_of_objects(data: Mapping[str, Any], name: str, where: str = "") -> list[dict[str, Any]]:
+    items = _get(data, name, list, where=where)
+    if not all(isinstance(item, dict) for item in items):
+        raise RuntimeInputError(f"field {where + name!r} must be a list of objects")
+    return list(items)
+
+
+# -- the export directory's files ------------------------------------------------------------------------
+def resolve_inside(directory: str | os.PathLike[str], name: str) -> Path:
+    """``DIR/name`` resolved, refused unless it lies inside ``DIR`` (no ``..``, absolute path or symlink out)."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise RuntimeInputError(f"{directory}: the file name {name!r} is not a plain name inside the export")
+    root = Path(directory).resolve()
+    path = (root / name).resolve()
+    if not path.is_relative_to(root):
+        raise RuntimeInputError(f"{directory}: {name} resolves to {path}, outside the export directory; an "
+                                "export may only use its own files")
+    return path
+
+
+def check_export_files(directory: str | os.PathLike[str], manifest: Manifest) -> None:
+    """Every file the manifest names, and every entry of the directory (tokenizer files), lies inside it."""
+    for name in [*(manifest.weights or {}), *([manifest.calibration["file"]] if manifest.calibration else [])]:
+        resolve_inside(directory, name)
+    for entry in Path(directory).iterdir():
+        resolve_inside(directory, entry.name)
+
+
+def weight_checksums(directory: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """``{file: {"sha256", "bytes"}}`` of the graph and its weights (what a loader verifies)."""
+    directory = Path(directory)
+    return {name: {"sha256": _sha256(directory / name), "bytes": (directory / name).stat().st_size}
+            for name in WEIGHT_FILES if (directory / name).is_file()}
+
+
+def verify_weights(directory: str | os.PathLike[str], manifest: Manifest) -> None:
+    """Raise unless every weight file matches the checksum the manifest recorded at export."""
+    if not manifest.weights:
+        raise RuntimeInputError(f"{directory}: the manifest records no weight checksums (exported by an older "
+                                "kvq?): export it again, or skip the check (verify_weights=False / --no-verify)")
+    for name, want in manifest.weights.items():
+        path = resolve_inside(directory, name)
+        if not path.is_file():
+            raise RuntimeInputError(f"{directory}: {name} is missing")
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            raise RuntimeInputError(f"{path} has {size} bytes, the export wrote {want['bytes']}: truncated or "
+                                    "replaced; export again (or skip the check: verify_weights=False / --no-verify)")
+        if _sha256(path) != want["sha256"]:
+            raise RuntimeInputError(f"{path} does not match its sha256 in {MANIFEST_NAME}: corrupted or edited; "
+                                    "export again (or skip the check: verify_weights=False / --no-verify)")
+
+
+def _sha256(path: Path) -> str:
+    """sha256 of a file, remembered per (path, inode, size, mtime): a process hashes an unchanged file once."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        with open(path, "rb") as handle:
+            _DIGESTS[key] = hashlib.file_digest(handle, "sha256").hexdigest()
+    return _DIGESTS[key]
+
+
+_DIGESTS: dict[tuple, str] = {}
 
 
 def load_static(directory: str | os.PathLike[str], manifest: Manifest) -> dict | None:
     """The calibrated static scales the manifest names, as ``{layer: {part: {role: array}}}``."""
     if not manifest.calibration:
         return None
-    path = Path(directory) / manifest.calibration["file"]
-    with np.load(path) as data:
-        out: dict[int, dict[str, dict[str, np.ndarray]]] = {}
-        for key in data.files:
-            layer, part, role = key.split(".")
-            out.setdefault(int(layer), {}).setdefault(part, {})[role] = data[key]
+    from kvq_export.calibrate import calibration_digest
+
+    path = resolve_inside(directory, manifest.calibration["file"])
+    out: dict[int, dict[str, dict[str, np.ndarray]]] = {}
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            for key in data.files:
+                layer, part, role = key.split(".")
+                out.setdefault(int(layer), {}).setdefault(part, {})[role] = data[key]
+    except (OSError, ValueError, EOFError) as err:
+        raise RuntimeInputError(f"{path} is not a readable calibration file: {err}") from None
+    want = manifest.calibration["digest"]
+    got = calibration_digest(out, len(want)) if out else ""
+    if got != want:
+        raise RuntimeInputError(f"{path} does not match the calibration digest in {MANIFEST_NAME} "
+                                f"({got or 'empty'} != {want}): the scales were edited or replaced; export again")
     return out
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from kvq_export._atomic import dir_mode
 from kvq_export.errors import ModelError
 
 if TYPE_CHECKING:
@@ -138,15 +139,34 @@ def load_config(spec: str | os.PathLike[str]) -> PretrainedConfig:
     source = resolve_spec(spec)
     from transformers import AutoConfig
 
-    if source.kind == "gguf":
-        cached = gguf_cache_dir(source.path)
-        if (cached / "config.json").is_file():
-            return AutoConfig.from_pretrained(cached, local_files_only=True)
-        # Parses the GGUF metadata (a few seconds: the tokenizer arrays dominate), no tensors.
-        return AutoConfig.from_pretrained(
-            source.path.parent, gguf_file=source.path.name, local_files_only=True
-        )
-    return AutoConfig.from_pretrained(source.path, local_files_only=True)
+    with _unreadable_as_model_error(source.path):
+        if source.kind == "gguf":
+            cached = gguf_cache_dir(source.path)
+            if (cached / "config.json").is_file():
+                return AutoConfig.from_pretrained(cached, local_files_only=True, trust_remote_code=False)
+            # Parses the GGUF metadata (a few seconds: the tokenizer arrays dominate), no tensors.
+            return AutoConfig.from_pretrained(
+                source.path.parent, gguf_file=source.path.name, local_files_only=True, trust_remote_code=False
+            )
+        return AutoConfig.from_pretrained(source.path, local_files_only=True, trust_remote_code=False)
+
+
+@contextlib.contextmanager
+def _unreadable_as_model_error(path: Path):
+    """A truncated or garbage model file (GGUF, config, weights) becomes one :class:`ModelError` line.
+
+    The readers below raise plain ``ValueError``/``OSError``/``EOFError``/``struct.error`` (and numpy's
+    ``IndexError`` on a short tensor) for bad bytes; those are bad input here, not bugs.
+    """
+    import struct
+
+    try:
+        yield
+    except ModelError:
+        raise
+    except (ValueError, OSError, EOFError, KeyError, IndexError, struct.error, UnicodeDecodeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelError(f"cannot read the model at {path}: {first}") from None
 
 
 def load_model(spec: str | os.PathLike[str]) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
@@ -155,8 +175,9 @@ def load_model(spec: str | os.PathLike[str]) -> tuple[PreTrainedModel, PreTraine
     A GGUF source is converted to fp32 once and cached (see :func:`gguf_cache_dir`).
     """
     source = resolve_spec(spec)
-    model_dir = source.path if source.kind == "hf_dir" else _ensure_fp32_cache(source.path)
-    return _load_hf_dir(model_dir)
+    with _unreadable_as_model_error(source.path):
+        model_dir = source.path if source.kind == "hf_dir" else _ensure_fp32_cache(source.path)
+        return _load_hf_dir(model_dir)
 
 
 def _load_hf_dir(model_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
@@ -166,11 +187,13 @@ def _load_hf_dir(model_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerB
 
     hf_logging.disable_progress_bar()  # library code: no progress bars on stderr for a sub-second load
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    # a model is data: code it ships (auto_map) is never run, and never asked about
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True,
+                                                 trust_remote_code=False)
     model.eval()
     tokenizer = None
     if any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     else:
         logger.warning("no tokenizer files in %s; returning tokenizer=None", model_dir)
     logger.info("loaded %s in %.1f s", model_dir, time.perf_counter() - start)
@@ -194,7 +217,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    kwargs = {"gguf_file": gguf_path.name, "local_files_only": True}
+    kwargs = {"gguf_file": gguf_path.name, "local_files_only": True, "trust_remote_code": False}
     # dequantize=True loads a plain fp32 model (no GGUF quantizer attached, so save_pretrained works)
     # and never keeps packed GGUF blocks, even where a GGUF matmul kernel is installed.
     model = AutoModelForCausalLM.from_pretrained(
@@ -219,7 +242,7 @@ def write_dir_atomically(target: Path, write: Callable[[Path], None]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
     try:
         write(tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it 0700
+        tmp.chmod(dir_mode())  # mkdtemp makes it 0700; the files inside follow the umask, so does it
         os.replace(tmp, target)
     except OSError:
         if not target.is_dir():

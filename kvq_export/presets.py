@@ -124,7 +124,11 @@ def resolve_scheme(spec: str | KVQuantScheme) -> KVQuantScheme:
     if path.suffix == ".json" or path.is_file():
         if not path.is_file():
             raise SchemeError(f"scheme file {spec} does not exist")
-        scheme = KVQuantScheme.from_json(path.read_text())
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise SchemeError(f"scheme file {spec} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+        scheme = KVQuantScheme.from_json(text)
         return scheme if scheme.name else scheme.with_name(path.stem)
     raise SchemeError(f"unknown scheme {spec!r}; allowed: a preset ({', '.join(PRESETS)}) or a scheme .json file")
 

@@ -163,10 +163,15 @@ class TensorQuant:
 
     # -- validation ------------------------------------------------------------------------------
     def _validate(self) -> None:
+        for name in ("format", "axis", "scale_dtype", "scales", "quantizer", "rotation"):  # not a name: refuse
+            if not isinstance(getattr(self, name), str):
+                raise _fail(name, getattr(self, name), "allowed: a string")
         if self.rotation not in ROTATIONS:
             raise _fail("rotation", self.rotation, f"allowed: {', '.join(ROTATIONS)}")
         if self.format not in FORMATS:
             raise _fail("format", self.format, f"allowed: {', '.join(FORMATS)}")
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int):  # 4.0 or "4" is refused everywhere
+            raise _fail("bits", self.bits, "allowed: an integer (2, 4, 5, 8, or 16 for fp16)")
         if self.quantizer not in QUANTIZERS:
             raise _fail("quantizer", self.quantizer, f"allowed: {', '.join(QUANTIZERS)}")
         if self.quantizer == "ggml":
@@ -174,6 +179,11 @@ class TensorQuant:
         if self.format == "fp16":
             if self.bits != 16:
                 raise _fail("bits", self.bits, "allowed for format fp16: 16")
+            meaningless = [(name, getattr(self, name)) for name, default in _FP16_DEFAULTS.items()
+                           if isinstance(getattr(self, name), bool) or getattr(self, name) != default]
+            if meaningless:
+                name, value = meaningless[0]
+                raise _fail(name, value, f"format fp16 is not quantized: leave {name} out (it would mean nothing)")
             return
         if self.format == "fp8_e4m3" and self.bits != 8:
             raise _fail("bits", self.bits, "allowed for format fp8_e4m3: 8")
@@ -273,6 +283,10 @@ class TensorQuant:
 
 
 _TQ_FIELDS = tuple(f.name for f in dataclasses.fields(TensorQuant))
+#: Fields that mean nothing for an unquantized stream, with the only values it may carry.
+#: Fields that mean nothing on an unquantized stream (rotation does: an fp16 stream may be stored rotated).
+_FP16_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TensorQuant)
+                  if f.name not in ("format", "bits", "rotation")}
 
 
 @dataclass(frozen=True)
@@ -309,8 +323,10 @@ class KVQuantScheme:
         for label, count in (("residual_length", self.residual_length), ("sink_tokens", self.sink_tokens)):
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
                 raise _fail(label, count, "allowed: an integer >= 0")
-        if self.hp_dtype not in HP_DTYPES:
+        if not isinstance(self.hp_dtype, str) or self.hp_dtype not in HP_DTYPES:
             raise _fail("hp_dtype", self.hp_dtype, f"allowed: {', '.join(HP_DTYPES)}")
+        if self.name is not None and not isinstance(self.name, str):
+            raise _fail("name", self.name, "allowed: a string or null")
         overrides = tuple(sorted(self.layer_overrides, key=lambda o: o.layer))
         layers = [o.layer for o in overrides]
         if len(set(layers)) != len(layers):
@@ -411,6 +427,8 @@ class KVQuantScheme:
                 f"unknown field(s) {', '.join(unknown)} in scheme; allowed: {', '.join(_SCHEME_FIELDS)}"
             )
         overrides = []
+        if not isinstance(data.get("layer_overrides") or [], (list, tuple)):
+            raise _fail("layer_overrides", data["layer_overrides"], "allowed: a list of {layer, key, value} objects")
         for i, item in enumerate(data.get("layer_overrides") or ()):
             if not isinstance(item, Mapping) or "layer" not in item:
                 raise SchemeError(f"invalid layer_overrides[{i}]: expected an object with 'layer' and key/value")

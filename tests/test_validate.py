@@ -238,6 +238,8 @@ def test_kvq_compare_passes_on_itself_and_fails_on_a_perturbed_export(tiny, tmp_
     weight.CopyFrom(numpy_helper.from_array(array, weight.name))
     onnx.save(model, str(perturbed / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
     proc = _kvq("compare", str(tiny["int4-sym-g32"]), str(perturbed))
+    assert proc.returncode == 1 and "export again (or skip the check" in proc.stderr  # edited weights: refused ...
+    proc = _kvq("compare", str(tiny["int4-sym-g32"]), str(perturbed), "--no-verify")  # ... unless the check is skipped
     assert proc.returncode == 1 and "differ beyond tolerance" in proc.stderr
 
 

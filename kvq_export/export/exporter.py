@@ -2,33 +2,50 @@
 
 The directory holds ``model.onnx`` (+ ``model.onnx.data``), the tokenizer files, the calibration file
 for static-scale schemes, and ``kvq.json`` (the manifest). It is written into a hidden temporary
-directory beside the target and renamed into place at the end, so a half-written export never looks
-complete.
+directory beside the target and swapped into place at the end, so a half-written export never looks
+complete and a crash leaves the old export or the new one. A lock file beside the target lets one export
+of a directory run at a time; ``force`` replaces only a directory that holds a kvq manifest. The manifest
+records sha256 checksums of the weight files, and the graph carries its scheme, so a loader can refuse
+corrupted weights and an edited manifest.
 
 Flavours are registered: each maps a scheme + model geometry to a
-:class:`~kvq_export.export.decoder.CacheGraph`. This issue ships ``reference`` (standard ONNX ops only).
+:class:`~kvq_export.export.decoder.CacheGraph`; ``reference`` (standard ONNX ops only) is built in.
 """
 
 from __future__ import annotations
 
+import functools
+import glob
+import hashlib
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvq_export._atomic import dir_mode, exchange, file_mode, rename_noreplace
 from kvq_export.calibrate import DEFAULT_CALIB_TOKENS
 from kvq_export.errors import ExportError
-from kvq_export.manifest import CALIBRATION_NAME, MODEL_NAME, Manifest
+from kvq_export.manifest import (
+    CALIBRATION_NAME,
+    COMPUTE_DTYPES,
+    GRAPH_SCHEME_KEY,
+    MANIFEST_NAME,
+    MODEL_NAME,
+    Manifest,
+    verify_weights,
+    weight_checksums,
+)
 from kvq_export.scheme import KVQuantScheme
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_OPSET = 23
-DTYPES = ("fp32", "fp16")
+DTYPES = COMPUTE_DTYPES
 
 FlavorFactory = Callable[..., Any]
 FLAVORS: dict[str, FlavorFactory] = {}
@@ -134,20 +151,42 @@ def export(
     ``calib_offset`` on are used);
     without either they are refused. Returns the export directory.
     """
-    import kvq_export
-    from kvq_export.export.arch import get_arch
-    from kvq_export.export.builder import save
-    from kvq_export.export.decoder import build_decoder
     from kvq_export.presets import resolve_scheme
 
     scheme = resolve_scheme(scheme)
     get_flavor(flavor)
     if dtype not in DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
-    out = Path(out_dir)
-    if out.exists() and not force:
-        raise ExportError(f"{out} already exists; pass --force (force=True) to replace it")
+    return _export_to(model, scheme, Path(out_dir), force=force, wait=False, reuse=None, dtype=dtype, opset=opset,
+                      flavor=flavor, static=static, tokenizer=tokenizer, calib_corpus=calib_corpus,
+                      calib_tokens=calib_tokens, calib_method=calib_method, calib_percentile=calib_percentile,
+                      calib_offset=calib_offset)
 
+
+def _export_to(model, scheme: KVQuantScheme, out: Path, *, force: bool, wait: bool,
+               reuse: Callable[[], bool] | None, **options) -> Path:
+    """Check ``out``, take its lock (or wait for it), then export unless ``reuse()`` says the result is there."""
+    _check_target(out, force)
+    with _target_lock(out, wait=wait):
+        if reuse is not None and reuse():  # another process made it while we waited
+            return out
+        _clean_leftovers(out)
+        _check_target(out, force)  # again, now that no other export can be changing it
+        return _export_locked(model, scheme, out, **options)
+
+
+def _export_locked(model, scheme: KVQuantScheme, out: Path, *, dtype: str, opset: int, flavor: str, static,
+                   tokenizer, calib_corpus, calib_tokens: int, calib_method: str, calib_percentile: float,
+                   calib_offset: int) -> Path:
+    """The body of :func:`export`, run while this process holds ``out``'s lock."""
+    import kvq_export
+    from kvq_export.export.arch import get_arch
+    from kvq_export.export.builder import save
+    from kvq_export.export.decoder import build_decoder
+
+    request = _request(model, scheme, flavor=flavor, dtype=dtype, opset=opset, static=static,
+                       calib_corpus=calib_corpus, calib_tokens=calib_tokens, calib_method=calib_method,
+                       calib_percentile=calib_percentile, calib_offset=calib_offset)
     start = time.perf_counter()
     source = None
     if isinstance(model, (str, os.PathLike)):
@@ -174,8 +213,9 @@ def export(
                             head_dim=arch.head_dim, static=static)
     graph = build_decoder(model, arch, cache, dtype=dtype, opset=opset)
     logger.info("built the %s graph in %.1f s", flavor, time.perf_counter() - start)
+    # the graph carries its own scheme: a loader compares it with the manifest (an edited kvq.json is refused)
+    graph.metadata_props[GRAPH_SCHEME_KEY] = scheme.to_json(indent=None)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         save(graph, tmp / MODEL_NAME)
@@ -196,10 +236,11 @@ def export(
                      "meaning": "1 = real token, 0 = left padding of this call's tokens"}],
             outputs=[{"name": "logits", "dtype": "float32", "shape": ["batch", "seq", arch.vocab_size]}],
             tokenizer=_tokenizer_facts(tokenizer, config), calibration=calibration,
+            weights=weight_checksums(tmp), build={"kvq_code": source_digest(), "request": request},
         )
         manifest.save(tmp)  # last: a directory with kvq.json is complete
-        os.chmod(tmp, 0o755)
-        _replace_dir(tmp, out)
+        os.chmod(tmp, dir_mode())  # mkdtemp makes it 0700; the files inside follow the umask, so does it
+        _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -219,12 +260,174 @@ def _calibrate(model, tokenizer, scheme, corpus: str, tokens: int, method: str, 
     return static, sum(len(w) for w in windows)
 
 
-def _replace_dir(new: Path, target: Path) -> None:
-    """Move ``new`` to ``target``; an existing target is swapped out first, then removed."""
-    if target.exists():
+def source_digest() -> str:
+    """Digest of kvq_export's source: which code built an export (finer than the version number)."""
+    return _source_digest()
+
+
+@functools.cache
+def _source_digest() -> str:
+    import kvq_export
+
+    h = hashlib.sha256()
+    root = Path(kvq_export.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _request(model, scheme: KVQuantScheme, *, flavor: str, dtype: str, opset: int, static, calib_corpus,
+             calib_tokens: int, calib_method: str, calib_percentile: float, calib_offset: int) -> dict[str, Any]:
+    """Everything that shapes an export, as JSON: two equal requests from one kvq source give one export."""
+    request: dict[str, Any] = {"source": str(model) if isinstance(model, (str, os.PathLike)) else None,
+                               "scheme": {**scheme.to_dict(), "name": None}, "flavor": flavor, "dtype": dtype,
+                               "opset": opset}
+    if scheme.has_static_scales:
+        if static is not None:
+            from kvq_export.calibrate import calibration_digest
+
+            request["static"] = calibration_digest(static)
+        else:
+            request["calibration"] = {"corpus": str(calib_corpus), "tokens": calib_tokens, "method": calib_method,
+                                      "percentile": calib_percentile, "offset": calib_offset}
+    return request
+
+
+def ensure_export(model: str | os.PathLike[str] | Any, scheme: KVQuantScheme | str,
+                  out_dir: str | os.PathLike[str], **options) -> Path:
+    """``out_dir`` if it is an intact export this exact kvq source built from the same request, else a new one.
+
+    The one rule for reusing an export (an automatic validation baseline, benchmark exports): the manifest's
+    ``build`` section must name this source's :func:`source_digest` and the same model, scheme, flavour, dtype,
+    opset and calibration, and its weights must match their checksums. ``options`` are :func:`export`'s.
+    """
+    from kvq_export.errors import KVQError
+    from kvq_export.presets import resolve_scheme
+
+    scheme = resolve_scheme(scheme)
+    out = Path(out_dir)
+    unknown = sorted(set(options) - set(_REQUEST_DEFAULTS) - {"static", "tokenizer"})
+    if unknown:
+        raise ExportError(f"unknown export option(s) {', '.join(unknown)}")
+    wanted = {key: options.get(key, default) for key, default in _REQUEST_DEFAULTS.items()}
+    get_flavor(wanted["flavor"])
+    if wanted["dtype"] not in DTYPES:
+        raise ExportError(f"unknown dtype {wanted['dtype']!r}; allowed: {', '.join(DTYPES)}")
+    request = _request(model, scheme, static=options.get("static"), **wanted)
+
+    def current() -> bool:
+        try:
+            manifest = Manifest.load(out)
+            if manifest.build == {"kvq_code": source_digest(), "request": request}:
+                verify_weights(out, manifest)
+                logger.info("reusing %s", out)
+                return True
+        except KVQError as err:
+            logger.info("not reusing %s: %s", out, err)
+        return False
+
+    if current():
+        return out
+    # concurrent callers (parallel validations sharing one baseline) wait for the first, then reuse its export
+    return _export_to(model, scheme, out, force=True, wait=True, reuse=current, static=options.get("static"),
+                      tokenizer=options.get("tokenizer"), **wanted)
+
+
+_REQUEST_DEFAULTS = {"flavor": "reference", "dtype": "fp32", "opset": DEFAULT_OPSET, "calib_corpus": None,
+                     "calib_tokens": DEFAULT_CALIB_TOKENS, "calib_method": "absmax", "calib_percentile": 99.9,
+                     "calib_offset": 0}
+
+
+# -- the export directory: what may be replaced, by whom, and how ---------------------------------------
+def _check_target(out: Path, force: bool) -> None:
+    """Refuse every ``out`` that is not ours to (re)place: only an export directory is replaced, with force."""
+    if out.is_symlink():
+        raise ExportError(f"{out} is a symbolic link; give the directory it points to, or another --out")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} exists and is not a directory; choose another --out")
+    if not out.is_dir() or not any(out.iterdir()):
+        return  # nothing there, or an empty directory: nothing to lose
+    if not (out / MANIFEST_NAME).is_file():
+        raise ExportError(f"{out} is not a kvq export directory (no {MANIFEST_NAME}) and is not empty; "
+                          "--force replaces only a kvq export: choose another --out")
+    if not force:
+        raise ExportError(f"{out} already exists; pass --force (force=True) to replace it")
+
+
+@contextmanager
+def _target_lock(out: Path, *, wait: bool = False) -> Iterator[None]:
+    """Hold ``.<name>.lock`` beside ``out`` for the whole export.
+
+    A second export of ``out`` fails at once, or with ``wait`` blocks until the first has finished.
+    """
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = out.parent / f".{out.name}.lock"
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, file_mode())
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            raise ExportError(f"another kvq export is writing {out} right now; run again when it has finished"
+                              ) from None
+        try:  # the holder before us may have removed the file after we opened it: lock the current one
+            if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _clean_leftovers(out: Path) -> None:
+    """Remove what a killed export of ``out`` left (we hold the lock: their writer is gone).
+
+    An old export swapped aside (``.<name>.old-*``) while ``out`` is missing is put back first: a crash
+    between the two renames of the fallback swap then costs nothing.
+    """
+    name = glob.escape(out.name)  # a name like "run[1]" is not a pattern
+    for old in sorted(out.parent.glob(f".{name}.old-*")):
+        if not os.path.lexists(out) and (old / MANIFEST_NAME).is_file():
+            logger.warning("restoring %s from %s (an export was interrupted while replacing it)", out, old.name)
+            os.rename(old, out)
+        else:
+            logger.info("removing %s, left by an interrupted export", old)
+            shutil.rmtree(old, ignore_errors=True)
+    for tmp in out.parent.glob(f".{name}.tmp-*"):
+        logger.info("removing %s, left by an interrupted export", tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _move_into_place(new: Path, target: Path) -> None:
+    """Put the complete export ``new`` at ``target``: at every instant ``target`` is the old or the new export.
+
+    An existing export is swapped with ``new`` in one atomic exchange, then removed; where the platform has
+    no exchange, two renames with the old one kept aside (``.<name>.old-<pid>``) until the new one is in place,
+    and restored by the next export if this one dies in between. A ``target`` that appeared meanwhile is
+    never replaced.
+    """
+    if target.is_dir() and any(target.iterdir()):
+        if not (target / MANIFEST_NAME).is_file():
+            raise ExportError(f"{target} was filled by someone else while exporting (it is not a kvq export); "
+                              "nothing was replaced")
+        if exchange(new, target):
+            shutil.rmtree(new, ignore_errors=True)  # ``new`` now names the old export
+            return
         trash = target.with_name(f".{target.name}.old-{os.getpid()}")
         os.replace(target, trash)
         os.replace(new, target)
         shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(new, target)
+        return
+    if target.is_dir():
+        target.rmdir()  # empty: nothing to lose
+    try:
+        rename_noreplace(new, target)
+    except FileExistsError:
+        raise ExportError(f"{target} was created by someone else while exporting; nothing was replaced") from None

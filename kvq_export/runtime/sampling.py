@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,17 +20,27 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise KVQError(f"invalid temperature={self.temperature}: allowed: 0 (greedy) or > 0")
-        if self.top_k is not None and self.top_k < 1:
-            raise KVQError(f"invalid top_k={self.top_k}: allowed: an integer >= 1")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise KVQError(f"invalid top_p={self.top_p}: allowed: a probability in (0, 1]")
+        if not _real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise KVQError(f"invalid temperature={self.temperature!r}: allowed: 0 (greedy) or a finite number > 0")
+        if self.top_k is not None and (not _integer(self.top_k) or self.top_k < 1):
+            raise KVQError(f"invalid top_k={self.top_k!r}: allowed: an integer >= 1")
+        if self.top_p is not None and (not _real(self.top_p) or not 0 < self.top_p <= 1):  # NaN fails 0 < x
+            raise KVQError(f"invalid top_p={self.top_p!r}: allowed: a probability in (0, 1]")
+        if self.seed is not None and (not _integer(self.seed) or self.seed < 0):
+            raise KVQError(f"invalid seed={self.seed!r}: allowed: an integer >= 0")
 
     @property
     def greedy(self) -> bool:
         """No randomness involved."""
         return self.temperature == 0
+
+
+def _real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _integer(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 class Sampler:
@@ -42,6 +53,9 @@ class Sampler:
     def __call__(self, logits: np.ndarray) -> np.ndarray:
         """Choose one token per row."""
         cfg = self.config
+        bad = ~np.isfinite(logits).all(axis=-1)
+        if bad.any():  # argmax of NaN is token 0: never hand out a token chosen from garbage
+            raise KVQError(f"logits of row {int(np.flatnonzero(bad)[0])} contain NaN or Inf: refusing to sample")
         if cfg.greedy:
             return logits.argmax(axis=-1)
         scaled = logits.astype(np.float64) / cfg.temperature

@@ -19,10 +19,20 @@ from pathlib import Path
 
 import numpy as np
 
-from kvq_export.errors import RuntimeInputError
-from kvq_export.manifest import MODEL_NAME, Manifest
+from kvq_export.errors import KVQError, RuntimeInputError
+from kvq_export.manifest import (
+    GRAPH_SCHEME_KEY,
+    MANIFEST_NAME,
+    MODEL_NAME,
+    Manifest,
+    check_export_files,
+    load_static,
+    resolve_inside,
+)
+from kvq_export.manifest import verify_weights as check_weights
 from kvq_export.naming import CAPACITY_AXIS, CacheTensor, present_name, tensor_name
 from kvq_export.runtime.sampling import Sampler, SamplingConfig
+from kvq_export.scheme import KVQuantScheme
 
 logger = logging.getLogger(__name__)
 
@@ -110,19 +120,26 @@ class KVQSession:
         threads: intra-op threads (default: ONNX Runtime's choice).
         capacity: tokens per row a new ``buffer``-layout cache holds before it must grow (default: what
             ``generate`` needs, else :data:`DEFAULT_CAPACITY`); ignored by the ``regions`` layout.
+        verify_weights: check ``model.onnx`` and its weights against the sha256 the manifest recorded at
+            export (a corrupted or edited file is refused). Hashing reads every byte once per process
+            (about a second per GB); pass False to skip it for speed on trusted storage.
+
+    An export is data, never code: every file it uses must lie inside ``directory``, its tokenizer loads
+    with remote code disabled, the calibration file must match its digest and the graph must carry the
+    manifest's scheme.
     """
 
     def __init__(self, directory: str | Path, *, providers: Sequence[str] | None = None,
-                 threads: int | None = None, capacity: int | None = None) -> None:
-        import onnxruntime as ort
-
+                 threads: int | None = None, capacity: int | None = None, verify_weights: bool = True) -> None:
         self.directory = Path(directory)
         self.manifest = Manifest.load(self.directory)
-        model_path = self.directory / MODEL_NAME
+        model_path = resolve_inside(self.directory, MODEL_NAME)
         if not model_path.is_file():
             raise RuntimeInputError(f"{self.directory} has a manifest but no {MODEL_NAME}")
-        self.session = ort.InferenceSession(str(model_path), session_options(threads),
-                                            providers=choose_providers(providers))
+        if verify_weights:
+            check_weights(self.directory, self.manifest)
+        self.static = load_static(self.directory, self.manifest)  # checks the calibration digest
+        self.session = open_onnx(model_path, session_options(threads), choose_providers(providers))
         self.past: list[CacheTensor] = self.manifest.cache("past")
         self.layout = self.manifest.cache_layout
         self.capacity = capacity
@@ -137,7 +154,7 @@ class KVQSession:
 
     # -- contract checks ----------------------------------------------------------------------------------
     def _check_graph(self) -> None:
-        """The graph's inputs/outputs must be exactly what the manifest promises."""
+        """The graph's inputs/outputs and its own scheme must be exactly what the manifest promises."""
         graph_inputs = {i.name: i for i in self.session.get_inputs()}
         graph_outputs = {o.name: o for o in self.session.get_outputs()}
         expected_in = {"input_ids": "int64", "attention_mask": "int64", **{t.name: t.dtype for t in self.past}}
@@ -153,13 +170,40 @@ class KVQSession:
                 if graph[name].type != _TYPES[dtype][0]:
                     raise RuntimeInputError(
                         f"graph {kind} {name}: manifest says {_TYPES[dtype][0]}, graph has {graph[name].type}")
+        carried = self.session.get_modelmeta().custom_metadata_map.get(GRAPH_SCHEME_KEY)
+        if carried is not None:
+            try:
+                built = KVQuantScheme.from_json(carried)
+            except KVQError as err:
+                raise RuntimeInputError(f"{self.directory}: the graph's scheme is unreadable: {err}") from None
+            if built != self.manifest.scheme:
+                raise RuntimeInputError(
+                    f"{self.directory}: {MANIFEST_NAME} describes a scheme the graph was not built for (graph: "
+                    f"{built.describe()}; manifest: {self.manifest.scheme.describe()}); the manifest was edited")
+        fixed = {t.name: t.shape for t in self.past}
+        for value in self.session.get_inputs():
+            want = fixed.get(value.name)
+            if want is not None and len(value.shape) == len(want) and any(
+                    isinstance(w, int) and isinstance(g, int) and w != g for w, g in zip(want, value.shape)):
+                raise RuntimeInputError(f"graph input {value.name} has shape {value.shape}, the manifest says "
+                                        f"{list(want)} (manifest does not match graph)")
 
     def check_cache(self, cache: CacheState, batch: int) -> None:
         """Every past tensor present, with the manifest's dtype, rank, fixed dims and batch size."""
+        from onnxruntime import OrtValue
+
+        if not isinstance(cache, dict):
+            raise RuntimeInputError(f"cache: expected a dict of OrtValues (from step or empty_cache), got "
+                                    f"{type(cache).__name__}")
         for spec in self.past:
             value = cache.get(spec.name)
             if value is None:
                 raise RuntimeInputError(f"cache tensor {spec.name} is missing")
+            if not isinstance(value, OrtValue):
+                raise RuntimeInputError(
+                    f"cache tensor {spec.name}: expected an onnxruntime.OrtValue (as step/empty_cache return), got "
+                    f"{type(value).__module__}.{type(value).__name__}; wrap arrays with "
+                    "kvq_export.runtime.session.ort_value(array, dtype)")
             actual_type = value.data_type()
             if actual_type != _TYPES[spec.dtype][0]:
                 raise RuntimeInputError(
@@ -241,21 +285,85 @@ class KVQSession:
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None,
              cache: CacheState | None = None) -> tuple[np.ndarray, CacheState]:
         """Run new tokens ``[B, t]`` (left-padded, mask 0 = padding) through the graph; return (logits, cache)."""
-        input_ids = np.asarray(input_ids, dtype=np.int64)
-        if input_ids.ndim != 2 or input_ids.shape[1] < 1:
-            raise RuntimeInputError(f"input_ids: expected shape [batch, seq >= 1], got {list(input_ids.shape)}")
-        mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask, dtype=np.int64)
-        if mask.shape != input_ids.shape:
-            raise RuntimeInputError(f"attention_mask: expected shape {list(input_ids.shape)}, got {list(mask.shape)}")
+        input_ids = self._check_ids(input_ids)
+        mask = self._check_mask(attention_mask, input_ids.shape)
         cache = self.empty_cache(input_ids.shape[0]) if cache is None else cache
         self.check_cache(cache, input_ids.shape[0])
+        if self.layout != "buffer":  # a buffer's capacity check (in _grow) refuses the same before any work
+            self._check_positions(self.seq_lengths(cache).astype(np.int64) + mask.sum(axis=1))
         if self.layout == "buffer":
-            return self._step_in_place(input_ids, mask, cache)
-        feeds = {"input_ids": _ort_value(input_ids, "int64"), "attention_mask": _ort_value(mask, "int64"), **cache}
-        outs = self.session.run_with_ort_values(self._outputs + list(self.extra_outputs), feeds)
-        count = len(self._outputs)
-        self.last_extra = {name: value.numpy() for name, value in zip(self.extra_outputs, outs[count:])}
-        return outs[0].numpy(), {spec.name: value for spec, value in zip(self.past, outs[1:count])}
+            logits, new = self._step_in_place(input_ids, mask, cache)
+        else:
+            feeds = {"input_ids": _ort_value(input_ids, "int64"), "attention_mask": _ort_value(mask, "int64"),
+                     **cache}
+            outs = self.session.run_with_ort_values(self._outputs + list(self.extra_outputs), feeds)
+            count = len(self._outputs)
+            self.last_extra = {name: value.numpy() for name, value in zip(self.extra_outputs, outs[count:])}
+            logits, new = outs[0].numpy(), {spec.name: value for spec, value in zip(self.past, outs[1:count])}
+        self._check_finite(logits, mask, cache)
+        return logits, new
+
+    # -- input checks (before any work) ----------------------------------------------------------------------
+    def _check_ids(self, input_ids) -> np.ndarray:
+        """``[batch, seq >= 1]`` integer token ids inside the vocabulary."""
+        raw = np.asarray(input_ids)
+        if raw.ndim != 2 or raw.shape[1] < 1 or raw.shape[0] < 1:
+            raise RuntimeInputError(f"input_ids: expected shape [batch >= 1, seq >= 1], got {list(raw.shape)}")
+        if raw.dtype.kind not in "iu":
+            raise RuntimeInputError(f"input_ids: expected integer token ids, got dtype {raw.dtype}")
+        vocab = int(self.manifest.model["vocab_size"])
+        if raw.min() < 0 or raw.max() >= vocab:
+            bad = (raw < 0) | (raw >= vocab)
+            row, col = (int(i) for i in np.argwhere(bad)[0])
+            raise RuntimeInputError(f"input_ids[{row}, {col}] = {int(raw[row, col])} is outside the vocabulary; "
+                                    f"allowed: 0 .. {vocab - 1}")
+        return raw.astype(np.int64, copy=False)
+
+    @staticmethod
+    def _check_mask(attention_mask, shape: tuple[int, ...]) -> np.ndarray:
+        """0/1 and left-padded per row (zeros then ones; an all-zero row feeds only padding)."""
+        if attention_mask is None:
+            return np.ones(shape, dtype=np.int64)
+        raw = np.asarray(attention_mask)
+        if raw.shape != shape:
+            raise RuntimeInputError(f"attention_mask: expected shape {list(shape)}, got {list(raw.shape)}")
+        if raw.dtype.kind not in "iub" or raw.size and (raw.min() < 0 or raw.max() > 1):
+            raise RuntimeInputError("attention_mask: allowed values are 0 (left padding) and 1 (real token), got "
+                                    f"{np.unique(raw)[:8].tolist()}")
+        mask = raw.astype(np.int64, copy=False)
+        if mask.shape[1] > 1 and (mask[:, 1:] < mask[:, :-1]).any():
+            unsorted = (mask[:, 1:] < mask[:, :-1]).any(axis=1)
+            raise RuntimeInputError(f"attention_mask row {int(np.flatnonzero(unsorted)[0])} is not left-padded "
+                                    "(a 0 after a 1); pad on the left: [0, .., 0, 1, .., 1]")
+        return mask
+
+    @property
+    def max_positions(self) -> int:
+        """Tokens a row can hold: the model's positions (also the ``buffer`` layout's rotary table)."""
+        return int(self.manifest.model["max_position_embeddings"])
+
+    def _check_positions(self, totals: np.ndarray, *, what: str = "this step") -> None:
+        """Refuse, before running, a row that would hold more tokens than the model has positions."""
+        top = self.max_positions
+        if totals.size and int(totals.max()) > top:
+            row = int(np.argmax(totals))
+            raise RuntimeInputError(f"{what} would put {int(totals[row])} tokens in row {row}, beyond the {top} "
+                                    "positions this export supports (max_position_embeddings)")
+
+    def _check_finite(self, logits: np.ndarray, mask: np.ndarray, fed: CacheState) -> None:
+        """NaN/Inf logits of a real token: name the fed cache tensor that holds non-finite values, else the logits."""
+        if np.isfinite(logits[:, -1]).all():  # the usual case: one pass over [batch, vocab]
+            return
+        real = mask[:, -1] == 1
+        if np.isfinite(logits[real, -1]).all():  # only padding rows (finished in generate) are not finite
+            return
+        for spec in self.past:
+            if spec.dtype in ("float16", "float32") and spec.role != "seq_lengths":
+                values = fed[spec.name].numpy()
+                if values.size and not np.isfinite(values).all():
+                    raise RuntimeInputError(f"cache tensor {spec.name} holds NaN or Inf; the logits are not finite")
+        raise RuntimeInputError("the graph produced NaN or Inf logits (input and cache are finite): the weights or "
+                                "the calibration scales are broken")
 
     def _step_in_place(self, input_ids: np.ndarray, mask: np.ndarray,
                        cache: CacheState) -> tuple[np.ndarray, CacheState]:
@@ -291,11 +399,21 @@ class KVQSession:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            try:
-                self._tokenizer = AutoTokenizer.from_pretrained(self.directory, local_files_only=True)
-            except (OSError, ValueError) as err:
+            check_export_files(self.directory, self.manifest)
+            try:  # an export is data: never run code it ships (auto_map), never ask about it
+                self._tokenizer = AutoTokenizer.from_pretrained(self.directory, local_files_only=True,
+                                                                trust_remote_code=False)
+            except (OSError, ValueError, TypeError, KeyError) as err:
                 raise RuntimeInputError(f"{self.directory} has no usable tokenizer: {err}") from None
         return self._tokenizer
+
+    def _encode(self, text: str) -> list[int]:
+        """Token ids of a prompt; text that is not valid Unicode (undecodable bytes) is refused."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RuntimeInputError(f"prompt {text[:40]!r} is not valid UTF-8 text") from None
+        return list(self.tokenizer(text)["input_ids"])
 
     def generate(
         self,
@@ -311,18 +429,31 @@ class KVQSession:
         ``prompts`` are strings (tokenized with the export's tokenizer) or token-id lists.
         ``on_token(row, token)`` is called for every generated token (for streaming).
         """
-        if max_new_tokens < 0:
-            raise RuntimeInputError(f"invalid max_new_tokens={max_new_tokens}: allowed: >= 0")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+            raise RuntimeInputError(f"invalid max_new_tokens={max_new_tokens!r}: allowed: an integer >= 0")
+        if isinstance(prompts, (str, bytes)):
+            raise RuntimeInputError("prompts: expected a list of strings or token-id lists, got one string")
         texts = [p if isinstance(p, str) else None for p in prompts]
-        token_lists = [self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in prompts]
+        token_lists = [self._encode(p) if isinstance(p, str) else list(p) for p in prompts]
         if not token_lists or any(len(t) == 0 for t in token_lists):
             raise RuntimeInputError("every prompt needs at least one token")
+        for row, toks in enumerate(token_lists):
+            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in toks):
+                raise RuntimeInputError(f"prompt {row}: expected text or a list of integer token ids")
+        try:
+            flat = np.array([t for toks in token_lists for t in toks], dtype=np.int64)
+        except OverflowError:
+            raise RuntimeInputError("a prompt token id does not fit in int64 (outside the vocabulary)") from None
+        self._check_ids(flat[None])
+        width = max(len(t) for t in token_lists)
+        # the last sampled token is never fed: a row holds at most width + max_new_tokens - 1 tokens
+        self._check_positions(np.array([width + max(max_new_tokens - 1, 0)]),
+                              what=f"a {width}-token prompt with max_new_tokens={max_new_tokens}")
         eos = self.manifest.tokenizer.get("eos_token_id")
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         results = [Generation(text, toks) for text, toks in zip(texts, token_lists)]
         sampler = Sampler(sampling or SamplingConfig())
 
-        width = max(len(t) for t in token_lists)
         ids = np.zeros((len(token_lists), width), dtype=np.int64)
         mask = np.zeros_like(ids)
         for row, toks in enumerate(token_lists):
@@ -334,7 +465,7 @@ class KVQSession:
         logits, cache = self.step(ids, mask, self.empty_cache(len(token_lists), capacity=capacity))
         active = np.ones(len(results), dtype=bool)
         for _ in range(max_new_tokens):
-            nxt = sampler(logits[:, -1])
+            nxt = sampler(np.where(active[:, None], logits[:, -1], 0.0))  # finished rows: their padding's logits
             for row in np.flatnonzero(active):
                 token = int(nxt[row])
                 results[row].tokens.append(token)
@@ -354,6 +485,17 @@ class KVQSession:
             if self._tokenizer is not None or result.prompt is not None:
                 result.text = continuation_text(self.tokenizer, result.prompt_tokens, result.tokens)
         return results
+
+
+def open_onnx(path: Path, options, providers: Sequence[str]):
+    """An ONNX Runtime session of ``path``; a file it cannot load is a one-line :class:`RuntimeInputError`."""
+    import onnxruntime as ort
+
+    try:
+        return ort.InferenceSession(str(path), options, providers=list(providers))
+    except Exception as err:  # noqa: BLE001 - ONNX Runtime raises its own untyped errors for unreadable models
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RuntimeInputError(f"ONNX Runtime cannot load {path}: {first}") from None
 
 
 def continuation_text(tokenizer, prompt_tokens: Sequence[int], tokens: Sequence[int]) -> str:

@@ -46,7 +46,7 @@ def kvq_runner_class():
             from kvq_export.manifest import load_static
             from kvq_export.runtime.session import KVQSession
 
-            self.session = KVQSession(self.directory)
+            self.session = KVQSession(self.directory, verify_weights=False)  # compare_exports verified them
             self.static = load_static(self.directory, self.session.manifest)
             self.cache = None
 
@@ -104,15 +104,22 @@ def compare_feeds(vocab_size: int, *, prompt_len: int = 48, batch: int = 2, step
 
 def compare_exports(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str],
                     tolerances: Tolerances | None = None, *, prompt_len: int = 48, batch: int = 2, steps: int = 4,
-                    seed: int = 0) -> bool:
-    """Run both exports through Polygraphy's Comparator; True when every output is within tolerance."""
+                    seed: int = 0, verify_weights: bool = True) -> bool:
+    """Run both exports through Polygraphy's Comparator; True when every output is within tolerance.
+
+    ``verify_weights``: first check both exports' weight files against their manifests' checksums.
+    """
     from polygraphy.comparator import Comparator, CompareFunc
 
     from kvq_export.errors import KVQError
     from kvq_export.manifest import Manifest
+    from kvq_export.manifest import verify_weights as check_weights
 
     tol = tolerances or Tolerances()
     ma, mb = Manifest.load(dir_a), Manifest.load(dir_b)
+    if verify_weights:
+        check_weights(dir_a, ma)
+        check_weights(dir_b, mb)
     for field in ("vocab_size", "num_layers", "num_kv_heads", "head_dim"):
         if ma.model[field] != mb.model[field]:
             raise KVQError(

@@ -1,9 +1,8 @@
 """Expose attention's inputs (post-RoPE q, this call's k/v) of a real exported graph as outputs.
 
 The graph names them ``probe.<layer>.{q,key,value}`` (:func:`kvq_export.naming.probe_name`). A probed
-session loads ``model.onnx`` with those values added as outputs; the weights stay in the export's
-external data file, which the probed copy (written beside it only while the session is created)
-refers to.
+session loads ``model.onnx`` with those values added as outputs, from memory; the weights stay in the
+export's external data file, read in place (nothing is written into the export, which may be read-only).
 
 A graph whose attention kernel applies RoPE itself (``--flavor ort-gqa``) never holds post-RoPE q/k; it
 names the raw projections instead (``probe.<layer>.<which>.projected``, ``[B, t, H*D]``), and the probed
@@ -18,7 +17,6 @@ that follows RoPE, v as the folded ``v_proj`` yields it (``v @ R``). Decode the 
 from __future__ import annotations
 
 import os
-import tempfile
 
 import numpy as np
 
@@ -73,14 +71,12 @@ class ProbedSession(KVQSession):
                                  for n in ROTARY_TABLES)
             names = projected
         model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names)
-        fd, tmp = tempfile.mkstemp(prefix=".probed-", suffix=".onnx", dir=self.directory)
-        os.close(fd)
-        try:
-            onnx.save(model, tmp)
-            self.session = ort.InferenceSession(tmp, session_options(kwargs.get("threads")),
-                                                providers=choose_providers(kwargs.get("providers")))
-        finally:
-            os.unlink(tmp)
+        # loaded from memory, its external weights read from the export: nothing is written into the export
+        options = session_options(kwargs.get("threads"))
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                         str(self.directory.resolve()))
+        self.session = ort.InferenceSession(model.SerializeToString(), options,
+                                            providers=choose_providers(kwargs.get("providers")))
         self.extra_outputs = tuple(names)
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None,

@@ -84,29 +84,35 @@ class _Accumulator:
 
 
 def resolve_baseline(manifest, baseline: str | os.PathLike[str] | None) -> Path:
-    """The fp16 baseline directory: given, or exported on the fly from the manifest's model source."""
+    """The fp16 baseline directory: given, or the manifest's model source exported in kvq's cache directory.
+
+    The automatic baseline is reused only while it is current (same kvq source digest and request, intact
+    weights; see :func:`kvq_export.export.exporter.ensure_export`), never written into the export validated.
+    """
     if baseline is not None:
         return Path(baseline)
     source = manifest.model.get("source")
     if not source:
         raise KVQError("this export does not record its model source; pass --baseline DIR (an fp16 export)")
-    from kvq_export.demo import ensure_export
+    from kvq_export.demo import baseline_dir
+    from kvq_export.export.exporter import ensure_export
     from kvq_export.model_source import cache_root
 
-    return ensure_export(source, "fp16", cache_root() / "exports")
+    return ensure_export(source, "fp16", baseline_dir(source, "fp16", cache_root() / "exports"))
 
 
 def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike[str] | None = None,
-             config: ValidateConfig | None = None, *, progress: bool = True) -> dict[str, Any]:
-    """Run the whole validation; return every number as a JSON-ready dict."""
+             config: ValidateConfig | None = None, *, progress: bool = True,
+             verify_weights: bool = True) -> dict[str, Any]:
+    """Run the whole validation; return every number as a JSON-ready dict (nothing is written into an export)."""
     from kvq_export.corpus import load_corpus, token_windows
     from kvq_export.runtime.session import KVQSession
     from kvq_export.validate.probe import probed_session
 
     config = config or ValidateConfig()
-    quant = probed_session(export_dir)
+    quant = probed_session(export_dir, verify_weights=verify_weights)
     base_dir = resolve_baseline(quant.manifest, baseline_dir)
-    base = KVQSession(base_dir)
+    base = KVQSession(base_dir, verify_weights=verify_weights)
     if base.manifest.model.get("vocab_size") != quant.manifest.model.get("vocab_size") or \
             base.manifest.num_layers != quant.manifest.num_layers:
         raise KVQError(f"baseline {base_dir} is not the same model as {export_dir}")
