@@ -150,8 +150,8 @@ def test_reference_cache_stores_the_rotated_basis():
 
 
 # -- exported graphs ------------------------------------------------------------------------------------------
-def _logits(directory, prompts=PROMPTS["padded"], steps=6):
-    session = KVQSession(directory)
+def _logits(directory, prompts=PROMPTS["padded"], steps=6, verify_weights=True):
+    session = KVQSession(directory, verify_weights=verify_weights)
     width = max(map(len, prompts))
     ids = np.zeros((len(prompts), width), np.int64)
     mask = np.zeros_like(ids)
@@ -231,7 +231,8 @@ def test_value_rotation_in_graph_when_the_arch_cannot_fold(tmp_path):
     save(graph, directory / "model.onnx")
     (directory / "kvq.json").write_text((tmp_path / "folded" / "kvq.json").read_text())
     assert isinstance(graph, ir.Model)
-    assert np.abs(_logits(directory) - folded).max() <= 1e-4
+    # the graph was swapped in under the folded export's manifest, whose weight checksums it cannot match
+    assert np.abs(_logits(directory, verify_weights=False) - folded).max() <= 1e-4
 
 
 @pytest.mark.parametrize("scheme", [rotated(Q4_TOKEN), rotated(KIVI_R0, key="none"), rotated(KIVI_R0)],
