@@ -71,6 +71,8 @@ class Manifest:
     calibration: dict[str, Any] | None = None
     format_version: int = FORMAT_VERSION
     layout: str | None = None  # cache layout name; None: the flavour's (see naming.layout_for_flavor)
+    #: other runtimes that can serve the export: name -> {"supported": bool, their files, or "reason"}
+    runtimes: dict[str, Any] = field(default_factory=dict)
 
     # -- the cache ------------------------------------------------------------------------------------
     @property
@@ -103,6 +105,7 @@ class Manifest:
             "calibration": self.calibration,
             "inputs": self.inputs,
             "outputs": self.outputs,
+            "runtimes": self.runtimes,
             "cache": {
                 "layout": LAYOUT_TEXT[self.cache_layout],
                 "layout_name": self.cache_layout,
@@ -128,7 +131,7 @@ class Manifest:
                 opset=int(data["opset"]), dtype=data["dtype"], kvq_version=data["kvq_version"],
                 inputs=list(data["inputs"]), outputs=list(data["outputs"]), tokenizer=dict(data.get("tokenizer") or {}),
                 calibration=data.get("calibration"), format_version=version,
-                layout=(data.get("cache") or {}).get("layout_name"),
+                layout=(data.get("cache") or {}).get("layout_name"), runtimes=dict(data.get("runtimes") or {}),
             )
         except KeyError as err:
             raise RuntimeInputError(f"manifest is missing the field {err.args[0]!r}") from None

@@ -195,6 +195,7 @@ def export(
             outputs=[{"name": "logits", "dtype": "float32", "shape": ["batch", "seq", arch.vocab_size]}],
             tokenizer=_tokenizer_facts(tokenizer, config), calibration=calibration,
         )
+        manifest = _write_runtime_files(tmp, manifest)
         manifest.save(tmp)  # last: a directory with kvq.json is complete
         os.chmod(tmp, 0o755)
         _replace_dir(tmp, out)
@@ -204,6 +205,15 @@ def export(
     logger.info("exported %s (%s, %s) to %s in %.1f s", arch.model_type, scheme.name or "custom", flavor, out,
                 time.perf_counter() - start)
     return out
+
+
+def _write_runtime_files(directory: Path, manifest: Manifest) -> Manifest:
+    """Add what other runtimes read (onnxruntime-genai's config and graph) and record it in the manifest."""
+    from dataclasses import replace
+
+    from kvq_export.runtime.genai import RUNTIME, write_genai_files
+
+    return replace(manifest, runtimes={**manifest.runtimes, RUNTIME: write_genai_files(directory, manifest)})
 
 
 def _calibrate(model, tokenizer, scheme, corpus: str, tokens: int, method: str, percentile: float):

@@ -199,12 +199,12 @@ class GQACacheGraph:
         self.query_seqlens = b.op("Cast", m, to=int32)
         longest = b.op("ReduceMax", self.n1, b.const([0]), keepdims=1)
         self.total = b.op("Cast", b.op("Squeeze", b.op("Max", longest, t), b.const([0])), to=int32)
-        # left-padded row b holds its m_b tokens at [t - m_b, t); GQA wants them at [0, m_b)
+        # row b holds its m_b tokens contiguously from `first` (t - m_b when left-padded as kvq feeds them,
+        # 0 when right-padded as onnxruntime-genai feeds a prompt); GQA wants them at [0, m_b)
         s = b.op("Unsqueeze", b.op("Range", b.const(0), t_scalar, b.const(1)), b.const([0]))  # [1, t]
-        m2 = b.op("Unsqueeze", m, b.const([1]))  # [B, 1]
-        shift = b.op("Sub", t, m2)
+        shift = b.op("ArgMax", b.op("Cast", mask, to=ir.DataType.INT32), axis=1, keepdims=1)  # [B, 1]; 0 if idle
         self.to_right = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, shift), t), b.const([-1]))  # [B, t, 1]
-        self.to_left = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, m2), t), b.const([-1]))
+        self.to_left = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, b.op("Sub", t, shift)), t), b.const([-1]))
         self.valid = b.op("Unsqueeze", b.op("Cast", mask, to=ir.DataType.BOOL), b.const([-1]))  # [B, t, 1]
         np_type = ir.DataType(self.compute_type).numpy()
         hp, compute = FLOAT_TYPES[self.scheme.hp_dtype], ir.DataType(self.compute_type)

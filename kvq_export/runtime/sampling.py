@@ -1,4 +1,9 @@
-"""Next-token choice: greedy, or temperature / top-k / top-p sampling with a seeded generator."""
+"""Next-token choice: greedy, or temperature / top-k / top-p sampling with a seeded generator.
+
+``repetition_penalty`` (CTRL's, as Hugging Face and onnxruntime-genai apply it) divides the positive logits and
+multiplies the negative logits of every token the row already holds (prompt and generated) before any choice, so
+greedy decoding of a small model stops repeating one clause; 1 leaves the logits unchanged.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ class SamplingConfig:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -25,6 +31,9 @@ class SamplingConfig:
             raise KVQError(f"invalid top_k={self.top_k}: allowed: an integer >= 1")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise KVQError(f"invalid top_p={self.top_p}: allowed: a probability in (0, 1]")
+        if not (isinstance(self.repetition_penalty, (int, float)) and 0 < self.repetition_penalty < float("inf")):
+            raise KVQError(f"invalid repetition_penalty={self.repetition_penalty}: allowed: a finite number > 0 "
+                           "(1 = off, > 1 discourages repeats)")
 
     @property
     def greedy(self) -> bool:
@@ -38,9 +47,34 @@ class Sampler:
     def __init__(self, config: SamplingConfig) -> None:
         self.config = config
         self.rng = np.random.default_rng(config.seed)
+        self.seen: list[set[int]] | None = None  # tokens each row holds (for the repetition penalty)
+
+    def prime(self, token_lists) -> None:
+        """Tell the sampler each row's prompt tokens (the repetition penalty counts them too)."""
+        self.seen = [{int(t) for t in tokens} for tokens in token_lists]
 
     def __call__(self, logits: np.ndarray) -> np.ndarray:
         """Choose one token per row."""
+        if self.config.repetition_penalty == 1:
+            return self._choose(logits)
+        if self.seen is None:  # not primed: only generated tokens count
+            self.seen = [set() for _ in range(len(logits))]
+        chosen = self._choose(self._penalize(logits))
+        for row, token in enumerate(chosen):
+            self.seen[row].add(int(token))
+        return chosen
+
+    def _penalize(self, logits: np.ndarray) -> np.ndarray:
+        out = np.array(logits, dtype=np.float32, copy=True)
+        penalty = np.float32(self.config.repetition_penalty)
+        for row, tokens in enumerate(self.seen or []):
+            if tokens:
+                idx = np.fromiter(tokens, dtype=np.int64)
+                values = out[row, idx]
+                out[row, idx] = np.where(values > 0, values / penalty, values * penalty)
+        return out
+
+    def _choose(self, logits: np.ndarray) -> np.ndarray:
         cfg = self.config
         if cfg.greedy:
             return logits.argmax(axis=-1)
