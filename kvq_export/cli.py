@@ -194,6 +194,12 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, ca
                  calib_corpus=calib_corpus, calib_tokens=calib_tokens, calib_method=calib_method,
                  calib_percentile=percentile)
     click.echo(f"exported to {out}")
+    from kvq_export.manifest import Manifest
+    from kvq_export.runtime.genai import RUNTIME
+
+    genai = Manifest.load(out).runtimes.get(RUNTIME) or {}
+    click.echo(f"{RUNTIME}: " + (f"serve with og.Model({str(out)!r}) ({genai['config']})" if genai.get("supported")
+                                 else f"not servable: {genai.get('reason', 'no entry')}"))
 
 
 @cli.command()
@@ -204,20 +210,37 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, ca
 @click.option("--top-k", type=click.IntRange(1), default=None)
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None)
 @click.option("--seed", type=int, default=None)
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+              help="> 1 discourages tokens the row already holds (prompt included); 1 = off.")
+@click.option("--runtime", type=click.Choice(["kvq", "genai"]), default="kvq", show_default=True,
+              help="kvq: kvq's loop on ONNX Runtime; genai: onnxruntime-genai's C++ loop (ort-gqa exports).")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and cache bytes as JSON.")
-def generate(export_dir, prompts, max_new_tokens, temperature, top_k, top_p, seed, as_json) -> None:
+def generate(export_dir, prompts, max_new_tokens, temperature, top_k, top_p, seed, repetition_penalty, runtime,
+             as_json) -> None:
     """Generate text from an export directory on ONNX Runtime (quantized cache between steps)."""
     from kvq_export.runtime.sampling import SamplingConfig
-    from kvq_export.runtime.session import KVQSession
 
-    session = KVQSession(export_dir)
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                              repetition_penalty=repetition_penalty)
+    if runtime == "genai":
+        from kvq_export.runtime.genai import GenaiSession
+
+        session = GenaiSession(export_dir)
+        results = session.generate(list(prompts), max_new_tokens, sampling)
+        scheme = session.manifest.scheme.name
+    else:
+        from kvq_export.runtime.session import KVQSession
+
+        session = KVQSession(export_dir)
+        scheme = session.manifest.scheme.name
+        results = None
     stream = None
-    if len(prompts) == 1 and not as_json:
+    if results is None and len(prompts) == 1 and not as_json:
         stream = _TextStream(session.tokenizer, prompts[0])
-    results = session.generate(list(prompts), max_new_tokens, sampling, on_token=stream)
+    if results is None:
+        results = session.generate(list(prompts), max_new_tokens, sampling, on_token=stream)
     if as_json:
-        click.echo(json.dumps({"export": str(export_dir), "scheme": session.manifest.scheme.name,
+        click.echo(json.dumps({"export": str(export_dir), "scheme": scheme, "runtime": runtime,
                                "results": [r.to_dict() for r in results]}, indent=2))
         return
     if stream is not None:
@@ -226,6 +249,34 @@ def generate(export_dir, prompts, max_new_tokens, temperature, top_k, top_p, see
         for r in results:
             click.echo(f"{r.prompt}{r.text}")
     click.echo(f"[cache: {results[0].cache_bytes} bytes]", err=True)
+
+
+@cli.command()
+@click.option("--model", "model_spec", default="smollm2", show_default=True,
+              help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
+@click.option("--scheme", "scheme_spec", default="ort-int8", show_default=True,
+              help="Preset or scheme .json file with static scales (what is calibrated).")
+@calibration_options(corpus_default="britannica")
+@click.option("--calib-offset", type=click.IntRange(0), default=0, show_default=True,
+              help="First corpus token used (keep calibration text apart from evaluation text).")
+@click.option("--format", "file_format", type=click.Choice(["genai-scales", "npz"]), default="genai-scales",
+              show_default=True, help="genai-scales: onnxruntime-genai builder's kv_cache_scale_file; npz: kvq's.")
+@click.option("--granularity", type=click.Choice(["per_channel", "per_tensor"]), default="per_channel",
+              show_default=True, help="genai-scales: the builder's kv_cache_quant_scheme granularity.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="File to write.")
+def calibrate(model_spec, scheme_spec, calib_corpus, calib_tokens, calib_method, percentile, calib_offset,
+              file_format, granularity, out) -> None:
+    """Calibrate static K/V scales and write them for kvq or for onnxruntime-genai's model builder."""
+    from kvq_export.runtime.genai import calibrate_to_file
+
+    path = calibrate_to_file(model_spec, scheme_spec, out, corpus=calib_corpus, tokens=calib_tokens,
+                             method=calib_method, percentile=percentile, offset=calib_offset,
+                             file_format=file_format, granularity=granularity)
+    click.echo(f"wrote {path}")
+    if file_format == "genai-scales":
+        data = json.loads(path.read_text())
+        click.echo("build: python -m onnxruntime_genai.models.builder -i HF_DIR -o OUT -p fp32 -e cpu --extra_options "
+                   f"{data['kvq']['builder_option']} kv_cache_scale_file={path}")
 
 
 class _TextStream:

@@ -218,6 +218,88 @@ def serve_command(directory: str | os.PathLike[str], prompt: str, max_length: in
     return f"python -c {shlex.quote(code)}"
 
 
+# -- scales for the builder ------------------------------------------------------------------------------------------
+#: The builder's ``qmax`` per bit width (a file's scale = threshold / qmax; it rescales by file qmax / its own).
+BUILDER_QMAX = {8: 128.0, 4: 8.0}
+GRANULARITIES = ("per_channel", "per_tensor")
+SCALE_FORMATS = ("genai-scales", "npz")
+
+
+def builder_scale_file(static, scheme, *, num_layers: int, kv_heads: int, head_dim: int,
+                       granularity: str = "per_channel") -> dict[str, Any]:
+    """The static scales kvq calibrated, in the builder's ``kv_cache_scale_file`` format.
+
+    ``{"qmax": q, "scales": {"k_scales": [per layer], "v_scales": [per layer]}}``: per layer a flat
+    ``kv_heads * head_dim`` list (head-major, GroupQueryAttention's ``[1, kv_heads, 1, head_dim]``) for
+    ``per_channel``, one number (the largest channel's scale: nothing clips that did not clip before) for
+    ``per_tensor``. ``qmax`` is the builder's own for the scheme's bit width, so a build with
+    ``kv_cache_quant_scheme=int{bits}_{granularity}`` uses exactly kvq's scales (the ones ``kvq export --flavor
+    ort-gqa`` writes into its graph); the builder rescales them for another bit width.
+    """
+    from kvq_export.export.gqa_flavor import gqa_scale, unsupported
+
+    if granularity not in GRANULARITIES:
+        raise ExportError(f"unknown granularity {granularity!r}; allowed: {', '.join(GRANULARITIES)}")
+    reasons = unsupported(scheme, num_layers)
+    streams = scheme.streams(num_layers)
+    if reasons or not scheme.quantized or any(not k.quantized or not v.quantized for k, v in streams):
+        why = "; ".join(reasons) or "some layer keeps an unquantized cache"
+        raise ExportError(f"scheme {scheme.name or 'custom'} has no builder kv_cache_quant_scheme: {why} (use a "
+                          "static symmetric int8/int4 scheme such as ort-int8 or ort-int4)")
+    bits = {tq.bits for pair in streams for tq in pair}
+    if len(bits) != 1:
+        raise ExportError(f"scheme {scheme.name or 'custom'} mixes {sorted(bits)} bits; the builder takes one width")
+    width = bits.pop()
+    scales: dict[str, list] = {"k_scales": [], "v_scales": []}
+    for layer, pair in enumerate(streams):
+        for part, tq, key in zip(PARTS, pair, ("k_scales", "v_scales")):
+            meta = (static or {}).get(layer, {}).get(part)
+            if meta is None or "scales" not in meta:
+                raise ExportError(f"no calibrated scales for layer {layer} {part}")
+            _, array = gqa_scale(tq, np.asarray(meta["scales"]), kv_heads, head_dim)
+            flat = np.broadcast_to(array.reshape(-1), (kv_heads * head_dim,)) if array.size == 1 else array.reshape(-1)
+            values = [float(flat.max())] if granularity == "per_tensor" else [float(x) for x in flat]
+            scales[key].append(values)
+    return {"qmax": BUILDER_QMAX[width], "scales": scales,
+            "kvq": {"scheme": scheme.name or "custom", "bits": width, "granularity": granularity,
+                    "builder_option": f"kv_cache_quant_scheme=int{width}_{granularity}"}}
+
+
+def calibrate_to_file(model_spec: str, scheme, out: str | os.PathLike[str], *, corpus: str = "britannica",
+                      tokens: int = 4096, method: str = "absmax", percentile: float = 99.9, offset: int = 0,
+                      file_format: str = "genai-scales", granularity: str = "per_channel") -> Path:
+    """Calibrate ``scheme``'s static scales on ``model_spec`` and write them as ``file_format``.
+
+    Windows follow ``kvq export --calib-corpus`` (``tokens`` tokens in windows of at most 1024), starting at
+    token ``offset`` of the corpus (keep calibration text apart from evaluation text). ``genai-scales`` is the
+    builder's scale file (:func:`builder_scale_file`), ``npz`` kvq's own calibration file.
+    """
+    from kvq_export._atomic import atomic_write
+    from kvq_export.calibrate import calibrate_static_scales, save_calibration
+    from kvq_export.corpus import load_corpus, token_windows
+    from kvq_export.model_source import load_model, model_facts
+    from kvq_export.presets import resolve_scheme
+
+    if file_format not in SCALE_FORMATS:
+        raise ExportError(f"unknown format {file_format!r}; allowed: {', '.join(SCALE_FORMATS)}")
+    scheme = resolve_scheme(scheme)
+    model, tokenizer = load_model(model_spec)
+    if tokenizer is None:
+        raise ExportError(f"{model_spec} has no tokenizer to read the calibration corpus with")
+    window = min(1024, tokens)
+    windows = token_windows(tokenizer, load_corpus(corpus), max(1, tokens // window), window, offset=offset)
+    static = calibrate_static_scales(model, scheme, windows, method=method, percentile=percentile)
+    out = Path(out)
+    if file_format == "npz":
+        return save_calibration(static, out)
+    facts = model_facts(model.config)
+    data = builder_scale_file(static, scheme, num_layers=facts.num_layers, kv_heads=facts.num_kv_heads,
+                              head_dim=facts.head_dim, granularity=granularity)
+    data["kvq"].update(corpus=str(corpus), tokens=sum(len(w) for w in windows), offset=offset, method=method,
+                       **({"percentile": percentile} if method == "percentile" else {}))
+    return atomic_write(out, json.dumps(data, indent=1))
+
+
 # -- running it --------------------------------------------------------------------------------------------------
 class GenaiSession:
     """An export directory on onnxruntime-genai (its C++ loop; kvq only prepares prompts and reads results).
