@@ -464,37 +464,45 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
 
 @cli.command()
 @click.option("--model", "model_spec", default="smollm2", show_default=True)
-@click.option("--scheme", "scheme_spec", default="kivi-4", show_default=True, help="Quantized scheme to show.")
-@click.option("--prompt", default=None, help="Prompt text (default: a built-in ~130-token story opening, long "
-              "enough that kivi's 128-token recent window overflows and quantized tokens are attended to).")
-@click.option("--max-new-tokens", type=click.IntRange(1), default=96, show_default=True)
+@click.option("--prompt", default=None, help="Prompt text (default: a built-in ~130-token story opening).")
+@click.option("--max-new-tokens", type=click.IntRange(2), default=64, show_default=True)
+@click.option("--repetition-penalty", type=float, default=None,
+              help="Greedy decoding's repetition penalty (default: the demo's, 1.3).")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Where the exports live (default: the kvq cache directory).")
-def demo(model_spec, scheme_spec, prompt, max_new_tokens, workdir) -> None:
-    """Export MODEL with fp16 and a quantized scheme, generate with both, compare text and cache memory."""
+def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir) -> None:
+    """fp16 baseline, the most accurate <= 5-bit scheme and the ort-gqa fast path: text, bytes, speed, serving."""
+    import dataclasses
+
     from rich.table import Table
 
-    from kvq_export import memory as mem
-    from kvq_export.demo import DEMO_PROMPT, run_demo
-    from kvq_export.model_source import load_config, model_facts
-    from kvq_export.presets import PRESETS
+    from kvq_export.demo import DEMO_PROMPT, DEMO_SAMPLING, run_demo
 
     console = _console()
     prompt = prompt or DEMO_PROMPT
-    rows = run_demo(model_spec, scheme_spec, prompt, max_new_tokens, workdir)
-    console.print(f"[bold]prompt[/bold] ({rows[0].prompt_tokens} tokens): {prompt}")
-    table = Table(title=f"{model_spec}: greedy continuation, {max_new_tokens} new tokens, ONNX Runtime")
-    for col in ("scheme", "continuation", "tokens = fp16", "cache bytes", "vs fp16"):
-        table.add_column(col, justify="left" if col in ("scheme", "continuation") else "right")
-    base = rows[0].cache_bytes
+    sampling = DEMO_SAMPLING if repetition_penalty is None else dataclasses.replace(
+        DEMO_SAMPLING, repetition_penalty=repetition_penalty)
+    rows = run_demo(model_spec, prompt, max_new_tokens, workdir, sampling)
+    from rich.markup import escape
+
+    console.print(f"[bold]prompt[/bold] ({rows[0].prompt_tokens} tokens): {escape(prompt)}")
+    console.print(f"greedy, repetition penalty {sampling.repetition_penalty:g}, {max_new_tokens} new tokens, "
+                  "ONNX Runtime on this machine's CPU\n")
+    base = rows[0]
     for r in rows:
-        table.add_row(r.scheme, r.text, f"{r.agree_with_baseline}/{len(r.tokens)}", str(r.cache_bytes),
-                      f"{base / r.cache_bytes:.2f}x smaller" if r.cache_bytes else "-")
+        console.print(f"[bold]{escape(r.role)}[/bold] — {escape(r.scheme)} ({r.flavor}): {escape(r.text.strip())}\n")
+    table = Table(title=f"{model_spec}: one prompt, three caches")
+    for col in ("", "scheme (flavour)", "tokens = base", "cache bytes", "vs base", "bits/elem", "ms/token",
+                "x base"):
+        table.add_column(col, justify="left" if col in ("", "scheme (flavour)") else "right")
+    for r in rows:
+        table.add_row(escape(r.role), escape(f"{r.scheme} ({r.flavor})"), f"{r.agree_with_baseline}/{len(r.tokens)}",
+                      str(r.cache_bytes), f"{base.cache_bytes / r.cache_bytes:.2f}x smaller" if r.cache_bytes else "-",
+                      f"{r.bits_per_element:.2f}", f"{r.decode_ms:.1f}", f"{r.decode_ratio:.2f}")
     console.print(table)
-    facts = model_facts(load_config(model_spec))
-    reports = [mem.predict(scheme, facts, 4096) for scheme, _ in PRESETS.values()]
-    console.print(_memory_table(f"predicted KV cache of {model_spec} at 4096 tokens (batch 1)", reports,
-                                show_breakdown=True))
+    for r in rows:
+        console.print(f"[bold]serve {escape(r.scheme)} with onnxruntime-genai[/bold]: {escape(r.serve)}",
+                      soft_wrap=True)
 
 
 def main(argv: list[str] | None = None) -> None:

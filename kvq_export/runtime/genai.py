@@ -62,9 +62,9 @@ def unsupported_reason(manifest: Manifest) -> str | None:
     """Why og cannot serve this export (None when it can)."""
     if manifest.cache_layout == "buffer":
         return None
-    why = (f"flavour {manifest.flavor} stores the cache in the {manifest.cache_layout!r} layout (sinks, quantized "
-           "codes with their per-call metadata, a high-precision window, each sized per call), but "
-           "onnxruntime-genai allocates one [batch, kv_heads, max_length, head_dim] buffer per layer and stream")
+    why = (f"flavour {manifest.flavor} keeps the cache in the {manifest.cache_layout!r} layout (sinks / codes with "
+           "per-call metadata / a high-precision window, each sized per call), but onnxruntime-genai allocates one "
+           "[batch, kv_heads, max_length, head_dim] buffer per layer and stream")
     from kvq_export.export.gqa_flavor import unsupported
 
     reasons = unsupported(manifest.scheme, manifest.num_layers)
@@ -215,7 +215,8 @@ def serve_command(directory: str | os.PathLike[str], prompt: str, max_length: in
             f"p = og.GeneratorParams(m); p.set_search_options(max_length={int(max_length)}); "
             f"g = og.Generator(m, p); g.append_tokens(t.encode({prompt!r})); "
             "[g.generate_next_token() for _ in iter(g.is_done, True)]; print(t.decode(g.get_sequence(0)))")
-    return f"python -c {shlex.quote(code)}"
+    plain = not any(c in code for c in '"$`\\!')  # then double quotes keep it readable and exact
+    return f'python -c "{code}"' if plain else f"python -c {shlex.quote(code)}"
 
 
 # -- scales for the builder ------------------------------------------------------------------------------------------
