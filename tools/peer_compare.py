@@ -389,13 +389,16 @@ def kvq_gqa_export(model: str, scheme: str, out: Path, static) -> Path:
 
 
 def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], steps: int, work: Path,
-              ppl: bool = True, int4_percentile: float | None = 99.9) -> list[Row]:
+              ppl: bool = True, int4_percentile: float | None = 99.9, ppl_engines: Sequence[str] | None = None,
+              timed_engines: Sequence[str] | None = None) -> list[Row]:
     """Run kvq ort-gqa (kvq's loop) vs onnxruntime-genai's builder (og's loop) on the same fp32 weights.
 
     Perplexity on ``p_windows`` (strict decode); kvq's static scales come from 4096 held-out britannica tokens
     (from CALIB_OFFSET), absmax like ``kvq export``; the builder runs with those same scales (written by
     ``kvq calibrate --format genai-scales``) and with its own calibrator's (its default path). Decode steps at
     each context interleaved across all engines in this process, after a chunked prefill of the context.
+    ``ppl_engines`` / ``timed_engines`` pick engines by name (``kvq ort-int8 absmax``, ``builder int8_per_channel
+    own``, ...; default: every engine / one per runtime and scheme) so a loaded machine can split the work.
     """
     import json
 
@@ -442,16 +445,22 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
         add(f"builder {quant} own", Row("genai builder", f"{quant} (builder calibrator)", preset), GenaiEngine(built))
     del hf_model
 
+    unknown = sorted(set(ppl_engines or ()) | set(timed_engines or ()) - set(engines))
+    if unknown:
+        raise SystemExit(f"unknown engine(s) {unknown}; known: {list(engines)}")
     if ppl:
         for name, (row, engine) in engines.items():
+            if ppl_engines is not None and name not in ppl_engines:
+                continue
             start = time.perf_counter()
             row.ppl = engine.perplexity(p_windows)
             logger.info("%s: ppl %.4f (%.0f s)", name, row.ppl, time.perf_counter() - start)
     # timing: one engine per (runtime, scheme); the builder's calibrators do not change its speed
-    timed = {name: engines[name] for name in engines if "own" not in name and "p99" not in name}
+    timed = {name: engines[name] for name in engines
+             if (name in timed_engines if timed_engines is not None else "own" not in name and "p99" not in name)}
     text = token_windows(tokenizer, load_corpus("britannica"), 1, max(contexts))[0]
     warmup = 4
-    for context in contexts:
+    for context in contexts if timed else ():
         states, prefill_s = {}, {}
         for name, (_, engine) in timed.items():
             states[name], prefill_s[name] = engine.prefill(text[:context - warmup - steps - 1], context)
@@ -541,6 +550,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="genai peer: protocol P windows (britannica from token 0)")
     parser.add_argument("--genai-ppl-tokens", type=int, default=512)
     parser.add_argument("--work-dir", default="/tmp/kvq-peers", help="genai peer: exports and builds are kept here")
+    parser.add_argument("--genai-ppl-engines", default=None, help="genai peer: comma list of engines to score")
+    parser.add_argument("--genai-timed-engines", default=None, help="genai peer: comma list of engines to time")
+    parser.add_argument("--genai-int4-percentile", type=float, default=99.9,
+                        help="genai peer: also int4 with kvq percentile scales (0: skip)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
@@ -563,8 +576,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     genai_rows: list[Row] = []
     if "genai" in peers:
         p_windows = text_windows(args.model, args.genai_ppl_windows, args.genai_ppl_tokens, offset=0)
-        genai_rows = run_genai(args.model, p_windows, [int(c) for c in args.genai_contexts.split(",")], args.steps,
-                               Path(args.work_dir), not args.no_ppl)
+        def names(text: str | None) -> list[str] | None:
+            return None if text is None else [n.strip() for n in text.split(",") if n.strip()]
+
+        genai_rows = run_genai(args.model, p_windows, [int(c) for c in args.genai_contexts.split(",") if c],
+                               args.steps, Path(args.work_dir), not args.no_ppl, args.genai_int4_percentile or None,
+                               names(args.genai_ppl_engines), names(args.genai_timed_engines))
 
     from rich.console import Console
     from rich.table import Table
