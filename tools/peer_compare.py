@@ -415,15 +415,21 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
     facts = model_facts(hf_model.config)
     calib = token_windows(tokenizer, load_corpus("britannica"), 4, 1024, offset=CALIB_OFFSET)
     work.mkdir(parents=True, exist_ok=True)
-    engines: dict[str, tuple[Row, Any]] = {}
+    engines: dict[str, tuple[Row, Any]] = {}  # name -> (row, engine or a factory that loads it)
 
     def add(name: str, row: Row, engine) -> None:
         engines[name] = (row, engine)
 
-    add("kvq fp32", Row("kvq ort-gqa", "fp32 buffer", "fp32-cache"),
-        KvqEngine(kvq_gqa_export(model, str(FP32_CACHE), work / "kvq-fp32", None)))
+    def loaded(name: str):
+        row, engine = engines[name]
+        if callable(engine):  # load a model only when it is scored or timed
+            engines[name] = row, engine()
+        return engines[name][1]
+
+    fp32_dir = kvq_gqa_export(model, str(FP32_CACHE), work / "kvq-fp32", None)
+    add("kvq fp32", Row("kvq ort-gqa", "fp32 buffer", "fp32-cache"), lambda: KvqEngine(fp32_dir))
     base_dir = build_with_builder(hf, work / "builder-fp32")
-    add("builder fp32", Row("genai builder", "fp32 (no kv quant)", "fp32-cache"), GenaiEngine(base_dir))
+    add("builder fp32", Row("genai builder", "fp32 (no kv quant)", "fp32-cache"), lambda: GenaiEngine(base_dir))
     for quant, preset in GENAI_SCHEMES.items():
         scheme = resolve_scheme(preset)
         methods = [("absmax", 99.9)] + ([("percentile", int4_percentile)] if "int4" in quant and int4_percentile
@@ -433,30 +439,32 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
             label = "absmax" if method == "absmax" else f"p{pct:g}"
             kvq_dir = kvq_gqa_export(model, preset, work / f"kvq-{preset}-{label}", static)
             add(f"kvq {preset} {label}", Row("kvq ort-gqa", f"{preset} (kvq {label} scales)", preset),
-                KvqEngine(kvq_dir))
+                lambda d=kvq_dir: KvqEngine(d))
             scales = work / f"kvq-scales-{quant}-{label}.json"
             scales.write_text(json.dumps(builder_scale_file(static, scheme, num_layers=facts.num_layers,
                                                             kv_heads=facts.num_kv_heads, head_dim=facts.head_dim)))
             built = build_with_builder(hf, work / f"builder-{quant}-kvq-{label}", quant, scales)
             add(f"builder {quant} kvq-{label}", Row("genai builder", f"{quant} (kvq {label} scales)", preset),
-                GenaiEngine(built))
+                lambda d=built: GenaiEngine(d))
         own = builder_calibration(base_dir, hf, work / f"builder-scales-{quant}.json", quant)
         built = build_with_builder(hf, work / f"builder-{quant}-own", quant, own)
-        add(f"builder {quant} own", Row("genai builder", f"{quant} (builder calibrator)", preset), GenaiEngine(built))
+        add(f"builder {quant} own", Row("genai builder", f"{quant} (builder calibrator)", preset),
+            lambda d=built: GenaiEngine(d))
     del hf_model
 
     unknown = sorted(set(ppl_engines or ()) | set(timed_engines or ()) - set(engines))
     if unknown:
         raise SystemExit(f"unknown engine(s) {unknown}; known: {list(engines)}")
     if ppl:
-        for name, (row, engine) in engines.items():
+        for name in list(engines):
             if ppl_engines is not None and name not in ppl_engines:
                 continue
+            row, engine = engines[name][0], loaded(name)
             start = time.perf_counter()
             row.ppl = engine.perplexity(p_windows)
             logger.info("%s: ppl %.4f (%.0f s)", name, row.ppl, time.perf_counter() - start)
     # timing: one engine per (runtime, scheme); the builder's calibrators do not change its speed
-    timed = {name: engines[name] for name in engines
+    timed = {name: (engines[name][0], loaded(name)) for name in list(engines)
              if (name in timed_engines if timed_engines is not None else "own" not in name and "p99" not in name)}
     text = token_windows(tokenizer, load_corpus("britannica"), 1, max(contexts))[0]
     warmup = 4
