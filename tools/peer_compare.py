@@ -22,7 +22,12 @@ llama.cpp (flash attn)  f16 / q8_0 / q4_0 / q4_1            fp16 / q8_0 / q4_0 /
 transformers            QuantizedCache quanto int4 / int2   kivi-4 / kivi-2 (per-channel, R=128)
 transformers            QuantizedCache hqq int4 / int2      kivi-4 / kivi-2
 transformers            QuantizedCache fp8 (per tensor)     fp8
+onnxruntime-genai       builder int8/int4_per_channel       ort-int8 / ort-int4 (--flavor ort-gqa)
 ======================  ==================================  =====================================
+
+The onnxruntime-genai peer (``--peers genai``, :func:`run_genai`) runs the same fp32 weights in both runtimes'
+own loops, on protocol P (8 x 512 britannica tokens from token 0) and at several contexts, with the builder's
+scales from kvq's calibration and from its own calibrator.
 
 Optional dependencies, none needed by kvq itself (install them in a throwaway venv, see tools/README.md):
 ``llama-cpp-python`` (llama.cpp), ``optimum-quanto`` (quanto backend), ``hqq`` (hqq backend). A missing
