@@ -323,6 +323,7 @@ class GenaiSession:
         self.model = self.og.Model(self._config())
         self.config = json.loads((self.directory / GENAI_CONFIG).read_text())
         self._tokenizer = None
+        self._no_eos_model = None
 
     def _config(self, **model_overlay: Any):
         config = self.og.Config(str(self.directory))
@@ -380,7 +381,9 @@ class GenaiSession:
             raise RuntimeInputError(f"a batched prompt ends with pad_token_id {pad}, which onnxruntime-genai reads "
                                     "as padding: run that prompt alone")
         width = max(len(t) for t in token_lists)
-        model = self.model if stop_at_eos else self.og.Model(self._config(eos_token_id=[]))
+        if not stop_at_eos and self._no_eos_model is None:  # og always stops at EOS: load a copy without one
+            self._no_eos_model = self.og.Model(self._config(eos_token_id=[]))
+        model = self.model if stop_at_eos else self._no_eos_model
         params = self.og.GeneratorParams(model)
         options: dict[str, Any] = {"max_length": width + max_new_tokens, "batch_size": len(token_lists),
                                    "do_sample": not sampling.greedy,
