@@ -473,6 +473,8 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
              if (name in timed_engines if timed_engines is not None else "own" not in name and "p99" not in name)}
     text = token_windows(tokenizer, load_corpus("britannica"), 1, max(contexts))[0]
     warmup = 4
+    for _, engine in timed.values():  # first runs allocate and prepack: keep them out of the prefill timing
+        engine.prefill(text[:PREFILL_CHUNK], PREFILL_CHUNK + 1)
     for context in contexts if timed else ():
         states, prefill_s = {}, {}
         for name, (_, engine) in timed.items():
