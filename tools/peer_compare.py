@@ -457,7 +457,7 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
             lambda d=built: GenaiEngine(d))
     del hf_model
 
-    unknown = sorted(set(ppl_engines or ()) | set(timed_engines or ()) - set(engines))
+    unknown = sorted((set(ppl_engines or ()) | set(timed_engines or ())) - set(engines))
     if unknown:
         raise SystemExit(f"unknown engine(s) {unknown}; known: {list(engines)}")
     if ppl:
