@@ -407,7 +407,7 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
     """
     import json
 
-    from kvq_export.calibrate import calibrate_static_scales
+    from kvq_export.calibrate import calibrate_static_scales, load_calibration, save_calibration
     from kvq_export.corpus import load_corpus, token_windows
     from kvq_export.model_source import load_model, model_facts
     from kvq_export.presets import resolve_scheme
@@ -440,8 +440,13 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
         methods = [("absmax", 99.9)] + ([("percentile", int4_percentile)] if "int4" in quant and int4_percentile
                                         else [])
         for method, pct in methods:
-            static = calibrate_static_scales(hf_model, scheme, calib, method=method, percentile=pct)
             label = "absmax" if method == "absmax" else f"p{pct:g}"
+            saved = work / f"kvq-static-{preset}-{label}.npz"  # calibrating again would give the same scales
+            if saved.is_file():
+                static = load_calibration(saved)
+            else:
+                static = calibrate_static_scales(hf_model, scheme, calib, method=method, percentile=pct)
+                save_calibration(static, saved)
             kvq_dir = kvq_gqa_export(model, preset, work / f"kvq-{preset}-{label}", static)
             add(f"kvq {preset} {label}", Row("kvq ort-gqa", f"{preset} (kvq {label} scales)", preset),
                 lambda d=kvq_dir: KvqEngine(d))
