@@ -206,6 +206,12 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, ca
                  calib_corpus=calib_corpus, calib_tokens=calib_tokens, calib_method=calib_method,
                  calib_percentile=percentile, calib_offset=calib_offset)
     click.echo(f"exported to {out}")
+    from kvq_export.manifest import Manifest
+    from kvq_export.runtime.genai import RUNTIME
+
+    genai = Manifest.load(out).runtimes.get(RUNTIME) or {}
+    click.echo(f"{RUNTIME}: " + (f"serve with og.Model({str(out)!r}) ({genai['config']})" if genai.get("supported")
+                                 else f"not servable: {genai.get('reason', 'no entry')}"))
 
 
 @cli.command()
@@ -268,24 +274,41 @@ def plan(model_spec, corpus, tokens, offset, budget, context, candidates, metric
 @click.option("--top-k", type=click.IntRange(1), default=None)
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None)
 @click.option("--seed", type=int, default=None)
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+              help="> 1 discourages tokens the row already holds (prompt included); 1 = off.")
+@click.option("--runtime", type=click.Choice(["kvq", "genai"]), default="kvq", show_default=True,
+              help="kvq: kvq's loop on ONNX Runtime; genai: onnxruntime-genai's C++ loop (ort-gqa exports).")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and cache bytes as JSON.")
 @click.option("--no-verify", "no_verify", is_flag=True,
               help="Skip checking the weight files against the checksums in kvq.json (faster on trusted storage).")
-def generate(export_dir, prompts, max_new_tokens, temperature, top_k, top_p, seed, as_json, no_verify) -> None:
+def generate(export_dir, prompts, max_new_tokens, temperature, top_k, top_p, seed, repetition_penalty, runtime,
+             as_json, no_verify) -> None:
     """Generate text from an export directory on ONNX Runtime (quantized cache between steps)."""
     from kvq_export.runtime.sampling import SamplingConfig
-    from kvq_export.runtime.session import KVQSession
 
     for prompt in prompts:  # bytes that are not UTF-8 arrive as lone surrogates: refuse them before any work
         _utf8_arg(prompt, "--prompt")
-    session = KVQSession(export_dir, verify_weights=not no_verify)
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                              repetition_penalty=repetition_penalty)
+    if runtime == "genai":
+        from kvq_export.runtime.genai import GenaiSession
+
+        session = GenaiSession(export_dir, verify_weights=not no_verify)
+        results = session.generate(list(prompts), max_new_tokens, sampling)
+        scheme = session.manifest.scheme.name
+    else:
+        from kvq_export.runtime.session import KVQSession
+
+        session = KVQSession(export_dir, verify_weights=not no_verify)
+        scheme = session.manifest.scheme.name
+        results = None
     stream = None
-    if len(prompts) == 1 and not as_json:
+    if results is None and len(prompts) == 1 and not as_json:
         stream = _TextStream(session.tokenizer, prompts[0])
-    results = session.generate(list(prompts), max_new_tokens, sampling, on_token=stream)
+    if results is None:
+        results = session.generate(list(prompts), max_new_tokens, sampling, on_token=stream)
     if as_json:
-        click.echo(json.dumps({"export": str(export_dir), "scheme": session.manifest.scheme.name,
+        click.echo(json.dumps({"export": str(export_dir), "scheme": scheme, "runtime": runtime,
                                "results": [r.to_dict() for r in results]}, indent=2))
         return
     if stream is not None:
@@ -294,6 +317,34 @@ def generate(export_dir, prompts, max_new_tokens, temperature, top_k, top_p, see
         for r in results:
             click.echo(f"{r.prompt}{r.text}")
     click.echo(f"[cache: {results[0].cache_bytes} bytes]", err=True)
+
+
+@cli.command()
+@click.option("--model", "model_spec", default="smollm2", show_default=True,
+              help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
+@click.option("--scheme", "scheme_spec", default="ort-int8", show_default=True,
+              help="Preset or scheme .json file with static scales (what is calibrated).")
+@calibration_options(corpus_default="britannica")
+@click.option("--calib-offset", type=click.IntRange(0), default=0, show_default=True,
+              help="First corpus token used (keep calibration text apart from evaluation text).")
+@click.option("--format", "file_format", type=click.Choice(["genai-scales", "npz"]), default="genai-scales",
+              show_default=True, help="genai-scales: onnxruntime-genai builder's kv_cache_scale_file; npz: kvq's.")
+@click.option("--granularity", type=click.Choice(["per_channel", "per_tensor"]), default="per_channel",
+              show_default=True, help="genai-scales: the builder's kv_cache_quant_scheme granularity.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="File to write.")
+def calibrate(model_spec, scheme_spec, calib_corpus, calib_tokens, calib_method, percentile, calib_offset,
+              file_format, granularity, out) -> None:
+    """Calibrate static K/V scales and write them for kvq or for onnxruntime-genai's model builder."""
+    from kvq_export.runtime.genai import calibrate_to_file
+
+    path = calibrate_to_file(model_spec, scheme_spec, out, corpus=calib_corpus, tokens=calib_tokens,
+                             method=calib_method, percentile=percentile, offset=calib_offset,
+                             file_format=file_format, granularity=granularity)
+    click.echo(f"wrote {path}")
+    if file_format == "genai-scales":
+        data = json.loads(path.read_text())
+        click.echo("build: python -m onnxruntime_genai.models.builder -i HF_DIR -o OUT -p fp32 -e cpu --extra_options "
+                   f"{data['kvq']['builder_option']} kv_cache_scale_file={path}")
 
 
 class _TextStream:
@@ -501,37 +552,45 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
 
 @cli.command()
 @click.option("--model", "model_spec", default="smollm2", show_default=True)
-@click.option("--scheme", "scheme_spec", default="kivi-4", show_default=True, help="Quantized scheme to show.")
-@click.option("--prompt", default=None, help="Prompt text (default: a built-in ~130-token story opening, long "
-              "enough that kivi's 128-token recent window overflows and quantized tokens are attended to).")
-@click.option("--max-new-tokens", type=click.IntRange(1), default=96, show_default=True)
+@click.option("--prompt", default=None, help="Prompt text (default: a built-in ~130-token story opening).")
+@click.option("--max-new-tokens", type=click.IntRange(2), default=64, show_default=True)
+@click.option("--repetition-penalty", type=float, default=None,
+              help="Greedy decoding's repetition penalty (default: the demo's, 1.3).")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Where the exports live (default: the kvq cache directory).")
-def demo(model_spec, scheme_spec, prompt, max_new_tokens, workdir) -> None:
-    """Export MODEL with fp16 and a quantized scheme, generate with both, compare text and cache memory."""
+def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir) -> None:
+    """fp16 baseline, the most accurate <= 5-bit scheme and the ort-gqa fast path: text, bytes, speed, serving."""
+    import dataclasses
+
     from rich.table import Table
 
-    from kvq_export import memory as mem
-    from kvq_export.demo import DEMO_PROMPT, run_demo
-    from kvq_export.model_source import load_config, model_facts
-    from kvq_export.presets import PRESETS
+    from kvq_export.demo import DEMO_PROMPT, DEMO_SAMPLING, run_demo
 
     console = _console()
     prompt = prompt or DEMO_PROMPT
-    rows = run_demo(model_spec, scheme_spec, prompt, max_new_tokens, workdir)
-    console.print(f"[bold]prompt[/bold] ({rows[0].prompt_tokens} tokens): {prompt}")
-    table = Table(title=f"{model_spec}: greedy continuation, {max_new_tokens} new tokens, ONNX Runtime")
-    for col in ("scheme", "continuation", "tokens = fp16", "cache bytes", "vs fp16"):
-        table.add_column(col, justify="left" if col in ("scheme", "continuation") else "right")
-    base = rows[0].cache_bytes
+    sampling = DEMO_SAMPLING if repetition_penalty is None else dataclasses.replace(
+        DEMO_SAMPLING, repetition_penalty=repetition_penalty)
+    rows = run_demo(model_spec, prompt, max_new_tokens, workdir, sampling)
+    from rich.markup import escape
+
+    console.print(f"[bold]prompt[/bold] ({rows[0].prompt_tokens} tokens): {escape(prompt)}")
+    console.print(f"greedy, repetition penalty {sampling.repetition_penalty:g}, {max_new_tokens} new tokens, "
+                  "ONNX Runtime on this machine's CPU\n")
+    base = rows[0]
     for r in rows:
-        table.add_row(r.scheme, r.text, f"{r.agree_with_baseline}/{len(r.tokens)}", str(r.cache_bytes),
-                      f"{base / r.cache_bytes:.2f}x smaller" if r.cache_bytes else "-")
+        console.print(f"[bold]{escape(r.role)}[/bold] — {escape(r.scheme)} ({r.flavor}): {escape(r.text.strip())}\n")
+    table = Table(title=f"{model_spec}: one prompt, three caches")
+    for col in ("", "scheme (flavour)", "tokens = base", "cache bytes", "vs base", "bits/elem", "ms/token",
+                "x base"):
+        table.add_column(col, justify="left" if col in ("", "scheme (flavour)") else "right")
+    for r in rows:
+        table.add_row(escape(r.role), escape(f"{r.scheme} ({r.flavor})"), f"{r.agree_with_baseline}/{len(r.tokens)}",
+                      str(r.cache_bytes), f"{base.cache_bytes / r.cache_bytes:.2f}x smaller" if r.cache_bytes else "-",
+                      f"{r.bits_per_element:.2f}", f"{r.decode_ms:.1f}", f"{r.decode_ratio:.2f}")
     console.print(table)
-    facts = model_facts(load_config(model_spec))
-    reports = [mem.predict(scheme, facts, 4096) for scheme, _ in PRESETS.values()]
-    console.print(_memory_table(f"predicted KV cache of {model_spec} at 4096 tokens (batch 1)", reports,
-                                show_breakdown=True))
+    for r in rows:
+        console.print(f"[bold]serve {escape(r.scheme)} with onnxruntime-genai[/bold]: {escape(r.serve)}",
+                      soft_wrap=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,21 +1,35 @@
-"""The demo behind ``make demo``.
+"""The demo behind ``make demo``: three exports of the built-in model, one prompt, side by side.
 
-Export the built-in model twice (fp16 and a quantized scheme), generate from one prompt with both, and
-compare text, agreement and cache memory.
+1. the **fp16 baseline** (reference flavour: standard ONNX ops, any ONNX Runtime);
+2. the **most accurate scheme at <= 5 bits per element** kvq has measured (:data:`ACCURATE_SCHEME`: KIVI-style
+   4-bit keys per channel and values per token, asymmetric groups of 64, no fp16 window; +0.99% perplexity on
+   protocol P at 4.5 bits/element (`kvq validate`), +0.86% in the PyTorch reference), also reference flavour;
+3. the **ort-gqa fast path** (``ort-int8`` with calibrated static scales): ONNX Runtime's fused
+   GroupQueryAttention reading an int8 buffer in place, which onnxruntime-genai serves as it is.
+
+Each generates from the same prompt with the same decoding settings (:data:`DEMO_SAMPLING`: greedy with a mild
+repetition penalty, so a 135M model does not repeat one clause) and reports its continuation, how many leading
+tokens agree with the baseline, the cache bytes held, the median decode time per token and its ratio to the
+baseline, and how to serve the export with onnxruntime-genai (or why that export cannot be). Exports are cached
+under ``$KVQ_CACHE_DIR/exports`` and reused while the same kvq source made them from the same request.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvq_export.presets import resolve_scheme
+from kvq_export.runtime.sampling import SamplingConfig
 
 logger = logging.getLogger(__name__)
 
-#: Long enough (about 130 tokens) that with the generated tokens the cache outgrows kivi's recent window.
+#: A short, concrete opening (encyclopedic, not a story template) that SmolLM2-135M continues without looping
+#: under :data:`DEMO_SAMPLING`.
 DEMO_PROMPT = (
     "The lighthouse keeper had lived alone on the island for eleven years. Every evening he climbed the "
     "one hundred and twelve steps of the tower, cleaned the great lens, trimmed the wick and wrote the "
@@ -25,49 +39,113 @@ DEMO_PROMPT = (
     "nobody in it, but under the seat he found a sealed glass bottle with a letter inside. He broke the "
     "seal, unfolded the paper and began to read."
 )
+#: Greedy (so the three runs are comparable token by token) with a mild CTRL repetition penalty.
+DEMO_SAMPLING = SamplingConfig(repetition_penalty=1.3)
+#: kivi-4 with groups of 64 and no fp16 recent window (a preset).
+ACCURATE_SCHEME = "kivi-4-r0-g64"
+#: Calibration text of the static-scale run (the same default as ``kvq export --calib-corpus``).
+CALIB_CORPUS = "britannica"
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """One export of the demo: what it shows, its scheme and flavour."""
+
+    role: str
+    scheme: str
+    flavor: str = "reference"
+
+
+DEMO_RUNS = (
+    DemoRun("fp16 baseline", "fp16"),
+    DemoRun("most accurate <= 5 bits", ACCURATE_SCHEME),
+    DemoRun("ort-gqa fast path", "ort-int8", "ort-gqa"),
+)
 
 
 @dataclass(frozen=True)
 class DemoRow:
-    """One scheme's generation."""
+    """One run's generation and measurements."""
 
     scheme: str
     text: str
     tokens: list[int]
-    agree_with_baseline: int  # leading tokens identical to the fp16 run
+    agree_with_baseline: int  # leading tokens identical to the baseline run
     cache_bytes: int
     prompt_tokens: int
+    role: str = ""
+    flavor: str = "reference"
+    bits_per_element: float = 0.0  # the memory model's bits per K/V element at the final length
+    decode_ms: float = 0.0  # median time from one generated token to the next
+    decode_ratio: float = 1.0  # decode_ms / the baseline's
+    directory: str = ""
+    serve: str = ""  # one shell line serving the export with onnxruntime-genai, or why it cannot
 
 
-def baseline_dir(model_spec: str, scheme_spec: str, workdir: Path) -> Path:
-    """Where the demo and validation keep ``model_spec`` exported with ``scheme_spec``."""
+def baseline_dir(model_spec: str, scheme_spec: str, workdir: Path, flavor: str = "reference") -> Path:
+    """Where the demo and validation keep ``model_spec`` exported with ``scheme_spec`` (and ``flavor``)."""
     scheme = resolve_scheme(scheme_spec)
-    return workdir / f"{Path(model_spec).name}-{scheme.name or 'custom'}"
+    suffix = "" if flavor == "reference" else f"-{flavor}"
+    return workdir / f"{Path(model_spec).name}-{scheme.name or 'custom'}{suffix}"
 
 
-def ensure_export(model_spec: str, scheme_spec: str, workdir: Path) -> Path:
-    """``workdir/<model>-<scheme>``, reused while current (see :func:`kvq_export.export.exporter.ensure_export`)."""
+def ensure_export(model_spec: str, scheme_spec: str, workdir: Path, *, flavor: str = "reference",
+                  calib_corpus: str | None = None) -> Path:
+    """``workdir/<model>-<scheme>[-<flavor>]``, reused while current (:func:`kvq_export.export.exporter.ensure_export`).
+
+    Static-scale schemes are calibrated on ``calib_corpus`` (``kvq export``'s default token count).
+    """
     from kvq_export.export.exporter import ensure_export as ensure
 
-    return ensure(model_spec, scheme_spec, baseline_dir(model_spec, scheme_spec, workdir))
+    scheme = resolve_scheme(scheme_spec)
+    return ensure(model_spec, scheme, baseline_dir(model_spec, scheme_spec, workdir, flavor), flavor=flavor,
+                  calib_corpus=calib_corpus if scheme.has_static_scales else None)
 
 
-def run_demo(model_spec: str, scheme_spec: str, prompt: str, max_new_tokens: int,
-             workdir: str | os.PathLike[str] | None = None) -> list[DemoRow]:
-    """Generate greedily from ``prompt`` with the fp16 baseline and ``scheme_spec``."""
+def _timed_generate(session, prompt: str, max_new_tokens: int, sampling: SamplingConfig):
+    """Generate and return (result, median ms between consecutive tokens)."""
+    stamps: list[float] = []
+    result = session.generate([prompt], max_new_tokens, sampling, on_token=lambda row, token: stamps.append(
+        time.perf_counter()))[0]
+    gaps = [1e3 * (b - a) for a, b in zip(stamps, stamps[1:])]
+    return result, statistics.median(gaps) if gaps else 0.0
+
+
+def run_demo(model_spec: str, prompt: str, max_new_tokens: int, workdir: str | os.PathLike[str] | None = None,
+             sampling: SamplingConfig = DEMO_SAMPLING, runs: tuple[DemoRun, ...] = DEMO_RUNS) -> list[DemoRow]:
+    """Export (or reuse) each of ``runs`` and generate from ``prompt``; the first run is the baseline."""
+    from kvq_export.memory import Geometry, predict
     from kvq_export.model_source import cache_root
+    from kvq_export.runtime.genai import RUNTIME, serve_command
     from kvq_export.runtime.session import KVQSession
 
     root = Path(workdir) if workdir else cache_root() / "exports"
     rows: list[DemoRow] = []
-    baseline: list[int] | None = None
-    for spec in ("fp16", scheme_spec):
-        session = KVQSession(ensure_export(model_spec, spec, root))
-        result = session.generate([prompt], max_new_tokens)[0]
-        if baseline is None:
-            baseline = result.tokens
-        agree = next((i for i, (a, b) in enumerate(zip(baseline, result.tokens)) if a != b),
-                     min(len(baseline), len(result.tokens)))
-        rows.append(DemoRow(session.manifest.scheme.name or spec, result.text or "", result.tokens, agree,
-                            result.cache_bytes, len(result.prompt_tokens)))
+    for run in runs:
+        directory = ensure_export(model_spec, run.scheme, root, flavor=run.flavor,
+                                  calib_corpus=CALIB_CORPUS if resolve_scheme(run.scheme).has_static_scales
+                                  else None)
+        session = KVQSession(directory)
+        result, decode_ms = _timed_generate(session, prompt, max_new_tokens, sampling)
+        base = rows[0] if rows else None
+        tokens = base.tokens if base else result.tokens
+        agree = next((i for i, (a, b) in enumerate(zip(tokens, result.tokens)) if a != b),
+                     min(len(tokens), len(result.tokens)))
+        held = predict(session.manifest.scheme, Geometry(session.manifest.num_layers,
+                                                         int(session.manifest.model["num_kv_heads"]),
+                                                         int(session.manifest.model["head_dim"])),
+                       len(result.prompt_tokens) + len(result.tokens))
+        genai = session.manifest.runtimes.get(RUNTIME) or {}
+        first_sentence = prompt.split(". ")[0].rstrip(".") + "."
+        serve = (serve_command(directory, first_sentence, len(result.prompt_tokens) + max_new_tokens)
+                 if genai.get("supported") else
+                 f"not servable ({genai.get('reason', '?').split(';')[0]}; details in kvq.json 'runtimes')")
+        rows.append(DemoRow(
+            scheme=session.manifest.scheme.name or run.scheme, text=result.text or "", tokens=result.tokens,
+            agree_with_baseline=agree, cache_bytes=result.cache_bytes, prompt_tokens=len(result.prompt_tokens),
+            role=run.role, flavor=run.flavor, bits_per_element=held.bits_per_element,
+            decode_ms=decode_ms, decode_ratio=decode_ms / base.decode_ms if base and base.decode_ms else 1.0,
+            directory=str(directory), serve=serve))
+        logger.info("%s (%s, %s): %.2f ms/token, %d cache bytes", run.role, rows[-1].scheme, run.flavor, decode_ms,
+                    result.cache_bytes)
     return rows

@@ -30,7 +30,9 @@ MODEL_NAME = "model.onnx"
 CALIBRATION_NAME = "calibration.npz"
 FORMAT_VERSION = 1
 #: The files whose sha256 the manifest records at export and a loader verifies (the graph and its weights).
-WEIGHT_FILES = (MODEL_NAME, MODEL_NAME + ".data")
+#: Graphs and weights checksummed at export and verified on load (those present; ``model.genai.onnx`` is the
+#: onnxruntime-genai entry graph of an ort-gqa export).
+WEIGHT_FILES = (MODEL_NAME, MODEL_NAME + ".data", "model.genai.onnx")
 #: ONNX metadata key under which the graph carries the scheme it was built for (compared with the manifest's).
 GRAPH_SCHEME_KEY = "kvq.scheme"
 #: Compute dtypes an export can have.
@@ -97,6 +99,8 @@ class Manifest:
     layout: str | None = None  # cache layout name; None: the flavour's (see naming.layout_for_flavor)
     weights: dict[str, Any] | None = None  # {file: {"sha256", "bytes"}} recorded at export
     build: dict[str, Any] | None = None  # {"kvq_code": source digest, "request": what shaped the export}
+    #: other runtimes that can serve the export: name -> {"supported": bool, their files, or "reason"}
+    runtimes: dict[str, Any] = field(default_factory=dict)
 
     # -- the cache ------------------------------------------------------------------------------------
     @property
@@ -131,6 +135,7 @@ class Manifest:
             "outputs": self.outputs,
             "weights": self.weights,
             "build": self.build,
+            "runtimes": self.runtimes,
             "cache": {
                 "layout": LAYOUT_TEXT[self.cache_layout],
                 "layout_name": self.cache_layout,
@@ -204,6 +209,7 @@ class Manifest:
             calibration=calibration, format_version=version,
             layout=_get(cache, "layout_name", str, optional=True, where="cache."), weights=weights,
             build=_get(data, "build", dict, optional=True),
+            runtimes=dict(_get(data, "runtimes", dict, optional=True) or {}),
         )
         if manifest.cache_layout not in LAYOUT_TEXT:
             raise RuntimeInputError(f"cache layout {manifest.cache_layout!r} is not supported "

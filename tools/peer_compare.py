@@ -22,7 +22,12 @@ llama.cpp (flash attn)  f16 / q8_0 / q4_0 / q4_1            fp16 / q8_0 / q4_0 /
 transformers            QuantizedCache quanto int4 / int2   kivi-4 / kivi-2 (per-channel, R=128)
 transformers            QuantizedCache hqq int4 / int2      kivi-4 / kivi-2
 transformers            QuantizedCache fp8 (per tensor)     fp8
+onnxruntime-genai       builder int8/int4_per_channel       ort-int8 / ort-int4 (--flavor ort-gqa)
 ======================  ==================================  =====================================
+
+The onnxruntime-genai peer (``--peers genai``, :func:`run_genai`) runs the same fp32 weights in both runtimes'
+own loops, on protocol P (8 x 512 britannica tokens from token 0) and at several contexts, with the builder's
+scales from kvq's calibration and from its own calibrator.
 
 Optional dependencies, none needed by kvq itself (install them in a throwaway venv, see tools/README.md):
 ``llama-cpp-python`` (llama.cpp), ``optimum-quanto`` (quanto backend), ``hqq`` (hqq backend). A missing
@@ -50,7 +55,7 @@ import numpy as np
 
 logger = logging.getLogger("peer_compare")
 
-PEERS = ("kvq", "llama.cpp", "hf")
+PEERS = ("kvq", "llama.cpp", "hf", "genai")
 KVQ_PRESETS = ("q8_0", "q4_0", "q4_1", "kivi-4", "kivi-2", "fp8")
 #: llama.cpp cache type -> (ggml type name in llama_cpp, kvq preset)
 LLAMA_CPP_TYPES = {"f16": ("GGML_TYPE_F16", "fp16"), "q8_0": ("GGML_TYPE_Q8_0", "q8_0"),
@@ -75,6 +80,9 @@ class Row:
     decode_ms: float | None = None  # median single-token step at --context tokens
     speed_ratio: float | None = None  # decode_ms / the engine's baseline decode_ms (< 1: faster)
     note: str = ""
+    decode_ms_at: dict[int, float] | None = None  # genai peer: median step per context
+    prefill_tok_s: float | None = None  # genai peer: chunked prefill of the longest context
+    cache_bytes: int | None = None  # genai peer: cache buffers held at the longest context
 
 
 def _has(module: str | None) -> bool:
@@ -229,9 +237,275 @@ def run_hf(model: str, windows: list[list[int]], context: int, steps: int, ppl: 
     return _finish(list(rows.values()), "dynamic")
 
 
+# -- onnxruntime-genai and its model builder ------------------------------------------------------------------
+#: builder ``kv_cache_quant_scheme`` -> the kvq ort-gqa preset holding the same cache (static symmetric per channel)
+GENAI_SCHEMES = {"int8_per_channel": "ort-int8", "int4_per_channel": "ort-int4"}
+#: kvq calibrates on held-out text from here (protocol P evaluates britannica tokens 0..4095)
+CALIB_OFFSET = 60000
+PREFILL_CHUNK = 512
+FP32_CACHE = Path(__file__).resolve().parent / "schemes" / "fp32-cache.json"
+
+
+def model_hf_dir(model: str) -> Path:
+    """The Hugging Face directory the builder reads (kvq's cached fp32 conversion for a GGUF model)."""
+    from kvq_export.model_source import _ensure_fp32_cache, resolve_spec
+
+    source = resolve_spec(model)
+    return source.path if source.kind == "hf_dir" else _ensure_fp32_cache(source.path)
+
+
+def _reuse(out: Path, stamp: dict) -> bool:
+    """Whether ``out`` was built with exactly ``stamp`` (written beside the build as peer_stamp.json)."""
+    import json
+
+    path = out / "peer_stamp.json"
+    return path.is_file() and json.loads(path.read_text()) == stamp
+
+
+def _stamp(out: Path, stamp: dict) -> None:
+    import json
+
+    (out / "peer_stamp.json").write_text(json.dumps(stamp))
+
+
+def build_with_builder(hf: Path, out: Path, quant: str | None = None, scale_file: Path | None = None) -> Path:
+    """``python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp32 -e cpu`` (+ a quantized cache)."""
+    import shutil
+    import subprocess
+
+    stamp = {"quant": quant, "scales": scale_file.read_text() if scale_file else None}
+    if _reuse(out, stamp):
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p", "fp32",
+           "-e", "cpu", "-c", str(out.parent / "builder-cache")]
+    if quant:
+        cmd += ["--extra_options", f"kv_cache_quant_scheme={quant}", f"kv_cache_scale_file={scale_file}"]
+    logger.info("builder: %s", " ".join(cmd))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.log", "w") as log:
+        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
+    _stamp(out, stamp)
+    return out
+
+
+def builder_calibration(baseline: Path, hf: Path, out: Path, quant: str) -> Path:
+    """The builder's own calibrator, its defaults, on the unquantized build: the builder's default scale file.
+
+    Its defaults: the 99.99th percentile, a RoPE pair envelope for keys, 24 x 512 tokens of its built-in corpus.
+    """
+    from onnxruntime_genai.models.quantization.kv_cache_calibration import calibrate_kv_scales
+
+    if not out.is_file():
+        calibrate_kv_scales(str(baseline / "model.onnx"), str(hf), str(out), quant_type=quant)
+    return out
+
+
+class GenaiEngine:
+    """A builder (or kvq) export on onnxruntime-genai's own loop."""
+
+    def __init__(self, directory: Path) -> None:
+        import json
+
+        import onnxruntime_genai as og
+
+        self.og = og
+        self.model = og.Model(str(directory))
+        self.outputs = json.loads((directory / "genai_config.json").read_text())["model"]["decoder"]
+        self.layers = int(self.outputs["num_hidden_layers"])
+
+    def perplexity(self, windows: list[list[int]]) -> float:
+        """Strict decode: every window a row of one batch, one token per row per step."""
+        ids = np.asarray(windows, dtype=np.int32)
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(max_length=ids.shape[1], batch_size=ids.shape[0], do_sample=False)
+        generator = self.og.Generator(self.model, params)
+        total = 0.0
+        for i in range(ids.shape[1] - 1):
+            generator.append_tokens(ids[:, i:i + 1])
+            logits = np.asarray(generator.get_logits()).reshape(ids.shape[0], -1)
+            total += sum(_nll(logits[row], int(ids[row, i + 1])) for row in range(ids.shape[0]))
+        return math.exp(total / (ids.shape[0] * (ids.shape[1] - 1)))
+
+    def prefill(self, tokens: list[int], max_length: int):
+        """A generator holding ``tokens`` (appended in chunks of PREFILL_CHUNK); returns (state, seconds)."""
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(max_length=max_length, do_sample=False)
+        generator = self.og.Generator(self.model, params)
+        start = time.perf_counter()
+        for i in range(0, len(tokens), PREFILL_CHUNK):
+            generator.append_tokens(np.asarray(tokens[i:i + PREFILL_CHUNK], dtype=np.int32))
+        return generator, time.perf_counter() - start
+
+    @staticmethod
+    def step(generator) -> None:
+        """One decode step: run the last token, pick the next greedily (og's C++ loop)."""
+        generator.generate_next_token()
+
+    def cache_bytes(self, generator) -> int:
+        """Bytes of the present key/value tensors og holds."""
+        names = self.outputs["outputs"]
+        return sum(int(generator.get_output(names[f"present_{part}_names"] % layer).nbytes)
+                   for layer in range(self.layers) for part in ("key", "value"))
+
+
+class KvqEngine:
+    """A kvq ort-gqa export in kvq's Python loop (KVQSession, IO binding, one shared buffer per stream)."""
+
+    def __init__(self, directory: Path) -> None:
+        from kvq_export.runtime.session import KVQSession
+
+        self.session = KVQSession(directory)
+
+    def perplexity(self, windows: list[list[int]]) -> float:
+        """Strict decode (``kvq_export.bench.perplexity``)."""
+        from kvq_export.bench import perplexity
+
+        return perplexity(self.session, windows)["ppl"]
+
+    def prefill(self, tokens: list[int], max_length: int):
+        """A cache holding ``tokens`` (chunks of PREFILL_CHUNK); returns ([cache, next token], seconds)."""
+        cache = self.session.empty_cache(1, capacity=max_length)
+        start = time.perf_counter()
+        for i in range(0, len(tokens), PREFILL_CHUNK):
+            logits, cache = self.session.step(np.asarray([tokens[i:i + PREFILL_CHUNK]], dtype=np.int64), None, cache)
+        return [cache, int(logits[0, -1].argmax())], time.perf_counter() - start
+
+    def step(self, state) -> None:
+        """One decode step: run the last token, pick the next greedily (kvq's Python loop)."""
+        logits, state[0] = self.session.step(np.asarray([[state[1]]], dtype=np.int64), None, state[0])
+        state[1] = int(logits[0, -1].argmax())
+
+    def cache_bytes(self, state) -> int:
+        """Bytes of the cache buffers kvq holds."""
+        return self.session.cache_nbytes(state[0])
+
+
+def kvq_gqa_export(model: str, scheme: str, out: Path, static) -> Path:
+    """``kvq export --flavor ort-gqa`` with the given static scales (reused if built with the same ones)."""
+    from kvq_export.calibrate import calibration_digest
+    from kvq_export.export.exporter import export
+
+    stamp = {"scheme": scheme, "scales": calibration_digest(static) if static else None}
+    if not _reuse(out, stamp):
+        export(model, scheme, out, flavor="ort-gqa", static=static, force=True)
+        _stamp(out, stamp)
+    return out
+
+
+def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], steps: int, work: Path,
+              ppl: bool = True, int4_percentile: float | None = 99.9, ppl_engines: Sequence[str] | None = None,
+              timed_engines: Sequence[str] | None = None) -> list[Row]:
+    """Run kvq ort-gqa (kvq's loop) vs onnxruntime-genai's builder (og's loop) on the same fp32 weights.
+
+    Perplexity on ``p_windows`` (strict decode); kvq's static scales come from 4096 held-out britannica tokens
+    (from CALIB_OFFSET), absmax like ``kvq export``; the builder runs with those same scales (written by
+    ``kvq calibrate --format genai-scales``) and with its own calibrator's (its default path). Decode steps at
+    each context interleaved across all engines in this process, after a chunked prefill of the context.
+    ``ppl_engines`` / ``timed_engines`` pick engines by name (``kvq ort-int8 absmax``, ``builder int8_per_channel
+    own``, ...; default: every engine / one per runtime and scheme) so a loaded machine can split the work.
+    """
+    import json
+
+    from kvq_export.calibrate import calibrate_static_scales, load_calibration, save_calibration
+    from kvq_export.corpus import load_corpus, token_windows
+    from kvq_export.model_source import load_model, model_facts
+    from kvq_export.presets import resolve_scheme
+    from kvq_export.runtime.genai import builder_scale_file
+
+    if not _has("onnxruntime_genai"):
+        return [Row("onnxruntime-genai", "-", "-", status="unavailable: pip install onnxruntime-genai==0.18.0")]
+    hf = model_hf_dir(model)
+    hf_model, tokenizer = load_model(model)
+    facts = model_facts(hf_model.config)
+    calib = token_windows(tokenizer, load_corpus("britannica"), 4, 1024, offset=CALIB_OFFSET)
+    work.mkdir(parents=True, exist_ok=True)
+    engines: dict[str, tuple[Row, Any]] = {}  # name -> (row, engine or a factory that loads it)
+
+    def add(name: str, row: Row, engine) -> None:
+        engines[name] = (row, engine)
+
+    def loaded(name: str):
+        row, engine = engines[name]
+        if callable(engine):  # load a model only when it is scored or timed
+            engines[name] = row, engine()
+        return engines[name][1]
+
+    fp32_dir = kvq_gqa_export(model, str(FP32_CACHE), work / "kvq-fp32", None)
+    add("kvq fp32", Row("kvq ort-gqa", "fp32 buffer", "fp32-cache"), lambda: KvqEngine(fp32_dir))
+    base_dir = build_with_builder(hf, work / "builder-fp32")
+    add("builder fp32", Row("genai builder", "fp32 (no kv quant)", "fp32-cache"), lambda: GenaiEngine(base_dir))
+    for quant, preset in GENAI_SCHEMES.items():
+        scheme = resolve_scheme(preset)
+        methods = [("absmax", 99.9)] + ([("percentile", int4_percentile)] if "int4" in quant and int4_percentile
+                                        else [])
+        for method, pct in methods:
+            label = "absmax" if method == "absmax" else f"p{pct:g}"
+            saved = work / f"kvq-static-{preset}-{label}.npz"  # calibrating again would give the same scales
+            if saved.is_file():
+                static = load_calibration(saved)
+            else:
+                static = calibrate_static_scales(hf_model, scheme, calib, method=method, percentile=pct)
+                save_calibration(static, saved)
+            kvq_dir = kvq_gqa_export(model, preset, work / f"kvq-{preset}-{label}", static)
+            add(f"kvq {preset} {label}", Row("kvq ort-gqa", f"{preset} (kvq {label} scales)", preset),
+                lambda d=kvq_dir: KvqEngine(d))
+            scales = work / f"kvq-scales-{quant}-{label}.json"
+            scales.write_text(json.dumps(builder_scale_file(static, scheme, num_layers=facts.num_layers,
+                                                            kv_heads=facts.num_kv_heads, head_dim=facts.head_dim)))
+            built = build_with_builder(hf, work / f"builder-{quant}-kvq-{label}", quant, scales)
+            add(f"builder {quant} kvq-{label}", Row("genai builder", f"{quant} (kvq {label} scales)", preset),
+                lambda d=built: GenaiEngine(d))
+        own = builder_calibration(base_dir, hf, work / f"builder-scales-{quant}.json", quant)
+        built = build_with_builder(hf, work / f"builder-{quant}-own", quant, own)
+        add(f"builder {quant} own", Row("genai builder", f"{quant} (builder calibrator)", preset),
+            lambda d=built: GenaiEngine(d))
+    del hf_model
+
+    unknown = sorted((set(ppl_engines or ()) | set(timed_engines or ())) - set(engines))
+    if unknown:
+        raise SystemExit(f"unknown engine(s) {unknown}; known: {list(engines)}")
+    if ppl:
+        for name in list(engines):
+            if ppl_engines is not None and name not in ppl_engines:
+                continue
+            row, engine = engines[name][0], loaded(name)
+            start = time.perf_counter()
+            row.ppl = engine.perplexity(p_windows)
+            logger.info("%s: ppl %.4f (%.0f s)", name, row.ppl, time.perf_counter() - start)
+    # timing: one engine per (runtime, scheme); the builder's calibrators do not change its speed
+    timed = {name: (engines[name][0], loaded(name)) for name in list(engines)
+             if (name in timed_engines if timed_engines is not None else "own" not in name and "p99" not in name)}
+    text = token_windows(tokenizer, load_corpus("britannica"), 1, max(contexts))[0]
+    warmup = 4
+    for _, engine in timed.values():  # first runs allocate and prepack: keep them out of the prefill timing
+        engine.prefill(text[:PREFILL_CHUNK], PREFILL_CHUNK + 1)
+    for context in contexts if timed else ():
+        states, prefill_s = {}, {}
+        for name, (_, engine) in timed.items():
+            states[name], prefill_s[name] = engine.prefill(text[:context - warmup - steps - 1], context)
+        ms = _interleaved({name: (lambda i, e=engine, st=states[name]: e.step(st))
+                           for name, (_, engine) in timed.items()}, steps, warmup)
+        for name, (row, engine) in timed.items():
+            row.decode_ms_at = {**(row.decode_ms_at or {}), context: ms[name]}
+            row.decode_ms = ms[name]
+            row.prefill_tok_s = (context - warmup - steps - 1) / prefill_s[name]
+            row.cache_bytes = engine.cache_bytes(states[name])
+            logger.info("%s ctx %d: step %.2f ms, prefill %.0f tok/s, cache %d B", name, context, ms[name],
+                        row.prefill_tok_s, row.cache_bytes)
+        del states
+    rows = [row for row, _ in engines.values()]
+    for engine_name, baseline in (("kvq ort-gqa", "fp32 buffer"), ("genai builder", "fp32 (no kv quant)")):
+        base = next(r for r in rows if r.engine == engine_name and r.cache == baseline)
+        for r in rows:
+            if r.engine == engine_name and r.ppl is not None and base.ppl is not None:
+                r.ppl_delta = r.ppl - base.ppl
+    return rows
+
+
 # -- driver --------------------------------------------------------------------------------------------------------
-def text_windows(model: str, n: int, length: int) -> list[list[int]]:
-    """The shared evaluation text as token ids (the model's own tokenizer)."""
+def text_windows(model: str, n: int, length: int, offset: int | None = None) -> list[list[int]]:
+    """The shared evaluation text as token ids (the model's own tokenizer), from ``offset`` (PPL_OFFSET)."""
     from transformers import AutoTokenizer
 
     from kvq_export.bench import PPL_OFFSET
@@ -241,7 +515,8 @@ def text_windows(model: str, n: int, length: int) -> list[list[int]]:
     source = resolve_spec(model)
     directory = source.path if source.kind == "hf_dir" else _ensure_fp32_cache(source.path)
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    return token_windows(tokenizer, load_corpus("britannica"), n, length, offset=PPL_OFFSET)
+    return token_windows(tokenizer, load_corpus("britannica"), n, length,
+                         offset=PPL_OFFSET if offset is None else offset)
 
 
 def gguf_path(model: str) -> Path | None:
@@ -250,6 +525,31 @@ def gguf_path(model: str) -> Path | None:
 
     source = resolve_spec(model)
     return source.path if source.kind == "gguf" else None
+
+
+def genai_table(rows: list[Row], args: argparse.Namespace):
+    """The kvq ort-gqa vs onnxruntime-genai builder table: protocol P ppl, step ms per context, prefill, bytes."""
+    from rich.table import Table
+
+    contexts = sorted({c for r in rows for c in (r.decode_ms_at or {})})
+    table = Table(title=f"kvq ort-gqa vs onnxruntime-genai builder on {args.model}: strict-decode perplexity on "
+                        f"{args.genai_ppl_windows}x{args.genai_ppl_tokens} britannica tokens from 0; decode step "
+                        f"median of {args.steps} interleaved, batch 1")
+    columns = ["engine", "cache", "ppl", "Δppl vs own fp32", *[f"step ms @{c}" for c in contexts],
+               "prefill tok/s", f"cache bytes @{max(contexts) if contexts else '-'}"]
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("engine", "cache") else "right")
+
+    def fmt(value, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    for r in rows:
+        base = None if r.ppl_delta is None else r.ppl - r.ppl_delta
+        delta = "-" if base is None else f"{r.ppl_delta:+.3f} ({100 * r.ppl_delta / base:+.2f}%)"
+        table.add_row(r.engine, r.cache, fmt(r.ppl, ".4f"), delta,
+                      *[fmt((r.decode_ms_at or {}).get(c), ".2f") for c in contexts], fmt(r.prefill_tok_s, ".0f"),
+                      fmt(r.cache_bytes, "d"))
+    return table
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -265,6 +565,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="llama.cpp threads")
     parser.add_argument("--no-ppl", action="store_true", help="decode speed only (peers' perplexity skipped)")
     parser.add_argument("--json", dest="json_out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--genai-contexts", default="512,2048,8192", help="genai peer: decode-step contexts")
+    parser.add_argument("--genai-ppl-windows", type=int, default=8,
+                        help="genai peer: protocol P windows (britannica from token 0)")
+    parser.add_argument("--genai-ppl-tokens", type=int, default=512)
+    parser.add_argument("--work-dir", default="/tmp/kvq-peers", help="genai peer: exports and builds are kept here")
+    parser.add_argument("--genai-ppl-engines", default=None, help="genai peer: comma list of engines to score")
+    parser.add_argument("--genai-timed-engines", default=None, help="genai peer: comma list of engines to time")
+    parser.add_argument("--genai-int4-percentile", type=float, default=99.9,
+                        help="genai peer: also int4 with kvq percentile scales (0: skip)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
@@ -284,6 +593,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows += run_llama_cpp(gguf, windows, args.context, args.steps, args.threads, not args.no_ppl)
     if "hf" in peers:
         rows += run_hf(args.model, windows, args.context, args.steps, not args.no_ppl)
+    genai_rows: list[Row] = []
+    if "genai" in peers:
+        p_windows = text_windows(args.model, args.genai_ppl_windows, args.genai_ppl_tokens, offset=0)
+        def names(text: str | None) -> list[str] | None:
+            return None if text is None else [n.strip() for n in text.split(",") if n.strip()]
+
+        genai_rows = run_genai(args.model, p_windows, [int(c) for c in args.genai_contexts.split(",") if c],
+                               args.steps, Path(args.work_dir), not args.no_ppl, args.genai_int4_percentile or None,
+                               names(args.genai_ppl_engines), names(args.genai_timed_engines))
 
     from rich.console import Console
     from rich.table import Table
@@ -300,11 +618,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in rows:
         table.add_row(r.engine, r.cache, r.kvq_counterpart, fmt(r.ppl, ".3f"), fmt(r.ppl_delta, "+.3f"),
                       fmt(r.decode_ms, ".2f"), fmt(r.speed_ratio, ".2f"), r.status)
-    Console(width=200).print(table)
+    if rows:
+        Console(width=200).print(table)
+    if genai_rows:
+        Console(width=200).print(genai_table(genai_rows, args))
     if args.json_out:
         from kvq_export.validate.report import write_json
 
-        write_json({"settings": vars(args), "rows": [asdict(r) for r in rows]}, args.json_out)
+        write_json({"settings": vars(args), "rows": [asdict(r) for r in rows + genai_rows]}, args.json_out)
     return 0
 
 

@@ -14,6 +14,7 @@ Flavours are registered: each maps a scheme + model geometry to a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
 import hashlib
@@ -238,6 +239,8 @@ def _export_locked(model, scheme: KVQuantScheme, out: Path, *, dtype: str, opset
             tokenizer=_tokenizer_facts(tokenizer, config), calibration=calibration,
             weights=weight_checksums(tmp), build={"kvq_code": source_digest(), "request": request},
         )
+        manifest = _write_runtime_files(tmp, manifest)
+        manifest = dataclasses.replace(manifest, weights=weight_checksums(tmp))  # the runtime files included
         manifest.save(tmp)  # last: a directory with kvq.json is complete
         os.chmod(tmp, dir_mode())  # mkdtemp makes it 0700; the files inside follow the umask, so does it
         _move_into_place(tmp, out)
@@ -247,6 +250,15 @@ def _export_locked(model, scheme: KVQuantScheme, out: Path, *, dtype: str, opset
     logger.info("exported %s (%s, %s) to %s in %.1f s", arch.model_type, scheme.name or "custom", flavor, out,
                 time.perf_counter() - start)
     return out
+
+
+def _write_runtime_files(directory: Path, manifest: Manifest) -> Manifest:
+    """Add what other runtimes read (onnxruntime-genai's config and graph) and record it in the manifest."""
+    from dataclasses import replace
+
+    from kvq_export.runtime.genai import RUNTIME, write_genai_files
+
+    return replace(manifest, runtimes={**manifest.runtimes, RUNTIME: write_genai_files(directory, manifest)})
 
 
 def _calibrate(model, tokenizer, scheme, corpus: str, tokens: int, method: str, percentile: float, offset: int = 0):

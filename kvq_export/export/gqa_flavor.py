@@ -26,8 +26,9 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
 * **Padding**: the kernel takes *right*-padded chunks through ``query_seqlens`` (ragged batched prefill and
   multi-token steps work, and an idle row has ``query_seqlens = 0``); positions follow from
   ``seqlens_k + 1 - query_seqlens``. kvq's inputs are *left*-padded, so the graph moves each row's tokens
-  to the front (GatherND) before the node and back after it; padding rows get zeros. So left-padded
-  batches are fully supported and a batched prompt gives what it gives alone.
+  (contiguous, starting at the mask's first 1) to the front (GatherND) before the node and back after it;
+  padding rows get zeros. So left-padded batches are fully supported and a batched prompt gives what it gives
+  alone; right-padded rows (onnxruntime-genai's prompts, see :mod:`kvq_export.runtime.genai`) work too.
 * ``seqlens_k = max(seq_lengths + new - 1, 0)`` (int32), ``total_sequence_length = max(longest row, t)``,
   ``query_seqlens = new tokens per row``, all computed in-graph from ``past.seq_lengths`` and the mask.
 * **Buffer sharing**: when ``past_key`` and ``present_key`` are the same memory (IO binding), the kernel
@@ -217,12 +218,12 @@ class GQACacheGraph:
         self.query_seqlens = b.op("Cast", m, to=int32)
         longest = b.op("ReduceMax", self.n1, b.const([0]), keepdims=1)
         self.total = b.op("Cast", b.op("Squeeze", b.op("Max", longest, t), b.const([0])), to=int32)
-        # left-padded row b holds its m_b tokens at [t - m_b, t); GQA wants them at [0, m_b)
+        # row b holds its m_b tokens contiguously from `first` (t - m_b when left-padded as kvq feeds them,
+        # 0 when right-padded as onnxruntime-genai feeds a prompt); GQA wants them at [0, m_b)
         s = b.op("Unsqueeze", b.op("Range", b.const(0), t_scalar, b.const(1)), b.const([0]))  # [1, t]
-        m2 = b.op("Unsqueeze", m, b.const([1]))  # [B, 1]
-        shift = b.op("Sub", t, m2)
+        shift = b.op("ArgMax", b.op("Cast", mask, to=ir.DataType.INT32), axis=1, keepdims=1)  # [B, 1]; 0 if idle
         self.to_right = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, shift), t), b.const([-1]))  # [B, t, 1]
-        self.to_left = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, m2), t), b.const([-1]))
+        self.to_left = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, b.op("Sub", t, shift)), t), b.const([-1]))
         self.valid = b.op("Unsqueeze", b.op("Cast", mask, to=ir.DataType.BOOL), b.const([-1]))  # [B, t, 1]
         np_type = ir.DataType(self.compute_type).numpy()
         hp, compute = FLOAT_TYPES[self.scheme.hp_dtype], ir.DataType(self.compute_type)

@@ -1,4 +1,9 @@
-"""Next-token choice: greedy, or temperature / top-k / top-p sampling with a seeded generator."""
+"""Next-token choice: greedy, or temperature / top-k / top-p sampling with a seeded generator.
+
+``repetition_penalty`` (CTRL's, as Hugging Face and onnxruntime-genai apply it) divides the positive logits and
+multiplies the negative logits of every token the row already holds (prompt and generated) before any choice, so
+greedy decoding of a small model stops repeating one clause; 1 leaves the logits unchanged.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ class SamplingConfig:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not _real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -28,6 +34,10 @@ class SamplingConfig:
             raise KVQError(f"invalid top_p={self.top_p!r}: allowed: a probability in (0, 1]")
         if self.seed is not None and (not _integer(self.seed) or self.seed < 0):
             raise KVQError(f"invalid seed={self.seed!r}: allowed: an integer >= 0")
+        if not _real(self.repetition_penalty) or not math.isfinite(self.repetition_penalty) \
+                or self.repetition_penalty <= 0:
+            raise KVQError(f"invalid repetition_penalty={self.repetition_penalty!r}: allowed: a finite number > 0 "
+                           "(1 = off, > 1 discourages repeats)")
 
     @property
     def greedy(self) -> bool:
@@ -49,9 +59,34 @@ class Sampler:
     def __init__(self, config: SamplingConfig) -> None:
         self.config = config
         self.rng = np.random.default_rng(config.seed)
+        self.seen: list[set[int]] | None = None  # tokens each row holds (for the repetition penalty)
+
+    def prime(self, token_lists) -> None:
+        """Tell the sampler each row's prompt tokens (the repetition penalty counts them too)."""
+        self.seen = [{int(t) for t in tokens} for tokens in token_lists]
 
     def __call__(self, logits: np.ndarray) -> np.ndarray:
         """Choose one token per row."""
+        if self.config.repetition_penalty == 1:
+            return self._choose(logits)
+        if self.seen is None:  # not primed: only generated tokens count
+            self.seen = [set() for _ in range(len(logits))]
+        chosen = self._choose(self._penalize(logits))
+        for row, token in enumerate(chosen):
+            self.seen[row].add(int(token))
+        return chosen
+
+    def _penalize(self, logits: np.ndarray) -> np.ndarray:
+        out = np.array(logits, dtype=np.float32, copy=True)
+        penalty = np.float32(self.config.repetition_penalty)
+        for row, tokens in enumerate(self.seen or []):
+            if tokens:
+                idx = np.fromiter(tokens, dtype=np.int64)
+                values = out[row, idx]
+                out[row, idx] = np.where(values > 0, values / penalty, values * penalty)
+        return out
+
+    def _choose(self, logits: np.ndarray) -> np.ndarray:
         cfg = self.config
         bad = ~np.isfinite(logits).all(axis=-1)
         if bad.any():  # argmax of NaN is token 0: never hand out a token chosen from garbage

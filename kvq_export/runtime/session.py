@@ -453,6 +453,7 @@ class KVQSession:
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         results = [Generation(text, toks) for text, toks in zip(texts, token_lists)]
         sampler = Sampler(sampling or SamplingConfig())
+        sampler.prime(token_lists)
 
         ids = np.zeros((len(token_lists), width), dtype=np.int64)
         mask = np.zeros_like(ids)

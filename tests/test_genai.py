@@ -1,0 +1,257 @@
+"""onnxruntime-genai serves kvq's ort-gqa exports; kvq writes the builder's scale file.
+
+The tiny models' word-level tokenizer is not one onnxruntime-genai reads, so prompts go in as token ids; the
+text path runs on SmolLM2 (``test_smollm2_text_prompts_through_genai``, slow).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from gqa_harness import SCHEMES, calibration
+from tiny_models import WORDS, save_tiny_model_dir, tiny_model
+
+from kvq_export.errors import ExportError, KVQError, RuntimeInputError
+from kvq_export.export.exporter import export
+from kvq_export.manifest import MODEL_NAME, Manifest
+from kvq_export.memory import Geometry, predict
+from kvq_export.runtime.genai import (
+    GENAI_CONFIG,
+    GENAI_MODEL,
+    RUNTIME,
+    GenaiSession,
+    builder_scale_file,
+    serve_command,
+)
+from kvq_export.runtime.sampling import Sampler, SamplingConfig
+from kvq_export.runtime.session import KVQSession
+
+pytest.importorskip("onnxruntime_genai")
+
+PROMPTS = {"solo": [[5, 17, 99, 3, 42, 8, 77]],
+           "ragged": [[11, 12, 13], [60, 61, 2, 9, 100, 4, 4, 7, 1, 3, 3], [5, 17, 99, 3, 42, 8, 77]]}
+NEW_TOKENS = 24
+GEOMETRY = Geometry(num_layers=2, num_kv_heads=2, head_dim=32)  # tiny_models.COMMON
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("genai")
+    out = {}
+    for name in ("fp32", "ort-int8", "ort-int4"):
+        scheme = SCHEMES[name]
+        out[name] = export(tiny_model("llama"), scheme, root / name.replace("/", "_"), flavor="ort-gqa",
+                           static=calibration("llama", scheme))
+    return out
+
+
+def _held_bytes(scheme, seq_len: int, batch: int) -> int:
+    """What the memory model predicts a buffer cache holds (static scales live in the graph, not the cache)."""
+    report = predict(scheme, GEOMETRY, seq_len, batch)
+    return report.total_bytes - report.breakdown["scales"]
+
+
+@pytest.mark.parametrize("batch", ["solo", "ragged"])
+@pytest.mark.parametrize("name", ["fp32", "ort-int8"])
+def test_greedy_tokens_equal_kvq_generate(exports, name, batch):
+    prompts = PROMPTS[batch]
+    ours = KVQSession(exports[name]).generate(prompts, NEW_TOKENS)
+    theirs = GenaiSession(exports[name]).generate(prompts, NEW_TOKENS)
+    assert [r.tokens for r in theirs] == [r.tokens for r in ours]
+    assert all(len(r.tokens) == NEW_TOKENS for r in theirs)
+    capacity = max(map(len, prompts)) + NEW_TOKENS  # both runtimes size the buffer for the whole generation
+    assert theirs[0].cache_bytes == ours[0].cache_bytes == _held_bytes(SCHEMES[name], capacity, len(prompts))
+
+
+def test_int4_buffers_hold_two_codes_per_byte(exports):
+    prompts = PROMPTS["ragged"]
+    theirs = GenaiSession(exports["ort-int4"]).generate(prompts, 8)
+    ours = KVQSession(exports["ort-int4"]).generate(prompts, 8)
+    assert [r.tokens for r in theirs] == [r.tokens for r in ours]
+    assert theirs[0].cache_bytes == _held_bytes(SCHEMES["ort-int4"], 11 + 8, 3) == ours[0].cache_bytes
+
+
+def test_eos_ends_rows_alike(tmp_path):
+    model = copy.deepcopy(tiny_model("llama"))
+    prompts = PROMPTS["ragged"][:2]
+    plain = KVQSession(export(model, SCHEMES["fp32"], tmp_path / "plain", flavor="ort-gqa")).generate(prompts, 12)
+    # row 1 ends at its 4th token or before (og right-pads with the EOS id, so no prompt may end with it)
+    eos = next(t for t in plain[1].tokens[3:] if t not in {p[-1] for p in prompts})
+    model.config.eos_token_id = eos
+    directory = export(model, SCHEMES["fp32"], tmp_path / "eos", flavor="ort-gqa")
+    assert json.loads((directory / GENAI_CONFIG).read_text())["model"]["eos_token_id"] == [eos]
+    ours = KVQSession(directory).generate(prompts, 12)
+    theirs = GenaiSession(directory).generate(prompts, 12)
+    assert ours[1].finish_reason == "eos" and len(ours[1].tokens) < 12
+    assert [(r.tokens, r.finish_reason) for r in theirs] == [(r.tokens, r.finish_reason) for r in ours]
+    # stop_at_eos=False: og's config is overlaid with no EOS id, rows run to max_new_tokens as in kvq
+    ours = KVQSession(directory).generate(prompts, 12, stop_at_eos=False)
+    assert [r.tokens for r in GenaiSession(directory).generate(prompts, 12, stop_at_eos=False)] == \
+        [r.tokens for r in ours]
+
+
+def test_genai_files_follow_the_manifest(exports):
+    directory = exports["ort-int8"]
+    manifest = Manifest.load(directory)
+    assert manifest.runtimes[RUNTIME] == {"supported": True, "config": GENAI_CONFIG, "model": GENAI_MODEL,
+                                          "past_present_share_buffer": True}
+    config = json.loads((directory / GENAI_CONFIG).read_text())
+    decoder = config["model"]["decoder"]
+    assert config["search"]["past_present_share_buffer"] is True and decoder["filename"] == GENAI_MODEL
+    assert (decoder["num_hidden_layers"], decoder["num_key_value_heads"], decoder["head_size"],
+            decoder["num_attention_heads"]) == (2, 2, 32, 4)
+    buffers = [t.name for t in manifest.cache("past") if t.role == "buffer"]
+    named = [decoder["inputs"][f"past_{part}_names"] % layer for layer in range(2) for part in ("key", "value")]
+    assert sorted(named) == sorted(buffers)
+    graph = onnx.load(str(directory / GENAI_MODEL), load_external_data=False).graph
+    assert [i.name for i in graph.input] == ["input_ids", "attention_mask", *buffers]
+    assert [o.name for o in graph.output] == ["logits", *(name.replace("past.", "present.", 1) for name in buffers)]
+    # one copy of the weights: og's graph points into model.onnx.data
+    locations = {entry.value for tensor in graph.initializer for entry in tensor.external_data
+                 if entry.key == "location"}
+    assert locations == {MODEL_NAME + ".data"}
+    assert not (directory / (GENAI_MODEL + ".data")).exists()
+    assert (directory / GENAI_MODEL).stat().st_size < 2 * (directory / MODEL_NAME).stat().st_size
+
+
+def test_right_padded_rows_give_the_left_padded_result(exports):
+    """onnxruntime-genai right-pads a batched prompt, kvq left-pads it: the GQA graph gives both one result."""
+    session = KVQSession(exports["ort-int8"])
+    prompts = PROMPTS["ragged"]
+    width = max(map(len, prompts))
+    left, right = (np.zeros((len(prompts), width), np.int64) for _ in range(2))
+    for row, toks in enumerate(prompts):
+        left[row, width - len(toks):] = toks
+        right[row, :len(toks)] = toks
+    logits_l, cache_l = session.step(left, (left > 0).astype(np.int64), session.empty_cache(3, capacity=32))
+    logits_r, cache_r = session.step(right, (right > 0).astype(np.int64), session.empty_cache(3, capacity=32))
+    for row, toks in enumerate(prompts):
+        n = len(toks)
+        np.testing.assert_allclose(logits_r[row, :n], logits_l[row, width - n:], atol=1e-5)
+    lengths = session.seq_lengths(cache_r)
+    assert list(lengths) == [len(p) for p in prompts] == list(session.seq_lengths(cache_l))
+    for name, value in cache_r.items():
+        if name.endswith(".buffer"):
+            for row, n in enumerate(lengths):
+                assert np.array_equal(value.numpy()[row, :, :n], cache_l[name].numpy()[row, :, :n]), name
+
+
+def test_regions_layout_exports_say_why(tmp_path):
+    directory = export(tiny_model("llama"), "kivi-4", tmp_path / "kivi4")
+    entry = Manifest.load(directory).runtimes[RUNTIME]
+    assert entry["supported"] is False and "regions" in entry["reason"] and "kivi-4" in entry["reason"]
+    assert not (directory / GENAI_CONFIG).exists() and not (directory / GENAI_MODEL).exists()
+    with pytest.raises(RuntimeInputError, match="has no genai_config.json: flavour reference"):
+        GenaiSession(directory)
+    # a scheme GQA can hold, exported with the reference flavour: the fix is the flavour
+    directory = export(tiny_model("llama"), SCHEMES["ort-int8"], tmp_path / "ref8",
+                       static=calibration("llama", SCHEMES["ort-int8"]))
+    assert "re-export with --flavor ort-gqa" in Manifest.load(directory).runtimes[RUNTIME]["reason"]
+
+
+def test_builder_scale_file_holds_kvq_scales():
+    static = calibration("llama", SCHEMES["ort-int8"])
+    data = builder_scale_file(static, SCHEMES["ort-int8"], num_layers=2, kv_heads=2, head_dim=32)
+    assert data["qmax"] == 128.0 and data["kvq"]["builder_option"] == "kv_cache_quant_scheme=int8_per_channel"
+    for layer in range(2):
+        for part, key in (("key", "k_scales"), ("value", "v_scales")):
+            expected = np.asarray(static[layer][part]["scales"], np.float32).reshape(-1)
+            assert np.array_equal(np.asarray(data["scales"][key][layer], np.float32), expected)
+    tensor = builder_scale_file(static, SCHEMES["ort-int8"], num_layers=2, kv_heads=2, head_dim=32,
+                                granularity="per_tensor")
+    assert tensor["scales"]["k_scales"][1] == [float(np.max(static[1]["key"]["scales"]))]
+    int4 = builder_scale_file(calibration("llama", SCHEMES["ort-int4"]), SCHEMES["ort-int4"], num_layers=2,
+                              kv_heads=2, head_dim=32)
+    assert int4["qmax"] == 8.0 and int4["kvq"]["builder_option"] == "kv_cache_quant_scheme=int4_per_channel"
+    with pytest.raises(ExportError, match="no builder kv_cache_quant_scheme"):
+        builder_scale_file({}, SCHEMES["fp16"], num_layers=2, kv_heads=2, head_dim=32)
+    with pytest.raises(ExportError, match="no calibrated scales for layer 1"):
+        builder_scale_file({0: static[0]}, SCHEMES["ort-int8"], num_layers=2, kv_heads=2, head_dim=32)
+    with pytest.raises(ExportError, match="granularity"):
+        builder_scale_file(static, SCHEMES["ort-int8"], num_layers=2, kv_heads=2, head_dim=32, granularity="x")
+
+
+def _kvq(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvq_export.cli", *args], capture_output=True, text=True)
+
+
+def test_cli_calibrate_feeds_the_builder(tmp_path):
+    """``kvq calibrate --format genai-scales`` is a file the onnxruntime-genai builder accepts as it is."""
+    model_dir = save_tiny_model_dir(tmp_path / "tiny")
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "eos_token_id": 1, "bos_token_id": 1}))
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(" ".join(WORDS[i % len(WORDS)] for i in range(0, 600, 7)))
+    scales = tmp_path / "scales.json"
+    proc = _kvq("calibrate", "--model", str(model_dir), "--scheme", "ort-int8", "--calib-corpus", str(corpus),
+                "--calib-tokens", "64", "--out", str(scales))
+    assert proc.returncode == 0, proc.stderr
+    assert "kv_cache_quant_scheme=int8_per_channel" in proc.stdout
+    data = json.loads(scales.read_text())
+    assert len(data["scales"]["k_scales"]) == 2 and len(data["scales"]["v_scales"][0]) == 2 * 32
+    assert data["kvq"]["tokens"] == 64 and data["kvq"]["method"] == "absmax"
+    out = tmp_path / "built"
+    build = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(model_dir), "-o",
+                            str(out), "-p", "fp32", "-e", "cpu", "-c", str(tmp_path / "cache"), "--extra_options",
+                            "kv_cache_quant_scheme=int8_per_channel", f"kv_cache_scale_file={scales}"],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
+    graph = onnx.load(str(out / "model.onnx")).graph
+    built = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer if t.name.endswith("_scale")}
+    for layer in range(2):
+        for key, name in (("k_scales", "k_scale"), ("v_scales", "v_scale")):
+            np.testing.assert_array_equal(built[f"model.layers.{layer}.attn.{name}"],
+                                          np.asarray(data["scales"][key][layer], np.float32))
+
+
+def test_cli_generate_runtime_genai(exports, tmp_path):
+    proc = _kvq("generate", str(exports["fp32"]), "--prompt", "w1", "--runtime", "genai")
+    assert proc.returncode == 1 and proc.stderr.startswith("error: onnxruntime-genai cannot read the tokenizer")
+    reference = export(tiny_model("llama"), "q4_0", tmp_path / "q40")
+    proc = _kvq("generate", str(reference), "--prompt", "w1", "--runtime", "genai")
+    assert proc.returncode == 1 and "has no genai_config.json" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+def test_serve_command_is_one_line_without_kvq(exports):
+    line = serve_command(exports["fp32"], "Once upon a time", 64)
+    assert "\n" not in line and "kvq_export" not in line and "og.Model(" in line and "max_length=64" in line
+
+
+def test_repetition_penalty_follows_ctrl():
+    logits = np.array([[2.0, -1.0, 1.9, 0.5]], dtype=np.float32)
+    assert Sampler(SamplingConfig())(logits).tolist() == [0]
+    sampler = Sampler(SamplingConfig(repetition_penalty=2.0))
+    sampler.prime([[0, 1]])  # prompt tokens count: 2.0 -> 1.0, -1.0 -> -2.0
+    np.testing.assert_allclose(sampler._penalize(logits), [[1.0, -2.0, 1.9, 0.5]])
+    assert sampler(logits).tolist() == [2]
+    assert sampler(np.array([[2.0, -1.0, 1.9, 0.5]], np.float32)).tolist() == [0]  # 2 is now held too: 0.95 < 1
+    unprimed = Sampler(SamplingConfig(repetition_penalty=1.5))
+    assert unprimed(logits).tolist() == [0] and unprimed(logits).tolist() == [2]  # generated tokens count
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf")])
+def test_repetition_penalty_is_validated(value):
+    with pytest.raises(KVQError, match="repetition_penalty"):
+        SamplingConfig(repetition_penalty=value)
+
+
+@pytest.mark.slow
+def test_smollm2_text_prompts_through_genai(tmp_path):
+    """On the real model og reads kvq's tokenizer files: the same ids, the same greedy continuation."""
+    from kvq_export.model_source import load_model
+
+    model, tokenizer = load_model("smollm2")
+    directory = export(model, "ort-int8", tmp_path / "gqa8", flavor="ort-gqa", tokenizer=tokenizer,
+                       calib_corpus="britannica", calib_tokens=1024)
+    prompts = ["Once upon a time", "The capital of France is a city that"]
+    ours = KVQSession(directory).generate(prompts, 24)
+    theirs = GenaiSession(directory).generate(prompts, 24)
+    assert [r.prompt_tokens for r in theirs] == [r.prompt_tokens for r in ours]
+    assert [r.tokens for r in theirs] == [r.tokens for r in ours]
+    assert [r.text for r in theirs] == [r.text for r in ours]
