@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvq_export._atomic import atomic_writer
+from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError, ModelError, QuantizationError, SchemeError
 from kvq_export.rotation import rotate_torch, rotation_matrix
 from kvq_export.scheme import KVQuantScheme, TensorQuant
@@ -368,9 +369,9 @@ def candidate_metadata(tq: TensorQuant, stats: tuple[torch.Tensor, ...], ratio: 
     """Scales (and zero points) ``[H, n]`` for the absmax statistics shrunk by ``ratio`` ([H, n] or scalar)."""
     import torch
 
-    from kvq_export.reference.codec import TORCH_DTYPES, metadata_from_range, scale_from_amax
+    from kvq_export.reference.codec import metadata_from_range, scale_from_amax
 
-    sdtype = TORCH_DTYPES[tq.scale_dtype]
+    sdtype = DType.get(tq.scale_dtype).torch
     if tq.has_zero_point:
         lo, hi = stats
         mid, half = (hi + lo) * 0.5, (hi - lo) * (0.5 * ratio)
@@ -478,9 +479,9 @@ def _stream_metadata(
     """Scales (and zero points) of one stream from its calibration values ``[H, N, D]``."""
     import torch
 
-    from kvq_export.reference.codec import TORCH_DTYPES, metadata_from_range, scale_from_amax
+    from kvq_export.reference.codec import metadata_from_range, scale_from_amax
 
-    sdtype = TORCH_DTYPES[tq.scale_dtype]
+    sdtype = DType.get(tq.scale_dtype).torch
     values = _grouped(x, tq)
     zero = None
     if tq.has_zero_point:

@@ -7,7 +7,7 @@ the converter that needs them), so no module keeps a private map.
 
     DType.get("fp16").onnx        -> "float16"
     DType.get("float16").numpy    -> numpy.float16
-    DType.get("uint8").ort_type   -> "tensor(uint8)"
+    DType.get("fp32").ort_type    -> "tensor(float)"
 """
 
 from __future__ import annotations
@@ -71,8 +71,18 @@ class DType:
 
     @property
     def ort_type(self) -> str:
-        """ONNX Runtime's type string of a tensor of this type (``tensor(float16)``)."""
-        return f"tensor({self.onnx})"
+        """ONNX Runtime's type string of a tensor of this type (``tensor(float16)``; float32 is ``tensor(float)``)."""
+        return "tensor(float)" if self.onnx == "float32" else f"tensor({self.onnx})"
+
+    @property
+    def bits_numpy(self) -> np.dtype:
+        """The numpy dtype that holds values fed to or read from ONNX Runtime (float8 as its uint8 bits)."""
+        return np.dtype(np.uint8) if self.onnx == "float8e4m3fn" else self.numpy
+
+    @property
+    def trt_tuning(self) -> str:
+        """The name ``tensorrt.plugin.AutoTuneCombination`` spells this type with (``FP32``, ``INT64``)."""
+        return {"float32": "FP32", "float16": "FP16", "fp8": "FP8"}.get(self.trt, self.trt.upper())
 
     def tensorrt(self) -> Any:
         """The TensorRT ``DataType`` (imports TensorRT)."""

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvq_export._atomic import atomic_write
+from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError, RuntimeInputError
 from kvq_export.naming import PARTS, CacheTensor, cache_tensors, layout_for_flavor, tensor_name
 from kvq_export.reference.cache import split_lengths
@@ -442,13 +443,13 @@ def _dequantize_region(tq, last, count: int, static_meta):
     """One row's quantized region -> float32 [H, count, D] through the reference codec."""
     import torch
 
-    from kvq_export.reference.codec import TORCH_DTYPES, Quantized, dequantize_packed
+    from kvq_export.reference.codec import Quantized, dequantize_packed
 
     codes = last("codes", count)
     if tq.format == "fp8_e4m3" and codes.dtype == torch.uint8:  # raw bits as ONNX Runtime returns them
         codes = codes.view(torch.float8_e4m3fn)
     if tq.scales == "static":  # [H, n], shared by every row, stored rounded to scale_dtype
-        sdtype = TORCH_DTYPES[tq.scale_dtype]
+        sdtype = DType.get(tq.scale_dtype).torch
         scales = torch.as_tensor(static_meta["scales"]).to(sdtype)
         zeros = torch.as_tensor(static_meta["zero_points"]).to(sdtype) if tq.has_zero_point else None
     else:

@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvq_export.dtypes import DType
 from kvq_export.errors import SchemeError
 from kvq_export.reference.cache import split_lengths
-from kvq_export.scheme import DTYPE_BYTES, KVQuantScheme, TensorQuant
+from kvq_export.scheme import KVQuantScheme, TensorQuant
 
 BREAKDOWN_KEYS = ("payload", "scales", "zero_points", "high_precision", "padding")
 
@@ -83,7 +84,7 @@ def stream_bytes(
         return out
     sinks, quantized, recent = split_lengths(tq, scheme, seq_len)
     rows = batch * kv_heads
-    out["high_precision"] = rows * (sinks + recent) * head_dim * DTYPE_BYTES[scheme.hp_dtype]
+    out["high_precision"] = rows * (sinks + recent) * head_dim * DType.get(scheme.hp_dtype).itemsize
     if not tq.quantized:
         return out
     exact_bits = rows * quantized * head_dim * tq.bits
@@ -96,7 +97,7 @@ def stream_bytes(
         count = rows * (quantized // tq.group_size) * entries
     else:  # static: one set per layer and kv head, shared by the batch
         count = kv_heads * entries
-    meta = count * DTYPE_BYTES[tq.scale_dtype]
+    meta = count * DType.get(tq.scale_dtype).itemsize
     out["scales"] = meta
     out["zero_points"] = meta if tq.has_zero_point else 0
     return out

@@ -27,12 +27,11 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvq_export.dtypes import onnx_name
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
 DIRECTIONS = ("past", "present")
 PARTS = ("key", "value")
-#: ONNX element type names used in the manifest.
-HP_TYPES = {"fp16": "float16", "fp32": "float32"}
 PACKING = "uint8, lowest bits first: element i -> byte i // (8 // bits), bit offset (i % (8 // bits)) * bits"
 #: 5-bit codes (ggml q5_0 / q5_1): two planes along head_dim D.
 PACKING_5BIT = ("uint8, two planes: bytes [0, D/2) hold the low 4 bits (element i -> byte i // 2, bit offset "
@@ -95,7 +94,7 @@ def stream_tensors(
     direction: str, layer: int, part: str, tq: TensorQuant, scheme: KVQuantScheme, *, kv_heads: int, head_dim: int
 ) -> Iterator[CacheTensor]:
     """The tensors of one layer's keys or values."""
-    hp = HP_TYPES[scheme.hp_dtype]
+    hp = onnx_name(scheme.hp_dtype)
     rows = ("batch", kv_heads)
 
     def tensor(role, dtype, shape, region, **quant):
@@ -117,7 +116,7 @@ def stream_tensors(
         kind, entries = tq.metadata_shape(head_dim)
         length = tokens if kind == "per_token" else region_axis(direction, layer, part, "quantized", "groups")
         meta_shape: tuple[int | str, ...] = (*rows, length, entries)
-        meta_type = HP_TYPES[tq.scale_dtype]
+        meta_type = onnx_name(tq.scale_dtype)
         yield tensor("scales", meta_type, meta_shape, "quantized", **quant)
         if tq.has_zero_point:
             yield tensor("zero_points", meta_type, meta_shape, "quantized", **quant)
@@ -131,7 +130,7 @@ def buffer_tensor(
     name = tensor_name(direction, layer, part, "buffer")
     shape = ("batch", kv_heads, CAPACITY_AXIS)
     if not tq.quantized:
-        return CacheTensor(name, direction, layer, part, "buffer", HP_TYPES[scheme.hp_dtype], (*shape, head_dim))
+        return CacheTensor(name, direction, layer, part, "buffer", onnx_name(scheme.hp_dtype), (*shape, head_dim))
     quant = {"group_axis": tq.axis, "group_size": tq.token_group(head_dim) if tq.axis == "token" else tq.group_size,
              "format": tq.format, "bits": tq.bits}
     dtype = "int8" if tq.bits == 8 else "uint8"

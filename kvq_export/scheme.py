@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvq_export.dtypes import DType
 from kvq_export.errors import SchemeError
 
 FORMATS = ("fp16", "int", "int_sym", "fp8_e4m3")
@@ -41,8 +42,6 @@ GGML_BLOCK = 32
 #: Rotations of the head dimension applied before a stream is stored (:mod:`kvq_export.rotation`).
 ROTATIONS = ("none", "hadamard")
 
-#: Bytes per element of the floating dtypes a scheme can name.
-DTYPE_BYTES = {"fp16": 2, "fp32": 4}
 #: Largest finite float8 e4m3fn value.
 FP8_E4M3_MAX = 448.0
 
@@ -154,8 +153,8 @@ class TensorQuant:
     def effective_bits(self, head_dim: int, hp_dtype: str = "fp16") -> float:
         """Stored bits per element ignoring windows (static scales add nothing per element)."""
         if not self.quantized:
-            return 8.0 * DTYPE_BYTES[hp_dtype]
-        meta_bits = 8 * DTYPE_BYTES[self.scale_dtype] * (2 if self.has_zero_point else 1)
+            return 8.0 * DType.get(hp_dtype).itemsize
+        meta_bits = 8 * DType.get(self.scale_dtype).itemsize * (2 if self.has_zero_point else 1)
         if self.scales == "static":
             return float(self.bits)
         group = self.token_group(head_dim) if self.axis == "token" else self.group_size

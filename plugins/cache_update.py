@@ -50,11 +50,11 @@ def append_stream(
     """
     import torch
 
-    from kvq_export.reference.codec import TORCH_DTYPES
+    from kvq_export.dtypes import DType
 
     n0, m = n0.to(torch.int64), m.to(torch.int64)
     n1 = n0 + m
-    x_hp = x.to(TORCH_DTYPES[layout.hp_dtype])
+    x_hp = x.to(DType.get(layout.hp_dtype).torch)
     before, after = layout.counts(n0), layout.counts(n1)
     if not layout.quantized:
         recent = take([(past["recent"], before[2]), (x_hp, m)], None, after[2], _longest(after[2]))
@@ -95,9 +95,9 @@ def empty_stream(layout: StreamLayout, batch: int, heads: int, *, device=None,
     """A stream holding no token (every region of length 0), in the stored dtypes."""
     import torch
 
-    from kvq_export.reference.codec import TORCH_DTYPES
+    from kvq_export.dtypes import DType
 
-    hp = TORCH_DTYPES[layout.hp_dtype]
+    hp = DType.get(layout.hp_dtype).torch
     dim = layout.head_dim
 
     def region(width: int, dtype) -> torch.Tensor:
@@ -115,7 +115,7 @@ def empty_stream(layout: StreamLayout, batch: int, heads: int, *, device=None,
         if layout.has_zero:
             out["zero_points"] = static["zero_points"]
     else:
-        sdtype = TORCH_DTYPES[layout.scale_dtype]
+        sdtype = DType.get(layout.scale_dtype).torch
         out["scales"] = region(layout.meta_width, sdtype)
         if layout.has_zero:
             out["zero_points"] = region(layout.meta_width, sdtype)

@@ -17,6 +17,7 @@ from kvq_plugins.cache_update import append_stream
 from kvq_plugins.layout import StreamLayout
 from kvq_plugins.registry import register_kernel
 
+from kvq_export.dtypes import DType
 from kvq_export.errors import QuantizationError
 from kvq_export.scheme import FP8_E4M3_MAX
 
@@ -57,7 +58,7 @@ def quantize_block(
     from kvq_plugins import triton_kernels as tk
     from kvq_plugins.attention import _check_device
 
-    from kvq_export.reference.codec import TORCH_DTYPES, check_finite
+    from kvq_export.reference.codec import check_finite
 
     kernels = tk.build()
     _check_device(x, tk.device_type())
@@ -70,7 +71,7 @@ def quantize_block(
         valid = torch.arange(length, device=x.device)[None, :] >= (length - counts[:, None])
         check_finite(torch.where(valid[:, None, :, None], x, torch.zeros_like(x)))
     codes = torch.zeros((batch, heads, length, layout.packed_dim), dtype=torch.uint8, device=x.device)
-    sdtype = TORCH_DTYPES[layout.scale_dtype]
+    sdtype = DType.get(layout.scale_dtype).torch
     channel = layout.axis == "channel" and not layout.static
     unit = layout.group if channel else 1
     if length % unit:

@@ -19,6 +19,8 @@ from kvq_plugins.cache_update import append_stream
 from kvq_plugins.layout import StreamLayout
 from kvq_plugins.registry import register_reference
 
+from kvq_export.dtypes import DType
+
 if TYPE_CHECKING:
     import torch
 
@@ -110,7 +112,7 @@ def quantize_reference(
     """
     import torch
 
-    from kvq_export.reference.codec import TORCH_DTYPES, quantize_packed
+    from kvq_export.reference.codec import quantize_packed
 
     tq = layout.tensor_quant()
     batch, heads, length, dim = x.shape
@@ -119,7 +121,7 @@ def quantize_reference(
     scales = zeros = None
     meta_len = length if layout.axis == "token" else length // max(layout.group, 1)
     if not layout.static:
-        scales = torch.zeros((batch, heads, meta_len, layout.meta_width), dtype=TORCH_DTYPES[layout.scale_dtype])
+        scales = torch.zeros((batch, heads, meta_len, layout.meta_width), dtype=DType.get(layout.scale_dtype).torch)
         zeros = scales.clone() if layout.has_zero else None
     static = {"static_scales": static_scales, "static_zeros": static_zeros} if layout.static else {}
     for row in range(batch):

@@ -37,7 +37,6 @@ logger = logging.getLogger(__name__)
 #: kernel pointer parameters fed by each plugin input role (keys ``k*``, values ``v*``), in kernel order
 _KERNEL_POINTERS = {"sinks": "s_ptr", "codes": "c_ptr", "scales": "scale_ptr", "zero_points": "zero_ptr",
                     "recent": "r_ptr"}
-_PTR_TYPES = {"float32": "*fp32", "float16": "*fp16", "int64": "*i64", "uint8": "*u8", "float8e4m3fn": "*u8"}
 _LENGTH_ARGS = ("T", "KS_LEN", "KQ_LEN", "KR_LEN", "VS_LEN", "VQ_LEN", "VR_LEN")
 NUM_WARPS = 4
 
@@ -79,14 +78,14 @@ def _kernel_signature(sig: PluginSignature, compute: str) -> tuple[dict[str, str
     """
     from kvq_plugins.attention import kernel_constants
 
-    from kvq_export.trt.signature import COMPUTE_TYPES
+    from kvq_export.dtypes import DType, onnx_name
 
     attrs = sig.attribute_dict
     key, value = layouts(attrs)
     consts = kernel_constants(key, value, num_heads=int(attrs["num_heads"]), kv_heads=int(attrs["num_kv_heads"]),
                               scale=float(attrs["scale"]), window=int(attrs["window"]) or None,
                               dot_f16=compute == "fp16", t_max=1, num_splits=1)
-    q_type = _PTR_TYPES[COMPUTE_TYPES[compute]]
+    q_type = DType.get(onnx_name(compute)).triton
     given = {i.name: i for i in sig.inputs}
     types: dict[str, str] = {"q_ptr": q_type, "seqlens_ptr": "*i64", "out_ptr": q_type}
     constexprs: dict[str, Any] = {"part_o_ptr": None, "part_ml_ptr": None, **consts}
@@ -96,7 +95,7 @@ def _kernel_signature(sig: PluginSignature, compute: str) -> tuple[dict[str, str
             if declared is None:  # a role this stream lacks: specialized away (not a PTX parameter)
                 constexprs[prefix + suffix] = None
             else:
-                types[prefix + suffix] = _PTR_TYPES[declared.dtype]
+                types[prefix + suffix] = DType.get(declared.dtype).triton
     types.update(dict.fromkeys(_LENGTH_ARGS, "i32"))
     return types, constexprs
 

@@ -19,8 +19,25 @@ def test_every_framework_agrees_on_the_element_size(name):
     assert d.numpy.itemsize == d.itemsize
     assert torch.empty((), dtype=d.torch).element_size() == d.itemsize
     assert d.ir.itemsize == d.itemsize
-    assert d.ort_type == f"tensor({d.onnx})"
+    assert d.ort_type == ("tensor(float)" if d.onnx == "float32" else f"tensor({d.onnx})")
     assert ir.DataType.from_numpy(d.numpy) == d.ir
+
+
+def test_onnx_runtime_type_strings_match_a_real_session(tmp_path):
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    names = ("float32", "float16", "int64", "int8", "uint8")
+    graph = helper.make_graph(
+        [helper.make_node("Identity", [n], [f"{n}_out"]) for n in names], "types",
+        [helper.make_tensor_value_info(n, getattr(TensorProto, DType.get(n).ir.name), [1]) for n in names],
+        [helper.make_tensor_value_info(f"{n}_out", getattr(TensorProto, DType.get(n).ir.name), [1]) for n in names])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "m.onnx")
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    assert {i.name: i.type for i in session.get_inputs()} == {n: DType.get(n).ort_type for n in names}
 
 
 def test_short_and_onnx_names_are_one_row():

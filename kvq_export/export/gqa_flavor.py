@@ -66,10 +66,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.exporter import register_flavor
-from kvq_export.export.kv_graph import FLOAT_TYPES, IR_TYPES, name_probes, static_scales
+from kvq_export.export.kv_graph import name_probes, static_scales
 from kvq_export.naming import PARTS, ROTARY_TABLES, cache_tensors, tensor_name
 from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import KVQuantScheme, TensorQuant
@@ -128,7 +129,7 @@ def gqa_scale(tq: TensorQuant, scales: np.ndarray, kv_heads: int, head_dim: int)
 
     The values are first rounded to the stream's ``scale_dtype`` (what kvq's codec quantizes with).
     """
-    sdtype = np.float16 if tq.scale_dtype == "fp16" else np.float32
+    sdtype = DType.get(tq.scale_dtype).numpy
     s = np.asarray(scales, dtype=np.float32).astype(sdtype).astype(np.float32)
     if s.shape[0] != kv_heads:
         raise ExportError(f"static scales have shape {list(s.shape)}; expected [kv_heads={kv_heads}, n]")
@@ -206,7 +207,7 @@ class GQACacheGraph:
         self.facts = facts
         self.compute_type = facts.dtype
         for spec in self._specs("past"):
-            self.past[spec.name] = b.input(spec.name, IR_TYPES[spec.dtype], spec.shape)
+            self.past[spec.name] = b.input(spec.name, DType.get(spec.dtype).ir, spec.shape)
         n0 = self.past[tensor_name("past", None, None, "seq_lengths")]
         mask = b.op("Cast", attention_mask, to=ir.DataType.INT64)
         m = b.op("ReduceSum", mask, b.const([1]), keepdims=0)  # new real tokens per row [B]
@@ -226,7 +227,7 @@ class GQACacheGraph:
         self.to_left = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, b.op("Sub", t, shift)), t), b.const([-1]))
         self.valid = b.op("Unsqueeze", b.op("Cast", mask, to=ir.DataType.BOOL), b.const([-1]))  # [B, t, 1]
         np_type = ir.DataType(self.compute_type).numpy()
-        hp, compute = FLOAT_TYPES[self.scheme.hp_dtype], ir.DataType(self.compute_type)
+        hp, compute = DType.get(self.scheme.hp_dtype).ir, ir.DataType(self.compute_type)
         if any(plan.bits is None for plan in self.plans) and hp != compute:
             logger.warning("ort-gqa: unquantized %s cache with %s compute; ONNX Runtime's CPU GroupQueryAttention "
                            "has no float16 kernel, so on CPU it casts the whole buffer to float32 and back every "
@@ -264,7 +265,7 @@ class GQACacheGraph:
         """Declare the present outputs in manifest order."""
         self.present[tensor_name("present", None, None, "seq_lengths")] = self.n1
         for spec in self._specs("present"):
-            b.output(self.present[spec.name], spec.name, IR_TYPES[spec.dtype], spec.shape)
+            b.output(self.present[spec.name], spec.name, DType.get(spec.dtype).ir, spec.shape)
 
     # -- pieces --------------------------------------------------------------------------------------------
     def _specs(self, direction: str):

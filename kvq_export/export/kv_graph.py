@@ -29,25 +29,13 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.naming import PARTS, PROBES, cache_tensors, probe_name, tensor_name
 from kvq_export.reference.codec import int_levels
 from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import FP8_E4M3_MAX, KVQuantScheme, TensorQuant
-
-#: manifest dtype name -> ONNX type of a cache tensor (every flavour declares its cache I/O with it)
-IR_TYPES = {
-    "int64": ir.DataType.INT64,
-    "int8": ir.DataType.INT8,
-    "uint8": ir.DataType.UINT8,
-    "float16": ir.DataType.FLOAT16,
-    "float32": ir.DataType.FLOAT,
-    "float8e4m3fn": ir.DataType.FLOAT8E4M3FN,
-}
-#: scheme dtype name (hp_dtype, scale_dtype) -> ONNX float type
-FLOAT_TYPES = {"fp16": ir.DataType.FLOAT16, "fp32": ir.DataType.FLOAT}
-_NP_FLOAT = {"fp16": np.float16, "fp32": np.float32}
 
 
 @dataclass
@@ -211,7 +199,7 @@ class QuantizedCacheGraph:
             for part, tq in zip(PARTS, streams):
                 if tq.quantized and tq.scales == "static":
                     static_scales(self.static, layer, part)
-        self.hp_type = FLOAT_TYPES[scheme.hp_dtype]
+        self.hp_type = DType.get(scheme.hp_dtype).ir
         self.past: dict[str, ir.Value] = {}
         self.present: dict[str, ir.Value] = {}
         self._static_values: dict[tuple[int, str], tuple[ir.Value, ir.Value | None]] = {}
@@ -224,10 +212,10 @@ class QuantizedCacheGraph:
     def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, facts) -> ir.Value:
         """Declare past inputs; compute per-row counts, positions and the attention mask."""
         self.ops, self.facts = _Ops(b), facts
-        self.compute_type = FLOAT_TYPES[facts.dtype] if isinstance(facts.dtype, str) else facts.dtype
+        self.compute_type = DType.get(facts.dtype).ir if isinstance(facts.dtype, str) else facts.dtype
         for spec in cache_tensors(self.scheme, num_layers=self.num_layers, kv_heads=self.kv_heads,
                                   head_dim=self.head_dim, direction="past"):
-            self.past[spec.name] = b.input(spec.name, IR_TYPES[spec.dtype], spec.shape)
+            self.past[spec.name] = b.input(spec.name, DType.get(spec.dtype).ir, spec.shape)
         n0 = self.past[tensor_name("past", None, None, "seq_lengths")]
         mask = b.op("Cast", attention_mask, to=ir.DataType.INT64)
         self.new_count = b.op("ReduceSum", mask, b.const([1]), keepdims=0)  # m [B]
@@ -263,7 +251,7 @@ class QuantizedCacheGraph:
         self.present[tensor_name("present", None, None, "seq_lengths")] = self.n1
         for spec in cache_tensors(self.scheme, num_layers=self.num_layers, kv_heads=self.kv_heads,
                                   head_dim=self.head_dim, direction="present"):
-            b.output(self.present[spec.name], spec.name, IR_TYPES[spec.dtype], spec.shape)
+            b.output(self.present[spec.name], spec.name, DType.get(spec.dtype).ir, spec.shape)
 
     # -- per-row counts -------------------------------------------------------------------------------
     def _split(self, b: GraphBuilder, tq: TensorQuant, n: ir.Value) -> _Counts:
@@ -319,7 +307,7 @@ class QuantizedCacheGraph:
             unit = b.const(1 if tq.axis == "token" else tq.group_size)
             q0, dq, q1 = (b.op("Div", c, unit) for c in (before.quantized, to_quant, after.quantized))
             meta_len = b.op("Div", quant_len, unit)
-            sdtype = FLOAT_TYPES[tq.scale_dtype]
+            sdtype = DType.get(tq.scale_dtype).ir
             scales = ops.take([(past["scales"], q0), (scales_new, dq)], None, q1, meta_len, sdtype)
             zeros = None
             if tq.has_zero_point:
@@ -371,7 +359,7 @@ class QuantizedCacheGraph:
         if made is not None:
             return made
         meta = self.static[layer][part]
-        sdtype = _NP_FLOAT[tq.scale_dtype]
+        sdtype = DType.get(tq.scale_dtype).numpy
         scales = b.initializer(static_name(layer, part, "scales"), np.asarray(meta["scales"], dtype=sdtype))
         zeros = None
         if tq.has_zero_point:
@@ -388,7 +376,7 @@ class QuantizedCacheGraph:
 
     def _quantize(self, b: GraphBuilder, layer: int, part: str, tq: TensorQuant, block: ir.Value):
         """Quantize a [B,H,F,D] block (F whole groups); return (stored codes, scales, zeros)."""
-        f32, sdtype = ir.DataType.FLOAT, FLOAT_TYPES[tq.scale_dtype]
+        f32, sdtype = ir.DataType.FLOAT, DType.get(tq.scale_dtype).ir
         xg, axis = self._grouped(b, tq, b.op("Cast", block, to=f32))
         if tq.quantizer == "ggml":
             return self._quantize_ggml(b, tq, xg, block)

@@ -37,8 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvq_export.dtypes import DType
 from kvq_export.errors import QuantizationError
-from kvq_export.reference.codec import TORCH_DTYPES, Quantized, check_finite, dequantize_packed, quantize_packed
+from kvq_export.reference.codec import Quantized, check_finite, dequantize_packed, quantize_packed
 from kvq_export.rotation import rotate_torch, rotation_matrix
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
@@ -79,12 +80,12 @@ class StreamCache:
     ) -> None:
         self.tq = tq
         self.scheme = scheme
-        self.hp_dtype = TORCH_DTYPES[scheme.hp_dtype]
+        self.hp_dtype = DType.get(scheme.hp_dtype).torch
         self._static: dict[str, torch.Tensor] = {}
         if tq.quantized and tq.scales == "static":
             if static_scales is None or (tq.has_zero_point and static_zeros is None):
                 raise QuantizationError("a static-scale stream needs its calibrated scales (and zero points)")
-            sdtype = TORCH_DTYPES[tq.scale_dtype]
+            sdtype = DType.get(tq.scale_dtype).torch
             self._static["static_scales"] = static_scales.to(sdtype)
             if tq.has_zero_point:
                 self._static["static_zeros"] = static_zeros.to(sdtype)
@@ -141,7 +142,7 @@ class StreamCache:
         self._dequantized = x.new_empty((batch, heads, 0, dim), dtype=torch.float32)
         if self.tq.scales == "dynamic":
             kind, entries = self.tq.metadata_shape(dim)
-            sdtype = TORCH_DTYPES[self.tq.scale_dtype]
+            sdtype = DType.get(self.tq.scale_dtype).torch
             self.scales = x.new_empty((batch, heads, 0, entries), dtype=sdtype)
             self.zeros = self.scales.clone() if self.tq.has_zero_point else None
 

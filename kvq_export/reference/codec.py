@@ -44,10 +44,9 @@ from typing import NamedTuple
 
 import torch
 
+from kvq_export.dtypes import DType
 from kvq_export.errors import QuantizationError
 from kvq_export.scheme import FP8_E4M3_MAX, TensorQuant
-
-TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
 
 
 class Quantized(NamedTuple):
@@ -78,7 +77,7 @@ def metadata_from_range(tq: TensorQuant, mn: torch.Tensor, mx: torch.Tensor) -> 
 
     Shared with calibration so static and dynamic scales come from the same arithmetic.
     """
-    sdtype = TORCH_DTYPES[tq.scale_dtype]
+    sdtype = DType.get(tq.scale_dtype).torch
     if tq.clip != 1.0:
         mid, half = (mx + mn) * 0.5, (mx - mn) * (0.5 * tq.clip)
         mn, mx = mid - half, mid + half
@@ -91,7 +90,7 @@ def scale_from_amax(tq: TensorQuant, amax: torch.Tensor) -> torch.Tensor:
     if tq.clip != 1.0:
         amax = amax * tq.clip
     top = FP8_E4M3_MAX if tq.format == "fp8_e4m3" else float(int_levels(tq)[1])
-    return (amax / top).to(TORCH_DTYPES[tq.scale_dtype])
+    return (amax / top).to(DType.get(tq.scale_dtype).torch)
 
 
 def _group_view(x: torch.Tensor, tq: TensorQuant) -> tuple[torch.Tensor, int]:
@@ -137,7 +136,7 @@ def quantize(
     if not tq.quantized:
         raise QuantizationError("format fp16 is not quantized")
     check_finite(x)
-    sdtype = TORCH_DTYPES[tq.scale_dtype]
+    sdtype = DType.get(tq.scale_dtype).torch
     xf = x.to(torch.float32)
     static = tq.scales == "static"
     if static:

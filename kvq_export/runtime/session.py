@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError, RuntimeInputError
 from kvq_export.manifest import (
     GRAPH_SCHEME_KEY,
@@ -37,15 +38,6 @@ from kvq_export.scheme import KVQuantScheme
 logger = logging.getLogger(__name__)
 
 #: manifest dtype -> (ONNX Runtime type string, numpy dtype used to build values)
-_TYPES = {
-    "int64": ("tensor(int64)", np.int64),
-    "int8": ("tensor(int8)", np.int8),
-    "uint8": ("tensor(uint8)", np.uint8),
-    "float16": ("tensor(float16)", np.float16),
-    "float32": ("tensor(float)", np.float32),
-    "float8e4m3fn": ("tensor(float8e4m3fn)", np.uint8),  # fed as raw bits with an explicit ONNX type
-}
-_ELEMENT_BYTES = {"int64": 8, "int8": 1, "uint8": 1, "float16": 2, "float32": 4, "float8e4m3fn": 1}
 
 CacheState = dict  # past tensor name -> onnxruntime.OrtValue
 #: Tokens per row of a new ``buffer``-layout cache when nothing says how many.
@@ -91,7 +83,7 @@ def _ort_value(array: np.ndarray, dtype: str):
 
         return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(np.ascontiguousarray(array).view(np.uint8),
                                                                TensorProto.FLOAT8E4M3FN)
-    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype=_TYPES[dtype][1]))
+    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype=DType.get(dtype).bits_numpy))
 
 
 @dataclass
@@ -167,9 +159,9 @@ class KVQSession:
             for name, dtype in expected.items():
                 if name not in graph:
                     raise RuntimeInputError(f"manifest {kind} {name} is missing from the graph")
-                if graph[name].type != _TYPES[dtype][0]:
+                if graph[name].type != DType.get(dtype).ort_type:
                     raise RuntimeInputError(
-                        f"graph {kind} {name}: manifest says {_TYPES[dtype][0]}, graph has {graph[name].type}")
+                        f"graph {kind} {name}: manifest says {DType.get(dtype).ort_type}, graph has {graph[name].type}")
         carried = self.session.get_modelmeta().custom_metadata_map.get(GRAPH_SCHEME_KEY)
         if carried is not None:
             try:
@@ -205,9 +197,9 @@ class KVQSession:
                     f"{type(value).__module__}.{type(value).__name__}; wrap arrays with "
                     "kvq_export.runtime.session.ort_value(array, dtype)")
             actual_type = value.data_type()
-            if actual_type != _TYPES[spec.dtype][0]:
+            if actual_type != DType.get(spec.dtype).ort_type:
                 raise RuntimeInputError(
-                    f"cache tensor {spec.name}: expected {_TYPES[spec.dtype][0]}, got {actual_type}")
+                    f"cache tensor {spec.name}: expected {DType.get(spec.dtype).ort_type}, got {actual_type}")
             shape = value.shape()
             if len(shape) != len(spec.shape):
                 raise RuntimeInputError(f"cache tensor {spec.name}: expected shape {list(spec.shape)}, got {shape}")
@@ -225,7 +217,7 @@ class KVQSession:
         for spec in self.past:
             shape = [batch if d == "batch" else d if isinstance(d, int) else size if d == CAPACITY_AXIS else 0
                      for d in spec.shape]
-            out[spec.name] = _ort_value(np.zeros(shape, dtype=_TYPES[spec.dtype][1]), spec.dtype)
+            out[spec.name] = _ort_value(np.zeros(shape, dtype=DType.get(spec.dtype).bits_numpy), spec.dtype)
         return out
 
     @property
@@ -269,7 +261,7 @@ class KVQSession:
         total = 0
         for spec in self.past:
             if spec.role != "seq_lengths":
-                total += int(np.prod(cache[spec.name].shape())) * _ELEMENT_BYTES[spec.dtype]
+                total += int(np.prod(cache[spec.name].shape())) * DType.get(spec.dtype).itemsize
         return total
 
     def cache_arrays(self, cache: CacheState) -> dict[str, np.ndarray]:

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from kvq_export._lazy import require
+from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 
 logger = logging.getLogger(__name__)
@@ -86,12 +87,10 @@ class _ArraySession:
 
 def empty_cache(manifest, batch: int) -> dict[str, np.ndarray]:
     """Every past cache tensor holding no token (fp8 codes as their uint8 bits)."""
-    types = {"int64": np.int64, "uint8": np.uint8, "float16": np.float16, "float32": np.float32,
-             "float8e4m3fn": np.uint8}
     out = {}
     for t in manifest.cache("past"):
         shape = [batch if d == "batch" else (d if isinstance(d, int) else 0) for d in t.shape]
-        out[t.name] = np.zeros(shape, types[t.dtype])
+        out[t.name] = np.zeros(shape, DType.get(t.dtype).bits_numpy)
     return out
 
 

@@ -27,15 +27,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvq_export.naming import HP_TYPES, PARTS, stream_tensors, tensor_name
+from kvq_export.dtypes import DType, onnx_name
+from kvq_export.naming import PARTS, stream_tensors, tensor_name
 from kvq_export.scheme import KVQuantScheme
 
 PLUGIN_NAMESPACE = "kvq"
 PLUGIN_PREFIX = "kvq_attention"
-#: compute dtype name (``kvq export --dtype``) -> ONNX element type of q and of the output
-COMPUTE_TYPES = {"fp32": "float32", "fp16": "float16"}
-#: ONNX element type -> TensorRT DataType name (as ``tensorrt.plugin.AutoTuneCombination`` spells it)
-TRT_TYPES = {"float32": "FP32", "float16": "FP16", "int64": "INT64", "uint8": "UINT8", "float8e4m3fn": "FP8"}
 
 
 @dataclass(frozen=True)
@@ -78,9 +75,9 @@ class PluginSignature:
 
     def io_types(self, compute: str | None = None) -> list[str]:
         """TensorRT type names of every input then the output (q and output in ``compute``, if given)."""
-        out = self.output_dtype if compute is None else COMPUTE_TYPES[compute]
+        out = self.output_dtype if compute is None else onnx_name(compute)
         types = [out if i.role == "query" else i.dtype for i in self.inputs] + [out]
-        return [TRT_TYPES[t] for t in types]
+        return [DType.get(t).trt_tuning for t in types]
 
     def structure(self) -> tuple:
         """What a registration fixes: name, input names and attribute names with their Python types."""
@@ -111,7 +108,7 @@ def plugin_signature(
 
     from kvq_export.export.kv_graph import static_name
 
-    compute = COMPUTE_TYPES[dtype]
+    compute = onnx_name(dtype)
     lengths = tensor_name("present", None, None, "seq_lengths")
     inputs = [PluginInput("q", "query", None, compute, None),
               PluginInput("seq_lengths", "seq_lengths", None, "int64", lengths)]
@@ -129,7 +126,7 @@ def plugin_signature(
             if role in stored:
                 inputs.append(PluginInput(f"{part}_{role}", role, part, stored[role].dtype, stored[role].name))
             else:  # static metadata: a graph constant, not cache state
-                inputs.append(PluginInput(f"{part}_{role}", role, part, HP_TYPES[tq.scale_dtype],
+                inputs.append(PluginInput(f"{part}_{role}", role, part, onnx_name(tq.scale_dtype),
                                           static_name(layer, part, role)))
         tags.append(stream_tag(layout.roles))
         attributes.update(layout.attributes(part))

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError
 from kvq_export.validate.attention import METRICS, AttentionSample, attention_metrics, rank_agreement
 
@@ -161,7 +162,7 @@ def _lockstep(quant, base, tokens: np.ndarray, config: ValidateConfig, progress:
     n_rows, length = tokens.shape
     step = config.chunk or 1
     manifest = quant.manifest
-    hp = np.float16 if manifest.scheme.hp_dtype == "fp16" else np.float32
+    hp = DType.get(manifest.scheme.hp_dtype).numpy
     scaling = float(manifest.model.get("scaling") or int(manifest.model["head_dim"]) ** -0.5)
     static = load_static(quant.directory, manifest)
     layers = manifest.num_layers
