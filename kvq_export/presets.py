@@ -60,6 +60,10 @@ PRESETS: dict[str, tuple[KVQuantScheme, str]] = {
         KVQuantScheme(key=_int(8, 32, sym=True), value=_int(8, 32, sym=True)),
         "int8 sym (255 levels, round-half-even), token groups of 32",
     ),
+    "int8-sym-g32-rot": (
+        KVQuantScheme(key=_rotated(_int(8, 32, sym=True)), value=_rotated(_int(8, 32, sym=True))),
+        "int8 sym (255 levels), token groups of 32, in a Hadamard-rotated basis: the most accurate 8-bit class",
+    ),
     "int4-sym-g32": (
         KVQuantScheme(key=_int(4, 32, sym=True), value=_int(4, 32, sym=True)),
         "int4 sym (15 levels: amax/7, codes -7..7), token groups of 32",
