@@ -41,7 +41,7 @@ DEFAULT_PROMPTS = (
 
 @dataclass(frozen=True)
 class ValidateConfig:
-    """What to run; the defaults are the issue's 8 x 512 strict decode on the britannica text."""
+    """What to run; the defaults are protocol P: 8 x 512 britannica tokens from token 0, strict decode."""
 
     corpus: str = "britannica"
     windows: int = 8
