@@ -131,7 +131,8 @@ def test_preset_effective_bits_by_hand(name, bits):
 
 
 def test_presets_table_is_complete_and_valid():
-    assert list(PRESETS) == ["fp16", "int8", "int8-sym-g32", "int8-sym-g32-rot", "int4-sym-g32", "int4-g32", "q8_0", "q5_1", "q5_0",
+    assert list(PRESETS) == ["fp16", "int8", "int8-sym-g32", "int8-sym-g32-rot", "int4-sym-g32", "int4-g32",
+                             "q8_0", "q5_1", "q5_0",
                              "q4_1", "q4_0", "k-q8_0-v-q4_0", "q8_0-rot", "q5_1-rot", "q5_0-rot",
                              "q4_1-rot", "q4_0-rot", "k-q8_0-v-q4_0-rot", "kivi-4-r0", "kivi-4-r0-g64", "k8v4-r0-g64",
                              "kivi-4", "kivi-2", "fp8", "ort-int8", "ort-int4"]
