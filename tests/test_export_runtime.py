@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_models import ARCHS, VOCAB, tiny_model
+from tiny_models import ARCHS, VOCAB, fit_head_dim, tiny_model
 
 from kvq_export.calibrate import calibrate_static_scales, static_to_torch
 from kvq_export.errors import ExportError, ModelError, RuntimeInputError
@@ -50,7 +50,7 @@ def exports(tmp_path_factory):
 
     def get(arch: str, preset: str):
         if (arch, preset) not in made:
-            model, scheme = tiny_model(arch), PRESETS[preset][0]
+            model, scheme = tiny_model(arch), fit_head_dim(PRESETS[preset][0], 32)
             out = tmp_path_factory.mktemp("exports") / f"{arch}-{preset}"
             made[arch, preset] = export(model, scheme, out, static=_static(model, scheme))
         return made[arch, preset]
@@ -104,10 +104,11 @@ def _compare_state(arrays, row, ref, scheme, static):
                         atol = 2**-12 * float(np.abs(w32).max(initial=0))  # upstream fp32 noise, absolute
                         assert np.allclose(got.astype(np.float32), w32, rtol=2**-10, atol=atol), (layer, part, role)
     assert code_mismatch <= max(1, code_total // 1000), (code_mismatch, code_total)
+    return code_mismatch
 
 
 def _check_case(exports, arch, preset, batch):
-    model, scheme = tiny_model(arch), PRESETS[preset][0]
+    model, scheme = tiny_model(arch), fit_head_dim(PRESETS[preset][0], 32)
     directory = exports(arch, preset)
     session = KVQSession(directory)
     static = load_static(directory, session.manifest)
@@ -129,17 +130,22 @@ def _check_case(exports, arch, preset, batch):
 
     arrays = session.cache_arrays(cache)
     decoded = decode_cache(session.manifest, arrays, direction="past", static=static)
-    worst = 0.0
+    worst, scale, flipped = 0.0, 0.0, 0
     for row, prompt in enumerate(prompts):
         ref_logits, ref = _reference_run(model, scheme, static, prompt, stream[:, row])
         worst = max(worst, float(np.abs(onnx_logits[0][row, width - len(prompt):] - ref_logits[0]).max()))
         for step, want in enumerate(ref_logits[1:], start=1):
             worst = max(worst, float(np.abs(onnx_logits[step][row] - want).max()))
-        _compare_state(arrays, row, ref, scheme, static)
+        scale = max(scale, float(np.abs(ref_logits[-1]).max()))
+        flipped += _compare_state(arrays, row, ref, scheme, static)
         for layer, (k, v) in enumerate(decoded[row]):  # the manifest alone decodes the cache
-            assert np.allclose(k, ref[layer].key.dequantized()[0].numpy(), atol=0.05, rtol=0.05)
-            assert np.allclose(v, ref[layer].value.dequantized()[0].numpy(), atol=0.05, rtol=0.05)
-    assert worst <= 1e-4, f"{arch}/{preset}/{batch}: max |Δlogits| {worst:.2e}"
+            # decode_cache returns the stored basis (rotated for a rotated stream), as the graph holds it
+            assert np.allclose(k, ref[layer].key.dequantized(basis="stored")[0].numpy(), atol=0.05, rtol=0.05)
+            assert np.allclose(v, ref[layer].value.dequantized(basis="stored")[0].numpy(), atol=0.05, rtol=0.05)
+    if not flipped:  # the graph stored exactly the reference's codes
+        assert worst <= 1e-4, f"{arch}/{preset}/{batch}: max |Δlogits| {worst:.2e}"
+    else:  # float noise upstream moved a few codes by one step (bounded above): their effect, not a bug's
+        assert worst <= 1e-3 * scale, f"{arch}/{preset}/{batch}: max |Δlogits| {worst:.2e}, {flipped} codes moved"
     if len(prompts) == 1:  # measured bytes held == the memory model's prediction (static scales live in the graph)
         from kvq_export.memory import Geometry, predict
 

@@ -5,7 +5,6 @@ Random data is fresh on every run; the seed is logged and named in every failure
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 
@@ -16,6 +15,7 @@ from kvq_plugins.attention import prefill_attention
 from kvq_plugins.cache_update import empty_stream
 from kvq_plugins.layout import StreamLayout, dequantize_stream, take
 from kvq_plugins.synthetic import random_layer_cache, static_metadata
+from tiny_models import fit_head_dim
 
 from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError
@@ -44,19 +44,11 @@ SMALL = {  # group 4, recent 8, sinks 2/3: every boundary is crossed within a fe
                                value=TensorQuant(format="int", bits=4, axis="channel", group_size=4),
                                residual_length=4),
 }
-def _fit_head_dim(scheme: KVQuantScheme, head_dim: int) -> KVQuantScheme:
-    """``scheme`` with every token-axis group wider than ``head_dim`` narrowed to ``head_dim``."""
-    def fit(tq: TensorQuant) -> TensorQuant:
-        wide = tq.quantized and tq.axis == "token" and (tq.group_size or 0) > head_dim
-        return dataclasses.replace(tq, group_size=head_dim) if wide else tq
-    return dataclasses.replace(scheme, key=fit(scheme.key), value=fit(scheme.value))
-
-
 #: Every preset the kernels see as such. A rotated preset reaches the kernels as its unrotated twin in the stored
 #: basis (the graph rotates q/k and folds the value rotation around the plugin), so its kernel case is that twin's;
 #: tests/test_rotation.py runs the kernels on rotated caches end to end.
 #: The kernel cases here use head_dim 32, so a preset with token groups of 64 runs as its groups-of-32 twin.
-ALL = {**{name: _fit_head_dim(scheme, 32) for name, (scheme, _) in PRESETS.items()
+ALL = {**{name: fit_head_dim(scheme, 32) for name, (scheme, _) in PRESETS.items()
           if scheme.key.rotation == "none" and scheme.value.rotation == "none"}, **SMALL}
 
 

@@ -112,3 +112,18 @@ def save_tiny_model_dir(path, kind: str = "llama"):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
     return path
+
+
+def fit_head_dim(scheme, head_dim: int):
+    """``scheme`` with every token-axis group wider than ``head_dim`` narrowed to ``head_dim``.
+
+    The tiny models have head_dim 32; a preset with token groups of 64 (made for head_dim 64 and up) runs on them
+    as its groups-of-32 twin.
+    """
+    import dataclasses
+
+    def fit(tq):
+        wide = tq.quantized and tq.axis == "token" and (tq.group_size or 0) > head_dim
+        return dataclasses.replace(tq, group_size=head_dim) if wide else tq
+
+    return dataclasses.replace(scheme, key=fit(scheme.key), value=fit(scheme.value))
