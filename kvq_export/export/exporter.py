@@ -237,10 +237,11 @@ def _export_locked(model, scheme: KVQuantScheme, out: Path, *, dtype: str, opset
                      "meaning": "1 = real token, 0 = left padding of this call's tokens"}],
             outputs=[{"name": "logits", "dtype": "float32", "shape": ["batch", "seq", arch.vocab_size]}],
             tokenizer=_tokenizer_facts(tokenizer, config), calibration=calibration,
-            weights=weight_checksums(tmp), build={"kvq_code": source_digest(), "request": request},
+            build={"kvq_code": source_digest(), "request": request},
         )
         manifest = _write_runtime_files(tmp, manifest)
-        manifest = dataclasses.replace(manifest, weights=weight_checksums(tmp))  # the runtime files included
+        # checksums last, once: they cover the graphs the runtime files add (hashing the weights is the slow part)
+        manifest = dataclasses.replace(manifest, weights=weight_checksums(tmp))
         manifest.save(tmp)  # last: a directory with kvq.json is complete
         os.chmod(tmp, dir_mode())  # mkdtemp makes it 0700; the files inside follow the umask, so does it
         _move_into_place(tmp, out)
