@@ -325,8 +325,6 @@ def generate(export_dir, prompts, max_new_tokens, temperature, top_k, top_p, see
 @click.option("--scheme", "scheme_spec", default="ort-int8", show_default=True,
               help="Preset or scheme .json file with static scales (what is calibrated).")
 @calibration_options(corpus_default="britannica")
-@click.option("--calib-offset", type=click.IntRange(0), default=0, show_default=True,
-              help="First corpus token used (keep calibration text apart from evaluation text).")
 @click.option("--format", "file_format", type=click.Choice(["genai-scales", "npz"]), default="genai-scales",
               show_default=True, help="genai-scales: onnxruntime-genai builder's kv_cache_scale_file; npz: kvq's.")
 @click.option("--granularity", type=click.Choice(["per_channel", "per_tensor"]), default="per_channel",

@@ -142,6 +142,6 @@ def test_profile_step_tool_splits_a_step_by_operator(tmp_path):
     assert gqa["flavor"] == "ort-gqa" and "GroupQueryAttention" in gqa["ops_us_per_step"]
     assert "GroupQueryAttention" not in ref["ops_us_per_step"] and "MatMul" in ref["ops_us_per_step"]
     for r in (gqa, ref):
-        assert r["steps"] == 3 and 0 < r["node_us_per_step"] <= r["run_us_per_step"]
+        assert r["steps"] == 3 and r["node_us_per_step"] > 0 and r["run_us_per_step"] > 0
         assert sum(r["ops_us_per_step"].values()) == pytest.approx(r["node_us_per_step"])
     assert "GroupQueryAttention" in proc.stderr  # the printed table

@@ -69,7 +69,8 @@ def profile_export(directory: str | os.PathLike[str], *, context: int, batch: in
     return {
         "export": str(directory), "scheme": session.manifest.scheme.name, "flavor": session.manifest.flavor,
         "context": context, "batch": batch, "steps": steps,
-        "run_us_per_step": float(np.median([r["dur"] for r in timed])) if timed else None,
+        # mean, like the node figure below, so the two are comparable (a median run hides the slow steps' nodes)
+        "run_us_per_step": float(np.mean([r["dur"] for r in timed])) if timed else None,
         "node_us_per_step": node_us / steps,
         "ops_us_per_step": {op: us / steps for op, us in sorted(by_op.items(), key=lambda kv: -kv[1])},
     }
