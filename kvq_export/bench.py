@@ -139,41 +139,14 @@ def bench_export(
 def synthetic_cache(session: Any, batch: int, length: int, *, capacity: int | None = None, seed: int = 0) -> dict:
     """A cache of ``length`` tokens per row in ``session``'s exact stored layout, filled with random data.
 
-    Region sizes come from the same split the reference cache and the memory model use; codes are random
-    bytes (fp8: finite e4m3 values only), high-precision values N(0, 0.5), scales in [0.005, 0.02].
-    ``capacity`` sizes a ``buffer`` layout (default ``length``).
+    The export's cache layout sizes every tensor (:meth:`~kvq_export.cache_layout.CacheLayout.arrays`, the
+    same split the reference cache and the memory model use): codes are random bytes (fp8: finite e4m3
+    values only), high-precision values N(0, 0.5), scales in [0.005, 0.02]. ``capacity`` sizes a
+    fixed-capacity layout (default ``length``).
     """
-    from kvq_export.naming import CAPACITY_AXIS, region_axis
-    from kvq_export.reference.cache import split_lengths
-    from kvq_export.runtime.session import ort_value
-
-    rng = np.random.default_rng(seed)
-    scheme = session.manifest.scheme
-    sizes: dict[str, int] = {CAPACITY_AXIS: max(capacity or length, length)}
-    for layer, streams in enumerate(scheme.streams(session.manifest.num_layers)):
-        for part, tq in zip(("key", "value"), streams):
-            sinks, quantized, recent = split_lengths(tq, scheme, length)
-            unit = 1 if (not tq.quantized or tq.streaming) else tq.group_size
-            for region, count in (("sinks", sinks), ("quantized", quantized), ("recent", recent)):
-                sizes[region_axis("past", layer, part, region)] = count
-            sizes[region_axis("past", layer, part, "quantized", "groups")] = quantized // unit
-    cache = {}
-    for spec in session.past:
-        shape = [batch if d == "batch" else d if isinstance(d, int) else sizes[d] for d in spec.shape]
-        if spec.role == "seq_lengths":
-            array = np.full(shape, length, np.int64)
-        elif spec.dtype == "float8e4m3fn":
-            magnitude = rng.integers(0, 0x77, shape, dtype=np.uint8)  # below the NaN pattern 0x7F
-            array = magnitude | (rng.integers(0, 2, shape, dtype=np.uint8) << 7)
-        elif spec.dtype in ("int8", "uint8"):
-            info = np.iinfo(spec.dtype)
-            array = rng.integers(info.min, info.max + 1, shape, dtype=spec.dtype)
-        elif spec.role == "scales":
-            array = rng.uniform(0.005, 0.02, shape).astype(np.float32)
-        else:
-            array = (rng.standard_normal(shape, dtype=np.float32) * 0.5).astype(np.float32)
-        cache[spec.name] = ort_value(array, spec.dtype)
-    return cache
+    arrays = session.layout.arrays(session.past, session.manifest.scheme, session.manifest.num_layers, batch, length,
+                                   capacity=capacity, rng=np.random.default_rng(seed))
+    return session.cache_from_arrays(arrays)
 
 
 def _filled(session: Any, batch: int, length: int, capacity: int, fill: str, seed: int, chunk: int,
@@ -402,7 +375,7 @@ def perplexity(session: Any, windows: Sequence[Sequence[int]]) -> dict[str, floa
     if ids.ndim != 2 or ids.shape[1] < 2:
         raise KVQError("perplexity needs windows of equal length >= 2")
     start = time.perf_counter()
-    capacity = ids.shape[1] if session.layout == "buffer" else None
+    capacity = session.layout.capacity_for(ids.shape[1])
     cache = session.empty_cache(ids.shape[0], capacity=capacity)
     total = 0.0
     for i in range(ids.shape[1] - 1):

@@ -2,7 +2,7 @@
 
 It records the scheme, the model facts, opset, flavour and kvq version, the graph inputs, and for every
 cache input/output its name, layer, key/value, role, dtype, symbolic shape, packing order, group axis
-and size (from :func:`kvq_export.naming.cache_tensors`). :func:`decode_cache` turns cache tensors back
+and size (from its cache layout, :mod:`kvq_export.cache_layout`). :func:`decode_cache` turns cache tensors back
 into K/V using nothing but the manifest (and the calibration file it names), which is how a production
 runtime can check its own decoder.
 """
@@ -20,10 +20,9 @@ from typing import Any
 import numpy as np
 
 from kvq_export._atomic import atomic_write
-from kvq_export.dtypes import DType
+from kvq_export.cache_layout import REGIONS, CacheLayout, layout_named
 from kvq_export.errors import KVQError, RuntimeInputError
-from kvq_export.naming import PARTS, CacheTensor, cache_tensors, layout_for_flavor, tensor_name
-from kvq_export.reference.cache import split_lengths
+from kvq_export.naming import PARTS, CacheTensor, tensor_name
 from kvq_export.scheme import KVQuantScheme
 
 MANIFEST_NAME = "kvq.json"
@@ -43,28 +42,6 @@ _MODEL_INTS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_siz
 #: Upper bounds of the structural facts: a mistyped huge value must not make a loader build millions of names.
 _MODEL_INT_MAX = {"num_layers": 4096, "num_heads": 4096, "num_kv_heads": 4096, "head_dim": 65536}
 
-#: How a runtime finds the valid entries of each region; repeated in every manifest for its readers.
-LAYOUT_RULES = (
-    "Each row b holds seq_lengths[b] real tokens. Per layer and stream, split them as "
-    "sinks = min(sink_tokens, n); rest = n - sinks; quantized = floor(max(0, rest - residual_length) / unit) * unit "
-    "(unit = group_size for channel-axis dynamic streams, else 1); recent = rest - quantized "
-    "(an unquantized stream keeps all n in recent). Every region tensor is sized to the longest row and each "
-    "row's valid entries are right-aligned (padding on the left); channel-axis scales/zero_points count groups "
-    "(quantized / group_size). Token order is sinks, quantized, recent. Feed present.* outputs back as past.* "
-    "inputs unchanged; an empty cache is every region with 0 tokens and seq_lengths = 0."
-)
-#: The rules of the ``buffer`` layout (the ``ort-gqa`` flavour's GroupQueryAttention cache).
-BUFFER_LAYOUT_RULES = (
-    "Each row b holds seq_lengths[b] real tokens. Per layer and stream there is one tensor <dir>.<i>.<part>.buffer "
-    "[batch, kv_heads, capacity, packed head_dim]; row b's tokens sit at positions [0, seq_lengths[b]) in token "
-    "order (left-aligned), positions beyond are unspecified. The runtime chooses capacity (dim 2) and binds the "
-    "same buffer as past.* input and present.* output (ONNX Runtime IO binding), so new tokens are written in "
-    "place and nothing is copied per step; a step needs max(seq_lengths) + new tokens <= capacity (grow by "
-    "copying the valid rows into a larger buffer). Without binding, present.* comes back as a copy of "
-    "max(capacity, longest row) positions. Quantized buffers hold symmetric codes with the static scales of the "
-    "calibration file: 8-bit as int8 q, 4-bit as uint8 with two codes per byte (low nibble first) stored as "
-    "q + 8; x = q * scale. An empty cache is seq_lengths = 0 (buffer contents irrelevant)."
-)
 #: How a rotated stream (``rotation`` of a scheme stream) is stored and decoded; repeated in every manifest.
 ROTATION_RULES = (
     "A stream whose scheme sets rotation='hadamard' stores every row as x @ R instead of x (x: a post-RoPE key "
@@ -78,8 +55,6 @@ ROTATION_RULES = (
     "over stored values yields o @ R and o_proj rotates it back. Rotation costs no bytes. rotation='none' "
     "streams are stored in the model's basis."
 )
-#: Layout name -> its rules, repeated in every manifest.
-LAYOUT_TEXT = {"regions": LAYOUT_RULES, "buffer": BUFFER_LAYOUT_RULES}
 
 
 @dataclass(frozen=True)
@@ -97,7 +72,7 @@ class Manifest:
     tokenizer: dict[str, Any] = field(default_factory=dict)
     calibration: dict[str, Any] | None = None
     format_version: int = FORMAT_VERSION
-    layout: str | None = None  # cache layout name; None: the flavour's (see naming.layout_for_flavor)
+    layout: str = REGIONS.name  # the cache layout's name (the exporter records its flavour's)
     weights: dict[str, Any] | None = None  # {file: {"sha256", "bytes"}} recorded at export
     build: dict[str, Any] | None = None  # {"kvq_code": source digest, "request": what shaped the export}
     #: other runtimes that can serve the export: name -> {"supported": bool, their files, or "reason"}
@@ -110,14 +85,15 @@ class Manifest:
         return int(self.model["num_layers"])
 
     @property
-    def cache_layout(self) -> str:
-        """The cache layout (``regions`` or ``buffer``, see :data:`kvq_export.naming.LAYOUTS`)."""
-        return self.layout or layout_for_flavor(self.flavor)
+    def cache_layout(self) -> CacheLayout:
+        """The cache layout (see :data:`kvq_export.cache_layout.LAYOUTS`)."""
+        return layout_named(self.layout)
 
     def cache(self, direction: str = "past") -> list[CacheTensor]:
         """Cache tensors for ``direction`` (recomputed from the scheme: the single naming function)."""
-        return cache_tensors(self.scheme, num_layers=self.num_layers, kv_heads=int(self.model["num_kv_heads"]),
-                             head_dim=int(self.model["head_dim"]), direction=direction, layout=self.cache_layout)
+        return self.cache_layout.tensors(self.scheme, num_layers=self.num_layers,
+                                         kv_heads=int(self.model["num_kv_heads"]), head_dim=int(self.model["head_dim"]),
+                                         direction=direction)
 
     # -- (de)serialisation ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -138,8 +114,8 @@ class Manifest:
             "build": self.build,
             "runtimes": self.runtimes,
             "cache": {
-                "layout": LAYOUT_TEXT[self.cache_layout],
-                "layout_name": self.cache_layout,
+                "layout": self.cache_layout.rules,
+                "layout_name": self.layout,
                 "rotation": {"rule": ROTATION_RULES, "layers": self._rotations()},
                 "past": [t.to_dict() for t in self.cache("past")],
                 "present": [t.to_dict() for t in self.cache("present")],
@@ -208,13 +184,11 @@ class Manifest:
             outputs=_list_of_objects(data, "outputs"), tokenizer=dict(_get(data, "tokenizer", dict, optional=True)
                                                                       or {}),
             calibration=calibration, format_version=version,
-            layout=_get(cache, "layout_name", str, optional=True, where="cache."), weights=weights,
+            layout=_get(cache, "layout_name", str, optional=True, where="cache.") or REGIONS.name, weights=weights,
             build=_get(data, "build", dict, optional=True),
             runtimes=dict(_get(data, "runtimes", dict, optional=True) or {}),
         )
-        if manifest.cache_layout not in LAYOUT_TEXT:
-            raise RuntimeInputError(f"cache layout {manifest.cache_layout!r} is not supported "
-                                    f"(known: {', '.join(LAYOUT_TEXT)})")
+        manifest.cache_layout  # noqa: B018 - refuses an unknown layout name now, not at first use
         if scheme.has_static_scales and calibration is None:
             raise RuntimeInputError("the scheme uses static scales but no calibration file is named")
         listed = [t.get("name") if isinstance(t, dict) else t for t in _list_of_objects(cache, "past", "cache.")] \
@@ -378,82 +352,16 @@ def decode_cache(
 def _decode_stored(manifest: Manifest, tensors: Mapping[str, np.ndarray], direction: str,
                    static: Mapping | None) -> list[list[tuple[np.ndarray, np.ndarray]]]:
     """:func:`decode_cache` in the stored basis."""
+    layout = manifest.cache_layout
     lengths = np.asarray(tensors[tensor_name(direction, None, None, "seq_lengths")]).astype(np.int64)
+    by_stream: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    for spec in manifest.cache(direction)[1:]:
+        by_stream.setdefault((spec.layer, spec.part), {})[spec.role] = tensors.get(spec.name)
     rows: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in lengths]
-    if manifest.cache_layout == "buffer":
-        for layer, streams in enumerate(manifest.scheme.streams(manifest.num_layers)):
-            for row, n in enumerate(lengths):
-                k, v = (_decode_buffer_row(tq, np.asarray(tensors[tensor_name(direction, layer, part, "buffer")])
-                                           [row, :, :int(n)], (static or {}).get(layer, {}).get(part))
-                        for part, tq in zip(PARTS, streams))
-                rows[row].append((k, v))
-        return rows
     for layer, streams in enumerate(manifest.scheme.streams(manifest.num_layers)):
         for row, n in enumerate(lengths):
-            k, v = (
-                _decode_row(manifest.scheme, tq, row, int(n), (static or {}).get(layer, {}).get(part),
-                            {role: tensors.get(tensor_name(direction, layer, part, role))
-                             for role in ("sinks", "codes", "scales", "zero_points", "recent")})
-                for part, tq in zip(PARTS, streams)
-            )
+            k, v = (layout.decode_stream(manifest.scheme, tq, by_stream[layer, part], row, int(n),
+                                         (static or {}).get(layer, {}).get(part))
+                    for part, tq in zip(PARTS, streams))
             rows[row].append((k, v))
     return rows
-
-
-def _decode_row(scheme, tq, row: int, n: int, static_meta, arrays) -> np.ndarray:
-    """One row of one stream -> float32 [H, n, D] (sinks, quantized, recent in token order)."""
-    import torch
-
-    def last(role: str, count: int) -> torch.Tensor:  # the row's right-aligned valid entries
-        array = arrays[role][row]
-        return torch.from_numpy(np.ascontiguousarray(array[:, array.shape[1] - count:]))
-
-    sinks, quantized, recent = split_lengths(tq, scheme, n)
-    pieces = []
-    if tq.quantized:
-        pieces.append(last("sinks", sinks).float())
-        if quantized:
-            pieces.append(_dequantize_region(tq, last, quantized, static_meta))
-    pieces.append(last("recent", recent).float())
-    return torch.cat(pieces, dim=1).numpy()
-
-
-def buffer_codes_to_kvq(tq, stored: np.ndarray) -> np.ndarray:
-    """A ``buffer`` layout's stored codes -> kvq's stored (packed) int_sym codes, uint8.
-
-    8-bit buffers hold int8 ``q``; kvq stores ``q + 128`` (the same byte with its top bit flipped).
-    4-bit buffers already hold kvq's packing (``q + 8`` per nibble, low nibble first).
-    """
-    if tq.bits == 8:
-        return (np.asarray(stored).view(np.uint8) ^ np.uint8(0x80)).astype(np.uint8)
-    return np.asarray(stored, dtype=np.uint8)
-
-
-def _decode_buffer_row(tq, stored: np.ndarray, static_meta) -> np.ndarray:
-    """One row of a ``buffer`` stream (its valid positions) -> float32 [H, n, D]."""
-    import torch
-
-    if not tq.quantized:
-        return np.asarray(stored, dtype=np.float32)
-    codes = torch.from_numpy(np.ascontiguousarray(buffer_codes_to_kvq(tq, stored)))
-    return _dequantize_region(tq, lambda role, count: codes, int(stored.shape[1]), static_meta).numpy()
-
-
-def _dequantize_region(tq, last, count: int, static_meta):
-    """One row's quantized region -> float32 [H, count, D] through the reference codec."""
-    import torch
-
-    from kvq_export.reference.codec import Quantized, dequantize_packed
-
-    codes = last("codes", count)
-    if tq.format == "fp8_e4m3" and codes.dtype == torch.uint8:  # raw bits as ONNX Runtime returns them
-        codes = codes.view(torch.float8_e4m3fn)
-    if tq.scales == "static":  # [H, n], shared by every row, stored rounded to scale_dtype
-        sdtype = DType.get(tq.scale_dtype).torch
-        scales = torch.as_tensor(static_meta["scales"]).to(sdtype)
-        zeros = torch.as_tensor(static_meta["zero_points"]).to(sdtype) if tq.has_zero_point else None
-    else:
-        groups = count if tq.axis == "token" else count // tq.group_size
-        scales = last("scales", groups)[None]
-        zeros = last("zero_points", groups)[None] if tq.has_zero_point else None
-    return dequantize_packed(Quantized(codes[None], scales, zeros), tq)[0]

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvq_export.cache_layout import split_lengths
 from kvq_export.dtypes import DType
 from kvq_export.errors import SchemeError
-from kvq_export.reference.cache import split_lengths
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
 BREAKDOWN_KEYS = ("payload", "scales", "zero_points", "high_precision", "padding")

@@ -3,7 +3,7 @@
 The stored layout is the one :mod:`kvq_export.naming` describes (the ``regions`` layout): per layer and
 stream, ``sinks`` / ``codes`` + ``scales`` (+ ``zero_points``) / ``recent``, every region sized to the
 longest row with each row's valid entries right-aligned, and the per-row counts derived from
-``seq_lengths`` by :func:`kvq_export.reference.cache.split_lengths`. :class:`StreamLayout` carries
+``seq_lengths`` by :class:`kvq_export.cache_layout.RegionSplit`. :class:`StreamLayout` carries
 exactly the facts of a :class:`~kvq_export.scheme.TensorQuant` (and its scheme) that a kernel needs, so
 the Triton kernels, their torch references and the TensorRT plugin read one description.
 
@@ -12,10 +12,12 @@ Only torch is imported here (never triton or tensorrt).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvq_export.cache_layout import REGION_ROLES, RegionSplit
 from kvq_export.errors import QuantizationError
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
     import torch
 
 #: Roles of a stream's tensors, in the order the kernels and the plugin take them.
-QUANT_ROLES = ("sinks", "codes", "scales", "zero_points", "recent")
+QUANT_ROLES = REGION_ROLES
 
 
 @dataclass(frozen=True)
@@ -148,11 +150,11 @@ class StreamLayout:
         fmt, group = str(attrs[f"{prefix}_format"]), int(attrs[f"{prefix}_group"])
         static = bool(attrs[f"{prefix}_static"])
         axis = str(attrs[f"{prefix}_axis"])
-        unit = group if fmt != "fp16" and axis == "channel" and not static else 1
-        return cls(fmt, int(attrs[f"{prefix}_bits"]), axis, group, static, fmt == "int", int(attrs["head_dim"]),
-                   int(attrs["sink_tokens"]), int(attrs["residual_length"]), unit,
-                   str(attrs[f"{prefix}_scale_dtype"]), str(attrs["hp_dtype"]),
-                   quantizer=str(attrs.get(f"{prefix}_quantizer", "kvq")))
+        layout = cls(fmt, int(attrs[f"{prefix}_bits"]), axis, group, static, fmt == "int", int(attrs["head_dim"]),
+                     int(attrs["sink_tokens"]), int(attrs["residual_length"]), 1,
+                     str(attrs[f"{prefix}_scale_dtype"]), str(attrs["hp_dtype"]),
+                     quantizer=str(attrs.get(f"{prefix}_quantizer", "kvq")))
+        return dataclasses.replace(layout, unit=layout.tensor_quant().flush_unit)
 
     def tensor_quant(self) -> TensorQuant:
         """The :class:`TensorQuant` this layout was made from (for the reference codec)."""
@@ -164,15 +166,13 @@ class StreamLayout:
 
     # -- per-row counts (torch) ---------------------------------------------------------------------------
     def counts(self, seq_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(sinks, quantized, recent) tokens per row: :func:`split_lengths` on a ``[B]`` int64 tensor."""
-        n = seq_lengths.to(dtype=_torch().int64)
-        if not self.quantized:
-            zero = n * 0
-            return zero, zero, n
-        sinks = n.clamp(max=self.sink_tokens)
-        rest = n - sinks
-        quantized = (rest - self.residual_length).clamp(min=0) // self.unit * self.unit
-        return sinks, quantized, rest - quantized
+        """(sinks, quantized, recent) tokens per row of a ``[B]`` int64 tensor (:class:`RegionSplit`)."""
+        return self.split.lengths(seq_lengths.to(dtype=_torch().int64))
+
+    @property
+    def split(self) -> RegionSplit:
+        """The stream's sinks / quantized / recent split rule."""
+        return RegionSplit(self.sink_tokens, self.residual_length, self.unit, self.quantized)
 
 
 def _torch():

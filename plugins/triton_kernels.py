@@ -92,7 +92,7 @@ def _stream_tile(sinks_ptr, codes_ptr, scales_ptr, zeros_ptr, recent_ptr, b, h, 
     """fp32 ``[BLOCK_N, BLOCK_D]`` values of one stream at logical positions ``pos`` of row ``b``, head ``h``.
 
     Each position is read from the region holding it (sinks / quantized / recent, right-aligned per row,
-    counts from ``n`` as in ``split_lengths``); quantized entries are unpacked and dequantized here, in
+    counts from ``n`` as in ``RegionSplit.lengths``); quantized entries are unpacked and dequantized here, in
     registers. Positions outside ``[0, n)`` read as 0.
     """
     bh = (b * KV_HEADS + h).to(tl.int64)

@@ -9,8 +9,9 @@ import numpy as np
 import torch
 from tiny_models import VOCAB, tiny_model
 
+from kvq_export.cache_layout import buffer_codes_to_kvq
 from kvq_export.calibrate import calibrate_static_scales, static_to_torch
-from kvq_export.manifest import buffer_codes_to_kvq, decode_cache
+from kvq_export.manifest import decode_cache
 from kvq_export.presets import PRESETS
 from kvq_export.reference.codec import unpack
 from kvq_export.reference.hf_cache import reference_hf_cache

@@ -8,9 +8,10 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
+from kvq_export.cache_layout import REGIONS
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.kv_graph import QuantizedCacheGraph
-from kvq_export.naming import cache_tensors, present_name
+from kvq_export.naming import present_name
 
 NP = {"int64": np.int64, "uint8": np.uint8, "float16": np.float16, "float32": np.float32, "float8e4m3fn": np.uint8}
 
@@ -47,7 +48,7 @@ class CacheOnly:
         cg.end(b)
         model = ir.serde.serialize_model(b.build())
         self.session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        self.past = cache_tensors(scheme, num_layers=1, kv_heads=kv_heads, head_dim=head_dim)
+        self.past = REGIONS.tensors(scheme, num_layers=1, kv_heads=kv_heads, head_dim=head_dim)
 
     def empty(self, batch: int) -> dict:
         from kvq_export.runtime.session import _ort_value

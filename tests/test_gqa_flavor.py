@@ -161,13 +161,11 @@ def test_unfused_rotary_path_matches_and_names_probes(tmp_path_factory, monkeypa
     """
     import onnx
 
-    from kvq_export import naming
     from kvq_export.export import exporter
     from kvq_export.validate.probe import ProbedSession
 
     monkeypatch.setitem(exporter.FLAVORS, "ort-gqa-unfused",
                         lambda scheme, **geo: GQACacheGraph(scheme, fuse_rotary=False, **geo))
-    monkeypatch.setitem(naming.FLAVOR_LAYOUTS, "ort-gqa-unfused", "buffer")
     scheme = SCHEMES["ort-int8/hp-fp32"]
     static = calibration("qwen2", scheme)
     fused = ProbedSession(_export(tmp_path_factory, "qwen2", scheme, static).directory)

@@ -230,7 +230,7 @@ def _export_locked(model, scheme: KVQuantScheme, out: Path, *, dtype: str, opset
             calibration = {"file": CALIBRATION_NAME, "digest": calibration_digest(static), **provenance}
         manifest = Manifest(
             scheme=scheme, model={**_model_facts(arch, config), "source": source}, flavor=flavor, opset=opset,
-            dtype=dtype,
+            dtype=dtype, layout=cache.layout.name,
             kvq_version=kvq_export.__version__,
             inputs=[{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]},
                     {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "seq"],

@@ -4,7 +4,7 @@ Each layer's attention is one GroupQueryAttention (GQA) node that reads the cach
 codes with static float32 scales (``ort-int8``/``ort-int4`` and any symmetric static scheme), or an
 unquantized fp16/fp32 buffer (``fp16``: the like-for-like baseline). RoPE is fused into the node
 (``do_rotary`` with cos/sin tables of ``max_position_embeddings`` rows), and the cache is the ``buffer``
-layout of :mod:`kvq_export.naming`: one ``[batch, kv_heads, capacity, packed head_dim]`` tensor per
+layout of :mod:`kvq_export.cache_layout`: one ``[batch, kv_heads, capacity, packed head_dim]`` tensor per
 stream, row ``b``'s tokens at ``[0, seq_lengths[b])``. The runtime binds the same buffer as ``past.*``
 input and ``present.*`` output, so the kernel appends in place and no step copies the cache.
 
@@ -66,12 +66,13 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from kvq_export.cache_layout import BUFFER
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.exporter import register_flavor
-from kvq_export.export.kv_graph import name_probes, static_scales
-from kvq_export.naming import PARTS, ROTARY_TABLES, cache_tensors, tensor_name
+from kvq_export.export.kv_graph import LaidOutCache, name_probes, static_scales
+from kvq_export.naming import PARTS, ROTARY_TABLES, tensor_name
 from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
@@ -142,7 +143,7 @@ def gqa_scale(tq: TensorQuant, scales: np.ndarray, kv_heads: int, head_dim: int)
     return "PER_CHANNEL", np.ascontiguousarray(s.reshape(1, kv_heads, 1, head_dim))
 
 
-class GQACacheGraph:
+class GQACacheGraph(LaidOutCache):
     """:class:`~kvq_export.export.decoder.CacheGraph` built on ``com.microsoft.GroupQueryAttention``.
 
     Args:
@@ -153,7 +154,7 @@ class GQACacheGraph:
             the decoder body.
     """
 
-    layout = "buffer"
+    layout = BUFFER
     #: the node's ``softcap`` attribute is Gemma2's attention soft-capping
     supports_attn_softcap = True
 
@@ -206,7 +207,7 @@ class GQACacheGraph:
         """Declare the past buffers; compute GQA's length inputs and the left/right realignment."""
         self.facts = facts
         self.compute_type = facts.dtype
-        for spec in self._specs("past"):
+        for spec in self.cache_specs("past"):
             self.past[spec.name] = b.input(spec.name, DType.get(spec.dtype).ir, spec.shape)
         n0 = self.past[tensor_name("past", None, None, "seq_lengths")]
         mask = b.op("Cast", attention_mask, to=ir.DataType.INT64)
@@ -264,14 +265,10 @@ class GQACacheGraph:
     def end(self, b: GraphBuilder) -> None:
         """Declare the present outputs in manifest order."""
         self.present[tensor_name("present", None, None, "seq_lengths")] = self.n1
-        for spec in self._specs("present"):
+        for spec in self.cache_specs("present"):
             b.output(self.present[spec.name], spec.name, DType.get(spec.dtype).ir, spec.shape)
 
     # -- pieces --------------------------------------------------------------------------------------------
-    def _specs(self, direction: str):
-        return cache_tensors(self.scheme, num_layers=self.num_layers, kv_heads=self.kv_heads,
-                             head_dim=self.head_dim, direction=direction, layout="buffer")
-
     def _rotary_caches(self, b: GraphBuilder, facts, np_type, rope) -> tuple[ir.Value, ir.Value]:
         """cos/sin tables [max_positions, R/2] in the compute dtype (computed in float32, like the body).
 
@@ -294,7 +291,7 @@ class GQACacheGraph:
         """Realign to right padding, run the node on the shared buffers, realign back."""
         f, plan = self.facts, self.plans[layer]
         qr, kr, vr = (b.op("GatherND", x, self.to_right, batch_dims=1) for x in (q, k, v))
-        past = [self.past[tensor_name("past", layer, part, "buffer")] for part in PARTS]
+        past = [self.past[self.layout.buffer_name("past", layer, part)] for part in PARTS]
         scales: list[ir.Value | None] = [None, None]
         attrs = {}
         if plan.bits is not None:
@@ -318,7 +315,7 @@ class GQACacheGraph:
             **attrs,
         )
         for part, value in zip(PARTS, (present_k, present_v)):
-            self.present[tensor_name("present", layer, part, "buffer")] = value
+            self.present[self.layout.buffer_name("present", layer, part)] = value
         return b.op("Where", self.valid, b.op("GatherND", out, self.to_left, batch_dims=1), self.zero)
 
 

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from kvq_export.cache_layout import REGIONS, CacheLayout, RegionSplit
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
-from kvq_export.naming import PARTS, PROBES, cache_tensors, probe_name, tensor_name
+from kvq_export.naming import PARTS, PROBES, CacheTensor, probe_name, tensor_name
 from kvq_export.reference.codec import int_levels
 from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import FP8_E4M3_MAX, KVQuantScheme, TensorQuant
@@ -95,6 +96,29 @@ class StoredStream:
         if self.tq.quantized and self.tq.scales == "dynamic":
             out.update(scales=self.scales, zero_points=self.zeros)
         return {role: value for role, value in out.items() if value is not None}
+
+
+class _SplitOps:
+    """:meth:`RegionSplit.lengths` as ONNX ops on int64 graph values (``Div`` floors non-negative ints)."""
+
+    def __init__(self, b: GraphBuilder) -> None:
+        self.b = b
+
+    def minimum(self, x: ir.Value, bound: int) -> ir.Value:
+        return self.b.op("Min", x, self.b.const(bound))
+
+    def maximum(self, x: ir.Value, bound: int) -> ir.Value:
+        return self.b.op("Max", x, self.b.const(bound))
+
+    def sub(self, x: ir.Value, y: ir.Value | int) -> ir.Value:
+        return self.b.op("Sub", x, y if isinstance(y, ir.Value) else self.b.const(y))
+
+    def floor_to(self, x: ir.Value, unit: int) -> ir.Value:
+        step = self.b.const(unit)
+        return self.b.op("Mul", self.b.op("Div", x, step), step)
+
+    def zero(self, x: ir.Value) -> ir.Value:
+        return self.b.op("Mul", x, self.b.const(0))
 
 
 class _Ops:
@@ -169,7 +193,22 @@ class _Ops:
         return b.op("GatherElements", src, index, axis=2)
 
 
-class QuantizedCacheGraph:
+class LaidOutCache:
+    """What every flavour's cache graph shares: its layout and the tensors that layout puts at the boundary."""
+
+    layout: CacheLayout
+    scheme: KVQuantScheme
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+
+    def cache_specs(self, direction: str) -> list[CacheTensor]:
+        """The cache tensors crossing the graph boundary in ``direction``, as :attr:`layout` names them."""
+        return self.layout.tensors(self.scheme, num_layers=self.num_layers, kv_heads=self.kv_heads,
+                                   head_dim=self.head_dim, direction=direction)
+
+
+class QuantizedCacheGraph(LaidOutCache):
     """:class:`~kvq_export.export.decoder.CacheGraph` for any :class:`KVQuantScheme` (reference flavour).
 
     Args:
@@ -179,6 +218,8 @@ class QuantizedCacheGraph:
             for streams with ``scales="static"`` (numpy arrays).
     """
 
+    #: How the cache crosses the graph boundary.
+    layout = REGIONS
     #: :meth:`_attention` applies ``facts.attn_softcap`` (Gemma2's attention soft-capping).
     supports_attn_softcap = True
 
@@ -213,8 +254,7 @@ class QuantizedCacheGraph:
         """Declare past inputs; compute per-row counts, positions and the attention mask."""
         self.ops, self.facts = _Ops(b), facts
         self.compute_type = DType.get(facts.dtype).ir if isinstance(facts.dtype, str) else facts.dtype
-        for spec in cache_tensors(self.scheme, num_layers=self.num_layers, kv_heads=self.kv_heads,
-                                  head_dim=self.head_dim, direction="past"):
+        for spec in self.cache_specs("past"):
             self.past[spec.name] = b.input(spec.name, DType.get(spec.dtype).ir, spec.shape)
         n0 = self.past[tensor_name("past", None, None, "seq_lengths")]
         mask = b.op("Cast", attention_mask, to=ir.DataType.INT64)
@@ -249,22 +289,13 @@ class QuantizedCacheGraph:
     def end(self, b: GraphBuilder) -> None:
         """Declare the present outputs in manifest order."""
         self.present[tensor_name("present", None, None, "seq_lengths")] = self.n1
-        for spec in cache_tensors(self.scheme, num_layers=self.num_layers, kv_heads=self.kv_heads,
-                                  head_dim=self.head_dim, direction="present"):
+        for spec in self.cache_specs("present"):
             b.output(self.present[spec.name], spec.name, DType.get(spec.dtype).ir, spec.shape)
 
     # -- per-row counts -------------------------------------------------------------------------------
     def _split(self, b: GraphBuilder, tq: TensorQuant, n: ir.Value) -> _Counts:
-        """Graph version of :func:`kvq_export.reference.cache.split_lengths` on a [B] vector."""
-        zero = b.op("Mul", n, b.const(0))
-        if not tq.quantized:
-            return _Counts(zero, zero, n)
-        sinks = b.op("Min", n, b.const(self.scheme.sink_tokens))
-        rest = b.op("Sub", n, sinks)
-        unit = b.const(tq.flush_unit)
-        over = b.op("Max", b.op("Sub", rest, b.const(self.scheme.residual_length)), b.const(0))
-        quantized = b.op("Mul", b.op("Div", over, unit), unit)
-        return _Counts(sinks, quantized, b.op("Sub", rest, quantized))
+        """:class:`RegionSplit` of ``tq`` evaluated in the graph on a [B] int64 vector."""
+        return _Counts(*RegionSplit.of(tq, self.scheme).lengths(n, _SplitOps(b)))
 
     # -- one stream ---------------------------------------------------------------------------------------
     def store(self, b: GraphBuilder, layer: int, part: str, tq: TensorQuant, x: ir.Value) -> StoredStream:

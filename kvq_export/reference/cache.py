@@ -37,13 +37,14 @@ from dataclasses import dataclass
 
 import torch
 
+from kvq_export.cache_layout import REGION_ROLES, RegionSplit
 from kvq_export.dtypes import DType
 from kvq_export.errors import QuantizationError
 from kvq_export.reference.codec import Quantized, check_finite, dequantize_packed, quantize_packed
 from kvq_export.rotation import rotate_torch, rotation_matrix
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
-ROLES = ("sinks", "codes", "scales", "zero_points", "recent")
+ROLES = REGION_ROLES
 #: ``basis=`` values of :meth:`StreamCache.append` / :meth:`StreamCache.dequantized`.
 BASES = ("model", "stored")
 
@@ -51,20 +52,6 @@ BASES = ("model", "stored")
 def _check_basis(basis: str) -> None:
     if basis not in BASES:
         raise QuantizationError(f"invalid basis={basis!r}: allowed: {', '.join(BASES)}")
-
-
-def split_lengths(tq: TensorQuant, scheme: KVQuantScheme, total: int) -> tuple[int, int, int]:
-    """(sinks, quantized, recent) token counts of a stream holding ``total`` tokens.
-
-    The memory model and the cache both use this, so predicted and stored layouts cannot drift.
-    """
-    if not tq.quantized:
-        return 0, 0, total
-    sinks = min(scheme.sink_tokens, total)
-    rest = total - sinks
-    unit = tq.flush_unit
-    quantized = max(0, rest - scheme.residual_length) // unit * unit
-    return sinks, quantized, rest - quantized
 
 
 class StreamCache:
@@ -80,6 +67,7 @@ class StreamCache:
     ) -> None:
         self.tq = tq
         self.scheme = scheme
+        self.split = RegionSplit.of(tq, scheme)
         self.hp_dtype = DType.get(scheme.hp_dtype).torch
         self._static: dict[str, torch.Tensor] = {}
         if tq.quantized and tq.scales == "static":
@@ -172,8 +160,7 @@ class StreamCache:
             self.sinks = torch.cat([self.sinks, x[:, :, :take]], dim=2)
             x = x[:, :, take:]
         recent = torch.cat([self.recent, x], dim=2)
-        unit = self.tq.flush_unit
-        flush = max(0, recent.shape[2] - self.scheme.residual_length) // unit * unit
+        flush = self.split.flush(recent.shape[2])
         if flush:
             self._store(recent[:, :, :flush])
         self.recent = recent[:, :, flush:]

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from kvq_export._lazy import require
+from kvq_export.cache_layout import BUFFER
 from kvq_export.errors import ExportError, RuntimeInputError
 from kvq_export.manifest import MODEL_NAME, Manifest
 from kvq_export.naming import PARTS, tensor_name
@@ -60,11 +61,11 @@ _PREFIX = "genai."
 # -- what can be served ---------------------------------------------------------------------------------------
 def unsupported_reason(manifest: Manifest) -> str | None:
     """Why og cannot serve this export (None when it can)."""
-    if manifest.cache_layout == "buffer":
+    if manifest.cache_layout.shares_buffers:
         return None
-    why = (f"flavour {manifest.flavor} keeps the cache in the {manifest.cache_layout!r} layout (sinks / codes with "
-           "per-call metadata / a high-precision window, each sized per call), but onnxruntime-genai allocates one "
-           "[batch, kv_heads, max_length, head_dim] buffer per layer and stream")
+    why = (f"flavour {manifest.flavor} keeps the cache in the {manifest.cache_layout.name!r} layout (sinks / codes "
+           "with per-call metadata / a high-precision window, each sized per call), but onnxruntime-genai allocates "
+           "one [batch, kv_heads, max_length, head_dim] buffer per layer and stream")
     from kvq_export.export.gqa_flavor import unsupported
 
     reasons = unsupported(manifest.scheme, manifest.num_layers)
@@ -76,8 +77,8 @@ def unsupported_reason(manifest: Manifest) -> str | None:
 
 def _template(direction: str, part: str, num_layers: int) -> str:
     """The printf template og expands per layer, checked against the naming function for every layer."""
-    template = tensor_name(direction, 0, part, "buffer").replace(".0.", ".%d.", 1)
-    if any(template % layer != tensor_name(direction, layer, part, "buffer") for layer in range(num_layers)):
+    template = BUFFER.buffer_name(direction, 0, part).replace(".0.", ".%d.", 1)
+    if any(template % layer != BUFFER.buffer_name(direction, layer, part) for layer in range(num_layers)):
         raise ExportError(f"cache names of {direction} {part} do not follow one per-layer template")
     return template
 

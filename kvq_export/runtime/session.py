@@ -3,11 +3,13 @@
 The cache crosses the graph boundary in its stored form; between steps the runtime only hands the
 ``present.*`` ONNX Runtime values back as ``past.*`` inputs (no copy, no numpy round trip).
 
-Exports in the ``buffer`` layout (``--flavor ort-gqa``) hold one fixed-capacity buffer per stream: the
-session binds the same OrtValue as ``past.*`` input and ``present.*`` output (IO binding), so the kernel
-appends in place and ``step`` returns the *same* buffers, updated; an older cache dict of that session
-shares them (do not branch from it). A step that would overflow the capacity first copies the rows into
-buffers of twice the size (or of the capacity needed).
+How the cache is laid out is the export's :class:`~kvq_export.cache_layout.CacheLayout`; the session asks it
+for empty caches, capacities and which tensors to bind in place. Exports in the ``buffer`` layout
+(``--flavor ort-gqa``) hold one fixed-capacity buffer per stream: the session binds the same OrtValue as
+``past.*`` input and ``present.*`` output (IO binding), so the kernel appends in place and ``step`` returns
+the *same* buffers, updated; an older cache dict of that session shares them (do not branch from it). A step
+that would overflow the capacity first copies the rows into buffers of twice the size (or of the capacity
+needed).
 """
 
 from __future__ import annotations
@@ -31,13 +33,11 @@ from kvq_export.manifest import (
     resolve_inside,
 )
 from kvq_export.manifest import verify_weights as check_weights
-from kvq_export.naming import CAPACITY_AXIS, CacheTensor, present_name, tensor_name
+from kvq_export.naming import CacheTensor, present_name, tensor_name
 from kvq_export.runtime.sampling import Sampler, SamplingConfig
 from kvq_export.scheme import KVQuantScheme
 
 logger = logging.getLogger(__name__)
-
-#: manifest dtype -> (ONNX Runtime type string, numpy dtype used to build values)
 
 CacheState = dict  # past tensor name -> onnxruntime.OrtValue
 #: Tokens per row of a new ``buffer``-layout cache when nothing says how many.
@@ -138,7 +138,6 @@ class KVQSession:
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
             raise RuntimeInputError(f"invalid capacity={capacity!r}: allowed: an integer >= 1")
         self._check_graph()
-        self._outputs = ["logits", *(present_name(t.name) for t in self.past)]
         #: extra graph outputs fetched by every step (validation probes), values left in ``last_extra``
         self.extra_outputs: tuple[str, ...] = ()
         self.last_extra: dict[str, np.ndarray] = {}
@@ -213,17 +212,17 @@ class KVQSession:
     def empty_cache(self, batch: int, *, capacity: int | None = None) -> CacheState:
         """A cache holding no token for ``batch`` sequences (``buffer`` layout: ``capacity`` tokens per row)."""
         size = self._capacity(capacity or self.capacity or DEFAULT_CAPACITY)
-        out = {}
-        for spec in self.past:
-            shape = [batch if d == "batch" else d if isinstance(d, int) else size if d == CAPACITY_AXIS else 0
-                     for d in spec.shape]
-            out[spec.name] = _ort_value(np.zeros(shape, dtype=DType.get(spec.dtype).bits_numpy), spec.dtype)
-        return out
+        return self.cache_from_arrays(self.layout.arrays(self.past, self.manifest.scheme, self.manifest.num_layers,
+                                                         batch, 0, capacity=size))
+
+    def cache_from_arrays(self, arrays: dict[str, np.ndarray]) -> CacheState:
+        """A cache of OrtValues from numpy arrays keyed by past names (fp8 codes as raw uint8 bits)."""
+        return {spec.name: _ort_value(arrays[spec.name], spec.dtype) for spec in self.past}
 
     @property
     def max_capacity(self) -> int | None:
         """Largest ``buffer`` capacity the graph supports (its fused rotary table), None if unbounded."""
-        if self.layout != "buffer":
+        if not self.layout.has_capacity:
             return None
         return int(self.manifest.model.get("max_position_embeddings") or 0) or None
 
@@ -237,24 +236,16 @@ class KVQSession:
         return wanted
 
     def _grow(self, cache: CacheState, need: int) -> CacheState:
-        """Copy a ``buffer`` cache into buffers holding at least ``need`` tokens per row."""
-        buffers = [spec for spec in self.past if spec.role == "buffer"]
-        if not buffers:
-            return cache
-        old = cache[buffers[0].name].shape()[2]
-        if need <= old:
+        """Copy a fixed-capacity cache into buffers holding at least ``need`` tokens per row (else: unchanged)."""
+        old = self.layout.capacity_of({name: value.shape() for name, value in cache.items()})
+        if old is None or need <= old:
             return cache
         top = self.max_capacity
         size = max(need, 2 * old) if top is None else max(min(2 * old, top), need)
         size = self._capacity(size)  # refuses a need beyond the graph's positions
         logger.info("growing the cache buffers from %d to %d tokens per row (one copy)", old, size)
-        out = dict(cache)
-        for spec in buffers:
-            array = cache[spec.name].numpy()
-            grown = np.zeros((*array.shape[:2], size, array.shape[3]), dtype=array.dtype)
-            grown[:, :, :old] = array
-            out[spec.name] = _ort_value(grown, spec.dtype)
-        return out
+        return {spec.name: _ort_value(self.layout.grown(spec, cache[spec.name].numpy(), size), spec.dtype)
+                if self.layout.shared(spec) else cache[spec.name] for spec in self.past}
 
     def cache_nbytes(self, cache: CacheState) -> int:
         """Bytes of the stored cache regions (the per-row ``seq_lengths`` bookkeeping excluded)."""
@@ -281,17 +272,11 @@ class KVQSession:
         mask = self._check_mask(attention_mask, input_ids.shape)
         cache = self.empty_cache(input_ids.shape[0]) if cache is None else cache
         self.check_cache(cache, input_ids.shape[0])
-        if self.layout != "buffer":  # a buffer's capacity check (in _grow) refuses the same before any work
-            self._check_positions(self.seq_lengths(cache).astype(np.int64) + mask.sum(axis=1))
-        if self.layout == "buffer":
-            logits, new = self._step_in_place(input_ids, mask, cache)
-        else:
-            feeds = {"input_ids": _ort_value(input_ids, "int64"), "attention_mask": _ort_value(mask, "int64"),
-                     **cache}
-            outs = self.session.run_with_ort_values(self._outputs + list(self.extra_outputs), feeds)
-            count = len(self._outputs)
-            self.last_extra = {name: value.numpy() for name, value in zip(self.extra_outputs, outs[count:])}
-            logits, new = outs[0].numpy(), {spec.name: value for spec, value in zip(self.past, outs[1:count])}
+        lengths = self.seq_lengths(cache).astype(np.int64)
+        # a fixed capacity grows first (and refuses what its graph cannot hold, naming the capacity)
+        cache = self._grow(cache, int(lengths.max(initial=0)) + input_ids.shape[1])
+        self._check_positions(lengths + mask.sum(axis=1))
+        logits, new = self._run(input_ids, mask, cache)
         self._check_finite(logits, mask, cache)
         return logits, new
 
@@ -357,11 +342,8 @@ class KVQSession:
         raise RuntimeInputError("the graph produced NaN or Inf logits (input and cache are finite): the weights or "
                                 "the calibration scales are broken")
 
-    def _step_in_place(self, input_ids: np.ndarray, mask: np.ndarray,
-                       cache: CacheState) -> tuple[np.ndarray, CacheState]:
-        """One step on a ``buffer`` cache: the same OrtValues are bound as past inputs and present outputs."""
-        need = int(self.seq_lengths(cache).max(initial=0)) + input_ids.shape[1]
-        cache = self._grow(cache, need)
+    def _run(self, input_ids: np.ndarray, mask: np.ndarray, cache: CacheState) -> tuple[np.ndarray, CacheState]:
+        """One graph run through IO binding; tensors the layout shares are bound as past input and present output."""
         binding = self.session.io_binding()
         binding.bind_ortvalue_input("input_ids", _ort_value(input_ids, "int64"))
         binding.bind_ortvalue_input("attention_mask", _ort_value(mask, "int64"))
@@ -369,18 +351,18 @@ class KVQSession:
         names = ["logits"]  # get_outputs() follows the binding order
         for spec in self.past:
             binding.bind_ortvalue_input(spec.name, cache[spec.name])
-            if spec.role == "buffer":  # written in place: past and present are one buffer
+            if self.layout.shared(spec):  # written in place: past and present are one buffer
                 binding.bind_ortvalue_output(present_name(spec.name), cache[spec.name])
             else:
                 binding.bind_output(present_name(spec.name))
             names.append(present_name(spec.name))
-        extra = list(getattr(self, "extra_outputs", ()))
+        extra = list(self.extra_outputs)
         for name in extra:
             binding.bind_output(name)
         self.session.run_with_iobinding(binding)
         values = dict(zip(names + extra, binding.get_outputs()))
         self.last_extra = {name: values[name].numpy() for name in extra}
-        new = {spec.name: cache[spec.name] if spec.role == "buffer" else values[present_name(spec.name)]
+        new = {spec.name: cache[spec.name] if self.layout.shared(spec) else values[present_name(spec.name)]
                for spec in self.past}
         return values["logits"].numpy(), new
 
@@ -452,7 +434,7 @@ class KVQSession:
         for row, toks in enumerate(token_lists):
             ids[row, width - len(toks):] = toks
             mask[row, width - len(toks):] = 1
-        capacity = self.capacity or (width + max_new_tokens if self.layout == "buffer" else None)
+        capacity = self.capacity or self.layout.capacity_for(width + max_new_tokens)
         if capacity is not None and self.max_capacity is not None:
             capacity = min(capacity, self.max_capacity)
         logits, cache = self.step(ids, mask, self.empty_cache(len(token_lists), capacity=capacity))

@@ -8,7 +8,7 @@ optimization profiles over every dynamic axis the manifest names:
 * profile 1, ``decode``: ``seq`` = 1 (optimized for a long held cache).
 
 Cache region lengths range over what the scheme can hold at ``max_context`` tokens
-(:func:`kvq_export.reference.cache.split_lengths`): sinks up to ``sink_tokens``, the recent window up to
+(:class:`kvq_export.cache_layout.RegionSplit`): sinks up to ``sink_tokens``, the recent window up to
 ``residual_length + flush unit - 1``, the quantized region (and its groups) up to the rest.
 
 Nothing here imports TensorRT until :func:`build_engine` runs; without TensorRT it raises a one-line
@@ -39,20 +39,21 @@ _REGION_AXIS = re.compile(r"^past\.(?P<layer>\d+)\.(?P<part>key|value)\.(?P<regi
 
 def _region_bounds(manifest, axis: str, max_context: int) -> tuple[int, int] | None:
     """(largest, typical) length of a cache region axis at ``max_context`` tokens; None if not a region axis."""
-    from kvq_export.reference.cache import split_lengths
+    from kvq_export.cache_layout import RegionSplit
 
     match = _REGION_AXIS.match(axis)
     if match is None:
         return None
     scheme = manifest.scheme
     tq = scheme.for_layer(int(match["layer"]))[0 if match["part"] == "key" else 1]
-    sinks, quantized, recent = split_lengths(tq, scheme, max_context)
+    split = RegionSplit.of(tq, scheme)
+    sinks, quantized, _ = split.lengths(max_context)
     if match["region"] == "sinks":
         return sinks, sinks
     if match["region"] == "recent":
-        largest = recent if not tq.quantized else min(max_context, scheme.residual_length + tq.flush_unit - 1)
+        largest = split.longest_recent(max_context)
         return largest, min(largest, scheme.residual_length)
-    groups = tq.group_size if match["unit"] == "groups" else 1
+    groups = split.unit if match["unit"] == "groups" else 1
     return quantized // groups, quantized // groups // 2
 
 

@@ -8,9 +8,9 @@ or an attribute on its own.
 
 Inputs, in order: the rope-applied query ``q [B, Hq, t, D]`` (compute dtype), the *present*
 ``seq_lengths`` (int64 ``[B]``, this call's tokens included), then for keys and then values the stored
-tensors of :func:`kvq_export.naming.stream_tensors` (``sinks``, ``codes``, ``scales``, ``zero_points``,
-``recent`` — those the stream has), with a static stream's calibrated ``[kv_heads, n]`` scales (and zero
-points) in their place. One output: the attention ``[B, Hq, t, D]`` in the compute dtype.
+tensors of the ``regions`` layout (:data:`kvq_export.cache_layout.REGIONS`: ``sinks``, ``codes``, ``scales``,
+``zero_points``, ``recent`` — those the stream has), with a static stream's calibrated ``[kv_heads, n]`` scales
+(and zero points) in their place. One output: the attention ``[B, Hq, t, D]`` in the compute dtype.
 
 Rotation is outside the contract: for a scheme with rotated streams (:mod:`kvq_export.rotation`) the
 graph hands the plugin q already multiplied by the key stream's ``R`` (after RoPE), the stored tensors hold
@@ -27,8 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvq_export.cache_layout import REGIONS
 from kvq_export.dtypes import DType, onnx_name
-from kvq_export.naming import PARTS, stream_tensors, tensor_name
+from kvq_export.naming import PARTS, tensor_name
 from kvq_export.scheme import KVQuantScheme
 
 PLUGIN_NAMESPACE = "kvq"
@@ -120,8 +121,8 @@ def plugin_signature(
     tags = []
     for part, tq in zip(PARTS, scheme.for_layer(layer)):
         layout = StreamLayout.of(tq, scheme, head_dim)
-        stored = {t.role: t for t in stream_tensors("present", layer, part, tq, scheme, kv_heads=kv_heads,
-                                                     head_dim=head_dim)}
+        stored = {t.role: t for t in REGIONS.stream_tensors("present", layer, part, tq, scheme,
+                                                            kv_heads=kv_heads, head_dim=head_dim)}
         for role in layout.roles:
             if role in stored:
                 inputs.append(PluginInput(f"{part}_{role}", role, part, stored[role].dtype, stored[role].name))

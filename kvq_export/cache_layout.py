@@ -1,0 +1,412 @@
+"""Cache layouts: how a flavour's graphs hold the KV cache across the graph boundary.
+
+A :class:`CacheLayout` owns everything that depends on how the cache is laid out: its tensors (named by
+:func:`kvq_export.naming.tensor_name`), the rules the manifest repeats for other readers, how a runtime
+makes an empty cache, grows it and binds it, how a benchmark fills one with synthetic data, and how the
+stored values are decoded back to floats. Every flavour declares its layout (``layout`` of its cache
+graph); the manifest records the layout's name.
+
+* :data:`REGIONS` (the reference and TensorRT flavours): per stream ``sinks`` / ``codes`` + metadata /
+  ``recent``, every region sized to the longest row with each row's valid entries right-aligned; which
+  entries are valid follows from ``seq_lengths`` alone through :class:`RegionSplit`, so no mask is stored.
+* :data:`BUFFER` (the ``ort-gqa`` flavour): one fixed-capacity tensor per stream, row ``b``'s tokens at
+  positions ``[0, seq_lengths[b])``, bound as past input and present output at once (written in place).
+
+:class:`RegionSplit` is the one place that splits a stream's tokens into sinks, quantized and recent: the
+reference cache, the memory model, the in-graph bookkeeping, the kernels and the TensorRT profiles all
+evaluate it (on ints, numpy arrays, torch tensors or graph values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kvq_export.dtypes import DType, onnx_name
+from kvq_export.errors import RuntimeInputError
+from kvq_export.naming import (
+    CAPACITY_AXIS,
+    DIRECTIONS,
+    PACKING,
+    PACKING_5BIT,
+    PARTS,
+    CacheTensor,
+    region_axis,
+    tensor_name,
+)
+from kvq_export.scheme import KVQuantScheme, TensorQuant
+
+#: Roles of a ``regions`` stream, in token order of the regions they hold (codes and metadata: quantized).
+REGION_ROLES = ("sinks", "codes", "scales", "zero_points", "recent")
+REGION_NAMES = ("sinks", "quantized", "recent")
+
+
+# -- the split rule ------------------------------------------------------------------------------------------
+class _Arithmetic:
+    """:meth:`RegionSplit.lengths` on Python ints, numpy arrays and torch tensors."""
+
+    @staticmethod
+    def minimum(x, bound: int):
+        return min(x, bound) if isinstance(x, int) else x.clip(max=bound)
+
+    @staticmethod
+    def maximum(x, bound: int):
+        return max(x, bound) if isinstance(x, int) else x.clip(min=bound)
+
+    @staticmethod
+    def sub(x, y):
+        return x - y
+
+    @staticmethod
+    def floor_to(x, unit: int):
+        return x // unit * unit
+
+    @staticmethod
+    def zero(x):
+        return x * 0
+
+
+@dataclass(frozen=True)
+class RegionSplit:
+    """How a stream of ``n`` tokens divides into sinks, quantized and recent tokens.
+
+    ``sinks = min(sink_tokens, n)``; the rest enter the recent window, and whatever is older than the
+    ``residual_length`` newest tokens leaves it in whole flush units (1 token, or a channel-axis group)
+    and is quantized. An unquantized stream keeps every token in ``recent``.
+    """
+
+    sink_tokens: int
+    residual_length: int
+    unit: int
+    quantized: bool = True
+
+    #: The same rule in words, for the manifest's readers.
+    RULE: ClassVar[str] = (
+        "sinks = min(sink_tokens, n); rest = n - sinks; quantized = floor(max(0, rest - residual_length) / unit) "
+        "* unit (unit = group_size for channel-axis dynamic streams, else 1); recent = rest - quantized "
+        "(an unquantized stream keeps all n in recent)")
+
+    @classmethod
+    def of(cls, tq: TensorQuant, scheme: KVQuantScheme) -> RegionSplit:
+        """The split of stream ``tq`` of ``scheme``."""
+        return cls(scheme.sink_tokens, scheme.residual_length, tq.flush_unit, tq.quantized)
+
+    def lengths(self, n, ops: Any = _Arithmetic):
+        """(sinks, quantized, recent) for ``n`` tokens (an int, a numpy/torch vector, or a graph value with ``ops``).
+
+        ``ops`` supplies ``minimum``, ``maximum``, ``sub``, ``floor_to`` and ``zero`` (see :class:`_Arithmetic`);
+        the graph exporter passes ONNX-op versions so the graph computes exactly this rule.
+        """
+        if not self.quantized:
+            zero = ops.zero(n)
+            return zero, zero, n
+        sinks = ops.minimum(n, self.sink_tokens)
+        rest = ops.sub(n, sinks)
+        quantized = ops.floor_to(ops.maximum(ops.sub(rest, self.residual_length), 0), self.unit)
+        return sinks, quantized, ops.sub(rest, quantized)
+
+    def flush(self, recent: int) -> int:
+        """Tokens that leave a recent window holding ``recent`` tokens (a multiple of the unit)."""
+        return max(0, recent - self.residual_length) // self.unit * self.unit
+
+    def longest_recent(self, total: int) -> int:
+        """Most tokens the recent window holds at any point of a row growing to ``total`` tokens."""
+        if not self.quantized:
+            return total
+        return min(total, self.residual_length + self.unit - 1)
+
+
+def split_lengths(tq: TensorQuant, scheme: KVQuantScheme, total: int) -> tuple[int, int, int]:
+    """(sinks, quantized, recent) token counts of a stream holding ``total`` tokens."""
+    return RegionSplit.of(tq, scheme).lengths(int(total))
+
+
+# -- synthetic values (a benchmark's cache: shapes matter, values only have to be valid) ---------------------
+def _random_values(spec: CacheTensor, shape: list[int], rng: np.random.Generator) -> np.ndarray:
+    """Valid random contents: codes are random bytes (fp8: finite e4m3 only), values N(0, 0.5), scales small."""
+    if spec.dtype == "float8e4m3fn":
+        magnitude = rng.integers(0, 0x77, shape, dtype=np.uint8)  # below the NaN pattern 0x7F
+        return magnitude | (rng.integers(0, 2, shape, dtype=np.uint8) << 7)
+    if spec.dtype in ("int8", "uint8"):
+        info = np.iinfo(spec.dtype)
+        return rng.integers(info.min, info.max + 1, shape, dtype=spec.dtype)
+    if spec.role == "scales":
+        return rng.uniform(0.005, 0.02, shape).astype(np.float32)
+    return (rng.standard_normal(shape, dtype=np.float32) * 0.5).astype(np.float32)
+
+
+def _quant_facts(tq: TensorQuant, head_dim: int, **extra) -> dict[str, Any]:
+    """The quantization fields a quantized stream's tensors carry in the manifest."""
+    group = tq.token_group(head_dim) if tq.axis == "token" else tq.group_size
+    return {"group_axis": tq.axis, "group_size": group, "format": tq.format, "bits": tq.bits, **extra}
+
+
+# -- layouts -------------------------------------------------------------------------------------------------
+class CacheLayout:
+    """A way of holding the cache across the graph boundary (see the module docstring)."""
+
+    name: ClassVar[str]
+    #: The layout's rules, repeated in every manifest.
+    rules: ClassVar[str]
+    #: One fixed-capacity tensor per stream, shared by past input and present output (written in place).
+    shares_buffers: ClassVar[bool] = False
+    #: Rows hold at most a capacity chosen by the runtime (grown by copying when a step needs more).
+    has_capacity: ClassVar[bool] = False
+
+    def __repr__(self) -> str:
+        return f"CacheLayout({self.name!r})"
+
+    # -- tensors -------------------------------------------------------------------------------------------
+    def stream_tensors(self, direction: str, layer: int, part: str, tq: TensorQuant, scheme: KVQuantScheme, *,
+                       kv_heads: int, head_dim: int) -> list[CacheTensor]:
+        """The tensors of one layer's keys or values."""
+        raise NotImplementedError
+
+    def tensors(self, scheme: KVQuantScheme, *, num_layers: int, kv_heads: int, head_dim: int,
+                direction: str = "past") -> list[CacheTensor]:
+        """Every cache tensor crossing the graph boundary in ``direction`` (``past`` or ``present``).
+
+        Static scales are model constants, not cache state: they live in the graph and the manifest's
+        calibration section, not here.
+        """
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        out = [CacheTensor(tensor_name(direction, None, None, "seq_lengths"), direction, None, None, "seq_lengths",
+                           "int64", ("batch",))]
+        for layer, streams in enumerate(scheme.streams(num_layers)):
+            for part, tq in zip(PARTS, streams):
+                out.extend(self.stream_tensors(direction, layer, part, tq, scheme, kv_heads=kv_heads,
+                                               head_dim=head_dim))
+        return out
+
+    # -- runtime -------------------------------------------------------------------------------------------
+    def axis_sizes(self, scheme: KVQuantScheme, num_layers: int, length: int, capacity: int | None) -> dict[str, int]:
+        """Sizes of the symbolic cache axes (other than ``batch``) when every row holds ``length`` tokens."""
+        raise NotImplementedError
+
+    def arrays(self, specs: list[CacheTensor], scheme: KVQuantScheme, num_layers: int, batch: int, length: int, *,
+               capacity: int | None = None, rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
+        """A cache of ``length`` tokens per row in this layout: zeros, or random valid values with ``rng``.
+
+        ``length=0`` is the empty cache a first step starts from.
+        """
+        sizes = self.axis_sizes(scheme, num_layers, length, capacity)
+        out = {}
+        for spec in specs:
+            shape = [batch if d == "batch" else d if isinstance(d, int) else sizes[d] for d in spec.shape]
+            if spec.role == "seq_lengths":
+                out[spec.name] = np.full(shape, length, np.int64)
+            elif rng is None:
+                out[spec.name] = np.zeros(shape, dtype=DType.get(spec.dtype).bits_numpy)
+            else:
+                out[spec.name] = _random_values(spec, shape, rng)
+        return out
+
+    def capacity_for(self, tokens: int) -> int | None:
+        """Capacity a new cache needs to hold ``tokens`` per row (None: the layout has no capacity)."""
+        return tokens if self.has_capacity else None
+
+    def capacity_of(self, shapes: Mapping[str, tuple[int, ...]]) -> int | None:
+        """Tokens per row a cache with these tensor shapes can hold (None: unbounded)."""
+        return None
+
+    def shared(self, spec: CacheTensor) -> bool:
+        """Whether past tensor ``spec`` is also the present output (bind one buffer to both)."""
+        return False
+
+    def grown(self, spec: CacheTensor, array: np.ndarray, capacity: int) -> np.ndarray:
+        """``array`` (a tensor of ``spec``) re-made to hold ``capacity`` tokens per row, its contents kept."""
+        return array
+
+    # -- decoding ------------------------------------------------------------------------------------------
+    def decode_stream(self, scheme: KVQuantScheme, tq: TensorQuant, arrays: Mapping[str, np.ndarray | None],
+                      row: int, n: int, static_meta: Mapping | None) -> np.ndarray:
+        """Row ``row``'s ``n`` tokens of one stream -> float32 ``[H, n, D]`` in token order (stored basis).
+
+        ``arrays`` maps the stream's roles to their tensors; ``static_meta`` holds a static-scale stream's
+        ``scales`` (and ``zero_points``) ``[H, D]``.
+        """
+        raise NotImplementedError
+
+
+class RegionsLayout(CacheLayout):
+    """Sinks / quantized / recent regions, right-aligned per row (the reference layout)."""
+
+    name = "regions"
+    rules = (
+        "Each row b holds seq_lengths[b] real tokens. Per layer and stream, split them as " + RegionSplit.RULE
+        + ". Every region tensor is sized to the longest row and each "
+        "row's valid entries are right-aligned (padding on the left); channel-axis scales/zero_points count groups "
+        "(quantized / group_size). Token order is sinks, quantized, recent. Feed present.* outputs back as past.* "
+        "inputs unchanged; an empty cache is every region with 0 tokens and seq_lengths = 0."
+    )
+
+    def stream_tensors(self, direction, layer, part, tq, scheme, *, kv_heads, head_dim):
+        hp = onnx_name(scheme.hp_dtype)
+        rows = ("batch", kv_heads)
+
+        def tensor(role, dtype, shape, region, **quant):
+            return CacheTensor(tensor_name(direction, layer, part, role), direction, layer, part, role, dtype,
+                               tuple(shape), region, **quant)
+
+        recent = tensor("recent", hp, (*rows, region_axis(direction, layer, part, "recent"), head_dim), "recent")
+        if not tq.quantized:
+            return [recent]
+        out = [tensor("sinks", hp, (*rows, region_axis(direction, layer, part, "sinks"), head_dim), "sinks")]
+        quant = _quant_facts(tq, head_dim, quantizer=tq.quantizer)
+        tokens = region_axis(direction, layer, part, "quantized")
+        code_type = "float8e4m3fn" if tq.format == "fp8_e4m3" else "uint8"
+        packing = (PACKING_5BIT if tq.bits == 5 else PACKING) if tq.is_int and tq.bits < 8 else None
+        out.append(tensor("codes", code_type, (*rows, tokens, tq.packed_dim(head_dim)), "quantized", packing=packing,
+                          **quant))
+        if tq.scales == "dynamic":
+            kind, entries = tq.metadata_shape(head_dim)
+            length = tokens if kind == "per_token" else region_axis(direction, layer, part, "quantized", "groups")
+            meta_type = onnx_name(tq.scale_dtype)
+            roles = ("scales", "zero_points") if tq.has_zero_point else ("scales",)
+            out += [tensor(role, meta_type, (*rows, length, entries), "quantized", **quant) for role in roles]
+        return [*out, recent]
+
+    def axis_sizes(self, scheme, num_layers, length, capacity):
+        sizes = {}
+        for layer, streams in enumerate(scheme.streams(num_layers)):
+            for part, tq in zip(PARTS, streams):
+                counts = split_lengths(tq, scheme, length)
+                for region, count in zip(REGION_NAMES, counts):
+                    sizes[region_axis("past", layer, part, region)] = count
+                sizes[region_axis("past", layer, part, "quantized", "groups")] = counts[1] // tq.flush_unit
+        return sizes
+
+    def decode_stream(self, scheme, tq, arrays, row, n, static_meta):
+        import torch
+
+        def last(role: str, count: int) -> torch.Tensor:  # the row's right-aligned valid entries
+            array = arrays[role][row]
+            return torch.from_numpy(np.ascontiguousarray(array[:, array.shape[1] - count:]))
+
+        sinks, quantized, recent = split_lengths(tq, scheme, n)
+        pieces = []
+        if tq.quantized:
+            pieces.append(last("sinks", sinks).float())
+            if quantized:
+                pieces.append(_dequantize_region(tq, last, quantized, static_meta))
+        pieces.append(last("recent", recent).float())
+        return torch.cat(pieces, dim=1).numpy()
+
+
+class BufferLayout(CacheLayout):
+    """One fixed-capacity buffer per stream, left-aligned, shared by past and present (ort-gqa)."""
+
+    name = "buffer"
+    shares_buffers = True
+    has_capacity = True
+    #: The role (last name component) of a stream's one tensor.
+    role = "buffer"
+    #: How a buffer holds int_sym codes (ONNX Runtime GroupQueryAttention's convention), by bits.
+    codes = {
+        8: "int8 two's complement q (kvq's stored code is q + 128, i.e. the same byte with its top bit flipped)",
+        4: "uint8, two codes per byte, element 2j in the low nibble and 2j+1 in the high nibble, each stored as "
+           "q + 8 (exactly kvq's packed int_sym codes)",
+    }
+    rules = (
+        "Each row b holds seq_lengths[b] real tokens. Per layer and stream there is one tensor <dir>.<i>.<part>.buffer "
+        "[batch, kv_heads, capacity, packed head_dim]; row b's tokens sit at positions [0, seq_lengths[b]) in token "
+        "order (left-aligned), positions beyond are unspecified. The runtime chooses capacity (dim 2) and binds the "
+        "same buffer as past.* input and present.* output (ONNX Runtime IO binding), so new tokens are written in "
+        "place and nothing is copied per step; a step needs max(seq_lengths) + new tokens <= capacity (grow by "
+        "copying the valid rows into a larger buffer). Without binding, present.* comes back as a copy of "
+        "max(capacity, longest row) positions. Quantized buffers hold symmetric codes with the static scales of the "
+        "calibration file: 8-bit as int8 q, 4-bit as uint8 with two codes per byte (low nibble first) stored as "
+        "q + 8; x = q * scale. An empty cache is seq_lengths = 0 (buffer contents irrelevant)."
+    )
+
+    def buffer_name(self, direction: str, layer: int, part: str) -> str:
+        """``past.3.key.buffer``."""
+        return tensor_name(direction, layer, part, self.role)
+
+    def stream_tensors(self, direction, layer, part, tq, scheme, *, kv_heads, head_dim):
+        name = self.buffer_name(direction, layer, part)
+        shape = ("batch", kv_heads, CAPACITY_AXIS)
+        if not tq.quantized:
+            return [CacheTensor(name, direction, layer, part, self.role, onnx_name(scheme.hp_dtype),
+                                (*shape, head_dim))]
+        dtype = "int8" if tq.bits == 8 else "uint8"
+        return [CacheTensor(name, direction, layer, part, self.role, dtype, (*shape, tq.packed_dim(head_dim)),
+                            packing=self.codes.get(tq.bits), **_quant_facts(tq, head_dim))]
+
+    def axis_sizes(self, scheme, num_layers, length, capacity):
+        return {CAPACITY_AXIS: max(capacity or length, length)}
+
+    def capacity_of(self, shapes):
+        sizes = {shape[2] for name, shape in shapes.items() if name.endswith("." + self.role)}
+        return min(sizes) if sizes else None
+
+    def shared(self, spec: CacheTensor) -> bool:
+        return spec.role == self.role
+
+    def grown(self, spec, array, capacity):
+        if not self.shared(spec):
+            return array
+        out = np.zeros((*array.shape[:2], capacity, *array.shape[3:]), dtype=array.dtype)
+        out[:, :, :array.shape[2]] = array
+        return out
+
+    def decode_stream(self, scheme, tq, arrays, row, n, static_meta):
+        import torch
+
+        stored = np.asarray(arrays[self.role])[row, :, :n]
+        if not tq.quantized:
+            return np.asarray(stored, dtype=np.float32)
+        codes = torch.from_numpy(np.ascontiguousarray(buffer_codes_to_kvq(tq, stored)))
+        return _dequantize_region(tq, lambda role, count: codes, n, static_meta).numpy()
+
+
+def buffer_codes_to_kvq(tq: TensorQuant, stored: np.ndarray) -> np.ndarray:
+    """A ``buffer`` layout's stored codes -> kvq's stored (packed) int_sym codes, uint8.
+
+    8-bit buffers hold int8 ``q``; kvq stores ``q + 128`` (the same byte with its top bit flipped).
+    4-bit buffers already hold kvq's packing (``q + 8`` per nibble, low nibble first).
+    """
+    if tq.bits == 8:
+        return (np.asarray(stored).view(np.uint8) ^ np.uint8(0x80)).astype(np.uint8)
+    return np.asarray(stored, dtype=np.uint8)
+
+
+def _dequantize_region(tq: TensorQuant, last, count: int, static_meta):
+    """One row's quantized region -> float32 [H, count, D] through the reference codec.
+
+    ``last(role, count)`` returns the row's last ``count`` entries of a role as a torch tensor.
+    """
+    import torch
+
+    from kvq_export.reference.codec import Quantized, dequantize_packed
+
+    codes = last("codes", count)
+    if tq.format == "fp8_e4m3" and codes.dtype == torch.uint8:  # raw bits as ONNX Runtime returns them
+        codes = codes.view(torch.float8_e4m3fn)
+    if tq.scales == "static":  # [H, n], shared by every row, stored rounded to scale_dtype
+        sdtype = DType.get(tq.scale_dtype).torch
+        scales = torch.as_tensor(static_meta["scales"]).to(sdtype)
+        zeros = torch.as_tensor(static_meta["zero_points"]).to(sdtype) if tq.has_zero_point else None
+    else:
+        groups = count if tq.axis == "token" else count // tq.group_size
+        scales = last("scales", groups)[None]
+        zeros = last("zero_points", groups)[None] if tq.has_zero_point else None
+    return dequantize_packed(Quantized(codes[None], scales, zeros), tq)[0]
+
+
+REGIONS = RegionsLayout()
+BUFFER = BufferLayout()
+#: Every layout by name (what a manifest's ``layout_name`` may say).
+LAYOUTS: dict[str, CacheLayout] = {layout.name: layout for layout in (REGIONS, BUFFER)}
+
+
+def layout_named(name: str) -> CacheLayout:
+    """The layout a manifest names; an unknown name is refused with the allowed ones."""
+    try:
+        return LAYOUTS[name]
+    except (KeyError, TypeError):
+        raise RuntimeInputError(f"cache layout {name!r} is not supported; allowed: {', '.join(LAYOUTS)}") from None
