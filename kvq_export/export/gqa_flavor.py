@@ -71,7 +71,8 @@ from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.exporter import register_flavor
-from kvq_export.export.kv_graph import LaidOutCache, name_probes, static_scales
+from kvq_export.export.graph_codec import static_scales
+from kvq_export.export.kv_graph import LaidOutCache, name_probes
 from kvq_export.naming import PARTS, ROTARY_TABLES, tensor_name
 from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import KVQuantScheme, TensorQuant
