@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from state_harness import left_pad, teacher_force
 from tiny_models import VOCAB, tiny_model
 
 from kvq_export.cache_layout import buffer_codes_to_kvq
@@ -81,27 +82,13 @@ class Comparison:
     alone: list[np.ndarray] = field(default_factory=list, repr=False)
 
 
-def left_pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Left-padded ids and mask."""
-    width = max(map(len, prompts))
-    ids = np.zeros((len(prompts), width), np.int64)
-    mask = np.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
-    return ids, mask
-
-
 def compare(session: KVQSession, arch: str, scheme, static, prompts, *, steps: int = STEPS,
             capacity: int = 16) -> Comparison:
     """Teacher-force prompts + random tokens through ``session`` and the PyTorch reference cache."""
     model = tiny_model(arch)
     stream = token_stream(prompts, steps)
     ids, mask = left_pad(prompts)
-    logits, cache = session.step(ids, mask, session.empty_cache(len(prompts), capacity=capacity))
-    got = [logits]
-    for tokens in stream:
-        logits, cache = session.step(tokens[:, None], None, cache)
-        got.append(logits)
+    got, cache = teacher_force(session, prompts, stream, session.empty_cache(len(prompts), capacity=capacity))
     arrays = session.cache_arrays(cache)
     decoded = decode_cache(session.manifest, arrays, direction="past", static=static)
     out = Comparison()

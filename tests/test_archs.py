@@ -17,6 +17,7 @@ import onnx
 import pytest
 import torch
 from gqa_harness import PROMPTS, SCHEMES, calibration, compare, sequences
+from state_harness import stored_roles, teacher_force
 from test_export_runtime import _compare_state, _reference_run, _static
 from test_kv_graph import SMALL, run_schedule
 from tiny_models import NEW_ARCHS, VOCAB, loud_model, tiny_model
@@ -107,16 +108,10 @@ REFERENCE_CASES = [("qwen3", "kivi-4"), ("gemma", "int4-sym-g32"), ("gemma2", "k
 
 def _state_identical(arrays, row, ref) -> bool:
     """Whether row ``row``'s stored state equals the reference cache's bit for bit."""
-    for layer, layer_cache in enumerate(ref.layers):
-        for part in ("key", "value"):
-            stream = getattr(layer_cache, part)
-            for role, tensor in stream.tensors().items():
-                if role in ("scales", "zero_points") and stream.tq.scales == "static":
-                    continue
-                want = (tensor[0].view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor[0]).numpy()
-                got = arrays[f"past.{layer}.{part}.{role}"][row]
-                if not np.array_equal(got[:, got.shape[1] - want.shape[1]:].view(want.dtype), want):
-                    return False
+    for *_, tensor, got in stored_roles(arrays, row, ref):
+        want = (tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor).numpy()
+        if not np.array_equal(got.view(want.dtype), want):
+            return False
     return True
 
 
@@ -160,14 +155,7 @@ def test_reference_flavour_equals_the_reference_cache(tmp_path, arch, name):
     prompts = [[11, 12, 13, 14, 15], [60, 61, 2, 9, 100, 4, 4, 7, 1]]
     stream = np.random.default_rng(2).integers(0, VOCAB, (2 * 8 + scheme.residual_length + 4, len(prompts)))
     width = max(map(len, prompts))
-    ids, mask = np.zeros((2, width), np.int64), np.zeros((2, width), np.int64)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
-    logits, cache = session.step(ids, mask)
-    got = [logits]
-    for tokens in stream:
-        logits, cache = session.step(tokens[:, None], None, cache)
-        got.append(logits)
+    got, cache = teacher_force(session, prompts, stream)
     arrays = session.cache_arrays(cache)
     decoded = decode_cache(session.manifest, arrays, direction="past", static=static)
     worst, scale, identical = 0.0, 0.0, True

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from state_harness import stored_roles, teacher_force
 from tiny_models import ARCHS, VOCAB, fit_head_dim, tiny_model
 
 from kvq_export.calibrate import calibrate_static_scales, static_to_torch
@@ -73,36 +74,28 @@ def _reference_run(model, scheme, static, prompt, stream):
 def _compare_state(arrays, row, ref, scheme, static):
     """Row's right-aligned valid entries vs the reference cache (tolerances in the module docstring)."""
     code_mismatch = code_total = 0
-    for layer, layer_cache in enumerate(ref.layers):
-        for part in ("key", "value"):
-            stream = getattr(layer_cache, part)
-            for role, tensor in stream.tensors().items():
-                if role in ("scales", "zero_points") and stream.tq.scales == "static":
-                    continue
-                want = tensor[0]
-                got = arrays[f"past.{layer}.{part}.{role}"][row]
-                got = got[:, got.shape[1] - want.shape[1]:]
-                if role == "codes" and stream.tq.is_int:
-                    from kvq_export.reference.codec import unpack
+    for layer, part, stream, role, want, got in stored_roles(arrays, row, ref):
+        if role == "codes" and stream.tq.is_int:
+            from kvq_export.reference.codec import unpack
 
-                    a = unpack(torch.from_numpy(got), stream.tq.bits).numpy().astype(int)
-                    b = unpack(want, stream.tq.bits).numpy().astype(int)
-                    assert np.abs(a - b).max(initial=0) <= 1, (layer, part)
-                    code_mismatch += int((a != b).sum())
-                    code_total += a.size
-                else:
-                    w = (want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want)
-                    w = w.numpy()
-                    if got.dtype == np.uint8:  # fp8 codes: compare as values, one e4m3 step apart at most
-                        import ml_dtypes
+            a = unpack(torch.from_numpy(got), stream.tq.bits).numpy().astype(int)
+            b = unpack(want, stream.tq.bits).numpy().astype(int)
+            assert np.abs(a - b).max(initial=0) <= 1, (layer, part)
+            code_mismatch += int((a != b).sum())
+            code_total += a.size
+        else:
+            w = (want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want)
+            w = w.numpy()
+            if got.dtype == np.uint8:  # fp8 codes: compare as values, one e4m3 step apart at most
+                import ml_dtypes
 
-                        g32 = got.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-                        w32 = w.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-                        assert np.allclose(g32, w32, rtol=2**-3, atol=2**-9), (layer, part, role)
-                    else:
-                        w32 = w.astype(np.float32)
-                        atol = 2**-12 * float(np.abs(w32).max(initial=0))  # upstream fp32 noise, absolute
-                        assert np.allclose(got.astype(np.float32), w32, rtol=2**-10, atol=atol), (layer, part, role)
+                g32 = got.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+                w32 = w.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+                assert np.allclose(g32, w32, rtol=2**-3, atol=2**-9), (layer, part, role)
+            else:
+                w32 = w.astype(np.float32)
+                atol = 2**-12 * float(np.abs(w32).max(initial=0))  # upstream fp32 noise, absolute
+                assert np.allclose(got.astype(np.float32), w32, rtol=2**-10, atol=atol), (layer, part, role)
     assert code_mismatch <= max(1, code_total // 1000), (code_mismatch, code_total)
     return code_mismatch
 
@@ -117,17 +110,7 @@ def _check_case(exports, arch, preset, batch):
     stream = rng.integers(0, VOCAB, (_steps(scheme), len(prompts)))
 
     width = max(map(len, prompts))
-    ids = np.zeros((len(prompts), width), np.int64)
-    mask = np.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
-    onnx_logits = [session.step(ids, mask)]
-    cache = onnx_logits[0][1]
-    onnx_logits[0] = onnx_logits[0][0]
-    for tokens in stream:
-        logits, cache = session.step(tokens[:, None], None, cache)
-        onnx_logits.append(logits)
-
+    onnx_logits, cache = teacher_force(session, prompts, stream)
     arrays = session.cache_arrays(cache)
     decoded = decode_cache(session.manifest, arrays, direction="past", static=static)
     worst, scale, flipped = 0.0, 0.0, 0

@@ -159,30 +159,17 @@ class GQACacheGraph(LaidOutCache):
     #: the node's ``softcap`` attribute is Gemma2's attention soft-capping
     supports_attn_softcap = True
 
-    def __init__(
-        self,
-        scheme: KVQuantScheme,
-        *,
-        num_layers: int,
-        kv_heads: int,
-        head_dim: int,
-        static: Mapping[int, Mapping[str, Mapping[str, np.ndarray]]] | None = None,
-        fuse_rotary: bool = True,
-    ) -> None:
-        scheme.check_model(num_layers, head_dim)
-        reasons = unsupported(scheme, num_layers)
+    def __init__(self, scheme: KVQuantScheme, *, fuse_rotary: bool = True, **geometry) -> None:
+        super().__init__(scheme, **geometry)
+        reasons = unsupported(scheme, self.num_layers)
         if reasons:
             raise ExportError(f"flavor ort-gqa cannot hold scheme {scheme.name or 'custom'}: " + "; ".join(reasons))
-        self.scheme = scheme
-        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        if fuse_rotary and rotates_keys(scheme, num_layers):
+        if fuse_rotary and rotates_keys(scheme, self.num_layers):
             raise ExportError("ort-gqa: rotated keys are rotated after RoPE, so RoPE cannot be fused into "
                               "GroupQueryAttention (use fuse_rotary=False)")
         self.fuses_rotary = fuse_rotary
-        self.plans = [self._plan(layer, key, value, static or {})
-                      for layer, (key, value) in enumerate(scheme.streams(num_layers))]
-        self.past: dict[str, ir.Value] = {}
-        self.present: dict[str, ir.Value] = {}
+        self.plans = [self._plan(layer, key, value, self.static)
+                      for layer, (key, value) in enumerate(scheme.streams(self.num_layers))]
 
     def _plan(self, layer: int, key: TensorQuant, value: TensorQuant, static: Mapping) -> LayerPlan:
         if not key.quantized:

@@ -175,13 +175,26 @@ class _Ops:
 
 
 class LaidOutCache:
-    """What every flavour's cache graph shares: its layout and the tensors that layout puts at the boundary."""
+    """What every flavour's cache graph shares: its layout and the tensors that layout puts at the boundary.
 
+    Args:
+        scheme: the cache description.
+        num_layers, kv_heads, head_dim: the model's cache geometry.
+        static: calibrated static scales ``{layer: {"key"|"value": {"scales": [H, n], "zero_points": ...}}}``
+            for streams with ``scales="static"`` (numpy arrays).
+    """
+
+    #: How the cache crosses the graph boundary (each flavour's graph class sets its own).
     layout: CacheLayout
-    scheme: KVQuantScheme
-    num_layers: int
-    kv_heads: int
-    head_dim: int
+
+    def __init__(self, scheme: KVQuantScheme, *, num_layers: int, kv_heads: int, head_dim: int,
+                 static: Mapping[int, Mapping[str, Mapping[str, np.ndarray]]] | None = None) -> None:
+        scheme.check_model(num_layers, head_dim)
+        self.scheme = scheme
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.static = static or {}
+        self.past: dict[str, ir.Value] = {}
+        self.present: dict[str, ir.Value] = {}
 
     def cache_specs(self, direction: str) -> list[CacheTensor]:
         """The cache tensors crossing the graph boundary in ``direction``, as :attr:`layout` names them."""
@@ -204,27 +217,14 @@ class QuantizedCacheGraph(LaidOutCache):
     #: its attention applies ``facts.attn_softcap`` (Gemma2's attention soft-capping).
     supports_attn_softcap = True
 
-    def __init__(
-        self,
-        scheme: KVQuantScheme,
-        *,
-        num_layers: int,
-        kv_heads: int,
-        head_dim: int,
-        static: Mapping[int, Mapping[str, Mapping[str, np.ndarray]]] | None = None,
-    ) -> None:
-        scheme.check_model(num_layers, head_dim)
-        self.scheme = scheme
-        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        self.static = static or {}
-        for layer, streams in enumerate(scheme.streams(num_layers)):
+    def __init__(self, scheme: KVQuantScheme, **geometry) -> None:
+        super().__init__(scheme, **geometry)
+        for layer, streams in enumerate(scheme.streams(self.num_layers)):
             for part, tq in zip(PARTS, streams):
                 if tq.quantized and tq.scales == "static":
                     static_scales(self.static, layer, part)
         self.hp_type = DType.get(scheme.hp_dtype).ir
-        self.past: dict[str, ir.Value] = {}
-        self.present: dict[str, ir.Value] = {}
-        self.codec = GraphCodec(head_dim=head_dim, kv_heads=kv_heads, static=self.static)
+        self.codec = GraphCodec(head_dim=self.head_dim, kv_heads=self.kv_heads, static=self.static)
 
     # -- CacheGraph protocol --------------------------------------------------------------------------
     def rotation(self, layer: int, part: str) -> np.ndarray | None:
