@@ -131,9 +131,8 @@ def test_right_padded_rows_give_the_left_padded_result(exports):
         right[row, :len(toks)] = toks
     logits_l, cache_l = session.step(left, (left > 0).astype(np.int64), session.empty_cache(3, capacity=32))
     # KVQSession.step takes kvq's documented left padding only; onnxruntime-genai feeds right padding to the same
-    # graph, so the right-padded batch goes through the session's in-place graph step directly
-    logits_r, cache_r = session._step_in_place(right, (right > 0).astype(np.int64),
-                                               session.empty_cache(3, capacity=32))
+    # graph, so the right-padded batch goes through the session's graph run (IO binding, in place) directly
+    logits_r, cache_r = session._run(right, (right > 0).astype(np.int64), session.empty_cache(3, capacity=32))
     for row, toks in enumerate(prompts):
         n = len(toks)
         np.testing.assert_allclose(logits_r[row, :n], logits_l[row, width - n:], atol=1e-5)
