@@ -114,7 +114,7 @@ def _timed_generate(session, prompt: str, max_new_tokens: int, sampling: Samplin
 def run_demo(model_spec: str, prompt: str, max_new_tokens: int, workdir: str | os.PathLike[str] | None = None,
              sampling: SamplingConfig = DEMO_SAMPLING, runs: tuple[DemoRun, ...] = DEMO_RUNS) -> list[DemoRow]:
     """Export (or reuse) each of ``runs`` and generate from ``prompt``; the first run is the baseline."""
-    from kvq_export.memory import Geometry, predict
+    from kvq_export.memory import predict
     from kvq_export.model_source import cache_root
     from kvq_export.runtime.genai import RUNTIME, serve_command
     from kvq_export.runtime.session import KVQSession
@@ -131,10 +131,7 @@ def run_demo(model_spec: str, prompt: str, max_new_tokens: int, workdir: str | o
         tokens = base.tokens if base else result.tokens
         agree = next((i for i, (a, b) in enumerate(zip(tokens, result.tokens)) if a != b),
                      min(len(tokens), len(result.tokens)))
-        held = predict(session.manifest.scheme, Geometry(session.manifest.num_layers,
-                                                         int(session.manifest.model["num_kv_heads"]),
-                                                         int(session.manifest.model["head_dim"])),
-                       len(result.prompt_tokens) + len(result.tokens))
+        held = predict(session.manifest.scheme, session.manifest.model, len(result.prompt_tokens) + len(result.tokens))
         genai = session.manifest.runtimes.get(RUNTIME) or {}
         first_sentence = prompt.split(". ")[0].rstrip(".") + "."
         serve = (serve_command(directory, first_sentence, len(result.prompt_tokens) + max_new_tokens)

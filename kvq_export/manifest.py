@@ -22,6 +22,8 @@ import numpy as np
 from kvq_export._atomic import atomic_write
 from kvq_export.cache_layout import REGIONS, CacheLayout, layout_named
 from kvq_export.errors import KVQError, RuntimeInputError
+from kvq_export.model_facts import ModelFacts
+from kvq_export.model_facts import json_field as _get
 from kvq_export.naming import PARTS, CacheTensor, tensor_name
 from kvq_export.scheme import KVQuantScheme
 
@@ -37,10 +39,6 @@ WEIGHT_FILES = (MODEL_NAME, MODEL_NAME + ".data", "model.genai.onnx")
 GRAPH_SCHEME_KEY = "kvq.scheme"
 #: Compute dtypes an export can have.
 COMPUTE_DTYPES = ("fp32", "fp16")
-#: Model facts every reader relies on: positive integers.
-_MODEL_INTS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_position_embeddings")
-#: Upper bounds of the structural facts: a mistyped huge value must not make a loader build millions of names.
-_MODEL_INT_MAX = {"num_layers": 4096, "num_heads": 4096, "num_kv_heads": 4096, "head_dim": 65536}
 
 #: How a rotated stream (``rotation`` of a scheme stream) is stored and decoded; repeated in every manifest.
 ROTATION_RULES = (
@@ -62,7 +60,7 @@ class Manifest:
     """The parsed ``kvq.json`` of one export directory."""
 
     scheme: KVQuantScheme
-    model: dict[str, Any]
+    model: ModelFacts
     flavor: str
     opset: int
     dtype: str
@@ -82,7 +80,7 @@ class Manifest:
     @property
     def num_layers(self) -> int:
         """Decoder layers."""
-        return int(self.model["num_layers"])
+        return self.model.num_layers
 
     @property
     def cache_layout(self) -> CacheLayout:
@@ -91,9 +89,8 @@ class Manifest:
 
     def cache(self, direction: str = "past") -> list[CacheTensor]:
         """Cache tensors for ``direction`` (recomputed from the scheme: the single naming function)."""
-        return self.cache_layout.tensors(self.scheme, num_layers=self.num_layers,
-                                         kv_heads=int(self.model["num_kv_heads"]), head_dim=int(self.model["head_dim"]),
-                                         direction=direction)
+        return self.cache_layout.tensors(self.scheme, num_layers=self.num_layers, kv_heads=self.model.num_kv_heads,
+                                         head_dim=self.model.head_dim, direction=direction)
 
     # -- (de)serialisation ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -104,7 +101,7 @@ class Manifest:
             "flavor": self.flavor,
             "opset": self.opset,
             "dtype": self.dtype,
-            "model": self.model,
+            "model": self.model.to_dict(),
             "scheme": self.scheme.to_dict(),
             "tokenizer": self.tokenizer,
             "calibration": self.calibration,
@@ -126,7 +123,7 @@ class Manifest:
         """Per layer with any rotated stream: the matrix each stream is stored with (empty: none rotated)."""
         from kvq_export.rotation import describe_rotation
 
-        head_dim = int(self.model["head_dim"])
+        head_dim = self.model.head_dim
         return [{"layer": layer, "key": describe_rotation(key.rotation, head_dim),
                  "value": describe_rotation(value.rotation, head_dim)}
                 for layer, (key, value) in enumerate(self.scheme.streams(self.num_layers))
@@ -156,12 +153,7 @@ class Manifest:
         version = _get(data, "format_version", int)
         if version != FORMAT_VERSION:
             raise RuntimeInputError(f"format_version {version} is not supported (expected {FORMAT_VERSION})")
-        model = _get(data, "model", dict)
-        for name in _MODEL_INTS:
-            value = _get(model, name, int, where="model.")
-            if not 1 <= value <= _MODEL_INT_MAX.get(name, 2**40):
-                raise RuntimeInputError(f"field 'model.{name}' is {value}; allowed: 1 .. "
-                                        f"{_MODEL_INT_MAX.get(name, 2**40)}")
+        model = ModelFacts.from_dict(_get(data, "model", dict))
         dtype = _get(data, "dtype", str)
         if dtype not in COMPUTE_DTYPES:
             raise RuntimeInputError(f"field 'dtype' is {dtype!r}; allowed: {', '.join(COMPUTE_DTYPES)}")
@@ -177,9 +169,9 @@ class Manifest:
             _get(entry, "sha256", str, where=f"weights.{name}.")
             _get(entry, "bytes", int, where=f"weights.{name}.")
         scheme = KVQuantScheme.from_dict(_get(data, "scheme", dict))
-        scheme.check_model(int(model["num_layers"]), int(model["head_dim"]))
+        scheme.check_model(model.num_layers, model.head_dim)
         manifest = cls(
-            scheme=scheme, model=dict(model), flavor=_get(data, "flavor", str), opset=_get(data, "opset", int),
+            scheme=scheme, model=model, flavor=_get(data, "flavor", str), opset=_get(data, "opset", int),
             dtype=dtype, kvq_version=_get(data, "kvq_version", str), inputs=_list_of_objects(data, "inputs"),
             outputs=_list_of_objects(data, "outputs"), tokenizer=dict(_get(data, "tokenizer", dict, optional=True)
                                                                       or {}),
@@ -216,19 +208,6 @@ class Manifest:
         manifest = cls.from_dict(data)
         check_export_files(directory, manifest)
         return manifest
-
-
-def _get(data: Mapping[str, Any], name: str, kind: type, *, optional: bool = False, where: str = "") -> Any:
-    """``data[name]`` if it has type ``kind`` (bool is not an int); a missing optional field is None."""
-    if name not in data or (optional and data[name] is None):
-        if optional:
-            return None
-        raise RuntimeInputError(f"missing the field {where + name!r}")
-    value = data[name]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        label = {int: "an integer", str: "a string", dict: "an object", list: "a list"}.get(kind, kind.__name__)
-        raise RuntimeInputError(f"field {where + name!r} must be {label}, got {type(value).__name__}")
-    return value
 
 
 def _list_of_objects(data: Mapping[str, Any], name: str, where: str = "") -> list[dict[str, Any]]:
@@ -340,7 +319,7 @@ def decode_cache(
 
     from kvq_export.rotation import rotate_torch, rotation_matrix
 
-    head_dim = int(manifest.model["head_dim"])
+    head_dim = manifest.model.head_dim
     for layer, streams in enumerate(manifest.scheme.streams(manifest.num_layers)):
         matrices = [rotation_matrix(tq.rotation, head_dim) for tq in streams]
         for row in rows:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Literal
 
 from kvq_export._atomic import dir_mode
 from kvq_export.errors import ModelError
+from kvq_export.model_facts import ModelFacts
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -63,22 +64,6 @@ class ModelSource:
 
     kind: Literal["hf_dir", "gguf"]
     path: Path  # the directory, or the .gguf file
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """The architecture numbers kvq needs, read from a Llama-family config."""
-
-    model_type: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
 
 
 def resolve_spec(spec: str | os.PathLike[str]) -> ModelSource:
@@ -253,31 +238,5 @@ def write_dir_atomically(target: Path, write: Callable[[Path], None]) -> None:
 
 
 def model_facts(config: PretrainedConfig) -> ModelFacts:
-    """Read the numbers kvq needs from a Llama-family config (transformers 4 or 5 layout)."""
-    missing = [
-        name
-        for name in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size")
-        if getattr(config, name, None) is None
-    ]
-    if missing:
-        raise ModelError(f"config of type {config.model_type!r} lacks {', '.join(missing)}")
-    num_heads = int(config.num_attention_heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    rope = getattr(config, "rope_parameters", None) or {}
-    if isinstance(rope.get("full_attention"), dict):  # per-layer-type RoPE (Gemma3): the global layers' base
-        rope = rope["full_attention"]
-    rope_theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
-    if rope_theta is None:
-        raise ModelError(f"config of type {config.model_type!r} has no rope_theta (not a RoPE model?)")
-    return ModelFacts(
-        model_type=config.model_type,
-        num_layers=int(config.num_hidden_layers),
-        num_heads=num_heads,
-        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
-        head_dim=int(head_dim),
-        hidden_size=int(config.hidden_size),
-        vocab_size=int(config.vocab_size),
-        rope_theta=float(rope_theta),
-        max_position_embeddings=int(config.max_position_embeddings),
-        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-    )
+    """The facts kvq reads from ``config`` (see :meth:`ModelFacts.from_config`; the same object as ``kvq.json``'s)."""
+    return ModelFacts.from_config(config)

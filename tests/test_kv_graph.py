@@ -78,8 +78,13 @@ def _check_state(arrays: dict, refs: list[LayerCache], scheme):
 def _check_manifest_decoder(scheme, arrays, refs, static, kv_heads, dim):
     """decode_cache, reading only the manifest, rebuilds exactly what the reference attends to."""
     from kvq_export.manifest import Manifest, decode_cache
+    from kvq_export.model_facts import ModelFacts, RopeFacts
 
-    manifest = Manifest(scheme=scheme, model={"num_layers": 1, "num_kv_heads": kv_heads, "head_dim": dim},
+    model = ModelFacts(model_type="llama", num_layers=1, num_heads=kv_heads, num_kv_heads=kv_heads, head_dim=dim,
+                       hidden_size=kv_heads * dim, vocab_size=128, max_position_embeddings=1024,
+                       tie_word_embeddings=False, scaling=dim**-0.5, sliding_windows=(None,),
+                       rope=RopeFacts("default", 1.0, {"rope_theta": 10000.0}))
+    manifest = Manifest(scheme=scheme, model=model,
                         flavor="reference", opset=23, dtype="fp32", kvq_version="test", inputs=[], outputs=[])
     decoded = decode_cache(manifest, arrays, direction="past", static=static)
     for row, ref in enumerate(refs):

@@ -124,8 +124,8 @@ def test_plugin_nodes_match_the_declared_signature(exported, case):
             assert kind == {int: onnx.AttributeProto.INT, float: onnx.AttributeProto.FLOAT,
                             str: onnx.AttributeProto.STRING}[type(value)], key
         assert attrs["plugin_namespace"] == b"kvq" and attrs["aot"] == 1
-        assert attrs["window"] == (manifest.model["sliding_windows"][layer] or 0)
-        key_layout, value_layout = StreamLayout.for_layer(manifest.scheme, layer, int(manifest.model["head_dim"]))
+        assert attrs["window"] == (manifest.model.sliding_windows[layer] or 0)
+        key_layout, value_layout = StreamLayout.for_layer(manifest.scheme, layer, manifest.model.head_dim)
         assert StreamLayout.from_attributes("key", want) == dataclasses.replace(key_layout, clip=1.0)
         assert StreamLayout.from_attributes("value", want) == dataclasses.replace(value_layout, clip=1.0)
 

@@ -42,7 +42,7 @@ def profile_export(directory: str | os.PathLike[str], *, context: int, batch: in
         raise SystemExit(f"context {context} is shorter than warmup + 1 + steps = {warmup + 1 + steps}")
     cache = synthetic_cache(session, batch, filled, capacity=context, seed=seed)
     rng = np.random.default_rng(seed)
-    vocab = int(session.manifest.model["vocab_size"])
+    vocab = session.manifest.model.vocab_size
     for _ in range(warmup):
         _, cache = session.step(rng.integers(0, vocab, (batch, 1)), None, cache)
     with tempfile.TemporaryDirectory(prefix="kvq-profile-") as tmp:

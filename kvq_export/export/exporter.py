@@ -41,6 +41,7 @@ from kvq_export.manifest import (
     verify_weights,
     weight_checksums,
 )
+from kvq_export.model_facts import ModelFacts
 from kvq_export.scheme import KVQuantScheme
 
 logger = logging.getLogger(__name__)
@@ -94,29 +95,6 @@ def get_flavor(name: str) -> FlavorFactory:
     if name not in FLAVORS:
         raise ExportError(f"unknown flavor {name!r}; allowed: {', '.join(flavor_names())}")
     return FLAVORS[name]
-
-
-def _model_facts(arch, config) -> dict[str, Any]:
-    rope = arch.rope()
-    return {
-        "model_type": arch.model_type,
-        "num_layers": arch.num_layers,
-        "num_heads": arch.num_heads,
-        "num_kv_heads": arch.num_kv_heads,
-        "head_dim": arch.head_dim,
-        "hidden_size": arch.hidden_size,
-        "vocab_size": arch.vocab_size,
-        "max_position_embeddings": arch.max_positions,
-        "tie_word_embeddings": arch.tie_word_embeddings,
-        "scaling": float(arch.scaling),
-        "sliding_windows": [arch.layer_window(i) for i in range(arch.num_layers)],
-        "rope": {"type": rope.rope_type, "attention_scaling": float(rope.attention_scaling),
-                 "parameters": {k: v for k, v in arch.rope_parameters().items() if _jsonable(v)}},
-    }
-
-
-def _jsonable(value: Any) -> bool:
-    return isinstance(value, (int, float, str, bool, type(None), list, dict))
 
 
 def _tokenizer_facts(tokenizer, config) -> dict[str, Any]:
@@ -229,7 +207,7 @@ def _export_locked(model, scheme: KVQuantScheme, out: Path, *, dtype: str, opset
             save_calibration(static, tmp / CALIBRATION_NAME)
             calibration = {"file": CALIBRATION_NAME, "digest": calibration_digest(static), **provenance}
         manifest = Manifest(
-            scheme=scheme, model={**_model_facts(arch, config), "source": source}, flavor=flavor, opset=opset,
+            scheme=scheme, model=ModelFacts.from_config(config, arch, source=source), flavor=flavor, opset=opset,
             dtype=dtype, layout=cache.layout.name,
             kvq_version=kvq_export.__version__,
             inputs=[{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]},

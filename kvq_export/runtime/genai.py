@@ -92,25 +92,23 @@ def genai_config(manifest: Manifest, *, filename: str = GENAI_MODEL) -> dict[str
     pad = tokenizer.get("pad_token_id")
     pad = int(pad) if pad is not None else (eos_ids[0] if eos_ids else 0)
     bos = tokenizer.get("bos_token_id")
-    context = int(model.get("max_position_embeddings") or 0)
-    if not context:
-        raise ExportError("onnxruntime-genai needs the model's max_position_embeddings (the buffer capacity bound)")
-    kind = model.get("model_type")
+    context = model.max_position_embeddings
+    kind = model.model_type
     return {
         "model": {
             "type": kind if kind in GENAI_TYPES else "llama",
             "bos_token_id": int(bos) if bos is not None else pad,
             "eos_token_id": eos_ids,
             "pad_token_id": pad,
-            "vocab_size": int(model["vocab_size"]),
+            "vocab_size": model.vocab_size,
             "context_length": context,
             "decoder": {
                 "filename": filename,
                 "session_options": {"log_id": "kvq", "provider_options": []},
-                "head_size": int(model["head_dim"]),
-                "hidden_size": int(model["hidden_size"]),
-                "num_attention_heads": int(model["num_heads"]),
-                "num_key_value_heads": int(model["num_kv_heads"]),
+                "head_size": model.head_dim,
+                "hidden_size": model.hidden_size,
+                "num_attention_heads": model.num_heads,
+                "num_key_value_heads": model.num_kv_heads,
                 "num_hidden_layers": layers,
                 "inputs": {
                     "input_ids": "input_ids",

@@ -224,7 +224,7 @@ class KVQSession:
         """Largest ``buffer`` capacity the graph supports (its fused rotary table), None if unbounded."""
         if not self.layout.has_capacity:
             return None
-        return int(self.manifest.model.get("max_position_embeddings") or 0) or None
+        return self.manifest.model.max_position_embeddings
 
     def _capacity(self, wanted: int) -> int:
         """``wanted`` if the graph supports it (capped at :attr:`max_capacity` for generous defaults)."""
@@ -288,7 +288,7 @@ class KVQSession:
             raise RuntimeInputError(f"input_ids: expected shape [batch >= 1, seq >= 1], got {list(raw.shape)}")
         if raw.dtype.kind not in "iu":
             raise RuntimeInputError(f"input_ids: expected integer token ids, got dtype {raw.dtype}")
-        vocab = int(self.manifest.model["vocab_size"])
+        vocab = self.manifest.model.vocab_size
         if raw.min() < 0 or raw.max() >= vocab:
             bad = (raw < 0) | (raw >= vocab)
             row, col = (int(i) for i in np.argwhere(bad)[0])
@@ -317,7 +317,7 @@ class KVQSession:
     @property
     def max_positions(self) -> int:
         """Tokens a row can hold: the model's positions (also the ``buffer`` layout's rotary table)."""
-        return int(self.manifest.model["max_position_embeddings"])
+        return self.manifest.model.max_position_embeddings
 
     def _check_positions(self, totals: np.ndarray, *, what: str = "this step") -> None:
         """Refuse, before running, a row that would hold more tokens than the model has positions."""

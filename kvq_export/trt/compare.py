@@ -100,7 +100,7 @@ def _reference_export(export_dir: Path, workdir: Path) -> Path:
     from kvq_export.manifest import Manifest, load_static
 
     manifest = Manifest.load(export_dir)
-    source = manifest.model.get("source")
+    source = manifest.model.source
     if not source:
         raise ExportError(f"{export_dir} does not record its model source; pass the reference export directory")
     return export(source, manifest.scheme, workdir / "reference", dtype=manifest.dtype, opset=manifest.opset,
@@ -143,8 +143,7 @@ def compare_with_onnxruntime(
     manifest = Manifest.load(export_dir)
     with tempfile.TemporaryDirectory(prefix="kvq-compare-") as work:
         reference = Path(reference_dir) if reference_dir else _reference_export(export_dir, Path(work))
-        feeds = compare_feeds(int(manifest.model["vocab_size"]), prompt_len=prompt_len, batch=batch, steps=steps,
-                              seed=seed)
+        feeds = compare_feeds(manifest.model.vocab_size, prompt_len=prompt_len, batch=batch, steps=steps, seed=seed)
         runners = [kvq_runner_class()(reference, name=f"onnxrt:{reference.name}"),
                    _trt_runner_class()(export_dir, engine)]
         results = Comparator.run(runners, data_loader=feeds)

@@ -23,7 +23,6 @@ The plugin name says which inputs there are: ``kvq_attention_{key}_{value}`` wit
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,10 +136,8 @@ def plugin_signature(
 
 def manifest_signatures(manifest) -> list[PluginSignature]:
     """Every layer's signature for an export's :class:`~kvq_export.manifest.Manifest` (its model facts)."""
-    model: Mapping[str, Any] = manifest.model
-    windows = model.get("sliding_windows") or [None] * manifest.num_layers
-    head_dim = int(model["head_dim"])
-    return [plugin_signature(manifest.scheme, layer, num_heads=int(model["num_heads"]),
-                             kv_heads=int(model["num_kv_heads"]), head_dim=head_dim,
-                             scaling=model.get("scaling"), window=windows[layer], dtype=manifest.dtype)
+    model = manifest.model
+    return [plugin_signature(manifest.scheme, layer, num_heads=model.num_heads, kv_heads=model.num_kv_heads,
+                             head_dim=model.head_dim, scaling=model.scaling, window=model.sliding_windows[layer],
+                             dtype=manifest.dtype)
             for layer in range(manifest.num_layers)]

@@ -121,11 +121,11 @@ def compare_exports(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str]
         check_weights(dir_a, ma)
         check_weights(dir_b, mb)
     for field in ("vocab_size", "num_layers", "num_kv_heads", "head_dim"):
-        if ma.model[field] != mb.model[field]:
-            raise KVQError(
-                f"{dir_a} and {dir_b} are different models ({field}: {ma.model[field]} vs {mb.model[field]})")
+        a, b = getattr(ma.model, field), getattr(mb.model, field)
+        if a != b:
+            raise KVQError(f"{dir_a} and {dir_b} are different models ({field}: {a} vs {b})")
     runner = kvq_runner_class()
-    feeds = compare_feeds(int(ma.model["vocab_size"]), prompt_len=prompt_len, batch=batch, steps=steps, seed=seed)
+    feeds = compare_feeds(ma.model.vocab_size, prompt_len=prompt_len, batch=batch, steps=steps, seed=seed)
     results = Comparator.run([runner(dir_a), runner(dir_b)], data_loader=feeds)
     compare = CompareFunc.simple(atol={"logits": tol.logits_atol, "": tol.cache_atol},
                                  rtol={"logits": tol.logits_rtol, "": tol.cache_rtol}, check_error_stat="max")

@@ -25,11 +25,10 @@ def polygraphy_feeds(directory: str | os.PathLike[str], *, prompt_len: int = 48,
     from kvq_export.runtime.session import KVQSession
 
     session = KVQSession(directory)
-    ids, mask = prompt_batch(int(session.manifest.model["vocab_size"]), prompt_len=prompt_len, batch=batch,
-                             seed=seed)
+    ids, mask = prompt_batch(session.manifest.model.vocab_size, prompt_len=prompt_len, batch=batch, seed=seed)
     empty = session.cache_arrays(session.empty_cache(batch))
     yield {"input_ids": ids, "attention_mask": mask, **empty}
     logits, cache = session.step(ids, mask)
-    nxt = np.random.default_rng(seed + 1).integers(0, session.manifest.model["vocab_size"], (batch, 1))
+    nxt = np.random.default_rng(seed + 1).integers(0, session.manifest.model.vocab_size, (batch, 1))
     yield {"input_ids": nxt.astype(np.int64), "attention_mask": np.ones((batch, 1), np.int64),
            **session.cache_arrays(cache)}

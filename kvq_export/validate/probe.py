@@ -90,12 +90,12 @@ class ProbedSession(KVQSession):
         logits, cache = super().step(input_ids, attention_mask, cache)
         positions = token_positions(before, mask)
         model = self.manifest.model
-        head_dim = int(model["head_dim"])
+        head_dim = model.head_dim
         probes = {}
         for layer in range(self.manifest.num_layers):
             for which in PROBES:
                 raw = self.last_extra[probe_name(layer, which, projected=True)]
-                heads = int(model["num_heads"] if which == "q" else model["num_kv_heads"])
+                heads = model.num_heads if which == "q" else model.num_kv_heads
                 x = raw.reshape(raw.shape[0], raw.shape[1], heads, head_dim).transpose(0, 2, 1, 3)
                 probes[probe_name(layer, which)] = x if which == "value" else rotate(x, *self._rotary, positions)
         self.last_extra = probes

@@ -92,7 +92,7 @@ def resolve_baseline(manifest, baseline: str | os.PathLike[str] | None) -> Path:
     """
     if baseline is not None:
         return Path(baseline)
-    source = manifest.model.get("source")
+    source = manifest.model.source
     if not source:
         raise KVQError("this export does not record its model source; pass --baseline DIR (an fp16 export)")
     from kvq_export.demo import baseline_dir
@@ -114,7 +114,7 @@ def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike
     quant = probed_session(export_dir, verify_weights=verify_weights)
     base_dir = resolve_baseline(quant.manifest, baseline_dir)
     base = KVQSession(base_dir, verify_weights=verify_weights)
-    if base.manifest.model.get("vocab_size") != quant.manifest.model.get("vocab_size") or \
+    if base.manifest.model.vocab_size != quant.manifest.model.vocab_size or \
             base.manifest.num_layers != quant.manifest.num_layers:
         raise KVQError(f"baseline {base_dir} is not the same model as {export_dir}")
     tokens = np.asarray(token_windows(quant.tokenizer, load_corpus(config.corpus), config.windows,
@@ -126,8 +126,8 @@ def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike
         "export": str(export_dir),
         "baseline": str(base_dir),
         "scheme": quant.manifest.scheme.to_dict(),
-        "model": {k: quant.manifest.model.get(k) for k in ("source", "model_type", "num_layers", "num_heads",
-                                                             "num_kv_heads", "head_dim")},
+        "model": {k: getattr(quant.manifest.model, k) for k in ("source", "model_type", "num_layers", "num_heads",
+                                                                  "num_kv_heads", "head_dim")},
         "flavor": quant.manifest.flavor,
         "config": {**asdict(config), "prompts": list(config.prompts)},
         "calibration": _calibration_section(quant.manifest, config),
@@ -163,7 +163,7 @@ def _lockstep(quant, base, tokens: np.ndarray, config: ValidateConfig, progress:
     step = config.chunk or 1
     manifest = quant.manifest
     hp = DType.get(manifest.scheme.hp_dtype).numpy
-    scaling = float(manifest.model.get("scaling") or int(manifest.model["head_dim"]) ** -0.5)
+    scaling = manifest.model.scaling
     static = load_static(quant.directory, manifest)
     layers = manifest.num_layers
     sample_at = set(np.linspace(length // config.attention_samples, length - 1, config.attention_samples,
@@ -220,7 +220,7 @@ def _sample_attention(acc, quant, cache, exact, position, scaling, config, stati
         q = quant.last_extra[f"probe.{layer}.q"][:, :, -1].astype(np.float64)  # [B, Hq, D]
         keys = np.concatenate(exact[layer, "key"], axis=2)
         values = np.concatenate(exact[layer, "value"], axis=2)
-        window = (quant.manifest.model.get("sliding_windows") or [None] * (layer + 1))[layer]
+        window = quant.manifest.model.sliding_windows[layer]
         for row in range(q.shape[0]):
             k_hat, v_hat = decoded[row][layer]
             n = k_hat.shape[1]
@@ -262,7 +262,7 @@ def _token_section(acc: _Accumulator, greedy: dict) -> dict[str, Any]:
 def _attention_section(acc: _Accumulator, manifest) -> dict[str, Any]:
     if not acc.attention:
         return {"samples": 0}
-    layers, heads = manifest.num_layers, int(manifest.model["num_heads"])
+    layers, heads = manifest.num_layers, manifest.model.num_heads
     grid = {m: np.zeros((layers, heads)) for m in METRICS}
     counts = np.zeros(layers)
     by_position: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -294,11 +294,10 @@ def _attention_section(acc: _Accumulator, manifest) -> dict[str, Any]:
 
 
 def _memory_section(quant, base, cache, shape) -> dict[str, Any]:
-    from kvq_export.memory import Geometry, curve, predict
+    from kvq_export.memory import curve, predict
 
     rows, length = shape
-    m = quant.manifest.model
-    geo = Geometry(int(m["num_layers"]), int(m["num_kv_heads"]), int(m["head_dim"]))
+    geo = quant.manifest.model
     scheme = quant.manifest.scheme
     report = predict(scheme, geo, length, rows)
     static = (report.breakdown["scales"] + report.breakdown["zero_points"]) if scheme.has_static_scales else 0
