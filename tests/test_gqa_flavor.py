@@ -153,11 +153,13 @@ def test_fp16_compute_graph_tracks_the_fp32_graph(tmp_path_factory):
     assert float(np.abs(a - b).max() / np.abs(a).max()) < 2e-2
 
 
-def test_unfused_rotary_path_matches_and_names_probes(tmp_path_factory, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3", "phi3"])
+def test_unfused_rotary_path_matches_and_names_probes(tmp_path_factory, monkeypatch, arch):
     """fuse_rotary=False: RoPE in the body, do_rotary=0 in the node, probe.* named like the reference.
 
-    The fused graph names only the raw projections; its probed session rotates them with the graph's own
-    tables at each row's positions, and must give the unfused graph's post-RoPE probes (left-padded batch).
+    The fused graph names only the raw projections; its probed session rotates them with each layer's own
+    tables (Gemma3: local and global RoPE) over each layer's rotary channels (Phi3: half of each head) at
+    each row's positions, and must give the unfused graph's post-RoPE probes (left-padded batch).
     """
     import onnx
 
@@ -167,10 +169,10 @@ def test_unfused_rotary_path_matches_and_names_probes(tmp_path_factory, monkeypa
     monkeypatch.setitem(exporter.FLAVORS, "ort-gqa-unfused",
                         lambda scheme, **geo: GQACacheGraph(scheme, fuse_rotary=False, **geo))
     scheme = SCHEMES["ort-int8/hp-fp32"]
-    static = calibration("qwen2", scheme)
-    fused = ProbedSession(_export(tmp_path_factory, "qwen2", scheme, static).directory)
+    static = calibration(arch, scheme)
+    fused = ProbedSession(_export(tmp_path_factory, arch, scheme, static).directory)
     out = tmp_path_factory.mktemp("unfused") / "m"
-    unfused = ProbedSession(export(tiny_model("qwen2"), scheme, out, static=static, flavor="ort-gqa-unfused"))
+    unfused = ProbedSession(export(tiny_model(arch), scheme, out, static=static, flavor="ort-gqa-unfused"))
     ids, mask = left_pad(PROMPTS["padded"])
     a, ca = fused.step(ids, mask)
     b, cb = unfused.step(ids, mask)

@@ -17,12 +17,13 @@ that follows RoPE, v as the folded ``v_proj`` yields it (``v @ R``). Decode the 
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 
 from kvq_export.errors import RuntimeInputError
 from kvq_export.manifest import MODEL_NAME
-from kvq_export.naming import PROBES, ROTARY_TABLES, probe_name
+from kvq_export.naming import PROBES, probe_name
 from kvq_export.runtime.session import CacheState, KVQSession
 
 
@@ -38,11 +39,42 @@ def token_positions(seq_lengths: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 
 def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """RoPE (half-split, Hugging Face ``rotate_half`` layout) of ``x [B, H, t, D]`` with tables ``[P, D/2]``."""
-    c = cos[positions][:, None].astype(np.float32)  # [B, 1, t, D/2]
+    """RoPE (half-split, Hugging Face ``rotate_half`` layout) of ``x [B, H, t, D]`` with tables ``[P, R/2]``.
+
+    The first ``R`` channels rotate (``R = D`` for full rotary, less for partial rotary) and the rest pass
+    through, as in Hugging Face models and ONNX Runtime's fused rotary.
+    """
+    c = cos[positions][:, None].astype(np.float32)  # [B, 1, t, R/2]
     s = sin[positions][:, None].astype(np.float32)
-    x1, x2 = np.split(x.astype(np.float32), 2, axis=-1)
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+    rot = 2 * cos.shape[-1]
+    x32 = x.astype(np.float32)
+    x1, x2 = np.split(x32[..., :rot], 2, axis=-1)
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, x32[..., rot:]], axis=-1).astype(x.dtype)
+
+
+def layer_rotary_tables(graph, directory) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per layer, the cos/sin tables its fused attention node reads (layers may differ: Gemma3's local RoPE).
+
+    Read from the graph's own wiring: each layer's ``GroupQueryAttention`` node (named in the ``gqa<layer>``
+    scope) takes the tables as its cos_cache/sin_cache inputs.
+    """
+    from onnx import numpy_helper
+
+    initializers = {t.name: t for t in graph.initializer}
+    arrays: dict[str, np.ndarray] = {}
+    out = {}
+    for node in graph.node:
+        match = re.search(r"(?:^|/)gqa(\d+)/", node.name)
+        if node.op_type != "GroupQueryAttention" or match is None or len(node.input) < 9:
+            continue
+        names = node.input[7], node.input[8]  # cos_cache, sin_cache
+        if not all(n in initializers for n in names):
+            continue
+        for n in names:
+            if n not in arrays:
+                arrays[n] = numpy_helper.to_array(initializers[n], base_dir=str(directory))
+        out[int(match.group(1))] = (arrays[names[0]], arrays[names[1]])
+    return out
 
 
 class ProbedSession(KVQSession):
@@ -51,7 +83,6 @@ class ProbedSession(KVQSession):
     def __init__(self, directory: str | os.PathLike[str], **kwargs) -> None:
         import onnx
         import onnxruntime as ort
-        from onnx import numpy_helper
 
         from kvq_export.runtime.session import choose_providers, session_options
 
@@ -60,15 +91,14 @@ class ProbedSession(KVQSession):
         layers = self.manifest.num_layers
         produced = {out for node in model.graph.node for out in node.output}
         names = [probe_name(layer, which) for layer in range(layers) for which in PROBES]
-        self._rotary: tuple[np.ndarray, np.ndarray] | None = None
+        self._rotary: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
         if not all(n in produced for n in names):
             projected = [probe_name(layer, which, projected=True) for layer in range(layers) for which in PROBES]
-            tables = {t.name: t for t in model.graph.initializer if t.name in ROTARY_TABLES}
+            tables = layer_rotary_tables(model.graph, self.directory)
             missing = [n for n in names if n not in produced]
-            if not all(n in produced for n in projected) or len(tables) != len(ROTARY_TABLES):
+            if not all(n in produced for n in projected) or sorted(tables) != list(range(layers)):
                 raise RuntimeInputError(f"{self.directory}: the graph has no {missing[0]} (exported by an older kvq?)")
-            self._rotary = tuple(numpy_helper.to_array(tables[n], base_dir=str(self.directory))
-                                 for n in ROTARY_TABLES)
+            self._rotary = tables
             names = projected
         model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names)
         # loaded from memory, its external weights read from the export: nothing is written into the export
@@ -97,7 +127,8 @@ class ProbedSession(KVQSession):
                 raw = self.last_extra[probe_name(layer, which, projected=True)]
                 heads = model.num_heads if which == "q" else model.num_kv_heads
                 x = raw.reshape(raw.shape[0], raw.shape[1], heads, head_dim).transpose(0, 2, 1, 3)
-                probes[probe_name(layer, which)] = x if which == "value" else rotate(x, *self._rotary, positions)
+                probes[probe_name(layer, which)] = x if which == "value" else rotate(x, *self._rotary[layer],
+                                                                                     positions)
         self.last_extra = probes
         return logits, cache
 
