@@ -106,7 +106,7 @@ def plugin_signature(
     """The signature of ``layer``'s plugin node (``scaling`` defaults to ``head_dim ** -0.5``)."""
     from kvq_plugins.layout import StreamLayout
 
-    from kvq_export.export.kv_graph import static_name
+    from kvq_export.export.graph_codec import static_name
 
     compute = onnx_name(dtype)
     lengths = tensor_name("present", None, None, "seq_lengths")
