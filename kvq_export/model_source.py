@@ -7,7 +7,9 @@ A *model spec* is one of
 * a path to a ``.gguf`` file.
 
 GGUF weights are dequantized to fp32 on the first :func:`load_model` and the result is cached as a
-plain Hugging Face directory (see :func:`cache_root`), so later loads take about a second.
+plain Hugging Face directory (see :func:`cache_root`), so later loads take about a second. Only the GGUF
+architectures of :data:`GGUF_ARCHITECTURES` are handed to transformers' GGUF loader; any other is refused
+from the file's header, in one line, before anything is dequantized.
 ``import kvq_export.model_source`` is cheap: torch and transformers are imported inside the functions.
 """
 
@@ -55,6 +57,19 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Llama, 30 layers, GQA 9/3), Q4_1 GGUF dequantized to fp32",
     ),
+}
+
+
+#: GGUF ``general.architecture`` -> the ``model_type`` transformers' GGUF loader gives it: the architectures
+#: that loader reads and kvq exports (llama.cpp writes Mistral models as ``llama``). transformers 5.24 reads
+#: no GGUF of Gemma or OLMo2. Each entry is checked end to end (weights, logits, export) by tests/test_gguf.py.
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+    "llama": "llama",
+    "phi3": "phi3",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
 }
 
 
@@ -129,6 +144,7 @@ def load_config(spec: str | os.PathLike[str]) -> PretrainedConfig:
             cached = gguf_cache_dir(source.path)
             if (cached / "config.json").is_file():
                 return AutoConfig.from_pretrained(cached, local_files_only=True, trust_remote_code=False)
+            check_gguf_architecture(source.path)
             # Parses the GGUF metadata (a few seconds: the tokenizer arrays dominate), no tensors.
             return AutoConfig.from_pretrained(
                 source.path.parent, gguf_file=source.path.name, local_files_only=True, trust_remote_code=False
@@ -165,6 +181,74 @@ def load_model(spec: str | os.PathLike[str]) -> tuple[PreTrainedModel, PreTraine
         return _load_hf_dir(model_dir)
 
 
+def read_gguf_metadata(path: Path) -> dict[str, str | int | float | bool]:
+    """The scalar metadata of a GGUF file (``general.architecture``, ``llama.block_count``, ...); arrays are skipped.
+
+    Streams the header's key/value section with the gguf package's type codes: ``gguf.GGUFReader`` would also
+    decode every vocabulary entry, seconds on a real model. Bad or short bytes raise ``ValueError``/``EOFError``.
+    """
+    import struct
+
+    import numpy as np
+    from gguf import GGUF_MAGIC, GGUFReader, GGUFValueType
+
+    with open(path, "rb") as handle:
+
+        def read(size: int) -> bytes:
+            data = handle.read(size)
+            if len(data) != size:
+                raise EOFError("the file ends inside its GGUF header")
+            return data
+
+        magic, version = struct.unpack("<II", read(8))
+        if magic != GGUF_MAGIC:
+            raise ValueError("not a GGUF file (no GGUF magic)")
+        order = "<" if version & 0xFFFF else ">"  # a big-endian file's version reads byte-swapped
+        version = struct.unpack(order + "I", struct.pack("<I", version))[0]
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
+        scalars = {kind: np.dtype(dtype).newbyteorder(order) for kind, dtype in GGUFReader.gguf_scalar_to_np.items()}
+
+        def count() -> int:
+            return struct.unpack(order + "Q", read(8))[0]
+
+        def skip(kind: GGUFValueType, n: int) -> None:
+            if kind == GGUFValueType.STRING:
+                for _ in range(n):
+                    handle.seek(count(), os.SEEK_CUR)
+            elif kind == GGUFValueType.ARRAY:
+                for _ in range(n):
+                    inner = GGUFValueType(struct.unpack(order + "I", read(4))[0])
+                    skip(inner, count())
+            else:
+                handle.seek(n * scalars[kind].itemsize, os.SEEK_CUR)
+
+        _, kv_count = count(), count()  # tensor count, then key/value count
+        metadata: dict[str, str | int | float | bool] = {}
+        for _ in range(kv_count):
+            key = read(count()).decode("utf-8")
+            kind = GGUFValueType(struct.unpack(order + "I", read(4))[0])
+            if kind == GGUFValueType.STRING:
+                metadata[key] = read(count()).decode("utf-8")
+            elif kind == GGUFValueType.ARRAY:
+                inner = GGUFValueType(struct.unpack(order + "I", read(4))[0])
+                skip(inner, count())
+            else:
+                metadata[key] = np.frombuffer(read(scalars[kind].itemsize), scalars[kind])[0].item()
+        return metadata
+
+
+def check_gguf_architecture(path: Path) -> str:
+    """Return the GGUF's ``general.architecture``; :class:`ModelError` (one line) if kvq does not load it."""
+    arch = read_gguf_metadata(path).get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelError(
+            f"cannot load {path}: GGUF architecture {arch!r} is not one kvq loads from GGUF; supported: "
+            f"{', '.join(sorted(GGUF_ARCHITECTURES))} (other models: pass their Hugging Face directory)"
+        )
+    return str(arch)
+
+
 def _load_hf_dir(model_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -190,6 +274,7 @@ def _ensure_fp32_cache(gguf_path: Path) -> Path:
     target = gguf_cache_dir(gguf_path)
     if (target / "config.json").is_file():
         return target
+    check_gguf_architecture(gguf_path)
     logger.info("converting %s to fp32 (once) into %s", gguf_path, target)
     start = time.perf_counter()
     write_dir_atomically(target, lambda tmp: _convert_gguf(gguf_path, tmp))
