@@ -9,7 +9,8 @@ A *model spec* is one of
 GGUF weights are dequantized to fp32 on the first :func:`load_model` and the result is cached as a
 plain Hugging Face directory (see :func:`cache_root`), so later loads take about a second. Only the GGUF
 architectures of :data:`GGUF_ARCHITECTURES` are handed to transformers' GGUF loader; any other is refused
-from the file's header, in one line, before anything is dequantized.
+from the file's header, in one line, before anything is dequantized. Metadata that loader drops is put back
+into the config (:func:`restore_gguf_config`), or the file is refused where it cannot be.
 ``import kvq_export.model_source`` is cheap: torch and transformers are imported inside the functions.
 """
 
@@ -297,6 +298,12 @@ def check_gguf_header(path: Path) -> GgufHeader:
         raise ModelError(
             f"cannot load {path}: RoPE scaling {scaling!r} is not read by transformers' GGUF loader "
             "(kvq restores 'linear' only); pass the model's Hugging Face directory instead"
+        )
+    factor = header.arch_key("rope.scaling.factor")
+    valid_factor = isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 0
+    if scaling == "linear" and not valid_factor:
+        raise ModelError(
+            f"cannot load {path}: linear RoPE scaling needs a positive rope.scaling.factor, got {factor!r}"
         )
     return header
 

@@ -303,9 +303,13 @@ def _header_only(path: Path, arch: str, write) -> Path:
 @pytest.mark.parametrize(("what", "write"), [
     ("per-frequency RoPE factors (rope_freqs)", lambda w: w.add_tensor("rope_freqs.weight", np.ones(16, np.float32))),
     ("RoPE scaling 'yarn'", lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN)),
+    ("needs a positive rope.scaling.factor", lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)),
 ])
 def test_gguf_rope_scaling_transformers_would_drop_is_refused_in_one_line(tmp_path, what, write):
-    """Llama 3 / LongRoPE factor tensors and YaRN: transformers' GGUF loader reads neither, the model would differ."""
+    """Llama 3 / LongRoPE factor tensors and YaRN: transformers' GGUF loader reads neither, the model would differ.
+
+    (And linear scaling without its factor: nothing to restore.)
+    """
     path = _header_only(tmp_path / "scaled.gguf", "llama", write)
     with pytest.raises(ModelError) as err:
         load_config(path)
