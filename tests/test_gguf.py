@@ -14,6 +14,7 @@ one line.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from tiny_models import COMMON, VOCAB
 from kvq_export.cli import cli
 from kvq_export.errors import ModelError
 from kvq_export.export.exporter import export
-from kvq_export.model_source import GGUF_ARCHITECTURES, load_config, load_model
+from kvq_export.model_source import GGUF_ARCHITECTURES, load_config, load_model, model_facts
 from kvq_export.presets import PRESETS, resolve_scheme
 from kvq_export.runtime.session import KVQSession
 
@@ -223,11 +224,14 @@ def _teacher_forced(session: KVQSession, tokens: list[int], prompt_len: int) -> 
 
 
 def test_gguf_loads_the_same_weights(written):
+    """Same facts (from the header alone, then from the converted model) and the same weights as the source."""
     kind, model, path = written
     case = LOADS[kind]
+    want_facts = dataclasses.replace(model_facts(model.config), model_type=case.loads_as)
+    assert model_facts(load_config(path)) == want_facts  # before any conversion: transformers + kvq's restore
     loaded, tokenizer = load_model(path)
-    assert loaded.config.model_type == case.loads_as and tokenizer is not None
-    assert load_config(path).model_type == case.loads_as
+    assert tokenizer is not None
+    assert model_facts(loaded.config) == model_facts(load_config(path)) == want_facts
     want, got = _expected_weights(model, case), loaded.state_dict()
     assert set(got) == set(want)
     for name, tensor in want.items():
