@@ -7,7 +7,10 @@ A *model spec* is one of
 * a path to a ``.gguf`` file.
 
 GGUF weights are dequantized to fp32 on the first :func:`load_model` and the result is cached as a
-plain Hugging Face directory (see :func:`cache_root`), so later loads take about a second.
+plain Hugging Face directory (see :func:`cache_root`), so later loads take about a second. Only the GGUF
+architectures of :data:`GGUF_ARCHITECTURES` are handed to transformers' GGUF loader; any other is refused
+from the file's header, in one line, before anything is dequantized. Metadata that loader drops is put back
+into the config (:func:`restore_gguf_config`), or the file is refused where it cannot be.
 ``import kvq_export.model_source`` is cheap: torch and transformers are imported inside the functions.
 """
 
@@ -55,6 +58,30 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Llama, 30 layers, GQA 9/3), Q4_1 GGUF dequantized to fp32",
     ),
+}
+
+
+#: GGUF ``general.architecture`` -> the ``model_type`` transformers' GGUF loader gives it: the architectures
+#: that loader reads and kvq exports (llama.cpp writes Mistral models as ``llama``). transformers 5.24 reads
+#: no GGUF of Gemma or OLMo2. Each entry is checked end to end (weights, logits, export) by tests/test_gguf.py.
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+    "llama": "llama",
+    "phi3": "phi3",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+
+
+#: Tensors of per-frequency RoPE factors (llama.cpp's Llama 3 and LongRoPE scaling): no transformers config holds them.
+_ROPE_FACTOR_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
+#: ``<arch>.<key>`` -> config attribute, for keys transformers' GGUF loader does not read (see restore_gguf_config).
+_GGUF_CONFIG_KEYS: dict[str, dict[str, str]] = {
+    "qwen3": {"attention.key_length": "head_dim"},
+    "gemma2": {"attn_logit_softcapping": "attn_logit_softcapping",
+               "final_logit_softcapping": "final_logit_softcapping"},
+    "gemma3": {"final_logit_softcapping": "final_logit_softcapping"},
 }
 
 
@@ -129,10 +156,7 @@ def load_config(spec: str | os.PathLike[str]) -> PretrainedConfig:
             cached = gguf_cache_dir(source.path)
             if (cached / "config.json").is_file():
                 return AutoConfig.from_pretrained(cached, local_files_only=True, trust_remote_code=False)
-            # Parses the GGUF metadata (a few seconds: the tokenizer arrays dominate), no tensors.
-            return AutoConfig.from_pretrained(
-                source.path.parent, gguf_file=source.path.name, local_files_only=True, trust_remote_code=False
-            )
+            return _gguf_config(source.path, check_gguf_header(source.path))
         return AutoConfig.from_pretrained(source.path, local_files_only=True, trust_remote_code=False)
 
 
@@ -165,6 +189,148 @@ def load_model(spec: str | os.PathLike[str]) -> tuple[PreTrainedModel, PreTraine
         return _load_hf_dir(model_dir)
 
 
+@dataclass(frozen=True)
+class GgufHeader:
+    """What a GGUF file's header says: its scalar metadata (arrays such as the vocabulary skipped) and tensor names."""
+
+    metadata: dict[str, str | int | float | bool]
+    tensor_names: tuple[str, ...]
+
+    @property
+    def architecture(self) -> str | None:
+        """``general.architecture`` (llama.cpp's architecture name), or None when the file states none."""
+        arch = self.metadata.get("general.architecture")
+        return None if arch is None else str(arch)
+
+    def arch_key(self, name: str) -> str | int | float | bool | None:
+        """The architecture's own key ``<arch>.<name>`` (``rope.freq_base``, ...), or None."""
+        return self.metadata.get(f"{self.architecture}.{name}")
+
+
+def read_gguf_header(path: Path) -> GgufHeader:
+    """Read a GGUF file's header: scalar metadata and tensor names, no tensor data.
+
+    Streams the header with the gguf package's type codes: ``gguf.GGUFReader`` would also decode every
+    vocabulary entry, seconds on a real model (this takes about 0.1 s). Bad or short bytes raise
+    ``ValueError``/``EOFError``.
+    """
+    import struct
+
+    import numpy as np
+    from gguf import GGUF_MAGIC, GGUFReader, GGUFValueType
+
+    with open(path, "rb") as handle:
+
+        def read(size: int) -> bytes:
+            data = handle.read(size)
+            if len(data) != size:
+                raise EOFError("the file ends inside its GGUF header")
+            return data
+
+        magic, version = struct.unpack("<II", read(8))
+        if magic != GGUF_MAGIC:
+            raise ValueError("not a GGUF file (no GGUF magic)")
+        order = "<" if version & 0xFFFF else ">"  # a big-endian file's version reads byte-swapped
+        version = struct.unpack(order + "I", struct.pack("<I", version))[0]
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
+        scalars = {kind: np.dtype(dtype).newbyteorder(order) for kind, dtype in GGUFReader.gguf_scalar_to_np.items()}
+
+        def number(fmt: str) -> int:
+            return struct.unpack(order + fmt, read(struct.calcsize(fmt)))[0]
+
+        def string() -> str:
+            return read(number("Q")).decode("utf-8")
+
+        def skip(kind: GGUFValueType, count: int) -> None:
+            if kind == GGUFValueType.STRING:
+                for _ in range(count):
+                    handle.seek(number("Q"), os.SEEK_CUR)
+            elif kind == GGUFValueType.ARRAY:
+                for _ in range(count):
+                    inner = GGUFValueType(number("I"))
+                    skip(inner, number("Q"))
+            else:
+                handle.seek(count * scalars[kind].itemsize, os.SEEK_CUR)
+
+        tensor_count, kv_count = number("Q"), number("Q")
+        metadata: dict[str, str | int | float | bool] = {}
+        for _ in range(kv_count):
+            key = string()
+            kind = GGUFValueType(number("I"))
+            if kind == GGUFValueType.STRING:
+                metadata[key] = string()
+            elif kind == GGUFValueType.ARRAY:
+                inner = GGUFValueType(number("I"))
+                skip(inner, number("Q"))
+            else:
+                metadata[key] = np.frombuffer(read(scalars[kind].itemsize), scalars[kind])[0].item()
+        names = []
+        for _ in range(tensor_count):  # name, n_dims, dims, ggml type, offset
+            names.append(string())
+            handle.seek(8 * number("I") + 4 + 8, os.SEEK_CUR)
+        return GgufHeader(metadata, tuple(names))
+
+
+def check_gguf_header(path: Path) -> GgufHeader:
+    """Read the header of a GGUF file kvq can load; :class:`ModelError` (one line) for any other.
+
+    Refused: an architecture outside :data:`GGUF_ARCHITECTURES`, and RoPE scaling that transformers' GGUF
+    loader ignores and kvq cannot restore (per-frequency factor tensors, scaling types other than linear):
+    loading those would give a model that differs from the file.
+    """
+    header = read_gguf_header(path)
+    arch = header.architecture
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelError(
+            f"cannot load {path}: GGUF architecture {arch!r} is not one kvq loads from GGUF; supported: "
+            f"{', '.join(sorted(GGUF_ARCHITECTURES))} (other models: pass their Hugging Face directory)"
+        )
+    factors = sorted({name.split(".")[0] for name in header.tensor_names if name.startswith(_ROPE_FACTOR_TENSORS)})
+    if factors:
+        raise ModelError(
+            f"cannot load {path}: its per-frequency RoPE factors ({', '.join(factors)}) are not read by "
+            "transformers' GGUF loader, so the loaded model would differ from the file; pass the model's "
+            "Hugging Face directory instead"
+        )
+    scaling = header.arch_key("rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise ModelError(
+            f"cannot load {path}: RoPE scaling {scaling!r} is not read by transformers' GGUF loader "
+            "(kvq restores 'linear' only); pass the model's Hugging Face directory instead"
+        )
+    factor = header.arch_key("rope.scaling.factor")
+    valid_factor = isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 0
+    if scaling == "linear" and not valid_factor:
+        raise ModelError(
+            f"cannot load {path}: linear RoPE scaling needs a positive rope.scaling.factor, got {factor!r}"
+        )
+    return header
+
+
+def restore_gguf_config(config: PretrainedConfig, header: GgufHeader) -> PretrainedConfig:
+    """Put back into ``config`` what the GGUF states but transformers' GGUF loader leaves at the config's default.
+
+    transformers 5.24 reads a fixed list of keys per architecture; these are the others, each set only where
+    the file states it: Qwen3's ``attention.key_length`` (head_dim), Phi3's ``rope.dimension_count`` (partial
+    rotary), Gemma2/3's soft-caps, and linear RoPE scaling (Gemma3: on its global layers, as llama.cpp
+    applies it). What no GGUF key states keeps transformers' value: Gemma2/3's ``query_pre_attn_scalar``
+    (llama.cpp derives it from the model size) and Gemma3's sliding-window pattern (every sixth layer global).
+    """
+    arch = header.architecture
+    for key, attribute in _GGUF_CONFIG_KEYS.get(str(arch), {}).items():
+        value = header.arch_key(key)
+        if value is not None:
+            setattr(config, attribute, value)
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    if arch == "phi3" and header.arch_key("rope.dimension_count"):
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        rope["partial_rotary_factor"] = int(header.arch_key("rope.dimension_count")) / head_dim
+    if header.arch_key("rope.scaling.type") == "linear":
+        rope.update(rope_type="linear", factor=float(header.arch_key("rope.scaling.factor")))
+    return config
+
+
 def _load_hf_dir(model_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -190,14 +356,26 @@ def _ensure_fp32_cache(gguf_path: Path) -> Path:
     target = gguf_cache_dir(gguf_path)
     if (target / "config.json").is_file():
         return target
+    header = check_gguf_header(gguf_path)
     logger.info("converting %s to fp32 (once) into %s", gguf_path, target)
     start = time.perf_counter()
-    write_dir_atomically(target, lambda tmp: _convert_gguf(gguf_path, tmp))
+    write_dir_atomically(target, lambda tmp: _convert_gguf(gguf_path, header, tmp))
     logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
     return target
 
 
-def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+def _gguf_config(gguf_path: Path, header: GgufHeader) -> PretrainedConfig:
+    """The config of a checked GGUF: transformers' reading of its metadata, plus what that reading drops."""
+    from transformers import AutoConfig
+
+    # Parses the GGUF metadata (a few seconds: the tokenizer arrays dominate), no tensors.
+    config = AutoConfig.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True, trust_remote_code=False
+    )
+    return restore_gguf_config(config, header)
+
+
+def _convert_gguf(gguf_path: Path, header: GgufHeader, out_dir: Path) -> None:
     """Dequantize a GGUF model to fp32 and save it, with its tokenizer, as a Hugging Face directory."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
@@ -206,7 +384,8 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     # dequantize=True loads a plain fp32 model (no GGUF quantizer attached, so save_pretrained works)
     # and never keeps packed GGUF blocks, even where a GGUF matmul kernel is installed.
     model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True), **kwargs
+        gguf_path.parent, config=_gguf_config(gguf_path, header), dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True), **kwargs
     )
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs).save_pretrained(out_dir)
