@@ -165,7 +165,8 @@ def _unreadable_as_model_error(path: Path):
     """A truncated or garbage model file (GGUF, config, weights) becomes one :class:`ModelError` line.
 
     The readers below raise plain ``ValueError``/``OSError``/``EOFError``/``struct.error`` (and numpy's
-    ``IndexError`` on a short tensor) for bad bytes; those are bad input here, not bugs.
+    ``IndexError`` on a short tensor) for bad bytes; those are bad input here, not bugs. transformers' GGUF
+    loader raises ``NotImplementedError`` for files it cannot map (e.g. a ``llama`` GGUF named ``mistral``).
     """
     import struct
 
@@ -173,7 +174,8 @@ def _unreadable_as_model_error(path: Path):
         yield
     except ModelError:
         raise
-    except (ValueError, OSError, EOFError, KeyError, IndexError, struct.error, UnicodeDecodeError) as err:
+    except (ValueError, OSError, EOFError, KeyError, IndexError, struct.error, UnicodeDecodeError,
+            NotImplementedError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ModelError(f"cannot read the model at {path}: {first}") from None
 
