@@ -324,3 +324,12 @@ def test_loadable_gguf_architectures_are_the_tested_ones():
     assert set(GGUF_ARCHITECTURES) == {gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, c.arch)] for c in LOADS.values()}
     assert not set(GGUF_ARCHITECTURES) & {gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, c.arch)]
                                           for c in REFUSED.values()}
+
+
+def test_gguf_transformers_cannot_map_is_refused_in_one_line(tmp_path, monkeypatch):
+    """transformers raises NotImplementedError for a ``llama`` GGUF whose name is exactly ``mistral``: one line."""
+    monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(_source_model("llama"), tmp_path / "named.gguf", GgufCase("LLAMA", "llama", name="mistral"))
+    with pytest.raises(ModelError, match="cannot read the model at") as err:
+        load_model(path)
+    assert "\n" not in str(err.value)
