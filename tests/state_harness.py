@@ -32,6 +32,12 @@ def teacher_force(session, prompts: list[list[int]], stream: np.ndarray, cache=N
     return got, cache
 
 
+def teacher_forced_logits(session, tokens: list[int], prompt_len: int) -> np.ndarray:
+    """One row's logits: a prefill of ``prompt_len`` tokens, then one decode step per remaining token, concatenated."""
+    steps, _ = teacher_force(session, [list(tokens[:prompt_len])], np.asarray(tokens[prompt_len:])[:, None])
+    return np.concatenate([logits[0] for logits in steps])
+
+
 def stored_roles(arrays: dict, row: int, ref) -> Iterator[tuple[int, str, object, str, torch.Tensor, np.ndarray]]:
     """(layer, part, reference stream, role, its tensor, the export's row) for every stored role of one row.
 

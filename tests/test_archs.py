@@ -17,7 +17,7 @@ import onnx
 import pytest
 import torch
 from gqa_harness import PROMPTS, SCHEMES, calibration, compare, sequences
-from state_harness import stored_roles, teacher_force
+from state_harness import stored_roles, teacher_force, teacher_forced_logits
 from test_export_runtime import _compare_state, _reference_run, _static
 from test_kv_graph import SMALL, run_schedule
 from tiny_models import NEW_ARCHS, VOCAB, loud_model, tiny_model
@@ -41,16 +41,6 @@ PROMPT = [5, 17, 99, 3, 42, 8, 77, 1, 64, 23, 9]
 DECODE = 8
 
 
-def _teacher_forced(session: KVQSession, tokens: list[int], prompt_len: int) -> np.ndarray:
-    """Logits of a prefill of ``prompt_len`` tokens, then one decode step per remaining token."""
-    logits, cache = session.step(np.array([tokens[:prompt_len]]))
-    steps = [logits[0]]
-    for token in tokens[prompt_len:]:
-        logits, cache = session.step(np.array([[token]]), None, cache)
-        steps.append(logits[0])
-    return np.concatenate(steps)
-
-
 @pytest.mark.parametrize("flavor", ["reference", "ort-gqa"])
 @pytest.mark.parametrize("arch", NEW_ARCHS)
 def test_fp32_logits_match_transformers(tmp_path, arch, flavor):
@@ -59,7 +49,7 @@ def test_fp32_logits_match_transformers(tmp_path, arch, flavor):
     rng = np.random.default_rng(7)
     tokens = PROMPT + [int(t) for t in rng.integers(0, VOCAB, DECODE)]
     session = KVQSession(export(model, FP32_CACHE, tmp_path / f"{arch}-{flavor}", flavor=flavor))
-    got = _teacher_forced(session, tokens, len(PROMPT))
+    got = teacher_forced_logits(session, tokens, len(PROMPT))
     with torch.no_grad():
         want = model(torch.tensor([tokens])).logits[0].numpy()
     err = float(np.abs(got - want).max())
@@ -79,7 +69,7 @@ def test_fp16_bodies_stay_close(tmp_path, arch):
     rng = np.random.default_rng(7)
     tokens = PROMPT + [int(t) for t in rng.integers(0, VOCAB, 3)]
     session = KVQSession(export(model, "fp16", tmp_path / arch, dtype="fp16"))
-    got = _teacher_forced(session, tokens, len(PROMPT))
+    got = teacher_forced_logits(session, tokens, len(PROMPT))
     with torch.no_grad():
         want = model(torch.tensor([tokens])).logits[0].numpy()
     assert float(np.abs(got - want).max()) < 5e-3 * float(np.abs(want).max())

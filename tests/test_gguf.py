@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from state_harness import teacher_forced_logits
 from tiny_models import COMMON, VOCAB
 
 from kvq_export.cli import cli
@@ -213,16 +214,6 @@ def written(request, tmp_path_factory, kvq_cache):
     return kind, model, write_gguf(model, tmp_path_factory.mktemp("gguf") / f"tiny-{kind}.gguf", LOADS[kind])
 
 
-def _teacher_forced(session: KVQSession, tokens: list[int], prompt_len: int) -> np.ndarray:
-    """Logits of a prefill of ``prompt_len`` tokens, then one decode step per remaining token."""
-    logits, cache = session.step(np.array([tokens[:prompt_len]]))
-    steps = [logits[0]]
-    for token in tokens[prompt_len:]:
-        logits, cache = session.step(np.array([[token]]), None, cache)
-        steps.append(logits[0])
-    return np.concatenate(steps)
-
-
 def test_gguf_loads_the_same_weights(written):
     """Same facts (from the header alone, then from the converted model) and the same weights as the source."""
     kind, model, path = written
@@ -245,7 +236,7 @@ def test_gguf_export_matches_the_source_model(written, tmp_path):
     with torch.no_grad():
         want = model(torch.tensor([tokens])).logits[0].numpy()
     session = KVQSession(export(path, FP32_CACHE, tmp_path / "fp32", flavor="ort-gqa"))
-    got = _teacher_forced(session, tokens, len(PROMPT))
+    got = teacher_forced_logits(session, tokens, len(PROMPT))
     err = float(np.abs(got - want).max())
     logger.warning("%s: GGUF export max |logits - source model| = %.2e (max |logit| %.2f)", kind, err,
                    float(np.abs(want).max()))
@@ -253,8 +244,8 @@ def test_gguf_export_matches_the_source_model(written, tmp_path):
 
     # every token quantized (no high-precision window): the GGUF's export equals the source model's export
     scheme = PRESETS["int4-sym-g32"][0]
-    got = _teacher_forced(KVQSession(export(path, scheme, tmp_path / "int4")), tokens, len(PROMPT))
-    ref = _teacher_forced(KVQSession(export(model, scheme, tmp_path / "int4-source")), tokens, len(PROMPT))
+    got = teacher_forced_logits(KVQSession(export(path, scheme, tmp_path / "int4")), tokens, len(PROMPT))
+    ref = teacher_forced_logits(KVQSession(export(model, scheme, tmp_path / "int4-source")), tokens, len(PROMPT))
     err, moved = float(np.abs(got - ref).max()), float(np.abs(ref - want).max())
     logger.warning("%s: int4-sym-g32 export of the GGUF vs of the source model: max |Δlogits| %.2e "
                    "(quantization itself moves them by %.2e)", kind, err, moved)
@@ -327,7 +318,7 @@ def test_loadable_gguf_architectures_are_the_tested_ones():
 
 
 def test_gguf_transformers_cannot_map_is_refused_in_one_line(tmp_path, monkeypatch):
-    """transformers raises NotImplementedError for a ``llama`` GGUF whose name is exactly ``mistral``: one line."""
+    """Transformers raises NotImplementedError for a ``llama`` GGUF whose name is exactly ``mistral``: one line."""
     monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
     path = write_gguf(_source_model("llama"), tmp_path / "named.gguf", GgufCase("LLAMA", "llama", name="mistral"))
     with pytest.raises(ModelError, match="cannot read the model at") as err:
