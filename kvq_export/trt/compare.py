@@ -124,7 +124,7 @@ def compare_with_onnxruntime(
     ``tolerances`` is a :class:`kvq_export.validate.compare.Tolerances`.
     """
     require("tensorrt")
-    from polygraphy.comparator import Comparator, CompareFunc
+    from polygraphy.comparator import Comparator
 
     from kvq_export.manifest import Manifest
     from kvq_export.trt.engine import ENGINE_NAME
@@ -147,9 +147,7 @@ def compare_with_onnxruntime(
         runners = [kvq_runner_class()(reference, name=f"onnxrt:{reference.name}"),
                    _trt_runner_class()(export_dir, engine)]
         results = Comparator.run(runners, data_loader=feeds)
-        compare = CompareFunc.simple(atol={"logits": tol.logits_atol, "": tol.cache_atol},
-                                     rtol={"logits": tol.logits_rtol, "": tol.cache_rtol}, check_error_stat="max")
-        return bool(Comparator.compare_accuracy(results, compare_func=compare))
+        return bool(Comparator.compare_accuracy(results, compare_func=tol.compare_func()))
 
 
 def manifest_flavor(export_dir: str | os.PathLike[str]) -> str:

@@ -29,6 +29,13 @@ class Tolerances:
     cache_atol: float = 1e-3
     cache_rtol: float = 1e-3
 
+    def compare_func(self):
+        """Polygraphy's simple comparison with these tolerances (logits vs every cache output)."""
+        from polygraphy.comparator import SimpleCompareFunc
+
+        return SimpleCompareFunc(atol={"logits": self.logits_atol, "": self.cache_atol},
+                                 rtol={"logits": self.logits_rtol, "": self.cache_rtol}, check_error_stat="max")
+
 
 def kvq_runner_class():
     """The Polygraphy runner class over a KVQSession (made on first use: Polygraphy is imported lazily)."""
@@ -109,7 +116,7 @@ def compare_exports(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str]
 
     ``verify_weights``: first check both exports' weight files against their manifests' checksums.
     """
-    from polygraphy.comparator import Comparator, CompareFunc
+    from polygraphy.comparator import Comparator
 
     from kvq_export.errors import KVQError
     from kvq_export.manifest import Manifest
@@ -127,6 +134,4 @@ def compare_exports(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str]
     runner = kvq_runner_class()
     feeds = compare_feeds(ma.model.vocab_size, prompt_len=prompt_len, batch=batch, steps=steps, seed=seed)
     results = Comparator.run([runner(dir_a), runner(dir_b)], data_loader=feeds)
-    compare = CompareFunc.simple(atol={"logits": tol.logits_atol, "": tol.cache_atol},
-                                 rtol={"logits": tol.logits_rtol, "": tol.cache_rtol}, check_error_stat="max")
-    return bool(Comparator.compare_accuracy(results, compare_func=compare))
+    return bool(Comparator.compare_accuracy(results, compare_func=tol.compare_func()))
