@@ -151,6 +151,10 @@ class GQACacheGraph:
         static: calibrated static scales ``{layer: {"key"|"value": {"scales": [H, n]}}}``.
         fuse_rotary: apply RoPE inside the node (default; refused with rotated keys); False leaves it to
             the decoder body.
+        fuse_body: ask the decoder body for ONNX Runtime's fused nodes (default): one MatMul for q/k/v and
+            one for gate/up, RMSNorm as ``RMSNormalization`` and residual + norm as
+            ``com.microsoft.SkipSimplifiedLayerNormalization`` (see :class:`kvq_export.export.decoder._Body`).
+            The graph needs ONNX Runtime anyway; False gives the portable body of the reference flavour.
     """
 
     layout = "buffer"
@@ -166,6 +170,7 @@ class GQACacheGraph:
         head_dim: int,
         static: Mapping[int, Mapping[str, Mapping[str, np.ndarray]]] | None = None,
         fuse_rotary: bool = True,
+        fuse_body: bool = True,
     ) -> None:
         scheme.check_model(num_layers, head_dim)
         reasons = unsupported(scheme, num_layers)
@@ -177,6 +182,7 @@ class GQACacheGraph:
             raise ExportError("ort-gqa: rotated keys are rotated after RoPE, so RoPE cannot be fused into "
                               "GroupQueryAttention (use fuse_rotary=False)")
         self.fuses_rotary = fuse_rotary
+        self.fuses_body = fuse_body
         self.plans = [self._plan(layer, key, value, static or {})
                       for layer, (key, value) in enumerate(scheme.streams(num_layers))]
         self.past: dict[str, ir.Value] = {}
