@@ -2,7 +2,8 @@
 
 The ort-gqa flavour asks the decoder body for one MatMul over q/k/v and one over gate/up (then a Split),
 RMSNorm as ``RMSNormalization`` and residual add + norm as ``com.microsoft.SkipSimplifiedLayerNormalization``
-(fp32 bodies). Each registered architecture is exported twice, fused and with ``fuse_body=False`` (the
+(fp32 bodies), and feeds GroupQueryAttention the packed q|k|v where nothing sits between projection and node.
+Each registered architecture is exported twice, fused and with ``fuse_body=False`` (the
 portable body the reference flavour also builds), and must give the same logits within 1e-5 over a
 left-padded batch and decode steps (measured: 4e-7 to 3.3e-6, 7.6e-6 on qwen3's loud model; only the
 kernels' summation order differs), with the node counts the fusion promises.
@@ -36,6 +37,8 @@ NORMS = {
     "gemma2": (2 * LAYERS, 1 + 2 * LAYERS), "gemma3": (2 * LAYERS, 1 + 4 * LAYERS), "olmo2": (1, 4 * LAYERS),
 }
 TIED = {"llama-tied", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"}
+#: q/k norms sit between the projection and attention: these take q, k, v apart (3 realignments in, not 1)
+QK_NORMED = {"qwen3", "gemma3", "olmo2"}
 #: primitive RMSNorm ops: none may remain in a fused fp32 body
 PRIMITIVE_NORM = ("ReduceMean", "Sqrt", "Reciprocal")
 
@@ -87,6 +90,8 @@ def test_fused_body_uses_fused_ops_and_equals_the_unfused_body(tmp_path, unfused
     assert not any(fused[op] for op in PRIMITIVE_NORM)
     assert not plain["SkipSimplifiedLayerNormalization"] and not plain["RMSNormalization"]
     assert sum(fused.values()) < sum(plain.values())
+    # GQA's packed query: one left-to-right realignment of q|k|v and one back, per layer
+    assert fused["GatherND"] == (4 if arch in QK_NORMED else 2) * LAYERS and plain["GatherND"] == 4 * LAYERS
     gap = _max_logit_gap(KVQSession(fused_dir), KVQSession(plain_dir))
     assert gap <= 1e-5, gap
 
@@ -105,7 +110,9 @@ def test_fused_projections_keep_folded_value_rotation_and_rotated_keys(tmp_path,
         model = loud_model("qwen2")
         fused_dir = export(model, scheme, tmp_path / f"fused-{keys}", static=static, flavor="ort-gqa")
         plain_dir = export(model, scheme, tmp_path / f"plain-{keys}", static=static, flavor=unfused)
-        assert _ops(fused_dir)["MatMul"] == 4 * LAYERS + (2 * LAYERS if keys else 0)  # + a q and a k rotation per layer
+        ops = _ops(fused_dir)
+        assert ops["MatMul"] == 4 * LAYERS + (2 * LAYERS if keys else 0)  # + a q and a k rotation per layer
+        assert ops["GatherND"] == (4 if keys else 2) * LAYERS  # RoPE in the body: q, k, v realigned apart
         fused, plain = KVQSession(fused_dir), KVQSession(plain_dir)
         assert _max_logit_gap(fused, plain) <= 1e-5
         ids, mask = left_pad(PROMPTS["padded"])

@@ -129,12 +129,17 @@ def run_kvq(model: str, windows: list[list[int]], context: int, steps: int, flav
 
 # -- llama.cpp -----------------------------------------------------------------------------------------------------
 def _interleaved(steppers: dict[str, Callable[[int], None]], steps: int, warmup: int = 4) -> dict[str, float]:
-    """Median ms of ``steps`` calls per configuration, one call each in a rotating order (load drift hits all)."""
+    """Median ms of ``steps`` calls per configuration, one call each per round (load drift hits all).
+
+    Each round runs the configurations in a fresh (seeded) random order: with a fixed cyclic order every
+    configuration would always follow the same other one, and inherit its after-effects (ONNX Runtime's
+    worker threads keep spinning for a while after a run, onnxruntime-genai's as kvq's).
+    """
     names = list(steppers)
     times: dict[str, list[float]] = {name: [] for name in names}
+    rng = np.random.default_rng(0)
     for i in range(warmup + steps):
-        k = i % len(names)
-        for name in names[k:] + names[:k]:
+        for name in rng.permutation(names):
             start = time.perf_counter()
             steppers[name](i)
             if i >= warmup:

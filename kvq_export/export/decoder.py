@@ -184,8 +184,13 @@ class FusedRotaryCacheGraph(CacheGraph, Protocol):
 
     fuses_rotary: bool
 
-    def attend_projected(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
-        """Attend: q [B, t, Hq*D], k/v [B, t, Hkv*D] straight from the projections (no RoPE) -> [B, t, Hq*D]."""
+    def attend_projected(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value, *,
+                         packed: ir.Value | None = None) -> ir.Value:
+        """Attend: q [B, t, Hq*D], k/v [B, t, Hkv*D] straight from the projections (no RoPE) -> [B, t, Hq*D].
+
+        ``packed``, when given, is ``concat(q, k, v)`` along the last axis as one value (a fused projection's
+        output, of which q/k/v are the Split): the kernel may read it instead and leave q/k/v to the probes.
+        """
         ...
 
 
@@ -490,6 +495,13 @@ class _Body:
         """
         if not self.fuse_projections:
             return [self.linear(x, names, in_features, out, rotate_out=rot) for names, out, rot in parts]
+        sizes = [out for _, out, _ in parts]
+        return self.b.op_multi("Split", self.fused_projection(x, in_features, parts), self.b.const(sizes),
+                               num_outputs=len(sizes), axis=-1)
+
+    def fused_projection(self, x: ir.Value, in_features: int,
+                         parts: list[tuple[LinearNames, int, np.ndarray | None]]) -> ir.Value:
+        """The fused form of :meth:`linears` before its Split: ``x`` times the concatenated weights, plus bias."""
         b = self.b
         arrays = [self.linear_arrays(names, in_features, out, rotate_out=rot) for names, out, rot in parts]
         weight = np.concatenate([wt for wt, _ in arrays], axis=1)
@@ -499,8 +511,7 @@ class _Body:
                                    for (_, out, _), (_, bias) in zip(parts, arrays)])
             names = [n.bias or f"{n.initializer}.zero_bias" for n, _, _ in parts]
             y = b.op("Add", y, b.initializer(_joined(names), bias))
-        sizes = [out for _, out, _ in parts]
-        return b.op_multi("Split", y, b.const(sizes), num_outputs=len(sizes), axis=-1)
+        return y
 
     def fused_name(self, parts: list[LinearNames]) -> str:
         """Initializer name of concatenated projections: ``...self_attn.{q,k,v}_proj.weight``.
@@ -609,17 +620,24 @@ class _Body:
 
         with b.scope("attn"):
             x, hidden = self.add_norm(hidden, pending, names.input_norm)
-            q, k, v = self.linears(x, f.hidden_size, [(names.q, q_size, None), (names.k, kv_size, None),
-                                                      (names.v, kv_size, value_rot if fold else None)])
-            q = self.qk_norm(q, names.q_norm, f.num_heads)
-            k = self.qk_norm(k, names.k_norm, f.num_kv_heads)
+            parts = [(names.q, q_size, None), (names.k, kv_size, None), (names.v, kv_size, value_rot if fold else None)]
+            packed = None  # [B, t, (Hq + 2 Hkv) * D]: q, k, v side by side, for a kernel that takes them so
+            if self.fuse_projections:
+                packed = self.fused_projection(x, f.hidden_size, parts)
+                q, k, v = b.op_multi("Split", packed, b.const([q_size, kv_size, kv_size]), num_outputs=3, axis=-1)
+            else:
+                q, k, v = self.linears(x, f.hidden_size, parts)
+            if self.arch.qk_norm is not None and (names.q_norm or names.k_norm):
+                packed = None
+                q = self.qk_norm(q, names.q_norm, f.num_heads)
+                k = self.qk_norm(k, names.k_norm, f.num_kv_heads)
             if fuses_rotary(cache):  # [B, t, H*D] in and out: the cache graph's kernel applies RoPE
                 if key_rot is not None:
                     raise ExportError(f"layer {layer}: rotated keys need RoPE before the rotation, but this "
                                       "cache graph applies RoPE itself (export it with the body's RoPE)")
                 if in_graph is not None:
-                    v = self.rotate(v, _block_diag(in_graph, f.num_kv_heads))
-                attn = cache.attend_projected(b, layer, q, k, v)  # type: ignore[attr-defined]
+                    v, packed = self.rotate(v, _block_diag(in_graph, f.num_kv_heads)), None
+                attn = cache.attend_projected(b, layer, q, k, v, packed=packed)  # type: ignore[attr-defined]
                 if in_graph is not None:
                     attn = self.rotate(attn, _block_diag(in_graph, f.num_heads), inverse=True)
             else:

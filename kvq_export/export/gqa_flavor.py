@@ -250,10 +250,17 @@ class GQACacheGraph:
         offset = b.op("Sub", b.op("Unsqueeze", n0, b.const([1])), shift)
         return b.op("Max", b.op("Add", s, offset), b.const(0))
 
-    def attend_projected(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
-        """Attend: q [B,t,Hq*D], k/v [B,t,Hkv*D] before RoPE -> [B,t,Hq*D] (GQA applies RoPE)."""
+    def attend_projected(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value, *,
+                         packed: ir.Value | None = None) -> ir.Value:
+        """Attend: q [B,t,Hq*D], k/v [B,t,Hkv*D] before RoPE -> [B,t,Hq*D] (GQA applies RoPE).
+
+        With ``packed`` (q, k, v side by side) the node takes GQA's packed query and one realignment moves all
+        three; q/k/v then only name the probes.
+        """
         name_probes(b, layer, q, k, v, projected=True)
         with b.scope(f"gqa{layer}"):
+            if packed is not None:
+                return self._gqa(b, layer, packed, None, None, rotary=True)
             return self._gqa(b, layer, q, k, v, rotary=True)
 
     def attend(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
@@ -296,10 +303,11 @@ class GQACacheGraph:
             names = tuple(name.replace("rope.", f"rope.{rope.layer_type}.", 1) for name in ROTARY_TABLES)
         return (b.initializer(names[0], cos.astype(np_type)), b.initializer(names[1], sin.astype(np_type)))
 
-    def _gqa(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value, *, rotary: bool) -> ir.Value:
-        """Realign to right padding, run the node on the shared buffers, realign back."""
+    def _gqa(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value | None, v: ir.Value | None, *,
+             rotary: bool) -> ir.Value:
+        """Realign to right padding, run the node on the shared buffers, realign back (k = v = None: packed q)."""
         f, plan = self.facts, self.plans[layer]
-        qr, kr, vr = (b.op("GatherND", x, self.to_right, batch_dims=1) for x in (q, k, v))
+        qr, kr, vr = (None if x is None else b.op("GatherND", x, self.to_right, batch_dims=1) for x in (q, k, v))
         past = [self.past[tensor_name("past", layer, part, "buffer")] for part in PARTS]
         scales: list[ir.Value | None] = [None, None]
         attrs = {}
