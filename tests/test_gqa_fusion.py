@@ -83,9 +83,10 @@ def test_fused_body_uses_fused_ops_and_equals_the_unfused_body(tmp_path, unfused
     plain_dir = export(model, scheme, tmp_path / "plain", flavor=unfused)
     fused, plain = _ops(fused_dir), _ops(plain_dir)
     head = 0 if arch in TIED else 1
-    assert fused["MatMul"] == 4 * LAYERS + head  # qkv, o, gate_up, down
+    assert fused["MatMul"] == 4 * LAYERS + 1  # qkv, o, gate_up, down; lm_head (tied: on the embedding's Transpose)
+    assert (fused["Gemm"], fused["Transpose"]) == (0, 1 - head)
     assert fused["Split"] == 2 * LAYERS
-    assert plain["MatMul"] == 7 * LAYERS + head and plain["Split"] == 0
+    assert plain["MatMul"] == 7 * LAYERS + head and plain["Split"] == 0 and plain["Gemm"] == 1 - head
     assert (fused["SkipSimplifiedLayerNormalization"], fused["RMSNormalization"]) == NORMS[arch]
     assert not any(fused[op] for op in PRIMITIVE_NORM)
     assert not plain["SkipSimplifiedLayerNormalization"] and not plain["RMSNormalization"]
@@ -111,7 +112,7 @@ def test_fused_projections_keep_folded_value_rotation_and_rotated_keys(tmp_path,
         fused_dir = export(model, scheme, tmp_path / f"fused-{keys}", static=static, flavor="ort-gqa")
         plain_dir = export(model, scheme, tmp_path / f"plain-{keys}", static=static, flavor=unfused)
         ops = _ops(fused_dir)
-        assert ops["MatMul"] == 4 * LAYERS + (2 * LAYERS if keys else 0)  # + a q and a k rotation per layer
+        assert ops["MatMul"] == 4 * LAYERS + 1 + (2 * LAYERS if keys else 0)  # + a q and a k rotation per layer
         assert ops["GatherND"] == (4 if keys else 2) * LAYERS  # RoPE in the body: q, k, v realigned apart
         fused, plain = KVQSession(fused_dir), KVQSession(plain_dir)
         assert _max_logit_gap(fused, plain) <= 1e-5

@@ -27,8 +27,13 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   multi-token steps work, and an idle row has ``query_seqlens = 0``); positions follow from
   ``seqlens_k + 1 - query_seqlens``. kvq's inputs are *left*-padded, so the graph moves each row's tokens
   (contiguous, starting at the mask's first 1) to the front (GatherND) before the node and back after it;
-  padding rows get zeros. So left-padded batches are fully supported and a batched prompt gives what it gives
-  alone; right-padded rows (onnxruntime-genai's prompts, see :mod:`kvq_export.runtime.genai`) work too.
+  padding rows get zeros (the node leaves whatever was in memory at positions past ``query_seqlens``, so the
+  zeroing is needed even for single-token steps, where an idle row of a batch is the only padding). The
+  decoder body hands the node the fused q|k|v projection whole (GQA's packed query) unless something sits
+  between projection and attention (q/k norms, an in-graph value rotation), so one GatherND realigns all
+  three; q, k and v are still split out, for the probes. So left-padded batches are fully supported and a
+  batched prompt gives what it gives alone; right-padded rows (onnxruntime-genai's prompts, see
+  :mod:`kvq_export.runtime.genai`) work too.
 * ``seqlens_k = max(seq_lengths + new - 1, 0)`` (int32), ``total_sequence_length = max(longest row, t)``,
   ``query_seqlens = new tokens per row``, all computed in-graph from ``past.seq_lengths`` and the mask.
 * **Buffer sharing**: when ``past_key`` and ``present_key`` are the same memory (IO binding), the kernel
