@@ -320,16 +320,20 @@ class GenaiEngine:
         self.layers = int(self.outputs["num_hidden_layers"])
 
     def perplexity(self, windows: list[list[int]]) -> float:
-        """Strict decode: every window a row of one batch, one token per row per step."""
+        """Strict decode, one token per step, NLL pooled over the windows.
+
+        One generator per window: onnxruntime-genai 0.18 refuses a second ``append_tokens`` on a batch of more
+        than one row ("AppendTokens can only be called once for batch_size > 1"), so the windows run one by one.
+        """
         ids = np.asarray(windows, dtype=np.int32)
-        params = self.og.GeneratorParams(self.model)
-        params.set_search_options(max_length=ids.shape[1], batch_size=ids.shape[0], do_sample=False)
-        generator = self.og.Generator(self.model, params)
         total = 0.0
-        for i in range(ids.shape[1] - 1):
-            generator.append_tokens(ids[:, i:i + 1])
-            logits = np.asarray(generator.get_logits()).reshape(ids.shape[0], -1)
-            total += sum(_nll(logits[row], int(ids[row, i + 1])) for row in range(ids.shape[0]))
+        for row in ids:
+            params = self.og.GeneratorParams(self.model)
+            params.set_search_options(max_length=ids.shape[1], do_sample=False)
+            generator = self.og.Generator(self.model, params)
+            for i in range(ids.shape[1] - 1):
+                generator.append_tokens(row[i:i + 1])
+                total += _nll(np.asarray(generator.get_logits()).reshape(-1), int(row[i + 1]))
         return math.exp(total / (ids.shape[0] * (ids.shape[1] - 1)))
 
     def prefill(self, tokens: list[int], max_length: int):
@@ -499,9 +503,9 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
             row.ppl = engine.perplexity(p_windows)
             logger.info("%s: ppl %.4f (%.0f s)", name, row.ppl, time.perf_counter() - start)
     # timing: one engine per (runtime, scheme); the builder's calibrators do not change its speed
-    timed = {name: (engines[name][0], loaded(name)) for name in list(engines)
-             if (name in timed_engines if timed_engines is not None else "own" not in name and "p99" not in name)}
-    text = token_windows(tokenizer, load_corpus("britannica"), 1, max(contexts))[0]
+    timed = {name: (engines[name][0], loaded(name)) for name in list(engines) if contexts
+             and (name in timed_engines if timed_engines is not None else "own" not in name and "p99" not in name)}
+    text = token_windows(tokenizer, load_corpus("britannica"), 1, max(contexts))[0] if timed else []
     warmup = 4
     for _, engine in timed.values():  # first runs allocate and prepack: keep them out of the prefill timing
         engine.prefill(text[:PREFILL_CHUNK], PREFILL_CHUNK + 1)
