@@ -129,12 +129,17 @@ def run_kvq(model: str, windows: list[list[int]], context: int, steps: int, flav
 
 # -- llama.cpp -----------------------------------------------------------------------------------------------------
 def _interleaved(steppers: dict[str, Callable[[int], None]], steps: int, warmup: int = 4) -> dict[str, float]:
-    """Median ms of ``steps`` calls per configuration, one call each in a rotating order (load drift hits all)."""
+    """Median ms of ``steps`` calls per configuration, one call each per round (load drift hits all).
+
+    Each round runs the configurations in a fresh (seeded) random order: with a fixed cyclic order every
+    configuration would always follow the same other one, and inherit its after-effects (ONNX Runtime's
+    worker threads keep spinning for a while after a run, onnxruntime-genai's as kvq's).
+    """
     names = list(steppers)
     times: dict[str, list[float]] = {name: [] for name in names}
+    rng = np.random.default_rng(0)
     for i in range(warmup + steps):
-        k = i % len(names)
-        for name in names[k:] + names[:k]:
+        for name in rng.permutation(names):
             start = time.perf_counter()
             steppers[name](i)
             if i >= warmup:
@@ -315,16 +320,20 @@ class GenaiEngine:
         self.layers = int(self.outputs["num_hidden_layers"])
 
     def perplexity(self, windows: list[list[int]]) -> float:
-        """Strict decode: every window a row of one batch, one token per row per step."""
+        """Strict decode, one token per step, NLL pooled over the windows.
+
+        One generator per window: onnxruntime-genai 0.18 refuses a second ``append_tokens`` on a batch of more
+        than one row ("AppendTokens can only be called once for batch_size > 1"), so the windows run one by one.
+        """
         ids = np.asarray(windows, dtype=np.int32)
-        params = self.og.GeneratorParams(self.model)
-        params.set_search_options(max_length=ids.shape[1], batch_size=ids.shape[0], do_sample=False)
-        generator = self.og.Generator(self.model, params)
         total = 0.0
-        for i in range(ids.shape[1] - 1):
-            generator.append_tokens(ids[:, i:i + 1])
-            logits = np.asarray(generator.get_logits()).reshape(ids.shape[0], -1)
-            total += sum(_nll(logits[row], int(ids[row, i + 1])) for row in range(ids.shape[0]))
+        for row in ids:
+            params = self.og.GeneratorParams(self.model)
+            params.set_search_options(max_length=ids.shape[1], do_sample=False)
+            generator = self.og.Generator(self.model, params)
+            for i in range(ids.shape[1] - 1):
+                generator.append_tokens(row[i:i + 1])
+                total += _nll(np.asarray(generator.get_logits()).reshape(-1), int(row[i + 1]))
         return math.exp(total / (ids.shape[0] * (ids.shape[1] - 1)))
 
     def prefill(self, tokens: list[int], max_length: int):
@@ -350,12 +359,28 @@ class GenaiEngine:
 
 
 class KvqEngine:
-    """A kvq ort-gqa export in kvq's Python loop (KVQSession, IO binding, one shared buffer per stream)."""
+    """A kvq ort-gqa export in kvq's Python loop (KVQSession, IO binding, one shared buffer per stream).
 
-    def __init__(self, directory: Path) -> None:
+    ``spinning=False`` reloads the graph with ONNX Runtime's intra-op thread spinning off
+    (``session.intra_op.allow_spinning=0``), which is how onnxruntime-genai's loop behaves: measured on the
+    shared 2-core machine, kvq's graph in og's loop steps exactly as fast as in kvq's loop with spinning off,
+    and much faster than in kvq's loop with ONNX Runtime's default spinning when other processes load the cores.
+    """
+
+    def __init__(self, directory: Path, spinning: bool = True) -> None:
         from kvq_export.runtime.session import KVQSession
 
         self.session = KVQSession(directory)
+        if not spinning:
+            import onnxruntime as ort
+
+            from kvq_export.manifest import MODEL_NAME
+            from kvq_export.runtime.session import choose_providers, session_options
+
+            options = session_options(None)
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            self.session.session = ort.InferenceSession(str(self.session.directory / MODEL_NAME), options,
+                                                        providers=choose_providers(None))
 
     def perplexity(self, windows: list[list[int]]) -> float:
         """Strict decode (``kvq_export.bench.perplexity``)."""
@@ -384,9 +409,10 @@ class KvqEngine:
 def kvq_gqa_export(model: str, scheme: str, out: Path, static) -> Path:
     """``kvq export --flavor ort-gqa`` with the given static scales (reused if built with the same ones)."""
     from kvq_export.calibrate import calibration_digest
-    from kvq_export.export.exporter import export
+    from kvq_export.export.exporter import export, source_digest
 
-    stamp = {"scheme": scheme, "scales": calibration_digest(static) if static else None}
+    # the exporting code is part of the stamp: a graph change must not time a stale export
+    stamp = {"scheme": scheme, "scales": calibration_digest(static) if static else None, "kvq_code": source_digest()}
     if not _reuse(out, stamp):
         export(model, scheme, out, flavor="ort-gqa", static=static, force=True)
         _stamp(out, stamp)
@@ -403,7 +429,8 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
     ``kvq calibrate --format genai-scales``) and with its own calibrator's (its default path). Decode steps at
     each context interleaved across all engines in this process, after a chunked prefill of the context.
     ``ppl_engines`` / ``timed_engines`` pick engines by name (``kvq ort-int8 absmax``, ``builder int8_per_channel
-    own``, ...; default: every engine / one per runtime and scheme) so a loaded machine can split the work.
+    own``, ...; default: every engine but the no-spin twins / one per runtime, scheme and spinning) so a loaded
+    machine can split the work.
     """
     import json
 
@@ -450,6 +477,8 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
             kvq_dir = kvq_gqa_export(model, preset, work / f"kvq-{preset}-{label}", static)
             add(f"kvq {preset} {label}", Row("kvq ort-gqa", f"{preset} (kvq {label} scales)", preset),
                 lambda d=kvq_dir: KvqEngine(d))
+            add(f"kvq {preset} {label} no-spin", Row("kvq ort-gqa", f"{preset} (kvq {label} scales, no spinning)",
+                                                     preset), lambda d=kvq_dir: KvqEngine(d, spinning=False))
             scales = work / f"kvq-scales-{quant}-{label}.json"
             scales.write_text(json.dumps(builder_scale_file(static, scheme, num_layers=facts.num_layers,
                                                             kv_heads=facts.num_kv_heads, head_dim=facts.head_dim)))
@@ -467,16 +496,16 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
         raise SystemExit(f"unknown engine(s) {unknown}; known: {list(engines)}")
     if ppl:
         for name in list(engines):
-            if ppl_engines is not None and name not in ppl_engines:
-                continue
+            if name not in ppl_engines if ppl_engines is not None else name.endswith("no-spin"):
+                continue  # (a no-spin engine scores exactly what its spinning twin does)
             row, engine = engines[name][0], loaded(name)
             start = time.perf_counter()
             row.ppl = engine.perplexity(p_windows)
             logger.info("%s: ppl %.4f (%.0f s)", name, row.ppl, time.perf_counter() - start)
     # timing: one engine per (runtime, scheme); the builder's calibrators do not change its speed
-    timed = {name: (engines[name][0], loaded(name)) for name in list(engines)
-             if (name in timed_engines if timed_engines is not None else "own" not in name and "p99" not in name)}
-    text = token_windows(tokenizer, load_corpus("britannica"), 1, max(contexts))[0]
+    timed = {name: (engines[name][0], loaded(name)) for name in list(engines) if contexts
+             and (name in timed_engines if timed_engines is not None else "own" not in name and "p99" not in name)}
+    text = token_windows(tokenizer, load_corpus("britannica"), 1, max(contexts))[0] if timed else []
     warmup = 4
     for _, engine in timed.values():  # first runs allocate and prepack: keep them out of the prefill timing
         engine.prefill(text[:PREFILL_CHUNK], PREFILL_CHUNK + 1)

@@ -4,7 +4,8 @@
 Gives the *cause* behind a ``kvq bench`` latency ratio. The cache is the bench's synthetic fill (the exact
 stored layout with random data); then ``--warmup`` untimed steps, one more once the profiler is on, and
 ``--steps`` profiled single-token steps run through :class:`kvq_export.runtime.session.KVQSession`, the
-last of them ending at ``context`` tokens per row::
+last of them ending at ``context`` tokens per row; the exports' steps are interleaved (one step of each in
+turn), so the load of a shared machine hits them alike::
 
     python tools/profile_step.py EXPORT_DIR [EXPORT_DIR ...] --context 8192 --batch 1 --steps 16
 
@@ -30,48 +31,77 @@ logger = logging.getLogger("profile_step")
 def profile_export(directory: str | os.PathLike[str], *, context: int, batch: int, steps: int, warmup: int,
                    threads: int | None = None, seed: int = 0) -> dict:
     """Profile ``steps`` single-token steps of one export; return per-operator-type microseconds per step."""
+    return profile_exports([directory], context=context, batch=batch, steps=steps, warmup=warmup,
+                           threads=threads, seed=seed)[0]
+
+
+def profile_exports(directories: list[str | os.PathLike[str]], *, context: int, batch: int, steps: int,
+                    warmup: int, threads: int | None = None, seed: int = 0) -> list[dict]:
+    """Profile ``steps`` single-token steps of each export, the exports' steps interleaved.
+
+    Step ``i`` of every export runs before step ``i + 1`` of any, so a load that comes and goes on a shared
+    machine hits them alike and their ratios hold even where the absolute times do not.
+    """
     import onnxruntime as ort
 
     from kvq_export.bench import synthetic_cache
     from kvq_export.manifest import MODEL_NAME
     from kvq_export.runtime.session import KVQSession, choose_providers, session_options
 
-    session = KVQSession(directory, threads=threads)
     filled = context - warmup - 1 - steps  # the last profiled step ends exactly at ``context`` tokens
     if filled < 0:
         raise SystemExit(f"context {context} is shorter than warmup + 1 + steps = {warmup + 1 + steps}")
-    cache = synthetic_cache(session, batch, filled, capacity=context, seed=seed)
-    rng = np.random.default_rng(seed)
-    vocab = session.manifest.model.vocab_size
+    runs = []  # [session, cache, rng, vocab] per export
+    for directory in directories:
+        session = KVQSession(directory, threads=threads)
+        cache = synthetic_cache(session, batch, filled, capacity=context, seed=seed)
+        runs.append([session, cache, np.random.default_rng(seed), session.manifest.model.vocab_size])
+
+    def step_all() -> None:
+        for run in runs:
+            session, cache, rng, vocab = run
+            _, run[1] = session.step(rng.integers(0, vocab, (batch, 1)), None, cache)
+
     for _ in range(warmup):
-        _, cache = session.step(rng.integers(0, vocab, (batch, 1)), None, cache)
+        step_all()
     with tempfile.TemporaryDirectory(prefix="kvq-profile-") as tmp:
-        options = session_options(threads)
-        options.enable_profiling = True
-        options.profile_file_prefix = str(Path(tmp) / "step")
-        # the same graph, now with the profiler on (its own warm-up step first: the first run allocates)
-        session.session = ort.InferenceSession(str(session.directory / MODEL_NAME), options,
-                                               providers=choose_providers(None))
-        _, cache = session.step(rng.integers(0, vocab, (batch, 1)), None, cache)
-        for _ in range(steps):
-            _, cache = session.step(rng.integers(0, vocab, (batch, 1)), None, cache)
-        events = json.loads(Path(session.session.end_profiling()).read_text())
+        for i, run in enumerate(runs):
+            options = session_options(threads)
+            options.enable_profiling = True
+            options.profile_file_prefix = str(Path(tmp) / f"step{i}")
+            # the same graph, now with the profiler on (its own warm-up step first: the first run allocates)
+            run[0].session = ort.InferenceSession(str(run[0].directory / MODEL_NAME), options,
+                                                  providers=choose_providers(None))
+        for _ in range(1 + steps):
+            step_all()
+        events = [json.loads(Path(run[0].session.end_profiling()).read_text()) for run in runs]
+    return [_summary(run[0], run_events, context=context, batch=batch, steps=steps)
+            for run, run_events in zip(runs, events)]
+
+
+def _summary(session, events: list[dict], *, context: int, batch: int, steps: int) -> dict:
+    """Per-operator-type time and node count of the last ``steps`` runs in one session's profile."""
     runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
     nodes = [e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")]
     # drop the profiler's own warm-up run: keep the last ``steps`` runs and the nodes inside them
     timed = runs[-steps:]
     start = timed[0]["ts"] if timed else 0
     by_op: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
     for e in nodes:
         if e["ts"] >= start:
             by_op[e["args"].get("op_name", "?")] += e["dur"]
+            count[e["args"].get("op_name", "?")] += 1
     node_us = sum(by_op.values())
     return {
-        "export": str(directory), "scheme": session.manifest.scheme.name, "flavor": session.manifest.flavor,
+        "export": str(session.directory), "scheme": session.manifest.scheme.name, "flavor": session.manifest.flavor,
         "context": context, "batch": batch, "steps": steps,
         # mean, like the node figure below, so the two are comparable (a median run hides the slow steps' nodes)
         "run_us_per_step": float(np.mean([r["dur"] for r in timed])) if timed else None,
         "node_us_per_step": node_us / steps,
+        # nodes ONNX Runtime ran per step, after its own graph optimizations (fewer than the file may hold)
+        "nodes_per_step": sum(count.values()) / steps,
+        "op_nodes_per_step": {op: n / steps for op, n in sorted(count.items(), key=lambda kv: -kv[1])},
         "ops_us_per_step": {op: us / steps for op, us in sorted(by_op.items(), key=lambda kv: -kv[1])},
     }
 
@@ -88,14 +118,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", dest="json_out", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    results = [profile_export(d, context=args.context, batch=args.batch, steps=args.steps, warmup=args.warmup,
-                              threads=args.threads) for d in args.exports]
+    results = profile_exports(args.exports, context=args.context, batch=args.batch, steps=args.steps,
+                              warmup=args.warmup, threads=args.threads)
     for r in results:
         total = r["node_us_per_step"]
-        logger.info("%s %s @%d x%d: step %.2f ms (median), node time %.2f ms", r["flavor"], r["scheme"],
-                    r["context"], r["batch"], (r["run_us_per_step"] or 0) / 1e3, total / 1e3)
+        logger.info("%s %s @%d x%d: step %.2f ms (mean), node time %.2f ms, %d nodes", r["flavor"], r["scheme"],
+                    r["context"], r["batch"], (r["run_us_per_step"] or 0) / 1e3, total / 1e3, r["nodes_per_step"])
         for op, us in list(r["ops_us_per_step"].items())[:args.top]:
-            logger.info("  %-22s %6.2f ms  %5.1f%%", op, us / 1e3, 100 * us / total)
+            logger.info("  %-34s %6.2f ms  %5.1f%%  %4d nodes", op, us / 1e3, 100 * us / total,
+                        r["op_nodes_per_step"][op])
     if args.json_out:
         from kvq_export.validate.report import write_json
 

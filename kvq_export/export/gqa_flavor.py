@@ -27,8 +27,13 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   multi-token steps work, and an idle row has ``query_seqlens = 0``); positions follow from
   ``seqlens_k + 1 - query_seqlens``. kvq's inputs are *left*-padded, so the graph moves each row's tokens
   (contiguous, starting at the mask's first 1) to the front (GatherND) before the node and back after it;
-  padding rows get zeros. So left-padded batches are fully supported and a batched prompt gives what it gives
-  alone; right-padded rows (onnxruntime-genai's prompts, see :mod:`kvq_export.runtime.genai`) work too.
+  padding rows get zeros (the node leaves whatever was in memory at positions past ``query_seqlens``, so the
+  zeroing is needed even for single-token steps, where an idle row of a batch is the only padding). The
+  decoder body hands the node the fused q|k|v projection whole (GQA's packed query) unless something sits
+  between projection and attention (q/k norms, an in-graph value rotation), so one GatherND realigns all
+  three; q, k and v are still split out, for the probes. So left-padded batches are fully supported and a
+  batched prompt gives what it gives alone; right-padded rows (onnxruntime-genai's prompts, see
+  :mod:`kvq_export.runtime.genai`) work too.
 * ``seqlens_k = max(seq_lengths + new - 1, 0)`` (int32), ``total_sequence_length = max(longest row, t)``,
   ``query_seqlens = new tokens per row``, all computed in-graph from ``past.seq_lengths`` and the mask.
 * **Buffer sharing**: when ``past_key`` and ``present_key`` are the same memory (IO binding), the kernel
@@ -153,13 +158,18 @@ class GQACacheGraph(LaidOutCache):
         static: calibrated static scales ``{layer: {"key"|"value": {"scales": [H, n]}}}``.
         fuse_rotary: apply RoPE inside the node (default; refused with rotated keys); False leaves it to
             the decoder body.
+        fuse_body: ask the decoder body for ONNX Runtime's fused nodes (default): one MatMul for q/k/v and
+            one for gate/up, RMSNorm as ``RMSNormalization`` and residual + norm as
+            ``com.microsoft.SkipSimplifiedLayerNormalization`` (see :class:`kvq_export.export.decoder._Body`).
+            The graph needs ONNX Runtime anyway; False gives the portable body of the reference flavour.
     """
 
     layout = BUFFER
     #: the node's ``softcap`` attribute is Gemma2's attention soft-capping
     supports_attn_softcap = True
 
-    def __init__(self, scheme: KVQuantScheme, *, fuse_rotary: bool = True, **geometry) -> None:
+    def __init__(self, scheme: KVQuantScheme, *, fuse_rotary: bool = True, fuse_body: bool = True,
+                 **geometry) -> None:
         super().__init__(scheme, **geometry)
         reasons = unsupported(scheme, self.num_layers)
         if reasons:
@@ -168,6 +178,7 @@ class GQACacheGraph(LaidOutCache):
             raise ExportError("ort-gqa: rotated keys are rotated after RoPE, so RoPE cannot be fused into "
                               "GroupQueryAttention (use fuse_rotary=False)")
         self.fuses_rotary = fuse_rotary
+        self.fuses_body = fuse_body
         self.plans = [self._plan(layer, key, value, self.static)
                       for layer, (key, value) in enumerate(scheme.streams(self.num_layers))]
 
@@ -233,10 +244,17 @@ class GQACacheGraph(LaidOutCache):
         offset = b.op("Sub", b.op("Unsqueeze", n0, b.const([1])), shift)
         return b.op("Max", b.op("Add", s, offset), b.const(0))
 
-    def attend_projected(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
-        """Attend: q [B,t,Hq*D], k/v [B,t,Hkv*D] before RoPE -> [B,t,Hq*D] (GQA applies RoPE)."""
+    def attend_projected(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value, *,
+                         packed: ir.Value | None = None) -> ir.Value:
+        """Attend: q [B,t,Hq*D], k/v [B,t,Hkv*D] before RoPE -> [B,t,Hq*D] (GQA applies RoPE).
+
+        With ``packed`` (q, k, v side by side) the node takes GQA's packed query and one realignment moves all
+        three; q/k/v then only name the probes.
+        """
         name_probes(b, layer, q, k, v, projected=True)
         with b.scope(f"gqa{layer}"):
+            if packed is not None:
+                return self._gqa(b, layer, packed, None, None, rotary=True)
             return self._gqa(b, layer, q, k, v, rotary=True)
 
     def attend(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
@@ -275,10 +293,11 @@ class GQACacheGraph(LaidOutCache):
             names = tuple(name.replace("rope.", f"rope.{rope.layer_type}.", 1) for name in ROTARY_TABLES)
         return (b.initializer(names[0], cos.astype(np_type)), b.initializer(names[1], sin.astype(np_type)))
 
-    def _gqa(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value, *, rotary: bool) -> ir.Value:
-        """Realign to right padding, run the node on the shared buffers, realign back."""
+    def _gqa(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value | None, v: ir.Value | None, *,
+             rotary: bool) -> ir.Value:
+        """Realign to right padding, run the node on the shared buffers, realign back (k = v = None: packed q)."""
         f, plan = self.facts, self.plans[layer]
-        qr, kr, vr = (b.op("GatherND", x, self.to_right, batch_dims=1) for x in (q, k, v))
+        qr, kr, vr = (None if x is None else b.op("GatherND", x, self.to_right, batch_dims=1) for x in (q, k, v))
         past = [self.past[self.layout.buffer_name("past", layer, part)] for part in PARTS]
         scales: list[ir.Value | None] = [None, None]
         attrs = {}
