@@ -361,26 +361,16 @@ class GenaiEngine:
 class KvqEngine:
     """A kvq ort-gqa export in kvq's Python loop (KVQSession, IO binding, one shared buffer per stream).
 
-    ``spinning=False`` reloads the graph with ONNX Runtime's intra-op thread spinning off
-    (``session.intra_op.allow_spinning=0``), which is how onnxruntime-genai's loop behaves: measured on the
-    shared 2-core machine, kvq's graph in og's loop steps exactly as fast as in kvq's loop with spinning off,
-    and much faster than in kvq's loop with ONNX Runtime's default spinning when other processes load the cores.
+    ``spinning=True`` keeps ONNX Runtime's intra-op thread spinning on (its default; KVQSession, like
+    onnxruntime-genai's loop, turns it off): measured on the shared 2-core machine, kvq's graph in og's loop
+    steps exactly as fast as in kvq's loop without spinning, and much faster than with spinning when other
+    processes load the cores.
     """
 
-    def __init__(self, directory: Path, spinning: bool = True) -> None:
+    def __init__(self, directory: Path, spinning: bool = False) -> None:
         from kvq_export.runtime.session import KVQSession
 
-        self.session = KVQSession(directory)
-        if not spinning:
-            import onnxruntime as ort
-
-            from kvq_export.manifest import MODEL_NAME
-            from kvq_export.runtime.session import choose_providers, session_options
-
-            options = session_options(None)
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            self.session.session = ort.InferenceSession(str(self.session.directory / MODEL_NAME), options,
-                                                        providers=choose_providers(None))
+        self.session = KVQSession(directory, spinning=spinning)
 
     def perplexity(self, windows: list[list[int]]) -> float:
         """Strict decode (``kvq_export.bench.perplexity``)."""
@@ -429,7 +419,7 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
     ``kvq calibrate --format genai-scales``) and with its own calibrator's (its default path). Decode steps at
     each context interleaved across all engines in this process, after a chunked prefill of the context.
     ``ppl_engines`` / ``timed_engines`` pick engines by name (``kvq ort-int8 absmax``, ``builder int8_per_channel
-    own``, ...; default: every engine but the no-spin twins / one per runtime, scheme and spinning) so a loaded
+    own``, ...; default: every engine but the spinning twins / one per runtime, scheme and spinning) so a loaded
     machine can split the work.
     """
     import json
@@ -477,8 +467,8 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
             kvq_dir = kvq_gqa_export(model, preset, work / f"kvq-{preset}-{label}", static)
             add(f"kvq {preset} {label}", Row("kvq ort-gqa", f"{preset} (kvq {label} scales)", preset),
                 lambda d=kvq_dir: KvqEngine(d))
-            add(f"kvq {preset} {label} no-spin", Row("kvq ort-gqa", f"{preset} (kvq {label} scales, no spinning)",
-                                                     preset), lambda d=kvq_dir: KvqEngine(d, spinning=False))
+            add(f"kvq {preset} {label} spin", Row("kvq ort-gqa", f"{preset} (kvq {label} scales, spinning)",
+                                                  preset), lambda d=kvq_dir: KvqEngine(d, spinning=True))
             scales = work / f"kvq-scales-{quant}-{label}.json"
             scales.write_text(json.dumps(builder_scale_file(static, scheme, num_layers=facts.num_layers,
                                                             kv_heads=facts.num_kv_heads, head_dim=facts.head_dim)))
@@ -496,8 +486,8 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
         raise SystemExit(f"unknown engine(s) {unknown}; known: {list(engines)}")
     if ppl:
         for name in list(engines):
-            if name not in ppl_engines if ppl_engines is not None else name.endswith("no-spin"):
-                continue  # (a no-spin engine scores exactly what its spinning twin does)
+            if name not in ppl_engines if ppl_engines is not None else name.endswith(" spin"):
+                continue  # (a spinning engine scores exactly what its twin does)
             row, engine = engines[name][0], loaded(name)
             start = time.perf_counter()
             row.ppl = engine.perplexity(p_windows)

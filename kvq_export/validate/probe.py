@@ -102,7 +102,7 @@ class ProbedSession(KVQSession):
             names = projected
         model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names)
         # loaded from memory, its external weights read from the export: nothing is written into the export
-        options = session_options(kwargs.get("threads"))
+        options = session_options(kwargs.get("threads"), spinning=kwargs.get("spinning", False))
         options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                          str(self.directory.resolve()))
         self.session = ort.InferenceSession(model.SerializeToString(), options,
