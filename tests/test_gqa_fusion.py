@@ -20,7 +20,6 @@ import pytest
 from gqa_harness import PROMPTS, SCHEMES, calibration, left_pad
 from tiny_models import ARCHS, NEW_ARCHS, VOCAB, loud_model
 
-from kvq_export import naming
 from kvq_export.export import exporter
 from kvq_export.export.exporter import export
 from kvq_export.export.gqa_flavor import GQACacheGraph, rotates_keys
@@ -50,7 +49,6 @@ def unfused(monkeypatch):
         return GQACacheGraph(scheme, fuse_rotary=not rotates_keys(scheme, geo["num_layers"]), fuse_body=False, **geo)
 
     monkeypatch.setitem(exporter.FLAVORS, "ort-gqa-unfused", factory)
-    monkeypatch.setitem(naming.FLAVOR_LAYOUTS, "ort-gqa-unfused", "buffer")
     return "ort-gqa-unfused"
 
 
