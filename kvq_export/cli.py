@@ -226,7 +226,7 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, ca
 @click.option("--context", type=click.IntRange(1), default=4096, show_default=True,
               help="Cache length the budget is stated at.")
 @click.option("--candidates", default="ort-gqa", show_default=True,
-              help="Built-in set (ort-gqa, kivi) or comma-separated presets / scheme files (one layer option each).")
+              help="Built-in set (ort-gqa, kivi, accuracy) or comma-separated presets / scheme files (one layer option each).")
 @click.option("--metric", type=click.Choice(["attention", "kl"]), default="attention", show_default=True,
               help="attention: output error through o_proj relative to the residual stream (one model pass); "
                    "kl: logit KL with one layer's stream quantized (a forward per layer and candidate).")
