@@ -96,7 +96,7 @@ def test_accuracy_set_offers_rotated_and_ggml_streams():
     for streams in (cset.keys, cset.values):
         assert any(t.rotation == "hadamard" and t.quantizer == "kvq" for t in streams)
         assert any(t.quantizer == "ggml" and t.rotation == "hadamard" for t in streams)
-        assert {t.bits for t in streams} == {2, 4, 8}
+        assert {t.bits for t in streams} == {2, 4, 5, 8}
         assert len(set(streams)) == len(streams)
     assert {t.axis for t in cset.keys if t.quantizer == "kvq" and t.bits < 8} == {"channel"}
     assert all(t.axis == "token" for t in cset.values)
@@ -172,6 +172,26 @@ def test_accuracy_plan_fits_a_three_and_a_half_bit_budget(windows):
     assert len(plan.damages) == 2 * (len(cset.keys) + len(cset.values))
     best_fitting = min(u["damage"] for u in plan.uniform if u["bits_per_element"] <= 3.5)
     assert plan.damage <= best_fitting + 1e-12  # never worse than the best uniform choice within the budget
+
+
+def test_sink_tokens_are_measured_and_paid_for(windows):
+    from kvq_export.calibrate import collect_attention_samples
+    from kvq_export.plan import _o_proj, attention_damage
+
+    model = tiny_model("llama")
+    samples = collect_attention_samples(model, windows, [0, 1], 2)
+    two_key, two_value = (next(t for t in streams if t.bits == 2) for streams in
+                          (CANDIDATE_SETS["accuracy"].keys, fitting(CANDIDATE_SETS["accuracy"], 32).values))
+    quantized = attention_damage(samples[0], _o_proj(model, 0), two_key, two_value)[0]
+    exact = attention_damage(samples[0], _o_proj(model, 0), two_key, two_value, sink_tokens=len(windows[0]))[0]
+    assert quantized > 1e-6 and exact < 1e-10  # every token a sink: nothing is quantized
+    cset = fitting(CANDIDATE_SETS["accuracy"], 32)
+    plan = plan_scheme(model, windows, budget=4.5, context=256, candidates=cset, sink_tokens=4)
+    assert plan.scheme.sink_tokens == 4 and plan.settings["sink_tokens"] == 4
+    assert predict(plan.scheme, model_facts(model.config), 256).bits_per_element == pytest.approx(plan.bits_per_element)
+    assert plan.bits_per_element <= 4.5
+    with pytest.raises(KVQError, match="sink_tokens"):
+        plan_scheme(model, windows, budget=4.5, context=256, candidates=cset, sink_tokens=-1)
 
 
 def test_plan_errors(windows):
