@@ -194,6 +194,24 @@ def test_sink_tokens_are_measured_and_paid_for(windows):
         plan_scheme(model, windows, budget=4.5, context=256, candidates=cset, sink_tokens=-1)
 
 
+@pytest.mark.parametrize("budget", ["3.5", "4.5", "6.5"])
+def test_smollm2_accuracy_plans_fit_their_budget(budget):
+    """The shipped plans (``kvq plan --candidates accuracy``) describe SmolLM2's cache within their budget."""
+    from pathlib import Path
+
+    from kvq_export.memory import Geometry
+    from kvq_export.presets import resolve_scheme
+
+    scheme = resolve_scheme(str(Path(__file__).parents[1] / "models" / f"smollm2-plan-{budget}.json"))
+    scheme.check_model(30, 64)  # SmolLM2-135M: 30 layers, 3 kv heads of 64 channels
+    assert scheme.residual_length == 0 and scheme.sink_tokens == 0
+    for context in (512, 4096):
+        assert predict(scheme, Geometry(30, 3, 64), context).bits_per_element <= float(budget)
+    cset = CANDIDATE_SETS["accuracy"]
+    assert all(k in cset.keys and v in cset.values for k, v in scheme.streams(30))
+    assert len(set(scheme.streams(30))) > 1  # a per-layer plan, not a uniform scheme
+
+
 def test_plan_errors(windows):
     model = tiny_model("llama")
     with pytest.raises(KVQError, match="no allocation fits"):
