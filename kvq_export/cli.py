@@ -226,19 +226,22 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, ca
 @click.option("--context", type=click.IntRange(1), default=4096, show_default=True,
               help="Cache length the budget is stated at.")
 @click.option("--candidates", default="ort-gqa", show_default=True,
-              help="Built-in set (ort-gqa, kivi) or comma-separated presets / scheme files (one layer option each).")
+              help="Built-in set (ort-gqa, kivi, accuracy) or comma-separated presets / scheme files "
+                   "(one layer option each).")
 @click.option("--metric", type=click.Choice(["attention", "kl"]), default="attention", show_default=True,
               help="attention: output error through o_proj relative to the residual stream (one model pass); "
                    "kl: logit KL with one layer's stream quantized (a forward per layer and candidate).")
 @click.option("--calib-method", type=click.Choice(["absmax", "percentile", "attention"]), default="attention",
               show_default=True, help="Calibration of static candidates (export them with the same method).")
 @click.option("--percentile", type=click.FloatRange(0, 100, min_open=True), default=99.9, show_default=True)
+@click.option("--sink-tokens", type=click.IntRange(0), default=0, show_default=True,
+              help="First tokens kept in high precision in every layer (measured, and counted in the budget).")
 @click.option("--name", default=None, help="Name of the planned scheme (default plan-<budget>b).")
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Scheme JSON to write.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the measured damage per layer and candidate, and the uniform choices, as JSON.")
-def plan(model_spec, corpus, tokens, offset, budget, context, candidates, metric, calib_method, percentile, name,
-         out_path, report_path) -> None:
+def plan(model_spec, corpus, tokens, offset, budget, context, candidates, metric, calib_method, percentile,
+         sink_tokens, name, out_path, report_path) -> None:
     """Choose per-layer key/value formats under a bit budget by measured attention damage; write a scheme."""
     from pathlib import Path
 
@@ -251,7 +254,7 @@ def plan(model_spec, corpus, tokens, offset, budget, context, candidates, metric
         raise KVQError(f"model {model_spec} has no tokenizer: kvq plan reads calibration text")
     windows = calibration_windows(tokenizer, corpus, tokens, offset=offset)
     result = plan_scheme(model, windows, budget=budget, context=context, candidates=candidates, metric=metric,
-                         calib_method=calib_method, percentile=percentile,
+                         calib_method=calib_method, percentile=percentile, sink_tokens=sink_tokens,
                          name=name or Path(out_path).stem)
     result.settings.update(model=model_spec, corpus=corpus, offset=offset)
     Path(out_path).write_text(result.scheme.to_json() + "\n")

@@ -90,6 +90,24 @@ def test_candidate_sets():
     assert all(v.group_size == 32 for _, v in small.options()) and len(small.options()) == 5 * 2
 
 
+def test_accuracy_set_offers_rotated_and_ggml_streams():
+    cset = CANDIDATE_SETS["accuracy"]
+    assert not cset.tied
+    for streams in (cset.keys, cset.values):
+        assert any(t.rotation == "hadamard" and t.quantizer == "kvq" for t in streams)
+        assert any(t.quantizer == "ggml" and t.rotation == "hadamard" for t in streams)
+        assert {t.bits for t in streams} == {2, 4, 5, 8}
+        assert len(set(streams)) == len(streams)
+    assert {t.axis for t in cset.keys if t.quantizer == "kvq" and t.bits < 8} == {"channel"}
+    assert all(t.axis == "token" for t in cset.values)
+    assert all(t.clip < 1 for t in cset.values if t.bits == 2 and t.group_size == 32)
+    for key, value in cset.options():  # every option is a valid scheme for a head_dim-64 model
+        KVQuantScheme(key=key, value=value).check_model(30, 64)
+    small = fitting(cset, 32)
+    assert all((v.group_size or 32) <= 32 for _, v in small.options())
+    assert len(small.keys) == len(cset.keys) and len(small.values) < len(cset.values)
+
+
 # -- planning on a tiny model -----------------------------------------------------------------------------
 @pytest.mark.parametrize("metric", ["attention", "kl"])
 def test_ort_gqa_plan_spends_the_budget_where_damage_is(windows, metric):
@@ -125,6 +143,73 @@ def test_untied_plan_measures_keys_and_values_separately(windows):
     eight_bit = [d for d in plan.damages if d.key is not None and d.key.bits == 8]
     assert sum(d.damage for d in two_bit) > sum(d.damage for d in eight_bit)
     assert all(d.value_induced == 0 for d in plan.damages if d.value is None)  # keys alone: no value error
+
+
+def test_rotated_candidates_are_measured_in_the_model_basis(windows):
+    """Rotating an unquantized stream is exact (no damage); a rotated 2-bit stream is measured, not ignored."""
+    import dataclasses
+
+    from kvq_export.calibrate import collect_attention_samples
+    from kvq_export.plan import _o_proj, attention_damage
+
+    model = tiny_model("llama")
+    samples = collect_attention_samples(model, windows, [0, 1], 2)
+    weight = _o_proj(model, 1)
+    fp32_rot = dataclasses.replace(KVQuantScheme(hp_dtype="fp32").key, rotation="hadamard")
+    assert attention_damage(samples[1], weight, fp32_rot, fp32_rot)[0] < 1e-10
+    two = next(v for v in fitting(CANDIDATE_SETS["accuracy"], 32).values if v.bits == 2)
+    plain = dataclasses.replace(two, rotation="none")
+    rotated, unrotated = (attention_damage(samples[1], weight, None, v) for v in (two, plain))
+    assert rotated[0] > 1e-6 and rotated[2] > 0 and rotated != unrotated
+
+
+def test_accuracy_plan_fits_a_three_and_a_half_bit_budget(windows):
+    model = tiny_model("llama")
+    plan = plan_scheme(model, windows, budget=3.5, context=4096, candidates=fitting(CANDIDATE_SETS["accuracy"], 32))
+    assert plan.bits_per_element <= 3.5
+    cset = fitting(CANDIDATE_SETS["accuracy"], 32)
+    assert all(k in cset.keys and v in cset.values for k, v in plan.scheme.streams(2))
+    assert len(plan.damages) == 2 * (len(cset.keys) + len(cset.values))
+    best_fitting = min(u["damage"] for u in plan.uniform if u["bits_per_element"] <= 3.5)
+    assert plan.damage <= best_fitting + 1e-12  # never worse than the best uniform choice within the budget
+
+
+def test_sink_tokens_are_measured_and_paid_for(windows):
+    from kvq_export.calibrate import collect_attention_samples
+    from kvq_export.plan import _o_proj, attention_damage
+
+    model = tiny_model("llama")
+    samples = collect_attention_samples(model, windows, [0, 1], 2)
+    two_key, two_value = (next(t for t in streams if t.bits == 2) for streams in
+                          (CANDIDATE_SETS["accuracy"].keys, fitting(CANDIDATE_SETS["accuracy"], 32).values))
+    quantized = attention_damage(samples[0], _o_proj(model, 0), two_key, two_value)[0]
+    exact = attention_damage(samples[0], _o_proj(model, 0), two_key, two_value, sink_tokens=len(windows[0]))[0]
+    assert quantized > 1e-6 and exact < 1e-10  # every token a sink: nothing is quantized
+    cset = fitting(CANDIDATE_SETS["accuracy"], 32)
+    plan = plan_scheme(model, windows, budget=4.5, context=256, candidates=cset, sink_tokens=4)
+    assert plan.scheme.sink_tokens == 4 and plan.settings["sink_tokens"] == 4
+    assert predict(plan.scheme, model_facts(model.config), 256).bits_per_element == pytest.approx(plan.bits_per_element)
+    assert plan.bits_per_element <= 4.5
+    with pytest.raises(KVQError, match="sink_tokens"):
+        plan_scheme(model, windows, budget=4.5, context=256, candidates=cset, sink_tokens=-1)
+
+
+@pytest.mark.parametrize("budget", ["3.5", "4.5", "6.5"])
+def test_smollm2_accuracy_plans_fit_their_budget(budget):
+    """The shipped plans (``kvq plan --candidates accuracy``) describe SmolLM2's cache within their budget."""
+    from pathlib import Path
+
+    from kvq_export.memory import Geometry
+    from kvq_export.presets import resolve_scheme
+
+    scheme = resolve_scheme(str(Path(__file__).parents[1] / "models" / f"smollm2-plan-{budget}.json"))
+    scheme.check_model(30, 64)  # SmolLM2-135M: 30 layers, 3 kv heads of 64 channels
+    assert scheme.residual_length == 0 and scheme.sink_tokens == 0
+    for context in (512, 4096):
+        assert predict(scheme, Geometry(30, 3, 64), context).bits_per_element <= float(budget)
+    cset = CANDIDATE_SETS["accuracy"]
+    assert all(k in cset.keys and v in cset.values for k, v in scheme.streams(30))
+    assert len(set(scheme.streams(30))) > 1  # a per-layer plan, not a uniform scheme
 
 
 def test_plan_errors(windows):

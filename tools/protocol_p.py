@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Protocol P on kvq's reference cache in PyTorch: Δppl, KL and top-1 of schemes against the fp32 model.
 
-SmolLM2 (``--model``), ``--windows`` non-overlapping windows of ``--window-len`` corpus tokens from token 0
-(model tokenizer, no BOS), each from an empty cache, strict decode (one token per step; the current token is
-stored, and quantized when the scheme says so, before attention reads it), every token but a window's first
+SmolLM2 (``--model``), ``--windows`` non-overlapping windows of ``--window-len`` corpus tokens from token
+``--offset`` (0 for P itself; another offset scores held-out text; model tokenizer, no BOS), each from an
+empty cache, strict decode (one token per step; the current token is stored, and quantized when the scheme
+says so, before attention reads it), every token but a window's first
 scored. All windows are decoded together as one batch (equal lengths, no padding), on
 :func:`kvq_export.reference.hf_cache.reference_hf_cache` — the arithmetic every exported graph is tested
 bit-exact against. The baseline is one full fp32 forward per window (token by token agrees within 5e-5 per
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--corpus", default="britannica")
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--window-len", type=int, default=512)
+    parser.add_argument("--offset", type=int, default=0, help="corpus token the first window starts at")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
@@ -46,7 +48,8 @@ def main() -> None:
     cfg = model.config
     geometry = Geometry(cfg.num_hidden_layers, cfg.num_key_value_heads,
                         getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    ids = torch.tensor(token_windows(tokenizer, load_corpus(args.corpus), args.windows, args.window_len))
+    ids = torch.tensor(token_windows(tokenizer, load_corpus(args.corpus), args.windows, args.window_len,
+                                       offset=args.offset))
     with torch.no_grad():
         base = torch.stack([model(ids[w:w + 1]).logits[0].float().log_softmax(-1) for w in range(args.windows)])
     rows, targets = torch.arange(args.windows), ids[:, 1:]
@@ -71,7 +74,8 @@ def main() -> None:
             "mean_kl": float(torch.stack(kl).mean()), "top1": float(torch.stack(top1).mean()),
             "bits_512": predict(scheme, geometry, 512).bits_per_element,
             "bits_4096": predict(scheme, geometry, 4096).bits_per_element,
-            "windows": args.windows, "window_len": args.window_len, "scored": int(targets.numel()),
+            "windows": args.windows, "window_len": args.window_len, "offset": args.offset,
+            "scored": int(targets.numel()),
             "seconds": round(time.time() - start),
         }
         print(json.dumps(result), flush=True)
