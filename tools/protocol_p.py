@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from kvq_export.calibrate import calibrate_static_scales, calibration_windows, static_to_torch
 from kvq_export.corpus import load_corpus, token_windows
 from kvq_export.memory import Geometry, predict
 from kvq_export.model_source import load_model
@@ -40,6 +41,11 @@ def main() -> None:
     parser.add_argument("--window-len", type=int, default=512)
     parser.add_argument("--offset", type=int, default=0, help="corpus token the first window starts at")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--calib-method", default="absmax", help="static-scale schemes: absmax, percentile, attention")
+    parser.add_argument("--percentile", type=float, default=99.9, help="for --calib-method percentile")
+    parser.add_argument("--calib-tokens", type=int, default=4096, help="static-scale schemes: calibration tokens")
+    parser.add_argument("--calib-offset", type=int, default=60000,
+                        help="static-scale schemes: corpus token the calibration text starts at (apart from P's)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -59,7 +65,12 @@ def main() -> None:
     for spec in args.schemes:
         scheme = resolve_scheme(spec)
         start = time.time()
-        cache, _ = reference_hf_cache(scheme, cfg.num_hidden_layers)
+        static = None
+        if scheme.has_static_scales:  # calibrated on held-out text, as ``kvq export`` would
+            calib = calibration_windows(tokenizer, args.corpus, args.calib_tokens, offset=args.calib_offset)
+            static = static_to_torch(calibrate_static_scales(model, scheme, calib, method=args.calib_method,
+                                                             percentile=args.percentile))
+        cache, _ = reference_hf_cache(scheme, cfg.num_hidden_layers, static)
         nll, kl, top1 = [], [], []
         with torch.no_grad():
             for t in range(args.window_len - 1):
@@ -76,6 +87,9 @@ def main() -> None:
             "bits_4096": predict(scheme, geometry, 4096).bits_per_element,
             "windows": args.windows, "window_len": args.window_len, "offset": args.offset,
             "scored": int(targets.numel()),
+            **({"calibration": {"method": args.calib_method, "tokens": args.calib_tokens, "offset": args.calib_offset,
+                                **({"percentile": args.percentile} if args.calib_method == "percentile" else {})}}
+               if static is not None else {}),
             "seconds": round(time.time() - start),
         }
         print(json.dumps(result), flush=True)
