@@ -1,9 +1,10 @@
 """The demo behind ``make demo``: three exports of the built-in model, one prompt, side by side.
 
 1. the **fp16 baseline** (reference flavour: standard ONNX ops, any ONNX Runtime);
-2. the **most accurate scheme at <= 5 bits per element** kvq has measured (:data:`ACCURATE_SCHEME`: KIVI-style
+2. the **most accurate preset at <= 5 bits per element** kvq has measured (:data:`ACCURATE_SCHEME`: KIVI-style
    4-bit keys per channel and values per token, asymmetric groups of 64, no fp16 window; +0.99% perplexity on
-   protocol P at 4.5 bits/element (`kvq validate`), +0.86% in the PyTorch reference), also reference flavour;
+   protocol P at 4.5 bits/element (`kvq validate`), +0.86% in the PyTorch reference), also reference flavour
+   (a per-layer plan made for SmolLM2 alone, ``models/smollm2-plan-4.5.json``, does better: +0.54%);
 3. the **ort-gqa fast path** (``ort-int8`` with calibrated static scales): ONNX Runtime's fused
    GroupQueryAttention reading an int8 buffer in place, which onnxruntime-genai serves as it is.
 
