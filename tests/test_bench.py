@@ -145,3 +145,32 @@ def test_profile_step_tool_splits_a_step_by_operator(tmp_path):
         assert r["steps"] == 3 and r["node_us_per_step"] > 0 and r["run_us_per_step"] > 0
         assert sum(r["ops_us_per_step"].values()) == pytest.approx(r["node_us_per_step"])
     assert "GroupQueryAttention" in proc.stderr  # the printed table
+
+
+def test_protocol_p_tool_scores_schemes_and_calibrates_static_ones(tmp_path):
+    """tools/protocol_p.py on a tiny model: one JSON line per scheme, static-scale schemes calibrated first.
+
+    The calibration uses the held-out text it is told; without it a static scheme's reference cache refuses to run.
+    """
+    import random
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tiny_models import WORDS, save_tiny_model_dir
+
+    model = save_tiny_model_dir(tmp_path / "tiny")
+    rng = random.Random(0)
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(" ".join(rng.choice(WORDS) for _ in range(1500)))
+    out = tmp_path / "p.jsonl"
+    tool = Path(__file__).resolve().parents[1] / "tools" / "protocol_p.py"
+    proc = subprocess.run([sys.executable, str(tool), str(out), "fp16", "ort-int4", "--model", str(model),
+                           "--corpus", str(corpus), "--windows", "2", "--window-len", "24", "--calib-tokens", "64",
+                           "--calib-offset", "1000"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    fp16, int4 = (json.loads(line) for line in out.read_text().splitlines())
+    assert fp16["scheme"] == "fp16" and fp16["scored"] == 2 * 23 and "calibration" not in fp16
+    assert abs(fp16["delta_pct"]) < 0.5 and fp16["bits_4096"] == 16.0
+    assert int4["calibration"] == {"method": "absmax", "tokens": 64, "offset": 1000}
+    assert int4["mean_kl"] > fp16["mean_kl"] and int4["bits_4096"] < 4.1
