@@ -306,6 +306,20 @@ def _group_meta(x, mask, axis: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.con
     return tl.div_rn(amax, TOP), amax
 
 
+def _head_tile(x_ptr, row, ok, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, PER: tl.constexpr):
+    """Each token's head vector as fp32 ``[T, BLOCK_P, PER]`` (element ``p * PER + k``), for packing codes.
+
+    ``row`` [T] indexes tokens of ``x [rows, HEAD_DIM]``; ``ok`` [T] masks them. Returns the lane indices
+    ``p``, ``k``, the element index ``el`` [BLOCK_P, PER], the load mask and the values.
+    """
+    p = tl.arange(0, BLOCK_P)
+    k = tl.arange(0, PER)
+    el = p[:, None] * PER + k[None, :]
+    m3 = ok[:, None, None] & (el < HEAD_DIM)[None, :, :]
+    x = tl.load(x_ptr + row[:, None, None] * HEAD_DIM + el[None, :, :], mask=m3, other=0.0).to(tl.float32)
+    return p, k, el, m3, x
+
+
 def _quantize_token_kernel(
     x_ptr, counts_ptr, codes_ptr, scales_ptr, zeros_ptr, F_LEN,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, META: tl.constexpr,
@@ -341,12 +355,8 @@ def _quantize_token_kernel(
         if HAS_ZERO:
             tl.store(zeros_ptr + moff, low.to(zeros_ptr.dtype.element_ty), mask=mmask)
         tl.debug_barrier()
-    p = tl.arange(0, BLOCK_P)
-    k = tl.arange(0, PER)
-    el = p[:, None] * PER + k[None, :]
+    p, k, el, m3, x = _head_tile(x_ptr, row, tok_ok, HEAD_DIM, BLOCK_P, PER)
     emask = el < HEAD_DIM
-    m3 = tok_ok[:, None, None] & emask[None, :, :]
-    x = tl.load(x_ptr + row[:, None, None] * HEAD_DIM + el[None, :, :], mask=m3, other=0.0).to(tl.float32)
     if STATIC:
         midx = h * META + el // GROUP
         sc = tl.load(scales_ptr + midx, mask=emask, other=0.0).to(tl.float32)[None, :, :]
@@ -433,12 +443,7 @@ def _quantize_ggml_kernel(
     tl.debug_barrier()
     PACKED: tl.constexpr = HEAD_DIM * BITS // 8
     PER: tl.constexpr = 1 if BITS == 8 else 2
-    p = tl.arange(0, BLOCK_P)
-    k = tl.arange(0, PER)
-    el = p[:, None] * PER + k[None, :]
-    emask = el < HEAD_DIM
-    m3 = tok_ok[:, None, None] & emask[None, :, :]
-    x = tl.load(x_ptr + row[:, None, None] * HEAD_DIM + el[None, :, :], mask=m3, other=0.0).to(tl.float32)
+    p, k, el, m3, x = _head_tile(x_ptr, row, tok_ok, HEAD_DIM, BLOCK_P, PER)
     moff3 = row[:, None, None] * META + (el // 32)[None, :, :]
     dd = tl.load(d_ptr + moff3, mask=m3, other=0.0)
     mm = dd
@@ -451,11 +456,7 @@ def _quantize_ggml_kernel(
     tl.store(codes_ptr + row[:, None] * PACKED + p[None, :], packed.to(tl.uint8),
              mask=tok_ok[:, None] & (p < HEAD_DIM // PER)[None, :])
     if BITS == 5:
-        p8 = tl.arange(0, BLOCK_H)
-        k8 = tl.arange(0, 8)
-        el8 = p8[:, None] * 8 + k8[None, :]
-        m8 = tok_ok[:, None, None] & (el8 < HEAD_DIM)[None, :, :]
-        x8 = tl.load(x_ptr + row[:, None, None] * HEAD_DIM + el8[None, :, :], mask=m8, other=0.0).to(tl.float32)
+        p8, k8, el8, m8, x8 = _head_tile(x_ptr, row, tok_ok, HEAD_DIM, BLOCK_H, 8)
         moff8 = row[:, None, None] * META + (el8 // 32)[None, :, :]
         d8 = tl.load(d_ptr + moff8, mask=m8, other=0.0)
         mn8 = d8
@@ -500,13 +501,8 @@ def _quantize_channel_kernel(
     if HAS_ZERO:
         tl.store(zeros_ptr + mrow * HEAD_DIM + d, low.to(zeros_ptr.dtype.element_ty), mask=mmask)
     tl.debug_barrier()
-    p = tl.arange(0, BLOCK_P)
-    k = tl.arange(0, PER)
-    el = p[:, None] * PER + k[None, :]
-    emask = el < HEAD_DIM
-    m3 = tmask[:, None, None] & emask[None, :, :]
-    x = tl.load(x_ptr + trow[:, None, None] * HEAD_DIM + el[None, :, :], mask=m3, other=0.0).to(tl.float32)
-    evalid = emask & (el * 0 + gs * GROUP >= first)
+    p, k, el, m3, x = _head_tile(x_ptr, trow, tmask, HEAD_DIM, BLOCK_P, PER)
+    evalid = (el < HEAD_DIM) & (el * 0 + gs * GROUP >= first)
     sc = tl.load(scales_ptr + mrow * HEAD_DIM + el, mask=evalid, other=0.0).to(tl.float32)[None, :, :]
     zp = sc
     if HAS_ZERO:
@@ -520,7 +516,7 @@ def _quantize_channel_kernel(
 # ---------------------------------------------------------------------------------------------- build
 #: every function handed to triton.jit, helpers first
 JIT_NAMES = ("_rmax", "_rmin", "_rsum", "_fp8_decode", "_fp8_encode", "_stream_tile", "_decode_attention_kernel",
-             "_reduce_kernel", "_round_even", "_encode", "_group_meta", "_first_of", "_ggml_code",
+             "_reduce_kernel", "_round_even", "_encode", "_group_meta", "_head_tile", "_first_of", "_ggml_code",
              "_quantize_token_kernel", "_quantize_channel_kernel", "_quantize_ggml_kernel")
 SOURCES = {name: globals()[name] for name in JIT_NAMES}
 
