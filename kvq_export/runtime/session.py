@@ -247,7 +247,10 @@ class KVQSession:
 
     def _grow(self, cache: CacheState, need: int) -> CacheState:
         """Copy a fixed-capacity cache into buffers holding at least ``need`` tokens per row (else: unchanged)."""
-        old = self.layout.capacity_of({name: value.shape() for name, value in cache.items()})
+        if not self.layout.has_capacity:  # every step comes here: no shape queries for unbounded layouts
+            return cache
+        old = self.layout.capacity_of({spec.name: cache[spec.name].shape() for spec in self.past
+                                       if self.layout.shared(spec)})
         if old is None or need <= old:
             return cache
         top = self.max_capacity
