@@ -309,7 +309,7 @@ class BufferLayout(CacheLayout):
     codes = {
         8: "int8 two's complement q (kvq's stored code is q + 128, i.e. the same byte with its top bit flipped)",
         4: "uint8, two codes per byte, element 2j in the low nibble and 2j+1 in the high nibble, each stored as "
-           "q + 8 (exactly kvq's packed int_sym codes)",
+           "q + 8 (exactly kvq's packed codes)",
     }
     rules = (
         "Each row b holds seq_lengths[b] real tokens. Per layer and stream there is one tensor <dir>.<i>.<part>.buffer "
@@ -318,9 +318,11 @@ class BufferLayout(CacheLayout):
         "same buffer as past.* input and present.* output (ONNX Runtime IO binding), so new tokens are written in "
         "place and nothing is copied per step; a step needs max(seq_lengths) + new tokens <= capacity (grow by "
         "copying the valid rows into a larger buffer). Without binding, present.* comes back as a copy of "
-        "max(capacity, longest row) positions. Quantized buffers hold symmetric codes with the static scales of the "
-        "calibration file: 8-bit as int8 q, 4-bit as uint8 with two codes per byte (low nibble first) stored as "
-        "q + 8; x = q * scale. An empty cache is seq_lengths = 0 (buffer contents irrelevant)."
+        "max(capacity, longest row) positions. Quantized buffers hold symmetric codes q with the static scales of "
+        "the calibration file: 8-bit as int8 q, 4-bit as uint8 with two codes per byte (low nibble first) stored as "
+        "q + 8; int_sym: x = q * scale. A stream of format int (static zero points) stores q = c - 2^(bits-1) for "
+        "its unsigned code c (c is the int8 byte with its top bit flipped, or the 4-bit nibble as stored): "
+        "x = c * scale + zero_point. An empty cache is seq_lengths = 0 (buffer contents irrelevant)."
     )
 
     def buffer_name(self, direction: str, layer: int, part: str) -> str:
@@ -365,7 +367,7 @@ class BufferLayout(CacheLayout):
 
 
 def buffer_codes_to_kvq(tq: TensorQuant, stored: np.ndarray) -> np.ndarray:
-    """A ``buffer`` layout's stored codes -> kvq's stored (packed) int_sym codes, uint8.
+    """A ``buffer`` layout's stored codes -> kvq's stored (packed) codes, uint8 (int_sym and int alike).
 
     8-bit buffers hold int8 ``q``; kvq stores ``q + 128`` (the same byte with its top bit flipped).
     4-bit buffers already hold kvq's packing (``q + 8`` per nibble, low nibble first).

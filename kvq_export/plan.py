@@ -60,8 +60,12 @@ METRICS = ("attention", "kl")
 RESOLUTION = 4000
 
 
-def _static(bits: int) -> TensorQuant:
-    return TensorQuant(format="int_sym", bits=bits, axis="channel", scales="static", scale_dtype="fp32")
+def _static(bits: int, fmt: str = "int_sym") -> TensorQuant:
+    return TensorQuant(format=fmt, bits=bits, axis="channel", scales="static", scale_dtype="fp32")
+
+
+def _sym_token(bits: int, group: int) -> TensorQuant:
+    return TensorQuant(format="int_sym", bits=bits, axis="token", group_size=group)
 
 
 def _channel(bits: int, group: int) -> TensorQuant:
@@ -105,8 +109,10 @@ class CandidateSet:
 
 CANDIDATE_SETS: dict[str, CandidateSet] = {
     "ort-gqa": CandidateSet(
-        "GroupQueryAttention: per layer int8 or int4, key and value alike, static per-channel scales",
-        pairs=((_static(8), _static(8)), (_static(4), _static(4))),
+        "GroupQueryAttention: per layer int8 or int4 (one bit width per node), static per-channel scales, keys "
+        "with or without zero points",
+        pairs=((_static(8), _static(8)), (_static(8, "int"), _static(8)),
+               (_static(4), _static(4)), (_static(4, "int"), _static(4))),
     ),
     "kivi": CandidateSet(
         "per-channel keys / per-token values, asymmetric int8/int4/int2, groups of 32 or 64, no window",
@@ -115,18 +121,22 @@ CANDIDATE_SETS: dict[str, CandidateSet] = {
     ),
     # Keys: per-channel (plain or Hadamard-rotated; longer groups cost fewer scale bits) or rotated token-wise
     # ggml q5/q8 blocks. Values: per-token in the rotated basis, where 2-bit codes need a clipped range (0.8 of
-    # the group's: on SmolLM2 it cuts their attention damage by a third against the full range).
+    # the group's: on SmolLM2 it cuts their attention damage by a third against the full range), and rotated
+    # values are centred enough for symmetric groups of a whole 64-channel head (4.25 bits for int4).
     "accuracy": CandidateSet(
         "per-channel int8/int4/int2 keys (groups 32-256, plain or rotated), rotated q8_0 / q5_0 / int8-sym-g32 "
-        "keys; rotated per-token int8/int4/int2 values (int2 clipped to 0.8), rotated q8_0/q5_1/q5_0/q4_0 "
-        "values; no window",
+        "keys; rotated per-token int8/int4/int2 values (int2 clipped to 0.8; symmetric int8/int4 g32/g64), "
+        "rotated q8_0/q5_1/q5_0/q4_0 values; no window",
         keys=(_channel(8, 64), _channel(4, 32), _rot(_channel(4, 32)), _channel(4, 64), _rot(_channel(4, 64)),
               _channel(4, 128), _rot(_channel(4, 128)), _channel(4, 256), _channel(2, 64), _channel(2, 128),
               _ggml_rot("int_sym", 8), _ggml_rot("int_sym", 5),
-              _rot(TensorQuant(format="int_sym", bits=8, group_size=32))),
+              _rot(TensorQuant(format="int_sym", bits=8, group_size=32)),
+              _channel(8, 128), _channel(8, 256), _rot(_channel(4, 256)), _rot(_channel(8, 256)),
+              _rot(_channel(8, 128))),
         values=(_rot(_token(8, 64)), _ggml_rot("int_sym", 8), _ggml_rot("int", 5), _ggml_rot("int_sym", 5),
                 _rot(_token(4, 32)), _rot(_token(4, 64)), _ggml_rot("int_sym", 4), _rot(_token(2, 32), 0.8),
-                _rot(_token(2, 64), 0.8), _rot(_token(2, 64))),
+                _rot(_token(2, 64), 0.8), _rot(_token(2, 64)),
+                _rot(_sym_token(4, 64)), _rot(_sym_token(8, 64)), _rot(_sym_token(4, 32))),
     ),
 }
 

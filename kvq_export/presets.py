@@ -43,10 +43,12 @@ def _rotated(tq: TensorQuant) -> TensorQuant:
     return dataclasses.replace(tq, rotation="hadamard")
 
 
-def _ort(bits: int) -> KVQuantScheme:
-    # GroupQueryAttention's quantized cache: symmetric, static float32 scales per (kv head, channel).
+def _ort(bits: int, *, key_zero_points: bool = False) -> KVQuantScheme:
+    # GroupQueryAttention's quantized cache: static float32 scales per (kv head, channel); keys with zero
+    # points reach the node as symmetric codes through a post-RoPE offset (see the ort-gqa flavour).
     tq = _int(bits, None, sym=True, axis="channel", scales="static", scale_dtype="fp32")
-    return KVQuantScheme(key=tq, value=tq)
+    key = _int(bits, None, sym=False, axis="channel", scales="static", scale_dtype="fp32") if key_zero_points else tq
+    return KVQuantScheme(key=key, value=tq)
 
 
 #: name -> (scheme, one-line description). The single source of preset truth.
@@ -98,6 +100,8 @@ PRESETS: dict[str, tuple[KVQuantScheme, str]] = {
     ),
     "ort-int8": (_ort(8), "ORT GroupQueryAttention int8: sym, static fp32 per-channel scales"),
     "ort-int4": (_ort(4), "ORT GroupQueryAttention int4: sym, static fp32 per-channel scales"),
+    "ort-int4-asymk": (_ort(4, key_zero_points=True),
+                       "ORT GroupQueryAttention int4: keys with static per-channel zero points, sym values"),
 }
 PRESETS = {name: (scheme.with_name(name), text) for name, (scheme, text) in PRESETS.items()}
 

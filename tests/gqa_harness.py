@@ -32,6 +32,11 @@ SCHEMES = {
     "fp32": _hp32("fp16"),
     "ort-int8/hp-fp32": _hp32("ort-int8"),
     "ort-int4/hp-fp32": _hp32("ort-int4"),
+    "ort-int4-asymk/hp-fp32": _hp32("ort-int4-asymk"),
+    # zero points on the values only: RoPE stays fused and the offset is taken from GQA's packed q|k|v
+    "int8-asymv/hp-fp32": dataclasses.replace(
+        PRESETS["ort-int8"][0], value=dataclasses.replace(PRESETS["ort-int8"][0].value, format="int"),
+        hp_dtype="fp32", name="int8-asymv/hp-fp32"),
 }
 PROMPTS = {"solo": [[5, 17, 99, 3, 42, 8, 77]], "padded": [[11, 12, 13, 14, 15], [60, 61, 2, 9, 100, 4, 4, 7, 1]]}
 #: decode steps after the prompt: past the tiny mistral's 48-token sliding window
@@ -57,8 +62,19 @@ def calibration(arch: str, scheme, *, covering: list[list[int]] | None = None):
         windows = [list(rng.integers(0, VOCAB, 64)) for _ in range(4)]
         return calibrate_static_scales(tiny_model(arch), scheme, windows)
     static = calibrate_static_scales(tiny_model(arch), scheme, covering)
-    return {layer: {part: {role: a * np.float32(1.05) for role, a in meta.items()} for part, meta in parts.items()}
+    return {layer: {part: _widened(meta, scheme.for_layer(layer)[0 if part == "key" else 1].bits)
+                    for part, meta in parts.items()}
             for layer, parts in static.items()}
+
+
+def _widened(meta: dict, bits: int) -> dict:
+    """Scales 5% wider; zero points (a range's low end) moved so the range grows about its middle."""
+    scale = meta["scales"] * np.float32(1.05)
+    if "zero_points" not in meta:
+        return {"scales": scale}
+    levels = np.float32((1 << bits) - 1)
+    middle = meta["zero_points"] + meta["scales"] * levels / 2
+    return {"scales": scale, "zero_points": (middle - scale * levels / 2).astype(np.float32)}
 
 
 def sequences(prompts: list[list[int]], steps: int = STEPS) -> list[list[int]]:

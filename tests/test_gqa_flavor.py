@@ -44,7 +44,8 @@ def _export(tmp_path_factory, arch, scheme, static, **kw):
     return KVQSession(export(tiny_model(arch), scheme, out, static=static, flavor="ort-gqa", **kw))
 
 
-@pytest.mark.parametrize("name", ["fp32", "ort-int8/hp-fp32", "ort-int4/hp-fp32"])
+@pytest.mark.parametrize("name", ["fp32", "ort-int8/hp-fp32", "ort-int4/hp-fp32", "ort-int4-asymk/hp-fp32",
+                                  "int8-asymv/hp-fp32"])
 @pytest.mark.parametrize("batch", ["solo", "padded"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_codes_and_logits_equal_the_reference_cache(tmp_path_factory, arch, batch, name):
@@ -252,7 +253,7 @@ def test_gqa_scale_mapping():
 
 
 @pytest.mark.parametrize("preset, reason", [
-    ("kivi-4", "format int .*asymmetric|format int \\("),
+    ("kivi-4", "dynamic scales"),
     ("q4_0", "dynamic scales"),
     ("int8", "dynamic scales"),
     ("fp8", "format fp8_e4m3"),

@@ -16,6 +16,7 @@ from kvq_export.calibrate import calibrate_static_scales
 from kvq_export.cli import cli
 from kvq_export.errors import KVQError, SchemeError
 from kvq_export.export.exporter import export
+from kvq_export.export.gqa_flavor import unsupported
 from kvq_export.memory import predict
 from kvq_export.model_source import model_facts
 from kvq_export.plan import (
@@ -81,6 +82,9 @@ def test_scheme_from_choice_round_trips():
 
 def test_candidate_sets():
     assert CANDIDATE_SETS["ort-gqa"].tied and not CANDIDATE_SETS["kivi"].tied
+    gqa = CANDIDATE_SETS["ort-gqa"].options()
+    assert {(k.format, k.bits) for k, _ in gqa} == {("int_sym", 8), ("int", 8), ("int_sym", 4), ("int", 4)}
+    assert all(not unsupported(KVQuantScheme(key=k, value=v), 2) for k, v in gqa)  # GQA holds every option
     assert len(CANDIDATE_SETS["kivi"].options()) == 25
     custom = candidate_set("ort-int8,ort-int4,ort-int8")
     assert custom.options() == [(INT8, INT8), (INT4, INT4)]
@@ -117,8 +121,8 @@ def test_ort_gqa_plan_spends_the_budget_where_damage_is(windows, metric):
     low = predict(KVQuantScheme(key=INT4, value=INT4), facts, context).bits_per_element
     high = predict(KVQuantScheme(key=INT8, value=INT8), facts, context).bits_per_element
     budget = (low + high) / 2 + 0.01  # room for exactly one of the two layers at 8 bits
-    plan = plan_scheme(model, windows, budget=budget, context=context, candidates="ort-gqa", metric=metric,
-                       calib_method="absmax")
+    plan = plan_scheme(model, windows, budget=budget, context=context, candidates="ort-int8,ort-int4",
+                       metric=metric, calib_method="absmax")
     assert plan.bits_per_element <= budget
     streams = plan.scheme.streams(2)
     assert sorted(k.bits for k, _ in streams) == [4, 8] and all(k == v for k, v in streams)
@@ -252,7 +256,7 @@ def test_cli_plan_writes_a_scheme(tmp_path):
     scheme = KVQuantScheme.from_json(out.read_text())
     assert scheme.name == "planned" and "bits/element at 1024 tokens" in result.output
     data = json.loads(report.read_text())
-    assert data["bits_per_element"] <= 6 and len(data["damages"]) == 2 * 2  # 2 layers x 2 tied candidates
+    assert data["bits_per_element"] <= 6 and len(data["damages"]) == 2 * 4  # 2 layers x 4 tied candidates
     assert data["settings"]["offset"] == 100
     bad = CliRunner().invoke(cli, ["plan", "--model", str(model_dir), "--corpus", str(corpus), "--budget", "1",
                                    "--tokens", "64", "--offset", "0", "--out", str(out)])

@@ -1,7 +1,8 @@
 """``--flavor ort-gqa``: ONNX Runtime's fused ``com.microsoft.GroupQueryAttention`` over a shared cache buffer.
 
 Each layer's attention is one GroupQueryAttention (GQA) node that reads the cache in place: int8/int4
-codes with static float32 scales (``ort-int8``/``ort-int4`` and any symmetric static scheme), or an
+codes with static float32 scales (``ort-int8``/``ort-int4``/``ort-int4-asymk`` and any static int8/int4
+scheme, symmetric or with zero points), or an
 unquantized fp16/fp32 buffer (``fp16``: the like-for-like baseline). RoPE is fused into the node
 (``do_rotary`` with cos/sin tables of ``max_position_embeddings`` rows), and the cache is the ``buffer``
 layout of :mod:`kvq_export.cache_layout`: one ``[batch, kv_heads, capacity, packed head_dim]`` tensor per
@@ -47,7 +48,16 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   ``tools/schemes/fp32-cache.json``). int8/int4 buffers are read natively.
 * **Sliding windows**: ``local_window_size = sliding_window`` gives exactly Hugging Face Mistral's window
   (checked past the window in the tests; ``sliding_window - 1`` would drop one key).
-* **Not supported** (refused at export with the reason): dynamic scales, asymmetric ``int``, fp8, 2 bits,
+* **Asymmetric codes** (static ``int`` with zero points, e.g. ``ort-int4-asymk``): the node only stores
+  symmetric codes, so the graph subtracts a per-(head, channel) offset ``c = zero_point + 2^(b-1) * scale``
+  from each new key/value before the node and the node quantizes ``x - c`` symmetrically: its codes are
+  exactly kvq's unsigned ``int`` codes minus ``2^(b-1)``, the same bytes the ``buffer`` layout documents.
+  Nothing is added back for keys: ``q·(k - c) = q·k - q·c`` moves every score of a query by the same amount,
+  which softmax ignores, so the offset must be taken *after* RoPE (keys with a zero point run RoPE in the
+  body, ``do_rotary=0``). Values get ``c`` added to the node's output (the attention weights sum to one).
+  Static per-channel keys have channels whose range sits far from zero (SmolLM2: ``ort-int4`` +12.6% on
+  protocol P, keys with zero points +5.4%), which a symmetric scale pays for with half its levels.
+* **Not supported** (refused at export with the reason): dynamic scales, fp8, 2 bits,
   high-precision windows (``residual_length``/``sink_tokens``), a layer whose key and value differ in
   quantized/bit width (one cache type and ``kv_cache_bit_width`` per node).
 * **Probes**: with fused RoPE the post-RoPE q/k never exist as graph values, so the graph names the raw
@@ -56,7 +66,7 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   on every step, since ONNX Runtime executes dead branches. With ``fuse_rotary=False`` RoPE runs in the
   body, the node gets ``do_rotary=0`` and the usual ``probe.*`` values are named.
 * **Rotation** (``rotation`` of a scheme stream): rotated keys must be rotated *after* RoPE, which the node
-  cannot do when it applies RoPE itself, so a scheme with any rotated key stream is exported with
+  cannot do when it applies RoPE itself, so a scheme with any rotated (or offset) key stream is exported with
   ``fuse_rotary=False`` (RoPE and the q/k rotation run in the body; the node gets ``do_rotary=0``). A value
   rotation is folded into ``v_proj``/``o_proj`` by the body and keeps the fused RoPE. Static scales are
   calibrated in the rotated basis, so the node's buffer holds rotated codes.
@@ -76,7 +86,7 @@ from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.exporter import register_flavor
-from kvq_export.export.graph_codec import static_scales
+from kvq_export.export.graph_codec import static_name, static_scales
 from kvq_export.export.kv_graph import LaidOutCache, name_probes
 from kvq_export.naming import PARTS, ROTARY_TABLES, tensor_name
 from kvq_export.rotation import stream_rotation
@@ -97,6 +107,8 @@ class LayerPlan:
     v_quant: str = "NONE"
     k_scale: np.ndarray | None = None  # float32 [1] or [1, kv_heads, 1, head_dim]
     v_scale: np.ndarray | None = None
+    k_offset: np.ndarray | None = None  # float32 [kv_heads * head_dim], asymmetric streams only (gqa_offset)
+    v_offset: np.ndarray | None = None
 
 
 def unsupported(scheme: KVQuantScheme, num_layers: int) -> list[str]:
@@ -114,8 +126,8 @@ def unsupported(scheme: KVQuantScheme, num_layers: int) -> list[str]:
                 continue
             if tq.quantizer != "kvq":
                 note(f"{where} {part}: quantizer {tq.quantizer} (ggml blocks need dynamic per-32 scales; GQA: static)")
-            if tq.format != "int_sym":
-                note(f"{where} {part}: format {tq.format} (GQA's cache is symmetric int8/int4 only; "
+            if tq.format not in ("int_sym", "int"):
+                note(f"{where} {part}: format {tq.format} (GQA's cache holds int8/int4 codes only, int_sym or int; "
                      "fp8 is not implemented on CPU)")
             elif tq.bits not in GQA_BITS:
                 note(f"{where} {part}: {tq.bits} bits (kv_cache_bit_width is 8 or 4)")
@@ -149,6 +161,27 @@ def gqa_scale(tq: TensorQuant, scales: np.ndarray, kv_heads: int, head_dim: int)
     return "PER_CHANNEL", np.ascontiguousarray(s.reshape(1, kv_heads, 1, head_dim))
 
 
+def gqa_offset(tq: TensorQuant, meta: Mapping, kv_heads: int, head_dim: int) -> np.ndarray | None:
+    """The float32 ``[kv_heads * head_dim]`` offset an asymmetric stream subtracts before the node (else None).
+
+    kvq's ``int`` codes are ``c = clip(round((x - zero) / scale), 0, 2^b - 1)``; with ``x - offset`` for
+    ``offset = zero + 2^(b-1) * scale`` the node's symmetric ``clip(round(.. / scale), -2^(b-1), 2^(b-1) - 1)``
+    is ``c - 2^(b-1)``: the same rounding (an even shift keeps round-half-even) and the same clamp. Scales and
+    zero points are rounded to ``scale_dtype`` first, as kvq's codec does.
+    """
+    if not tq.has_zero_point:
+        return None
+    sdtype = DType.get(tq.scale_dtype).numpy
+    scale, zero = (np.asarray(meta[role], dtype=np.float32).astype(sdtype).astype(np.float32)
+                   for role in ("scales", "zero_points"))
+    if tq.axis == "token":
+        scale, zero = (np.repeat(a, tq.token_group(head_dim), axis=1) for a in (scale, zero))
+    if scale.shape != (kv_heads, head_dim) or zero.shape != (kv_heads, head_dim):
+        raise ExportError(f"static scales/zero points have shapes {list(scale.shape)}/{list(zero.shape)}; "
+                          f"expected [{kv_heads}, {head_dim}]")
+    return (zero + np.float32(1 << (tq.bits - 1)) * scale).reshape(-1)
+
+
 class GQACacheGraph(LaidOutCache):
     """:class:`~kvq_export.export.decoder.CacheGraph` built on ``com.microsoft.GroupQueryAttention``.
 
@@ -174,9 +207,9 @@ class GQACacheGraph(LaidOutCache):
         reasons = unsupported(scheme, self.num_layers)
         if reasons:
             raise ExportError(f"flavor ort-gqa cannot hold scheme {scheme.name or 'custom'}: " + "; ".join(reasons))
-        if fuse_rotary and rotates_keys(scheme, self.num_layers):
-            raise ExportError("ort-gqa: rotated keys are rotated after RoPE, so RoPE cannot be fused into "
-                              "GroupQueryAttention (use fuse_rotary=False)")
+        if fuse_rotary and keys_after_rope(scheme, self.num_layers):
+            raise ExportError("ort-gqa: rotated keys and keys with zero points are transformed after RoPE, so "
+                              "RoPE cannot be fused into GroupQueryAttention (use fuse_rotary=False)")
         self.fuses_rotary = fuse_rotary
         self.fuses_body = fuse_body
         self.plans = [self._plan(layer, key, value, self.static)
@@ -195,7 +228,9 @@ class GQACacheGraph(LaidOutCache):
             arrays = [np.ascontiguousarray(np.broadcast_to(a.reshape(-1)[0] if a.size == 1 else a, shape))
                       for a in arrays]
             types = ["PER_CHANNEL", "PER_CHANNEL"]
-        return LayerPlan(key.bits, types[0], types[1], arrays[0], arrays[1])
+        offsets = [gqa_offset(tq, static[layer][part], self.kv_heads, self.head_dim)
+                   for part, tq in zip(PARTS, (key, value))]
+        return LayerPlan(key.bits, types[0], types[1], arrays[0], arrays[1], *offsets)
 
     # -- CacheGraph protocol --------------------------------------------------------------------------
     def rotation(self, layer: int, part: str) -> np.ndarray | None:
@@ -226,7 +261,7 @@ class GQACacheGraph(LaidOutCache):
         self.to_right = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, shift), t), b.const([-1]))  # [B, t, 1]
         self.to_left = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, b.op("Sub", t, shift)), t), b.const([-1]))
         self.valid = b.op("Unsqueeze", b.op("Cast", mask, to=ir.DataType.BOOL), b.const([-1]))  # [B, t, 1]
-        np_type = ir.DataType(self.compute_type).numpy()
+        self.np_type = np_type = ir.DataType(self.compute_type).numpy()
         hp, compute = DType.get(self.scheme.hp_dtype).ir, ir.DataType(self.compute_type)
         if any(plan.bits is None for plan in self.plans) and hp != compute:
             logger.warning("ort-gqa: unquantized %s cache with %s compute; ONNX Runtime's CPU GroupQueryAttention "
@@ -297,6 +332,7 @@ class GQACacheGraph(LaidOutCache):
              rotary: bool) -> ir.Value:
         """Realign to right padding, run the node on the shared buffers, realign back (k = v = None: packed q)."""
         f, plan = self.facts, self.plans[layer]
+        q, k, v = self._offset_inputs(b, layer, q, k, v)
         qr, kr, vr = (None if x is None else b.op("GatherND", x, self.to_right, batch_dims=1) for x in (q, k, v))
         past = [self.past[self.layout.buffer_name("past", layer, part)] for part in PARTS]
         scales: list[ir.Value | None] = [None, None]
@@ -323,14 +359,35 @@ class GQACacheGraph(LaidOutCache):
         )
         for part, value in zip(PARTS, (present_k, present_v)):
             self.present[self.layout.buffer_name("present", layer, part)] = value
+        if plan.v_offset is not None:  # sum_j a_j (v_j - c) + c = sum_j a_j v_j: each query head's kv head's c
+            per_query_head = np.repeat(plan.v_offset.reshape(f.num_kv_heads, -1), f.num_heads // f.num_kv_heads, 0)
+            out = b.op("Add", out, self._offset(b, layer, "value.output", per_query_head.reshape(-1)))
         return b.op("Where", self.valid, b.op("GatherND", out, self.to_left, batch_dims=1), self.zero)
 
+    def _offset(self, b: GraphBuilder, layer: int, what: str, array: np.ndarray) -> ir.Value:
+        return b.initializer(static_name(layer, what, "offset"), array.astype(self.np_type))
 
-def rotates_keys(scheme: KVQuantScheme, num_layers: int) -> bool:
-    """Whether any layer stores rotated keys (then RoPE must run before the node, in the body)."""
-    return any(key.rotation != "none" for key, _ in scheme.streams(num_layers))
+    def _offset_inputs(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value | None,
+                       v: ir.Value | None) -> tuple[ir.Value, ir.Value | None, ir.Value | None]:
+        """Subtract asymmetric streams' offsets from the new keys/values (k = v = None: from GQA's packed q)."""
+        plan, f = self.plans[layer], self.facts
+        if plan.k_offset is None and plan.v_offset is None:
+            return q, k, v
+        width = f.num_kv_heads * f.head_dim
+        offsets = [np.zeros(width, np.float32) if o is None else o for o in (plan.k_offset, plan.v_offset)]
+        if k is None:  # packed q | k | v: one offset over the whole row
+            whole = np.concatenate([np.zeros(f.num_heads * f.head_dim, np.float32), *offsets])
+            return b.op("Sub", q, self._offset(b, layer, "packed", whole)), None, None
+        k, v = (x if o is None else b.op("Sub", x, self._offset(b, layer, part, o))
+                for x, o, part in zip((k, v), (plan.k_offset, plan.v_offset), PARTS))
+        return q, k, v
+
+
+def keys_after_rope(scheme: KVQuantScheme, num_layers: int) -> bool:
+    """Whether any layer's keys are rotated or offset after RoPE (then RoPE runs in the body, before the node)."""
+    return any(key.rotation != "none" or key.has_zero_point for key, _ in scheme.streams(num_layers))
 
 
 @register_flavor("ort-gqa")
 def _gqa_flavor(scheme: KVQuantScheme, **geometry) -> GQACacheGraph:
-    return GQACacheGraph(scheme, fuse_rotary=not rotates_keys(scheme, geometry["num_layers"]), **geometry)
+    return GQACacheGraph(scheme, fuse_rotary=not keys_after_rope(scheme, geometry["num_layers"]), **geometry)
