@@ -174,3 +174,30 @@ def test_protocol_p_tool_scores_schemes_and_calibrates_static_ones(tmp_path):
     assert abs(fp16["delta_pct"]) < 0.5 and fp16["bits_4096"] == 16.0
     assert int4["calibration"] == {"method": "absmax", "tokens": 64, "offset": 1000}
     assert int4["mean_kl"] > fp16["mean_kl"] and int4["bits_4096"] < 4.1
+
+
+def test_protocol_p_tool_quantizes_the_query_like_llama_cpp_only_for_ggml_keys(tmp_path):
+    """``--query-q8_0`` changes a ggml-keyed scheme's scores and leaves other schemes alone."""
+    import random
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tiny_models import WORDS, save_tiny_model_dir
+
+    model = save_tiny_model_dir(tmp_path / "tiny")
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(" ".join(random.Random(1).choice(WORDS) for _ in range(600)))
+    tool = Path(__file__).resolve().parents[1] / "tools" / "protocol_p.py"
+    runs = {}
+    for flag in ([], ["--query-q8_0"]):
+        out = tmp_path / f"p{len(flag)}.jsonl"
+        proc = subprocess.run([sys.executable, str(tool), str(out), "q4_0-rot", "kivi-4-r0", "--model", str(model),
+                               "--corpus", str(corpus), "--windows", "2", "--window-len", "24", *flag],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        runs[bool(flag)] = [json.loads(line) for line in out.read_text().splitlines()]
+    (ggml, kivi), (ggml_q, kivi_q) = runs[False], runs[True]
+    assert ggml_q["query"] == "q8_0" and "query" not in ggml
+    assert ggml_q["mean_kl"] != ggml["mean_kl"]  # the query's round trip moved the scores
+    assert kivi_q["mean_kl"] == kivi["mean_kl"]  # no ggml keys: the query is left alone

@@ -12,6 +12,11 @@ token), so only the quantized side is decoded step by step: about half the work 
 its attention analysis or latency.
 
 One JSON line per scheme is appended to ``OUT`` (bits/element at 512 and 4096 tokens from the memory model).
+
+``--query-q8_0`` reproduces one more piece of llama.cpp's CPU arithmetic, to compare with its figures like for
+like: its flash attention multiplies a quantized K cache by the query converted to the K type's dot-product
+type (``q8_0`` for q4_0/q4_1/q5_0/q5_1/q8_0 keys: blocks of 32, fp16 ``d = amax/127``), in the stored (rotated)
+basis. With the option, every layer whose keys use the ggml quantizer quantizes its query the same way.
 """
 
 from __future__ import annotations
@@ -28,7 +33,35 @@ from kvq_export.corpus import load_corpus, token_windows
 from kvq_export.memory import Geometry, predict
 from kvq_export.model_source import load_model
 from kvq_export.presets import resolve_scheme
+from kvq_export.reference.codec import dequantize, quantize
 from kvq_export.reference.hf_cache import reference_hf_cache
+from kvq_export.rotation import rotate_torch, rotation_matrix
+from kvq_export.scheme import TensorQuant
+
+#: llama.cpp's dot-product type for every quantized K type it caches in (ggml's ``vec_dot_type``)
+Q8_0 = TensorQuant(format="int_sym", bits=8, group_size=32, quantizer="ggml")
+
+
+def quantize_queries_like_llama_cpp(model, scheme) -> None:
+    """Route ``model``'s attention through a q8_0 round trip of the query for ggml-quantized key layers."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    head_dim = model.config.head_dim if getattr(model.config, "head_dim", None) else \
+        model.config.hidden_size // model.config.num_attention_heads
+    keys = [key for key, _ in scheme.streams(model.config.num_hidden_layers)]
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        tq = keys[module.layer_idx]
+        if tq.quantized and tq.quantizer == "ggml":
+            matrix = rotation_matrix(tq.rotation, head_dim)
+            stored = rotate_torch(query, matrix)  # the basis the keys are stored (and dotted) in
+            stored = dequantize(quantize(stored, Q8_0), Q8_0)
+            query = rotate_torch(stored, matrix, inverse=True).to(query.dtype)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("kvq_query_q8_0", attention)
+    model.set_attn_implementation("kvq_query_q8_0")
 
 
 def main() -> None:
@@ -46,6 +79,9 @@ def main() -> None:
     parser.add_argument("--calib-tokens", type=int, default=4096, help="static-scale schemes: calibration tokens")
     parser.add_argument("--calib-offset", type=int, default=60000,
                         help="static-scale schemes: corpus token the calibration text starts at (apart from P's)")
+    parser.add_argument("--query-q8_0", action="store_true",
+                        help="quantize the query to q8_0 before the key dot product in layers with ggml-quantized "
+                             "keys, as llama.cpp's CPU flash attention does")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -71,6 +107,8 @@ def main() -> None:
             static = static_to_torch(calibrate_static_scales(model, scheme, calib, method=args.calib_method,
                                                              percentile=args.percentile))
         cache, _ = reference_hf_cache(scheme, cfg.num_hidden_layers, static)
+        if args.query_q8_0:
+            quantize_queries_like_llama_cpp(model, scheme)
         nll, kl, top1 = [], [], []
         with torch.no_grad():
             for t in range(args.window_len - 1):
@@ -86,7 +124,7 @@ def main() -> None:
             "bits_512": predict(scheme, geometry, 512).bits_per_element,
             "bits_4096": predict(scheme, geometry, 4096).bits_per_element,
             "windows": args.windows, "window_len": args.window_len, "offset": args.offset,
-            "scored": int(targets.numel()),
+            "scored": int(targets.numel()), **({"query": "q8_0"} if args.query_q8_0 else {}),
             **({"calibration": {"method": args.calib_method, "tokens": args.calib_tokens, "offset": args.calib_offset,
                                 **({"percentile": args.percentile} if args.calib_method == "percentile" else {})}}
                if static is not None else {}),
