@@ -272,6 +272,12 @@ def test_windows_and_mixed_key_value_are_refused():
         "residual_length=16, sink_tokens=0: GQA keeps no high-precision window (both must be 0)"]
     reasons = unsupported(KVQuantScheme(key=int8, value=TensorQuant.fp16()), 2)
     assert len(reasons) == 1 and "one cache type and one kv_cache_bit_width" in reasons[0]
+    # one line per reason, naming the layers it applies to (a 30-layer plan gives a few lines, not 150)
+    int4 = PRESETS["ort-int4"][0].key
+    overrides = tuple(LayerOverride(layer, key=int4, value=TensorQuant.fp16()) for layer in (0, 1, 2, 5))
+    assert unsupported(KVQuantScheme(key=int8, value=int8, layer_overrides=overrides), 6) == [
+        "layers 0-2, 5 key and value: different cache types or bit widths, but one GQA node has one cache type and "
+        "one kv_cache_bit_width"]
 
 
 def test_static_scales_need_calibration(tmp_path):

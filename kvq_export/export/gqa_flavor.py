@@ -112,35 +112,51 @@ class LayerPlan:
 
 
 def unsupported(scheme: KVQuantScheme, num_layers: int) -> list[str]:
-    """Why GroupQueryAttention cannot hold ``scheme``'s cache (empty when it can)."""
-    reasons: list[str] = []
+    """Why GroupQueryAttention cannot hold ``scheme``'s cache (empty when it can).
 
-    def note(text: str) -> None:
-        if text not in reasons:
-            reasons.append(text)
+    One line per reason, naming the layers it applies to.
+    """
+    layers_by_reason: dict[str, list[int]] = {}
+
+    def note(layer: int, text: str) -> None:
+        layers_by_reason.setdefault(text, []).append(layer)
 
     for layer, (key, value) in enumerate(scheme.streams(num_layers)):
-        where = f"layer {layer}" if scheme.layer_overrides else "every layer"
         for part, tq in zip(PARTS, (key, value)):
             if not tq.quantized:
                 continue
             if tq.quantizer != "kvq":
-                note(f"{where} {part}: quantizer {tq.quantizer} (ggml blocks need dynamic per-32 scales; GQA: static)")
+                note(layer, f"{part}: quantizer {tq.quantizer} (ggml blocks need dynamic per-32 scales; GQA: static)")
             if tq.format not in ("int_sym", "int"):
-                note(f"{where} {part}: format {tq.format} (GQA's cache holds int8/int4 codes only, int_sym or int; "
+                note(layer, f"{part}: format {tq.format} (GQA's cache holds int8/int4 codes only, int_sym or int; "
                      "fp8 is not implemented on CPU)")
             elif tq.bits not in GQA_BITS:
-                note(f"{where} {part}: {tq.bits} bits (kv_cache_bit_width is 8 or 4)")
+                note(layer, f"{part}: {tq.bits} bits (kv_cache_bit_width is 8 or 4)")
             if tq.scales != "static":
-                note(f"{where} {part}: dynamic scales (GQA takes fixed k_scale/v_scale: use static scales, "
+                note(layer, f"{part}: dynamic scales (GQA takes fixed k_scale/v_scale: use static scales, "
                      "e.g. the ort-int8 / ort-int4 presets)")
         if key.quantized != value.quantized or (key.quantized and key.bits != value.bits):
-            note(f"{where}: key ({key.describe()}) and value ({value.describe()}) differ, but one GQA node has "
-                 "one cache type and one kv_cache_bit_width")
+            note(layer, "key and value: different cache types or bit widths, but one GQA node has one cache type "
+                 "and one kv_cache_bit_width")
+    reasons = [f"{_layer_span(layers, num_layers)} {text}" for text, layers in layers_by_reason.items()]
     if scheme.quantized and (scheme.residual_length or scheme.sink_tokens):
-        note(f"residual_length={scheme.residual_length}, sink_tokens={scheme.sink_tokens}: GQA keeps no "
-             "high-precision window (both must be 0)")
+        reasons.append(f"residual_length={scheme.residual_length}, sink_tokens={scheme.sink_tokens}: GQA keeps no "
+                       "high-precision window (both must be 0)")
     return reasons
+
+
+def _layer_span(layers: list[int], num_layers: int) -> str:
+    """``every layer``, ``layer 3`` or ``layers 0-2, 5`` (ascending layer indices)."""
+    if len(layers) == num_layers:
+        return "every layer"
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"layer {text}" if len(layers) == 1 else f"layers {text}"
 
 
 def gqa_scale(tq: TensorQuant, scales: np.ndarray, kv_heads: int, head_dim: int) -> tuple[str, np.ndarray]:
