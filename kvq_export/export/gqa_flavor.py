@@ -159,19 +159,25 @@ def _layer_span(layers: list[int], num_layers: int) -> str:
     return f"layer {text}" if len(layers) == 1 else f"layers {text}"
 
 
-def gqa_scale(tq: TensorQuant, scales: np.ndarray, kv_heads: int, head_dim: int) -> tuple[str, np.ndarray]:
-    """Map kvq static scales ``[kv_heads, n]`` to (``PER_TENSOR`` | ``PER_CHANNEL``, float32 GQA scale tensor).
+def per_channel(tq: TensorQuant, meta: np.ndarray, kv_heads: int, head_dim: int, role: str = "scales") -> np.ndarray:
+    """Static metadata ``[kv_heads, n]`` as float32 ``[kv_heads, head_dim]``, first rounded to ``scale_dtype``.
 
-    The values are first rounded to the stream's ``scale_dtype`` (what kvq's codec quantizes with).
+    The rounding is what kvq's codec quantizes with; token-axis groups repeat over their channels.
     """
     sdtype = DType.get(tq.scale_dtype).numpy
-    s = np.asarray(scales, dtype=np.float32).astype(sdtype).astype(np.float32)
-    if s.shape[0] != kv_heads:
-        raise ExportError(f"static scales have shape {list(s.shape)}; expected [kv_heads={kv_heads}, n]")
-    if tq.axis == "token":  # one scale per (head, group of channels): repeat it over the group
-        s = np.repeat(s, tq.token_group(head_dim), axis=1)
-    if s.shape != (kv_heads, head_dim):
-        raise ExportError(f"static scales expand to {list(s.shape)}; expected [{kv_heads}, {head_dim}]")
+    m = np.asarray(meta, dtype=np.float32).astype(sdtype).astype(np.float32)
+    if m.shape[0] != kv_heads:
+        raise ExportError(f"static {role} have shape {list(m.shape)}; expected [kv_heads={kv_heads}, n]")
+    if tq.axis == "token":  # one value per (head, group of channels): repeat it over the group
+        m = np.repeat(m, tq.token_group(head_dim), axis=1)
+    if m.shape != (kv_heads, head_dim):
+        raise ExportError(f"static {role} expand to {list(m.shape)}; expected [{kv_heads}, {head_dim}]")
+    return m
+
+
+def gqa_scale(tq: TensorQuant, scales: np.ndarray, kv_heads: int, head_dim: int) -> tuple[str, np.ndarray]:
+    """Map kvq static scales ``[kv_heads, n]`` to (``PER_TENSOR`` | ``PER_CHANNEL``, float32 GQA scale tensor)."""
+    s = per_channel(tq, scales, kv_heads, head_dim)
     if np.all(s == s.flat[0]):
         return "PER_TENSOR", s.reshape(-1)[:1].copy()
     return "PER_CHANNEL", np.ascontiguousarray(s.reshape(1, kv_heads, 1, head_dim))
@@ -182,19 +188,11 @@ def gqa_offset(tq: TensorQuant, meta: Mapping, kv_heads: int, head_dim: int) -> 
 
     kvq's ``int`` codes are ``c = clip(round((x - zero) / scale), 0, 2^b - 1)``; with ``x - offset`` for
     ``offset = zero + 2^(b-1) * scale`` the node's symmetric ``clip(round(.. / scale), -2^(b-1), 2^(b-1) - 1)``
-    is ``c - 2^(b-1)``: the same rounding (an even shift keeps round-half-even) and the same clamp. Scales and
-    zero points are rounded to ``scale_dtype`` first, as kvq's codec does.
+    is ``c - 2^(b-1)``: the same rounding (an even shift keeps round-half-even) and the same clamp.
     """
     if not tq.has_zero_point:
         return None
-    sdtype = DType.get(tq.scale_dtype).numpy
-    scale, zero = (np.asarray(meta[role], dtype=np.float32).astype(sdtype).astype(np.float32)
-                   for role in ("scales", "zero_points"))
-    if tq.axis == "token":
-        scale, zero = (np.repeat(a, tq.token_group(head_dim), axis=1) for a in (scale, zero))
-    if scale.shape != (kv_heads, head_dim) or zero.shape != (kv_heads, head_dim):
-        raise ExportError(f"static scales/zero points have shapes {list(scale.shape)}/{list(zero.shape)}; "
-                          f"expected [{kv_heads}, {head_dim}]")
+    scale, zero = (per_channel(tq, meta[role], kv_heads, head_dim, role) for role in ("scales", "zero_points"))
     return (zero + np.float32(1 << (tq.bits - 1)) * scale).reshape(-1)
 
 
