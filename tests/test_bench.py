@@ -147,11 +147,8 @@ def test_profile_step_tool_splits_a_step_by_operator(tmp_path):
     assert "GroupQueryAttention" in proc.stderr  # the printed table
 
 
-def test_protocol_p_tool_scores_schemes_and_calibrates_static_ones(tmp_path):
-    """tools/protocol_p.py on a tiny model: one JSON line per scheme, static-scale schemes calibrated first.
-
-    The calibration uses the held-out text it is told; without it a static scheme's reference cache refuses to run.
-    """
+def _protocol_p(tmp_path, out, *args: str) -> list[dict]:
+    """Run tools/protocol_p.py on a tiny model over 1500 random words; return its JSON lines."""
     import random
     import subprocess
     import sys
@@ -159,17 +156,25 @@ def test_protocol_p_tool_scores_schemes_and_calibrates_static_ones(tmp_path):
 
     from tiny_models import WORDS, save_tiny_model_dir
 
-    model = save_tiny_model_dir(tmp_path / "tiny")
-    rng = random.Random(0)
+    model = tmp_path / "tiny"
+    if not model.exists():
+        save_tiny_model_dir(model)
     corpus = tmp_path / "text.txt"
-    corpus.write_text(" ".join(rng.choice(WORDS) for _ in range(1500)))
-    out = tmp_path / "p.jsonl"
+    corpus.write_text(" ".join(random.Random(0).choice(WORDS) for _ in range(1500)))
     tool = Path(__file__).resolve().parents[1] / "tools" / "protocol_p.py"
-    proc = subprocess.run([sys.executable, str(tool), str(out), "fp16", "ort-int4", "--model", str(model),
-                           "--corpus", str(corpus), "--windows", "2", "--window-len", "24", "--calib-tokens", "64",
-                           "--calib-offset", "1000"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, str(tool), str(out), *args, "--model", str(model), "--corpus", str(corpus),
+                           "--windows", "2", "--window-len", "24"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    fp16, int4 = (json.loads(line) for line in out.read_text().splitlines())
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_protocol_p_tool_scores_schemes_and_calibrates_static_ones(tmp_path):
+    """tools/protocol_p.py on a tiny model: one JSON line per scheme, static-scale schemes calibrated first.
+
+    The calibration uses the held-out text it is told; without it a static scheme's reference cache refuses to run.
+    """
+    fp16, int4 = _protocol_p(tmp_path, tmp_path / "p.jsonl", "fp16", "ort-int4", "--calib-tokens", "64",
+                             "--calib-offset", "1000")
     assert fp16["scheme"] == "fp16" and fp16["scored"] == 2 * 23 and "calibration" not in fp16
     assert abs(fp16["delta_pct"]) < 0.5 and fp16["bits_4096"] == 16.0
     assert int4["calibration"] == {"method": "absmax", "tokens": 64, "offset": 1000}
@@ -178,26 +183,8 @@ def test_protocol_p_tool_scores_schemes_and_calibrates_static_ones(tmp_path):
 
 def test_protocol_p_tool_quantizes_the_query_like_llama_cpp_only_for_ggml_keys(tmp_path):
     """``--query-q8_0`` changes a ggml-keyed scheme's scores and leaves other schemes alone."""
-    import random
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from tiny_models import WORDS, save_tiny_model_dir
-
-    model = save_tiny_model_dir(tmp_path / "tiny")
-    corpus = tmp_path / "text.txt"
-    corpus.write_text(" ".join(random.Random(1).choice(WORDS) for _ in range(600)))
-    tool = Path(__file__).resolve().parents[1] / "tools" / "protocol_p.py"
-    runs = {}
-    for flag in ([], ["--query-q8_0"]):
-        out = tmp_path / f"p{len(flag)}.jsonl"
-        proc = subprocess.run([sys.executable, str(tool), str(out), "q4_0-rot", "kivi-4-r0", "--model", str(model),
-                               "--corpus", str(corpus), "--windows", "2", "--window-len", "24", *flag],
-                              capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr
-        runs[bool(flag)] = [json.loads(line) for line in out.read_text().splitlines()]
-    (ggml, kivi), (ggml_q, kivi_q) = runs[False], runs[True]
+    ggml, kivi = _protocol_p(tmp_path, tmp_path / "plain.jsonl", "q4_0-rot", "kivi-4-r0")
+    ggml_q, kivi_q = _protocol_p(tmp_path, tmp_path / "query.jsonl", "q4_0-rot", "kivi-4-r0", "--query-q8_0")
     assert ggml_q["query"] == "q8_0" and "query" not in ggml
     assert ggml_q["mean_kl"] != ggml["mean_kl"]  # the query's round trip moved the scores
     assert kivi_q["mean_kl"] == kivi["mean_kl"]  # no ggml keys: the query is left alone
