@@ -29,6 +29,7 @@ SCHEMES = {
     "fp16": PRESETS["fp16"][0],
     "ort-int8": PRESETS["ort-int8"][0],
     "ort-int4": PRESETS["ort-int4"][0],
+    "ort-int4-asymk": PRESETS["ort-int4-asymk"][0],
     "fp32": _hp32("fp16"),
     "ort-int8/hp-fp32": _hp32("ort-int8"),
     "ort-int4/hp-fp32": _hp32("ort-int4"),

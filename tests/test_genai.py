@@ -44,7 +44,7 @@ GEOMETRY = Geometry(num_layers=2, num_kv_heads=2, head_dim=32)  # tiny_models.CO
 def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp("genai")
     out = {}
-    for name in ("fp32", "ort-int8", "ort-int4"):
+    for name in ("fp32", "ort-int8", "ort-int4", "ort-int4-asymk"):
         scheme = SCHEMES[name]
         out[name] = export(tiny_model("llama"), scheme, root / name.replace("/", "_"), flavor="ort-gqa",
                            static=calibration("llama", scheme))
@@ -52,13 +52,13 @@ def exports(tmp_path_factory):
 
 
 def _held_bytes(scheme, seq_len: int, batch: int) -> int:
-    """What the memory model predicts a buffer cache holds (static scales live in the graph, not the cache)."""
+    """What the memory model predicts a buffer cache holds (static scales and zero points live in the graph)."""
     report = predict(scheme, GEOMETRY, seq_len, batch)
-    return report.total_bytes - report.breakdown["scales"]
+    return report.total_bytes - report.breakdown["scales"] - report.breakdown["zero_points"]
 
 
 @pytest.mark.parametrize("batch", ["solo", "ragged"])
-@pytest.mark.parametrize("name", ["fp32", "ort-int8"])
+@pytest.mark.parametrize("name", ["fp32", "ort-int8", "ort-int4-asymk"])  # asymk: RoPE and the offset in the body
 def test_greedy_tokens_equal_kvq_generate(exports, name, batch):
     prompts = PROMPTS[batch]
     ours = KVQSession(exports[name]).generate(prompts, NEW_TOKENS)
@@ -173,6 +173,9 @@ def test_builder_scale_file_holds_kvq_scales():
     assert int4["qmax"] == 8.0 and int4["kvq"]["builder_option"] == "kv_cache_quant_scheme=int4_per_channel"
     with pytest.raises(ExportError, match="no builder kv_cache_quant_scheme"):
         builder_scale_file({}, SCHEMES["fp16"], num_layers=2, kv_heads=2, head_dim=32)
+    asymk = SCHEMES["ort-int4-asymk"]
+    with pytest.raises(ExportError, match="key streams have zero points, the builder's cache is symmetric"):
+        builder_scale_file(calibration("llama", asymk), asymk, num_layers=2, kv_heads=2, head_dim=32)
     with pytest.raises(ExportError, match="no calibrated scales for layer 1"):
         builder_scale_file({0: static[0]}, SCHEMES["ort-int8"], num_layers=2, kv_heads=2, head_dim=32)
     with pytest.raises(ExportError, match="granularity"):

@@ -246,6 +246,11 @@ def builder_scale_file(static, scheme, *, num_layers: int, kv_heads: int, head_d
         why = "; ".join(reasons) or "some layer keeps an unquantized cache"
         raise ExportError(f"scheme {scheme.name or 'custom'} has no builder kv_cache_quant_scheme: {why} (use a "
                           "static symmetric int8/int4 scheme such as ort-int8 or ort-int4)")
+    zero_points = sorted({part for pair in streams for part, tq in zip(PARTS, pair) if tq.has_zero_point})
+    if zero_points:  # kvq's graph offsets such streams; the builder's node would read them as symmetric
+        raise ExportError(f"scheme {scheme.name or 'custom'} has no builder kv_cache_quant_scheme: its "
+                          f"{' and '.join(zero_points)} streams have zero points, the builder's cache is symmetric "
+                          "(use a static symmetric int8/int4 scheme such as ort-int8 or ort-int4)")
     bits = {tq.bits for pair in streams for tq in pair}
     if len(bits) != 1:
         raise ExportError(f"scheme {scheme.name or 'custom'} mixes {sorted(bits)} bits; the builder takes one width")
