@@ -15,8 +15,9 @@ One JSON line per scheme is appended to ``OUT`` (bits/element at 512 and 4096 to
 
 ``--query-q8_0`` reproduces one more piece of llama.cpp's CPU arithmetic, to compare with its figures like for
 like: its flash attention multiplies a quantized K cache by the query converted to the K type's dot-product
-type (``q8_0`` for q4_0/q4_1/q5_0/q5_1/q8_0 keys: blocks of 32, fp16 ``d = amax/127``), in the stored (rotated)
-basis. With the option, every layer whose keys use the ggml quantizer quantizes its query the same way.
+type (``q8_0`` for q4_0/q5_0/q8_0 keys: blocks of 32, fp16 ``d = amax/127``; ``q8_1`` for q4_1/q5_1, the same
+values plus a block sum), in the stored (rotated) basis. With the option, every layer whose keys use the ggml
+quantizer quantizes its query the same way.
 """
 
 from __future__ import annotations
@@ -38,17 +39,15 @@ from kvq_export.reference.hf_cache import reference_hf_cache
 from kvq_export.rotation import rotate_torch, rotation_matrix
 from kvq_export.scheme import TensorQuant
 
-#: llama.cpp's dot-product type for every quantized K type it caches in (ggml's ``vec_dot_type``)
+#: the values of ggml's ``vec_dot_type`` for every quantized K type llama.cpp caches in (q8_0; q8_1 adds a sum)
 Q8_0 = TensorQuant(format="int_sym", bits=8, group_size=32, quantizer="ggml")
 
 
-def quantize_queries_like_llama_cpp(model, scheme) -> None:
+def quantize_queries_like_llama_cpp(model, scheme, head_dim: int) -> None:
     """Route ``model``'s attention through a q8_0 round trip of the query for ggml-quantized key layers."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    head_dim = model.config.head_dim if getattr(model.config, "head_dim", None) else \
-        model.config.hidden_size // model.config.num_attention_heads
     keys = [key for key, _ in scheme.streams(model.config.num_hidden_layers)]
 
     def attention(module, query, key, value, attention_mask, **kwargs):
@@ -108,7 +107,7 @@ def main() -> None:
                                                              percentile=args.percentile))
         cache, _ = reference_hf_cache(scheme, cfg.num_hidden_layers, static)
         if args.query_q8_0:
-            quantize_queries_like_llama_cpp(model, scheme)
+            quantize_queries_like_llama_cpp(model, scheme, geometry.head_dim)
         nll, kl, top1 = [], [], []
         with torch.no_grad():
             for t in range(args.window_len - 1):
