@@ -231,8 +231,9 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, ca
 @click.option("--metric", type=click.Choice(["attention", "kl"]), default="attention", show_default=True,
               help="attention: output error through o_proj relative to the residual stream (one model pass); "
                    "kl: logit KL with one layer's stream quantized (a forward per layer and candidate).")
-@click.option("--calib-method", type=click.Choice(["absmax", "percentile", "attention"]), default="attention",
-              show_default=True, help="Calibration of static candidates (export them with the same method).")
+@click.option("--calib-method", type=click.Choice(["absmax", "percentile", "attention"]), default="absmax",
+              show_default=True, help="Calibration of static candidates (export them with the same method; "
+              "both default to absmax).")
 @click.option("--percentile", type=click.FloatRange(0, 100, min_open=True), default=99.9, show_default=True)
 @click.option("--sink-tokens", type=click.IntRange(0), default=0, show_default=True,
               help="First tokens kept in high precision in every layer (measured, and counted in the budget).")

@@ -7,8 +7,8 @@ damage is. The planner
 1. runs the model once over calibration text and keeps, per layer, sampled post-RoPE queries, every
    cached key/value and the size of the residual stream entering the layer
    (:func:`kvq_export.calibrate.collect_attention_samples`);
-2. calibrates every static candidate format from those samples (``--calib-method``, the same arithmetic
-   ``kvq export`` applies);
+2. calibrates every static candidate format from those samples (``--calib-method``, default absmax like
+   ``kvq export``'s, the same arithmetic ``kvq export`` applies);
 3. measures, per layer and candidate, the damage to attention (the ``metric``):
 
    * ``attention`` (default, one model pass in all): the candidate's key-induced and value-induced
@@ -454,7 +454,7 @@ def plan_scheme(
     context: int,
     candidates: CandidateSet | str = "ort-gqa",
     metric: str = "attention",
-    calib_method: str = "attention",
+    calib_method: str = "absmax",
     percentile: float = 99.9,
     name: str | None = None,
     resolution: int = RESOLUTION,

@@ -274,3 +274,14 @@ def test_kl_metric_is_zero_for_an_unquantized_candidate(windows):
     assert exact and max(exact) < 1e-9
     assert min(d.damage for d in damages if d.key is not None) > 1e-7
     assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()  # inference mode does not leak
+
+
+def test_plan_calibrates_candidates_like_export_by_default():
+    """A plan's damages are measured with the static scales ``kvq export`` will use unless told otherwise."""
+    import inspect
+
+    def default(command: str) -> str:
+        return next(p.default for p in cli.commands[command].params if p.name == "calib_method")
+
+    assert default("plan") == default("export") == "absmax"
+    assert inspect.signature(plan_scheme).parameters["calib_method"].default == "absmax"
