@@ -12,6 +12,9 @@ Tolerances, measured on the four tiny architectures (see the ``measured`` notes)
   except float noise at a rounding boundary (measured: 0 everywhere but qwen2 solo, 14 of 14592 = 0.1%,
   all ±1), logits max |Δ| <= 1e-4 (measured <= 7e-7, 6.7e-5 in that qwen2 case), and the manifest-only
   decode equals the reference's dequantized K/V. Unquantized fp32 buffers: logits <= 1e-5 (measured 1e-6).
+  Streams with zero points (the graph offsets them so the node stores kvq's unsigned codes): measured 0 code
+  differences for int4 keys with zero points (logits <= 1e-6); int8 with zero points on the values (GQA's
+  packed q|k|v path) at most 1 of 29184 codes off by one (padded cases), logits <= 3.8e-5.
 * **The presets as shipped** (fp16 high precision, scales from other text): two documented conventions
   separate the codes. (1) kvq's reference cache rounds new K/V to fp16 before quantizing them, GQA
   quantizes the fp32 values: measured 0.02%-2.7% of codes differ by exactly 1. (2) Saturation: GQA clamps
