@@ -352,7 +352,7 @@ class GQACacheGraph(LaidOutCache):
         scales: list[ir.Value | None] = [None, None]
         attrs = {}
         if plan.bits is not None:
-            scales = [b.initializer(f"static.{layer}.{part}.scales", array)
+            scales = [b.initializer(static_name(layer, part, "scales"), array)
                       for part, array in zip(PARTS, (plan.k_scale, plan.v_scale))]
             attrs = {"k_quant_type": plan.k_quant, "v_quant_type": plan.v_quant, "kv_cache_bit_width": plan.bits}
         window = f.window(layer)
