@@ -256,7 +256,7 @@ def build_decoder(
         hidden = b.op("Gather", embed, input_ids)
         if arch.embedding_scale is not None:  # in the weights' dtype, like GemmaTextScaledWordEmbedding
             hidden = b.op("Mul", hidden, b.const(np.array(arch.embedding_scale, dtype=body.weights.np_dtype)))
-    pending = None  # a fused body leaves each layer's last residual add to the next norm
+    pending = None  # each layer leaves its last residual add to the next norm (fused: one node for both)
     for layer in range(arch.num_layers):
         with b.scope(f"layers.{layer}"):
             hidden, pending = body.layer(layer, hidden, pending, cache)
@@ -492,19 +492,21 @@ class _Body:
                 bias = _fold_rotation(bias[None, :], rotate_out, None)[0].astype(bias.dtype)
         return wt, bias
 
-    def linears(self, x: ir.Value, in_features: int,
-                parts: list[tuple[LinearNames, int, np.ndarray | None]]) -> list[ir.Value]:
-        """Several projections of the same ``x``: ``(names, out_features, rotate_out)`` each, outputs in order.
+    def linears(self, x: ir.Value, in_features: int, parts: list[tuple[LinearNames, int, np.ndarray | None]]
+                ) -> tuple[list[ir.Value], ir.Value | None]:
+        """Several projections of the same ``x``: ``(names, out_features, rotate_out)`` each.
 
-        Unfused: one :meth:`linear` each. Fused: one MatMul over the concatenated ``[in, sum(out)]`` weights
-        (plus one Add of the concatenated biases, zeros for a part without one), then a Split. Every output
-        column is the same dot product as in its own MatMul, so only the kernel's summation order can differ.
+        Returns the outputs in order and, fused, their concatenation before the Split (else None). Unfused:
+        one :meth:`linear` each. Fused: one MatMul over the concatenated ``[in, sum(out)]`` weights (plus one
+        Add of the concatenated biases, zeros for a part without one), then a Split. Every output column is
+        the same dot product as in its own MatMul, so only the kernel's summation order can differ.
         """
         if not self.fuse_projections:
-            return [self.linear(x, names, in_features, out, rotate_out=rot) for names, out, rot in parts]
+            return [self.linear(x, names, in_features, out, rotate_out=rot) for names, out, rot in parts], None
         sizes = [out for _, out, _ in parts]
-        return self.b.op_multi("Split", self.fused_projection(x, in_features, parts), self.b.const(sizes),
-                               num_outputs=len(sizes), axis=-1)
+        joined = self.fused_projection(x, in_features, parts)
+        outputs = self.b.op_multi("Split", joined, self.b.const(sizes), num_outputs=len(sizes), axis=-1)
+        return list(outputs), joined
 
     def fused_projection(self, x: ir.Value, in_features: int,
                          parts: list[tuple[LinearNames, int, np.ndarray | None]]) -> ir.Value:
@@ -614,9 +616,9 @@ class _Body:
               cache: CacheGraph) -> tuple[ir.Value, ir.Value | None]:
         """One decoder layer: attention and gated MLP, each with a residual (norms as ``LayerNames`` says).
 
-        ``hidden + pending`` is the residual stream; the layer returns it the same way, so a fused body adds
-        each residual inside the next norm's SkipSimplifiedLayerNormalization (an unfused one returns
-        ``pending = None``, its adds done).
+        ``hidden + pending`` is the residual stream; the layer returns it the same way, and :meth:`add_norm`
+        adds each residual where the next norm reads it (a fused fp32 body: inside that norm's
+        SkipSimplifiedLayerNormalization).
         """
         b, arch, f = self.b, self.arch, self.facts
         names = arch.layer_names(layer)
@@ -628,12 +630,8 @@ class _Body:
         with b.scope("attn"):
             x, hidden = self.add_norm(hidden, pending, names.input_norm)
             parts = [(names.q, q_size, None), (names.k, kv_size, None), (names.v, kv_size, value_rot if fold else None)]
-            packed = None  # [B, t, (Hq + 2 Hkv) * D]: q, k, v side by side, for a kernel that takes them so
-            if self.fuse_projections:
-                packed = self.fused_projection(x, f.hidden_size, parts)
-                q, k, v = b.op_multi("Split", packed, b.const([q_size, kv_size, kv_size]), num_outputs=3, axis=-1)
-            else:
-                q, k, v = self.linears(x, f.hidden_size, parts)
+            # packed [B, t, (Hq + 2 Hkv) * D] (fused body): q, k, v side by side, for a kernel that takes them so
+            (q, k, v), packed = self.linears(x, f.hidden_size, parts)
             if self.arch.qk_norm is not None and (names.q_norm or names.k_norm):
                 packed = None
                 q = self.qk_norm(q, names.q_norm, f.num_heads)
@@ -661,17 +659,13 @@ class _Body:
                 attn = b.op("Reshape", b.op("Transpose", attn, perm=[0, 2, 1, 3]), b.const([0, 0, q_size]))
             out = self.linear(attn, names.o, q_size, f.hidden_size, rotate_in=value_rot if fold else None)
             delta = self.maybe_norm(out, names.attention_out_norm)
-            if not self.fuse_norms:
-                hidden, delta = b.op("Add", hidden, delta), None
 
         with b.scope("mlp"):
             x, hidden = self.add_norm(hidden, delta, names.post_attention_norm)
             inter = arch.intermediate_size
-            gate, up = self.linears(x, f.hidden_size, [(names.gate, inter, None), (names.up, inter, None)])
+            (gate, up), _ = self.linears(x, f.hidden_size, [(names.gate, inter, None), (names.up, inter, None)])
             out = self.linear(self.mlp_activation(gate, up), names.down, inter, f.hidden_size)
             delta = self.maybe_norm(out, names.mlp_out_norm)
-            if not self.fuse_norms:
-                return b.op("Add", hidden, delta), None
         return hidden, delta
 
     def lm_head(self, hidden: ir.Value, embed: ir.Value) -> ir.Value:

@@ -232,9 +232,7 @@ class KVQSession:
     @property
     def max_capacity(self) -> int | None:
         """Largest ``buffer`` capacity the graph supports (its fused rotary table), None if unbounded."""
-        if not self.layout.has_capacity:
-            return None
-        return self.manifest.model.max_position_embeddings
+        return self.max_positions if self.layout.has_capacity else None
 
     def _capacity(self, wanted: int) -> int:
         """``wanted`` if the graph supports it (capped at :attr:`max_capacity` for generous defaults)."""
