@@ -63,6 +63,19 @@ def quantize_queries_like_llama_cpp(model, scheme, head_dim: int) -> None:
     model.set_attn_implementation("kvq_query_q8_0")
 
 
+def jitter_cache(ref, seed: int, scale: float = 1e-6) -> None:
+    """Multiply every K/V entering ``ref`` (a ReferenceCache) by ``1 + scale·N(0, 1)`` from one seeded stream."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        return x * (1 + scale * torch.randn(x.shape, generator=gen, dtype=torch.float64)).to(x.dtype)
+
+    for layer in ref.layers:
+        def update(k, v, dtype=None, _inner=layer.update):
+            return _inner(noisy(k), noisy(v), dtype)
+        layer.update = update
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="JSON-lines file to append results to")
@@ -81,6 +94,9 @@ def main() -> None:
     parser.add_argument("--query-q8_0", action="store_true",
                         help="quantize the query to q8_0 before the key dot product in layers with ggml-quantized "
                              "keys, as llama.cpp's CPU flash attention does")
+    parser.add_argument("--jitter", type=int, metavar="SEED",
+                        help="multiply each new K/V by 1 + SCALE·N(0,1) from this seed (the float-noise spread)")
+    parser.add_argument("--jitter-scale", type=float, default=1e-6, metavar="SCALE", help="for --jitter")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -105,7 +121,9 @@ def main() -> None:
             calib = calibration_windows(tokenizer, args.corpus, args.calib_tokens, offset=args.calib_offset)
             static = static_to_torch(calibrate_static_scales(model, scheme, calib, method=args.calib_method,
                                                              percentile=args.percentile))
-        cache, _ = reference_hf_cache(scheme, cfg.num_hidden_layers, static)
+        cache, ref = reference_hf_cache(scheme, cfg.num_hidden_layers, static)
+        if args.jitter is not None:
+            jitter_cache(ref, args.jitter, args.jitter_scale)
         if args.query_q8_0:
             quantize_queries_like_llama_cpp(model, scheme, geometry.head_dim)
         nll, kl, top1 = [], [], []
@@ -124,6 +142,7 @@ def main() -> None:
             "bits_4096": predict(scheme, geometry, 4096).bits_per_element,
             "windows": args.windows, "window_len": args.window_len, "offset": args.offset,
             "scored": int(targets.numel()), **({"query": "q8_0"} if args.query_q8_0 else {}),
+            **({"jitter": {"seed": args.jitter, "scale": args.jitter_scale}} if args.jitter is not None else {}),
             **({"calibration": {"method": args.calib_method, "tokens": args.calib_tokens, "offset": args.calib_offset,
                                 **({"percentile": args.percentile} if args.calib_method == "percentile" else {})}}
                if static is not None else {}),
