@@ -11,13 +11,19 @@ bit-exact against. The baseline is one full fp32 forward per window (token by to
 token), so only the quantized side is decoded step by step: about half the work of ``kvq validate``, without
 its attention analysis or latency.
 
-One JSON line per scheme is appended to ``OUT`` (bits/element at 512 and 4096 tokens from the memory model).
+One JSON line per scheme (and jitter seed) is appended to ``OUT`` (bits/element at 512 and 4096 tokens from
+the memory model).
 
 ``--query-q8_0`` reproduces one more piece of llama.cpp's CPU arithmetic, to compare with its figures like for
 like: its flash attention multiplies a quantized K cache by the query converted to the K type's dot-product
 type (``q8_0`` for q4_0/q5_0/q8_0 keys: blocks of 32, fp16 ``d = amax/127``; ``q8_1`` for q4_1/q5_1, the same
 values plus a block sum), in the stored (rotated) basis. With the option, every layer whose keys use the ggml
 quantizer quantizes its query the same way.
+
+``--jitter SEEDS`` (comma-separated; ``--jitter-scale``, default 1e-6) measures how far a figure moves under
+float noise alone: each scheme is scored once per seed, every new key and value multiplied by
+``1 + 1e-6·N(0, 1)`` from that seed before the cache stores it -- about the size of the rounding differences
+between two runners of the same arithmetic (PyTorch and an exported graph).
 """
 
 from __future__ import annotations
@@ -76,6 +82,14 @@ def jitter_cache(ref, seed: int, scale: float = 1e-6) -> None:
         layer.update = update
 
 
+def seed_list(text: str) -> list[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]`` (argparse type of ``--jitter``)."""
+    try:
+        return [int(seed) for seed in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid seeds {text!r}: allowed: comma-separated integers") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="JSON-lines file to append results to")
@@ -94,8 +108,9 @@ def main() -> None:
     parser.add_argument("--query-q8_0", action="store_true",
                         help="quantize the query to q8_0 before the key dot product in layers with ggml-quantized "
                              "keys, as llama.cpp's CPU flash attention does")
-    parser.add_argument("--jitter", type=int, metavar="SEED",
-                        help="multiply each new K/V by 1 + SCALE·N(0,1) from this seed (the float-noise spread)")
+    parser.add_argument("--jitter", metavar="SEEDS", type=seed_list,
+                        help="comma-separated seeds: score each scheme once per seed, each new K/V multiplied by "
+                             "1 + SCALE·N(0,1) from that seed (the spread float noise alone gives a figure)")
     parser.add_argument("--jitter-scale", type=float, default=1e-6, metavar="SCALE", help="for --jitter")
     args = parser.parse_args()
 
@@ -113,45 +128,47 @@ def main() -> None:
     base_ppl = math.exp(float(-base[:, :-1].gather(-1, targets[..., None]).double().mean()))
     print(f"fp32 baseline ppl {base_ppl:.4f} over {targets.numel()} tokens", flush=True)
 
+    seeds = [None] if args.jitter is None else args.jitter
     for spec in args.schemes:
         scheme = resolve_scheme(spec)
-        start = time.time()
         static = None
         if scheme.has_static_scales:  # calibrated on held-out text, as ``kvq export`` would
             calib = calibration_windows(tokenizer, args.corpus, args.calib_tokens, offset=args.calib_offset)
             static = static_to_torch(calibrate_static_scales(model, scheme, calib, method=args.calib_method,
                                                              percentile=args.percentile))
-        cache, ref = reference_hf_cache(scheme, cfg.num_hidden_layers, static)
-        if args.jitter is not None:
-            jitter_cache(ref, args.jitter, args.jitter_scale)
         if args.query_q8_0:
             quantize_queries_like_llama_cpp(model, scheme, geometry.head_dim)
-        nll, kl, top1 = [], [], []
-        with torch.no_grad():
-            for t in range(args.window_len - 1):
-                lq = model(ids[:, t:t + 1], cache=cache).logits[:, -1].float().log_softmax(-1)
-                lb = base[:, t]
-                nll.append(-lq[rows, targets[:, t]].double())
-                kl.append((lb.exp() * (lb - lq)).sum(-1).double())
-                top1.append((lq.argmax(-1) == lb.argmax(-1)).double())
-        ppl = math.exp(float(torch.stack(nll).mean()))
-        result = {
-            "scheme": spec, "ppl": ppl, "baseline_ppl": base_ppl, "delta_pct": 100 * (ppl / base_ppl - 1),
-            "mean_kl": float(torch.stack(kl).mean()), "top1": float(torch.stack(top1).mean()),
-            "bits_512": predict(scheme, geometry, 512).bits_per_element,
-            "bits_4096": predict(scheme, geometry, 4096).bits_per_element,
-            "windows": args.windows, "window_len": args.window_len, "offset": args.offset,
-            "scored": int(targets.numel()), **({"query": "q8_0"} if args.query_q8_0 else {}),
-            **({"jitter": {"seed": args.jitter, "scale": args.jitter_scale}} if args.jitter is not None else {}),
-            **({"calibration": {"method": args.calib_method, "tokens": args.calib_tokens, "offset": args.calib_offset,
-                                **({"percentile": args.percentile} if args.calib_method == "percentile" else {})}}
-               if static is not None else {}),
-            "seconds": round(time.time() - start),
-        }
-        print(json.dumps(result), flush=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(result) + "\n")
-
+        for seed in seeds:
+            start = time.time()
+            cache, ref = reference_hf_cache(scheme, cfg.num_hidden_layers, static)
+            if seed is not None:
+                jitter_cache(ref, seed, args.jitter_scale)
+            nll, kl, top1 = [], [], []
+            with torch.no_grad():
+                for t in range(args.window_len - 1):
+                    lq = model(ids[:, t:t + 1], cache=cache).logits[:, -1].float().log_softmax(-1)
+                    lb = base[:, t]
+                    nll.append(-lq[rows, targets[:, t]].double())
+                    kl.append((lb.exp() * (lb - lq)).sum(-1).double())
+                    top1.append((lq.argmax(-1) == lb.argmax(-1)).double())
+            ppl = math.exp(float(torch.stack(nll).mean()))
+            result = {
+                "scheme": spec, "ppl": ppl, "baseline_ppl": base_ppl, "delta_pct": 100 * (ppl / base_ppl - 1),
+                "mean_kl": float(torch.stack(kl).mean()), "top1": float(torch.stack(top1).mean()),
+                "bits_512": predict(scheme, geometry, 512).bits_per_element,
+                "bits_4096": predict(scheme, geometry, 4096).bits_per_element,
+                "windows": args.windows, "window_len": args.window_len, "offset": args.offset,
+                "scored": int(targets.numel()), **({"query": "q8_0"} if args.query_q8_0 else {}),
+                **({"jitter": {"seed": seed, "scale": args.jitter_scale}} if seed is not None else {}),
+                **({"calibration": {"method": args.calib_method, "tokens": args.calib_tokens,
+                                    "offset": args.calib_offset,
+                                    **({"percentile": args.percentile} if args.calib_method == "percentile" else {})}}
+                   if static is not None else {}),
+                "seconds": round(time.time() - start),
+            }
+            print(json.dumps(result), flush=True)
+            with open(args.out, "a") as f:
+                f.write(json.dumps(result) + "\n")
 
 if __name__ == "__main__":
     main()
