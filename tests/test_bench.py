@@ -197,3 +197,12 @@ def test_protocol_p_tool_jitters_the_cache_reproducibly_per_seed(tmp_path):
     assert [r["jitter"] for r in (first, other)] == [{"seed": 0, "scale": 0.01}, {"seed": 1, "scale": 0.01}]
     assert first["mean_kl"] == again["mean_kl"] and first["ppl"] == again["ppl"]
     assert other["mean_kl"] != first["mean_kl"]
+
+
+def test_protocol_p_tool_rounds_activations_like_llama_cpp_in_the_baseline_too(tmp_path):
+    """``--activations-q8`` moves the fp32 baseline itself; an fp16 cache stays next to that baseline."""
+    (plain,) = _protocol_p(tmp_path, tmp_path / "plain.jsonl", "fp16")
+    (rounded,) = _protocol_p(tmp_path, tmp_path / "q8.jsonl", "fp16", "--activations-q8")
+    assert rounded["activations"] == "q8" and "activations" not in plain
+    assert rounded["baseline_ppl"] != plain["baseline_ppl"]
+    assert abs(rounded["delta_pct"]) < 0.5

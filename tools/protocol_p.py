@@ -20,6 +20,13 @@ type (``q8_0`` for q4_0/q5_0/q8_0 keys: blocks of 32, fp16 ``d = amax/127``; ``q
 values plus a block sum), in the stored (rotated) basis. With the option, every layer whose keys use the ggml
 quantizer quantizes its query the same way.
 
+``--activations-q8`` reproduces the rest of llama.cpp's arithmetic that a K/V format comparison is sensitive
+to: with quantized weights (SmolLM2's GGUF holds Q4_1 linears and a Q8_0 embedding/output matrix) every matmul
+first converts its input activations to the weight type's dot-product type, ``q8_1`` / ``q8_0`` -- blocks of
+32 along the input dimension, fp16 ``d = amax/127``, the same values either way. With the option every
+``nn.Linear`` input takes that round trip, in the fp32 baseline as well, and Δppl is against that baseline,
+as llama.cpp's figures are against its own.
+
 ``--jitter SEEDS`` (comma-separated; ``--jitter-scale``, default 1e-6) measures how far a figure moves under
 float noise alone: each scheme is scored once per seed, every new key and value multiplied by
 ``1 + 1e-6·N(0, 1)`` from that seed before the cache stores it -- about the size of the rounding differences
@@ -69,6 +76,18 @@ def quantize_queries_like_llama_cpp(model, scheme, head_dim: int) -> None:
     model.set_attn_implementation("kvq_query_q8_0")
 
 
+def quantize_activations_like_llama_cpp(model) -> None:
+    """Round every ``nn.Linear`` input of ``model`` through q8 blocks of 32 (llama.cpp's quantized matmuls)."""
+
+    def round_trip(module, args):
+        (x, *rest) = args
+        return (dequantize(quantize(x, Q8_0), Q8_0).to(x.dtype), *rest)
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(round_trip)
+
+
 def jitter_cache(ref, seed: int, scale: float = 1e-6) -> None:
     """Multiply every K/V entering ``ref`` (a ReferenceCache) by ``1 + scale·N(0, 1)`` from one seeded stream."""
     gen = torch.Generator().manual_seed(seed)
@@ -108,6 +127,9 @@ def main() -> None:
     parser.add_argument("--query-q8_0", action="store_true",
                         help="quantize the query to q8_0 before the key dot product in layers with ggml-quantized "
                              "keys, as llama.cpp's CPU flash attention does")
+    parser.add_argument("--activations-q8", action="store_true",
+                        help="round every linear layer's input through q8 blocks of 32, as llama.cpp's matmuls with "
+                             "quantized weights do (the baseline too)")
     parser.add_argument("--jitter", metavar="SEEDS", type=seed_list,
                         help="comma-separated seeds: score each scheme once per seed, each new K/V multiplied by "
                              "1 + SCALE·N(0,1) from that seed (the spread float noise alone gives a figure)")
@@ -117,6 +139,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
     model.eval()
+    if args.activations_q8:
+        quantize_activations_like_llama_cpp(model)
     cfg = model.config
     geometry = Geometry(cfg.num_hidden_layers, cfg.num_key_value_heads,
                         getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
@@ -159,6 +183,7 @@ def main() -> None:
                 "bits_4096": predict(scheme, geometry, 4096).bits_per_element,
                 "windows": args.windows, "window_len": args.window_len, "offset": args.offset,
                 "scored": int(targets.numel()), **({"query": "q8_0"} if args.query_q8_0 else {}),
+                **({"activations": "q8"} if args.activations_q8 else {}),
                 **({"jitter": {"seed": seed, "scale": args.jitter_scale}} if seed is not None else {}),
                 **({"calibration": {"method": args.calib_method, "tokens": args.calib_tokens,
                                     "offset": args.calib_offset,
