@@ -23,9 +23,9 @@ quantizer quantizes its query the same way.
 ``--activations-q8`` reproduces the rest of llama.cpp's arithmetic that a K/V format comparison is sensitive
 to: with quantized weights (SmolLM2's GGUF holds Q4_1 linears and a Q8_0 embedding/output matrix) every matmul
 first converts its input activations to the weight type's dot-product type, ``q8_1`` / ``q8_0`` -- blocks of
-32 along the input dimension, fp16 ``d = amax/127``, the same values either way. With the option every
-``nn.Linear`` input takes that round trip, in the fp32 baseline as well, and Δppl is against that baseline,
-as llama.cpp's figures are against its own.
+32 along the input dimension, fp16 ``d = amax/127``, the same rounded values (q8_1 adds a block sum). With the
+option every ``nn.Linear`` input takes that round trip, in the fp32 baseline as well, and Δppl is against that
+baseline, as llama.cpp's figures are against its own.
 
 ``--jitter SEEDS`` (comma-separated; ``--jitter-scale``, default 1e-6) measures how far a figure moves under
 float noise alone: each scheme is scored once per seed, every new key and value multiplied by
@@ -101,6 +101,24 @@ def jitter_cache(ref, seed: int, scale: float = 1e-6) -> None:
         layer.update = update
 
 
+def strict_decode_scores(model, ids: torch.Tensor, base: torch.Tensor, cache) -> tuple[float, float, float]:
+    """Decode ``ids`` [windows, T] one token per step on ``cache``: (ppl, mean KL from ``base``, top-1 agreement).
+
+    ``base`` holds the baseline's log-probabilities [windows, T, vocab]; every token but the first is scored.
+    """
+    rows, targets = torch.arange(ids.shape[0]), ids[:, 1:]
+    nll, kl, top1 = [], [], []
+    with torch.no_grad():
+        for t in range(ids.shape[1] - 1):
+            lq = model(ids[:, t:t + 1], cache=cache).logits[:, -1].float().log_softmax(-1)
+            lb = base[:, t]
+            nll.append(-lq[rows, targets[:, t]].double())
+            kl.append((lb.exp() * (lb - lq)).sum(-1).double())
+            top1.append((lq.argmax(-1) == lb.argmax(-1)).double())
+    return (math.exp(float(torch.stack(nll).mean())), float(torch.stack(kl).mean()),
+            float(torch.stack(top1).mean()))
+
+
 def seed_list(text: str) -> list[int]:
     """``"0,1,2"`` -> ``[0, 1, 2]`` (argparse type of ``--jitter``)."""
     try:
@@ -148,7 +166,7 @@ def main() -> None:
                                        offset=args.offset))
     with torch.no_grad():
         base = torch.stack([model(ids[w:w + 1]).logits[0].float().log_softmax(-1) for w in range(args.windows)])
-    rows, targets = torch.arange(args.windows), ids[:, 1:]
+    targets = ids[:, 1:]
     base_ppl = math.exp(float(-base[:, :-1].gather(-1, targets[..., None]).double().mean()))
     print(f"fp32 baseline ppl {base_ppl:.4f} over {targets.numel()} tokens", flush=True)
 
@@ -167,18 +185,10 @@ def main() -> None:
             cache, ref = reference_hf_cache(scheme, cfg.num_hidden_layers, static)
             if seed is not None:
                 jitter_cache(ref, seed, args.jitter_scale)
-            nll, kl, top1 = [], [], []
-            with torch.no_grad():
-                for t in range(args.window_len - 1):
-                    lq = model(ids[:, t:t + 1], cache=cache).logits[:, -1].float().log_softmax(-1)
-                    lb = base[:, t]
-                    nll.append(-lq[rows, targets[:, t]].double())
-                    kl.append((lb.exp() * (lb - lq)).sum(-1).double())
-                    top1.append((lq.argmax(-1) == lb.argmax(-1)).double())
-            ppl = math.exp(float(torch.stack(nll).mean()))
+            ppl, kl, top1 = strict_decode_scores(model, ids, base, cache)
             result = {
                 "scheme": spec, "ppl": ppl, "baseline_ppl": base_ppl, "delta_pct": 100 * (ppl / base_ppl - 1),
-                "mean_kl": float(torch.stack(kl).mean()), "top1": float(torch.stack(top1).mean()),
+                "mean_kl": kl, "top1": top1,
                 "bits_512": predict(scheme, geometry, 512).bits_per_element,
                 "bits_4096": predict(scheme, geometry, 4096).bits_per_element,
                 "windows": args.windows, "window_len": args.window_len, "offset": args.offset,
@@ -194,6 +204,7 @@ def main() -> None:
             print(json.dumps(result), flush=True)
             with open(args.out, "a") as f:
                 f.write(json.dumps(result) + "\n")
+
 
 if __name__ == "__main__":
     main()
