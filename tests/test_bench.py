@@ -199,10 +199,34 @@ def test_protocol_p_tool_jitters_the_cache_reproducibly_per_seed(tmp_path):
     assert other["mean_kl"] != first["mean_kl"]
 
 
-def test_protocol_p_tool_rounds_activations_like_llama_cpp_in_the_baseline_too(tmp_path):
-    """``--activations-q8`` moves the fp32 baseline itself; an fp16 cache stays next to that baseline."""
-    (plain,) = _protocol_p(tmp_path, tmp_path / "plain.jsonl", "fp16")
-    (rounded,) = _protocol_p(tmp_path, tmp_path / "q8.jsonl", "fp16", "--activations-q8")
-    assert rounded["activations"] == "q8" and "activations" not in plain
-    assert rounded["baseline_ppl"] != plain["baseline_ppl"]
-    assert abs(rounded["delta_pct"]) < 0.5
+def test_protocol_p_rounds_every_linear_input_to_q8_blocks_like_llama_cpp():
+    """``--activations-q8``'s hook: every ``nn.Linear`` input becomes q8 blocks of 32, and the logits move.
+
+    In a block, ``x / d`` is integral, with ``d`` the fp16 of amax/127.
+    """
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+    from tiny_models import tiny_model
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "protocol_p.py"
+    spec = importlib.util.spec_from_file_location("protocol_p", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+
+    model = tiny_model("llama").eval()
+    ids = torch.arange(3, 19)[None]
+    with torch.no_grad():
+        before = model(ids).logits
+        tool.quantize_activations_like_llama_cpp(model)
+        seen = []
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):  # registered after the round trip: sees its output
+                module.register_forward_pre_hook(lambda _, args: seen.append(args[0].detach().clone()))
+        after = model(ids).logits
+    assert seen and not torch.equal(before, after)
+    for x in seen:
+        blocks = x.float().reshape(-1, 32)
+        d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float().clamp_min(1e-30)
+        assert torch.allclose(blocks / d, (blocks / d).round(), atol=1e-3)
