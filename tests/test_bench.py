@@ -204,6 +204,7 @@ def test_protocol_p_rounds_every_linear_input_to_q8_blocks_like_llama_cpp():
 
     In a block, ``x / d`` is integral, with ``d`` the fp16 of amax/127.
     """
+    import copy
     import importlib.util
     from pathlib import Path
 
@@ -215,7 +216,7 @@ def test_protocol_p_rounds_every_linear_input_to_q8_blocks_like_llama_cpp():
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
 
-    model = tiny_model("llama").eval()
+    model = copy.deepcopy(tiny_model("llama"))  # the hooks stay on this copy, not on the shared cached model
     ids = torch.arange(3, 19)[None]
     with torch.no_grad():
         before = model(ids).logits
