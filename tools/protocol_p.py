@@ -56,6 +56,11 @@ from kvq_export.scheme import TensorQuant
 Q8_0 = TensorQuant(format="int_sym", bits=8, group_size=32, quantizer="ggml")
 
 
+def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to ggml's q8 blocks of 32 along its last axis (as float32)."""
+    return dequantize(quantize(x, Q8_0), Q8_0)
+
+
 def quantize_queries_like_llama_cpp(model, scheme, head_dim: int) -> None:
     """Route ``model``'s attention through a q8_0 round trip of the query for ggml-quantized key layers."""
     from transformers import AttentionInterface
@@ -68,7 +73,7 @@ def quantize_queries_like_llama_cpp(model, scheme, head_dim: int) -> None:
         if tq.quantized and tq.quantizer == "ggml":
             matrix = rotation_matrix(tq.rotation, head_dim)
             stored = rotate_torch(query, matrix)  # the basis the keys are stored (and dotted) in
-            stored = dequantize(quantize(stored, Q8_0), Q8_0)
+            stored = q8_round_trip(stored)
             query = rotate_torch(stored, matrix, inverse=True).to(query.dtype)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
@@ -81,7 +86,7 @@ def quantize_activations_like_llama_cpp(model) -> None:
 
     def round_trip(module, args):
         (x, *rest) = args
-        return (dequantize(quantize(x, Q8_0), Q8_0).to(x.dtype), *rest)
+        return (q8_round_trip(x).to(x.dtype), *rest)
 
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
@@ -180,6 +185,7 @@ def main() -> None:
                                                              percentile=args.percentile))
         if args.query_q8_0:
             quantize_queries_like_llama_cpp(model, scheme, geometry.head_dim)
+        bits = {tokens: predict(scheme, geometry, tokens).bits_per_element for tokens in (512, 4096)}
         for seed in seeds:
             start = time.time()
             cache, ref = reference_hf_cache(scheme, cfg.num_hidden_layers, static)
@@ -189,8 +195,7 @@ def main() -> None:
             result = {
                 "scheme": spec, "ppl": ppl, "baseline_ppl": base_ppl, "delta_pct": 100 * (ppl / base_ppl - 1),
                 "mean_kl": kl, "top1": top1,
-                "bits_512": predict(scheme, geometry, 512).bits_per_element,
-                "bits_4096": predict(scheme, geometry, 4096).bits_per_element,
+                "bits_512": bits[512], "bits_4096": bits[4096],
                 "windows": args.windows, "window_len": args.window_len, "offset": args.offset,
                 "scored": int(targets.numel()), **({"query": "q8_0"} if args.query_q8_0 else {}),
                 **({"activations": "q8"} if args.activations_q8 else {}),
