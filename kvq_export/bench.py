@@ -252,7 +252,7 @@ def run_bench(
         warmup: untimed decode steps before them.
         prefill_tokens: prefill length cap (a prefill is ``min(context, prefill_tokens)`` tokens per row).
         prefill_repeats: timed prefill runs (median), after one untimed run.
-        threads: ONNX Runtime intra-op threads (default: its choice).
+        threads: ONNX Runtime intra-op threads (default: ``OMP_NUM_THREADS`` when set, else its choice).
         dtype: compute dtype of the exports.
         work_dir: where exports are kept (default ``$KVQ_CACHE_DIR/bench``).
         calib_corpus: calibration corpus of static-scale schemes (see ``kvq export``).

@@ -510,7 +510,8 @@ def _ints(text: str) -> list[int]:
               help="How the cache reaches the context: random data in the stored layout, or a real prefill.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
               help="Compute dtype of the exports.")
-@click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--threads", type=click.IntRange(1), default=None,
+              help="ONNX Runtime intra-op threads [default: OMP_NUM_THREADS when set, else ONNX Runtime's choice].")
 @click.option("--ppl-windows", type=click.IntRange(0), default=0, show_default=True,
               help="Also report strict-decode perplexity on this many windows of the calibration corpus.")
 @click.option("--ppl-tokens", type=click.IntRange(2), default=512, show_default=True, help="Tokens per window.")

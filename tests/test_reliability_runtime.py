@@ -149,3 +149,21 @@ def test_the_tokenizer_never_runs_code_shipped_in_an_export(exports, tmp_path):
     except RuntimeInputError:
         pass  # refusing the tokenizer is fine too; running its code is not
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(("env", "explicit", "expected"), [
+    (None, None, 0),  # 0: ONNX Runtime picks
+    ("1", None, 1),
+    ("3", 2, 2),      # an explicit count wins over the environment
+    ("abc", None, 0),
+    ("0", None, 0),
+])
+def test_sessions_take_their_threads_from_omp_num_threads(env, explicit, expected, monkeypatch, caplog):
+    from kvq_export.runtime.session import session_options
+
+    if env is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", env)
+    assert session_options(explicit).intra_op_num_threads == expected
+    assert ("not a positive integer" in caplog.text) == (env in ("abc", "0"))

@@ -43,7 +43,7 @@ from kvq_export.errors import ExportError, RuntimeInputError
 from kvq_export.manifest import MODEL_NAME, Manifest
 from kvq_export.naming import PARTS, tensor_name
 from kvq_export.runtime.sampling import SamplingConfig
-from kvq_export.runtime.session import Generation
+from kvq_export.runtime.session import Generation, default_threads
 
 logger = logging.getLogger(__name__)
 
@@ -311,7 +311,8 @@ class GenaiSession:
 
     Args:
         directory: a ``kvq export --flavor ort-gqa`` directory (with ``genai_config.json``).
-        threads: intra-op threads (default: onnxruntime-genai's choice).
+        threads: intra-op threads (default: ``OMP_NUM_THREADS`` when set, else onnxruntime-genai's choice;
+            see :func:`~kvq_export.runtime.session.default_threads`).
         verify_weights: check the graphs and weights against the checksums in ``kvq.json`` (as
             :class:`~kvq_export.runtime.session.KVQSession` does).
     """
@@ -332,7 +333,7 @@ class GenaiSession:
                 "it was exported before kvq wrote onnxruntime-genai files: re-export it"
             raise RuntimeInputError(f"{self.directory} has no {GENAI_CONFIG}: {reason}")
         self.og = require("onnxruntime_genai")
-        self.threads = threads
+        self.threads = threads or default_threads()
         self.model = self.og.Model(self._config())
         self.config = json.loads((self.directory / GENAI_CONFIG).read_text())
         self._tokenizer = None

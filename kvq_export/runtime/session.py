@@ -60,10 +60,28 @@ def choose_providers(requested: Sequence[str] | None = None) -> list[str]:
     return ["CPUExecutionProvider"]
 
 
+def default_threads() -> int | None:
+    """Intra-op threads for a session that names none: ``OMP_NUM_THREADS`` when set, else None (the runtime's choice).
+
+    torch and the BLAS libraries honour that variable and ONNX Runtime does not, so without this a process told
+    to use one core would still start one ONNX Runtime worker per core. A value that is not a positive integer
+    is ignored with a warning, as torch does.
+    """
+    import os
+
+    text = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not text:
+        return None
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    logger.warning("OMP_NUM_THREADS=%r is not a positive integer; ignored (ONNX Runtime picks its threads)", text)
+    return None
+
+
 def session_options(threads: int | None = None, *, spinning: bool = False):
     """ONNX Runtime session options every kvq session uses.
 
-    ``threads``: intra-op threads (None = ONNX Runtime's choice). ``spinning``: let idle intra-op workers spin
+    ``threads``: intra-op threads (None = :func:`default_threads`). ``spinning``: let idle intra-op workers spin
     between runs (ONNX Runtime's default). Off by default, as in onnxruntime-genai's loop: a generation loop
     does Python work between steps, and workers that spin through it compete with it for the cores (measured
     on SmolLM2 ort-int8 at 512 tokens on a loaded 2-core machine: 94.1 ms per step spinning, 62.8 ms not).
@@ -71,6 +89,7 @@ def session_options(threads: int | None = None, *, spinning: bool = False):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    threads = threads or default_threads()
     if threads:
         options.intra_op_num_threads = threads
     if not spinning:
@@ -117,7 +136,7 @@ class KVQSession:
     Args:
         directory: a ``kvq export`` output directory (``kvq.json`` + ``model.onnx``).
         providers: ONNX Runtime providers; default CUDA when onnxruntime-gpu sees a GPU, else CPU.
-        threads: intra-op threads (default: ONNX Runtime's choice).
+        threads: intra-op threads (default: :func:`default_threads`).
         capacity: tokens per row a new ``buffer``-layout cache holds before it must grow (default: what
             ``generate`` needs, else :data:`DEFAULT_CAPACITY`); ignored by the ``regions`` layout.
         verify_weights: check ``model.onnx`` and its weights against the sha256 the manifest recorded at
