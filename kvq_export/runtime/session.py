@@ -15,6 +15,7 @@ needed).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,8 +68,6 @@ def default_threads() -> int | None:
     to use one core would still start one ONNX Runtime worker per core. A value that is not a positive integer
     is ignored with a warning, as torch does.
     """
-    import os
-
     text = os.environ.get("OMP_NUM_THREADS", "").strip()
     if not text:
         return None
