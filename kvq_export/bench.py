@@ -128,7 +128,7 @@ def bench_export(
     directory = root / f"{tag}-{flavor}-{(scheme.name or 'custom').replace('/', '_')}-{dtype}"
     start = time.perf_counter()
     out = ensure_export(model, scheme, directory, dtype=dtype, flavor=flavor, tokenizer=tokenizer,
-                        calib_corpus=calib_corpus if scheme.has_static_scales else None, calib_tokens=calib_tokens,
+                        calib_corpus=calib_corpus if scheme.needs_calibration else None, calib_tokens=calib_tokens,
                         calib_method=calib_method, calib_percentile=calib_percentile,
                         calib_offset=calib_offset)
     logger.info("export %s ready in %.1f s", directory, time.perf_counter() - start)

@@ -32,6 +32,7 @@ from kvq_export.naming import (
     DIRECTIONS,
     PACKING,
     PACKING_5BIT,
+    PACKING_HIGH,
     PARTS,
     CacheTensor,
     region_axis,
@@ -141,7 +142,8 @@ def _random_values(spec: CacheTensor, shape: list[int], rng: np.random.Generator
 def _quant_facts(tq: TensorQuant, head_dim: int, **extra) -> dict[str, Any]:
     """The quantization fields a quantized stream's tensors carry in the manifest."""
     group = tq.token_group(head_dim) if tq.axis == "token" else tq.group_size
-    return {"group_axis": tq.axis, "group_size": group, "format": tq.format, "bits": tq.bits, **extra}
+    high = {"high_channels": tq.high_channels} if tq.high_channels else {}
+    return {"group_axis": tq.axis, "group_size": group, "format": tq.format, "bits": tq.bits, **high, **extra}
 
 
 # -- layouts -------------------------------------------------------------------------------------------------
@@ -259,7 +261,9 @@ class RegionsLayout(CacheLayout):
         quant = _quant_facts(tq, head_dim, quantizer=tq.quantizer)
         tokens = region_axis(direction, layer, part, "quantized")
         code_type = "float8e4m3fn" if tq.format == "fp8_e4m3" else "uint8"
-        packing = (PACKING_5BIT if tq.bits == 5 else PACKING) if tq.is_int and tq.bits < 8 else None
+        packing = None
+        if tq.is_int and tq.bits < 8:
+            packing = PACKING_HIGH if tq.high_channels else PACKING_5BIT if tq.bits == 5 else PACKING
         out.append(tensor("codes", code_type, (*rows, tokens, tq.packed_dim(head_dim)), "quantized", packing=packing,
                           **quant))
         if tq.scales == "dynamic":
@@ -397,7 +401,8 @@ def _dequantize_region(tq: TensorQuant, last, count: int, static_meta):
         groups = count if tq.axis == "token" else count // tq.group_size
         scales = last("scales", groups)[None]
         zeros = last("zero_points", groups)[None] if tq.has_zero_point else None
-    return dequantize_packed(Quantized(codes[None], scales, zeros), tq)[0]
+    high = torch.as_tensor(static_meta["high_channels"]) if tq.high_channels else None
+    return dequantize_packed(Quantized(codes[None], scales, zeros), tq, high_channels=high)[0]
 
 
 REGIONS = RegionsLayout()

@@ -44,6 +44,14 @@ head (``‖(A' - A) V‖²`` and ``‖A (V̂ - V)‖²`` summed over the calibra
 head) the best of the per-channel ratios, the best single ratio and absmax is kept, so on the
 calibration text the method is never worse than ``absmax`` by that measure.
 
+High channels (``TensorQuant.high_channels = n``, per-channel ``int`` streams with dynamic scales) are chosen
+here too, and kept as role ``high_channels``: ``[kv_heads, n]`` ascending channel indices (int32), the ``n``
+channels of each kv head whose quantization error moves attention most. A key error ``e_c`` in channel ``c``
+shifts every score by ``s q_c e_c``, and a channel's error grows with its group range, so keys rank channels by
+``E[q_c²] · E[range_c²]`` (the model's own post-RoPE queries; ranges over the stream's token groups). A value
+error in channel ``c`` reaches the residual stream through the ``o_proj`` columns that read it, so values rank
+by ``Σ ‖o_proj[:, c]‖² · E[range_c²]`` over the kv head's query heads.
+
 Files: :func:`save_calibration` writes one ``.npz`` with keys ``"<layer>.<key|value>.<scales|zero_points>"``;
 :func:`calibration_digest` fingerprints a calibration for manifests.
 """
@@ -81,6 +89,8 @@ ATTENTION_QUERIES = 128
 DEFAULT_CALIB_TOKENS = 4096
 PARTS = ("key", "value")
 META_ROLES = ("scales", "zero_points")
+#: calibration role holding a stream's chosen 8-bit channels ``[kv_heads, n]`` (integer indices)
+HIGH_CHANNELS = "high_channels"
 
 StaticArrays = dict[int, dict[str, dict[str, np.ndarray]]]
 """``{layer: {"key"|"value": {"scales": [H, n], "zero_points": [H, n]}}}`` of numpy float32."""
@@ -96,6 +106,48 @@ def static_streams(scheme: KVQuantScheme, num_layers: int) -> list[tuple[int, st
         for part, tq in zip(PARTS, streams, strict=True)
         if tq.quantized and tq.scales == "static"
     ]
+
+
+def high_channel_streams(scheme: KVQuantScheme, num_layers: int) -> list[tuple[int, str, TensorQuant]]:
+    """(layer, ``key``|``value``, stream) for every stream that keeps calibrated high channels."""
+    return [
+        (layer, part, tq)
+        for layer, streams in enumerate(scheme.streams(num_layers))
+        for part, tq in zip(PARTS, streams, strict=True)
+        if tq.quantized and tq.high_channels
+    ]
+
+
+def channel_importance(samples: Sequence[AttentionSample], part: str, tq: TensorQuant,
+                       o_proj: torch.Tensor | None = None) -> torch.Tensor:
+    """``[kv_heads, D]``: how much a channel's quantization error moves attention (see the module docstring)."""
+    weight = range_sq = None
+    for sample in samples:
+        x = sample.keys if part == "key" else sample.values  # [H, T, D]
+        heads, tokens, dim = x.shape
+        group = min(int(tq.group_size), tokens)
+        grouped = x[:, : tokens // group * group].reshape(heads, tokens // group, group, dim)
+        r = (grouped.amax(2) - grouped.amin(2)).pow(2).mean(1)  # [H, D]
+        range_sq = r if range_sq is None else range_sq + r
+        if part == "key":
+            w = sample.grouped_queries().pow(2).mean(1)  # [H, D]
+            weight = w if weight is None else weight + w
+    if part == "value":
+        if o_proj is None:
+            raise KVQError("ranking value channels needs the layer's o_proj weight")
+        heads, dim = range_sq.shape
+        weight = o_proj.float().pow(2).sum(0).reshape(heads, -1, dim).sum(1)
+    return weight * range_sq
+
+
+def choose_high_channels(samples: Sequence[AttentionSample], part: str, tq: TensorQuant,
+                         o_proj: torch.Tensor | None = None) -> np.ndarray:
+    """The ``tq.high_channels`` most important channels of each kv head, ascending, as int32 ``[H, n]``."""
+    import torch
+
+    ranked = channel_importance(samples, part, tq, o_proj).argsort(dim=-1, descending=True, stable=True)
+    chosen, _ = torch.sort(ranked[:, : tq.high_channels], dim=-1)
+    return chosen.numpy().astype(np.int32)
 
 
 def calibrate_static_scales(
@@ -134,12 +186,25 @@ def calibrate_static_scales(
     facts = model_facts(model.config)
     scheme.check_model(facts.num_layers, facts.head_dim)
     targets = static_streams(scheme, facts.num_layers)
-    if not targets:
+    high = high_channel_streams(scheme, facts.num_layers)
+    if not targets and not high:
         raise SchemeError(
-            f"scheme {scheme.name or scheme.describe()!r} has no static-scale streams: nothing to calibrate"
+            f"scheme {scheme.name or scheme.describe()!r} has no static-scale or high-channel streams: "
+            "nothing to calibrate"
         )
     windows = _check_windows(token_windows, facts.vocab_size)
     static: StaticArrays = {}
+    if high:
+        samples = collect_attention_samples(model, windows, sorted({layer for layer, _, _ in high}),
+                                            facts.num_layers)
+        for layer, part, tq in high:
+            o_proj = model.model.layers[layer].self_attn.o_proj.weight.detach().cpu() if part == "value" else None
+            static.setdefault(layer, {}).setdefault(part, {})[HIGH_CHANNELS] = choose_high_channels(
+                samples[layer], part, tq, o_proj)
+        logger.info("chose the high channels of %d stream(s) on %d token(s)", len(high),
+                    sum(len(w) for w in windows))
+        if not targets:
+            return static
     if method == "attention":
         samples = collect_attention_samples(model, windows, sorted({layer for layer, _, _ in targets}),
                                             facts.num_layers)
@@ -508,7 +573,8 @@ def static_to_torch(static: StaticLike) -> dict[int, dict[str, dict[str, torch.T
 
     return {
         int(layer): {
-            part: {role: torch.as_tensor(np.asarray(a, dtype=np.float32)) for role, a in meta.items()}
+            part: {role: torch.as_tensor(np.asarray(a, dtype=np.int64 if role == HIGH_CHANNELS else np.float32))
+                   for role, a in meta.items()}
             for part, meta in parts.items()
         }
         for layer, parts in static.items()
@@ -527,6 +593,17 @@ def check_calibration(
     Checks presence, shape ``[num_kv_heads, n]``, finiteness and strictly positive scales. Shapes
     cannot tell two schemes with the same layout apart (ort-int8 vs ort-int4): compare digests for that.
     """
+    for layer, part, tq in high_channel_streams(scheme, num_layers):
+        chosen = static.get(layer, {}).get(part, {}).get(HIGH_CHANNELS)
+        if chosen is None:
+            raise SchemeError(f"the calibration lacks high_channels for layer {layer} {part} "
+                              f"({tq.high_channels} 8-bit channels per head)")
+        array = np.asarray(chosen)
+        if array.shape != (num_kv_heads, tq.high_channels) or array.dtype.kind not in "iu" or \
+                (array < 0).any() or (array >= head_dim).any() or (np.diff(array, axis=1) <= 0).any():
+            raise SchemeError(f"calibration {layer}.{part}.high_channels must be ascending channel indices in "
+                              f"[0, {head_dim}) of shape [kv_heads={num_kv_heads}, {tq.high_channels}], got "
+                              f"{array.dtype} {list(array.shape)}")
     for layer, part, tq in static_streams(scheme, num_layers):
         meta = static.get(layer, {}).get(part)
         if meta is None:
@@ -552,11 +629,11 @@ def _flatten(static: StaticLike) -> dict[str, np.ndarray]:
     flat: dict[str, np.ndarray] = {}
     for layer in sorted(static, key=int):
         for part in PARTS:
-            for role in META_ROLES:
+            for role in (*META_ROLES, HIGH_CHANNELS):
                 array = static[layer].get(part, {}).get(role)
                 if array is not None:
-                    array = np.ascontiguousarray(np.asarray(array), dtype=np.float32)
-                    flat[f"{int(layer)}.{part}.{role}"] = array
+                    dtype = np.int32 if role == HIGH_CHANNELS else np.float32
+                    flat[f"{int(layer)}.{part}.{role}"] = np.ascontiguousarray(np.asarray(array), dtype=dtype)
     return flat
 
 
@@ -592,14 +669,15 @@ def load_calibration(path: str | os.PathLike[str]) -> StaticArrays:
     for name, array in flat.items():
         layer, _, rest = name.partition(".")
         part, _, role = rest.partition(".")
-        if not layer.isdigit() or part not in PARTS or role not in META_ROLES:
+        if not layer.isdigit() or part not in PARTS or role not in (*META_ROLES, HIGH_CHANNELS):
             raise KVQError(
                 f"calibration file {str(source)!r} has an unexpected array {name!r}; expected names like "
-                "'3.key.scales' or '3.value.zero_points'"
+                "'3.key.scales', '3.value.zero_points' or '3.key.high_channels'"
             )
-        if array.dtype != np.float32 or array.ndim != 2:
+        if array.dtype != (np.int32 if role == HIGH_CHANNELS else np.float32) or array.ndim != 2:
             raise KVQError(
-                f"calibration array {name!r} must be 2-D float32, got {array.dtype} {list(array.shape)}"
+                f"calibration array {name!r} must be 2-D {'int32' if role == HIGH_CHANNELS else 'float32'}, "
+                f"got {array.dtype} {list(array.shape)}"
             )
         static.setdefault(int(layer), {}).setdefault(part, {})[role] = array
     if not static:

@@ -101,7 +101,7 @@ def ensure_export(model_spec: str, scheme_spec: str, workdir: Path, *, flavor: s
 
     scheme = resolve_scheme(scheme_spec)
     return ensure(model_spec, scheme, baseline_dir(model_spec, scheme_spec, workdir, flavor), flavor=flavor,
-                  calib_corpus=calib_corpus if scheme.has_static_scales else None)
+                  calib_corpus=calib_corpus if scheme.needs_calibration else None)
 
 
 def _timed_generate(session, prompt: str, max_new_tokens: int, sampling: SamplingConfig):
@@ -125,7 +125,7 @@ def run_demo(model_spec: str, prompt: str, max_new_tokens: int, workdir: str | o
     rows: list[DemoRow] = []
     for run in runs:
         directory = ensure_export(model_spec, run.scheme, root, flavor=run.flavor,
-                                  calib_corpus=CALIB_CORPUS if resolve_scheme(run.scheme).has_static_scales
+                                  calib_corpus=CALIB_CORPUS if resolve_scheme(run.scheme).needs_calibration
                                   else None)
         session = KVQSession(directory)
         result, decode_ms = _timed_generate(session, prompt, max_new_tokens, sampling)

@@ -181,8 +181,9 @@ class Manifest:
             runtimes=dict(_get(data, "runtimes", dict, optional=True) or {}),
         )
         manifest.cache_layout  # noqa: B018 - refuses an unknown layout name now, not at first use
-        if scheme.has_static_scales and calibration is None:
-            raise RuntimeInputError("the scheme uses static scales but no calibration file is named")
+        if scheme.needs_calibration and calibration is None:
+            raise RuntimeInputError("the scheme uses static scales or calibrated high channels but no calibration "
+                                    "file is named")
         listed = [t.get("name") if isinstance(t, dict) else t for t in _list_of_objects(cache, "past", "cache.")] \
             if "past" in cache else []
         expected = [t.name for t in manifest.cache("past")]

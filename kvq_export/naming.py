@@ -18,6 +18,11 @@ PACKING = "uint8, lowest bits first: element i -> byte i // (8 // bits), bit off
 #: 5-bit codes (ggml q5_0 / q5_1): two planes along head_dim D.
 PACKING_5BIT = ("uint8, two planes: bytes [0, D/2) hold the low 4 bits (element i -> byte i // 2, bit offset "
                 "(i % 2) * 4), bytes [D/2, D/2 + D/8) the fifth bits (element i -> byte D/2 + i // 8, bit i % 8)")
+#: Per-channel streams with ``high_channels`` n: the 8-bit channels first, then the rest packed.
+PACKING_HIGH = ("uint8 per token and head: bytes [0, n) hold the 8-bit codes of the head's n high channels (ascending "
+                "channel order, as listed in the calibration file's '<layer>.<part>.high_channels'), then the other "
+                "channels in ascending order packed lowest bits first (element i of them -> byte n + i // (8 // bits), "
+                "bit offset (i % (8 // bits)) * bits); every channel dequantizes as code * scale + zero_point")
 
 #: Symbolic name of a ``buffer`` layout's token axis.
 CAPACITY_AXIS = "capacity"
@@ -41,11 +46,14 @@ class CacheTensor:
     format: str | None = None
     bits: int | None = None
     quantizer: str | None = None  # kvq | ggml: how codes were chosen (decoding is the same)
+    high_channels: int | None = None  # channels per head stored at 8 bits (see PACKING_HIGH)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form for the manifest."""
         out = asdict(self)
         out["shape"] = list(self.shape)
+        if self.high_channels is None:  # only streams that have them say so
+            del out["high_channels"]
         return out
 
 

@@ -76,6 +76,10 @@ def _token(bits: int, group: int) -> TensorQuant:
     return TensorQuant(format="int", bits=bits, axis="token", group_size=group)
 
 
+def _high(tq: TensorQuant, channels: int) -> TensorQuant:
+    return dataclasses.replace(tq, high_channels=channels)
+
+
 def _rot(tq: TensorQuant, clip: float = 1.0) -> TensorQuant:
     return dataclasses.replace(tq, rotation="hadamard", clip=clip)
 
@@ -119,20 +123,23 @@ CANDIDATE_SETS: dict[str, CandidateSet] = {
         keys=(_channel(8, 64), _channel(4, 32), _channel(4, 64), _channel(2, 32), _channel(2, 64)),
         values=(_token(8, 64), _token(4, 32), _token(4, 64), _token(2, 32), _token(2, 64)),
     ),
-    # Keys: per-channel (plain or Hadamard-rotated; longer groups cost fewer scale bits) or rotated token-wise
-    # ggml q5/q8 blocks. Values: per-token in the rotated basis, where 2-bit codes need a clipped range (0.8 of
-    # the group's: on SmolLM2 it cuts their attention damage by a third against the full range), and rotated
-    # values are centred enough for symmetric groups of a whole 64-channel head (4.25 bits for int4).
+    # Keys: per-channel (plain or Hadamard-rotated; longer groups cost fewer scale bits; int4 with the channels
+    # that move scores most at 8 bits) or rotated token-wise ggml q5/q8 blocks. Values: per-token in the rotated
+    # basis, where 2-bit codes need a clipped range (0.8 of the group's: on SmolLM2 it cuts their attention
+    # damage by a third against the full range), and rotated values are centred enough for symmetric groups of a
+    # whole 64-channel head (4.25 bits for int4).
     "accuracy": CandidateSet(
-        "per-channel int8/int4/int2 keys (groups 32-256, plain or rotated), rotated q8_0 / q5_0 / int8-sym-g32 "
-        "keys; rotated per-token int8/int4/int2 values (int2 clipped to 0.8; symmetric int8/int4 g32/g64), "
-        "rotated q8_0/q5_1/q5_0/q4_0 values; no window",
+        "per-channel int8/int4/int2 keys (groups 32-256, plain or rotated; int4 with 4-24 channels per head at "
+        "8 bits), rotated q8_0 / q5_0 / int8-sym-g32 keys; rotated per-token int8/int4/int2 values (int2 clipped "
+        "to 0.8; symmetric int8/int4 g32/g64), rotated q8_0/q5_1/q5_0/q4_0 values; no window",
         keys=(_channel(8, 64), _channel(4, 32), _rot(_channel(4, 32)), _channel(4, 64), _rot(_channel(4, 64)),
               _channel(4, 128), _rot(_channel(4, 128)), _channel(4, 256), _channel(2, 64), _channel(2, 128),
               _ggml_rot("int_sym", 8), _ggml_rot("int_sym", 5),
               _rot(TensorQuant(format="int_sym", bits=8, group_size=32)),
               _channel(8, 128), _channel(8, 256), _rot(_channel(4, 256)), _rot(_channel(8, 256)),
-              _rot(_channel(8, 128))),
+              _rot(_channel(8, 128)),
+              *(_high(_channel(4, g), n) for g, ns in ((64, (4, 8)), (128, (4, 8, 16, 24)), (256, (4, 8, 16, 24)))
+                for n in ns)),
         values=(_rot(_token(8, 64)), _ggml_rot("int_sym", 8), _ggml_rot("int", 5), _ggml_rot("int_sym", 5),
                 _rot(_token(4, 32)), _rot(_token(4, 64)), _ggml_rot("int_sym", 4), _rot(_token(2, 32), 0.8),
                 _rot(_token(2, 64), 0.8), _rot(_token(2, 64)),
@@ -199,15 +206,20 @@ class Damage:
                 "key_induced": self.key_induced, "value_induced": self.value_induced}
 
 
-def _static_for(candidates: set[TensorQuant], samples, num_layers: int, method: str, percentile: float):
-    """Calibrated metadata per static candidate: ``{tq: {layer: {"key"|"value": {...}}}}``."""
-    from kvq_export.calibrate import static_from_samples
+def _static_for(model: PreTrainedModel, candidates: set[TensorQuant], samples, num_layers: int, method: str,
+                percentile: float):
+    """Calibrated metadata per static or high-channel candidate: ``{tq: {layer: {"key"|"value": {...}}}}``."""
+    from kvq_export.calibrate import HIGH_CHANNELS, choose_high_channels, static_from_samples
 
     out = {}
     for tq in candidates:
         if tq.quantized and tq.scales == "static":
             out[tq] = static_from_samples(samples, KVQuantScheme(key=tq, value=tq), num_layers, method=method,
                                           percentile=percentile)
+        elif tq.quantized and tq.high_channels:
+            out[tq] = {layer: {part: {HIGH_CHANNELS: choose_high_channels(
+                samples[layer], part, tq, _o_proj(model, layer) if part == "value" else None)}
+                for part in ("key", "value")} for layer in range(num_layers)}
     return out
 
 
@@ -230,7 +242,8 @@ def _reference_dequant(x: torch.Tensor, tq: TensorQuant, meta: Mapping | None, s
 
     metadata = {k: torch.as_tensor(np.asarray(v)) for k, v in (meta or {}).items()}
     stream = StreamCache(tq, KVQuantScheme(key=tq, value=tq, hp_dtype="fp32", sink_tokens=sink_tokens),
-                         static_scales=metadata.get("scales"), static_zeros=metadata.get("zero_points"))
+                         static_scales=metadata.get("scales"), static_zeros=metadata.get("zero_points"),
+                         high_channels=metadata.get("high_channels"))
     stream.append(x[None])
     return stream.dequantized(torch.float32)[0]
 
@@ -497,7 +510,8 @@ def plan_scheme(
     cset = fitting(cset, dim)
     windows = _check_windows(windows, facts.vocab_size)
     samples = collect_attention_samples(model, windows, list(range(layers)), layers)
-    static_by = _static_for({t for pair in cset.options() for t in pair}, samples, layers, calib_method, percentile)
+    static_by = _static_for(model, {t for pair in cset.options() for t in pair}, samples, layers, calib_method,
+                            percentile)
     if metric == "attention":
         damages = measure_attention(model, samples, cset, static_by, layers, sink_tokens)
     else:

@@ -76,6 +76,12 @@ class TensorQuant:
             (:mod:`kvq_export.rotation`; keys: q and k rotated after RoPE; values: v rotated before it is
             stored and the attention output rotated back). Allowed for unquantized streams too (a no-op
             in exact arithmetic).
+        high_channels: per-channel (``axis: channel``) ``int`` streams only: this many channels of each kv
+            head are stored with 8-bit codes instead of ``bits``. Which channels is model data, chosen by
+            calibration (the ones whose error moves attention scores most: largest ``E[q_c²] · range_c²``)
+            and kept in the calibration artifact beside the scheme as ``high_channels`` ``[kv_heads, n]``
+            (ascending). A channel's code range is its own (``2**8 - 1`` or ``2**bits - 1`` steps over the
+            group's range), so dequantization stays ``code * scale + min``. 0: every channel at ``bits``.
     """
 
     format: str = "int"
@@ -87,6 +93,7 @@ class TensorQuant:
     scales: str = "dynamic"
     quantizer: str = "kvq"
     rotation: str = "none"
+    high_channels: int = 0
 
     def __post_init__(self) -> None:
         self._validate()
@@ -131,6 +138,8 @@ class TensorQuant:
             return 0
         if self.is_int and self.bits == 5:
             return head_dim // 2 + head_dim // 8
+        if self.high_channels:  # 8-bit high channels first, then the others packed (see the codec)
+            return self.high_channels + (head_dim - self.high_channels) // self.codes_per_byte()
         return -(-head_dim // self.codes_per_byte())
 
     @property
@@ -158,7 +167,8 @@ class TensorQuant:
         if self.scales == "static":
             return float(self.bits)
         group = self.token_group(head_dim) if self.axis == "token" else self.group_size
-        return self.bits + meta_bits / group  # type: ignore[operator]
+        code_bits = self.bits + self.high_channels * (8 - self.bits) / head_dim
+        return code_bits + meta_bits / group  # type: ignore[operator]
 
     # -- validation ------------------------------------------------------------------------------
     def _validate(self) -> None:
@@ -211,6 +221,22 @@ class TensorQuant:
             )
         if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)) or not (0.0 < self.clip <= 1.0):
             raise _fail("clip", self.clip, "allowed: a ratio in (0, 1]")
+        self._validate_high_channels()
+
+    def _validate_high_channels(self) -> None:
+        n = self.high_channels
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise _fail("high_channels", n, "allowed: an integer >= 0")
+        if not n:
+            return
+        needs = (("format", self.format, "int"), ("axis", self.axis, "channel"), ("scales", self.scales, "dynamic"),
+                 ("quantizer", self.quantizer, "kvq"), ("rotation", self.rotation, "none"))
+        for name, value, required in needs:
+            if value != required:
+                raise _fail(name, value, f"allowed with high_channels > 0: {required!r} (8-bit channels are "
+                            "chosen per channel of an unrotated, per-channel asymmetric stream)")
+        if self.bits not in (2, 4):
+            raise _fail("bits", self.bits, "allowed with high_channels > 0: 2, 4 (the other channels' codes)")
 
     def _validate_ggml(self) -> None:
         """The ggml quantizer reproduces five fixed block types; anything else has no ggml meaning."""
@@ -244,11 +270,20 @@ class TensorQuant:
             raise _fail(f"{where}.bits", self.bits, f"head_dim={head_dim} x bits must fill whole bytes")
         if self.is_int and self.bits == 5 and head_dim % 8:
             raise _fail(f"{where}.bits", self.bits, f"5-bit codes need head_dim={head_dim} to be a multiple of 8")
+        if self.high_channels and (self.high_channels >= head_dim
+                                   or (head_dim - self.high_channels) % self.codes_per_byte()):
+            per = self.codes_per_byte()
+            raise _fail(f"{where}.high_channels", self.high_channels,
+                        f"allowed for head_dim={head_dim} and {self.bits}-bit codes: 1..{head_dim - per} "
+                        f"leaving a multiple of {per} channels to pack")
 
     # -- serialisation ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form."""
-        return dataclasses.asdict(self)
+        """Plain-JSON form (``high_channels`` only when set, so schemes without it read as before)."""
+        data = dataclasses.asdict(self)
+        if not self.high_channels:
+            del data["high_channels"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "tensor") -> TensorQuant:
@@ -278,7 +313,8 @@ class TensorQuant:
         name = {"int": f"int{self.bits}", "int_sym": f"int{self.bits} sym", "fp8_e4m3": "fp8 e4m3"}[self.format]
         group = "whole" if self.group_size is None else f"g{self.group_size}"
         clip = "" if self.clip == 1.0 else f" clip{self.clip:g}"
-        return f"{name} {self.axis} {group} {self.scale_dtype}-scale {self.scales}{clip}{rotation}"
+        high = f" +{self.high_channels}ch-int8" if self.high_channels else ""
+        return f"{name}{high} {self.axis} {group} {self.scale_dtype}-scale {self.scales}{clip}{rotation}"
 
 
 _TQ_FIELDS = tuple(f.name for f in dataclasses.fields(TensorQuant))
@@ -360,9 +396,15 @@ class KVQuantScheme:
 
     @property
     def has_static_scales(self) -> bool:
-        """True when any stream needs a calibration artifact."""
+        """True when any stream's scales are static (fixed per layer, not stored per token)."""
         tqs = [self.key, self.value] + [t for o in self.layer_overrides for t in (o.key, o.value) if t]
         return any(t.quantized and t.scales == "static" for t in tqs)
+
+    @property
+    def needs_calibration(self) -> bool:
+        """True when any stream needs a calibration artifact (static scales, or chosen high channels)."""
+        tqs = [self.key, self.value] + [t for o in self.layer_overrides for t in (o.key, o.value) if t]
+        return any(t.quantized and (t.scales == "static" or t.high_channels) for t in tqs)
 
     def check_model(self, num_layers: int, head_dim: int) -> None:
         """Raise when the scheme cannot describe this model's cache (group sizes, layer indices)."""

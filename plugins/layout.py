@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvq_export.cache_layout import REGION_ROLES, RegionSplit
-from kvq_export.errors import QuantizationError
+from kvq_export.errors import QuantizationError, SchemeError
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
 if TYPE_CHECKING:
@@ -67,6 +67,10 @@ class StreamLayout:
     def of(cls, tq: TensorQuant, scheme: KVQuantScheme, head_dim: int) -> StreamLayout:
         """The layout of stream ``tq`` of ``scheme`` for heads of ``head_dim`` channels."""
         tq.check_head_dim(head_dim, "stream")
+        if tq.high_channels:
+            raise SchemeError(f"the fused attention kernel cannot read a stream with high channels "
+                              f"({tq.describe()}): it has one code width per stream; export it with flavor "
+                              "reference")
         if not tq.quantized:
             return cls("fp16", 16, "token", 0, False, False, head_dim, scheme.sink_tokens, scheme.residual_length,
                        1, "fp16", scheme.hp_dtype)

@@ -56,7 +56,7 @@ def calibration(arch: str, scheme, *, covering: list[list[int]] | None = None):
     and saturate. With ``covering`` (the test's own sequences) the scales are measured on exactly the
     tokens the test runs and widened by 5%: no code saturates.
     """
-    if not scheme.has_static_scales:
+    if not scheme.needs_calibration:
         return None
     if covering is None:
         rng = np.random.default_rng(3)

@@ -27,6 +27,16 @@ from kvq_export.manifest import Manifest, decode_cache, load_static
 from kvq_export.presets import PRESETS
 from kvq_export.reference.hf_cache import reference_hf_cache
 from kvq_export.runtime.session import KVQSession
+from kvq_export.scheme import KVQuantScheme, TensorQuant
+
+#: schemes beyond the presets that the export must carry end to end
+EXTRA = {
+    "high-channel-keys": KVQuantScheme(  # 8-bit channels inside 4-bit per-channel keys and 2-bit values
+        key=TensorQuant(format="int", bits=4, axis="channel", group_size=8, high_channels=4),
+        value=TensorQuant(format="int", bits=2, axis="channel", group_size=8, high_channels=8),
+        residual_length=8, name="high-channel-keys"),
+}
+CASES = {**{name: spec[0] for name, spec in PRESETS.items()}, **EXTRA}
 
 PROMPTS = {"solo": [[5, 17, 99, 3, 42, 8, 77]], "padded": [[11, 12, 13, 14, 15], [60, 61, 2, 9, 100, 4, 4, 7, 1]]}
 
@@ -38,7 +48,7 @@ def _steps(scheme) -> int:
 
 
 def _static(model, scheme):
-    if not scheme.has_static_scales:
+    if not scheme.needs_calibration:
         return None
     rng = np.random.default_rng(3)
     windows = [list(rng.integers(0, VOCAB, 64)) for _ in range(4)]
@@ -51,7 +61,7 @@ def exports(tmp_path_factory):
 
     def get(arch: str, preset: str):
         if (arch, preset) not in made:
-            model, scheme = tiny_model(arch), fit_head_dim(PRESETS[preset][0], 32)
+            model, scheme = tiny_model(arch), fit_head_dim(CASES[preset], 32)
             out = tmp_path_factory.mktemp("exports") / f"{arch}-{preset}"
             made[arch, preset] = export(model, scheme, out, static=_static(model, scheme))
         return made[arch, preset]
@@ -76,10 +86,12 @@ def _compare_state(arrays, row, ref, scheme, static):
     code_mismatch = code_total = 0
     for layer, part, stream, role, want, got in stored_roles(arrays, row, ref):
         if role == "codes" and stream.tq.is_int:
-            from kvq_export.reference.codec import unpack
+            from kvq_export.reference.codec import unpack_stream
 
-            a = unpack(torch.from_numpy(got), stream.tq.bits).numpy().astype(int)
-            b = unpack(want, stream.tq.bits).numpy().astype(int)
+            high = (static or {}).get(layer, {}).get(part, {}).get("high_channels")
+            high = None if high is None else torch.as_tensor(high)
+            a = unpack_stream(torch.from_numpy(got)[None], stream.tq, high)[0].numpy().astype(int)
+            b = unpack_stream(want[None], stream.tq, high)[0].numpy().astype(int)
             assert np.abs(a - b).max(initial=0) <= 1, (layer, part)
             code_mismatch += int((a != b).sum())
             code_total += a.size
@@ -101,7 +113,7 @@ def _compare_state(arrays, row, ref, scheme, static):
 
 
 def _check_case(exports, arch, preset, batch):
-    model, scheme = tiny_model(arch), fit_head_dim(PRESETS[preset][0], 32)
+    model, scheme = tiny_model(arch), fit_head_dim(CASES[preset], 32)
     directory = exports(arch, preset)
     session = KVQSession(directory)
     static = load_static(directory, session.manifest)
@@ -148,6 +160,12 @@ def test_llama_every_preset(exports, preset, batch):
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])
 def test_other_architectures_every_preset_left_padded(exports, arch, preset):
     _check_case(exports, arch, preset, "padded")
+
+
+@pytest.mark.parametrize("batch", ["solo", "padded"])
+@pytest.mark.parametrize("scheme", sorted(EXTRA))
+def test_llama_extra_schemes(exports, scheme, batch):
+    _check_case(exports, "llama", scheme, batch)
 
 
 def _plain_hf_vs_export(directory, model, tokens):

@@ -27,15 +27,22 @@ SMALL = {  # group 4, recent 8, sinks 2: every boundary is crossed within a few 
         key=TensorQuant(format="int_sym", bits=4, axis="channel", scales="static", scale_dtype="fp32"),
         value=TensorQuant(format="int", bits=8, group_size=16, scales="static"), residual_length=3),
     "fp16": PRESETS["fp16"][0],
+    "high-channels": KVQuantScheme(  # 8-bit channels inside 4-bit keys and 2-bit values
+        key=TensorQuant(format="int", bits=4, axis="channel", group_size=4, high_channels=6),
+        value=TensorQuant(format="int", bits=2, axis="channel", group_size=4, high_channels=4),
+        residual_length=4, sink_tokens=1),
 }
 
 
 def _static(scheme: KVQuantScheme, heads: int, dim: int):
-    if not scheme.has_static_scales:
+    if not scheme.needs_calibration:
         return None
     rng = np.random.default_rng(0)
     out = {}
     for part, tq in zip(("key", "value"), scheme.for_layer(0)):
+        if tq.high_channels:  # a different choice per head
+            out[part] = {"high_channels": np.sort(np.stack([rng.choice(dim, tq.high_channels, replace=False)
+                                                            for _ in range(heads)]), axis=1).astype(np.int32)}
         if tq.quantized and tq.scales == "static":
             n = dim // tq.token_group(dim) if tq.axis == "token" else dim
             out[part] = {"scales": (rng.random((heads, n)) * 0.3 + 0.1).astype(np.float32),
@@ -48,7 +55,7 @@ def _reference_streams(scheme, static):
     for part, tq in zip(("key", "value"), scheme.for_layer(0)):
         meta = (static or {}).get(0, {}).get(part, {})
         layer.append(StreamCache(tq, scheme, static_scales=_t(meta.get("scales")),
-                                 static_zeros=_t(meta.get("zero_points"))))
+                                 static_zeros=_t(meta.get("zero_points")), high_channels=_t(meta.get("high_channels"))))
     return LayerCache(*layer)
 
 

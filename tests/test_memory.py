@@ -16,7 +16,7 @@ SMOLLM2 = Geometry(num_layers=30, num_kv_heads=3, head_dim=64)
 
 
 def _static(scheme: KVQuantScheme, layers: int, heads: int, dim: int):
-    if not scheme.has_static_scales:
+    if not scheme.needs_calibration:
         return None
     out = {}
     for layer, streams in enumerate(scheme.streams(layers)):

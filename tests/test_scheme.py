@@ -142,4 +142,4 @@ def test_presets_table_is_complete_and_valid():
         json.loads(scheme.to_json())
     kivi = get_preset("kivi-4")
     assert (kivi.key.axis, kivi.value.axis, kivi.residual_length) == ("channel", "token", 128)
-    assert get_preset("ort-int4").has_static_scales and not get_preset("int4-sym-g32").has_static_scales
+    assert get_preset("ort-int4").needs_calibration and not get_preset("int4-sym-g32").needs_calibration

@@ -48,7 +48,7 @@ ONNX_TYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLO
 
 
 def _static(model, scheme):
-    if not scheme.has_static_scales:
+    if not scheme.needs_calibration:
         return None
     from kvq_export.calibrate import calibrate_static_scales
 

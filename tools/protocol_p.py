@@ -179,7 +179,7 @@ def main() -> None:
     for spec in args.schemes:
         scheme = resolve_scheme(spec)
         static = None
-        if scheme.has_static_scales:  # calibrated on held-out text, as ``kvq export`` would
+        if scheme.needs_calibration:  # calibrated on held-out text, as ``kvq export`` would
             calib = calibration_windows(tokenizer, args.corpus, args.calib_tokens, offset=args.calib_offset)
             static = static_to_torch(calibrate_static_scales(model, scheme, calib, method=args.calib_method,
                                                              percentile=args.percentile))

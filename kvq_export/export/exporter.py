@@ -177,11 +177,11 @@ def _export_locked(model, scheme: KVQuantScheme, out: Path, *, dtype: str, opset
     arch = get_arch(config)
     scheme.check_model(arch.num_layers, arch.head_dim)
     provenance: dict[str, Any] = {"source": "given"}  # how the static scales were chosen, for the manifest
-    if scheme.has_static_scales and static is None:
+    if scheme.needs_calibration and static is None:
         if calib_corpus is None:
             raise ExportError(
-                f"scheme {scheme.name or 'custom'} uses static scales: calibrate first (give --calib-corpus; "
-                "kvq never guesses a scale)"
+                f"scheme {scheme.name or 'custom'} uses static scales or calibrated high channels: calibrate "
+                "first (give --calib-corpus; kvq never guesses a scale or a channel)"
             )
         static, used = _calibrate(model, tokenizer, scheme, calib_corpus, calib_tokens, calib_method,
                                   calib_percentile, calib_offset)
@@ -201,7 +201,7 @@ def _export_locked(model, scheme: KVQuantScheme, out: Path, *, dtype: str, opset
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         calibration = None
-        if static is not None and scheme.has_static_scales:
+        if static is not None and scheme.needs_calibration:
             from kvq_export.calibrate import calibration_digest, save_calibration
 
             save_calibration(static, tmp / CALIBRATION_NAME)
@@ -274,7 +274,7 @@ def _request(model, scheme: KVQuantScheme, *, flavor: str, dtype: str, opset: in
     request: dict[str, Any] = {"source": str(model) if isinstance(model, (str, os.PathLike)) else None,
                                "scheme": {**scheme.to_dict(), "name": None}, "flavor": flavor, "dtype": dtype,
                                "opset": opset}
-    if scheme.has_static_scales:
+    if scheme.needs_calibration:
         if static is not None:
             from kvq_export.calibrate import calibration_digest
 

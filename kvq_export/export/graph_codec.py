@@ -9,6 +9,7 @@ reference cache's (the tests compare them bit for bit).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import onnx_ir as ir
@@ -16,7 +17,7 @@ import onnx_ir as ir
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
-from kvq_export.reference.codec import int_levels
+from kvq_export.reference.codec import channel_order, channel_steps, check_high_channels, int_levels
 from kvq_export.scheme import FP8_E4M3_MAX, TensorQuant
 
 
@@ -34,6 +35,15 @@ def static_scales(static: Mapping, layer: int, part: str) -> np.ndarray:
     return scales
 
 
+def high_channel_choice(static: Mapping, layer: int, part: str, tq: TensorQuant) -> np.ndarray:
+    """The calibrated ``[H, n]`` high channels of one stream; refuses a stream whose channels were never chosen."""
+    chosen = static.get(layer, {}).get(part, {}).get("high_channels")
+    if chosen is None:
+        raise ExportError(f"layer {layer} {part} keeps {tq.high_channels} high channels per head but no "
+                          "calibration chose them (calibrate first; kvq never guesses)")
+    return np.asarray(chosen)
+
+
 def dim(b: GraphBuilder, x: ir.Value, axis: int) -> ir.Value:
     """Size of ``axis`` as a 1-element int64 tensor."""
     return b.op("Gather", b.op("Shape", x), b.const([axis]), axis=0)
@@ -43,6 +53,20 @@ def reshape_tokens(b: GraphBuilder, x: ir.Value, tokens: ir.Value, tail: Sequenc
     """Reshape ``[B, H, ...]`` to ``[B, H, tokens, *tail]`` without -1 (which fails on empty tensors)."""
     lead = b.op("Slice", b.op("Shape", x), b.const([0]), b.const([2]))
     return b.op("Reshape", x, b.op("Concat", lead, tokens, b.const(list(tail)), axis=0))
+
+
+class HighChannels(NamedTuple):
+    """A high-channel stream's calibrated choice as graph constants.
+
+    ``to_stored`` ``[H, D, D]`` is the 0/1 matrix with ``codes @ to_stored`` = each head's codes in stored
+    order (high channels first); ``to_channels`` is its transpose. Products with a 0/1 permutation matrix
+    are exact on integer codes, and MatMul broadcasts a per-head matrix where Gather cannot.
+    ``steps`` ``[H, 1, 1, D]``: code steps per channel (255 or ``2**bits - 1``).
+    """
+
+    to_stored: ir.Value
+    to_channels: ir.Value
+    steps: ir.Value
 
 
 class GraphCodec:
@@ -57,6 +81,7 @@ class GraphCodec:
     def __init__(self, *, head_dim: int, kv_heads: int, static: Mapping) -> None:
         self.head_dim, self.kv_heads, self.static = head_dim, kv_heads, static
         self._made: dict[tuple[int, str], tuple[ir.Value, ir.Value | None]] = {}
+        self._orders: dict[tuple[int, str], HighChannels] = {}
 
     def _grouped(self, b: GraphBuilder, tq: TensorQuant, x: ir.Value) -> tuple[ir.Value, int]:
         """[B,H,T,D] -> one group per reduce axis: token [B,H,T,D/G,G] (-1), channel [B,H,T/G,G,D] (-2).
@@ -88,6 +113,30 @@ class GraphCodec:
         self._made[(layer, part)] = (scales, zeros)
         return scales, zeros
 
+    def high_channels(self, b: GraphBuilder, layer: int, part: str, tq: TensorQuant) -> HighChannels | None:
+        """The stream's calibrated high channels as constants (made once per stream); None without them."""
+        if not tq.high_channels:
+            return None
+        made = self._orders.get((layer, part))
+        if made is not None:
+            return made
+        import torch
+
+        d = self.head_dim
+        chosen = torch.as_tensor(high_channel_choice(self.static, layer, part, tq))
+        high = check_high_channels(chosen, tq, self.kv_heads, d)
+        order = channel_order(high, d).numpy()
+        to_stored = np.zeros((self.kv_heads, d, d), dtype=np.float32)
+        for h in range(self.kv_heads):
+            to_stored[h, order[h], np.arange(d)] = 1.0
+        steps = channel_steps(tq, high, d).numpy().reshape(self.kv_heads, 1, 1, d)
+        name = f"static.{layer}.{part}.high_channels"
+        made = HighChannels(b.initializer(f"{name}.to_stored", to_stored),
+                            b.initializer(f"{name}.to_channels", np.ascontiguousarray(to_stored.transpose(0, 2, 1))),
+                            b.initializer(f"{name}.steps", steps))
+        self._orders[(layer, part)] = made
+        return made
+
     def _static_view(self, b: GraphBuilder, tq: TensorQuant, meta: ir.Value) -> ir.Value:
         """[H, n] static metadata as fp32, broadcastable against the grouped view."""
         h = self.kv_heads
@@ -98,6 +147,7 @@ class GraphCodec:
         """Quantize a [B,H,F,D] block (F whole groups); return (stored codes, scales, zeros)."""
         f32, sdtype = ir.DataType.FLOAT, DType.get(tq.scale_dtype).ir
         xg, axis = self._grouped(b, tq, b.op("Cast", block, to=f32))
+        high = self.high_channels(b, layer, part, tq)
         if tq.quantizer == "ggml":
             return self._quantize_ggml(b, tq, xg, block)
         axes = None if tq.scales == "static" else b.const([axis])  # static: no reduction, no dangling constant
@@ -114,7 +164,8 @@ class GraphCodec:
                 half = b.op("Mul", b.op("Sub", mx, mn), b.const(0.5 * tq.clip))
                 mn, mx = b.op("Sub", mid, half), b.op("Add", mid, half)
             lo, hi, _ = int_levels(tq)
-            scale_s = b.op("Cast", b.op("Div", b.op("Sub", mx, mn), b.const(float(hi - lo))), to=sdtype)
+            steps = b.const(float(hi - lo)) if high is None else high.steps
+            scale_s = b.op("Cast", b.op("Div", b.op("Sub", mx, mn), steps), to=sdtype)
             zero_s = b.op("Cast", mn, to=sdtype)
             scales, zeros = b.op("Squeeze", scale_s, axes), b.op("Squeeze", zero_s, axes)
             scale, zero = b.op("Cast", scale_s, to=f32), b.op("Cast", zero_s, to=f32)
@@ -136,10 +187,14 @@ class GraphCodec:
             return reshape_tokens(b, codes, dim(b, block, 2), [d]), scales, zeros
         lo, hi, offset = int_levels(tq)
         shifted = b.op("Sub", xg, zero) if zero is not None else xg
-        rounded = b.op("Clip", b.op("Round", b.op("Div", shifted, safe)), b.const(float(lo)), b.const(float(hi)))
+        rounded = b.op("Round", b.op("Div", shifted, safe))
+        if high is None:
+            rounded = b.op("Clip", rounded, b.const(float(lo)), b.const(float(hi)))
+        else:  # per-channel tops (int: lo = 0, offset = 0)
+            rounded = b.op("Min", b.op("Max", rounded, b.const(float(lo))), high.steps)
         codes = b.op("Cast", b.op("Add", rounded, b.const(float(offset))), to=ir.DataType.UINT8)
         codes = reshape_tokens(b, codes, dim(b, block, 2), [d])
-        return self.pack(b, tq, codes), scales, zeros
+        return self.pack(b, tq, codes, high), scales, zeros
 
     def _quantize_ggml(self, b: GraphBuilder, tq: TensorQuant, xg: ir.Value, block: ir.Value):
         """Ggml's reference block quantizers on [B,H,F,D/32,32] fp32 groups, op for op the codec's ``_quantize_ggml``.
@@ -182,7 +237,16 @@ class GraphCodec:
         zeros = None if mn is None else b.op("Squeeze", b.op("Cast", mn, to=ir.DataType.FLOAT16), axes)
         return self.pack(b, tq, codes), scales, zeros
 
-    def pack(self, b: GraphBuilder, tq: TensorQuant, codes: ir.Value) -> ir.Value:
+    def pack(self, b: GraphBuilder, tq: TensorQuant, codes: ir.Value, high: HighChannels | None = None) -> ir.Value:
+        """uint8 codes [B,H,T,D] -> stored bytes (``high``: the stream's high channels, stored first)."""
+        if high is not None:
+            n = tq.high_channels
+            ordered = b.op("MatMul", b.op("Cast", codes, to=ir.DataType.FLOAT), high.to_stored)
+            first = b.op("Cast", b.op("Slice", ordered, b.const([0]), b.const([n]), b.const([-1])),
+                         to=ir.DataType.UINT8)
+            rest = b.op("Cast", b.op("Slice", ordered, b.const([n]), b.const([self.head_dim]), b.const([-1])),
+                        to=ir.DataType.INT32)
+            return b.op("Concat", first, self._pack_bits(b, rest, tq.bits, self.head_dim - n), axis=-1)
         if tq.bits == 8:
             return codes
         codes = b.op("Cast", codes, to=ir.DataType.INT32)
@@ -193,22 +257,28 @@ class GraphCodec:
             return b.op("Concat", self._pack_bits(b, low, 4), self._pack_bits(b, high, 1), axis=-1)
         return self._pack_bits(b, codes, tq.bits)
 
-    def _pack_bits(self, b: GraphBuilder, codes: ir.Value, bits: int) -> ir.Value:
-        """int32 codes [B,H,T,D] of ``bits`` each -> uint8 [B,H,T,D*bits/8], lowest bits first."""
+    def _pack_bits(self, b: GraphBuilder, codes: ir.Value, bits: int, width: int | None = None) -> ir.Value:
+        """int32 codes [B,H,T,W] of ``bits`` each -> uint8 [B,H,T,W*bits/8], lowest bits first (W: head_dim)."""
         per = 8 // bits
         weights = np.array([1 << (bits * i) for i in range(per)], dtype=np.int32)
-        grouped = b.op("Reshape", codes, b.const([0, 0, 0, self.head_dim // per, per]))
+        grouped = b.op("Reshape", codes, b.const([0, 0, 0, (width or self.head_dim) // per, per]))
         packed = b.op("ReduceSum", b.op("Mul", grouped, b.const(weights)), b.const([-1]), keepdims=0)
         return b.op("Cast", packed, to=ir.DataType.UINT8)
 
-    def unpack(self, b: GraphBuilder, tq: TensorQuant, packed: ir.Value) -> ir.Value:
-        """Stored uint8 codes -> float32 code values ``[B,H,T,D]`` in ``[0, 2^bits)``.
+    def unpack(self, b: GraphBuilder, tq: TensorQuant, packed: ir.Value, high: HighChannels | None = None) -> ir.Value:
+        """Stored uint8 codes -> float32 code values ``[B,H,T,D]`` in ``[0, 2^bits)`` (channel order).
 
         Sub-byte fields are peeled off lowest first with exact float arithmetic (``x - 2^b * floor(x / 2^b)``
         on integers < 256): ONNX Runtime's CPU BitShift made 4-bit unpacking 41% of a decode step at 8192
         tokens; this is about 4x faster and gives the same values.
         """
         values = b.op("Cast", packed, to=ir.DataType.FLOAT)
+        if high is not None:
+            n, d = tq.high_channels, self.head_dim
+            first = b.op("Slice", values, b.const([0]), b.const([n]), b.const([-1]))
+            rest = b.op("Slice", values, b.const([n]), b.const([n + (d - n) * tq.bits // 8]), b.const([-1]))
+            ordered = b.op("Concat", first, self._unpack_bits(b, rest, tq.bits, d - n), axis=-1)
+            return b.op("MatMul", ordered, high.to_channels)
         if tq.bits == 8:
             return values
         if tq.bits == 5:  # D/2 nibble bytes, then D/8 bytes of fifth bits
@@ -219,8 +289,8 @@ class GraphCodec:
                         b.op("Mul", self._unpack_bits(b, high, 1), b.const(16.0)))
         return self._unpack_bits(b, values, tq.bits)
 
-    def _unpack_bits(self, b: GraphBuilder, values: ir.Value, bits: int) -> ir.Value:
-        """float32 byte values [B,H,T,D*bits/8] -> float32 fields [B,H,T,D] of ``bits`` each, lowest first."""
+    def _unpack_bits(self, b: GraphBuilder, values: ir.Value, bits: int, width: int | None = None) -> ir.Value:
+        """float32 byte values [B,H,T,W*bits/8] -> float32 fields [B,H,T,W] of ``bits`` each, lowest first."""
         base = b.const(float(1 << bits))
         fields, rest = [], values
         for _ in range(8 // bits - 1):
@@ -230,12 +300,13 @@ class GraphCodec:
         fields.append(rest)  # the top field: nothing above it
         last = b.const([-1])
         stacked = b.op("Concat", *(b.op("Unsqueeze", f, last) for f in fields), axis=-1)
-        return b.op("Reshape", stacked, b.const([0, 0, 0, self.head_dim]))
+        return b.op("Reshape", stacked, b.const([0, 0, 0, width or self.head_dim]))
 
-    def dequantize(self, b: GraphBuilder, tq: TensorQuant, codes: ir.Value, scales, zeros) -> ir.Value:
+    def dequantize(self, b: GraphBuilder, tq: TensorQuant, codes: ir.Value, scales, zeros,
+                   high: HighChannels | None = None) -> ir.Value:
         """Stored codes + metadata -> fp32 [B,H,Tq,D]."""
         f32 = ir.DataType.FLOAT
-        values = b.op("Cast", codes, to=f32) if tq.format == "fp8_e4m3" else self.unpack(b, tq, codes)
+        values = b.op("Cast", codes, to=f32) if tq.format == "fp8_e4m3" else self.unpack(b, tq, codes, high)
         if tq.is_int and int_levels(tq)[2]:
             values = b.op("Sub", values, b.const(float(int_levels(tq)[2])))
         xg, axis = self._grouped(b, tq, values)

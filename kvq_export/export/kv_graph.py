@@ -35,7 +35,7 @@ from kvq_export.cache_layout import REGIONS, CacheLayout, RegionSplit
 from kvq_export.dtypes import DType
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.graph_attention import attention_mask, grouped_query_attention
-from kvq_export.export.graph_codec import GraphCodec, dim, static_scales
+from kvq_export.export.graph_codec import GraphCodec, HighChannels, dim, high_channel_choice, static_scales
 from kvq_export.naming import PARTS, PROBES, CacheTensor, probe_name, tensor_name
 from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import KVQuantScheme, TensorQuant
@@ -77,6 +77,7 @@ class StoredStream:
     scales: ir.Value | None = None  # static: the [H, n] constant
     zeros: ir.Value | None = None
     recent: ir.Value | None = None
+    high: HighChannels | None = None  # a high-channel stream's calibrated channel order (constants)
 
     def roles(self) -> dict[str, ir.Value]:
         """The state that crosses the graph boundary, by role."""
@@ -223,6 +224,8 @@ class QuantizedCacheGraph(LaidOutCache):
             for part, tq in zip(PARTS, streams):
                 if tq.quantized and tq.scales == "static":
                     static_scales(self.static, layer, part)
+                if tq.quantized and tq.high_channels:
+                    high_channel_choice(self.static, layer, part, tq)
         self.hp_type = DType.get(scheme.hp_dtype).ir
         self.codec = GraphCodec(head_dim=self.head_dim, kv_heads=self.kv_heads, static=self.static)
 
@@ -329,7 +332,8 @@ class QuantizedCacheGraph(LaidOutCache):
                 zeros = ops.take([(past["zero_points"], q0), (zeros_new, dq)], None, q1, meta_len, sdtype)
         else:
             scales, zeros = self.codec.static_meta(b, layer, part, tq)
-        return self._emit(layer, part, StoredStream(tq, after, sinks, codes, scales, zeros, recent))
+        return self._emit(layer, part, StoredStream(tq, after, sinks, codes, scales, zeros, recent,
+                                                    self.codec.high_channels(b, layer, part, tq)))
 
     def _emit(self, layer: int, part: str, state: StoredStream) -> StoredStream:
         """Record the present outputs of one stream (static metadata is a constant, not an output)."""
@@ -345,7 +349,7 @@ class QuantizedCacheGraph(LaidOutCache):
         codes = state.codes
         if state.tq.format == "fp8_e4m3":  # see GraphCodec.quantize: float8 moves as fp16
             codes = b.op("Cast", codes, to=ir.DataType.FLOAT16)
-        deq = self.codec.dequantize(b, state.tq, codes, state.scales, state.zeros)
+        deq = self.codec.dequantize(b, state.tq, codes, state.scales, state.zeros, state.high)
         return self.ops.take(
             [(b.op("Cast", state.sinks, to=ct), counts.sinks), (b.op("Cast", deq, to=ct), counts.quantized),
              (b.op("Cast", state.recent, to=ct), counts.recent)],

@@ -64,6 +64,7 @@ class StreamCache:
         *,
         static_scales: torch.Tensor | None = None,
         static_zeros: torch.Tensor | None = None,
+        high_channels: torch.Tensor | None = None,
     ) -> None:
         self.tq = tq
         self.scheme = scheme
@@ -77,6 +78,11 @@ class StreamCache:
             self._static["static_scales"] = static_scales.to(sdtype)
             if tq.has_zero_point:
                 self._static["static_zeros"] = static_zeros.to(sdtype)
+        if tq.quantized and tq.high_channels:
+            if high_channels is None:
+                raise QuantizationError(f"a stream with {tq.high_channels} high channels per head needs their "
+                                        "calibrated indices (high_channels [kv_heads, n])")
+            self._static["high_channels"] = torch.as_tensor(high_channels).to(torch.int64)
         self.sinks: torch.Tensor | None = None
         self.recent: torch.Tensor | None = None
         self.codes: torch.Tensor | None = None
@@ -172,7 +178,8 @@ class StreamCache:
             self.scales = torch.cat([self.scales, q.scales], dim=2)
             if q.zeros is not None:
                 self.zeros = torch.cat([self.zeros, q.zeros], dim=2)
-        self._dequantized = torch.cat([self._dequantized, dequantize_packed(q, self.tq)], dim=2)
+        deq = dequantize_packed(q, self.tq, high_channels=self._static.get("high_channels"))
+        self._dequantized = torch.cat([self._dequantized, deq], dim=2)
 
     # -- read --------------------------------------------------------------------------------------
     def quantized_region(self) -> Quantized | None:
@@ -220,7 +227,8 @@ class LayerCache:
 
 
 StaticScales = Mapping[int, Mapping[str, Mapping[str, torch.Tensor]]]
-"""``{layer: {"key"|"value": {"scales": [H, n], "zero_points": [H, n]}}}`` from calibration."""
+"""``{layer: {"key"|"value": {"scales": [H, n], "zero_points": [H, n], "high_channels": [H, n]}}}`` from
+calibration (each stream has the roles its scheme needs)."""
 
 
 class ReferenceCache:
@@ -234,7 +242,8 @@ class ReferenceCache:
             for part, tq in zip(("key", "value"), streams):
                 meta = (static or {}).get(layer, {}).get(part, {})
                 made.append(StreamCache(tq, scheme, static_scales=meta.get("scales"),
-                                        static_zeros=meta.get("zero_points")))
+                                        static_zeros=meta.get("zero_points"),
+                                        high_channels=meta.get("high_channels")))
             self.layers.append(LayerCache(*made))
 
     def __len__(self) -> int:

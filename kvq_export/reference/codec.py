@@ -36,6 +36,12 @@ lowest bits first: element ``i`` of the last axis lands in byte ``i // (8 // b)`
 5-bit codes are two planes along the last axis: ``D/2`` bytes holding the low 4 bits as 4-bit codes, then
 ``D/8`` bytes holding the fifth bits as 1-bit codes (element ``i``'s high bit in byte ``D/2 + i // 8`` at
 bit ``i % 8``).
+
+High channels (``TensorQuant.high_channels``, per-channel ``int`` streams): the ``n`` channels of each kv head
+listed (ascending) in the calibrated ``high_channels`` ``[H, n]`` get codes in ``[0, 255]`` (scale = range / 255),
+the others in ``[0, 2**bits - 1]``; dequantization is the same ``code * scale + min`` for both. Per token the
+stored bytes are the ``n`` high channels' 8-bit codes in ascending channel order, then the other channels'
+codes in ascending channel order, packed as above.
 """
 
 from __future__ import annotations
@@ -72,17 +78,53 @@ def int_levels(tq: TensorQuant) -> tuple[int, int, int]:
     return -qmax, qmax, 1 << (tq.bits - 1)
 
 
-def metadata_from_range(tq: TensorQuant, mn: torch.Tensor, mx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def metadata_from_range(tq: TensorQuant, mn: torch.Tensor, mx: torch.Tensor,
+                        steps: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric ``int``: (scale, zero point) in ``scale_dtype`` for a group range, clip applied about its midpoint.
 
-    Shared with calibration so static and dynamic scales come from the same arithmetic.
+    Shared with calibration so static and dynamic scales come from the same arithmetic. ``steps``: code
+    steps over the range, per channel for a stream with high channels (default ``2**bits - 1``).
     """
     sdtype = DType.get(tq.scale_dtype).torch
     if tq.clip != 1.0:
         mid, half = (mx + mn) * 0.5, (mx - mn) * (0.5 * tq.clip)
         mn, mx = mid - half, mid + half
-    lo, hi, _ = int_levels(tq)
-    return ((mx - mn) / float(hi - lo)).to(sdtype), mn.to(sdtype)
+    if steps is None:
+        lo, hi, _ = int_levels(tq)
+        steps = float(hi - lo)
+    return ((mx - mn) / steps).to(sdtype), mn.to(sdtype)
+
+
+def check_high_channels(high: torch.Tensor | None, tq: TensorQuant, heads: int, dim: int) -> torch.Tensor | None:
+    """The calibrated ``[H, n]`` high-channel indices as int64, or a clear error when they do not fit ``tq``."""
+    if not tq.high_channels:
+        if high is not None:
+            raise QuantizationError("high_channels were given for a stream whose scheme has none")
+        return None
+    if high is None:
+        raise QuantizationError(f"the stream keeps {tq.high_channels} high channels per head: give the calibrated "
+                                "high_channels [kv_heads, n] (kvq never guesses which)")
+    high = torch.as_tensor(high)
+    if high.dtype.is_floating_point or high.dim() != 2 or list(high.shape) != [heads, tq.high_channels]:
+        raise QuantizationError(f"high_channels must be integer indices of shape [kv_heads={heads}, "
+                                f"{tq.high_channels}], got {high.dtype} {list(high.shape)}")
+    high = high.to(torch.int64)
+    if bool((high < 0).any() or (high >= dim).any()) or (high.shape[1] > 1 and not bool((high.diff(dim=1) > 0).all())):
+        raise QuantizationError(f"high_channels must be strictly ascending channel indices in [0, {dim}) per head")
+    return high
+
+
+def channel_order(high: torch.Tensor, dim: int) -> torch.Tensor:
+    """``[H, D]`` stored channel order: each head's high channels, then the rest, both ascending."""
+    is_high = torch.zeros(high.shape[0], dim, dtype=torch.bool).scatter_(1, high, True)
+    rest = torch.stack([torch.nonzero(~row).flatten() for row in is_high])
+    return torch.cat([high, rest], dim=1)
+
+
+def channel_steps(tq: TensorQuant, high: torch.Tensor, dim: int) -> torch.Tensor:
+    """``[H, D]`` float32 code steps per channel: 255 for the high channels, ``2**bits - 1`` otherwise."""
+    steps = torch.full((high.shape[0], dim), float((1 << tq.bits) - 1))
+    return steps.scatter_(1, high, 255.0)
 
 
 def scale_from_amax(tq: TensorQuant, amax: torch.Tensor) -> torch.Tensor:
@@ -128,14 +170,17 @@ def quantize(
     *,
     static_scales: torch.Tensor | None = None,
     static_zeros: torch.Tensor | None = None,
+    high_channels: torch.Tensor | None = None,
 ) -> Quantized:
     """Quantize ``x`` of shape ``[..., T, D]`` (``[B, H, T, D]`` for static scales) by ``tq``.
 
     Codes are returned unpacked; call :func:`pack` for the stored form of 2/4-bit codes.
+    ``high_channels``: the calibrated ``[H, n]`` indices of a stream with ``tq.high_channels``.
     """
     if not tq.quantized:
         raise QuantizationError("format fp16 is not quantized")
     check_finite(x)
+    high = check_high_channels(high_channels, tq, x.shape[-3] if x.dim() >= 3 else 0, x.shape[-1])
     sdtype = DType.get(tq.scale_dtype).torch
     xf = x.to(torch.float32)
     static = tq.scales == "static"
@@ -157,8 +202,10 @@ def quantize(
         zeros = static_zeros.to(sdtype) if tq.has_zero_point else None
         zero = _static_view(zeros.float(), xf, tq) if zeros is not None else None
     elif tq.has_zero_point:
+        # grouped channel view [..., H, T/G, G, D]: per-channel steps broadcast as [H, 1, 1, D]
+        steps = None if high is None else channel_steps(tq, high, x.shape[-1])[:, None, None, :]
         scale_kd, zero_kd = metadata_from_range(
-            tq, xg.amin(dim=reduce_dim, keepdim=True), xg.amax(dim=reduce_dim, keepdim=True))
+            tq, xg.amin(dim=reduce_dim, keepdim=True), xg.amax(dim=reduce_dim, keepdim=True), steps)
         scales, zeros = scale_kd.squeeze(reduce_dim), zero_kd.squeeze(reduce_dim)
         scale, zero = scale_kd.float(), zero_kd.float()
     else:
@@ -172,8 +219,11 @@ def quantize(
         codes = torch.clamp(xg / safe, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     else:
         lo, hi, offset = int_levels(tq)
+        top = hi if high is None else channel_steps(tq, high, x.shape[-1])[:, None, None, :]
         shifted = xg - zero if zero is not None else xg
-        codes = (torch.clamp(torch.round(shifted / safe), lo, hi) + offset).to(torch.uint8)
+        rounded = torch.round(shifted / safe)
+        clamped = torch.clamp(rounded, lo, top) if high is None else torch.minimum(rounded.clamp_min(lo), top)
+        codes = (clamped + offset).to(torch.uint8)
     return Quantized(codes.reshape(x.shape), scales, zeros)
 
 
@@ -279,13 +329,45 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return values.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
 
 
+def _per_head(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``[H, n]`` channel indices broadcast to gather along the last axis of ``like`` ``[..., H, T, D]``."""
+    heads, n = index.shape
+    return index[:, None, :].expand(*like.shape[:-3], heads, like.shape[-2], n)
+
+
+def pack_stream(codes: torch.Tensor, tq: TensorQuant, high_channels: torch.Tensor | None = None) -> torch.Tensor:
+    """Stored bytes of a stream's unpacked codes ``[..., H, T, D]`` (high channels first when it has them)."""
+    if not tq.is_int:
+        return codes
+    high = check_high_channels(high_channels, tq, codes.shape[-3], codes.shape[-1])
+    if high is None:
+        return pack(codes, tq.bits)
+    ordered = codes.gather(-1, _per_head(channel_order(high, codes.shape[-1]), codes))
+    n = tq.high_channels
+    return torch.cat([ordered[..., :n], pack(ordered[..., n:], tq.bits)], dim=-1)
+
+
+def unpack_stream(packed: torch.Tensor, tq: TensorQuant, high_channels: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`pack_stream`: codes ``[..., H, T, D]`` in channel order."""
+    if not tq.is_int:
+        return packed
+    if not tq.high_channels:
+        return unpack(packed, tq.bits)
+    n = tq.high_channels
+    rest = unpack(packed[..., n:], tq.bits)
+    dim = n + rest.shape[-1]
+    high = check_high_channels(high_channels, tq, packed.shape[-3], dim)
+    ordered = torch.cat([packed[..., :n], rest], dim=-1)
+    return torch.empty_like(ordered).scatter_(-1, _per_head(channel_order(high, dim), ordered), ordered)
+
+
 def quantize_packed(x: torch.Tensor, tq: TensorQuant, **static) -> Quantized:
-    """:func:`quantize` then :func:`pack` (the stored form)."""
+    """:func:`quantize` then :func:`pack_stream` (the stored form)."""
     q = quantize(x, tq, **static)
-    return q._replace(codes=pack(q.codes, tq.bits) if tq.is_int else q.codes)
+    return q._replace(codes=pack_stream(q.codes, tq, static.get("high_channels")))
 
 
-def dequantize_packed(q: Quantized, tq: TensorQuant, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_packed(q: Quantized, tq: TensorQuant, out_dtype: torch.dtype = torch.float32,
+                      high_channels: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`dequantize` of stored (packed) codes."""
-    codes = unpack(q.codes, tq.bits) if tq.is_int else q.codes
-    return dequantize(q._replace(codes=codes), tq, out_dtype)
+    return dequantize(q._replace(codes=unpack_stream(q.codes, tq, high_channels)), tq, out_dtype)

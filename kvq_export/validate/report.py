@@ -34,7 +34,7 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         where = {True: "the scored text IS calibration text (in-sample: use --offset past it for held-out text)",
                  False: "scored text is held out", None: "overlap unknown"}[cal.get("windows_overlap_calibration")]
         start = f" from token {cal['offset']}" if cal.get("offset") else ""
-        rows.append(("static scales", f"{cal.get('method')} on {cal.get('tokens')} tokens of {cal.get('corpus')}"
+        rows.append(("calibration", f"{cal.get('method')} on {cal.get('tokens')} tokens of {cal.get('corpus')}"
                                       f"{start}; {where}"))
     if greedy.get("prompts"):
         rows.append(("greedy", f"{greedy['mean_tokens_to_divergence']:.1f} tokens to divergence (mean), "

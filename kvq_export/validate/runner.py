@@ -141,7 +141,7 @@ def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike
 
 
 def _calibration_section(manifest, config: ValidateConfig) -> dict[str, Any] | None:
-    """How the static scales were chosen, and whether the scored text is the calibration text itself."""
+    """How the static scales or high channels were chosen, and whether the scored text is the calibration text."""
     cal = manifest.calibration
     if not cal:
         return None
