@@ -32,6 +32,7 @@ from kvq_export.naming import (
     DIRECTIONS,
     PACKING,
     PACKING_5BIT,
+    PACKING_6BIT,
     PACKING_HIGH,
     PARTS,
     CacheTensor,
@@ -263,7 +264,7 @@ class RegionsLayout(CacheLayout):
         code_type = "float8e4m3fn" if tq.format == "fp8_e4m3" else "uint8"
         packing = None
         if tq.is_int and tq.bits < 8:
-            packing = PACKING_HIGH if tq.high_channels else PACKING_5BIT if tq.bits == 5 else PACKING
+            packing = PACKING_HIGH if tq.high_channels else {5: PACKING_5BIT, 6: PACKING_6BIT}.get(tq.bits, PACKING)
         out.append(tensor("codes", code_type, (*rows, tokens, tq.packed_dim(head_dim)), "quantized", packing=packing,
                           **quant))
         if tq.scales == "dynamic":

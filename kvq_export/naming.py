@@ -18,6 +18,10 @@ PACKING = "uint8, lowest bits first: element i -> byte i // (8 // bits), bit off
 #: 5-bit codes (ggml q5_0 / q5_1): two planes along head_dim D.
 PACKING_5BIT = ("uint8, two planes: bytes [0, D/2) hold the low 4 bits (element i -> byte i // 2, bit offset "
                 "(i % 2) * 4), bytes [D/2, D/2 + D/8) the fifth bits (element i -> byte D/2 + i // 8, bit i % 8)")
+#: 6-bit codes: the same two planes, the second holding the top two bits.
+PACKING_6BIT = ("uint8, two planes: bytes [0, D/2) hold the low 4 bits (element i -> byte i // 2, bit offset "
+                "(i % 2) * 4), bytes [D/2, D/2 + D/4) the top 2 bits (element i -> byte D/2 + i // 4, bit offset "
+                "(i % 4) * 2)")
 #: Per-channel streams with ``high_channels`` n: the 8-bit channels first, then the rest packed.
 PACKING_HIGH = ("uint8 per token and head: bytes [0, n) hold the 8-bit codes of the head's n high channels (ascending "
                 "channel order, as listed in the calibration file's '<layer>.<part>.high_channels'), then the other "

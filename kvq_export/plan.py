@@ -129,9 +129,9 @@ CANDIDATE_SETS: dict[str, CandidateSet] = {
     # damage by a third against the full range), and rotated values are centred enough for symmetric groups of a
     # whole 64-channel head (4.25 bits for int4).
     "accuracy": CandidateSet(
-        "per-channel int8/int4/int2 keys (groups 32-256, plain or rotated; int4 with 4-24 channels per head at "
-        "8 bits), rotated q8_0 / q5_0 / int8-sym-g32 keys; rotated per-token int8/int4/int2 values (int2 clipped "
-        "to 0.8; symmetric int8/int4 g32/g64), rotated q8_0/q5_1/q5_0/q4_0 values; no window",
+        "per-channel int8/int6/int4/int2 keys (groups 32-256, plain or rotated; int4 with 4-24 channels per head "
+        "at 8 bits), rotated q8_0 / q5_0 / int8-sym-g32 keys; rotated per-token int8/int6/int4/int2 values (int2 "
+        "clipped to 0.8; symmetric int8/int6/int4 g32/g64), rotated q8_0/q5_1/q5_0/q4_0 values; no window",
         keys=(_channel(8, 64), _channel(4, 32), _rot(_channel(4, 32)), _channel(4, 64), _rot(_channel(4, 64)),
               _channel(4, 128), _rot(_channel(4, 128)), _channel(4, 256), _channel(2, 64), _channel(2, 128),
               _ggml_rot("int_sym", 8), _ggml_rot("int_sym", 5),
@@ -139,11 +139,13 @@ CANDIDATE_SETS: dict[str, CandidateSet] = {
               _channel(8, 128), _channel(8, 256), _rot(_channel(4, 256)), _rot(_channel(8, 256)),
               _rot(_channel(8, 128)),
               *(_high(_channel(4, g), n) for g, ns in ((64, (4, 8)), (128, (4, 8, 16, 24)), (256, (4, 8, 16, 24)))
-                for n in ns)),
+                for n in ns),
+              _channel(6, 128), _channel(6, 256), _rot(_channel(6, 256))),
         values=(_rot(_token(8, 64)), _ggml_rot("int_sym", 8), _ggml_rot("int", 5), _ggml_rot("int_sym", 5),
                 _rot(_token(4, 32)), _rot(_token(4, 64)), _ggml_rot("int_sym", 4), _rot(_token(2, 32), 0.8),
                 _rot(_token(2, 64), 0.8), _rot(_token(2, 64)),
-                _rot(_sym_token(4, 64)), _rot(_sym_token(8, 64)), _rot(_sym_token(4, 32))),
+                _rot(_sym_token(4, 64)), _rot(_sym_token(8, 64)), _rot(_sym_token(4, 32)),
+                _rot(_sym_token(6, 32)), _rot(_sym_token(6, 64)), _rot(_token(6, 64))),
     ),
 }
 

@@ -33,12 +33,14 @@ AXES = ("token", "channel")
 SCALE_DTYPES = ("fp16", "fp32")
 SCALE_MODES = ("dynamic", "static")
 HP_DTYPES = ("fp16", "fp32")
-INT_BITS = (2, 4, 8)
+INT_BITS = (2, 4, 6, 8)
 QUANTIZERS = ("kvq", "ggml")
 #: quantizer ggml: (format, bits) -> ggml block type it reproduces bit for bit (blocks of GGML_BLOCK along head_dim)
 GGML_TYPES = {("int_sym", 4): "q4_0", ("int", 4): "q4_1", ("int_sym", 5): "q5_0", ("int", 5): "q5_1",
               ("int_sym", 8): "q8_0"}
 GGML_BLOCK = 32
+#: Code widths stored as two planes along head_dim: the low 4 bits packed, then the remaining bits packed.
+PLANE_BITS = (5, 6)
 #: Rotations of the head dimension applied before a stream is stored (:mod:`kvq_export.rotation`).
 ROTATIONS = ("none", "hadamard")
 
@@ -58,7 +60,7 @@ class TensorQuant:
         format: ``fp16`` (not quantized), ``int`` (asymmetric: per-group scale and minimum),
             ``int_sym`` (symmetric: per-group scale, codes stored with an offset of 2**(bits-1)),
             ``fp8_e4m3`` (float8 e4m3fn codes with a per-group scale).
-        bits: 2, 4 or 8 for int formats (4, 5 or 8 with the ggml quantizer); 8 for fp8; 16 for fp16.
+        bits: 2, 4, 6 or 8 for int formats (4, 5 or 8 with the ggml quantizer); 8 for fp8; 16 for fp16.
         axis: ``token`` (groups run along head_dim within one token) or ``channel`` (each channel is
             grouped across ``group_size`` consecutive tokens).
         group_size: group length along the axis, or ``None`` for the whole axis (per-token head
@@ -129,15 +131,15 @@ class TensorQuant:
         return head_dim if self.group_size is None else self.group_size
 
     def codes_per_byte(self) -> int:
-        """Integer codes packed into one uint8 (1 for 8-bit and fp8; 5-bit codes: see :meth:`packed_dim`)."""
+        """Integer codes packed into one uint8 (1 for 8-bit and fp8; 5/6-bit codes: see :meth:`packed_dim`)."""
         return 8 // self.bits if self.is_int and self.bits in (2, 4) else 1
 
     def packed_dim(self, head_dim: int) -> int:
         """Bytes per token per head for the code payload (5 bits: head_dim/2 nibble bytes + head_dim/8 high bits)."""
         if not self.quantized:
             return 0
-        if self.is_int and self.bits == 5:
-            return head_dim // 2 + head_dim // 8
+        if self.is_int and self.bits in PLANE_BITS:  # a plane of low nibbles, then a plane of the higher bits
+            return head_dim // 2 + head_dim * (self.bits - 4) // 8
         if self.high_channels:  # 8-bit high channels first, then the others packed (see the codec)
             return self.high_channels + (head_dim - self.high_channels) // self.codes_per_byte()
         return -(-head_dim // self.codes_per_byte())
@@ -180,7 +182,7 @@ class TensorQuant:
         if self.format not in FORMATS:
             raise _fail("format", self.format, f"allowed: {', '.join(FORMATS)}")
         if isinstance(self.bits, bool) or not isinstance(self.bits, int):  # 4.0 or "4" is refused everywhere
-            raise _fail("bits", self.bits, "allowed: an integer (2, 4, 5, 8, or 16 for fp16)")
+            raise _fail("bits", self.bits, "allowed: an integer (2, 4, 5, 6, 8, or 16 for fp16)")
         if self.quantizer not in QUANTIZERS:
             raise _fail("quantizer", self.quantizer, f"allowed: {', '.join(QUANTIZERS)}")
         if self.quantizer == "ggml":
@@ -197,7 +199,7 @@ class TensorQuant:
         if self.format == "fp8_e4m3" and self.bits != 8:
             raise _fail("bits", self.bits, "allowed for format fp8_e4m3: 8")
         if self.is_int and self.bits not in INT_BITS and self.quantizer != "ggml":
-            raise _fail("bits", self.bits, f"allowed for {self.format} with quantizer kvq: 2, 4, 8 "
+            raise _fail("bits", self.bits, f"allowed for {self.format} with quantizer kvq: 2, 4, 6, 8 "
                         "(5 bits: quantizer ggml)")
         if self.axis not in AXES:
             raise _fail("axis", self.axis, f"allowed: {', '.join(AXES)}")
@@ -268,8 +270,9 @@ class TensorQuant:
             )
         if self.is_int and (head_dim * self.bits) % 8:
             raise _fail(f"{where}.bits", self.bits, f"head_dim={head_dim} x bits must fill whole bytes")
-        if self.is_int and self.bits == 5 and head_dim % 8:
-            raise _fail(f"{where}.bits", self.bits, f"5-bit codes need head_dim={head_dim} to be a multiple of 8")
+        if self.is_int and self.bits in PLANE_BITS and head_dim % (8 // (self.bits - 4)):
+            raise _fail(f"{where}.bits", self.bits, f"{self.bits}-bit codes need head_dim={head_dim} to be a multiple "
+                        f"of {8 // (self.bits - 4)}")
         if self.high_channels and (self.high_channels >= head_dim
                                    or (head_dim - self.high_channels) % self.codes_per_byte()):
             per = self.codes_per_byte()

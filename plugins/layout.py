@@ -67,6 +67,9 @@ class StreamLayout:
     def of(cls, tq: TensorQuant, scheme: KVQuantScheme, head_dim: int) -> StreamLayout:
         """The layout of stream ``tq`` of ``scheme`` for heads of ``head_dim`` channels."""
         tq.check_head_dim(head_dim, "stream")
+        if tq.is_int and tq.bits == 6:
+            raise SchemeError(f"the fused attention kernel reads 2/4/8-bit codes and ggml's 5-bit blocks, not 6-bit "
+                              f"codes ({tq.describe()}); export it with flavor reference")
         if tq.high_channels:
             raise SchemeError(f"the fused attention kernel cannot read a stream with high channels "
                               f"({tq.describe()}): it has one code width per stream; export it with flavor "

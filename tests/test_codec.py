@@ -38,7 +38,7 @@ def _step(q, tq, like):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    fmt=st.sampled_from(INT_FORMATS), bits=st.sampled_from([2, 4, 8]), axis=st.sampled_from(["token", "channel"]),
+    fmt=st.sampled_from(INT_FORMATS), bits=st.sampled_from([2, 4, 6, 8]), axis=st.sampled_from(["token", "channel"]),
     group=st.sampled_from([4, 8, 16]), seed=st.integers(0, 2**31 - 1),
     scale=st.floats(1e-3, 1e3), offset=st.floats(-10, 10),
 )
@@ -99,6 +99,18 @@ def test_pack_unpack_bijective(bits, rows, width, seed):
 def test_documented_packing_order_low_bits_first():
     assert pack(torch.tensor([[1, 2]], dtype=torch.uint8), 4).tolist() == [[0x21]]
     assert pack(torch.tensor([[1, 2, 3, 0]], dtype=torch.uint8), 2).tolist() == [[0b00111001]]
+
+
+def test_6_bit_codes_are_a_nibble_plane_then_a_2_bit_plane():
+    codes = torch.tensor([[0x3F, 0x01, 0x22, 0x10, 0x05, 0x31, 0x00, 0x2A]], dtype=torch.uint8)  # D = 8
+    packed = pack(codes, 6)
+    assert packed.shape == (1, 6)  # D/2 nibble bytes + D/4 bytes of top bits
+    assert packed[0, :4].tolist() == [0x1F, 0x02, 0x15, 0xA0]
+    assert packed[0, 4:].tolist() == [0b01_10_00_11, 0b10_00_11_00]
+    assert torch.equal(unpack(packed, 6), codes)
+    gen = torch.Generator().manual_seed(0)
+    many = torch.randint(0, 64, (3, 64), generator=gen, dtype=torch.int64).to(torch.uint8)
+    assert torch.equal(unpack(pack(many, 6), 6), many)
 
 
 @pytest.mark.parametrize("fmt, bits", [("int", 2), ("int", 4), ("int", 8), ("int_sym", 4), ("fp8_e4m3", 8)])

@@ -35,8 +35,16 @@ EXTRA = {
         key=TensorQuant(format="int", bits=4, axis="channel", group_size=8, high_channels=4),
         value=TensorQuant(format="int", bits=2, axis="channel", group_size=8, high_channels=8),
         residual_length=8, name="high-channel-keys"),
+    "int6-rotated-values": KVQuantScheme(  # 6-bit codes in two planes; values in the Hadamard basis
+        key=TensorQuant(format="int", bits=6, axis="channel", group_size=8),
+        value=TensorQuant(format="int_sym", bits=6, group_size=16, rotation="hadamard"), name="int6-rotated-values"),
 }
-CASES = {**{name: spec[0] for name, spec in PRESETS.items()}, **EXTRA}
+
+
+def _case(name: str):
+    """A preset or an :data:`EXTRA` scheme by name."""
+    return EXTRA[name] if name in EXTRA else PRESETS[name][0]
+
 
 PROMPTS = {"solo": [[5, 17, 99, 3, 42, 8, 77]], "padded": [[11, 12, 13, 14, 15], [60, 61, 2, 9, 100, 4, 4, 7, 1]]}
 
@@ -61,7 +69,7 @@ def exports(tmp_path_factory):
 
     def get(arch: str, preset: str):
         if (arch, preset) not in made:
-            model, scheme = tiny_model(arch), fit_head_dim(CASES[preset], 32)
+            model, scheme = tiny_model(arch), fit_head_dim(_case(preset), 32)
             out = tmp_path_factory.mktemp("exports") / f"{arch}-{preset}"
             made[arch, preset] = export(model, scheme, out, static=_static(model, scheme))
         return made[arch, preset]
@@ -113,7 +121,7 @@ def _compare_state(arrays, row, ref, scheme, static):
 
 
 def _check_case(exports, arch, preset, batch):
-    model, scheme = tiny_model(arch), fit_head_dim(CASES[preset], 32)
+    model, scheme = tiny_model(arch), fit_head_dim(_case(preset), 32)
     directory = exports(arch, preset)
     session = KVQSession(directory)
     static = load_static(directory, session.manifest)

@@ -147,8 +147,9 @@ def test_calibration_file_keeps_the_choice_as_int32(tmp_path):
     assert scheme.needs_calibration and not scheme.has_static_scales
 
 
-def test_fused_kernel_refuses_high_channels():
+@pytest.mark.parametrize("tq", [HIGH, TensorQuant(format="int_sym", bits=6, group_size=32)], ids=["high", "int6"])
+def test_fused_kernel_refuses_streams_it_cannot_read(tq):
     from plugins.layout import StreamLayout
 
     with pytest.raises(SchemeError, match="export it with flavor reference"):
-        StreamLayout.of(HIGH, KVQuantScheme(key=HIGH), 64)
+        StreamLayout.of(tq, KVQuantScheme(key=tq), 64)

@@ -285,3 +285,18 @@ def test_plan_calibrates_candidates_like_export_by_default():
 
     assert default("plan") == default("export") == "absmax"
     assert inspect.signature(plan_scheme).parameters["calib_method"].default == "absmax"
+
+
+@pytest.mark.parametrize("budget", ["3.5", "4.5", "6.5"])
+def test_shipped_smollm2_plans_fit_the_model_and_their_budget(budget):
+    """``models/smollm2-plan-*.json`` load, describe SmolLM2's cache and stay within their budget at 4096 tokens."""
+    from pathlib import Path
+
+    from kvq_export.memory import Geometry
+
+    path = Path(__file__).resolve().parents[1] / "models" / f"smollm2-plan-{budget}.json"
+    scheme = KVQuantScheme.from_json(path.read_text())
+    scheme.check_model(30, 64)
+    assert len(scheme.layer_overrides) <= 30
+    bits = predict(scheme, Geometry(num_layers=30, num_kv_heads=3, head_dim=64), 4096).bits_per_element
+    assert float(budget) - 0.1 < bits <= float(budget)

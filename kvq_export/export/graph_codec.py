@@ -18,7 +18,7 @@ from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.reference.codec import channel_order, channel_steps, check_high_channels, int_levels
-from kvq_export.scheme import FP8_E4M3_MAX, TensorQuant
+from kvq_export.scheme import FP8_E4M3_MAX, PLANE_BITS, TensorQuant
 
 
 def static_name(layer: int, part: str, role: str) -> str:
@@ -250,11 +250,11 @@ class GraphCodec:
         if tq.bits == 8:
             return codes
         codes = b.op("Cast", codes, to=ir.DataType.INT32)
-        if tq.bits == 5:  # low nibbles, then the plane of fifth bits (see the codec)
+        if tq.bits in PLANE_BITS:  # low nibbles, then the plane of the higher bits (see the codec)
             sixteen = b.const(np.array(16, dtype=np.int32))
-            high = b.op("Div", codes, sixteen)  # integer division: the fifth bit
+            high = b.op("Div", codes, sixteen)  # integer division: the bits above the nibble
             low = b.op("Sub", codes, b.op("Mul", high, sixteen))
-            return b.op("Concat", self._pack_bits(b, low, 4), self._pack_bits(b, high, 1), axis=-1)
+            return b.op("Concat", self._pack_bits(b, low, 4), self._pack_bits(b, high, tq.bits - 4), axis=-1)
         return self._pack_bits(b, codes, tq.bits)
 
     def _pack_bits(self, b: GraphBuilder, codes: ir.Value, bits: int, width: int | None = None) -> ir.Value:
@@ -281,12 +281,12 @@ class GraphCodec:
             return b.op("MatMul", ordered, high.to_channels)
         if tq.bits == 8:
             return values
-        if tq.bits == 5:  # D/2 nibble bytes, then D/8 bytes of fifth bits
-            d = self.head_dim
+        if tq.bits in PLANE_BITS:  # D/2 nibble bytes, then D*(bits-4)/8 bytes of the higher bits
+            d, extra = self.head_dim, tq.bits - 4
             low = b.op("Slice", values, b.const([0]), b.const([d // 2]), b.const([-1]))
-            high = b.op("Slice", values, b.const([d // 2]), b.const([d // 2 + d // 8]), b.const([-1]))
+            high = b.op("Slice", values, b.const([d // 2]), b.const([d // 2 + d * extra // 8]), b.const([-1]))
             return b.op("Add", self._unpack_bits(b, low, 4),
-                        b.op("Mul", self._unpack_bits(b, high, 1), b.const(16.0)))
+                        b.op("Mul", self._unpack_bits(b, high, extra), b.const(16.0)))
         return self._unpack_bits(b, values, tq.bits)
 
     def _unpack_bits(self, b: GraphBuilder, values: ir.Value, bits: int, width: int | None = None) -> ir.Value:

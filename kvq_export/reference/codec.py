@@ -33,7 +33,9 @@ above (``x̂ = (code - 2**(b-1)) * d`` for q4_0/q5_0/q8_0, ``x̂ = code * d + m`
 Packing (``pack``/``unpack``): codes of ``b < 8`` bits are packed along the last axis into uint8,
 lowest bits first: element ``i`` of the last axis lands in byte ``i // (8 // b)`` at bit offset
 ``(i % (8 // b)) * b`` (for 4 bits: even element in the low nibble, odd element in the high nibble).
-5-bit codes are two planes along the last axis: ``D/2`` bytes holding the low 4 bits as 4-bit codes, then
+5- and 6-bit codes are two planes along the last axis: ``D/2`` bytes holding the low 4 bits as 4-bit codes, then
+``D * (b - 4) / 8`` bytes holding the higher bits as ``(b - 4)``-bit codes (6 bits: element ``i``'s top two bits
+in byte ``D/2 + i // 4`` at bit ``(i % 4) * 2``). For 5 bits that is
 ``D/8`` bytes holding the fifth bits as 1-bit codes (element ``i``'s high bit in byte ``D/2 + i // 8`` at
 bit ``i % 8``).
 
@@ -52,7 +54,7 @@ import torch
 
 from kvq_export.dtypes import DType
 from kvq_export.errors import QuantizationError
-from kvq_export.scheme import FP8_E4M3_MAX, TensorQuant
+from kvq_export.scheme import FP8_E4M3_MAX, PLANE_BITS, TensorQuant
 
 
 class Quantized(NamedTuple):
@@ -301,11 +303,11 @@ def dequantize(q: Quantized, tq: TensorQuant, out_dtype: torch.dtype = torch.flo
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack uint8 codes of ``bits`` (1, 2, 4, 5 or 8) along the last axis, lowest bits first (5: two planes)."""
+    """Pack uint8 codes of ``bits`` (1, 2, 4, 5, 6 or 8) along the last axis, lowest bits first (5, 6: two planes)."""
     if bits == 8:
         return codes
-    if bits == 5:
-        return torch.cat([pack(codes & 15, 4), pack(codes >> 4, 1)], dim=-1)
+    if bits in PLANE_BITS:
+        return torch.cat([pack(codes & 15, 4), pack(codes >> 4, bits - 4)], dim=-1)
     per = 8 // bits
     *lead, dim = codes.shape
     if dim % per:
@@ -319,9 +321,9 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack`: ``[..., D * bits / 8]`` uint8 -> ``[..., D]`` uint8 codes."""
     if bits == 8:
         return packed
-    if bits == 5:
-        low = packed.shape[-1] * 4 // 5  # D/2 of the D*5/8 bytes
-        return unpack(packed[..., :low], 4) | (unpack(packed[..., low:], 1) << 4)
+    if bits in PLANE_BITS:
+        low = packed.shape[-1] * 4 // bits  # D/2 of the D*bits/8 bytes
+        return unpack(packed[..., :low], 4) | (unpack(packed[..., low:], bits - 4) << 4)
     per = 8 // bits
     shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
     mask = (1 << bits) - 1
