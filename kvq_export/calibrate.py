@@ -598,12 +598,14 @@ def check_calibration(
         if chosen is None:
             raise SchemeError(f"the calibration lacks high_channels for layer {layer} {part} "
                               f"({tq.high_channels} 8-bit channels per head)")
-        array = np.asarray(chosen)
-        if array.shape != (num_kv_heads, tq.high_channels) or array.dtype.kind not in "iu" or \
-                (array < 0).any() or (array >= head_dim).any() or (np.diff(array, axis=1) <= 0).any():
-            raise SchemeError(f"calibration {layer}.{part}.high_channels must be ascending channel indices in "
-                              f"[0, {head_dim}) of shape [kv_heads={num_kv_heads}, {tq.high_channels}], got "
-                              f"{array.dtype} {list(array.shape)}")
+        import torch
+
+        from kvq_export.reference.codec import check_high_channels
+
+        try:
+            check_high_channels(torch.as_tensor(np.asarray(chosen)), tq, num_kv_heads, head_dim)
+        except QuantizationError as err:
+            raise SchemeError(f"calibration {layer}.{part}: {err}") from None
     for layer, part, tq in static_streams(scheme, num_layers):
         meta = static.get(layer, {}).get(part)
         if meta is None:

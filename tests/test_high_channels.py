@@ -142,7 +142,7 @@ def test_calibration_file_keeps_the_choice_as_int32(tmp_path):
     assert np.array_equal(back[0]["key"]["high_channels"], CHOSEN.numpy())
     with pytest.raises(SchemeError, match="lacks high_channels"):
         check_calibration({}, scheme, 1, 3, 64)
-    with pytest.raises(SchemeError, match="ascending channel indices"):
+    with pytest.raises(SchemeError, match="calibration 0.key: high_channels must be strictly ascending"):
         check_calibration({0: {"key": {"high_channels": CHOSEN.numpy()[:, ::-1].astype(np.int32)}}}, scheme, 1, 3, 64)
     assert scheme.needs_calibration and not scheme.has_static_scales
 
