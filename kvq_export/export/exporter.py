@@ -179,10 +179,9 @@ def _export_locked(model, scheme: KVQuantScheme, out: Path, *, dtype: str, opset
     provenance: dict[str, Any] = {"source": "given"}  # how the static scales were chosen, for the manifest
     if scheme.needs_calibration and static is None:
         if calib_corpus is None:
-            raise ExportError(
-                f"scheme {scheme.name or 'custom'} uses static scales or calibrated high channels: calibrate "
-                "first (give --calib-corpus; kvq never guesses a scale or a channel)"
-            )
+            needs = "static scales" if scheme.has_static_scales else "calibrated high channels"
+            raise ExportError(f"scheme {scheme.name or 'custom'} uses {needs}: calibrate first (give --calib-corpus; "
+                              "kvq never guesses a scale or a channel)")
         static, used = _calibrate(model, tokenizer, scheme, calib_corpus, calib_tokens, calib_method,
                                   calib_percentile, calib_offset)
         provenance = {"source": "calibrated", "corpus": str(calib_corpus), "tokens": used,
