@@ -135,7 +135,7 @@ class TensorQuant:
         return 8 // self.bits if self.is_int and self.bits in (2, 4) else 1
 
     def packed_dim(self, head_dim: int) -> int:
-        """Bytes per token per head for the code payload (5 bits: head_dim/2 nibble bytes + head_dim/8 high bits)."""
+        """Bytes per token per head for the code payload (5/6 bits: two planes; high channels: one byte each)."""
         if not self.quantized:
             return 0
         if self.is_int and self.bits in PLANE_BITS:  # a plane of low nibbles, then a plane of the higher bits
