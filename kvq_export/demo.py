@@ -4,7 +4,7 @@
 2. the **most accurate preset at <= 5 bits per element** kvq has measured (:data:`ACCURATE_SCHEME`: KIVI-style
    4-bit keys per channel and values per token, asymmetric groups of 64, no fp16 window; +0.99% perplexity on
    protocol P at 4.5 bits/element (`kvq validate`), +0.86% in the PyTorch reference), also reference flavour
-   (int4 keys with 8-bit high channels do better, reference flavour only: a per-layer plan made for SmolLM2
+   (int4 keys with 8-bit high channels do better, not on ort-gqa: a per-layer plan made for SmolLM2
    alone, ``models/smollm2-plan-4.5.json``, +0.43% with ``kvq validate``, +0.38% in the PyTorch reference);
 3. the **ort-gqa fast path** (``ort-int8`` with calibrated static scales): ONNX Runtime's fused
    GroupQueryAttention reading an int8 buffer in place, which onnxruntime-genai serves as it is.

@@ -45,7 +45,7 @@ def stream_constants(prefix: str, layout: StreamLayout) -> dict[str, int | bool]
     if not layout.quantized:
         return {f"{prefix}_QUANT": False, f"{prefix}_FP8": False, f"{prefix}_BITS": 8, f"{prefix}_OFFSET": 0,
                 f"{prefix}_CHANNEL": False, f"{prefix}_GROUP": 1, f"{prefix}_META": 1, f"{prefix}_STATIC": False,
-                f"{prefix}_HAS_ZERO": False, f"{prefix}_UNIT": 1}
+                f"{prefix}_HAS_ZERO": False, f"{prefix}_UNIT": 1, f"{prefix}_HIGH": 0}
     channel = layout.axis == "channel"
     group = 1 if layout.static and channel else layout.group
     return {
@@ -53,7 +53,7 @@ def stream_constants(prefix: str, layout: StreamLayout) -> dict[str, int | bool]
         f"{prefix}_BITS": layout.bits, f"{prefix}_OFFSET": layout.offset,
         f"{prefix}_CHANNEL": channel and not layout.static, f"{prefix}_GROUP": group,
         f"{prefix}_META": layout.meta_width, f"{prefix}_STATIC": layout.static,
-        f"{prefix}_HAS_ZERO": layout.has_zero, f"{prefix}_UNIT": layout.unit,
+        f"{prefix}_HAS_ZERO": layout.has_zero, f"{prefix}_UNIT": layout.unit, f"{prefix}_HIGH": layout.high,
     }
 
 
@@ -75,7 +75,10 @@ def kernel_constants(key: StreamLayout, value: StreamLayout, *, num_heads: int, 
 
 
 def _stream_args(layout: StreamLayout, tensors: Mapping[str, torch.Tensor]) -> tuple[list, list[int]]:
-    """Pointers (None for roles the stream lacks) and region lengths (sinks, quantized, recent)."""
+    """Pointers in :data:`QUANT_ROLES` order (None for roles the stream lacks) and region lengths.
+
+    The lengths are those of the sinks, quantized and recent regions.
+    """
     import torch
 
     ptrs = []

@@ -45,7 +45,8 @@ def append_stream(
     """Append ``x [B, H, t, D]`` (each row's ``m[b]`` real tokens right-aligned) to a stream holding ``n0``.
 
     ``past`` maps roles to the stored tensors (an empty stream has 0-length regions; static streams carry
-    their ``[H, n]`` metadata under ``scales``/``zero_points``). Returns ``(present tensors by role, n1)``
+    their ``[H, n]`` metadata under ``scales``/``zero_points``, high-channel streams their
+    ``channel_order``). Returns ``(present tensors by role, n1)``
     in the same layout, bit for bit what the reference cache stores.
     """
     import torch
@@ -69,6 +70,8 @@ def append_stream(
     static = {}
     if layout.static:
         static = {"static_scales": past["scales"], "static_zeros": past.get("zero_points")}
+    if layout.high:
+        static["channel_order"] = past["channel_order"]
     codes_new, scales_new, zeros_new = quantize(block, to_quant, layout, **static)
     codes = take([(_bits(past["codes"]), before[1]), (_bits(codes_new), to_quant)], None, after[1],
                  _longest(after[1]))
@@ -87,12 +90,18 @@ def append_stream(
         if layout.has_zero:
             present["zero_points"] = take([(past["zero_points"], q0), (zeros_new, dq)], None, q1, meta_len)
     present["recent"] = recent
+    if layout.high:
+        present["channel_order"] = past["channel_order"]
     return present, n1
 
 
 def empty_stream(layout: StreamLayout, batch: int, heads: int, *, device=None,
                  static: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """A stream holding no token (every region of length 0), in the stored dtypes."""
+    """A stream holding no token (every region of length 0), in the stored dtypes.
+
+    ``static`` gives the constants a stream may carry: ``scales``/``zero_points`` of a static stream,
+    ``channel_order`` of a stream with high channels.
+    """
     import torch
 
     from kvq_export.dtypes import DType
@@ -120,4 +129,8 @@ def empty_stream(layout: StreamLayout, batch: int, heads: int, *, device=None,
         if layout.has_zero:
             out["zero_points"] = region(layout.meta_width, sdtype)
     out["recent"] = region(dim, hp)
+    if layout.high:
+        if static is None or "channel_order" not in static:
+            raise QuantizationError("a stream with high channels needs its [kv_heads, head_dim] channel_order")
+        out["channel_order"] = static["channel_order"]
     return out

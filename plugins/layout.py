@@ -3,7 +3,9 @@
 The stored layout is the one :mod:`kvq_export.naming` describes (the ``regions`` layout): per layer and
 stream, ``sinks`` / ``codes`` + ``scales`` (+ ``zero_points``) / ``recent``, every region sized to the
 longest row with each row's valid entries right-aligned, and the per-row counts derived from
-``seq_lengths`` by :class:`kvq_export.cache_layout.RegionSplit`. :class:`StreamLayout` carries
+``seq_lengths`` by :class:`kvq_export.cache_layout.RegionSplit`. A stream with high channels also carries
+its ``channel_order`` ``[kv_heads, head_dim]`` int32 constant (stored position -> channel: each head's
+high channels, then the rest; :func:`kvq_export.reference.codec.channel_order`). :class:`StreamLayout` carries
 exactly the facts of a :class:`~kvq_export.scheme.TensorQuant` (and its scheme) that a kernel needs, so
 the Triton kernels, their torch references and the TensorRT plugin read one description.
 
@@ -18,14 +20,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvq_export.cache_layout import REGION_ROLES, RegionSplit
-from kvq_export.errors import QuantizationError, SchemeError
+from kvq_export.errors import QuantizationError
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
 if TYPE_CHECKING:
     import torch
 
 #: Roles of a stream's tensors, in the order the kernels and the plugin take them.
-QUANT_ROLES = REGION_ROLES
+QUANT_ROLES = (*REGION_ROLES, "channel_order")
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class StreamLayout:
 
     Attributes:
         format: ``fp16`` (unquantized: every token in ``recent``), ``int``, ``int_sym`` or ``fp8_e4m3``.
-        bits: code width (2, 4, 8; 16 for fp16).
+        bits: code width (2, 4, 5, 6, 8; 16 for fp16; 5 and 6 bits are stored as two planes).
         axis: ``token`` or ``channel`` group axis.
         group: token axis: elements per group along head_dim; dynamic channel axis: tokens per group;
             static channel axis: 0 (one scale per channel for all tokens).
@@ -46,6 +48,7 @@ class StreamLayout:
         scale_dtype, hp_dtype: ``fp16`` / ``fp32`` storage of metadata and of sinks/recent.
         clip: range shrink ratio used when quantizing (see :class:`~kvq_export.scheme.TensorQuant`).
         quantizer: ``kvq`` or ``ggml`` (how scales and codes are chosen; the stored meaning is the same).
+        high: channels per head stored with 8-bit codes ahead of the others (``TensorQuant.high_channels``).
     """
 
     format: str
@@ -62,18 +65,12 @@ class StreamLayout:
     hp_dtype: str
     clip: float = 1.0
     quantizer: str = "kvq"
+    high: int = 0
 
     @classmethod
     def of(cls, tq: TensorQuant, scheme: KVQuantScheme, head_dim: int) -> StreamLayout:
         """The layout of stream ``tq`` of ``scheme`` for heads of ``head_dim`` channels."""
         tq.check_head_dim(head_dim, "stream")
-        if tq.is_int and tq.bits == 6:
-            raise SchemeError(f"the fused attention kernel reads 2/4/8-bit codes and ggml's 5-bit blocks, not 6-bit "
-                              f"codes ({tq.describe()}); export it with flavor reference")
-        if tq.high_channels:
-            raise SchemeError(f"the fused attention kernel cannot read a stream with high channels "
-                              f"({tq.describe()}): it has one code width per stream; export it with flavor "
-                              "reference")
         if not tq.quantized:
             return cls("fp16", 16, "token", 0, False, False, head_dim, scheme.sink_tokens, scheme.residual_length,
                        1, "fp16", scheme.hp_dtype)
@@ -83,7 +80,7 @@ class StreamLayout:
             group = 0 if tq.scales == "static" else int(tq.group_size)
         return cls(tq.format, tq.bits, tq.axis, group, tq.scales == "static", tq.has_zero_point, head_dim,
                    scheme.sink_tokens, scheme.residual_length, tq.flush_unit, tq.scale_dtype, scheme.hp_dtype,
-                   float(tq.clip), tq.quantizer)
+                   float(tq.clip), tq.quantizer, tq.high_channels)
 
     @classmethod
     def for_layer(cls, scheme: KVQuantScheme, layer: int, head_dim: int) -> tuple[StreamLayout, StreamLayout]:
@@ -103,16 +100,11 @@ class StreamLayout:
         return self.format in ("int", "int_sym")
 
     @property
-    def per_byte(self) -> int:
-        """Codes per stored byte (5-bit codes: two planes, see :func:`kvq_export.reference.codec.pack`)."""
-        return 8 // self.bits if self.is_int and self.bits in (2, 4) else 1
-
-    @property
     def packed_dim(self) -> int:
-        """Bytes per token and head of the code payload."""
+        """Bytes per token and head of the code payload (the high channels' bytes included)."""
         if not self.quantized:
             return 0
-        return self.head_dim * self.bits // 8 if self.is_int else self.head_dim
+        return self.tensor_quant().packed_dim(self.head_dim)
 
     @property
     def offset(self) -> int:
@@ -131,25 +123,29 @@ class StreamLayout:
         """Tensors the stream is read from, in kernel/plugin order (static scales included)."""
         if not self.quantized:
             return ("recent",)
-        return tuple(r for r in QUANT_ROLES if r != "zero_points" or self.has_zero)
+        skip = {"zero_points"} if not self.has_zero else set()
+        if not self.high:
+            skip.add("channel_order")
+        return tuple(r for r in QUANT_ROLES if r not in skip)
 
     @property
     def tag(self) -> str:
-        """``fp16`` | ``sym`` | ``asym``: which roles the stream has (part of the plugin name)."""
+        """``fp16`` | ``sym`` | ``asym`` | ``asymhc``: which roles the stream has (part of the plugin name)."""
         if not self.quantized:
             return "fp16"
-        return "asym" if self.has_zero else "sym"
+        return ("asym" if self.has_zero else "sym") + ("hc" if self.high else "")
 
     # -- plugin attributes ------------------------------------------------------------------------------
     def attributes(self, prefix: str) -> dict[str, int | str]:
         """The stream as plugin attributes (ints and strings only: ONNX and TensorRT plugin fields).
 
         Names: ``{prefix}_format``, ``_bits``, ``_axis``, ``_group``, ``_static``, ``_scale_dtype``,
-        ``_quantizer``.
+        ``_quantizer``, ``_high_channels``.
         """
         return {f"{prefix}_format": self.format, f"{prefix}_bits": self.bits, f"{prefix}_axis": self.axis,
                 f"{prefix}_group": self.group, f"{prefix}_static": int(self.static),
-                f"{prefix}_scale_dtype": self.scale_dtype, f"{prefix}_quantizer": self.quantizer}
+                f"{prefix}_scale_dtype": self.scale_dtype, f"{prefix}_quantizer": self.quantizer,
+                f"{prefix}_high_channels": self.high}
 
     @classmethod
     def from_attributes(cls, prefix: str, attrs: Mapping[str, object]) -> StreamLayout:
@@ -160,7 +156,8 @@ class StreamLayout:
         layout = cls(fmt, int(attrs[f"{prefix}_bits"]), axis, group, static, fmt == "int", int(attrs["head_dim"]),
                      int(attrs["sink_tokens"]), int(attrs["residual_length"]), 1,
                      str(attrs[f"{prefix}_scale_dtype"]), str(attrs["hp_dtype"]),
-                     quantizer=str(attrs.get(f"{prefix}_quantizer", "kvq")))
+                     quantizer=str(attrs.get(f"{prefix}_quantizer", "kvq")),
+                     high=int(attrs.get(f"{prefix}_high_channels", 0)))
         return dataclasses.replace(layout, unit=layout.tensor_quant().flush_unit)
 
     def tensor_quant(self) -> TensorQuant:
@@ -169,7 +166,8 @@ class StreamLayout:
             return TensorQuant.fp16()
         return TensorQuant(format=self.format, bits=self.bits, axis=self.axis, group_size=self.group or None,
                            scale_dtype=self.scale_dtype, clip=self.clip,
-                           scales="static" if self.static else "dynamic", quantizer=self.quantizer)
+                           scales="static" if self.static else "dynamic", quantizer=self.quantizer,
+                           high_channels=self.high)
 
     # -- per-row counts (torch) ---------------------------------------------------------------------------
     def counts(self, seq_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -226,7 +224,7 @@ def dequantize_stream(layout: StreamLayout, tensors: Mapping[str, torch.Tensor],
     path (:func:`kvq_plugins.attention.prefill_attention`).
     """
     torch = _torch()
-    from kvq_export.reference.codec import unpack
+    from kvq_export.reference.codec import unpack_stream
 
     n = seq_lengths.to(torch.int64)
     total = int(n.max()) if total is None else total
@@ -262,7 +260,8 @@ def dequantize_stream(layout: StreamLayout, tensors: Mapping[str, torch.Tensor],
     if layout.format == "fp8_e4m3":
         values = stored.view(torch.float8_e4m3fn).to(torch.float32)
     else:
-        values = unpack(stored, layout.bits).to(torch.float32) - float(layout.offset)
+        values = unpack_stream(stored, layout.tensor_quant(), high_channels(layout, tensors))
+        values = values.to(torch.float32) - float(layout.offset)
     scale, zero = _metadata(layout, tensors, slot, heads, total, gather)
     if layout.axis == "token":
         deq = values.reshape(batch, heads, total, layout.meta_width, layout.group) * scale.unsqueeze(-1)
@@ -273,6 +272,11 @@ def dequantize_stream(layout: StreamLayout, tensors: Mapping[str, torch.Tensor],
         if zero is not None:
             deq = deq + zero
     return torch.where(in_quant[:, None, :, None], deq.reshape(batch, heads, total, dim), out)
+
+
+def high_channels(layout: StreamLayout, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """The ``[H, n]`` high channels of a stream (the first ``n`` of its ``channel_order``), or None."""
+    return tensors["channel_order"][:, :layout.high].to(_torch().int64) if layout.high else None
 
 
 def _metadata(layout: StreamLayout, tensors, slot, heads: int, total: int, gather):
@@ -300,6 +304,11 @@ def check_stream(layout: StreamLayout, tensors: Mapping[str, torch.Tensor], batc
     dim = layout.head_dim
     for role in layout.roles:
         t = tensors[role]
+        if role == "channel_order":
+            if tuple(t.shape) != (heads, dim) or t.dtype != _torch().int32:
+                raise QuantizationError(f"{where}.channel_order: must be int32 [{heads}, {dim}], got "
+                                        f"{t.dtype} {list(t.shape)}")
+            continue
         if role in ("scales", "zero_points") and layout.static:
             want = (heads, layout.meta_width)
             if tuple(t.shape) != want:
@@ -323,10 +332,13 @@ def stack_streams(rows: list, *, device=None) -> dict[str, torch.Tensor]:
     """Stored tensors of one stream for a batch, from one reference ``StreamCache`` per row (batch 1 each).
 
     Each region is sized to the longest row and each row's entries are right-aligned (zeros to the left),
-    the layout the exported graph keeps; static metadata is the shared ``[H, n]`` tensor. At least one row
+    the layout the exported graph keeps; static metadata is the shared ``[H, n]`` tensor and a high-channel
+    stream's ``channel_order`` the shared ``[H, D]`` int32 constant. At least one row
     must hold a token (an all-empty batch is :func:`kvq_plugins.cache_update.empty_stream`).
     """
     torch = _torch()
+    from kvq_export.reference.codec import channel_order
+
     tensors = [r.tensors() for r in rows]
     full_row = next((t for t in tensors if t), None)
     if full_row is None:
@@ -335,6 +347,9 @@ def stack_streams(rows: list, *, device=None) -> dict[str, torch.Tensor]:
     layout = StreamLayout.of(first.tq, first.scheme, full_row["recent"].shape[-1])
     out: dict[str, torch.Tensor] = {}
     for role in layout.roles:
+        if role == "channel_order":
+            out[role] = channel_order(first.high_channels, layout.head_dim).to(device=device, dtype=torch.int32)
+            continue
         if layout.static and role in ("scales", "zero_points"):
             out[role] = full_row[role].to(device)
             continue

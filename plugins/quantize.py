@@ -19,7 +19,7 @@ from kvq_plugins.registry import register_kernel
 
 from kvq_export.dtypes import DType
 from kvq_export.errors import QuantizationError
-from kvq_export.scheme import FP8_E4M3_MAX
+from kvq_export.scheme import FP8_E4M3_MAX, PLANE_BITS
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +47,7 @@ def quantize_block(
     *,
     static_scales: torch.Tensor | None = None,
     static_zeros: torch.Tensor | None = None,
+    channel_order: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Quantize each row's right-aligned ``counts[b]`` tokens of ``x [B, H, F, D]`` (Triton).
 
@@ -90,6 +91,10 @@ def quantize_block(
     if not tk.interpreted():
         consts["enable_fp_fusion"] = False  # keep mid - half (clip), x * id + 8.5 (ggml) from becoming FMAs
     args = (x, counts, codes, s_arg, z_arg)
+    if name == "_quantize_channel_kernel":
+        if layout.high and channel_order is None:
+            raise QuantizationError("a stream with high channels needs its [kv_heads, head_dim] channel_order")
+        args += (channel_order.to(device=x.device, dtype=torch.int32).contiguous() if layout.high else None,)
     if name == "_quantize_ggml_kernel":  # fp32 scratch: ggml quantizes with the unrounded d (and minimum)
         scratch = torch.zeros((batch, heads, length, layout.meta_width), dtype=torch.float32, device=x.device)
         args += (scratch, torch.zeros_like(scratch) if layout.has_zero else scratch)
@@ -117,18 +122,23 @@ def quantize_constants(layout: StreamLayout, heads: int) -> tuple[str, dict[str,
     (``_quantize_ggml_kernel``).
     """
     lo, hi, top = _levels(layout)
-    dim, per = layout.head_dim, layout.per_byte
+    dim = layout.head_dim
     if layout.quantizer == "ggml":  # token axis, groups of 32, dynamic fp16 scales (the scheme guarantees it)
         return "_quantize_ggml_kernel", dict(
             HEADS=heads, HEAD_DIM=dim, META=layout.meta_width, BITS=layout.bits, SYM=layout.format == "int_sym",
             BLOCK_T=16, BLOCK_G=_next_pow2(layout.meta_width),
             BLOCK_P=_next_pow2(dim if layout.bits == 8 else dim // 2), BLOCK_H=_next_pow2(max(dim // 8, 1)))
-    common = dict(HEADS=heads, HEAD_DIM=dim, BITS=layout.bits, PER=per, FP8=layout.format == "fp8_e4m3",
+    # lanes of the packed planes: the low plane (nibbles for 5/6-bit codes) and the plane of higher bits
+    packed = dim - layout.high
+    low_bits = 4 if layout.bits in PLANE_BITS else layout.bits
+    upper = packed // (8 // (layout.bits - 4)) if layout.bits in PLANE_BITS else 1
+    common = dict(HEADS=heads, HEAD_DIM=dim, BITS=layout.bits, FP8=layout.format == "fp8_e4m3",
                   HAS_ZERO=layout.has_zero, LO=lo, HI=hi, OFFSET=layout.offset, TOP=top, CLIP=layout.clip,
-                  HALF_CLIP=0.5 * layout.clip, BLOCK_P=_next_pow2(dim // per))
+                  HALF_CLIP=0.5 * layout.clip, BLOCK_P=_next_pow2(packed * low_bits // 8), BLOCK_U=_next_pow2(upper))
     if layout.axis == "channel" and not layout.static:
-        return "_quantize_channel_kernel", {**common, "GROUP": layout.group, "BLOCK_G": _next_pow2(layout.group),
-                                            "BLOCK_D": _next_pow2(dim)}
+        return "_quantize_channel_kernel", {**common, "GROUP": layout.group, "HIGH": layout.high,
+                                            "BLOCK_G": _next_pow2(layout.group), "BLOCK_D": _next_pow2(dim),
+                                            "BLOCK_HI": _next_pow2(max(layout.high, 1))}
     group = 1 if layout.axis == "channel" else layout.group
     return "_quantize_token_kernel", {**common, "GROUP": group, "META": layout.meta_width, "STATIC": layout.static,
                                       "BLOCK_T": 16, "BLOCK_G": _next_pow2(layout.meta_width),

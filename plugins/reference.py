@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from kvq_plugins.cache_update import append_stream
-from kvq_plugins.layout import StreamLayout
+from kvq_plugins.layout import StreamLayout, high_channels
 from kvq_plugins.registry import register_reference
 
 from kvq_export.dtypes import DType
@@ -50,7 +50,8 @@ def stream_row(layout: StreamLayout, tensors: Mapping[str, torch.Tensor], row: i
         meta.append(m)
     tq = layout.tensor_quant()
     if quant:
-        deq = dequantize_packed(Quantized(codes, meta[0], meta[1] if len(meta) > 1 else None), tq)
+        deq = dequantize_packed(Quantized(codes, meta[0], meta[1] if len(meta) > 1 else None), tq,
+                                high_channels=high_channels(layout, tensors))
     else:  # (the codec cannot reshape an empty static token-axis block)
         deq = rec.new_zeros((rec.shape[0], 0, rec.shape[2]), dtype=torch.float32)
     return torch.cat([sk[:, sk.shape[1] - sinks:].float(), deq, parts[0]], dim=1)
@@ -104,6 +105,7 @@ def quantize_reference(
     *,
     static_scales: torch.Tensor | None = None,
     static_zeros: torch.Tensor | None = None,
+    channel_order: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Quantize each row's right-aligned ``counts[b]`` tokens of ``x [B, H, F, D]`` with the codec.
 
@@ -124,6 +126,8 @@ def quantize_reference(
         scales = torch.zeros((batch, heads, meta_len, layout.meta_width), dtype=DType.get(layout.scale_dtype).torch)
         zeros = scales.clone() if layout.has_zero else None
     static = {"static_scales": static_scales, "static_zeros": static_zeros} if layout.static else {}
+    if layout.high:
+        static["high_channels"] = high_channels(layout, {"channel_order": channel_order})
     for row in range(batch):
         c = int(counts[row])
         if c == 0:

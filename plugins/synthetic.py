@@ -53,6 +53,13 @@ def static_metadata(tq: TensorQuant, sample: torch.Tensor) -> dict[str, torch.Te
     return {"scales": scale_from_amax(tq, grouped.abs().amax(-1))}
 
 
+def widest_channels(tq: TensorQuant, sample: torch.Tensor) -> torch.Tensor:
+    """A calibration-like ``[H, n]`` high-channel choice: each head's ``n`` widest channels in ``sample``, ascending."""
+    x = sample[0].float()  # [H, T, D]
+    spread = x.amax(dim=1) - x.amin(dim=1)
+    return spread.topk(tq.high_channels, dim=-1).indices.sort(dim=-1).values
+
+
 def random_layer_cache(
     scheme: KVQuantScheme,
     lengths: Sequence[int],
@@ -79,17 +86,18 @@ def random_layer_cache(
         data.append((k, v))
     static = {}
     for part, tq, index in (("key", key_tq, 0), ("value", value_tq, 1)):
-        if tq.quantized and tq.scales == "static":
+        if tq.quantized and (tq.scales == "static" or tq.high_channels):
             sample = torch.cat([d[index] for d in data if d[index].shape[2]], dim=2) if longest else \
                 torch.randn(1, kv_heads, 1, head_dim, generator=generator, device=where)
-            static[part] = static_metadata(tq, sample)
+            static[part] = static_metadata(tq, sample) if tq.scales == "static" else \
+                {"high_channels": widest_channels(tq, sample)}
     rows = []
     for k, v in data:
         streams = []
         for part, tq in (("key", key_tq), ("value", value_tq)):
             meta = static.get(part, {})
             streams.append(StreamCache(tq, scheme, static_scales=meta.get("scales"),
-                                       static_zeros=meta.get("zero_points")))
+                                       static_zeros=meta.get("zero_points"), high_channels=meta.get("high_channels")))
         cache = LayerCache(*streams)
         cache.key.append(k)
         cache.value.append(v)

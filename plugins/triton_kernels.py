@@ -83,20 +83,56 @@ def _fp8_encode(y):
     return code | (sign << 7)
 
 
-def _stream_tile(sinks_ptr, codes_ptr, scales_ptr, zeros_ptr, recent_ptr, b, h, pos, d, n,
+def _code_at(codes_ptr, base, d, mask, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, HIGH: tl.constexpr):
+    """int32 codes at stored positions ``d`` [BLOCK_D] of the code rows starting at byte ``base`` [N, 1].
+
+    Stored order (:mod:`kvq_export.reference.codec`): HIGH one-byte codes, then the other ``HEAD_DIM - HIGH``
+    codes packed lowest bits first (5/6 bits: a plane of low nibbles, then a plane of the higher bits).
+    """
+    W: tl.constexpr = HEAD_DIM - HIGH
+    r = tl.maximum(d - HIGH, 0)
+    rest = mask & (d >= HIGH)[None, :]
+    if BITS == 5 or BITS == 6:
+        UB: tl.constexpr = BITS - 4
+        PU: tl.constexpr = 8 // UB
+        low = tl.load(codes_ptr + base + (HIGH + r // 2)[None, :], mask=rest, other=0).to(tl.int32)
+        up = tl.load(codes_ptr + base + (HIGH + W // 2 + r // PU)[None, :], mask=rest, other=0).to(tl.int32)
+        code = ((low >> ((r % 2) * 4)[None, :]) & 15) | (((up >> ((r % PU) * UB)[None, :]) & ((1 << UB) - 1)) << 4)
+    else:
+        PER: tl.constexpr = 8 // BITS
+        raw = tl.load(codes_ptr + base + (HIGH + r // PER)[None, :], mask=rest, other=0).to(tl.int32)
+        code = (raw >> ((r % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
+    if HIGH > 0:
+        high = tl.load(codes_ptr + base + d[None, :], mask=mask & (d < HIGH)[None, :], other=0).to(tl.int32)
+        code = tl.where((d < HIGH)[None, :], high, code)
+    return code
+
+
+def _channels(order_ptr, h, d, HEAD_DIM: tl.constexpr, HIGH: tl.constexpr):
+    """The channel at each stored position ``d`` of kv head ``h`` (``channel_order``; identity without it)."""
+    if HIGH > 0:
+        return tl.load(order_ptr + h * HEAD_DIM + d, mask=d < HEAD_DIM, other=0)
+    return d
+
+
+def _stream_tile(sinks_ptr, codes_ptr, scales_ptr, zeros_ptr, recent_ptr, order_ptr, b, h, pos, d, n,
                  S_LEN, Q_LEN, R_LEN,
                  KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  QUANT: tl.constexpr, FP8: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr,
                  CHANNEL: tl.constexpr, GROUP: tl.constexpr, META: tl.constexpr, STATIC: tl.constexpr,
-                 HAS_ZERO: tl.constexpr, SINKS: tl.constexpr, RESIDUAL: tl.constexpr, UNIT: tl.constexpr):
+                 HAS_ZERO: tl.constexpr, SINKS: tl.constexpr, RESIDUAL: tl.constexpr, UNIT: tl.constexpr,
+                 HIGH: tl.constexpr):
     """fp32 ``[BLOCK_N, BLOCK_D]`` values of one stream at logical positions ``pos`` of row ``b``, head ``h``.
 
     Each position is read from the region holding it (sinks / quantized / recent, right-aligned per row,
     counts from ``n`` as in ``RegionSplit.lengths``); quantized entries are unpacked and dequantized here, in
-    registers. Positions outside ``[0, n)`` read as 0.
+    registers. Positions outside ``[0, n)`` read as 0. Column ``d`` is stored position ``d``: the channel
+    ``d`` itself, or for a stream with HIGH high channels the channel ``channel_order[h, d]`` (sinks and
+    recent rows are read in that order too, so the whole tile is in the stream's stored order).
     """
     bh = (b * KV_HEADS + h).to(tl.int64)
     dmask = d < HEAD_DIM
+    ch = _channels(order_ptr, h, d, HEAD_DIM, HIGH)
     if QUANT:
         s = tl.minimum(n, SINKS)
         qn = tl.maximum(n - s - RESIDUAL, 0) // UNIT * UNIT
@@ -106,11 +142,11 @@ def _stream_tile(sinks_ptr, codes_ptr, scales_ptr, zeros_ptr, recent_ptr, b, h, 
     r = n - s - qn
     pr = pos - s - qn
     in_r = (pr >= 0) & (pos < n)
-    x = tl.load(recent_ptr + (bh * R_LEN + (R_LEN - r + pr))[:, None] * HEAD_DIM + d[None, :],
+    x = tl.load(recent_ptr + (bh * R_LEN + (R_LEN - r + pr))[:, None] * HEAD_DIM + ch[None, :],
                 mask=in_r[:, None] & dmask[None, :], other=0.0).to(tl.float32)
     if QUANT:
         in_s = (pos >= 0) & (pos < s)
-        xs = tl.load(sinks_ptr + (bh * S_LEN + (S_LEN - s + pos))[:, None] * HEAD_DIM + d[None, :],
+        xs = tl.load(sinks_ptr + (bh * S_LEN + (S_LEN - s + pos))[:, None] * HEAD_DIM + ch[None, :],
                      mask=in_s[:, None] & dmask[None, :], other=0.0).to(tl.float32)
         pq = pos - s
         in_q = (pq >= 0) & (pq < qn)
@@ -119,28 +155,20 @@ def _stream_tile(sinks_ptr, codes_ptr, scales_ptr, zeros_ptr, recent_ptr, b, h, 
         if FP8:
             raw = tl.load(codes_ptr + (bh * Q_LEN + slot)[:, None] * HEAD_DIM + d[None, :], mask=m2, other=0)
             val = _fp8_decode(raw)
-        elif BITS == 5:  # D/2 bytes of low nibbles, then D/8 bytes of fifth bits (see the codec's pack)
-            base = (bh * Q_LEN + slot)[:, None] * (HEAD_DIM * 5 // 8)
-            low = tl.load(codes_ptr + base + (d // 2)[None, :], mask=m2, other=0).to(tl.int32)
-            high = tl.load(codes_ptr + base + (HEAD_DIM // 2 + d // 8)[None, :], mask=m2, other=0).to(tl.int32)
-            code = ((low >> ((d % 2) * 4)[None, :]) & 15) | (((high >> (d % 8)[None, :]) & 1) << 4)
-            val = code.to(tl.float32) - OFFSET
         else:
-            PER: tl.constexpr = 8 // BITS
-            raw = tl.load(codes_ptr + (bh * Q_LEN + slot)[:, None] * (HEAD_DIM // PER) + (d // PER)[None, :],
-                          mask=m2, other=0)
-            code = (raw.to(tl.int32) >> ((d % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
+            PACKED: tl.constexpr = HIGH + (HEAD_DIM - HIGH) * BITS // 8
+            code = _code_at(codes_ptr, (bh * Q_LEN + slot)[:, None] * PACKED, d, m2, HEAD_DIM, BITS, HIGH)
             val = code.to(tl.float32) - OFFSET
         if STATIC:
-            midx = h * META + d // GROUP
+            midx = h * META + ch // GROUP
             sc = tl.load(scales_ptr + midx, mask=dmask, other=0.0).to(tl.float32)[None, :]
             if HAS_ZERO:
                 zp = tl.load(zeros_ptr + midx, mask=dmask, other=0.0).to(tl.float32)[None, :]
         else:
             if CHANNEL:
-                moff = (bh * (Q_LEN // GROUP) + slot // GROUP)[:, None] * HEAD_DIM + d[None, :]
+                moff = (bh * (Q_LEN // GROUP) + slot // GROUP)[:, None] * HEAD_DIM + ch[None, :]
             else:
-                moff = (bh * Q_LEN + slot)[:, None] * META + (d // GROUP)[None, :]
+                moff = (bh * Q_LEN + slot)[:, None] * META + (ch // GROUP)[None, :]
             sc = tl.load(scales_ptr + moff, mask=m2, other=0.0).to(tl.float32)
             if HAS_ZERO:
                 zp = tl.load(zeros_ptr + moff, mask=m2, other=0.0).to(tl.float32)
@@ -154,8 +182,8 @@ def _stream_tile(sinks_ptr, codes_ptr, scales_ptr, zeros_ptr, recent_ptr, b, h, 
 # ---------------------------------------------------------------------------------------------- attention
 def _decode_attention_kernel(
     q_ptr, seqlens_ptr,
-    ks_ptr, kc_ptr, kscale_ptr, kzero_ptr, kr_ptr,
-    vs_ptr, vc_ptr, vscale_ptr, vzero_ptr, vr_ptr,
+    ks_ptr, kc_ptr, kscale_ptr, kzero_ptr, kr_ptr, ko_ptr,
+    vs_ptr, vc_ptr, vscale_ptr, vzero_ptr, vr_ptr, vo_ptr,
     T, KS_LEN, KQ_LEN, KR_LEN, VS_LEN, VQ_LEN, VR_LEN,
     out_ptr, part_o_ptr, part_ml_ptr,
     SM_SCALE: tl.constexpr, WINDOW: tl.constexpr, NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
@@ -164,10 +192,10 @@ def _decode_attention_kernel(
     RESIDUAL: tl.constexpr,
     K_QUANT: tl.constexpr, K_FP8: tl.constexpr, K_BITS: tl.constexpr, K_OFFSET: tl.constexpr,
     K_CHANNEL: tl.constexpr, K_GROUP: tl.constexpr, K_META: tl.constexpr, K_STATIC: tl.constexpr,
-    K_HAS_ZERO: tl.constexpr, K_UNIT: tl.constexpr,
+    K_HAS_ZERO: tl.constexpr, K_UNIT: tl.constexpr, K_HIGH: tl.constexpr,
     V_QUANT: tl.constexpr, V_FP8: tl.constexpr, V_BITS: tl.constexpr, V_OFFSET: tl.constexpr,
     V_CHANNEL: tl.constexpr, V_GROUP: tl.constexpr, V_META: tl.constexpr, V_STATIC: tl.constexpr,
-    V_HAS_ZERO: tl.constexpr, V_UNIT: tl.constexpr,
+    V_HAS_ZERO: tl.constexpr, V_UNIT: tl.constexpr, V_HIGH: tl.constexpr,
 ):
     """One (row, kv head, query block, sequence split): all GROUPS query heads of the kv head at once.
 
@@ -177,6 +205,10 @@ def _decode_attention_kernel(
     (and > position - WINDOW). With one split the normalized output is written; otherwise the unnormalized
     accumulator and (max, sum) go to the partial buffers for :func:`_reduce_kernel`. Every output element
     of the query block is written, also for rows that see no key (0).
+
+    Streams with high channels are attended in their stored channel order: q is read in the key stream's
+    order (scores are sums over channels, so any common order gives the same scores) and the output
+    columns are written back through the value stream's order.
     """
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -192,7 +224,9 @@ def _decode_attention_kernel(
     dmask = d < HEAD_DIM
     qrow = (b * NUM_HEADS + head).to(tl.int64) * T + j
     io_mask = row_ok[:, None] & dmask[None, :]
-    q = tl.load(q_ptr + qrow[:, None] * HEAD_DIM + d[None, :], mask=io_mask, other=0.0).to(tl.float32)
+    qd = _channels(ko_ptr, h, d, HEAD_DIM, K_HIGH)
+    od = _channels(vo_ptr, h, d, HEAD_DIM, V_HIGH)
+    q = tl.load(q_ptr + qrow[:, None] * HEAD_DIM + qd[None, :], mask=io_mask, other=0.0).to(tl.float32)
     q = q * (SM_SCALE * 1.4426950408889634)  # exp2-based softmax
     qpos = tl.maximum(n - T + j, 0)
 
@@ -212,12 +246,12 @@ def _decode_attention_kernel(
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        k = _stream_tile(ks_ptr, kc_ptr, kscale_ptr, kzero_ptr, kr_ptr, b, h, pos, d, n, KS_LEN, KQ_LEN, KR_LEN,
-                         KV_HEADS, HEAD_DIM, K_QUANT, K_FP8, K_BITS, K_OFFSET, K_CHANNEL, K_GROUP, K_META,
-                         K_STATIC, K_HAS_ZERO, SINKS, RESIDUAL, K_UNIT)
-        v = _stream_tile(vs_ptr, vc_ptr, vscale_ptr, vzero_ptr, vr_ptr, b, h, pos, d, n, VS_LEN, VQ_LEN, VR_LEN,
-                         KV_HEADS, HEAD_DIM, V_QUANT, V_FP8, V_BITS, V_OFFSET, V_CHANNEL, V_GROUP, V_META,
-                         V_STATIC, V_HAS_ZERO, SINKS, RESIDUAL, V_UNIT)
+        k = _stream_tile(ks_ptr, kc_ptr, kscale_ptr, kzero_ptr, kr_ptr, ko_ptr, b, h, pos, d, n, KS_LEN, KQ_LEN,
+                         KR_LEN, KV_HEADS, HEAD_DIM, K_QUANT, K_FP8, K_BITS, K_OFFSET, K_CHANNEL, K_GROUP, K_META,
+                         K_STATIC, K_HAS_ZERO, SINKS, RESIDUAL, K_UNIT, K_HIGH)
+        v = _stream_tile(vs_ptr, vc_ptr, vscale_ptr, vzero_ptr, vr_ptr, vo_ptr, b, h, pos, d, n, VS_LEN, VQ_LEN,
+                         VR_LEN, KV_HEADS, HEAD_DIM, V_QUANT, V_FP8, V_BITS, V_OFFSET, V_CHANNEL, V_GROUP, V_META,
+                         V_STATIC, V_HAS_ZERO, SINKS, RESIDUAL, V_UNIT, V_HIGH)
         if DOT_F16:
             s = tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16)))
         else:
@@ -239,10 +273,10 @@ def _decode_attention_kernel(
 
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + qrow[:, None] * HEAD_DIM + d[None, :], o.to(out_ptr.dtype.element_ty), mask=io_mask)
+        tl.store(out_ptr + qrow[:, None] * HEAD_DIM + od[None, :], o.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
         prow = qrow * NUM_SPLITS + split
-        tl.store(part_o_ptr + prow[:, None] * HEAD_DIM + d[None, :], acc, mask=io_mask)
+        tl.store(part_o_ptr + prow[:, None] * HEAD_DIM + od[None, :], acc, mask=io_mask)
         tl.store(part_ml_ptr + prow * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=row_ok)
 
@@ -288,9 +322,12 @@ def _encode(x, sc, zp, FP8: tl.constexpr, HAS_ZERO: tl.constexpr, LO: tl.constex
     return y.to(tl.int32) + OFFSET
 
 
-def _group_meta(x, mask, axis: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr, LO: tl.constexpr,
-                HI: tl.constexpr, TOP: tl.constexpr, CLIP: tl.constexpr, HALF_CLIP: tl.constexpr):
-    """(scale, minimum) of each group along ``axis``, in fp32 before rounding to the scale dtype."""
+def _group_meta(x, mask, axis: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr, steps,
+                TOP: tl.constexpr, CLIP: tl.constexpr, HALF_CLIP: tl.constexpr):
+    """(scale, minimum) of each group along ``axis``, in fp32 before rounding to the scale dtype.
+
+    ``steps``: code steps over an asymmetric group's range (a scalar, or per channel with high channels).
+    """
     if HAS_ZERO:
         mn = _rmin(tl.where(mask, x, float("inf")), axis)
         mx = _rmax(tl.where(mask, x, float("-inf")), axis)
@@ -299,7 +336,7 @@ def _group_meta(x, mask, axis: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.con
             half = (mx - mn) * HALF_CLIP
             mn = mid - half
             mx = mid + half
-        return tl.div_rn(mx - mn, HI * 1.0 - LO * 1.0), mn
+        return tl.div_rn(mx - mn, steps), mn
     amax = _rmax(tl.where(mask, tl.abs(x), 0.0), axis)
     if CLIP != 1.0:
         amax = amax * CLIP
@@ -320,13 +357,63 @@ def _head_tile(x_ptr, row, ok, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, PE
     return p, k, el, m3, x
 
 
+def _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h,
+                 START: tl.constexpr, COUNT: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr,
+                 BYTE0: tl.constexpr, BLOCK_P: tl.constexpr, HEAD_DIM: tl.constexpr, PACKED: tl.constexpr,
+                 GROUP: tl.constexpr, HIGH: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr,
+                 LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr):
+    """Encode stored positions ``START .. START + COUNT`` of tokens ``xrow`` [T] and store one plane of them.
+
+    The plane is bits ``SHIFT .. SHIFT + WIDTH`` of each code, ``8 // WIDTH`` codes per byte (lowest bits
+    first) from byte ``BYTE0`` of each token's ``PACKED``-byte code row. A stored position's channel comes
+    from ``channel_order`` (HIGH > 0) or is the position itself; its metadata is at ``mbase + channel // GROUP``
+    (``mbase`` [T]). Codes are computed against the stored metadata, as the codec does.
+    """
+    PER: tl.constexpr = 8 // WIDTH
+    p = tl.arange(0, BLOCK_P)
+    k = tl.arange(0, PER)
+    el = p[:, None] * PER + k[None, :]
+    ch = _channels(order_ptr, h, START + el, HEAD_DIM, HIGH)
+    m3 = ok[:, None, None] & (el < COUNT)[None, :, :]
+    x = tl.load(x_ptr + xrow[:, None, None] * HEAD_DIM + ch[None, :, :], mask=m3, other=0.0).to(tl.float32)
+    moff = mbase[:, None, None] + (ch // GROUP)[None, :, :]
+    sc = tl.load(scales_ptr + moff, mask=m3, other=0.0).to(tl.float32)
+    zp = sc
+    if HAS_ZERO:
+        zp = tl.load(zeros_ptr + moff, mask=m3, other=0.0).to(tl.float32)
+    code = (_encode(x, sc, zp, FP8, HAS_ZERO, LO, HI, OFFSET) >> SHIFT) & ((1 << WIDTH) - 1)
+    packed = _rsum(code << (k * WIDTH)[None, None, :], 2)
+    tl.store(codes_ptr + xrow[:, None] * PACKED + BYTE0 + p[None, :], packed.to(tl.uint8),
+             mask=ok[:, None] & (p < COUNT // PER)[None, :])
+
+
+def _store_row_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h,
+                     HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HIGH: tl.constexpr,
+                     FP8: tl.constexpr, HAS_ZERO: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
+                     OFFSET: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_U: tl.constexpr):
+    """Every stored byte of the code rows of tokens ``xrow``: high channels, then the packed planes."""
+    W: tl.constexpr = HEAD_DIM - HIGH
+    PACKED: tl.constexpr = HIGH + W * BITS // 8
+    if HIGH > 0:  # asymmetric int only: codes 0..255
+        _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h, 0, HIGH, 0, 8, 0,
+                     BLOCK_HI, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO, 0, 255, 0)
+    if BITS == 5 or BITS == 6:
+        _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h, HIGH, W, 0, 4, HIGH,
+                     BLOCK_P, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO, LO, HI, OFFSET)
+        _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h, HIGH, W, 4, BITS - 4,
+                     HIGH + W // 2, BLOCK_U, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO, LO, HI, OFFSET)
+    else:
+        _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h, HIGH, W, 0, BITS, HIGH,
+                     BLOCK_P, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO, LO, HI, OFFSET)
+
+
 def _quantize_token_kernel(
     x_ptr, counts_ptr, codes_ptr, scales_ptr, zeros_ptr, F_LEN,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, META: tl.constexpr,
-    BITS: tl.constexpr, PER: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr, STATIC: tl.constexpr,
+    BITS: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr, STATIC: tl.constexpr,
     LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr, TOP: tl.constexpr, CLIP: tl.constexpr,
     HALF_CLIP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_U: tl.constexpr,
 ):
     """Token-axis (and static) streams: quantize BLOCK_T tokens of one (row, head); grid ``(B*H, cdiv(F, BLOCK_T))``.
 
@@ -342,37 +429,24 @@ def _quantize_token_kernel(
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = (t < F_LEN) & (t >= F_LEN - c)
     row = pid_bh.to(tl.int64) * F_LEN + t
-    if not STATIC:
+    if STATIC:
+        mbase = row * 0 + h * META
+    else:
         g = tl.arange(0, BLOCK_G)
         e = tl.arange(0, BLOCK_E)
         m3 = tok_ok[:, None, None] & (g < META)[None, :, None] & (e < GROUP)[None, None, :]
         xg = tl.load(x_ptr + row[:, None, None] * HEAD_DIM + (g * GROUP)[None, :, None] + e[None, None, :],
                      mask=m3, other=0.0).to(tl.float32)
-        scale, low = _group_meta(xg, m3, 2, FP8, HAS_ZERO, LO, HI, TOP, CLIP, HALF_CLIP)
+        scale, low = _group_meta(xg, m3, 2, FP8, HAS_ZERO, HI * 1.0 - LO * 1.0, TOP, CLIP, HALF_CLIP)
         moff = row[:, None] * META + g[None, :]
         mmask = tok_ok[:, None] & (g < META)[None, :]
         tl.store(scales_ptr + moff, scale.to(scales_ptr.dtype.element_ty), mask=mmask)
         if HAS_ZERO:
             tl.store(zeros_ptr + moff, low.to(zeros_ptr.dtype.element_ty), mask=mmask)
         tl.debug_barrier()
-    p, k, el, m3, x = _head_tile(x_ptr, row, tok_ok, HEAD_DIM, BLOCK_P, PER)
-    emask = el < HEAD_DIM
-    if STATIC:
-        midx = h * META + el // GROUP
-        sc = tl.load(scales_ptr + midx, mask=emask, other=0.0).to(tl.float32)[None, :, :]
-        zp = sc
-        if HAS_ZERO:
-            zp = tl.load(zeros_ptr + midx, mask=emask, other=0.0).to(tl.float32)[None, :, :]
-    else:
-        moff3 = row[:, None, None] * META + (el // GROUP)[None, :, :]
-        sc = tl.load(scales_ptr + moff3, mask=m3, other=0.0).to(tl.float32)
-        zp = sc
-        if HAS_ZERO:
-            zp = tl.load(zeros_ptr + moff3, mask=m3, other=0.0).to(tl.float32)
-    code = _encode(x, sc, zp, FP8, HAS_ZERO, LO, HI, OFFSET)
-    packed = _rsum(code << (k * BITS)[None, None, :], 2)
-    tl.store(codes_ptr + row[:, None] * (HEAD_DIM // PER) + p[None, :], packed.to(tl.uint8),
-             mask=tok_ok[:, None] & (p < HEAD_DIM // PER)[None, :])
+        mbase = row * META
+    _store_row_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, None, row, tok_ok, mbase, h, HEAD_DIM, BITS, GROUP, 0,
+                     FP8, HAS_ZERO, LO, HI, OFFSET, 1, BLOCK_P, BLOCK_U)
 
 
 def _first_of(xg, hit, e):
@@ -469,21 +543,24 @@ def _quantize_ggml_kernel(
 
 
 def _quantize_channel_kernel(
-    x_ptr, counts_ptr, codes_ptr, scales_ptr, zeros_ptr, F_LEN,
+    x_ptr, counts_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, F_LEN,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
-    BITS: tl.constexpr, PER: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr,
+    BITS: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr, HIGH: tl.constexpr,
     LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr, TOP: tl.constexpr, CLIP: tl.constexpr,
-    HALF_CLIP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    HALF_CLIP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HI: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_U: tl.constexpr,
 ):
     """Dynamic channel-axis streams: one group of GROUP tokens of one (row, head); grid ``(B*H, F // GROUP)``.
 
     Pass 1 writes the group's per-channel scale (and minimum); pass 2 reads them back, quantizes every
     token of the group and packs along head_dim. Groups left of the row's right-aligned ``counts[b]``
-    tokens are skipped (F and the counts are whole groups).
+    tokens are skipped (F and the counts are whole groups). With HIGH high channels the channels are
+    visited in stored order (``channel_order``), the first HIGH of them with 255 code steps.
     """
     pid_bh = tl.program_id(0)
     gs = tl.program_id(1)
     b = pid_bh // HEADS
+    h = pid_bh % HEADS
     c = tl.load(counts_ptr + b).to(tl.int32)
     first = F_LEN - c  # first valid token slot of this row
     tt = tl.arange(0, BLOCK_G)
@@ -491,33 +568,28 @@ def _quantize_channel_kernel(
     tmask = (tt < GROUP) & (tt * 0 + gs * GROUP >= first)
     trow = pid_bh.to(tl.int64) * F_LEN + gs * GROUP + tt
     d = tl.arange(0, BLOCK_D)
+    ch = _channels(order_ptr, h, d, HEAD_DIM, HIGH)
     dmask = d < HEAD_DIM
     m2 = tmask[:, None] & dmask[None, :]
-    xg = tl.load(x_ptr + trow[:, None] * HEAD_DIM + d[None, :], mask=m2, other=0.0).to(tl.float32)
-    scale, low = _group_meta(xg, m2, 0, FP8, HAS_ZERO, LO, HI, TOP, CLIP, HALF_CLIP)
+    xg = tl.load(x_ptr + trow[:, None] * HEAD_DIM + ch[None, :], mask=m2, other=0.0).to(tl.float32)
+    steps = tl.where(d < HIGH, 255.0, HI * 1.0 - LO * 1.0)
+    scale, low = _group_meta(xg, m2, 0, FP8, HAS_ZERO, steps, TOP, CLIP, HALF_CLIP)
     mrow = pid_bh.to(tl.int64) * (F_LEN // GROUP) + gs
     mmask = dmask & (d * 0 + gs * GROUP >= first)
-    tl.store(scales_ptr + mrow * HEAD_DIM + d, scale.to(scales_ptr.dtype.element_ty), mask=mmask)
+    tl.store(scales_ptr + mrow * HEAD_DIM + ch, scale.to(scales_ptr.dtype.element_ty), mask=mmask)
     if HAS_ZERO:
-        tl.store(zeros_ptr + mrow * HEAD_DIM + d, low.to(zeros_ptr.dtype.element_ty), mask=mmask)
+        tl.store(zeros_ptr + mrow * HEAD_DIM + ch, low.to(zeros_ptr.dtype.element_ty), mask=mmask)
     tl.debug_barrier()
-    p, k, el, m3, x = _head_tile(x_ptr, trow, tmask, HEAD_DIM, BLOCK_P, PER)
-    evalid = (el < HEAD_DIM) & (el * 0 + gs * GROUP >= first)
-    sc = tl.load(scales_ptr + mrow * HEAD_DIM + el, mask=evalid, other=0.0).to(tl.float32)[None, :, :]
-    zp = sc
-    if HAS_ZERO:
-        zp = tl.load(zeros_ptr + mrow * HEAD_DIM + el, mask=evalid, other=0.0).to(tl.float32)[None, :, :]
-    code = _encode(x, sc, zp, FP8, HAS_ZERO, LO, HI, OFFSET)
-    packed = _rsum(code << (k * BITS)[None, None, :], 2)
-    tl.store(codes_ptr + trow[:, None] * (HEAD_DIM // PER) + p[None, :], packed.to(tl.uint8),
-             mask=tmask[:, None] & (p < HEAD_DIM // PER)[None, :])
+    _store_row_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, trow, tmask, tt * 0 + mrow * HEAD_DIM, h,
+                     HEAD_DIM, BITS, 1, HIGH, FP8, HAS_ZERO, LO, HI, OFFSET, BLOCK_HI, BLOCK_P, BLOCK_U)
 
 
 # ---------------------------------------------------------------------------------------------- build
 #: every function handed to triton.jit, helpers first
-JIT_NAMES = ("_rmax", "_rmin", "_rsum", "_fp8_decode", "_fp8_encode", "_stream_tile", "_decode_attention_kernel",
-             "_reduce_kernel", "_round_even", "_encode", "_group_meta", "_head_tile", "_first_of", "_ggml_code",
-             "_quantize_token_kernel", "_quantize_channel_kernel", "_quantize_ggml_kernel")
+JIT_NAMES = ("_rmax", "_rmin", "_rsum", "_fp8_decode", "_fp8_encode", "_code_at", "_channels", "_stream_tile",
+             "_decode_attention_kernel", "_reduce_kernel", "_round_even", "_encode", "_group_meta", "_head_tile",
+             "_store_codes", "_store_row_codes", "_first_of", "_ggml_code", "_quantize_token_kernel",
+             "_quantize_channel_kernel", "_quantize_ggml_kernel")
 SOURCES = {name: globals()[name] for name in JIT_NAMES}
 
 

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 #: kernel pointer parameters fed by each plugin input role (keys ``k*``, values ``v*``), in kernel order
 _KERNEL_POINTERS = {"sinks": "s_ptr", "codes": "c_ptr", "scales": "scale_ptr", "zero_points": "zero_ptr",
-                    "recent": "r_ptr"}
+                    "recent": "r_ptr", "channel_order": "o_ptr"}
 _LENGTH_ARGS = ("T", "KS_LEN", "KQ_LEN", "KR_LEN", "VS_LEN", "VQ_LEN", "VR_LEN")
 NUM_WARPS = 4
 

@@ -147,12 +147,14 @@ def test_calibration_file_keeps_the_choice_as_int32(tmp_path):
     assert scheme.needs_calibration and not scheme.has_static_scales
 
 
-@pytest.mark.parametrize("tq", [HIGH, TensorQuant(format="int_sym", bits=6, group_size=32)], ids=["high", "int6"])
-def test_fused_kernel_refuses_streams_it_cannot_read(tq):
+def test_fused_kernel_layout_carries_the_channel_order():
     from plugins.layout import StreamLayout
 
-    with pytest.raises(SchemeError, match="export it with flavor reference"):
-        StreamLayout.of(tq, KVQuantScheme(key=tq), 64)
+    layout = StreamLayout.of(HIGH, KVQuantScheme(key=HIGH), 64)
+    assert layout.high == 6 and layout.roles[-1] == "channel_order" and layout.tag == "asymhc"
+    assert layout.packed_dim == HIGH.packed_dim(64) == 6 + 58 // 2
+    assert StreamLayout.from_attributes("key", {**layout.attributes("key"), "head_dim": 64, "sink_tokens": 0,
+                                                "residual_length": 0, "hp_dtype": "fp16"}).high == 6
 
 
 def test_export_without_a_calibration_names_what_is_missing(tmp_path):

@@ -38,7 +38,10 @@ out = {"aot": [], "other": []}
 work = Path(tempfile.mkdtemp())
 mixed = KVQuantScheme(key=TensorQuant.fp16(), value=TensorQuant(format="fp8_e4m3", bits=8, axis="channel",
                       group_size=16, scale_dtype="fp32"), residual_length=16, sink_tokens=4)
-cases = [("kivi-2", PRESETS["kivi-2"][0], "fp16", 90), ("int4-sym-g32", PRESETS["int4-sym-g32"][0], "fp32", 80),
+high6 = KVQuantScheme(key=TensorQuant(format="int", bits=4, axis="channel", group_size=128, high_channels=8),
+                      value=TensorQuant(format="int_sym", bits=6, group_size=32))
+cases = [("high-int6", high6, "fp16", 90),
+         ("kivi-2", PRESETS["kivi-2"][0], "fp16", 90), ("int4-sym-g32", PRESETS["int4-sym-g32"][0], "fp32", 80),
          ("ort-int4", PRESETS["ort-int4"][0], "fp16", 80), ("fp8", PRESETS["fp8"][0], "fp16", 90),
          ("mixed", mixed, "fp32", 90)]
 for name, scheme, dtype, arch in cases:
@@ -53,8 +56,8 @@ for name, scheme, dtype, arch in cases:
                           capture_output=True, text=True)
     out["aot"].append({"case": name, "params": entry.count(".param"), "expected": len(sig.inputs) + 8,
                        "ptxas": proc.returncode, "stderr": proc.stderr[-500:]})
-for scheme_name in ("kivi-2", "int4-g32", "fp8", "ort-int8"):
-    scheme = PRESETS[scheme_name][0]
+for scheme_name, scheme in [("high-int6", high6)] + [(n, PRESETS[n][0]) for n in ("kivi-2", "int4-g32", "fp8",
+                                                                                     "ort-int8")]:
     for part, tq in zip(("key", "value"), scheme.for_layer(0)):
         layout = StreamLayout.of(tq, scheme, 128)
         name, consts = quantize_constants(layout, 8)
@@ -64,6 +67,11 @@ for scheme_name in ("kivi-2", "int4-g32", "fp8", "ort-int8"):
             types["zeros_ptr"] = sdt
         else:
             consts["zeros_ptr"] = None
+        if name == "_quantize_channel_kernel":
+            if layout.high:
+                types["order_ptr"] = "*i32"
+            else:
+                consts["order_ptr"] = None
         compiled = tk.compile_kernel(name, types, consts, target=("cuda", 90), enable_fp_fusion=False)
         out["other"].append({"kernel": f"{name}[{scheme_name}.{part}]", "cubin": len(compiled.asm["cubin"])})
 compiled = tk.compile_kernel("_reduce_kernel", {"part_o_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*fp16"},
@@ -83,12 +91,12 @@ def compiled(tmp_path_factory):
 
 
 def test_aot_ptx_takes_exactly_what_tensorrt_passes_and_assembles(compiled):
-    assert len(compiled["aot"]) == 5
+    assert len(compiled["aot"]) == 6
     for case in compiled["aot"]:
         assert case["params"] == case["expected"], case  # inputs + 7 int32 lengths + output; no scratch pointers
         assert case["ptxas"] == 0, case
 
 
 def test_reduce_and_quantize_kernels_compile(compiled):
-    assert len(compiled["other"]) == 9
+    assert len(compiled["other"]) == 11
     assert all(item["cubin"] > 0 for item in compiled["other"]), compiled["other"]

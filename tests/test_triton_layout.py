@@ -14,13 +14,14 @@ from kvq_plugins import get_kernel, get_reference
 from kvq_plugins.attention import prefill_attention
 from kvq_plugins.cache_update import empty_stream
 from kvq_plugins.layout import StreamLayout, dequantize_stream, take
-from kvq_plugins.synthetic import random_layer_cache, static_metadata
+from kvq_plugins.synthetic import random_layer_cache, static_metadata, widest_channels
 from tiny_models import fit_head_dim
 
 from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError
 from kvq_export.presets import PRESETS
 from kvq_export.reference.cache import StreamCache
+from kvq_export.reference.codec import channel_order
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,12 @@ SMALL = {  # group 4, recent 8, sinks 2/3: every boundary is crossed within a fe
     "static-sym4": KVQuantScheme(
         key=TensorQuant(format="int_sym", bits=4, axis="channel", scales="static", scale_dtype="fp32"),
         value=TensorQuant(format="int", bits=8, group_size=16, scales="static"), residual_length=3),
+    "int6": KVQuantScheme(key=TensorQuant(format="int", bits=6, axis="channel", group_size=4),
+                          value=TensorQuant(format="int_sym", bits=6, group_size=8), residual_length=4, sink_tokens=1),
+    "high-channels": KVQuantScheme(
+        key=TensorQuant(format="int", bits=4, axis="channel", group_size=4, high_channels=4),
+        value=TensorQuant(format="int", bits=2, axis="channel", group_size=4, high_channels=4, clip=0.9),
+        residual_length=8),
     "fp16-keys": KVQuantScheme(key=TensorQuant.fp16(),
                                value=TensorQuant(format="int", bits=4, axis="channel", group_size=4),
                                residual_length=4),
@@ -155,12 +162,15 @@ def check_append(scheme: KVQuantScheme, append, seed: int, gen: torch.Generator,
     schedule += [[rng.randint(0, 3) for _ in range(rows)] for _ in range(3)] + [[1] * rows] * 2
     for part, tq in zip(("key", "value"), scheme.for_layer(0)):
         layout = StreamLayout.of(tq, scheme, dim)
-        static = None
+        static, stored, high = None, {}, None
         if layout.static:
             static = static_metadata(tq, torch.randn(1, heads, 64, dim, generator=gen))
+            stored = {k: v.to(device=device, dtype=DType.get(tq.scale_dtype).torch) for k, v in static.items()}
+        if layout.high:
+            high = widest_channels(tq, torch.randn(1, heads, 16, dim, generator=gen))
+            stored["channel_order"] = channel_order(high, dim).to(device=device, dtype=torch.int32)
         refs = [StreamCache(tq, scheme, static_scales=(static or {}).get("scales"),
-                            static_zeros=(static or {}).get("zero_points")) for _ in range(rows)]
-        stored = {k: v.to(device=device, dtype=DType.get(tq.scale_dtype).torch) for k, v in (static or {}).items()}
+                            static_zeros=(static or {}).get("zero_points"), high_channels=high) for _ in range(rows)]
         state = empty_stream(layout, rows, heads, static=stored, device=device)
         n = torch.zeros(rows, dtype=torch.int64, device=device)
         for step, counts in enumerate(schedule):

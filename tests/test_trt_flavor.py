@@ -24,7 +24,7 @@ from kvq_export.export.exporter import export, flavor_names
 from kvq_export.manifest import Manifest
 from kvq_export.naming import tensor_name
 from kvq_export.presets import PRESETS
-from kvq_export.scheme import LayerOverride, TensorQuant
+from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
 from kvq_export.trt.signature import PLUGIN_NAMESPACE, manifest_signatures, plugin_signature
 
 CASES = {  # (arch, scheme): presets of every stream kind, a mixed-precision override, a sliding window
@@ -37,13 +37,16 @@ CASES = {  # (arch, scheme): presets of every stream kind, a mixed-precision ove
     "llama-int4-sym-g32-rotated": ("llama", dataclasses.replace(  # q rotated in-graph before the plugin, v folded
         PRESETS["int4-sym-g32"][0], key=dataclasses.replace(PRESETS["int4-sym-g32"][0].key, rotation="hadamard"),
         value=dataclasses.replace(PRESETS["int4-sym-g32"][0].value, rotation="hadamard"))),
+    "llama-high-int6": ("llama", KVQuantScheme(  # calibrated 8-bit channels in 4-bit keys; 6-bit code planes
+        key=TensorQuant(format="int", bits=4, axis="channel", group_size=8, high_channels=4),
+        value=TensorQuant(format="int_sym", bits=6, group_size=16), residual_length=8)),
     "llama-override": ("llama", dataclasses.replace(
         PRESETS["int4-g32"][0], sink_tokens=2, residual_length=8,
         layer_overrides=(LayerOverride(layer=1, key=TensorQuant.fp16(),
                                        value=TensorQuant(format="int", bits=2, axis="channel", group_size=4)),))),
 }
 ONNX_TYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16,
-              "int64": onnx.TensorProto.INT64, "uint8": onnx.TensorProto.UINT8,
+              "int64": onnx.TensorProto.INT64, "int32": onnx.TensorProto.INT32, "uint8": onnx.TensorProto.UINT8,
               "float8e4m3fn": onnx.TensorProto.FLOAT8E4M3FN}
 
 
@@ -130,7 +133,8 @@ def test_plugin_nodes_match_the_declared_signature(exported, case):
         assert StreamLayout.from_attributes("value", want) == dataclasses.replace(value_layout, clip=1.0)
 
 
-@pytest.mark.parametrize("case", ["llama-kivi-4", "llama-ort-int4", "llama-override", "llama-int4-sym-g32-rotated"])
+@pytest.mark.parametrize("case", ["llama-kivi-4", "llama-ort-int4", "llama-override", "llama-int4-sym-g32-rotated",
+                                  "llama-high-int6"])
 def test_cache_io_and_update_equal_the_reference_flavour(exported, case):
     trt_dir, ref_dir = exported(case, "trt"), exported(case, "reference")
     trt_model, ref_model = _load(trt_dir), _load(ref_dir)

@@ -22,7 +22,10 @@ from kvq_export.scheme import FP8_E4M3_MAX, PLANE_BITS, TensorQuant
 
 
 def static_name(layer: int, part: str, role: str) -> str:
-    """Initializer holding a static-scale stream's calibrated ``scales`` / ``zero_points`` (``static.0.key.scales``)."""
+    """Initializer name of one calibrated stream constant (``static.0.key.scales``).
+
+    ``scales`` / ``zero_points`` of a static-scale stream, ``channel_order`` of a high-channel stream.
+    """
     return f"static.{layer}.{part}.{role}"
 
 
@@ -61,12 +64,15 @@ class HighChannels(NamedTuple):
     ``to_stored`` ``[H, D, D]`` is the 0/1 matrix with ``codes @ to_stored`` = each head's codes in stored
     order (high channels first); ``to_channels`` is its transpose. Products with a 0/1 permutation matrix
     are exact on integer codes, and MatMul broadcasts a per-head matrix where Gather cannot.
-    ``steps`` ``[H, 1, 1, D]``: code steps per channel (255 or ``2**bits - 1``).
+    ``steps`` ``[H, 1, 1, D]``: code steps per channel (255 or ``2**bits - 1``). ``order`` ``[H, D]`` int32:
+    the channel at each stored position (:func:`~kvq_export.reference.codec.channel_order`; the fused
+    attention plugin reads it).
     """
 
     to_stored: ir.Value
     to_channels: ir.Value
     steps: ir.Value
+    order: ir.Value
 
 
 class GraphCodec:
@@ -133,7 +139,8 @@ class GraphCodec:
         name = f"static.{layer}.{part}.high_channels"
         made = HighChannels(b.initializer(f"{name}.to_stored", to_stored),
                             b.initializer(f"{name}.to_channels", np.ascontiguousarray(to_stored.transpose(0, 2, 1))),
-                            b.initializer(f"{name}.steps", steps))
+                            b.initializer(f"{name}.steps", steps),
+                            b.initializer(static_name(layer, part, "channel_order"), order.astype(np.int32)))
         self._orders[(layer, part)] = made
         return made
 

@@ -69,7 +69,7 @@ class TrtCacheGraph(QuantizedCacheGraph):
 def _role_value(state: StoredStream, role: str) -> ir.Value:
     """The graph value of one stored role (static metadata included: the calibrated constant)."""
     value = {"sinks": state.sinks, "codes": state.codes, "scales": state.scales, "zero_points": state.zeros,
-             "recent": state.recent}[role]
+             "recent": state.recent, "channel_order": state.high.order if state.high else None}[role]
     if value is None:
         raise AssertionError(f"stream has no {role} value")  # the signature and the store disagree: a bug
     return value

@@ -93,6 +93,11 @@ class StreamCache:
 
     # -- state -------------------------------------------------------------------------------------
     @property
+    def high_channels(self) -> torch.Tensor | None:
+        """The calibrated ``[H, n]`` int64 high channels of the stream (None without them)."""
+        return self._static.get("high_channels")
+
+    @property
     def length(self) -> int:
         """Tokens held (all regions)."""
         if self.recent is None:
@@ -178,7 +183,7 @@ class StreamCache:
             self.scales = torch.cat([self.scales, q.scales], dim=2)
             if q.zeros is not None:
                 self.zeros = torch.cat([self.zeros, q.zeros], dim=2)
-        deq = dequantize_packed(q, self.tq, high_channels=self._static.get("high_channels"))
+        deq = dequantize_packed(q, self.tq, high_channels=self.high_channels)
         self._dequantized = torch.cat([self._dequantized, deq], dim=2)
 
     # -- read --------------------------------------------------------------------------------------

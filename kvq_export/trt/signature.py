@@ -10,7 +10,9 @@ Inputs, in order: the rope-applied query ``q [B, Hq, t, D]`` (compute dtype), th
 ``seq_lengths`` (int64 ``[B]``, this call's tokens included), then for keys and then values the stored
 tensors of the ``regions`` layout (:data:`kvq_export.cache_layout.REGIONS`: ``sinks``, ``codes``, ``scales``,
 ``zero_points``, ``recent`` — those the stream has), with a static stream's calibrated ``[kv_heads, n]`` scales
-(and zero points) in their place. One output: the attention ``[B, Hq, t, D]`` in the compute dtype.
+(and zero points) in their place, and for a stream with high channels its ``channel_order`` (int32
+``[kv_heads, head_dim]``: stored position -> channel, a graph constant) last. One output: the attention
+``[B, Hq, t, D]`` in the compute dtype.
 
 Rotation is outside the contract: for a scheme with rotated streams (:mod:`kvq_export.rotation`) the
 graph hands the plugin q already multiplied by the key stream's ``R`` (after RoPE), the stored tensors hold
@@ -18,7 +20,8 @@ rotated rows, and the output (``o @ R_value``) is rotated back by the folded ``o
 over whatever basis it is given, so its attributes do not carry the rotation and one plugin serves both.
 
 The plugin name says which inputs there are: ``kvq_attention_{key}_{value}`` with ``fp16`` (only
-``recent``), ``sym`` (sinks, codes, scales, recent) or ``asym`` (with zero points).
+``recent``), ``sym`` (sinks, codes, scales, recent), ``asym`` (with zero points) or ``asymhc`` (with zero
+points and the channel order).
 """
 
 from __future__ import annotations
@@ -85,13 +88,6 @@ class PluginSignature:
                 tuple((k, type(v).__name__) for k, v in self.attributes))
 
 
-def stream_tag(roles: tuple[str, ...]) -> str:
-    """``fp16`` | ``sym`` | ``asym`` from the roles a stream is read from."""
-    if roles == ("recent",):
-        return "fp16"
-    return "asym" if "zero_points" in roles else "sym"
-
-
 def plugin_signature(
     scheme: KVQuantScheme,
     layer: int,
@@ -125,10 +121,10 @@ def plugin_signature(
         for role in layout.roles:
             if role in stored:
                 inputs.append(PluginInput(f"{part}_{role}", role, part, stored[role].dtype, stored[role].name))
-            else:  # static metadata: a graph constant, not cache state
-                inputs.append(PluginInput(f"{part}_{role}", role, part, onnx_name(tq.scale_dtype),
-                                          static_name(layer, part, role)))
-        tags.append(stream_tag(layout.roles))
+            else:  # static metadata or the channel order: a graph constant, not cache state
+                dtype = "int32" if role == "channel_order" else onnx_name(tq.scale_dtype)
+                inputs.append(PluginInput(f"{part}_{role}", role, part, dtype, static_name(layer, part, role)))
+        tags.append(layout.tag)
         attributes.update(layout.attributes(part))
     return PluginSignature(f"{PLUGIN_PREFIX}_{tags[0]}_{tags[1]}", PLUGIN_NAMESPACE, tuple(inputs),
                            tuple(attributes.items()), compute)
