@@ -30,12 +30,9 @@ from kvq_export.errors import RuntimeInputError
 from kvq_export.naming import (
     CAPACITY_AXIS,
     DIRECTIONS,
-    PACKING,
-    PACKING_5BIT,
-    PACKING_6BIT,
-    PACKING_HIGH,
     PARTS,
     CacheTensor,
+    packing_rule,
     region_axis,
     tensor_name,
 )
@@ -264,7 +261,7 @@ class RegionsLayout(CacheLayout):
         code_type = "float8e4m3fn" if tq.format == "fp8_e4m3" else "uint8"
         packing = None
         if tq.is_int and tq.bits < 8:
-            packing = PACKING_HIGH if tq.high_channels else {5: PACKING_5BIT, 6: PACKING_6BIT}.get(tq.bits, PACKING)
+            packing = packing_rule(tq.bits, tq.high_channels)
         out.append(tensor("codes", code_type, (*rows, tokens, tq.packed_dim(head_dim)), "quantized", packing=packing,
                           **quant))
         if tq.scales == "dynamic":

@@ -14,19 +14,36 @@ from typing import Any
 
 DIRECTIONS = ("past", "present")
 PARTS = ("key", "value")
-PACKING = "uint8, lowest bits first: element i -> byte i // (8 // bits), bit offset (i % (8 // bits)) * bits"
-#: 5-bit codes (ggml q5_0 / q5_1): two planes along head_dim D.
-PACKING_5BIT = ("uint8, two planes: bytes [0, D/2) hold the low 4 bits (element i -> byte i // 2, bit offset "
-                "(i % 2) * 4), bytes [D/2, D/2 + D/8) the fifth bits (element i -> byte D/2 + i // 8, bit i % 8)")
-#: 6-bit codes: the same two planes, the second holding the top two bits.
-PACKING_6BIT = ("uint8, two planes: bytes [0, D/2) hold the low 4 bits (element i -> byte i // 2, bit offset "
-                "(i % 2) * 4), bytes [D/2, D/2 + D/4) the top 2 bits (element i -> byte D/2 + i // 4, bit offset "
-                "(i % 4) * 2)")
-#: Per-channel streams with ``high_channels`` n: the 8-bit channels first, then the rest packed.
-PACKING_HIGH = ("uint8 per token and head: bytes [0, n) hold the 8-bit codes of the head's n high channels (ascending "
-                "channel order, as listed in the calibration file's '<layer>.<part>.high_channels'), then the other "
-                "channels in ascending order packed lowest bits first (element i of them -> byte n + i // (8 // bits), "
-                "bit offset (i % (8 // bits)) * bits); every channel dequantizes as code * scale + zero_point")
+def packing_rule(bits: int, high_channels: int = 0) -> str:
+    """The manifest's byte layout of ``bits``-wide integer codes along head_dim ``D`` (see the codec).
+
+    One plane: packed lowest bits first. 3-, 5- and 6-bit codes: a plane of the low bits, then a plane of
+    the higher bits (:func:`~kvq_export.scheme.code_planes`). High channels: their 8-bit codes first.
+    """
+    from kvq_export.scheme import code_planes
+
+    planes = code_planes(bits)
+    width, start = ("D", "") if not high_channels else ("(D - n)", "n + ")
+
+    def plane(first: str, w: int, what: str) -> str:
+        per = 8 // w
+        return (f"{what} (element i -> byte {first}i // {per}, bit offset (i % {per}) * {w})" if per > 1
+                else f"{what} (element i -> byte {first}i)")
+
+    if len(planes) == 1:
+        rule = plane(start, bits, "packed lowest bits first")
+    else:
+        low, high = planes
+        split = f"{start}{width} * {low} / 8"
+        rule = (f"two planes: {plane(start, low, f'the low {low} bits')}, then from byte {split} "
+                f"{plane(split + ' + ', high, f'the top {high} bit(s)')}")
+    if not high_channels:
+        return f"uint8, {rule}"
+    return ("uint8 per token and head: bytes [0, n) hold the 8-bit codes of the head's n high channels (ascending "
+            "channel order, as listed in the calibration file's '<layer>.<part>.high_channels'), then the other "
+            f"D - n channels in ascending order as element i = 0 .. D - n - 1, {rule}; every channel dequantizes "
+            "as code * scale + zero_point")
+
 
 #: Symbolic name of a ``buffer`` layout's token axis.
 CAPACITY_AXIS = "capacity"

@@ -126,12 +126,14 @@ CANDIDATE_SETS: dict[str, CandidateSet] = {
     # Keys: per-channel (plain or Hadamard-rotated; longer groups cost fewer scale bits; int4 with the channels
     # that move scores most at 8 bits) or rotated token-wise ggml q5/q8 blocks. Values: per-token in the rotated
     # basis, where 2-bit codes need a clipped range (0.8 of the group's: on SmolLM2 it cuts their attention
-    # damage by a third against the full range), and rotated values are centred enough for symmetric groups of a
+    # damage by a third against the full range) and 3-bit codes gain from a mild clip (0.85-0.9; asymmetric: a
+    # symmetric 3-bit group has only 7 levels), and rotated values are centred enough for symmetric groups of a
     # whole 64-channel head (4.25 bits for int4).
     "accuracy": CandidateSet(
-        "per-channel int8/int6/int4/int2 keys (groups 32-256, plain or rotated; int4 with 4-24 channels per head "
-        "at 8 bits), rotated q8_0 / q5_0 / int8-sym-g32 keys; rotated per-token int8/int6/int4/int2 values (int2 "
-        "clipped to 0.8; symmetric int8/int6/int4 g32/g64), rotated q8_0/q5_1/q5_0/q4_0 values; no window",
+        "per-channel int8/int6/int4/int3/int2 keys (groups 32-256, plain or rotated; int4 with 4-24 and int3 "
+        "with 8-16 channels per head at 8 bits), rotated q8_0 / q5_0 / int8-sym-g32 keys; rotated per-token "
+        "int8/int6/int4/int3/int2 values (int3 clipped to 0.85-1, int2 to 0.8; symmetric int8/int6/int4 g32/g64), "
+        "rotated q8_0/q5_1/q5_0/q4_0 values; no window",
         keys=(_channel(8, 64), _channel(4, 32), _rot(_channel(4, 32)), _channel(4, 64), _rot(_channel(4, 64)),
               _channel(4, 128), _rot(_channel(4, 128)), _channel(4, 256), _channel(2, 64), _channel(2, 128),
               _ggml_rot("int_sym", 8), _ggml_rot("int_sym", 5),
@@ -140,12 +142,15 @@ CANDIDATE_SETS: dict[str, CandidateSet] = {
               _rot(_channel(8, 128)),
               *(_high(_channel(4, g), n) for g, ns in ((64, (4, 8)), (128, (4, 8, 16, 24)), (256, (4, 8, 16, 24)))
                 for n in ns),
-              _channel(6, 128), _channel(6, 256), _rot(_channel(6, 256))),
+              _channel(6, 128), _channel(6, 256), _rot(_channel(6, 256)),
+              _channel(3, 64), _channel(3, 128), _channel(3, 256), _rot(_channel(3, 128)),
+              _high(_channel(3, 128), 8), _high(_channel(3, 256), 8), _high(_channel(3, 256), 16)),
         values=(_rot(_token(8, 64)), _ggml_rot("int_sym", 8), _ggml_rot("int", 5), _ggml_rot("int_sym", 5),
                 _rot(_token(4, 32)), _rot(_token(4, 64)), _ggml_rot("int_sym", 4), _rot(_token(2, 32), 0.8),
                 _rot(_token(2, 64), 0.8), _rot(_token(2, 64)),
                 _rot(_sym_token(4, 64)), _rot(_sym_token(8, 64)), _rot(_sym_token(4, 32)),
-                _rot(_sym_token(6, 32)), _rot(_sym_token(6, 64)), _rot(_token(6, 64))),
+                _rot(_sym_token(6, 32)), _rot(_sym_token(6, 64)), _rot(_token(6, 64)),
+                *(_rot(_token(3, g), clip) for g in (32, 64) for clip in (1.0, 0.9, 0.85))),
     ),
 }
 

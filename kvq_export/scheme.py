@@ -33,19 +33,39 @@ AXES = ("token", "channel")
 SCALE_DTYPES = ("fp16", "fp32")
 SCALE_MODES = ("dynamic", "static")
 HP_DTYPES = ("fp16", "fp32")
-INT_BITS = (2, 4, 6, 8)
+INT_BITS = (2, 3, 4, 6, 8)
 QUANTIZERS = ("kvq", "ggml")
 #: quantizer ggml: (format, bits) -> ggml block type it reproduces bit for bit (blocks of GGML_BLOCK along head_dim)
 GGML_TYPES = {("int_sym", 4): "q4_0", ("int", 4): "q4_1", ("int_sym", 5): "q5_0", ("int", 5): "q5_1",
               ("int_sym", 8): "q8_0"}
 GGML_BLOCK = 32
-#: Code widths stored as two planes along head_dim: the low 4 bits packed, then the remaining bits packed.
-PLANE_BITS = (5, 6)
+#: Code widths stored as two planes along head_dim: the low bits packed, then the remaining bits packed
+#: (:func:`code_planes`).
+PLANE_BITS = (3, 5, 6)
+#: Code widths of the channels beside a stream's 8-bit high channels.
+HIGH_CHANNEL_BITS = (2, 3, 4)
 #: Rotations of the head dimension applied before a stream is stored (:mod:`kvq_export.rotation`).
 ROTATIONS = ("none", "hadamard")
 
 #: Largest finite float8 e4m3fn value.
 FP8_E4M3_MAX = 448.0
+
+
+def code_planes(bits: int) -> tuple[int, ...]:
+    """Bit widths of the planes an integer code of ``bits`` is stored in, lowest bits first.
+
+    2/4/8-bit codes are one plane (packed ``8 // bits`` per byte); 3-bit codes a 2-bit plane then a 1-bit
+    plane; 5- and 6-bit codes a plane of low nibbles then a 1- or 2-bit plane (ggml's q5 layout).
+    """
+    if bits in PLANE_BITS:
+        low = 2 if bits == 3 else 4
+        return low, bits - low
+    return (bits,)
+
+
+def pack_unit(bits: int) -> int:
+    """How many ``bits``-wide codes fill whole bytes in every plane (a packed width must be a multiple)."""
+    return max(8 // width for width in code_planes(bits))
 
 
 def _fail(field_name: str, value: Any, allowed: str) -> SchemeError:
@@ -60,7 +80,7 @@ class TensorQuant:
         format: ``fp16`` (not quantized), ``int`` (asymmetric: per-group scale and minimum),
             ``int_sym`` (symmetric: per-group scale, codes stored with an offset of 2**(bits-1)),
             ``fp8_e4m3`` (float8 e4m3fn codes with a per-group scale).
-        bits: 2, 4, 6 or 8 for int formats (4, 5 or 8 with the ggml quantizer); 8 for fp8; 16 for fp16.
+        bits: 2, 3, 4, 6 or 8 for int formats (4, 5 or 8 with the ggml quantizer); 8 for fp8; 16 for fp16.
         axis: ``token`` (groups run along head_dim within one token) or ``channel`` (each channel is
             grouped across ``group_size`` consecutive tokens).
         group_size: group length along the axis, or ``None`` for the whole axis (per-token head
@@ -130,19 +150,14 @@ class TensorQuant:
         """Group length along head_dim for ``token``-axis streams (whole head vector when None)."""
         return head_dim if self.group_size is None else self.group_size
 
-    def codes_per_byte(self) -> int:
-        """Integer codes packed into one uint8 (1 for 8-bit and fp8; 5/6-bit codes: see :meth:`packed_dim`)."""
-        return 8 // self.bits if self.is_int and self.bits in (2, 4) else 1
-
     def packed_dim(self, head_dim: int) -> int:
-        """Bytes per token per head for the code payload (5/6 bits: two planes; high channels: one byte each)."""
+        """Bytes per token per head for the code payload (3/5/6 bits: two planes; high channels: one byte each)."""
         if not self.quantized:
             return 0
-        if self.is_int and self.bits in PLANE_BITS:  # a plane of low nibbles, then a plane of the higher bits
-            return head_dim // 2 + head_dim * (self.bits - 4) // 8
-        if self.high_channels:  # 8-bit high channels first, then the others packed (see the codec)
-            return self.high_channels + (head_dim - self.high_channels) // self.codes_per_byte()
-        return -(-head_dim // self.codes_per_byte())
+        if not self.is_int:
+            return head_dim
+        # 8-bit high channels first, then the others packed in their planes (see the codec)
+        return self.high_channels + (head_dim - self.high_channels) * self.bits // 8
 
     @property
     def ggml_type(self) -> str | None:
@@ -182,7 +197,7 @@ class TensorQuant:
         if self.format not in FORMATS:
             raise _fail("format", self.format, f"allowed: {', '.join(FORMATS)}")
         if isinstance(self.bits, bool) or not isinstance(self.bits, int):  # 4.0 or "4" is refused everywhere
-            raise _fail("bits", self.bits, "allowed: an integer (2, 4, 5, 6, 8, or 16 for fp16)")
+            raise _fail("bits", self.bits, "allowed: an integer (2, 3, 4, 5, 6, 8, or 16 for fp16)")
         if self.quantizer not in QUANTIZERS:
             raise _fail("quantizer", self.quantizer, f"allowed: {', '.join(QUANTIZERS)}")
         if self.quantizer == "ggml":
@@ -199,7 +214,7 @@ class TensorQuant:
         if self.format == "fp8_e4m3" and self.bits != 8:
             raise _fail("bits", self.bits, "allowed for format fp8_e4m3: 8")
         if self.is_int and self.bits not in INT_BITS and self.quantizer != "ggml":
-            raise _fail("bits", self.bits, f"allowed for {self.format} with quantizer kvq: 2, 4, 6, 8 "
+            raise _fail("bits", self.bits, f"allowed for {self.format} with quantizer kvq: 2, 3, 4, 6, 8 "
                         "(5 bits: quantizer ggml)")
         if self.axis not in AXES:
             raise _fail("axis", self.axis, f"allowed: {', '.join(AXES)}")
@@ -237,8 +252,9 @@ class TensorQuant:
             if value != required:
                 raise _fail(name, value, f"allowed with high_channels > 0: {required!r} (8-bit channels are "
                             "chosen per channel of an unrotated, per-channel asymmetric stream)")
-        if self.bits not in (2, 4):
-            raise _fail("bits", self.bits, "allowed with high_channels > 0: 2, 4 (the other channels' codes)")
+        if self.bits not in HIGH_CHANNEL_BITS:
+            raise _fail("bits", self.bits, f"allowed with high_channels > 0: {', '.join(map(str, HIGH_CHANNEL_BITS))} "
+                        "(the other channels' codes)")
 
     def _validate_ggml(self) -> None:
         """The ggml quantizer reproduces five fixed block types; anything else has no ggml meaning."""
@@ -268,17 +284,16 @@ class TensorQuant:
                 f"for axis=token it must divide head_dim={head_dim} (allowed: "
                 f"{', '.join(str(d) for d in range(1, head_dim + 1) if head_dim % d == 0)}, or null)",
             )
-        if self.is_int and (head_dim * self.bits) % 8:
-            raise _fail(f"{where}.bits", self.bits, f"head_dim={head_dim} x bits must fill whole bytes")
-        if self.is_int and self.bits in PLANE_BITS and head_dim % (8 // (self.bits - 4)):
-            raise _fail(f"{where}.bits", self.bits, f"{self.bits}-bit codes need head_dim={head_dim} to be a multiple "
-                        f"of {8 // (self.bits - 4)}")
-        if self.high_channels and (self.high_channels >= head_dim
-                                   or (head_dim - self.high_channels) % self.codes_per_byte()):
-            per = self.codes_per_byte()
+        if not self.is_int:
+            return
+        unit = pack_unit(self.bits)
+        if head_dim % unit:
+            raise _fail(f"{where}.bits", self.bits, f"{self.bits}-bit codes fill whole bytes in groups of {unit} "
+                        f"channels; head_dim={head_dim} is not a multiple of {unit}")
+        if self.high_channels and (self.high_channels >= head_dim or (head_dim - self.high_channels) % unit):
             raise _fail(f"{where}.high_channels", self.high_channels,
-                        f"allowed for head_dim={head_dim} and {self.bits}-bit codes: 1..{head_dim - per} "
-                        f"leaving a multiple of {per} channels to pack")
+                        f"allowed for head_dim={head_dim} and {self.bits}-bit codes: 1..{head_dim - unit} "
+                        f"leaving a multiple of {unit} channels to pack")
 
     # -- serialisation ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

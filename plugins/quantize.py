@@ -19,7 +19,7 @@ from kvq_plugins.registry import register_kernel
 
 from kvq_export.dtypes import DType
 from kvq_export.errors import QuantizationError
-from kvq_export.scheme import FP8_E4M3_MAX, PLANE_BITS
+from kvq_export.scheme import FP8_E4M3_MAX, code_planes
 
 if TYPE_CHECKING:
     import torch
@@ -128,13 +128,14 @@ def quantize_constants(layout: StreamLayout, heads: int) -> tuple[str, dict[str,
             HEADS=heads, HEAD_DIM=dim, META=layout.meta_width, BITS=layout.bits, SYM=layout.format == "int_sym",
             BLOCK_T=16, BLOCK_G=_next_pow2(layout.meta_width),
             BLOCK_P=_next_pow2(dim if layout.bits == 8 else dim // 2), BLOCK_H=_next_pow2(max(dim // 8, 1)))
-    # lanes of the packed planes: the low plane (nibbles for 5/6-bit codes) and the plane of higher bits
+    # byte lanes of the packed planes: the low plane (all of a one-plane code) and the plane of higher bits
     packed = dim - layout.high
-    low_bits = 4 if layout.bits in PLANE_BITS else layout.bits
-    upper = packed // (8 // (layout.bits - 4)) if layout.bits in PLANE_BITS else 1
+    planes = code_planes(layout.bits) if layout.is_int else (8,)
+    low_bits, upper_bits = planes[0], sum(planes[1:])
     common = dict(HEADS=heads, HEAD_DIM=dim, BITS=layout.bits, FP8=layout.format == "fp8_e4m3",
                   HAS_ZERO=layout.has_zero, LO=lo, HI=hi, OFFSET=layout.offset, TOP=top, CLIP=layout.clip,
-                  HALF_CLIP=0.5 * layout.clip, BLOCK_P=_next_pow2(packed * low_bits // 8), BLOCK_U=_next_pow2(upper))
+                  HALF_CLIP=0.5 * layout.clip, LOW_BITS=low_bits, BLOCK_P=_next_pow2(packed * low_bits // 8),
+                  BLOCK_U=_next_pow2(max(packed * upper_bits // 8, 1)))
     if layout.axis == "channel" and not layout.static:
         return "_quantize_channel_kernel", {**common, "GROUP": layout.group, "HIGH": layout.high,
                                             "BLOCK_G": _next_pow2(layout.group), "BLOCK_D": _next_pow2(dim),

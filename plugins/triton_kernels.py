@@ -83,25 +83,30 @@ def _fp8_encode(y):
     return code | (sign << 7)
 
 
+def _plane_at(codes_ptr, base, r, mask, BYTE0: tl.constexpr, WIDTH: tl.constexpr):
+    """The ``WIDTH``-bit fields of codes ``r`` [BLOCK_D] in a plane starting at byte ``base + BYTE0`` (int32)."""
+    PER: tl.constexpr = 8 // WIDTH
+    raw = tl.load(codes_ptr + base + (BYTE0 + r // PER)[None, :], mask=mask, other=0).to(tl.int32)
+    return (raw >> ((r % PER) * WIDTH)[None, :]) & ((1 << WIDTH) - 1)
+
+
 def _code_at(codes_ptr, base, d, mask, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, HIGH: tl.constexpr):
     """int32 codes at stored positions ``d`` [BLOCK_D] of the code rows starting at byte ``base`` [N, 1].
 
     Stored order (:mod:`kvq_export.reference.codec`): HIGH one-byte codes, then the other ``HEAD_DIM - HIGH``
-    codes packed lowest bits first (5/6 bits: a plane of low nibbles, then a plane of the higher bits).
+    codes packed lowest bits first (3/5/6 bits: a plane of the low bits, then a plane of the higher bits).
     """
     W: tl.constexpr = HEAD_DIM - HIGH
     r = tl.maximum(d - HIGH, 0)
     rest = mask & (d >= HIGH)[None, :]
-    if BITS == 5 or BITS == 6:
-        UB: tl.constexpr = BITS - 4
-        PU: tl.constexpr = 8 // UB
-        low = tl.load(codes_ptr + base + (HIGH + r // 2)[None, :], mask=rest, other=0).to(tl.int32)
-        up = tl.load(codes_ptr + base + (HIGH + W // 2 + r // PU)[None, :], mask=rest, other=0).to(tl.int32)
-        code = ((low >> ((r % 2) * 4)[None, :]) & 15) | (((up >> ((r % PU) * UB)[None, :]) & ((1 << UB) - 1)) << 4)
+    if BITS == 3:
+        code = _plane_at(codes_ptr, base, r, rest, HIGH, 2) | (
+            _plane_at(codes_ptr, base, r, rest, HIGH + W // 4, 1) << 2)
+    elif BITS == 5 or BITS == 6:
+        code = _plane_at(codes_ptr, base, r, rest, HIGH, 4) | (
+            _plane_at(codes_ptr, base, r, rest, HIGH + W // 2, BITS - 4) << 4)
     else:
-        PER: tl.constexpr = 8 // BITS
-        raw = tl.load(codes_ptr + base + (HIGH + r // PER)[None, :], mask=rest, other=0).to(tl.int32)
-        code = (raw >> ((r % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
+        code = _plane_at(codes_ptr, base, r, rest, HIGH, BITS)
     if HIGH > 0:
         high = tl.load(codes_ptr + base + d[None, :], mask=mask & (d < HIGH)[None, :], other=0).to(tl.int32)
         code = tl.where((d < HIGH)[None, :], high, code)
@@ -390,21 +395,23 @@ def _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, m
 def _store_row_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h,
                      HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HIGH: tl.constexpr,
                      FP8: tl.constexpr, HAS_ZERO: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
-                     OFFSET: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_U: tl.constexpr):
-    """Every stored byte of the code rows of tokens ``xrow``: high channels, then the packed planes."""
+                     OFFSET: tl.constexpr, LOW_BITS: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_P: tl.constexpr,
+                     BLOCK_U: tl.constexpr):
+    """Every stored byte of the code rows of tokens ``xrow``: high channels, then the packed planes.
+
+    ``LOW_BITS``: width of the first plane (``BITS`` for one-plane codes; 2 or 4 for 3/5/6-bit codes).
+    """
     W: tl.constexpr = HEAD_DIM - HIGH
     PACKED: tl.constexpr = HIGH + W * BITS // 8
     if HIGH > 0:  # asymmetric int only: codes 0..255
         _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h, 0, HIGH, 0, 8, 0,
                      BLOCK_HI, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO, 0, 255, 0)
-    if BITS == 5 or BITS == 6:
-        _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h, HIGH, W, 0, 4, HIGH,
-                     BLOCK_P, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO, LO, HI, OFFSET)
-        _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h, HIGH, W, 4, BITS - 4,
-                     HIGH + W // 2, BLOCK_U, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO, LO, HI, OFFSET)
-    else:
-        _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h, HIGH, W, 0, BITS, HIGH,
-                     BLOCK_P, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO, LO, HI, OFFSET)
+    _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h, HIGH, W, 0, LOW_BITS, HIGH,
+                 BLOCK_P, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO, LO, HI, OFFSET)
+    if LOW_BITS < BITS:  # the plane of the higher bits
+        _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h, HIGH, W, LOW_BITS,
+                     BITS - LOW_BITS, HIGH + W * LOW_BITS // 8, BLOCK_U, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO,
+                     LO, HI, OFFSET)
 
 
 def _quantize_token_kernel(
@@ -412,8 +419,8 @@ def _quantize_token_kernel(
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, META: tl.constexpr,
     BITS: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr, STATIC: tl.constexpr,
     LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr, TOP: tl.constexpr, CLIP: tl.constexpr,
-    HALF_CLIP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_U: tl.constexpr,
+    HALF_CLIP: tl.constexpr, LOW_BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_U: tl.constexpr,
 ):
     """Token-axis (and static) streams: quantize BLOCK_T tokens of one (row, head); grid ``(B*H, cdiv(F, BLOCK_T))``.
 
@@ -446,7 +453,7 @@ def _quantize_token_kernel(
         tl.debug_barrier()
         mbase = row * META
     _store_row_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, None, row, tok_ok, mbase, h, HEAD_DIM, BITS, GROUP, 0,
-                     FP8, HAS_ZERO, LO, HI, OFFSET, 1, BLOCK_P, BLOCK_U)
+                     FP8, HAS_ZERO, LO, HI, OFFSET, LOW_BITS, 1, BLOCK_P, BLOCK_U)
 
 
 def _first_of(xg, hit, e):
@@ -547,8 +554,8 @@ def _quantize_channel_kernel(
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
     BITS: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr, HIGH: tl.constexpr,
     LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr, TOP: tl.constexpr, CLIP: tl.constexpr,
-    HALF_CLIP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HI: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_U: tl.constexpr,
+    HALF_CLIP: tl.constexpr, LOW_BITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_HI: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_U: tl.constexpr,
 ):
     """Dynamic channel-axis streams: one group of GROUP tokens of one (row, head); grid ``(B*H, F // GROUP)``.
 
@@ -581,14 +588,14 @@ def _quantize_channel_kernel(
         tl.store(zeros_ptr + mrow * HEAD_DIM + ch, low.to(zeros_ptr.dtype.element_ty), mask=mmask)
     tl.debug_barrier()
     _store_row_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, trow, tmask, tt * 0 + mrow * HEAD_DIM, h,
-                     HEAD_DIM, BITS, 1, HIGH, FP8, HAS_ZERO, LO, HI, OFFSET, BLOCK_HI, BLOCK_P, BLOCK_U)
+                     HEAD_DIM, BITS, 1, HIGH, FP8, HAS_ZERO, LO, HI, OFFSET, LOW_BITS, BLOCK_HI, BLOCK_P, BLOCK_U)
 
 
 # ---------------------------------------------------------------------------------------------- build
 #: every function handed to triton.jit, helpers first
-JIT_NAMES = ("_rmax", "_rmin", "_rsum", "_fp8_decode", "_fp8_encode", "_code_at", "_channels", "_stream_tile",
-             "_decode_attention_kernel", "_reduce_kernel", "_round_even", "_encode", "_group_meta", "_head_tile",
-             "_store_codes", "_store_row_codes", "_first_of", "_ggml_code", "_quantize_token_kernel",
+JIT_NAMES = ("_rmax", "_rmin", "_rsum", "_fp8_decode", "_fp8_encode", "_plane_at", "_code_at", "_channels",
+             "_stream_tile", "_decode_attention_kernel", "_reduce_kernel", "_round_even", "_encode", "_group_meta",
+             "_head_tile", "_store_codes", "_store_row_codes", "_first_of", "_ggml_code", "_quantize_token_kernel",
              "_quantize_channel_kernel", "_quantize_ggml_kernel")
 SOURCES = {name: globals()[name] for name in JIT_NAMES}
 

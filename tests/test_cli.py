@@ -55,7 +55,7 @@ def test_memory_table_shows_breakdown_and_curve():
 @pytest.mark.parametrize("args, message", [
     (["memory", "--scheme", "q3", "--seq-len", "8"], "unknown scheme 'q3'"),
     (["memory", "--scheme", "int4-sym-g32", "--seq-len", "8", "--model", "no-such-model"], "no-such-model"),
-    (["memory", "--scheme", '{"key": {"bits": 3}}', "--seq-len", "8"], "bits=3"),
+    (["memory", "--scheme", '{"key": {"bits": 7}}', "--seq-len", "8"], "bits=7"),
 ])
 def test_bad_input_is_one_line_exit_1(args, message):
     proc = subprocess.run([sys.executable, "-m", "kvq_export.cli", *args], capture_output=True, text=True)

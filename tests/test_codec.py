@@ -38,7 +38,7 @@ def _step(q, tq, like):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    fmt=st.sampled_from(INT_FORMATS), bits=st.sampled_from([2, 4, 6, 8]), axis=st.sampled_from(["token", "channel"]),
+    fmt=st.sampled_from(INT_FORMATS), bits=st.sampled_from([2, 3, 4, 6, 8]), axis=st.sampled_from(["token", "channel"]),
     group=st.sampled_from([4, 8, 16]), seed=st.integers(0, 2**31 - 1),
     scale=st.floats(1e-3, 1e3), offset=st.floats(-10, 10),
 )
@@ -111,6 +111,18 @@ def test_6_bit_codes_are_a_nibble_plane_then_a_2_bit_plane():
     gen = torch.Generator().manual_seed(0)
     many = torch.randint(0, 64, (3, 64), generator=gen, dtype=torch.int64).to(torch.uint8)
     assert torch.equal(unpack(pack(many, 6), 6), many)
+
+
+def test_3_bit_codes_are_a_2_bit_plane_then_a_1_bit_plane():
+    codes = torch.tensor([[7, 0, 5, 2, 3, 4, 6, 1]], dtype=torch.uint8)  # D = 8
+    packed = pack(codes, 3)
+    assert packed.shape == (1, 3)  # D/4 bytes of low bit pairs + D/8 bytes of third bits
+    assert packed[0, :2].tolist() == [0b10_01_00_11, 0b01_10_00_11]
+    assert packed[0, 2:].tolist() == [0b0110_0101]
+    assert torch.equal(unpack(packed, 3), codes)
+    gen = torch.Generator().manual_seed(0)
+    many = torch.randint(0, 8, (3, 64), generator=gen, dtype=torch.int64).to(torch.uint8)
+    assert torch.equal(unpack(pack(many, 3), 3), many)
 
 
 @pytest.mark.parametrize("fmt, bits", [("int", 2), ("int", 4), ("int", 8), ("int_sym", 4), ("fp8_e4m3", 8)])

@@ -38,6 +38,10 @@ EXTRA = {
     "int6-rotated-values": KVQuantScheme(  # 6-bit codes in two planes; values in the Hadamard basis
         key=TensorQuant(format="int", bits=6, axis="channel", group_size=8),
         value=TensorQuant(format="int_sym", bits=6, group_size=16, rotation="hadamard"), name="int6-rotated-values"),
+    "int3-high-channels": KVQuantScheme(  # 3-bit codes in two planes beside 8-bit channels; clipped rotated values
+        key=TensorQuant(format="int", bits=3, axis="channel", group_size=8, high_channels=8),
+        value=TensorQuant(format="int", bits=3, group_size=16, clip=0.85, rotation="hadamard"),
+        name="int3-high-channels"),
 }
 
 

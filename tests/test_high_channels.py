@@ -52,7 +52,7 @@ def test_bits_per_element_counts_the_8_bit_channels():
     ({"axis": "token", "group_size": 32}, "allowed with high_channels > 0: 'channel'"),
     ({"format": "int_sym"}, "allowed with high_channels > 0: 'int'"),
     ({"rotation": "hadamard"}, "allowed with high_channels > 0: 'none'"),
-    ({"bits": 8}, "allowed with high_channels > 0: 2, 4"),
+    ({"bits": 8}, "allowed with high_channels > 0: 2, 3, 4"),
     ({"high_channels": -2}, "allowed: an integer >= 0"),
     ({"high_channels": True}, "allowed: an integer >= 0"),
 ])

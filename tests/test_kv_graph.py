@@ -30,6 +30,9 @@ SMALL = {  # group 4, recent 8, sinks 2: every boundary is crossed within a few 
     "int6": KVQuantScheme(  # two planes: low nibbles, then the top two bits
         key=TensorQuant(format="int", bits=6, axis="channel", group_size=4),
         value=TensorQuant(format="int_sym", bits=6, group_size=8), residual_length=4),
+    "int3": KVQuantScheme(  # two planes: low bit pairs, then the third bits; 8-bit channels beside 3-bit keys
+        key=TensorQuant(format="int", bits=3, axis="channel", group_size=4, high_channels=8),
+        value=TensorQuant(format="int", bits=3, group_size=8, clip=0.9), residual_length=4),
     "high-channels": KVQuantScheme(  # 8-bit channels inside 4-bit keys and 2-bit values
         key=TensorQuant(format="int", bits=4, axis="channel", group_size=4, high_channels=6),
         value=TensorQuant(format="int", bits=2, axis="channel", group_size=4, high_channels=4),

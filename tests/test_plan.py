@@ -100,9 +100,11 @@ def test_accuracy_set_offers_rotated_and_ggml_streams():
     for streams in (cset.keys, cset.values):
         assert any(t.rotation == "hadamard" and t.quantizer == "kvq" for t in streams)
         assert any(t.quantizer == "ggml" and t.rotation == "hadamard" for t in streams)
-        assert {t.bits for t in streams} == {2, 4, 5, 6, 8}
+        assert {t.bits for t in streams} == {2, 3, 4, 5, 6, 8}
         assert len(set(streams)) == len(streams)
     assert {t.high_channels for t in cset.keys} == {0, 4, 8, 16, 24} and not any(t.high_channels for t in cset.values)
+    assert {t.bits for t in cset.keys if t.high_channels} == {3, 4}
+    assert all(t.format == "int" for t in cset.values if t.bits == 3)  # 8 levels: a symmetric group would have 7
     assert {t.axis for t in cset.keys if t.quantizer == "kvq" and t.bits < 8} == {"channel"}
     assert all(t.axis == "token" for t in cset.values)
     assert all(t.clip < 1 for t in cset.values if t.bits == 2 and t.group_size == 32)

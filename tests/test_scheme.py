@@ -60,7 +60,7 @@ def test_name_is_a_label_not_part_of_equality():
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(bits=3), "bits=3"),
+    (dict(bits=7), "bits=7"),
     (dict(format="int5"), "format='int5'"),
     (dict(axis="head"), "axis='head'"),
     (dict(scale_dtype="bf16"), "scale_dtype='bf16'"),

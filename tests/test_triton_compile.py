@@ -40,7 +40,9 @@ mixed = KVQuantScheme(key=TensorQuant.fp16(), value=TensorQuant(format="fp8_e4m3
                       group_size=16, scale_dtype="fp32"), residual_length=16, sink_tokens=4)
 high6 = KVQuantScheme(key=TensorQuant(format="int", bits=4, axis="channel", group_size=128, high_channels=8),
                       value=TensorQuant(format="int_sym", bits=6, group_size=32))
-cases = [("high-int6", high6, "fp16", 90),
+int3 = KVQuantScheme(key=TensorQuant(format="int", bits=3, axis="channel", group_size=128, high_channels=8),
+                     value=TensorQuant(format="int", bits=3, group_size=64, clip=0.9))
+cases = [("high-int6", high6, "fp16", 90), ("int3", int3, "fp16", 80),
          ("kivi-2", PRESETS["kivi-2"][0], "fp16", 90), ("int4-sym-g32", PRESETS["int4-sym-g32"][0], "fp32", 80),
          ("ort-int4", PRESETS["ort-int4"][0], "fp16", 80), ("fp8", PRESETS["fp8"][0], "fp16", 90),
          ("mixed", mixed, "fp32", 90)]
@@ -56,8 +58,9 @@ for name, scheme, dtype, arch in cases:
                           capture_output=True, text=True)
     out["aot"].append({"case": name, "params": entry.count(".param"), "expected": len(sig.inputs) + 8,
                        "ptxas": proc.returncode, "stderr": proc.stderr[-500:]})
-for scheme_name, scheme in [("high-int6", high6)] + [(n, PRESETS[n][0]) for n in ("kivi-2", "int4-g32", "fp8",
-                                                                                     "ort-int8")]:
+streams = [("high-int6", high6), ("int3", int3)]
+streams += [(n, PRESETS[n][0]) for n in ("kivi-2", "int4-g32", "fp8", "ort-int8")]
+for scheme_name, scheme in streams:
     for part, tq in zip(("key", "value"), scheme.for_layer(0)):
         layout = StreamLayout.of(tq, scheme, 128)
         name, consts = quantize_constants(layout, 8)
@@ -91,12 +94,12 @@ def compiled(tmp_path_factory):
 
 
 def test_aot_ptx_takes_exactly_what_tensorrt_passes_and_assembles(compiled):
-    assert len(compiled["aot"]) == 6
+    assert len(compiled["aot"]) == 7
     for case in compiled["aot"]:
         assert case["params"] == case["expected"], case  # inputs + 7 int32 lengths + output; no scratch pointers
         assert case["ptxas"] == 0, case
 
 
 def test_reduce_and_quantize_kernels_compile(compiled):
-    assert len(compiled["other"]) == 11
+    assert len(compiled["other"]) == 13
     assert all(item["cubin"] > 0 for item in compiled["other"]), compiled["other"]

@@ -43,6 +43,9 @@ SMALL = {  # group 4, recent 8, sinks 2/3: every boundary is crossed within a fe
         value=TensorQuant(format="int", bits=8, group_size=16, scales="static"), residual_length=3),
     "int6": KVQuantScheme(key=TensorQuant(format="int", bits=6, axis="channel", group_size=4),
                           value=TensorQuant(format="int_sym", bits=6, group_size=8), residual_length=4, sink_tokens=1),
+    "int3-high-channels": KVQuantScheme(
+        key=TensorQuant(format="int", bits=3, axis="channel", group_size=4, high_channels=8),
+        value=TensorQuant(format="int", bits=3, group_size=8, clip=0.9), residual_length=4, sink_tokens=1),
     "high-channels": KVQuantScheme(
         key=TensorQuant(format="int", bits=4, axis="channel", group_size=4, high_channels=4),
         value=TensorQuant(format="int", bits=2, axis="channel", group_size=4, high_channels=4, clip=0.9),

@@ -40,6 +40,9 @@ CASES = {  # (arch, scheme): presets of every stream kind, a mixed-precision ove
     "llama-high-int6": ("llama", KVQuantScheme(  # calibrated 8-bit channels in 4-bit keys; 6-bit code planes
         key=TensorQuant(format="int", bits=4, axis="channel", group_size=8, high_channels=4),
         value=TensorQuant(format="int_sym", bits=6, group_size=16), residual_length=8)),
+    "llama-int3-high": ("llama", KVQuantScheme(  # 3-bit code planes beside 8-bit channels; clipped 3-bit values
+        key=TensorQuant(format="int", bits=3, axis="channel", group_size=8, high_channels=8),
+        value=TensorQuant(format="int", bits=3, group_size=16, clip=0.85))),
     "llama-override": ("llama", dataclasses.replace(
         PRESETS["int4-g32"][0], sink_tokens=2, residual_length=8,
         layer_overrides=(LayerOverride(layer=1, key=TensorQuant.fp16(),

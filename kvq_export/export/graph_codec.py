@@ -18,7 +18,7 @@ from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.reference.codec import channel_order, channel_steps, check_high_channels, int_levels
-from kvq_export.scheme import FP8_E4M3_MAX, PLANE_BITS, TensorQuant
+from kvq_export.scheme import FP8_E4M3_MAX, PLANE_BITS, TensorQuant, code_planes
 
 
 def static_name(layer: int, part: str, role: str) -> str:
@@ -253,16 +253,21 @@ class GraphCodec:
                          to=ir.DataType.UINT8)
             rest = b.op("Cast", b.op("Slice", ordered, b.const([n]), b.const([self.head_dim]), b.const([-1])),
                         to=ir.DataType.INT32)
-            return b.op("Concat", first, self._pack_bits(b, rest, tq.bits, self.head_dim - n), axis=-1)
+            return b.op("Concat", first, self._pack_planes(b, rest, tq.bits, self.head_dim - n), axis=-1)
         if tq.bits == 8:
             return codes
-        codes = b.op("Cast", codes, to=ir.DataType.INT32)
-        if tq.bits in PLANE_BITS:  # low nibbles, then the plane of the higher bits (see the codec)
-            sixteen = b.const(np.array(16, dtype=np.int32))
-            high = b.op("Div", codes, sixteen)  # integer division: the bits above the nibble
-            low = b.op("Sub", codes, b.op("Mul", high, sixteen))
-            return b.op("Concat", self._pack_bits(b, low, 4), self._pack_bits(b, high, tq.bits - 4), axis=-1)
-        return self._pack_bits(b, codes, tq.bits)
+        return self._pack_planes(b, b.op("Cast", codes, to=ir.DataType.INT32), tq.bits, self.head_dim)
+
+    def _pack_planes(self, b: GraphBuilder, codes: ir.Value, bits: int, width: int) -> ir.Value:
+        """int32 codes [B,H,T,W] -> their planes' bytes (3/5/6 bits: low bits, then the higher bits; see the codec)."""
+        if bits not in PLANE_BITS:
+            return self._pack_bits(b, codes, bits, width)
+        low_bits, high_bits = code_planes(bits)
+        base = b.const(np.array(1 << low_bits, dtype=np.int32))
+        high = b.op("Div", codes, base)  # integer division: the bits above the low plane
+        low = b.op("Sub", codes, b.op("Mul", high, base))
+        return b.op("Concat", self._pack_bits(b, low, low_bits, width), self._pack_bits(b, high, high_bits, width),
+                    axis=-1)
 
     def _pack_bits(self, b: GraphBuilder, codes: ir.Value, bits: int, width: int | None = None) -> ir.Value:
         """int32 codes [B,H,T,W] of ``bits`` each -> uint8 [B,H,T,W*bits/8], lowest bits first (W: head_dim)."""
@@ -284,17 +289,22 @@ class GraphCodec:
             n, d = tq.high_channels, self.head_dim
             first = b.op("Slice", values, b.const([0]), b.const([n]), b.const([-1]))
             rest = b.op("Slice", values, b.const([n]), b.const([n + (d - n) * tq.bits // 8]), b.const([-1]))
-            ordered = b.op("Concat", first, self._unpack_bits(b, rest, tq.bits, d - n), axis=-1)
+            ordered = b.op("Concat", first, self._unpack_planes(b, rest, tq.bits, d - n), axis=-1)
             return b.op("MatMul", ordered, high.to_channels)
         if tq.bits == 8:
             return values
-        if tq.bits in PLANE_BITS:  # D/2 nibble bytes, then D*(bits-4)/8 bytes of the higher bits
-            d, extra = self.head_dim, tq.bits - 4
-            low = b.op("Slice", values, b.const([0]), b.const([d // 2]), b.const([-1]))
-            high = b.op("Slice", values, b.const([d // 2]), b.const([d // 2 + d * extra // 8]), b.const([-1]))
-            return b.op("Add", self._unpack_bits(b, low, 4),
-                        b.op("Mul", self._unpack_bits(b, high, extra), b.const(16.0)))
-        return self._unpack_bits(b, values, tq.bits)
+        return self._unpack_planes(b, values, tq.bits, self.head_dim)
+
+    def _unpack_planes(self, b: GraphBuilder, values: ir.Value, bits: int, width: int) -> ir.Value:
+        """float32 bytes of ``width`` codes -> float32 codes [B,H,T,W] (two planes for 3/5/6 bits)."""
+        if bits not in PLANE_BITS:
+            return self._unpack_bits(b, values, bits, width)
+        low_bits, high_bits = code_planes(bits)
+        split = width * low_bits // 8
+        low = b.op("Slice", values, b.const([0]), b.const([split]), b.const([-1]))
+        high = b.op("Slice", values, b.const([split]), b.const([width * bits // 8]), b.const([-1]))
+        return b.op("Add", self._unpack_bits(b, low, low_bits, width),
+                    b.op("Mul", self._unpack_bits(b, high, high_bits, width), b.const(float(1 << low_bits))))
 
     def _unpack_bits(self, b: GraphBuilder, values: ir.Value, bits: int, width: int | None = None) -> ir.Value:
         """float32 byte values [B,H,T,W*bits/8] -> float32 fields [B,H,T,W] of ``bits`` each, lowest first."""

@@ -33,17 +33,18 @@ above (``x̂ = (code - 2**(b-1)) * d`` for q4_0/q5_0/q8_0, ``x̂ = code * d + m`
 Packing (``pack``/``unpack``): codes of ``b < 8`` bits are packed along the last axis into uint8,
 lowest bits first: element ``i`` of the last axis lands in byte ``i // (8 // b)`` at bit offset
 ``(i % (8 // b)) * b`` (for 4 bits: even element in the low nibble, odd element in the high nibble).
-5- and 6-bit codes are two planes along the last axis: ``D/2`` bytes holding the low 4 bits as 4-bit codes, then
-``D * (b - 4) / 8`` bytes holding the higher bits as ``(b - 4)``-bit codes (6 bits: element ``i``'s top two bits
-in byte ``D/2 + i // 4`` at bit ``(i % 4) * 2``). For 5 bits that is
-``D/8`` bytes holding the fifth bits as 1-bit codes (element ``i``'s high bit in byte ``D/2 + i // 8`` at
-bit ``i % 8``).
+3-, 5- and 6-bit codes are two planes along the last axis (:func:`~kvq_export.scheme.code_planes`): ``D * l / 8``
+bytes holding the low ``l`` bits as ``l``-bit codes, then ``D * (b - l) / 8`` bytes holding the higher bits as
+``(b - l)``-bit codes, with ``l = 4`` for 5 and 6 bits and ``l = 2`` for 3 bits. 6 bits: element ``i``'s top two
+bits in byte ``D/2 + i // 4`` at bit ``(i % 4) * 2``; 5 bits: ``D/8`` bytes of fifth bits (element ``i``'s high
+bit in byte ``D/2 + i // 8`` at bit ``i % 8``); 3 bits: ``D/4`` bytes of 2-bit codes, then element ``i``'s third
+bit in byte ``D/4 + i // 8`` at bit ``i % 8``.
 
 High channels (``TensorQuant.high_channels``, per-channel ``int`` streams): the ``n`` channels of each kv head
 listed (ascending) in the calibrated ``high_channels`` ``[H, n]`` get codes in ``[0, 255]`` (scale = range / 255),
 the others in ``[0, 2**bits - 1]``; dequantization is the same ``code * scale + min`` for both. Per token the
 stored bytes are the ``n`` high channels' 8-bit codes in ascending channel order, then the other channels'
-codes in ascending channel order, packed as above.
+codes in ascending channel order, packed as above (their planes span those ``D - n`` channels).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ import torch
 
 from kvq_export.dtypes import DType
 from kvq_export.errors import QuantizationError
-from kvq_export.scheme import FP8_E4M3_MAX, PLANE_BITS, TensorQuant
+from kvq_export.scheme import FP8_E4M3_MAX, PLANE_BITS, TensorQuant, code_planes
 
 
 class Quantized(NamedTuple):
@@ -303,11 +304,12 @@ def dequantize(q: Quantized, tq: TensorQuant, out_dtype: torch.dtype = torch.flo
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack uint8 codes of ``bits`` (1, 2, 4, 5, 6 or 8) along the last axis, lowest bits first (5, 6: two planes)."""
+    """Pack uint8 codes of ``bits`` (1-6 or 8) along the last axis, lowest bits first (3, 5, 6: two planes)."""
     if bits == 8:
         return codes
     if bits in PLANE_BITS:
-        return torch.cat([pack(codes & 15, 4), pack(codes >> 4, bits - 4)], dim=-1)
+        low, high = code_planes(bits)
+        return torch.cat([pack(codes & ((1 << low) - 1), low), pack(codes >> low, high)], dim=-1)
     per = 8 // bits
     *lead, dim = codes.shape
     if dim % per:
@@ -322,8 +324,9 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return packed
     if bits in PLANE_BITS:
-        low = packed.shape[-1] * 4 // bits  # D/2 of the D*bits/8 bytes
-        return unpack(packed[..., :low], 4) | (unpack(packed[..., low:], bits - 4) << 4)
+        low, high = code_planes(bits)
+        split = packed.shape[-1] * low // bits  # D*low/8 of the D*bits/8 bytes
+        return unpack(packed[..., :split], low) | (unpack(packed[..., split:], high) << low)
     per = 8 // bits
     shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
     mask = (1 << bits) - 1
