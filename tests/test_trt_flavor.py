@@ -136,6 +136,16 @@ def test_plugin_nodes_match_the_declared_signature(exported, case):
         assert StreamLayout.from_attributes("value", want) == dataclasses.replace(value_layout, clip=1.0)
 
 
+@pytest.mark.parametrize("flavor", ["trt", "reference"])
+@pytest.mark.parametrize("case", ["llama-high-int6", "llama-int3-high", "llama-ort-int4"])
+def test_every_initializer_is_read_by_a_node(exported, case, flavor):
+    # each flavour reads a different part of a stream's calibrated constants (the plugin a channel order, the
+    # reference graph permutation matrices); one it never reads is dead weight ONNX Runtime warns about
+    graph = _load(exported(case, flavor)).graph
+    read = {name for node in graph.node for name in node.input}
+    assert [t.name for t in graph.initializer if t.name not in read] == []
+
+
 @pytest.mark.parametrize("case", ["llama-kivi-4", "llama-ort-int4", "llama-override", "llama-int4-sym-g32-rotated",
                                   "llama-high-int6"])
 def test_cache_io_and_update_equal_the_reference_flavour(exported, case):

@@ -8,8 +8,8 @@ reference cache's (the tests compare them bit for bit).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
 
 import numpy as np
 import onnx_ir as ir
@@ -58,21 +58,48 @@ def reshape_tokens(b: GraphBuilder, x: ir.Value, tokens: ir.Value, tail: Sequenc
     return b.op("Reshape", x, b.op("Concat", lead, tokens, b.const(list(tail)), axis=0))
 
 
-class HighChannels(NamedTuple):
-    """A high-channel stream's calibrated choice as graph constants.
+class HighChannels:
+    """A high-channel stream's calibrated choice as graph constants, each added on first use.
 
     ``to_stored`` ``[H, D, D]`` is the 0/1 matrix with ``codes @ to_stored`` = each head's codes in stored
     order (high channels first); ``to_channels`` is its transpose. Products with a 0/1 permutation matrix
     are exact on integer codes, and MatMul broadcasts a per-head matrix where Gather cannot.
     ``steps`` ``[H, 1, 1, D]``: code steps per channel (255 or ``2**bits - 1``). ``order`` ``[H, D]`` int32:
     the channel at each stored position (:func:`~kvq_export.reference.codec.channel_order`; the fused
-    attention plugin reads it).
+    attention plugin reads it). Lazy because each flavour reads a different subset (the reference graph
+    dequantizes with ``to_channels``, the plugin takes ``order``), and an unused initializer is dead weight
+    that ONNX Runtime warns about.
     """
 
-    to_stored: ir.Value
-    to_channels: ir.Value
-    steps: ir.Value
-    order: ir.Value
+    def __init__(self, b: GraphBuilder, layer: int, part: str, order: np.ndarray, steps: np.ndarray) -> None:
+        self._b, self._layer, self._part, self._order, self._steps = b, layer, part, order, steps
+
+    def _permutation(self) -> np.ndarray:
+        heads, d = self._order.shape
+        to_stored = np.zeros((heads, d, d), dtype=np.float32)
+        for h in range(heads):
+            to_stored[h, self._order[h], np.arange(d)] = 1.0
+        return to_stored
+
+    def _constant(self, suffix: str, array: np.ndarray) -> ir.Value:
+        return self._b.initializer(f"static.{self._layer}.{self._part}.high_channels.{suffix}", array)
+
+    @functools.cached_property
+    def to_stored(self) -> ir.Value:
+        return self._constant("to_stored", self._permutation())
+
+    @functools.cached_property
+    def to_channels(self) -> ir.Value:
+        return self._constant("to_channels", np.ascontiguousarray(self._permutation().transpose(0, 2, 1)))
+
+    @functools.cached_property
+    def steps(self) -> ir.Value:
+        return self._constant("steps", self._steps)
+
+    @functools.cached_property
+    def order(self) -> ir.Value:
+        return self._b.initializer(static_name(self._layer, self._part, "channel_order"),
+                                   self._order.astype(np.int32))
 
 
 class GraphCodec:
@@ -131,16 +158,8 @@ class GraphCodec:
         d = self.head_dim
         chosen = torch.as_tensor(high_channel_choice(self.static, layer, part, tq))
         high = check_high_channels(chosen, tq, self.kv_heads, d)
-        order = channel_order(high, d).numpy()
-        to_stored = np.zeros((self.kv_heads, d, d), dtype=np.float32)
-        for h in range(self.kv_heads):
-            to_stored[h, order[h], np.arange(d)] = 1.0
         steps = channel_steps(tq, high, d).numpy().reshape(self.kv_heads, 1, 1, d)
-        name = f"static.{layer}.{part}.high_channels"
-        made = HighChannels(b.initializer(f"{name}.to_stored", to_stored),
-                            b.initializer(f"{name}.to_channels", np.ascontiguousarray(to_stored.transpose(0, 2, 1))),
-                            b.initializer(f"{name}.steps", steps),
-                            b.initializer(static_name(layer, part, "channel_order"), order.astype(np.int32)))
+        made = HighChannels(b, layer, part, channel_order(high, d).numpy(), steps)
         self._orders[(layer, part)] = made
         return made
 
