@@ -144,11 +144,16 @@ def _check_case(exports, arch, preset, batch):
         for step, want in enumerate(ref_logits[1:], start=1):
             worst = max(worst, float(np.abs(onnx_logits[step][row] - want).max()))
         scale = max(scale, float(np.abs(ref_logits[-1]).max()))
-        flipped += _compare_state(arrays, row, ref, scheme, static)
+        row_flips = _compare_state(arrays, row, ref, scheme, static)
+        flipped += row_flips
         for layer, (k, v) in enumerate(decoded[row]):  # the manifest alone decodes the cache
-            # decode_cache returns the stored basis (rotated for a rotated stream), as the graph holds it
-            assert np.allclose(k, ref[layer].key.dequantized(basis="stored")[0].numpy(), atol=0.05, rtol=0.05)
-            assert np.allclose(v, ref[layer].value.dequantized(basis="stored")[0].numpy(), atol=0.05, rtol=0.05)
+            # decode_cache returns the stored basis (rotated for a rotated stream), as the graph holds it; a code
+            # that float noise moved by one step (counted above) moves its one element by a step, which for a
+            # 4-bit channel can exceed the tolerance
+            for got, part in ((k, ref[layer].key), (v, ref[layer].value)):
+                want = part.dequantized(basis="stored")[0].numpy()
+                off = int((~np.isclose(got, want, atol=0.05, rtol=0.05)).sum())
+                assert off <= row_flips, (layer, off, row_flips)
     if not flipped:  # the graph stored exactly the reference's codes
         assert worst <= 1e-4, f"{arch}/{preset}/{batch}: max |Δlogits| {worst:.2e}"
     else:  # float noise upstream moved a few codes by one step (bounded above): their effect, not a bug's
