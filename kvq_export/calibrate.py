@@ -52,8 +52,9 @@ shifts every score by ``s q_c e_c``, and a channel's error grows with its group 
 error in channel ``c`` reaches the residual stream through the ``o_proj`` columns that read it, so values rank
 by ``Σ ‖o_proj[:, c]‖² · E[range_c²]`` over the kv head's query heads.
 
-Files: :func:`save_calibration` writes one ``.npz`` with keys ``"<layer>.<key|value>.<scales|zero_points>"``;
-:func:`calibration_digest` fingerprints a calibration for manifests.
+Files: :func:`save_calibration` writes one ``.npz`` with keys
+``"<layer>.<key|value>.<scales|zero_points|high_channels>"``; :func:`calibration_digest` fingerprints a
+calibration for manifests.
 """
 
 from __future__ import annotations

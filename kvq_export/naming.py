@@ -67,7 +67,7 @@ class CacheTensor:
     format: str | None = None
     bits: int | None = None
     quantizer: str | None = None  # kvq | ggml: how codes were chosen (decoding is the same)
-    high_channels: int | None = None  # channels per head stored at 8 bits (see PACKING_HIGH)
+    high_channels: int | None = None  # channels per head stored at 8 bits (see packing_rule)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form for the manifest."""

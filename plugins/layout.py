@@ -36,7 +36,7 @@ class StreamLayout:
 
     Attributes:
         format: ``fp16`` (unquantized: every token in ``recent``), ``int``, ``int_sym`` or ``fp8_e4m3``.
-        bits: code width (2, 4, 5, 6, 8; 16 for fp16; 5 and 6 bits are stored as two planes).
+        bits: code width (2, 3, 4, 5, 6, 8; 16 for fp16; 3, 5 and 6 bits are stored as two planes).
         axis: ``token`` or ``channel`` group axis.
         group: token axis: elements per group along head_dim; dynamic channel axis: tokens per group;
             static channel axis: 0 (one scale per channel for all tokens).
