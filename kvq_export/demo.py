@@ -1,11 +1,12 @@
 """The demo behind ``make demo``: three exports of the built-in model, one prompt, side by side.
 
 1. the **fp16 baseline** (reference flavour: standard ONNX ops, any ONNX Runtime);
-2. the **most accurate preset at <= 5 bits per element** kvq has measured (:data:`ACCURATE_SCHEME`: KIVI-style
+2. the **most accurate preset at <= 5 bits per element for a short prompt** (:data:`ACCURATE_SCHEME`: KIVI-style
    4-bit keys per channel and values per token, asymmetric groups of 64, no fp16 window; +0.99% perplexity on
-   protocol P at 4.5 bits/element (`kvq validate`), +0.86% in the PyTorch reference), also reference flavour
-   (int4 keys with 8-bit high channels do better, not on ort-gqa: a per-layer plan made for SmolLM2
-   alone, ``models/smollm2-plan-4.5.json``, +0.43% with ``kvq validate``, +0.38% in the PyTorch reference);
+   protocol P at 4.5 bits/element (`kvq validate`), +0.86% in the PyTorch reference), also reference flavour.
+   ``k-int4-hc4-v-q4_0-rot`` (int4 keys with 4 calibrated 8-bit channels per head, rotated q4_0 values) is
+   more accurate on P (+0.54% / +0.32%), but its key groups of 128 tokens keep up to 127 tokens in fp16: 6.6
+   bits/element at the demo's 200 tokens against 4.7;
 3. the **ort-gqa fast path** (``ort-int8`` with calibrated static scales): ONNX Runtime's fused
    GroupQueryAttention reading an int8 buffer in place, which onnxruntime-genai serves as it is.
 

@@ -24,6 +24,8 @@ def _static(scheme: KVQuantScheme, layers: int, heads: int, dim: int):
         for part, tq in zip(("key", "value"), streams):
             n = dim // tq.token_group(dim) if tq.axis == "token" else dim
             out[layer][part] = {"scales": torch.full((heads, n), 0.01), "zero_points": torch.zeros(heads, n)}
+            if tq.high_channels:
+                out[layer][part] = {"high_channels": torch.arange(tq.high_channels).repeat(heads, 1)}
     return out
 
 
