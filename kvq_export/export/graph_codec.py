@@ -74,7 +74,9 @@ class HighChannels:
     def __init__(self, b: GraphBuilder, layer: int, part: str, order: np.ndarray, steps: np.ndarray) -> None:
         self._b, self._layer, self._part, self._order, self._steps = b, layer, part, order, steps
 
+    @functools.cached_property
     def _permutation(self) -> np.ndarray:
+        """``[H, D, D]`` 0/1 matrix taking each head's codes to stored order (both MatMul constants derive from it)."""
         heads, d = self._order.shape
         to_stored = np.zeros((heads, d, d), dtype=np.float32)
         for h in range(heads):
@@ -86,11 +88,11 @@ class HighChannels:
 
     @functools.cached_property
     def to_stored(self) -> ir.Value:
-        return self._constant("to_stored", self._permutation())
+        return self._constant("to_stored", self._permutation)
 
     @functools.cached_property
     def to_channels(self) -> ir.Value:
-        return self._constant("to_channels", np.ascontiguousarray(self._permutation().transpose(0, 2, 1)))
+        return self._constant("to_channels", np.ascontiguousarray(self._permutation.transpose(0, 2, 1)))
 
     @functools.cached_property
     def steps(self) -> ir.Value:
