@@ -73,7 +73,8 @@ class RegionSplit:
     """How a stream of ``n`` tokens divides into sinks, quantized and recent tokens.
 
     ``sinks = min(sink_tokens, n)``; the rest enter the recent window, and whatever is older than the
-    ``residual_length`` newest tokens leaves it in whole flush units (1 token, or a channel-axis group)
+    ``residual_length`` newest tokens (the stream's own when it sets one, else the scheme's) leaves it in
+    whole flush units (1 token, or a channel-axis group)
     and is quantized. An unquantized stream keeps every token in ``recent``.
     """
 
@@ -86,12 +87,13 @@ class RegionSplit:
     RULE: ClassVar[str] = (
         "sinks = min(sink_tokens, n); rest = n - sinks; quantized = floor(max(0, rest - residual_length) / unit) "
         "* unit (unit = group_size for channel-axis dynamic streams, else 1); recent = rest - quantized "
-        "(an unquantized stream keeps all n in recent)")
+        "(an unquantized stream keeps all n in recent); residual_length is the stream's own when its description "
+        "sets one, else the scheme's")
 
     @classmethod
     def of(cls, tq: TensorQuant, scheme: KVQuantScheme) -> RegionSplit:
         """The split of stream ``tq`` of ``scheme``."""
-        return cls(scheme.sink_tokens, scheme.residual_length, tq.flush_unit, tq.quantized)
+        return cls(scheme.sink_tokens, scheme.residual_for(tq), tq.flush_unit, tq.quantized)
 
     def lengths(self, n, ops: Any = _Arithmetic):
         """(sinks, quantized, recent) for ``n`` tokens (an int, a numpy/torch vector, or a graph value with ``ops``).

@@ -339,15 +339,29 @@ class AttentionSample:
         hq, p, d = self.q.shape
         return self.q.reshape(hkv, (hq // hkv) * p, d)
 
-    def attention_with(self, keys: torch.Tensor) -> torch.Tensor:
-        """Causal attention weights of the sampled queries over ``keys`` [Hkv, T, D]."""
+    def attention_with(self, keys: torch.Tensor, recent: int = 0) -> torch.Tensor:
+        """Causal attention weights of the sampled queries over ``keys`` [Hkv, T, D].
+
+        ``recent`` > 0: each query reads its ``recent`` newest keys (its own included) from the exact
+        ``self.keys`` instead, as a cache with that high-precision window does.
+        """
         import torch
 
         q = self.grouped_queries()
         scores = torch.bmm(q, keys.transpose(1, 2)) * self.scaling
+        if recent:
+            exact = torch.bmm(q, self.keys.transpose(1, 2)) * self.scaling
+            scores = torch.where(self.recent_mask(recent)[None], exact, scores)
         groups = q.shape[1] // self.positions.shape[0]
         future = torch.arange(keys.shape[1])[None, :] > self.positions.repeat(groups)[:, None]
         return torch.softmax(scores.masked_fill(future[None], float("-inf")), dim=-1)
+
+    def recent_mask(self, recent: int) -> torch.Tensor:
+        """``[G * P, T]`` bool: key ``j`` is among the ``recent`` newest tokens a query at its position holds."""
+        import torch
+
+        groups = self.grouped_queries().shape[1] // self.positions.shape[0]
+        return torch.arange(self.keys.shape[1])[None, :] > self.positions.repeat(groups)[:, None] - recent
 
 
 def collect_attention_samples(

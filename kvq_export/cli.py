@@ -29,6 +29,13 @@ class _Group(click.Group):
             ctx.exit(1)
 
 
+def _windows(scheme) -> list[tuple[str, int]]:
+    """The scheme's high-precision windows as (label, tokens): ``R`` (``R_K``/``R_V`` when they differ), ``S``."""
+    key, value = (scheme.residual_for(tq) for tq in (scheme.key, scheme.value))
+    recent = [("R", key)] if key == value else [("R_K", key), ("R_V", value)]
+    return [(label, count) for label, count in (*recent, ("S", scheme.sink_tokens)) if count]
+
+
 def _console():
     from rich.console import Console
 
@@ -97,9 +104,7 @@ def schemes(head_dim: int, as_json: bool) -> None:
     for col in ("preset", "bits/elem", *(f"@{n}" for n in lengths), "keys", "values", "window", "about"):
         table.add_column(col)
     for name, (scheme, about) in PRESETS.items():
-        window = f"R={scheme.residual_length}" if scheme.residual_length else "-"
-        if scheme.sink_tokens:
-            window += f" S={scheme.sink_tokens}"
+        window = " ".join(f"{label}={count}" for label, count in _windows(scheme)) or "-"
         at = [f"{predict(scheme, geometry, n).bits_per_element:.3f}" for n in lengths]
         table.add_row(name, bits_label(scheme.effective_bits(head_dim)), *at, scheme.key.describe(),
                       scheme.value.describe(), window, about)
@@ -226,7 +231,7 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, ca
 @click.option("--context", type=click.IntRange(1), default=4096, show_default=True,
               help="Cache length the budget is stated at.")
 @click.option("--candidates", default="ort-gqa", show_default=True,
-              help="Built-in set (ort-gqa, kivi, accuracy) or comma-separated presets / scheme files "
+              help="Built-in set (ort-gqa, kivi, accuracy, accuracy-recent) or comma-separated presets / scheme files "
                    "(one layer option each).")
 @click.option("--metric", type=click.Choice(["attention", "kl"]), default="attention", show_default=True,
               help="attention: output error through o_proj relative to the residual stream (one model pass); "
@@ -237,12 +242,14 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, ca
 @click.option("--percentile", type=click.FloatRange(0, 100, min_open=True), default=99.9, show_default=True)
 @click.option("--sink-tokens", type=click.IntRange(0), default=0, show_default=True,
               help="First tokens kept in high precision in every layer (measured, and counted in the budget).")
+@click.option("--value-window", type=click.IntRange(0), default=None,
+              help="Every value candidate keeps its N newest tokens exact (measured, and counted in the budget).")
 @click.option("--name", default=None, help="Name of the planned scheme (default plan-<budget>b).")
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Scheme JSON to write.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the measured damage per layer and candidate, and the uniform choices, as JSON.")
 def plan(model_spec, corpus, tokens, offset, budget, context, candidates, metric, calib_method, percentile,
-         sink_tokens, name, out_path, report_path) -> None:
+         sink_tokens, value_window, name, out_path, report_path) -> None:
     """Choose per-layer key/value formats under a bit budget by measured attention damage; write a scheme."""
     from pathlib import Path
 
@@ -256,7 +263,7 @@ def plan(model_spec, corpus, tokens, offset, budget, context, candidates, metric
     windows = calibration_windows(tokenizer, corpus, tokens, offset=offset)
     result = plan_scheme(model, windows, budget=budget, context=context, candidates=candidates, metric=metric,
                          calib_method=calib_method, percentile=percentile, sink_tokens=sink_tokens,
-                         name=name or Path(out_path).stem)
+                         value_window=value_window, name=name or Path(out_path).stem)
     result.settings.update(model=model_spec, corpus=corpus, offset=offset)
     Path(out_path).write_text(result.scheme.to_json() + "\n")
     if report_path:

@@ -155,6 +155,49 @@ CANDIDATE_SETS: dict[str, CandidateSet] = {
 }
 
 
+def _recent(tq: TensorQuant, tokens: int) -> TensorQuant:
+    return dataclasses.replace(tq, residual_length=tokens)
+
+
+#: Recent windows (exact tokens) the ``accuracy-recent`` set offers the low-bit values. Local heads read
+#: their newest tokens most, so a short exact window removes much of a 2-3-bit value stream's error for a
+#: few bits per token (16 fp16 tokens at 4096 cost 0.05 bits per value element).
+RECENT_VALUE_WINDOWS = (8, 16, 32, 64)
+_ACCURACY = CANDIDATE_SETS["accuracy"]
+CANDIDATE_SETS["accuracy-recent"] = CandidateSet(
+    "the accuracy set, plus its rotated int4 / int3 / int2 values (g64, and int3 / int2 g32) with a recent window of "
+    f"{' / '.join(map(str, RECENT_VALUE_WINDOWS))} exact tokens (counted in the budget; keys keep no window)",
+    keys=_ACCURACY.keys,
+    values=_ACCURACY.values + tuple(
+        _recent(value, tokens) for value in (_rot(_token(4, 64)), _rot(_sym_token(4, 64)), _rot(_token(2, 64), 0.8),
+                                             *(_rot(_token(3, 64), clip) for clip in (1.0, 0.9, 0.85)),
+                                             _rot(_token(3, 32), 0.9), _rot(_token(2, 32), 0.8))
+        for tokens in RECENT_VALUE_WINDOWS),
+)
+
+
+def with_value_window(cset: CandidateSet, tokens: int) -> CandidateSet:
+    """``cset`` with every quantized value keeping its ``tokens`` newest tokens exact (its own recent window).
+
+    Channel-axis values whose group does not divide ``tokens`` are left out (their window moves in whole groups).
+    """
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise KVQError(f"invalid value window {tokens!r}: allowed: an integer >= 0 (tokens)")
+
+    def windowed(value: TensorQuant) -> TensorQuant | None:
+        if not value.quantized:
+            return value
+        return None if tokens % value.flush_unit else _recent(value, tokens)
+
+    values = tuple(dict.fromkeys(v for v in map(windowed, cset.values) if v is not None))
+    pairs = tuple(dict.fromkeys((k, windowed(v)) for k, v in cset.pairs if windowed(v) is not None))
+    kept = CandidateSet(f"{cset.about}; every value keeps its {tokens} newest tokens exact", cset.keys, values, pairs)
+    if not kept.options():
+        raise KVQError(f"no value candidate of {cset.about!r} can keep a window of {tokens} tokens "
+                       "(channel-axis values need a multiple of their group size)")
+    return kept
+
+
 def candidate_set(spec: str) -> CandidateSet:
     """A built-in set name, or comma-separated presets / scheme files (each a tied layer option)."""
     if spec in CANDIDATE_SETS:
@@ -255,6 +298,11 @@ def _reference_dequant(x: torch.Tensor, tq: TensorQuant, meta: Mapping | None, s
     return stream.dequantized(torch.float32)[0]
 
 
+def _older(weights: torch.Tensor, window: torch.Tensor | None) -> torch.Tensor:
+    """Attention weights on the tokens older than each query's exact window (which reads values exactly)."""
+    return weights if window is None else weights.masked_fill(window, 0.0)
+
+
 def attention_damage(
     samples: Sequence[AttentionSample], o_proj: torch.Tensor, key: TensorQuant | None, value: TensorQuant | None,
     meta: Mapping[str, Mapping] | None = None, sink_tokens: int = 0,
@@ -264,7 +312,8 @@ def attention_damage(
     ``o_proj`` is the layer's output projection weight ``[hidden, Hq * D]``. The damage is the mean over
     sampled queries of ``|o_proj(ô - o)|² / |h|²`` (``h`` the residual stream entering the layer); the
     key-/value-induced errors are ``|(A' - A) V| / |o|`` and ``|A (V̂ - V)| / |o|`` averaged over query
-    heads and queries (the quantities ``kvq validate`` reports). The first ``sink_tokens`` tokens stay exact.
+    heads and queries (the quantities ``kvq validate`` reports). The first ``sink_tokens`` tokens stay exact,
+    and so do the newest ``residual_length`` tokens of a stream that sets one, as seen from each query.
     """
     import torch
 
@@ -274,15 +323,18 @@ def attention_damage(
     for sample in samples:
         a = sample.attention()
         v = sample.values
-        a_hat = a if key is None else \
-            sample.attention_with(_reference_dequant(sample.keys, key, meta.get("key"), sink_tokens))
-        v_hat = v if value is None else _reference_dequant(v, value, meta.get("value"), sink_tokens)
+        a_hat = a if key is None else sample.attention_with(
+            _reference_dequant(sample.keys, key, meta.get("key"), sink_tokens), key.residual_length or 0)
+        v_err = None if value is None else _reference_dequant(v, value, meta.get("value"), sink_tokens) - v
+        window = sample.recent_mask(value.residual_length)[None] if value and value.residual_length else None
         o = torch.bmm(a, v)
-        err = torch.bmm(a_hat, v_hat) - o  # [Hkv, G*P, D]
-        hq, p, d = sample.q.shape
+        err = torch.bmm(a_hat, v) - o  # [Hkv, G*P, D]
         norm_o = o.norm(dim=-1).clamp_min(1e-30)
-        key_induced += float((torch.bmm(a_hat - a, v).norm(dim=-1) / norm_o).mean())
-        value_induced += float((torch.bmm(a, v_hat - v).norm(dim=-1) / norm_o).mean())
+        key_induced += float((err.norm(dim=-1) / norm_o).mean())
+        if v_err is not None:
+            err = err + torch.bmm(_older(a_hat, window), v_err)
+            value_induced += float((torch.bmm(_older(a, window), v_err).norm(dim=-1) / norm_o).mean())
+        hq, p, d = sample.q.shape
         per_head = err.reshape(hq, p, d).permute(1, 0, 2).reshape(p, hq * d)  # [P, Hq*D]
         moved = per_head @ o_proj.T  # [P, hidden]
         residual = sample.residual_norm.clamp_min(1e-30) if sample.residual_norm is not None else torch.ones(p)
@@ -479,6 +531,7 @@ def plan_scheme(
     name: str | None = None,
     resolution: int = RESOLUTION,
     sink_tokens: int = 0,
+    value_window: int | None = None,
 ) -> Plan:
     """Plan a per-layer scheme for ``model`` (see the module docstring).
 
@@ -496,6 +549,8 @@ def plan_scheme(
         sink_tokens: first tokens of every sequence kept in high precision in every layer (attention sinks
             draw much of the attention and stretch a per-channel key group's range); measured and paid for
             in the budget like any other stored byte.
+        value_window: every value candidate keeps this many newest tokens exact (:func:`with_value_window`;
+            measured per query and paid for in the budget); None: the candidates' own windows.
 
     Raises:
         KVQError: unknown metric, a non-positive budget/context, or a budget no choice fits.
@@ -512,6 +567,8 @@ def plan_scheme(
     if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
         raise KVQError(f"invalid sink_tokens={sink_tokens!r}: allowed: an integer >= 0")
     cset = candidate_set(candidates) if isinstance(candidates, str) else candidates
+    if value_window is not None:
+        cset = with_value_window(cset, value_window)
     facts = model_facts(model.config)
     layers, heads, dim = facts.num_layers, facts.num_kv_heads, facts.head_dim
     cset = fitting(cset, dim)
@@ -547,5 +604,5 @@ def plan_scheme(
                 scheme.name, bits, context, budget, total, metric)
     return Plan(scheme, bits, total, budget, context, metric, damages, uniform,
                 {"candidates": cset.about, "calib_method": calib_method, "sink_tokens": sink_tokens,
-                 "windows": len(windows),
+                 "value_window": value_window, "windows": len(windows),
                  "tokens": sum(len(w) for w in windows)})

@@ -104,6 +104,10 @@ class TensorQuant:
             and kept in the calibration artifact beside the scheme as ``high_channels`` ``[kv_heads, n]``
             (ascending). A channel's code range is its own (``2**8 - 1`` or ``2**bits - 1`` steps over the
             group's range), so dequantization stays ``code * scale + min``. 0: every channel at ``bits``.
+        residual_length: this stream's own recent window (tokens kept in ``hp_dtype`` before they are
+            quantized), in place of the scheme's ``residual_length``; ``None``: the scheme's. Keys and values
+            can then keep different windows (a short window of exact values is cheap and protects the recent
+            tokens that local heads read most; per-channel keys already keep their partial group).
     """
 
     format: str = "int"
@@ -116,6 +120,7 @@ class TensorQuant:
     quantizer: str = "kvq"
     rotation: str = "none"
     high_channels: int = 0
+    residual_length: int | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -239,6 +244,9 @@ class TensorQuant:
         if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)) or not (0.0 < self.clip <= 1.0):
             raise _fail("clip", self.clip, "allowed: a ratio in (0, 1]")
         self._validate_high_channels()
+        r = self.residual_length
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+            raise _fail("residual_length", r, "allowed: an integer >= 0, or null for the scheme's residual_length")
 
     def _validate_high_channels(self) -> None:
         n = self.high_channels
@@ -297,10 +305,12 @@ class TensorQuant:
 
     # -- serialisation ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form (``high_channels`` only when set, so schemes without it read as before)."""
+        """Plain-JSON form (``high_channels``, ``residual_length`` only when set: older schemes read as before)."""
         data = dataclasses.asdict(self)
         if not self.high_channels:
             del data["high_channels"]
+        if self.residual_length is None:
+            del data["residual_length"]
         return data
 
     @classmethod
@@ -332,7 +342,8 @@ class TensorQuant:
         group = "whole" if self.group_size is None else f"g{self.group_size}"
         clip = "" if self.clip == 1.0 else f" clip{self.clip:g}"
         high = f" +{self.high_channels}ch-int8" if self.high_channels else ""
-        return f"{name}{high} {self.axis} {group} {self.scale_dtype}-scale {self.scales}{clip}{rotation}"
+        recent = "" if self.residual_length is None else f" recent{self.residual_length}"
+        return f"{name}{high} {self.axis} {group} {self.scale_dtype}-scale {self.scales}{clip}{rotation}{recent}"
 
 
 _TQ_FIELDS = tuple(f.name for f in dataclasses.fields(TensorQuant))
@@ -388,13 +399,19 @@ class KVQuantScheme:
         for layer in range(-1, len(overrides)):
             key, value = (self.key, self.value) if layer < 0 else self.for_layer(overrides[layer].layer)
             for where, tq in (("key", key), ("value", value)):
-                if tq.quantized and not tq.streaming and self.residual_length % tq.flush_unit:
+                residual = self.residual_for(tq)
+                if tq.quantized and not tq.streaming and residual % tq.flush_unit:
+                    label = "residual_length" if tq.residual_length is None else f"{where}.residual_length"
                     raise _fail(
-                        "residual_length", self.residual_length,
+                        label, residual,
                         f"with {where}.axis=channel it must be a multiple of group_size={tq.group_size}",
                     )
 
     # -- per-layer view --------------------------------------------------------------------------
+    def residual_for(self, tq: TensorQuant) -> int:
+        """The recent window of stream ``tq``: its own ``residual_length``, else the scheme's."""
+        return self.residual_length if tq.residual_length is None else tq.residual_length
+
     def for_layer(self, layer: int) -> tuple[TensorQuant, TensorQuant]:
         """(key, value) descriptions in force for ``layer``."""
         for override in self.layer_overrides:

@@ -45,7 +45,7 @@ def stream_constants(prefix: str, layout: StreamLayout) -> dict[str, int | bool]
     if not layout.quantized:
         return {f"{prefix}_QUANT": False, f"{prefix}_FP8": False, f"{prefix}_BITS": 8, f"{prefix}_OFFSET": 0,
                 f"{prefix}_CHANNEL": False, f"{prefix}_GROUP": 1, f"{prefix}_META": 1, f"{prefix}_STATIC": False,
-                f"{prefix}_HAS_ZERO": False, f"{prefix}_UNIT": 1, f"{prefix}_HIGH": 0}
+                f"{prefix}_HAS_ZERO": False, f"{prefix}_UNIT": 1, f"{prefix}_HIGH": 0, f"{prefix}_RESIDUAL": 0}
     channel = layout.axis == "channel"
     group = 1 if layout.static and channel else layout.group
     return {
@@ -54,6 +54,7 @@ def stream_constants(prefix: str, layout: StreamLayout) -> dict[str, int | bool]
         f"{prefix}_CHANNEL": channel and not layout.static, f"{prefix}_GROUP": group,
         f"{prefix}_META": layout.meta_width, f"{prefix}_STATIC": layout.static,
         f"{prefix}_HAS_ZERO": layout.has_zero, f"{prefix}_UNIT": layout.unit, f"{prefix}_HIGH": layout.high,
+        f"{prefix}_RESIDUAL": layout.residual_length,
     }
 
 
@@ -61,15 +62,14 @@ def kernel_constants(key: StreamLayout, value: StreamLayout, *, num_heads: int, 
                      window: int | None, dot_f16: bool, t_max: int, num_splits: int,
                      block_n: int | None = None) -> dict[str, object]:
     """Every constexpr of the fused kernel (shared by the JIT launcher and the TensorRT AOT compile)."""
-    if key.head_dim != value.head_dim or key.sink_tokens != value.sink_tokens \
-            or key.residual_length != value.residual_length:
-        raise QuantizationError("key and value layouts disagree on head_dim or windows")
+    if key.head_dim != value.head_dim or key.sink_tokens != value.sink_tokens:
+        raise QuantizationError("key and value layouts disagree on head_dim or sink tokens")
     groups = num_heads // kv_heads
     return {
         "SM_SCALE": float(scale), "WINDOW": int(window or 0), "NUM_HEADS": num_heads, "KV_HEADS": kv_heads,
         "GROUPS": groups, "HEAD_DIM": key.head_dim, "BLOCK_M": max(16, min(64, _next_pow2(groups * t_max))),
         "BLOCK_N": block_n or 32, "BLOCK_D": max(16, _next_pow2(key.head_dim)), "NUM_SPLITS": num_splits,
-        "DOT_F16": dot_f16, "SINKS": key.sink_tokens, "RESIDUAL": key.residual_length,
+        "DOT_F16": dot_f16, "SINKS": key.sink_tokens,
         **stream_constants("K", key), **stream_constants("V", value),
     }
 

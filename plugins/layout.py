@@ -43,7 +43,8 @@ class StreamLayout:
         static: scales (and zero points) are per-layer ``[kv_heads, n]`` constants.
         has_zero: asymmetric ``int`` stores a minimum beside each scale.
         head_dim: channels per head.
-        sink_tokens, residual_length: the scheme's windows.
+        sink_tokens: the scheme's sinks; residual_length: the stream's recent window
+            (:meth:`~kvq_export.scheme.KVQuantScheme.residual_for`).
         unit: tokens that leave the recent window together (1, or a channel-axis group).
         scale_dtype, hp_dtype: ``fp16`` / ``fp32`` storage of metadata and of sinks/recent.
         clip: range shrink ratio used when quantizing (see :class:`~kvq_export.scheme.TensorQuant`).
@@ -72,14 +73,14 @@ class StreamLayout:
         """The layout of stream ``tq`` of ``scheme`` for heads of ``head_dim`` channels."""
         tq.check_head_dim(head_dim, "stream")
         if not tq.quantized:
-            return cls("fp16", 16, "token", 0, False, False, head_dim, scheme.sink_tokens, scheme.residual_length,
+            return cls("fp16", 16, "token", 0, False, False, head_dim, scheme.sink_tokens, scheme.residual_for(tq),
                        1, "fp16", scheme.hp_dtype)
         if tq.axis == "token":
             group = tq.token_group(head_dim)
         else:
             group = 0 if tq.scales == "static" else int(tq.group_size)
         return cls(tq.format, tq.bits, tq.axis, group, tq.scales == "static", tq.has_zero_point, head_dim,
-                   scheme.sink_tokens, scheme.residual_length, tq.flush_unit, tq.scale_dtype, scheme.hp_dtype,
+                   scheme.sink_tokens, scheme.residual_for(tq), tq.flush_unit, tq.scale_dtype, scheme.hp_dtype,
                    float(tq.clip), tq.quantizer, tq.high_channels)
 
     @classmethod
@@ -140,21 +141,21 @@ class StreamLayout:
         """The stream as plugin attributes (ints and strings only: ONNX and TensorRT plugin fields).
 
         Names: ``{prefix}_format``, ``_bits``, ``_axis``, ``_group``, ``_static``, ``_scale_dtype``,
-        ``_quantizer``, ``_high_channels``.
+        ``_quantizer``, ``_high_channels``, ``_residual_length``.
         """
         return {f"{prefix}_format": self.format, f"{prefix}_bits": self.bits, f"{prefix}_axis": self.axis,
                 f"{prefix}_group": self.group, f"{prefix}_static": int(self.static),
                 f"{prefix}_scale_dtype": self.scale_dtype, f"{prefix}_quantizer": self.quantizer,
-                f"{prefix}_high_channels": self.high}
+                f"{prefix}_high_channels": self.high, f"{prefix}_residual_length": self.residual_length}
 
     @classmethod
     def from_attributes(cls, prefix: str, attrs: Mapping[str, object]) -> StreamLayout:
-        """Inverse of :meth:`attributes` (plus the shared head_dim, sink_tokens, residual_length, hp_dtype)."""
+        """Inverse of :meth:`attributes` (plus the shared head_dim, sink_tokens, hp_dtype)."""
         fmt, group = str(attrs[f"{prefix}_format"]), int(attrs[f"{prefix}_group"])
         static = bool(attrs[f"{prefix}_static"])
         axis = str(attrs[f"{prefix}_axis"])
         layout = cls(fmt, int(attrs[f"{prefix}_bits"]), axis, group, static, fmt == "int", int(attrs["head_dim"]),
-                     int(attrs["sink_tokens"]), int(attrs["residual_length"]), 1,
+                     int(attrs["sink_tokens"]), int(attrs[f"{prefix}_residual_length"]), 1,
                      str(attrs[f"{prefix}_scale_dtype"]), str(attrs["hp_dtype"]),
                      quantizer=str(attrs.get(f"{prefix}_quantizer", "kvq")),
                      high=int(attrs.get(f"{prefix}_high_channels", 0)))

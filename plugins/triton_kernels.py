@@ -194,13 +194,12 @@ def _decode_attention_kernel(
     SM_SCALE: tl.constexpr, WINDOW: tl.constexpr, NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
     GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F16: tl.constexpr, SINKS: tl.constexpr,
-    RESIDUAL: tl.constexpr,
     K_QUANT: tl.constexpr, K_FP8: tl.constexpr, K_BITS: tl.constexpr, K_OFFSET: tl.constexpr,
     K_CHANNEL: tl.constexpr, K_GROUP: tl.constexpr, K_META: tl.constexpr, K_STATIC: tl.constexpr,
-    K_HAS_ZERO: tl.constexpr, K_UNIT: tl.constexpr, K_HIGH: tl.constexpr,
+    K_HAS_ZERO: tl.constexpr, K_UNIT: tl.constexpr, K_HIGH: tl.constexpr, K_RESIDUAL: tl.constexpr,
     V_QUANT: tl.constexpr, V_FP8: tl.constexpr, V_BITS: tl.constexpr, V_OFFSET: tl.constexpr,
     V_CHANNEL: tl.constexpr, V_GROUP: tl.constexpr, V_META: tl.constexpr, V_STATIC: tl.constexpr,
-    V_HAS_ZERO: tl.constexpr, V_UNIT: tl.constexpr, V_HIGH: tl.constexpr,
+    V_HAS_ZERO: tl.constexpr, V_UNIT: tl.constexpr, V_HIGH: tl.constexpr, V_RESIDUAL: tl.constexpr,
 ):
     """One (row, kv head, query block, sequence split): all GROUPS query heads of the kv head at once.
 
@@ -253,10 +252,10 @@ def _decode_attention_kernel(
         pos = start + tl.arange(0, BLOCK_N)
         k = _stream_tile(ks_ptr, kc_ptr, kscale_ptr, kzero_ptr, kr_ptr, ko_ptr, b, h, pos, d, n, KS_LEN, KQ_LEN,
                          KR_LEN, KV_HEADS, HEAD_DIM, K_QUANT, K_FP8, K_BITS, K_OFFSET, K_CHANNEL, K_GROUP, K_META,
-                         K_STATIC, K_HAS_ZERO, SINKS, RESIDUAL, K_UNIT, K_HIGH)
+                         K_STATIC, K_HAS_ZERO, SINKS, K_RESIDUAL, K_UNIT, K_HIGH)
         v = _stream_tile(vs_ptr, vc_ptr, vscale_ptr, vzero_ptr, vr_ptr, vo_ptr, b, h, pos, d, n, VS_LEN, VQ_LEN,
                          VR_LEN, KV_HEADS, HEAD_DIM, V_QUANT, V_FP8, V_BITS, V_OFFSET, V_CHANNEL, V_GROUP, V_META,
-                         V_STATIC, V_HAS_ZERO, SINKS, RESIDUAL, V_UNIT, V_HIGH)
+                         V_STATIC, V_HAS_ZERO, SINKS, V_RESIDUAL, V_UNIT, V_HIGH)
         if DOT_F16:
             s = tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16)))
         else:

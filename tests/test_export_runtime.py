@@ -42,6 +42,10 @@ EXTRA = {
         key=TensorQuant(format="int", bits=3, axis="channel", group_size=8, high_channels=8),
         value=TensorQuant(format="int", bits=3, group_size=16, clip=0.85, rotation="hadamard"),
         name="int3-high-channels"),
+    "recent-values": KVQuantScheme(  # the values' own exact window beside per-channel keys without one
+        key=TensorQuant(format="int", bits=3, axis="channel", group_size=8),
+        value=TensorQuant(format="int", bits=3, group_size=16, clip=0.9, rotation="hadamard", residual_length=5),
+        name="recent-values"),
 }
 
 
@@ -56,7 +60,7 @@ PROMPTS = {"solo": [[5, 17, 99, 3, 42, 8, 77]], "padded": [[11, 12, 13, 14, 15],
 def _steps(scheme) -> int:
     groups = [t.group_size or 1 for t in scheme.for_layer(0) if t.quantized and t.axis == "channel"
               and t.scales == "dynamic"] or [1]
-    return 3 * max(groups + [4]) + scheme.residual_length + 2
+    return 3 * max(groups + [4]) + max(scheme.residual_for(t) for t in scheme.for_layer(0)) + 2
 
 
 def _static(model, scheme):

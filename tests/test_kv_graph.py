@@ -37,6 +37,10 @@ SMALL = {  # group 4, recent 8, sinks 2: every boundary is crossed within a few 
         key=TensorQuant(format="int", bits=4, axis="channel", group_size=4, high_channels=6),
         value=TensorQuant(format="int", bits=2, axis="channel", group_size=4, high_channels=4),
         residual_length=4, sink_tokens=1),
+    "per-stream-windows": KVQuantScheme(  # keys keep the scheme's window, values their own longer one
+        key=TensorQuant(format="int", bits=4, axis="channel", group_size=4),
+        value=TensorQuant(format="int", bits=3, group_size=8, clip=0.9, residual_length=6),
+        residual_length=4, sink_tokens=1),
 }
 
 
@@ -186,7 +190,7 @@ def _stored_basis(scheme):
 def test_presets_cross_every_flush_boundary(preset):
     scheme = _stored_basis(PRESETS[preset][0])
     groups = [t.group_size or 1 for t in scheme.for_layer(0) if t.quantized]
-    steps = 3 * max(groups + [1]) + scheme.residual_length + 2
+    steps = 3 * max(groups + [1]) + max(scheme.residual_for(t) for t in scheme.for_layer(0)) + 2
     run_schedule(scheme, [[5, 9]] + [[1, 1]] * steps, dim=64)
 
 

@@ -32,11 +32,14 @@ def _static(scheme: KVQuantScheme, layers: int, heads: int, dim: int):
 
 @settings(max_examples=40, deadline=None)
 @given(preset=st.sampled_from(sorted(PRESETS)), seq_len=st.integers(0, 300), batch=st.integers(1, 3),
-       sinks=st.sampled_from([0, 4]))
-def test_prediction_equals_reference_nbytes(preset, seq_len, batch, sinks):
+       sinks=st.sampled_from([0, 4]), value_window=st.sampled_from([None, 0, 3]))
+def test_prediction_equals_reference_nbytes(preset, seq_len, batch, sinks, value_window):
     import dataclasses
 
     scheme = dataclasses.replace(get_preset(preset), sink_tokens=sinks)
+    if value_window is not None and scheme.value.quantized:  # the values' own window (whole flush units)
+        value = dataclasses.replace(scheme.value, residual_length=value_window * scheme.value.flush_unit)
+        scheme = dataclasses.replace(scheme, value=value)
     geo = Geometry(num_layers=2, num_kv_heads=2, head_dim=64)
     cache = ReferenceCache(scheme, geo.num_layers, _static(scheme, 2, 2, 64))
     x = torch.randn(batch, 2, seq_len, 64)

@@ -21,16 +21,18 @@ from kvq_export.memory import predict
 from kvq_export.model_source import model_facts
 from kvq_export.plan import (
     CANDIDATE_SETS,
+    CandidateSet,
     Option,
     allocate,
     candidate_set,
     fitting,
     plan_scheme,
     scheme_from_choice,
+    with_value_window,
 )
 from kvq_export.presets import get_preset
 from kvq_export.runtime.session import KVQSession
-from kvq_export.scheme import KVQuantScheme, LayerOverride
+from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
 
 INT8, INT4 = get_preset("ort-int8").key, get_preset("ort-int4").key
 
@@ -201,20 +203,82 @@ def test_sink_tokens_are_measured_and_paid_for(windows):
         plan_scheme(model, windows, budget=4.5, context=256, candidates=cset, sink_tokens=-1)
 
 
-@pytest.mark.parametrize("budget", ["3.5", "4.5", "6.5"])
-def test_smollm2_accuracy_plans_fit_their_budget(budget):
-    """The shipped plans (``kvq plan --candidates accuracy``) describe SmolLM2's cache within their budget."""
+def test_recent_windows_are_measured_per_query_and_paid_for(windows):
+    import dataclasses
+
+    from kvq_export.calibrate import collect_attention_samples
+    from kvq_export.plan import _o_proj, _reference_dequant, attention_damage
+
+    model = tiny_model("llama")
+    samples = collect_attention_samples(model, windows, [0, 1], 2)
+    weight = _o_proj(model, 0)
+    two = next(v for v in fitting(CANDIDATE_SETS["accuracy"], 32).values if v.bits == 2)
+    windowed = dataclasses.replace(two, residual_length=5)
+    # by hand: a query at position p reads values p-4..p exactly and the older ones quantized
+    induced = []
+    for sample in samples[0]:
+        a, v = sample.attention(), sample.values
+        v_hat = _reference_dequant(v, two, None)
+        positions = sample.positions.repeat(a.shape[1] // sample.positions.shape[0])
+        o_hat = torch.stack([torch.stack([a[h, row] @ torch.where((torch.arange(v.shape[1]) > pos - 5)[:, None],
+                                                                   v[h], v_hat[h]) for row, pos in
+                                          enumerate(positions.tolist())]) for h in range(a.shape[0])])
+        o = torch.bmm(a, v)
+        induced.append(float(((o_hat - o).norm(dim=-1) / o.norm(dim=-1).clamp_min(1e-30)).mean()))
+    plain, short = (attention_damage(samples[0], weight, None, t) for t in (two, windowed))
+    assert short[2] == pytest.approx(np.mean(induced), rel=1e-5)
+    assert 0 < short[0] < plain[0] and short[2] < plain[2]
+    everything = dataclasses.replace(two, residual_length=len(windows[0]))
+    assert attention_damage(samples[0], weight, everything, everything)[0] < 1e-10  # nothing left to quantize
+
+    cset = fitting(CANDIDATE_SETS["accuracy-recent"], 32)
+    assert {v.residual_length for v in cset.values} == {None, 8, 16, 32, 64} and not any(k.residual_length
+                                                                                     for k in cset.keys)
+    plan = plan_scheme(model, windows, budget=3.5, context=256, candidates=cset)
+    assert predict(plan.scheme, model_facts(model.config), 256).bits_per_element == pytest.approx(plan.bits_per_element)
+    assert plan.bits_per_element <= 3.5
+    assert any("residual_length=16" in reason for reason in unsupported(
+        KVQuantScheme(key=INT4, value=dataclasses.replace(INT4, residual_length=16)), 2))
+
+    # --value-window: every value candidate keeps the same window
+    kivi = CANDIDATE_SETS["kivi"]
+    assert with_value_window(kivi, 8).keys == kivi.keys
+    assert {v.residual_length for v in with_value_window(kivi, 8).values} == {8}
+    channel_values = CandidateSet("per-channel values", keys=kivi.keys[:1],
+                                  values=(TensorQuant(axis="channel", group_size=32),))
+    with pytest.raises(KVQError, match="multiple of their group size"):
+        with_value_window(channel_values, 8)
+    with pytest.raises(KVQError, match="value window -1"):
+        with_value_window(kivi, -1)
+    plan = plan_scheme(model, windows, budget=3.5, context=256, candidates=fitting(CANDIDATE_SETS["accuracy"], 32),
+                       value_window=8)
+    assert plan.settings["value_window"] == 8 and plan.bits_per_element <= 3.5
+    assert all(v.residual_length == 8 for _, v in plan.scheme.streams(2))
+
+
+SHIPPED_PLANS = {  # budget: the candidates `kvq plan` chose from (the commands are in models/smollm2.md)
+    "3.5": CANDIDATE_SETS["accuracy-recent"],
+    "4.5": CANDIDATE_SETS["accuracy"],
+    "6.5": with_value_window(CANDIDATE_SETS["accuracy"], 8),
+}
+
+
+@pytest.mark.parametrize("budget", sorted(SHIPPED_PLANS))
+def test_shipped_smollm2_plans_fit_the_model_and_their_budget(budget):
+    """``models/smollm2-plan-*.json`` describe SmolLM2's cache within their budget, from their candidate sets."""
     from pathlib import Path
 
     from kvq_export.memory import Geometry
-    from kvq_export.presets import resolve_scheme
 
-    scheme = resolve_scheme(str(Path(__file__).parents[1] / "models" / f"smollm2-plan-{budget}.json"))
+    path = Path(__file__).resolve().parents[1] / "models" / f"smollm2-plan-{budget}.json"
+    scheme = KVQuantScheme.from_json(path.read_text())
     scheme.check_model(30, 64)  # SmolLM2-135M: 30 layers, 3 kv heads of 64 channels
     assert scheme.residual_length == 0 and scheme.sink_tokens == 0
-    for context in (512, 4096):
-        assert predict(scheme, Geometry(30, 3, 64), context).bits_per_element <= float(budget)
-    cset = CANDIDATE_SETS["accuracy"]
+    geometry = Geometry(num_layers=30, num_kv_heads=3, head_dim=64)
+    assert float(budget) - 0.1 < predict(scheme, geometry, 4096).bits_per_element <= float(budget)
+    if not any(v.residual_length for _, v in scheme.streams(30)):  # no window: the budget holds at any length
+        assert predict(scheme, geometry, 512).bits_per_element <= float(budget)
+    cset = SHIPPED_PLANS[budget]
     assert all(k in cset.keys and v in cset.values for k, v in scheme.streams(30))
     assert len(set(scheme.streams(30))) > 1  # a per-layer plan, not a uniform scheme
 
@@ -264,6 +328,8 @@ def test_cli_plan_writes_a_scheme(tmp_path):
     bad = CliRunner().invoke(cli, ["plan", "--model", str(model_dir), "--corpus", str(corpus), "--budget", "1",
                                    "--tokens", "64", "--offset", "0", "--out", str(out)])
     assert bad.exit_code == 1 and "no allocation fits" in bad.output
+    negative = CliRunner().invoke(cli, ["plan", "--budget", "4", "--value-window", "-3", "--out", str(out)])
+    assert negative.exit_code == 2 and "--value-window" in negative.output
 
 
 def test_kl_metric_is_zero_for_an_unquantized_candidate(windows):
@@ -288,18 +354,3 @@ def test_plan_calibrates_candidates_like_export_by_default():
 
     assert default("plan") == default("export") == "absmax"
     assert inspect.signature(plan_scheme).parameters["calib_method"].default == "absmax"
-
-
-@pytest.mark.parametrize("budget", ["3.5", "4.5", "6.5"])
-def test_shipped_smollm2_plans_fit_the_model_and_their_budget(budget):
-    """``models/smollm2-plan-*.json`` load, describe SmolLM2's cache and stay within their budget at 4096 tokens."""
-    from pathlib import Path
-
-    from kvq_export.memory import Geometry
-
-    path = Path(__file__).resolve().parents[1] / "models" / f"smollm2-plan-{budget}.json"
-    scheme = KVQuantScheme.from_json(path.read_text())
-    scheme.check_model(30, 64)
-    assert len(scheme.layer_overrides) <= 30
-    bits = predict(scheme, Geometry(num_layers=30, num_kv_heads=3, head_dim=64), 4096).bits_per_element
-    assert float(budget) - 0.1 < bits <= float(budget)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvq_export.cache_layout import split_lengths
 from kvq_export.presets import PRESETS
-from kvq_export.reference.cache import ReferenceCache, StreamCache
+from kvq_export.reference.cache import LayerCache, ReferenceCache, StreamCache
 from kvq_export.reference.codec import dequantize_packed, metadata_from_range, quantize_packed, scale_from_amax
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
@@ -155,3 +155,19 @@ def test_presets_run_through_the_cache(preset):
     assert k.shape == x.shape and bool(torch.isfinite(k).all())
     rel = float((k - x).norm() / x.norm())
     assert rel < {"kivi-2": 0.5, "ort-int4": 0.5, "ort-int4-asymk": 0.5, "k-int3-v-int3-rot": 0.3}.get(preset, 0.2)
+
+
+def test_values_keep_their_own_window_beside_the_keys():
+    key = TensorQuant(format="int", bits=4, axis="channel", group_size=GROUP)
+    value = TensorQuant(format="int", bits=3, group_size=8, residual_length=5)
+    scheme = KVQuantScheme(key=key, value=value, residual_length=GROUP, sink_tokens=1)
+    cache = LayerCache(StreamCache(key, scheme), StreamCache(value, scheme))
+    x = torch.randn(1, 2, 3 * GROUP + 9, HEAD_DIM, generator=torch.Generator().manual_seed(1))
+    for t in range(x.shape[2]):
+        cache.update(x[:, :, t:t + 1], x[:, :, t:t + 1])
+        total = t + 1
+        assert cache.value.recent.shape[2] == min(5, total - 1)  # the values' own window, exactly
+        assert split_lengths(key, scheme, total)[2] == cache.key.recent.shape[2] >= min(GROUP, total - 1)
+    seen = cache.value.dequantized()
+    assert torch.equal(seen[:, :, -5:], x[:, :, -5:].half().float())
+    assert not torch.equal(seen[:, :, -6], x[:, :, -6].half().float())

@@ -23,6 +23,7 @@ def tensor_quants():
         group_size=st.sampled_from([None, 8, 16, 32, 64]),
         scale_dtype=st.sampled_from(["fp16", "fp32"]),
         clip=st.floats(0.05, 1.0),
+        residual_length=st.one_of(st.none(), st.integers(0, 40)),
     )
     channel = st.builds(
         TensorQuant, format=st.sampled_from(["int", "int_sym"]), bits=st.sampled_from([2, 4, 8]),
@@ -70,6 +71,9 @@ def test_name_is_a_label_not_part_of_equality():
     (dict(group_size=0), "group_size=0"),
     (dict(axis="channel", group_size=None), "group_size=None"),
     (dict(format="fp8_e4m3", bits=4), "bits=4"),
+    (dict(residual_length=-1), "residual_length=-1"),
+    (dict(residual_length=True), "residual_length=True"),
+    (dict(residual_length="8"), "residual_length='8'"),
 ])
 def test_invalid_tensor_quant_names_field_and_allowed(kwargs, field):
     with pytest.raises(SchemeError) as err:
@@ -90,6 +94,22 @@ def test_channel_residual_must_be_multiple_of_group():
         KVQuantScheme(key=TensorQuant(axis="channel", group_size=32), value=TensorQuant(), residual_length=100)
     # token-axis streams accept any residual length
     KVQuantScheme(key=TensorQuant(group_size=32), value=TensorQuant(), residual_length=100)
+
+
+def test_a_stream_may_keep_its_own_window():
+    key = TensorQuant(axis="channel", group_size=32)
+    value = TensorQuant(group_size=32, residual_length=16)
+    scheme = KVQuantScheme(key=key, value=value, residual_length=64)
+    assert (scheme.residual_for(key), scheme.residual_for(value)) == (64, 16)
+    assert "recent16" in value.describe() and "residual_length" not in key.to_dict()
+    assert KVQuantScheme.from_json(scheme.to_json()) == scheme
+    with pytest.raises(SchemeError, match=r"key.residual_length=48.*multiple of group_size=32"):
+        KVQuantScheme(key=TensorQuant(axis="channel", group_size=32, residual_length=48), value=value)
+    with pytest.raises(SchemeError, match=r"residual_length=8: format fp16 is not quantized"):
+        TensorQuant(format="fp16", bits=16, residual_length=8)
+    # 0 is a window of its own (none), not "the scheme's"
+    assert KVQuantScheme(key=key, value=TensorQuant(residual_length=0), residual_length=32).residual_for(
+        TensorQuant(residual_length=0)) == 0
 
 
 def test_override_layer_out_of_range():

@@ -50,6 +50,9 @@ SMALL = {  # group 4, recent 8, sinks 2/3: every boundary is crossed within a fe
         key=TensorQuant(format="int", bits=4, axis="channel", group_size=4, high_channels=4),
         value=TensorQuant(format="int", bits=2, axis="channel", group_size=4, high_channels=4, clip=0.9),
         residual_length=8),
+    "per-stream-windows": KVQuantScheme(  # values keep their own window; keys none
+        key=TensorQuant(format="int", bits=4, axis="channel", group_size=4),
+        value=TensorQuant(format="int", bits=3, group_size=8, clip=0.9, residual_length=5), sink_tokens=1),
     "fp16-keys": KVQuantScheme(key=TensorQuant.fp16(),
                                value=TensorQuant(format="int", bits=4, axis="channel", group_size=4),
                                residual_length=4),
@@ -73,7 +76,7 @@ def row_lengths(scheme: KVQuantScheme, rng: random.Random, rows: int = 3) -> lis
     """Row lengths ending mid-group (past the window), inside the recent window, and one more."""
     units = [t.flush_unit for t in scheme.for_layer(0) if t.quantized]
     unit = max(units + [1])
-    window = scheme.sink_tokens + scheme.residual_length
+    window = scheme.sink_tokens + max(scheme.residual_for(t) for t in scheme.for_layer(0))
     mid = window + unit * rng.randint(1, 2) + (rng.randint(1, unit - 1) if unit > 1 else rng.randint(0, 5))
     inside = rng.randint(1, window) if window else rng.randint(1, 9)
     out = [mid, inside, rng.randint(1, mid + unit)]
@@ -160,8 +163,9 @@ def check_append(scheme: KVQuantScheme, append, seed: int, gen: torch.Generator,
     rng = random.Random(seed)
     rows = 3
     longest_unit = max([t.flush_unit for t in scheme.for_layer(0) if t.quantized] + [1])
+    window = max(scheme.residual_for(t) for t in scheme.for_layer(0))
     schedule = [[rng.randint(0, 9) for _ in range(rows)],
-                [rng.randint(0, scheme.residual_length + 3 * longest_unit) for _ in range(rows)]]
+                [rng.randint(0, window + 3 * longest_unit) for _ in range(rows)]]
     schedule += [[rng.randint(0, 3) for _ in range(rows)] for _ in range(3)] + [[1] * rows] * 2
     for part, tq in zip(("key", "value"), scheme.for_layer(0)):
         layout = StreamLayout.of(tq, scheme, dim)

@@ -125,6 +125,8 @@ def unsupported(scheme: KVQuantScheme, num_layers: int) -> list[str]:
         for part, tq in zip(PARTS, (key, value)):
             if not tq.quantized:
                 continue
+            if tq.residual_length:
+                note(layer, f"{part}: residual_length={tq.residual_length} (GQA keeps no high-precision window)")
             if tq.quantizer != "kvq":
                 note(layer, f"{part}: quantizer {tq.quantizer} (ggml blocks need dynamic per-32 scales; GQA: static)")
             if tq.format not in ("int_sym", "int"):

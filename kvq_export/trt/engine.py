@@ -52,7 +52,7 @@ def _region_bounds(manifest, axis: str, max_context: int) -> tuple[int, int] | N
         return sinks, sinks
     if match["region"] == "recent":
         largest = split.longest_recent(max_context)
-        return largest, min(largest, scheme.residual_length)
+        return largest, min(largest, split.residual_length)
     groups = split.unit if match["unit"] == "groups" else 1
     return quantized // groups, quantized // groups // 2
 

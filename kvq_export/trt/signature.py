@@ -111,7 +111,7 @@ def plugin_signature(
     attributes: dict[str, Any] = {
         "num_heads": int(num_heads), "num_kv_heads": int(kv_heads), "head_dim": int(head_dim),
         "scale": float(head_dim ** -0.5 if scaling is None else scaling), "window": int(window or 0),
-        "sink_tokens": scheme.sink_tokens, "residual_length": scheme.residual_length, "hp_dtype": scheme.hp_dtype,
+        "sink_tokens": scheme.sink_tokens, "hp_dtype": scheme.hp_dtype,
     }
     tags = []
     for part, tq in zip(PARTS, scheme.for_layer(layer)):
