@@ -95,7 +95,7 @@ PRESETS: dict[str, tuple[KVQuantScheme, str]] = {
     # The most accurate uniform schemes per class on SmolLM2 (models/smollm2.md): per-channel keys (int4 with
     # the 4 channels per head that move scores most at 8 bits, chosen by calibration at export), values
     # per-token in the rotated basis. No window, except in the 3.5-bit class: 2-bit values that keep their 64
-    # newest tokens exact (0.05 bits/element at 4096 tokens; at 512 the window is an eighth of the cache).
+    # newest tokens exact (0.1 bits/element at 4096 tokens; at 512 the window is an eighth of the cache).
     "k-int4-hc4-v-q4_0-rot": (
         KVQuantScheme(key=_int(4, 128, sym=False, axis="channel", high_channels=4), value=_rotated(_ggml("q4_0"))),
         "keys int4 per-channel g128 with 4 calibrated 8-bit channels per head / values ggml q4_0 rotated",
