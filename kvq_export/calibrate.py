@@ -352,16 +352,18 @@ class AttentionSample:
         if recent:
             exact = torch.bmm(q, self.keys.transpose(1, 2)) * self.scaling
             scores = torch.where(self.recent_mask(recent)[None], exact, scores)
-        groups = q.shape[1] // self.positions.shape[0]
-        future = torch.arange(keys.shape[1])[None, :] > self.positions.repeat(groups)[:, None]
-        return torch.softmax(scores.masked_fill(future[None], float("-inf")), dim=-1)
+        return torch.softmax(scores.masked_fill(self._key_offsets()[None] > 0, float("-inf")), dim=-1)
 
     def recent_mask(self, recent: int) -> torch.Tensor:
         """``[G * P, T]`` bool: key ``j`` is among the ``recent`` newest tokens a query at its position holds."""
+        return self._key_offsets() > -recent
+
+    def _key_offsets(self) -> torch.Tensor:
+        """``[G * P, T]``: each key's position minus its query's (> 0: the future; rows as in ``grouped_queries``)."""
         import torch
 
-        groups = self.grouped_queries().shape[1] // self.positions.shape[0]
-        return torch.arange(self.keys.shape[1])[None, :] > self.positions.repeat(groups)[:, None] - recent
+        groups = self.q.shape[0] // self.keys.shape[0]
+        return torch.arange(self.keys.shape[1])[None, :] - self.positions.repeat(groups)[:, None]
 
 
 def collect_attention_samples(

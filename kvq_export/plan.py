@@ -190,7 +190,7 @@ def with_value_window(cset: CandidateSet, tokens: int) -> CandidateSet:
         return None if tokens % value.flush_unit else _recent(value, tokens)
 
     values = tuple(dict.fromkeys(v for v in map(windowed, cset.values) if v is not None))
-    pairs = tuple(dict.fromkeys((k, windowed(v)) for k, v in cset.pairs if windowed(v) is not None))
+    pairs = tuple(dict.fromkeys((k, w) for k, w in ((k, windowed(v)) for k, v in cset.pairs) if w is not None))
     kept = CandidateSet(f"{cset.about}; every value keeps its {tokens} newest tokens exact", cset.keys, values, pairs)
     if not kept.options():
         raise KVQError(f"no value candidate of {cset.about!r} can keep a window of {tokens} tokens "

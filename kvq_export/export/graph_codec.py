@@ -83,25 +83,25 @@ class HighChannels:
             to_stored[h, self._order[h], np.arange(d)] = 1.0
         return to_stored
 
-    def _constant(self, suffix: str, array: np.ndarray) -> ir.Value:
-        return self._b.initializer(f"static.{self._layer}.{self._part}.high_channels.{suffix}", array)
+    def _constant(self, role: str, array: np.ndarray) -> ir.Value:
+        return self._b.initializer(static_name(self._layer, self._part, role), array)
 
     @functools.cached_property
     def to_stored(self) -> ir.Value:
-        return self._constant("to_stored", self._permutation)
+        return self._constant("high_channels.to_stored", self._permutation)
 
     @functools.cached_property
     def to_channels(self) -> ir.Value:
-        return self._constant("to_channels", np.ascontiguousarray(self._permutation.transpose(0, 2, 1)))
+        return self._constant("high_channels.to_channels",
+                              np.ascontiguousarray(self._permutation.transpose(0, 2, 1)))
 
     @functools.cached_property
     def steps(self) -> ir.Value:
-        return self._constant("steps", self._steps)
+        return self._constant("high_channels.steps", self._steps)
 
     @functools.cached_property
     def order(self) -> ir.Value:
-        return self._b.initializer(static_name(self._layer, self._part, "channel_order"),
-                                   self._order.astype(np.int32))
+        return self._constant("channel_order", self._order.astype(np.int32))
 
 
 class GraphCodec:
