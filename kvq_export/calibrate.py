@@ -44,11 +44,12 @@ head (``‖(A' - A) V‖²`` and ``‖A (V̂ - V)‖²`` summed over the calibra
 head) the best of the per-channel ratios, the best single ratio and absmax is kept, so on the
 calibration text the method is never worse than ``absmax`` by that measure.
 
-High channels (``TensorQuant.high_channels = n``, per-channel ``int`` streams with dynamic scales) are chosen
-here too, and kept as role ``high_channels``: ``[kv_heads, n]`` ascending channel indices (int32), the ``n``
-channels of each kv head whose quantization error moves attention most. A key error ``e_c`` in channel ``c``
-shifts every score by ``s q_c e_c``, and a channel's error grows with its group range, so keys rank channels by
-``E[q_c²] · E[range_c²]`` (the model's own post-RoPE queries; ranges over the stream's token groups). A value
+High channels (``TensorQuant.high_channels = n``, per-channel ``int`` / ``int_sym`` streams) are chosen here too,
+and kept as role ``high_channels``: ``[kv_heads, n]`` ascending channel indices (int32), the ``n`` channels of
+each kv head whose quantization error moves attention most. A key error ``e_c`` in channel ``c`` shifts every
+score by ``s q_c e_c``, and a channel's error grows with its group range, so keys rank channels by
+``E[q_c²] · E[range_c²]`` (the model's own post-RoPE queries; ranges over the stream's token groups, over each
+calibration window for static scales, which are then fitted with each channel's own code range). A value
 error in channel ``c`` reaches the residual stream through the ``o_proj`` columns that read it, so values rank
 by ``Σ ‖o_proj[:, c]‖² · E[range_c²]`` over the kv head's query heads.
 
@@ -126,7 +127,7 @@ def channel_importance(samples: Sequence[AttentionSample], part: str, tq: Tensor
     for sample in samples:
         x = sample.keys if part == "key" else sample.values  # [H, T, D]
         heads, tokens, dim = x.shape
-        group = min(int(tq.group_size), tokens)
+        group = tokens if tq.scales == "static" else min(int(tq.group_size), tokens)  # static: one range
         grouped = x[:, : tokens // group * group].reshape(heads, tokens // group, group, dim)
         r = (grouped.amax(2) - grouped.amin(2)).pow(2).mean(1)  # [H, D]
         range_sq = r if range_sq is None else range_sq + r
@@ -206,19 +207,26 @@ def calibrate_static_scales(
                     sum(len(w) for w in windows))
         if not targets:
             return static
+    import torch
+
+    def chosen(layer: int, part: str):  # a static stream's high channels, chosen above (None without)
+        high = static.get(layer, {}).get(part, {}).get(HIGH_CHANNELS)
+        return None if high is None else torch.as_tensor(high).to(torch.int64)
+
     if method == "attention":
         samples = collect_attention_samples(model, windows, sorted({layer for layer, _, _ in targets}),
                                             facts.num_layers)
         for layer, part, tq in targets:
             rotation = rotation_matrix(tq.rotation, facts.head_dim)
-            static.setdefault(layer, {})[part] = attention_metadata(
-                [s.rotated(rotation) for s in samples[layer]], part, tq)
+            static.setdefault(layer, {}).setdefault(part, {}).update(attention_metadata(
+                [s.rotated(rotation) for s in samples[layer]], part, tq, chosen(layer, part)))
     else:
         collected = _collect_kv(model, windows, {(layer, part) for layer, part, _ in targets}, facts.num_layers)
         for layer, part, tq in targets:
             # a rotated stream stores (and so quantizes) x @ R: its static scales belong to that basis
             values = rotate_torch(collected.pop((layer, part)), rotation_matrix(tq.rotation, facts.head_dim))
-            static.setdefault(layer, {})[part] = _stream_metadata(values, tq, method, percentile)
+            static.setdefault(layer, {}).setdefault(part, {}).update(
+                _stream_metadata(values, tq, method, percentile, chosen(layer, part)))
     tokens = sum(len(w) for w in windows)
     logger.info(
         "calibrated %d static stream(s) over %d layer(s) on %d token(s) in %d window(s) (method=%s%s)",
@@ -425,11 +433,14 @@ def collect_attention_samples(
 
 
 def static_from_samples(samples: Mapping[int, list[AttentionSample]], scheme: KVQuantScheme, num_layers: int,
-                        *, method: str = "attention", percentile: float = 99.9) -> StaticArrays:
+                        *, method: str = "attention", percentile: float = 99.9,
+                        high_channels: Mapping[int, Mapping[str, np.ndarray]] | None = None) -> StaticArrays:
     """Metadata of every static stream of ``scheme`` by ``method`` from already collected samples.
 
     The same numbers :func:`calibrate_static_scales` gives on the windows the samples came from, without
-    running the model again (the planner calibrates many candidate formats from one pass).
+    running the model again (the planner calibrates many candidate formats from one pass). Streams with high
+    channels take their chosen ``[H, n]`` channels from ``high_channels`` ``{layer: {part: ...}}`` (see
+    :func:`choose_high_channels`) and keep them in the result.
     """
     import torch
 
@@ -438,37 +449,64 @@ def static_from_samples(samples: Mapping[int, list[AttentionSample]], scheme: KV
     for layer, part, tq in static_streams(scheme, num_layers):
         if layer not in samples:
             raise KVQError(f"no attention samples were collected for layer {layer}")
+        high = None
+        if tq.high_channels:
+            chosen = (high_channels or {}).get(layer, {}).get(part)
+            if chosen is None:
+                raise KVQError(f"layer {layer} {part} keeps {tq.high_channels} high channels: give their choice")
+            high = torch.as_tensor(np.asarray(chosen)).to(torch.int64)
         if method == "attention":
-            meta = attention_metadata(samples[layer], part, tq)
+            meta = attention_metadata(samples[layer], part, tq, high)
         else:
             x = torch.cat([s.keys if part == "key" else s.values for s in samples[layer]], dim=1)
-            meta = _stream_metadata(x, tq, method, percentile)
+            meta = _stream_metadata(x, tq, method, percentile, high)
+        if high is not None:
+            meta[HIGH_CHANNELS] = high.numpy().astype(np.int32)
         static.setdefault(layer, {})[part] = meta
     return static
 
 
-def candidate_metadata(tq: TensorQuant, stats: tuple[torch.Tensor, ...], ratio: torch.Tensor) -> dict:
-    """Scales (and zero points) ``[H, n]`` for the absmax statistics shrunk by ``ratio`` ([H, n] or scalar)."""
-    import torch
+def candidate_metadata(tq: TensorQuant, stats: tuple[torch.Tensor, ...], ratio: torch.Tensor,
+                       high: torch.Tensor | None = None) -> dict:
+    """Scales (and zero points) ``[H, n]`` for the absmax statistics shrunk by ``ratio`` ([H, n] or scalar).
 
-    from kvq_export.reference.codec import metadata_from_range, scale_from_amax
+    ``high``: the stream's ``[H, n]`` high channels (kept in the result, and fitted to their 8-bit levels).
+    """
+    import torch
 
     sdtype = DType.get(tq.scale_dtype).torch
     if tq.has_zero_point:
         lo, hi = stats
         mid, half = (hi + lo) * 0.5, (hi - lo) * (0.5 * ratio)
-        scale, zero = metadata_from_range(tq, mid - half, mid + half)
-        return {"scales": torch.clamp_min(scale, torch.finfo(sdtype).tiny).float(), "zero_points": zero.float()}
-    scale = scale_from_amax(tq, stats[0] * ratio)
-    return {"scales": torch.clamp_min(scale, torch.finfo(sdtype).tiny).float()}
+        meta = fit_metadata(tq, (mid - half, mid + half), high)
+    else:
+        meta = fit_metadata(tq, (stats[0] * ratio,), high)
+    meta["scales"] = torch.clamp_min(meta["scales"], torch.finfo(sdtype).tiny)
+    return {role: t.float() for role, t in meta.items()} | ({} if high is None else {HIGH_CHANNELS: high})
+
+
+def fit_metadata(tq: TensorQuant, stats: tuple[torch.Tensor, ...],
+                 high: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Scales (and zero points) in ``scale_dtype`` for per-unit statistics: (min, max) for ``int``, (max|x|,).
+
+    ``high``: the stream's ``[H, n]`` high channels, fitted to their own 8-bit code range.
+    """
+    from kvq_export.reference.codec import channel_levels, metadata_from_range, scale_from_amax
+
+    levels = None if high is None else channel_levels(tq, high, stats[0].shape[-1])
+    if tq.has_zero_point:
+        scale, zero = metadata_from_range(tq, *stats, None if levels is None else levels[1] - levels[0])
+        return {"scales": scale, "zero_points": zero}
+    return {"scales": scale_from_amax(tq, stats[0], None if levels is None else levels[1])}
 
 
 def fake_quant(x: torch.Tensor, tq: TensorQuant, meta: dict) -> torch.Tensor:
     """Quantize then dequantize ``x`` [H, T, D] with static metadata, exactly as the reference codec does."""
     from kvq_export.reference.codec import dequantize, quantize
 
-    q = quantize(x, tq, static_scales=meta["scales"], static_zeros=meta.get("zero_points"))
-    return dequantize(q, tq)
+    high = meta.get(HIGH_CHANNELS)
+    q = quantize(x, tq, static_scales=meta["scales"], static_zeros=meta.get("zero_points"), high_channels=high)
+    return dequantize(q, tq, high_channels=high)
 
 
 def _unit_sum(per_channel: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
@@ -497,8 +535,12 @@ def _output_error(samples: list[AttentionSample], part: str, tq: TensorQuant, me
     return total
 
 
-def attention_metadata(samples: list[AttentionSample], part: str, tq: TensorQuant) -> dict[str, np.ndarray]:
-    """Static metadata of one stream with per-(head, unit) clip ratios chosen by attention error."""
+def attention_metadata(samples: list[AttentionSample], part: str, tq: TensorQuant,
+                       high: torch.Tensor | None = None) -> dict[str, np.ndarray]:
+    """Static metadata of one stream with per-(head, unit) clip ratios chosen by attention error.
+
+    ``high``: the stream's ``[H, n]`` high channels (:func:`choose_high_channels`), when it keeps them.
+    """
     import torch
 
     xs = [s.keys if part == "key" else s.values for s in samples]
@@ -513,7 +555,7 @@ def attention_metadata(samples: list[AttentionSample], part: str, tq: TensorQuan
             weight = torch.bmm(a.transpose(1, 2), q2)  # [H, T, D]: attention received x query energy
         rows = []
         for ratio in grid:
-            err = fake_quant(x, tq, candidate_metadata(tq, stats, ratio)) - x  # [H, T, D]
+            err = fake_quant(x, tq, candidate_metadata(tq, stats, ratio, high)) - x  # [H, T, D]
             moved = torch.bmm(a, err)  # [H, G*P, D]
             if part == "key":
                 per_channel = (weight * err.pow(2)).sum(dim=1) - (q2 * moved.pow(2)).sum(dim=1)
@@ -525,11 +567,11 @@ def attention_metadata(samples: list[AttentionSample], part: str, tq: TensorQuan
     per_unit = grid[objective.argmin(dim=0)]  # [H, n]
     uniform = grid[objective.sum(dim=2).argmin(dim=0)][:, None].expand_as(per_unit)  # [H, n]
     choices = [per_unit, uniform, torch.ones_like(per_unit)]
-    metas = [candidate_metadata(tq, stats, ratio) for ratio in choices]
+    metas = [candidate_metadata(tq, stats, ratio, high) for ratio in choices]
     errors = torch.stack([_output_error(samples, part, tq, meta) for meta in metas])  # [3, H]
     best = errors.argmin(dim=0)  # per kv head
     out = {role: torch.stack([metas[int(best[h])][role][h] for h in range(best.shape[0])])
-           for role in metas[0]}
+           for role in META_ROLES if role in metas[0]}
     logger.debug("attention calibration %s: choice per head %s (0 per-channel, 1 uniform, 2 absmax), "
                  "output error vs absmax %s", part, best.tolist(),
                  (errors.min(dim=0).values / errors[2].clamp_min(1e-300)).tolist())
@@ -556,21 +598,19 @@ def _stat(values: torch.Tensor, method: str, q: float, *, low: bool = False) -> 
 
 
 def _stream_metadata(
-    x: torch.Tensor, tq: TensorQuant, method: str, percentile: float
+    x: torch.Tensor, tq: TensorQuant, method: str, percentile: float, high: torch.Tensor | None = None
 ) -> dict[str, np.ndarray]:
-    """Scales (and zero points) of one stream from its calibration values ``[H, N, D]``."""
+    """Scales (and zero points) of one stream from its calibration values ``[H, N, D]`` (``high``: see fit_metadata)."""
     import torch
-
-    from kvq_export.reference.codec import metadata_from_range, scale_from_amax
 
     sdtype = DType.get(tq.scale_dtype).torch
     values = _grouped(x, tq)
-    zero = None
     if tq.has_zero_point:
-        scale, zero = metadata_from_range(tq, _stat(values, method, 100.0 - percentile, low=True),
-                                          _stat(values, method, percentile))
+        stats = (_stat(values, method, 100.0 - percentile, low=True), _stat(values, method, percentile))
     else:
-        scale = scale_from_amax(tq, _stat(values.abs(), method, percentile))
+        stats = (_stat(values.abs(), method, percentile),)
+    fitted = fit_metadata(tq, stats, high)
+    scale, zero = fitted["scales"], fitted.get("zero_points")
     if not bool(torch.isfinite(scale).all()) or (zero is not None and not bool(torch.isfinite(zero).all())):
         raise QuantizationError(
             f"a calibrated scale or zero point overflows scale_dtype={tq.scale_dtype} (values too large); "

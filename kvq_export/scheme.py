@@ -42,8 +42,9 @@ GGML_BLOCK = 32
 #: Code widths stored as two planes along head_dim: the low bits packed, then the remaining bits packed
 #: (:func:`code_planes`).
 PLANE_BITS = (3, 5, 6)
-#: Code widths of the channels beside a stream's 8-bit high channels.
+#: Code widths of the channels beside a stream's 8-bit high channels, and the formats that can keep them.
 HIGH_CHANNEL_BITS = (2, 3, 4)
+HIGH_CHANNEL_FORMATS = ("int", "int_sym")
 #: Rotations of the head dimension applied before a stream is stored (:mod:`kvq_export.rotation`).
 ROTATIONS = ("none", "hadamard")
 
@@ -98,12 +99,14 @@ class TensorQuant:
             (:mod:`kvq_export.rotation`; keys: q and k rotated after RoPE; values: v rotated before it is
             stored and the attention output rotated back). Allowed for unquantized streams too (a no-op
             in exact arithmetic).
-        high_channels: per-channel (``axis: channel``) ``int`` streams only: this many channels of each kv
-            head are stored with 8-bit codes instead of ``bits``. Which channels is model data, chosen by
-            calibration (the ones whose error moves attention scores most: largest ``E[q_c²] · range_c²``)
-            and kept in the calibration artifact beside the scheme as ``high_channels`` ``[kv_heads, n]``
-            (ascending). A channel's code range is its own (``2**8 - 1`` or ``2**bits - 1`` steps over the
-            group's range), so dequantization stays ``code * scale + min``. 0: every channel at ``bits``.
+        high_channels: per-channel (``axis: channel``) ``int`` / ``int_sym`` streams only: this many channels
+            of each kv head are stored with 8-bit codes instead of ``bits``. Which channels is model data,
+            chosen by calibration (the ones whose error moves attention scores most: largest
+            ``E[q_c²] · range_c²``) and kept in the calibration artifact beside the scheme as
+            ``high_channels`` ``[kv_heads, n]`` (ascending). A channel's code range is its own (``int``:
+            ``2**8 - 1`` or ``2**bits - 1`` steps over the group's range; ``int_sym``: ``±127`` or
+            ``±(2**(bits-1) - 1)``, with static scales too), so dequantization stays ``code * scale + min`` or
+            ``(code - offset) * scale`` with the channel's own offset. 0: every channel at ``bits``.
         residual_length: this stream's own recent window (tokens kept in ``hp_dtype`` before they are
             quantized), in place of the scheme's ``residual_length``; ``None``: the scheme's. Keys and values
             can then keep different windows (a short window of exact values is cheap and protects the recent
@@ -186,10 +189,10 @@ class TensorQuant:
         if not self.quantized:
             return 8.0 * DType.get(hp_dtype).itemsize
         meta_bits = 8 * DType.get(self.scale_dtype).itemsize * (2 if self.has_zero_point else 1)
-        if self.scales == "static":
-            return float(self.bits)
-        group = self.token_group(head_dim) if self.axis == "token" else self.group_size
         code_bits = self.bits + self.high_channels * (8 - self.bits) / head_dim
+        if self.scales == "static":
+            return code_bits
+        group = self.token_group(head_dim) if self.axis == "token" else self.group_size
         return code_bits + meta_bits / group  # type: ignore[operator]
 
     # -- validation ------------------------------------------------------------------------------
@@ -254,12 +257,13 @@ class TensorQuant:
             raise _fail("high_channels", n, "allowed: an integer >= 0")
         if not n:
             return
-        needs = (("format", self.format, "int"), ("axis", self.axis, "channel"), ("scales", self.scales, "dynamic"),
-                 ("quantizer", self.quantizer, "kvq"), ("rotation", self.rotation, "none"))
+        if self.format not in HIGH_CHANNEL_FORMATS:
+            raise _fail("format", self.format, f"allowed with high_channels > 0: {', '.join(HIGH_CHANNEL_FORMATS)}")
+        needs = (("axis", self.axis, "channel"), ("quantizer", self.quantizer, "kvq"), ("rotation", self.rotation, "none"))
         for name, value, required in needs:
             if value != required:
                 raise _fail(name, value, f"allowed with high_channels > 0: {required!r} (8-bit channels are "
-                            "chosen per channel of an unrotated, per-channel asymmetric stream)")
+                            "chosen per channel of an unrotated, per-channel stream)")
         if self.bits not in HIGH_CHANNEL_BITS:
             raise _fail("bits", self.bits, f"allowed with high_channels > 0: {', '.join(map(str, HIGH_CHANNEL_BITS))} "
                         "(the other channels' codes)")

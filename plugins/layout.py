@@ -75,6 +75,10 @@ class StreamLayout:
         if not tq.quantized:
             return cls("fp16", 16, "token", 0, False, False, head_dim, scheme.sink_tokens, scheme.residual_for(tq),
                        1, "fp16", scheme.hp_dtype)
+        if tq.high_channels and (tq.format != "int" or tq.scales != "dynamic"):
+            raise QuantizationError(f"the fused attention kernel keeps high channels of dynamic int streams only, "
+                                    f"got format {tq.format} with {tq.scales} scales (the reference and ort-gqa "
+                                    "flavours hold them)")
         if tq.axis == "token":
             group = tq.token_group(head_dim)
         else:

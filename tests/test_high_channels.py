@@ -1,8 +1,9 @@
 """High channels: n channels per kv head at 8 bits inside a 2/4-bit per-channel stream.
 
-The scheme field, the reference codec's arithmetic and byte layout, the calibrated choice, its file, the
-fused kernel's refusal and an export driven end to end on ONNX Runtime (the in-graph bytes are compared
-with the reference bit for bit in tests/test_kv_graph.py).
+The scheme field, the reference codec's arithmetic and byte layout (asymmetric and symmetric, dynamic and
+static scales), the calibrated choice, its file, the fused kernel's refusal and an export driven end to end
+on ONNX Runtime (the in-graph bytes are compared with the reference bit for bit in tests/test_kv_graph.py,
+and GroupQueryAttention's nibble split in tests/test_gqa_flavor.py).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def test_bits_per_element_counts_the_8_bit_channels():
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"axis": "token", "group_size": 32}, "allowed with high_channels > 0: 'channel'"),
-    ({"format": "int_sym"}, "allowed with high_channels > 0: 'int'"),
+    ({"format": "fp8_e4m3", "bits": 8}, "allowed with high_channels > 0: int, int_sym"),
     ({"rotation": "hadamard"}, "allowed with high_channels > 0: 'none'"),
     ({"bits": 8}, "allowed with high_channels > 0: 2, 3, 4"),
     ({"high_channels": -2}, "allowed: an integer >= 0"),
@@ -77,6 +78,47 @@ def test_codec_is_8_bit_on_the_chosen_channels_and_low_bit_elsewhere(bits):
     want8, want = (dequantize(quantize(x, t), t) for t in (plain8, plain))
     is_high = torch.zeros(3, 64, dtype=torch.bool).scatter_(1, chosen, True)[None, :, None, :]
     assert torch.equal(got, torch.where(is_high, want8, want))
+
+
+STATIC_HIGH = {fmt: TensorQuant(format=fmt, bits=4, axis="channel", scales="static", scale_dtype="fp32",
+                                high_channels=6) for fmt in ("int", "int_sym")}
+
+
+@pytest.mark.parametrize("fmt", ["int", "int_sym"])
+def test_static_codec_is_8_bit_on_the_chosen_channels_and_low_bit_elsewhere(fmt):
+    from kvq_export.calibrate import _stream_metadata
+
+    tq, x = STATIC_HIGH[fmt], _keys(2)
+    flat = x.transpose(0, 1).reshape(3, -1, 64)  # [H, B*T, D]: the calibration's view
+    meta = {role: torch.from_numpy(a) for role, a in _stream_metadata(flat, tq, "absmax", 99.9, CHOSEN).items()}
+    plain8, plain = (dataclasses.replace(tq, bits=b, high_channels=0) for b in (8, 4))
+    metas = {t: {role: torch.from_numpy(a) for role, a in _stream_metadata(flat, t, "absmax", 99.9).items()}
+             for t in (plain8, plain)}
+    is_high = torch.zeros(3, 64, dtype=torch.bool).scatter_(1, CHOSEN, True)
+    for role, got in meta.items():  # each channel's metadata is what its own bit width gives
+        assert torch.equal(got, torch.where(is_high, metas[plain8][role], metas[plain][role])), role
+    static = {"static_scales": meta["scales"], "static_zeros": meta.get("zero_points")}
+    q = quantize(x, tq, high_channels=CHOSEN, **static)
+    want = {t: dequantize(quantize(x, t, static_scales=m["scales"], static_zeros=m.get("zero_points")), t)
+            for t, m in metas.items()}
+    got = dequantize_packed(quantize_packed(x, tq, high_channels=CHOSEN, **static), tq, high_channels=CHOSEN)
+    assert torch.equal(got, torch.where(is_high[None, :, None], want[plain8], want[plain]))
+    codes = q.codes.permute(1, 0, 2, 3)  # [H, B, T, D]
+    for head in range(3):
+        high, low = codes[head][..., is_high[head]], codes[head][..., ~is_high[head]]
+        assert int(low.max()) <= 15 < int(high.max())
+        assert int(high.min()) >= (0 if fmt == "int" else 1)  # int_sym: -127..127 stored + 128
+    with pytest.raises(QuantizationError, match="give the calibrated high_channels"):
+        quantize(x, tq, **static)
+    if fmt == "int_sym":  # its high channels' offset differs: decoding needs the choice too
+        with pytest.raises(QuantizationError, match="give the calibrated high_channels"):
+            dequantize(q, tq)
+
+
+def test_static_high_channels_count_in_bits_per_element():
+    tq = STATIC_HIGH["int_sym"]
+    assert tq.effective_bits(64) == pytest.approx(4 + 6 * 4 / 64)
+    assert tq.packed_dim(64) == 6 + 58 // 2
 
 
 def test_stored_bytes_are_high_channels_first_then_the_rest_packed():
@@ -145,6 +187,15 @@ def test_calibration_file_keeps_the_choice_as_int32(tmp_path):
     with pytest.raises(SchemeError, match="calibration 0.key: high_channels must be strictly ascending"):
         check_calibration({0: {"key": {"high_channels": CHOSEN.numpy()[:, ::-1].astype(np.int32)}}}, scheme, 1, 3, 64)
     assert scheme.needs_calibration and not scheme.has_static_scales
+
+
+@pytest.mark.parametrize("tq", [STATIC_HIGH["int"], STATIC_HIGH["int_sym"],
+                                dataclasses.replace(HIGH, format="int_sym")])
+def test_fused_kernel_refuses_high_channels_it_does_not_hold(tq):
+    from plugins.layout import StreamLayout
+
+    with pytest.raises(QuantizationError, match="high channels of dynamic int streams only"):
+        StreamLayout.of(tq, KVQuantScheme(key=tq), 64)
 
 
 def test_fused_kernel_layout_carries_the_channel_order():

@@ -37,6 +37,10 @@ SMALL = {  # group 4, recent 8, sinks 2: every boundary is crossed within a few 
         key=TensorQuant(format="int", bits=4, axis="channel", group_size=4, high_channels=6),
         value=TensorQuant(format="int", bits=2, axis="channel", group_size=4, high_channels=4),
         residual_length=4, sink_tokens=1),
+    "static-high-channels": KVQuantScheme(  # 8-bit channels with static scales; symmetric ones own an offset
+        key=TensorQuant(format="int", bits=4, axis="channel", scales="static", scale_dtype="fp32", high_channels=6),
+        value=TensorQuant(format="int_sym", bits=2, axis="channel", scales="static", high_channels=4),
+        residual_length=2),
     "per-stream-windows": KVQuantScheme(  # keys keep the scheme's window, values their own longer one
         key=TensorQuant(format="int", bits=4, axis="channel", group_size=4),
         value=TensorQuant(format="int", bits=3, group_size=8, clip=0.9, residual_length=6),
@@ -55,8 +59,8 @@ def _static(scheme: KVQuantScheme, heads: int, dim: int):
                                                             for _ in range(heads)]), axis=1).astype(np.int32)}
         if tq.quantized and tq.scales == "static":
             n = dim // tq.token_group(dim) if tq.axis == "token" else dim
-            out[part] = {"scales": (rng.random((heads, n)) * 0.3 + 0.1).astype(np.float32),
-                         "zero_points": (-rng.random((heads, n)) * 3).astype(np.float32)}
+            out.setdefault(part, {}).update(scales=(rng.random((heads, n)) * 0.3 + 0.1).astype(np.float32),
+                                            zero_points=(-rng.random((heads, n)) * 3).astype(np.float32))
     return {0: out}
 
 

@@ -17,7 +17,7 @@ import onnx_ir as ir
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
-from kvq_export.reference.codec import channel_order, channel_steps, check_high_channels, int_levels
+from kvq_export.reference.codec import channel_levels, channel_order, check_high_channels, int_levels
 from kvq_export.scheme import FP8_E4M3_MAX, PLANE_BITS, TensorQuant, code_planes
 
 
@@ -64,15 +64,20 @@ class HighChannels:
     ``to_stored`` ``[H, D, D]`` is the 0/1 matrix with ``codes @ to_stored`` = each head's codes in stored
     order (high channels first); ``to_channels`` is its transpose. Products with a 0/1 permutation matrix
     are exact on integer codes, and MatMul broadcasts a per-head matrix where Gather cannot.
-    ``steps`` ``[H, 1, 1, D]``: code steps per channel (255 or ``2**bits - 1``). ``order`` ``[H, D]`` int32:
+    ``low`` / ``top`` / ``offset``: each channel's code range and stored offset (the 8-bit levels of the format for
+    the high channels, :func:`~kvq_export.reference.codec.channel_levels`), shaped ``[H, 1, D]`` against a static
+    stream's ``[B, H, T, D]`` and ``[H, 1, 1, D]`` against grouped ``[B, H, T/G, G, D]``. ``order`` ``[H, D]`` int32:
     the channel at each stored position (:func:`~kvq_export.reference.codec.channel_order`; the fused
     attention plugin reads it). Lazy because each flavour reads a different subset (the reference graph
     dequantizes with ``to_channels``, the plugin takes ``order``), and an unused initializer is dead weight
     that ONNX Runtime warns about.
     """
 
-    def __init__(self, b: GraphBuilder, layer: int, part: str, order: np.ndarray, steps: np.ndarray) -> None:
-        self._b, self._layer, self._part, self._order, self._steps = b, layer, part, order, steps
+    def __init__(self, b: GraphBuilder, layer: int, part: str, order: np.ndarray,
+                 levels: tuple[np.ndarray, np.ndarray, np.ndarray], static: bool) -> None:
+        self._b, self._layer, self._part, self._order = b, layer, part, order
+        heads, d = order.shape
+        self._levels = [a.reshape(heads, *([1] * (1 if static else 2)), d) for a in levels]
 
     @functools.cached_property
     def _permutation(self) -> np.ndarray:
@@ -96,8 +101,22 @@ class HighChannels:
                               np.ascontiguousarray(self._permutation.transpose(0, 2, 1)))
 
     @functools.cached_property
+    def low(self) -> ir.Value:
+        return self._constant("high_channels.low", self._levels[0])
+
+    @functools.cached_property
+    def top(self) -> ir.Value:
+        return self._constant("high_channels.top", self._levels[1])
+
+    @functools.cached_property
     def steps(self) -> ir.Value:
-        return self._constant("high_channels.steps", self._steps)
+        return self._constant("high_channels.steps", self._levels[1] - self._levels[0])
+
+    @functools.cached_property
+    def offset(self) -> ir.Value:
+        """``[H, 1, D]`` (values are ``[B, H, T, D]`` when dequantized, whatever the scales)."""
+        heads, d = self._order.shape
+        return self._constant("high_channels.offset", self._levels[2].reshape(heads, 1, d))
 
     @functools.cached_property
     def order(self) -> ir.Value:
@@ -160,8 +179,8 @@ class GraphCodec:
         d = self.head_dim
         chosen = torch.as_tensor(high_channel_choice(self.static, layer, part, tq))
         high = check_high_channels(chosen, tq, self.kv_heads, d)
-        steps = channel_steps(tq, high, d).numpy().reshape(self.kv_heads, 1, 1, d)
-        made = HighChannels(b, layer, part, channel_order(high, d).numpy(), steps)
+        levels = tuple(t.numpy() for t in channel_levels(tq, high, d))
+        made = HighChannels(b, layer, part, channel_order(high, d).numpy(), levels, tq.scales == "static")
         self._orders[(layer, part)] = made
         return made
 
@@ -201,8 +220,9 @@ class GraphCodec:
             amax = b.op("ReduceMax", b.op("Abs", xg), axes, keepdims=1)
             if tq.clip != 1.0:
                 amax = b.op("Mul", amax, b.const(float(tq.clip)))
-            top = FP8_E4M3_MAX if tq.format == "fp8_e4m3" else float(int_levels(tq)[1])
-            scale_s = b.op("Cast", b.op("Div", amax, b.const(top)), to=sdtype)
+            top = b.const(FP8_E4M3_MAX if tq.format == "fp8_e4m3" else float(int_levels(tq)[1])) \
+                if high is None else high.top
+            scale_s = b.op("Cast", b.op("Div", amax, top), to=sdtype)
             scales = b.op("Squeeze", scale_s, axes)
             scale = b.op("Cast", scale_s, to=f32)
         safe = b.op("Where", b.op("Equal", scale, b.const(0.0)), b.const(1.0), scale)
@@ -218,9 +238,14 @@ class GraphCodec:
         rounded = b.op("Round", b.op("Div", shifted, safe))
         if high is None:
             rounded = b.op("Clip", rounded, b.const(float(lo)), b.const(float(hi)))
-        else:  # per-channel tops (int: lo = 0, offset = 0)
-            rounded = b.op("Min", b.op("Max", rounded, b.const(float(lo))), high.steps)
-        codes = b.op("Cast", b.op("Add", rounded, b.const(float(offset))), to=ir.DataType.UINT8)
+            shift = b.const(float(offset))
+        elif tq.format == "int":  # per-channel tops (the offset is 0)
+            rounded = b.op("Min", b.op("Max", rounded, b.const(float(lo))), high.top)
+            shift = b.const(float(offset))
+        else:  # int_sym: per-channel ranges and offsets ([H, 1, D] -> [H, 1, 1, D] against a grouped view)
+            rounded = b.op("Min", b.op("Max", rounded, high.low), high.top)
+            shift = high.offset if tq.scales == "static" else b.op("Unsqueeze", high.offset, b.const([1]))
+        codes = b.op("Cast", b.op("Add", rounded, shift), to=ir.DataType.UINT8)
         codes = reshape_tokens(b, codes, dim(b, block, 2), [d])
         return self.pack(b, tq, codes, high), scales, zeros
 
@@ -345,7 +370,9 @@ class GraphCodec:
         """Stored codes + metadata -> fp32 [B,H,Tq,D]."""
         f32 = ir.DataType.FLOAT
         values = b.op("Cast", codes, to=f32) if tq.format == "fp8_e4m3" else self.unpack(b, tq, codes, high)
-        if tq.is_int and int_levels(tq)[2]:
+        if high is not None and tq.format == "int_sym":  # each channel's own offset
+            values = b.op("Sub", values, high.offset)
+        elif tq.is_int and int_levels(tq)[2]:
             values = b.op("Sub", values, b.const(float(int_levels(tq)[2])))
         xg, axis = self._grouped(b, tq, values)
         if tq.scales == "static":

@@ -40,15 +40,18 @@ bits in byte ``D/2 + i // 4`` at bit ``(i % 4) * 2``; 5 bits: ``D/8`` bytes of f
 bit in byte ``D/2 + i // 8`` at bit ``i % 8``); 3 bits: ``D/4`` bytes of 2-bit codes, then element ``i``'s third
 bit in byte ``D/4 + i // 8`` at bit ``i % 8``.
 
-High channels (``TensorQuant.high_channels``, per-channel ``int`` streams): the ``n`` channels of each kv head
-listed (ascending) in the calibrated ``high_channels`` ``[H, n]`` get codes in ``[0, 255]`` (scale = range / 255),
-the others in ``[0, 2**bits - 1]``; dequantization is the same ``code * scale + min`` for both. Per token the
+High channels (``TensorQuant.high_channels``, per-channel ``int`` / ``int_sym`` streams): the ``n`` channels of
+each kv head listed (ascending) in the calibrated ``high_channels`` ``[H, n]`` get 8-bit codes: ``int`` in
+``[0, 255]`` (scale = range / 255) beside the others' ``[0, 2**bits - 1]``, dequantized by the same
+``code * scale + min``; ``int_sym`` ``clamp(round(x / scale), -127, 127) + 128`` (scale = max|x| / 127) beside the
+others' ``± (2**(bits-1) - 1)`` and offset ``2**(bits-1)``, each dequantized with its own offset. Per token the
 stored bytes are the ``n`` high channels' 8-bit codes in ascending channel order, then the other channels'
 codes in ascending channel order, packed as above (their planes span those ``D - n`` channels).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -124,17 +127,36 @@ def channel_order(high: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([high, rest], dim=1)
 
 
+def high_channel_levels(tq: TensorQuant) -> tuple[int, int, int]:
+    """:func:`int_levels` of a stream's 8-bit high channels (its format at 8 bits)."""
+    return int_levels(dataclasses.replace(tq, bits=8, high_channels=0))
+
+
+def channel_levels(tq: TensorQuant, high: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[H, D]`` float32 (lowest code, highest code, offset) per channel of a stream with high channels.
+
+    The high channels take the 8-bit levels of the stream's format, the others ``int_levels(tq)``.
+    """
+    wide = high_channel_levels(tq)
+    is_high = torch.zeros(high.shape[0], dim, dtype=torch.bool).scatter_(1, high, True)
+    return tuple(torch.where(is_high, float(w), float(n)) for w, n in zip(wide, int_levels(tq)))
+
+
 def channel_steps(tq: TensorQuant, high: torch.Tensor, dim: int) -> torch.Tensor:
-    """``[H, D]`` float32 code steps per channel: 255 for the high channels, ``2**bits - 1`` otherwise."""
-    steps = torch.full((high.shape[0], dim), float((1 << tq.bits) - 1))
-    return steps.scatter_(1, high, 255.0)
+    """``[H, D]`` float32 code steps per channel (``int``: 255 for the high channels, ``2**bits - 1`` otherwise)."""
+    lo, hi, _ = channel_levels(tq, high, dim)
+    return hi - lo
 
 
-def scale_from_amax(tq: TensorQuant, amax: torch.Tensor) -> torch.Tensor:
-    """Symmetric ``int_sym`` / ``fp8_e4m3``: the scale in ``scale_dtype`` for a group's max |x|, clip applied."""
+def scale_from_amax(tq: TensorQuant, amax: torch.Tensor, top: torch.Tensor | float | None = None) -> torch.Tensor:
+    """Symmetric ``int_sym`` / ``fp8_e4m3``: the scale in ``scale_dtype`` for a group's max |x|, clip applied.
+
+    ``top``: the highest code, per channel for a stream with high channels (default ``int_levels(tq)``).
+    """
     if tq.clip != 1.0:
         amax = amax * tq.clip
-    top = FP8_E4M3_MAX if tq.format == "fp8_e4m3" else float(int_levels(tq)[1])
+    if top is None:
+        top = FP8_E4M3_MAX if tq.format == "fp8_e4m3" else float(int_levels(tq)[1])
     return (amax / top).to(DType.get(tq.scale_dtype).torch)
 
 
@@ -199,20 +221,23 @@ def quantize(
         _check_scales(scales, tq)
         return Quantized(codes.reshape(x.shape), scales, zeros)
 
+    lo, top, offset = int_levels(tq) if tq.is_int else (0, 0, 0)
+    if high is not None:  # per-channel levels, broadcast against [..., H, T, D] (static) or [..., H, T/G, G, D]
+        lo, top, offset = (t.reshape(high.shape[0], *([1] * (1 if static else 2)), -1)
+                           for t in channel_levels(tq, high, x.shape[-1]))
     if static:
         scales = static_scales.to(sdtype)
         scale = _static_view(scales.float(), xf, tq)
         zeros = static_zeros.to(sdtype) if tq.has_zero_point else None
         zero = _static_view(zeros.float(), xf, tq) if zeros is not None else None
     elif tq.has_zero_point:
-        # grouped channel view [..., H, T/G, G, D]: per-channel steps broadcast as [H, 1, 1, D]
-        steps = None if high is None else channel_steps(tq, high, x.shape[-1])[:, None, None, :]
         scale_kd, zero_kd = metadata_from_range(
-            tq, xg.amin(dim=reduce_dim, keepdim=True), xg.amax(dim=reduce_dim, keepdim=True), steps)
+            tq, xg.amin(dim=reduce_dim, keepdim=True), xg.amax(dim=reduce_dim, keepdim=True),
+            None if high is None else top - lo)
         scales, zeros = scale_kd.squeeze(reduce_dim), zero_kd.squeeze(reduce_dim)
         scale, zero = scale_kd.float(), zero_kd.float()
     else:
-        scale_kd = scale_from_amax(tq, xg.abs().amax(dim=reduce_dim, keepdim=True))
+        scale_kd = scale_from_amax(tq, xg.abs().amax(dim=reduce_dim, keepdim=True), None if high is None else top)
         scales, zeros = scale_kd.squeeze(reduce_dim), None
         scale, zero = scale_kd.float(), None
 
@@ -221,11 +246,9 @@ def quantize(
     if tq.format == "fp8_e4m3":
         codes = torch.clamp(xg / safe, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     else:
-        lo, hi, offset = int_levels(tq)
-        top = hi if high is None else channel_steps(tq, high, x.shape[-1])[:, None, None, :]
         shifted = xg - zero if zero is not None else xg
         rounded = torch.round(shifted / safe)
-        clamped = torch.clamp(rounded, lo, top) if high is None else torch.minimum(rounded.clamp_min(lo), top)
+        clamped = torch.clamp(rounded, lo, top) if high is None else torch.minimum(torch.maximum(rounded, lo), top)
         codes = (clamped + offset).to(torch.uint8)
     return Quantized(codes.reshape(x.shape), scales, zeros)
 
@@ -280,12 +303,20 @@ def _quantize_ggml(xg: torch.Tensor, tq: TensorQuant) -> tuple[torch.Tensor, tor
     return codes.to(torch.uint8), d.squeeze(-1).to(torch.float16), zeros
 
 
-def dequantize(q: Quantized, tq: TensorQuant, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of :func:`quantize` on unpacked codes; returns ``[..., T, D]`` in ``out_dtype``."""
+def dequantize(q: Quantized, tq: TensorQuant, out_dtype: torch.dtype = torch.float32,
+               high_channels: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`quantize` on unpacked codes; returns ``[..., T, D]`` in ``out_dtype``.
+
+    ``high_channels``: the calibrated ``[H, n]`` indices of a stream with ``tq.high_channels`` (``int_sym``
+    needs them: its high channels have their own offset).
+    """
     codes = q.codes
     static = tq.scales == "static"
     if tq.format == "fp8_e4m3":
         values = codes.to(torch.float32)
+    elif tq.high_channels and tq.format == "int_sym":
+        high = check_high_channels(high_channels, tq, codes.shape[-3], codes.shape[-1])
+        values = codes.to(torch.float32) - channel_levels(tq, high, codes.shape[-1])[2][:, None, :]
     else:
         values = codes.to(torch.float32) - float(int_levels(tq)[2])
     if static:
@@ -375,4 +406,4 @@ def quantize_packed(x: torch.Tensor, tq: TensorQuant, **static) -> Quantized:
 def dequantize_packed(q: Quantized, tq: TensorQuant, out_dtype: torch.dtype = torch.float32,
                       high_channels: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`dequantize` of stored (packed) codes."""
-    return dequantize(q._replace(codes=unpack_stream(q.codes, tq, high_channels)), tq, out_dtype)
+    return dequantize(q._replace(codes=unpack_stream(q.codes, tq, high_channels)), tq, out_dtype, high_channels)
