@@ -326,7 +326,12 @@ class BufferLayout(CacheLayout):
         "the calibration file: 8-bit as int8 q, 4-bit as uint8 with two codes per byte (low nibble first) stored as "
         "q + 8; int_sym: x = q * scale. A stream of format int (static zero points) stores q = c - 2^(bits-1) for "
         "its unsigned code c (c is the int8 byte with its top bit flipped, or the 4-bit nibble as stored): "
-        "x = c * scale + zero_point. An empty cache is seq_lengths = 0 (buffer contents irrelevant)."
+        "x = c * scale + zero_point. A 4-bit stream with n high channels per head (quant.high_channels) holds "
+        "head_dim + n nibbles per token and head: nibble j < head_dim is channel j's code, except that a high "
+        "channel's place holds the upper nibble h of its 8-bit code c, and nibble head_dim + i holds the lower "
+        "nibble l of the i-th high channel (ascending, as listed in the calibration file's "
+        "'<layer>.<part>.high_channels'): c = 16 * h + l, dequantized like kvq's 8-bit code (int: c * scale + "
+        "zero_point; int_sym: (c - 128) * scale). An empty cache is seq_lengths = 0 (buffer contents irrelevant)."
     )
 
     def buffer_name(self, direction: str, layer: int, part: str) -> str:
@@ -341,7 +346,15 @@ class BufferLayout(CacheLayout):
                                 (*shape, head_dim))]
         dtype = "int8" if tq.bits == 8 else "uint8"
         return [CacheTensor(name, direction, layer, part, self.role, dtype, (*shape, tq.packed_dim(head_dim)),
-                            packing=self.codes.get(tq.bits), **_quant_facts(tq, head_dim))]
+                            packing=self.packing(tq), **_quant_facts(tq, head_dim))]
+
+    def packing(self, tq: TensorQuant) -> str | None:
+        """The stored-code description of a quantized buffer."""
+        if tq.high_channels:
+            return (f"uint8, head_dim + {tq.high_channels} nibbles per token and head (low nibble first, each "
+                    "q + 8): each high channel's 8-bit code c = 16 * (its nibble) + (its extra nibble after "
+                    "head_dim), see the layout rules")
+        return self.codes.get(tq.bits)
 
     def axis_sizes(self, scheme, num_layers, length, capacity):
         return {CAPACITY_AXIS: max(capacity or length, length)}
@@ -366,19 +379,38 @@ class BufferLayout(CacheLayout):
         stored = np.asarray(arrays[self.role])[row, :, :n]
         if not tq.quantized:
             return np.asarray(stored, dtype=np.float32)
-        codes = torch.from_numpy(np.ascontiguousarray(buffer_codes_to_kvq(tq, stored)))
+        high = static_meta.get("high_channels") if tq.high_channels else None
+        codes = torch.from_numpy(np.ascontiguousarray(buffer_codes_to_kvq(tq, stored, high)))
         return _dequantize_region(tq, lambda role, count: codes, n, static_meta).numpy()
 
 
-def buffer_codes_to_kvq(tq: TensorQuant, stored: np.ndarray) -> np.ndarray:
-    """A ``buffer`` layout's stored codes -> kvq's stored (packed) codes, uint8 (int_sym and int alike).
+def buffer_codes_to_kvq(tq: TensorQuant, stored: np.ndarray, high_channels: np.ndarray | None = None) -> np.ndarray:
+    """A ``buffer`` layout's stored codes ``[..., H, T, bytes]`` -> kvq's stored (packed) codes, uint8.
 
     8-bit buffers hold int8 ``q``; kvq stores ``q + 128`` (the same byte with its top bit flipped).
-    4-bit buffers already hold kvq's packing (``q + 8`` per nibble, low nibble first).
+    4-bit buffers hold kvq's packing (``q + 8`` per nibble, low nibble first); with high channels (their
+    ``[H, n]`` indices) the two nibbles of each 8-bit code are joined and put first, as kvq stores them.
     """
     if tq.bits == 8:
         return (np.asarray(stored).view(np.uint8) ^ np.uint8(0x80)).astype(np.uint8)
-    return np.asarray(stored, dtype=np.uint8)
+    stored = np.asarray(stored, dtype=np.uint8)
+    if not tq.high_channels:
+        return stored
+    import torch
+
+    from kvq_export.reference.codec import check_high_channels, pack, unpack
+
+    nibbles = unpack(torch.from_numpy(np.ascontiguousarray(stored)), 4).numpy()  # [..., H, T, D + n]
+    n = tq.high_channels
+    dim = nibbles.shape[-1] - n
+    high = check_high_channels(torch.as_tensor(np.asarray(high_channels)), tq, nibbles.shape[-3], dim).numpy()
+    heads = np.arange(high.shape[0])[:, None]
+    upper = np.take_along_axis(nibbles[..., :dim], np.broadcast_to(high[:, None, :], (*nibbles.shape[:-1], n)), -1)
+    eight_bit = upper.astype(np.uint16) * 16 + nibbles[..., dim:]
+    is_high = np.zeros((high.shape[0], dim), dtype=bool)
+    is_high[heads, high] = True
+    rest = np.stack([nibbles[..., h, :, :dim][..., ~is_high[h]] for h in range(high.shape[0])], axis=-3)
+    return np.concatenate([eight_bit.astype(np.uint8), pack(torch.from_numpy(rest), tq.bits).numpy()], axis=-1)
 
 
 def _dequantize_region(tq: TensorQuant, last, count: int, static_meta):

@@ -11,12 +11,13 @@ from state_harness import left_pad, teacher_force
 from tiny_models import VOCAB, tiny_model
 
 from kvq_export.cache_layout import buffer_codes_to_kvq
-from kvq_export.calibrate import calibrate_static_scales, static_to_torch
+from kvq_export.calibrate import HIGH_CHANNELS, calibrate_static_scales, static_to_torch
 from kvq_export.manifest import decode_cache
 from kvq_export.presets import PRESETS
-from kvq_export.reference.codec import unpack
+from kvq_export.reference.codec import channel_steps, unpack_stream
 from kvq_export.reference.hf_cache import reference_hf_cache
 from kvq_export.runtime.session import KVQSession
+from kvq_export.scheme import KVQuantScheme, TensorQuant
 
 
 def _hp32(name: str):
@@ -38,6 +39,11 @@ SCHEMES = {
     "int8-asymv/hp-fp32": dataclasses.replace(
         PRESETS["ort-int8"][0], value=dataclasses.replace(PRESETS["ort-int8"][0].value, format="int"),
         hp_dtype="fp32", name="int8-asymv/hp-fp32"),
+    # 8 channels per head at 8 bits, split over two nibbles of a node head of head_dim + 8 (RoPE in the body)
+    "int4-high/hp-fp32": KVQuantScheme(
+        key=TensorQuant(format="int", bits=4, axis="channel", scales="static", scale_dtype="fp32", high_channels=8),
+        value=TensorQuant(format="int_sym", bits=4, axis="channel", scales="static", scale_dtype="fp32",
+                          high_channels=8), hp_dtype="fp32", name="int4-high/hp-fp32"),
 }
 PROMPTS = {"solo": [[5, 17, 99, 3, 42, 8, 77]], "padded": [[11, 12, 13, 14, 15], [60, 61, 2, 9, 100, 4, 4, 7, 1]]}
 #: decode steps after the prompt: past the tiny mistral's 48-token sliding window
@@ -63,19 +69,22 @@ def calibration(arch: str, scheme, *, covering: list[list[int]] | None = None):
         windows = [list(rng.integers(0, VOCAB, 64)) for _ in range(4)]
         return calibrate_static_scales(tiny_model(arch), scheme, windows)
     static = calibrate_static_scales(tiny_model(arch), scheme, covering)
-    return {layer: {part: _widened(meta, scheme.for_layer(layer)[0 if part == "key" else 1].bits)
+    return {layer: {part: _widened(meta, scheme.for_layer(layer)[0 if part == "key" else 1])
                     for part, meta in parts.items()}
             for layer, parts in static.items()}
 
 
-def _widened(meta: dict, bits: int) -> dict:
+def _widened(meta: dict, tq) -> dict:
     """Scales 5% wider; zero points (a range's low end) moved so the range grows about its middle."""
+    high = {HIGH_CHANNELS: meta[HIGH_CHANNELS]} if HIGH_CHANNELS in meta else {}
     scale = meta["scales"] * np.float32(1.05)
     if "zero_points" not in meta:
-        return {"scales": scale}
-    levels = np.float32((1 << bits) - 1)
+        return {"scales": scale, **high}
+    levels = np.float32((1 << tq.bits) - 1)
+    if high:  # each channel's own code steps
+        levels = channel_steps(tq, torch.as_tensor(meta[HIGH_CHANNELS]).long(), scale.shape[-1]).numpy()
     middle = meta["zero_points"] + meta["scales"] * levels / 2
-    return {"scales": scale, "zero_points": (middle - scale * levels / 2).astype(np.float32)}
+    return {"scales": scale, "zero_points": (middle - scale * levels / 2).astype(np.float32), **high}
 
 
 def sequences(prompts: list[list[int]], steps: int = STEPS) -> list[list[int]]:
@@ -129,9 +138,10 @@ def compare(session: KVQSession, arch: str, scheme, static, prompts, *, steps: i
                 stream_ref = getattr(layer_cache, part)
                 stored = arrays[f"past.{layer}.{part}.buffer"][row][:, :n]
                 if stream_ref.tq.quantized:
-                    bits = stream_ref.tq.bits
-                    a = unpack(torch.from_numpy(buffer_codes_to_kvq(stream_ref.tq, stored)), bits).numpy().astype(int)
-                    b = unpack(stream_ref.tensors()["codes"][0], bits).numpy().astype(int)
+                    tq, high = stream_ref.tq, stream_ref.high_channels
+                    kvq = torch.from_numpy(buffer_codes_to_kvq(tq, stored, None if high is None else high.numpy()))
+                    a = unpack_stream(kvq, tq, high).numpy().astype(int)
+                    b = unpack_stream(stream_ref.tensors()["codes"][0], tq, high).numpy().astype(int)
                     diff = a - b
                     sat = (a == 0) & (b == 1)
                     out.codes += a.size

@@ -44,7 +44,7 @@ GEOMETRY = Geometry(num_layers=2, num_kv_heads=2, head_dim=32)  # tiny_models.CO
 def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp("genai")
     out = {}
-    for name in ("fp32", "ort-int8", "ort-int4", "ort-int4-asymk"):
+    for name in ("fp32", "ort-int8", "ort-int4", "ort-int4-asymk", "int4-high/hp-fp32"):
         scheme = SCHEMES[name]
         out[name] = export(tiny_model("llama"), scheme, root / name.replace("/", "_"), flavor="ort-gqa",
                            static=calibration("llama", scheme))
@@ -58,7 +58,8 @@ def _held_bytes(scheme, seq_len: int, batch: int) -> int:
 
 
 @pytest.mark.parametrize("batch", ["solo", "ragged"])
-@pytest.mark.parametrize("name", ["fp32", "ort-int8", "ort-int4-asymk"])  # asymk: RoPE and the offset in the body
+# asymk: RoPE and the offset in the body; int4-high: 8-bit channels in a node head of head_dim + 8 nibbles
+@pytest.mark.parametrize("name", ["fp32", "ort-int8", "ort-int4-asymk", "int4-high/hp-fp32"])
 def test_greedy_tokens_equal_kvq_generate(exports, name, batch):
     prompts = PROMPTS[batch]
     ours = KVQSession(exports[name]).generate(prompts, NEW_TOKENS)

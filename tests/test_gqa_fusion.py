@@ -22,7 +22,7 @@ from tiny_models import ARCHS, NEW_ARCHS, VOCAB, loud_model
 
 from kvq_export.export import exporter
 from kvq_export.export.exporter import export
-from kvq_export.export.gqa_flavor import GQACacheGraph, keys_after_rope
+from kvq_export.export.gqa_flavor import GQACacheGraph, rope_in_body
 from kvq_export.runtime.session import KVQSession
 
 LAYERS = 2  # tests/tiny_models.py
@@ -46,7 +46,7 @@ PRIMITIVE_NORM = ("ReduceMean", "Sqrt", "Reciprocal")
 def unfused(monkeypatch):
     """Register ``ort-gqa-unfused``: the ort-gqa cache graph with the portable (unfused) body."""
     def factory(scheme, **geo):
-        return GQACacheGraph(scheme, fuse_rotary=not keys_after_rope(scheme, geo["num_layers"]), fuse_body=False, **geo)
+        return GQACacheGraph(scheme, fuse_rotary=not rope_in_body(scheme, geo["num_layers"]), fuse_body=False, **geo)
 
     monkeypatch.setitem(exporter.FLAVORS, "ort-gqa-unfused", factory)
     return "ort-gqa-unfused"

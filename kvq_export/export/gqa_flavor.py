@@ -57,6 +57,17 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   body, ``do_rotary=0``). Values get ``c`` added to the node's output (the attention weights sum to one).
   Static per-channel keys have channels whose range sits far from zero (SmolLM2: ``ort-int4`` +12.6% on
   protocol P, keys with zero points +5.4%), which a symmetric scale pays for with half its levels.
+* **High channels** (``high_channels = n`` on static int4 streams, e.g. ``ort-int4-hc8``): the node has one
+  bit width, so each of the n 8-bit channels per kv head travels as two nibbles of a node head of
+  ``head_dim + n`` channels (:class:`HighSplit`): the graph computes kvq's 8-bit code ``c`` of the channel (the
+  codec's arithmetic), and the node stores its upper nibble in the channel's own place (node scale 16x the
+  channel's) and its lower nibble in an extra channel (the channel's scale). The queries' extra channels
+  repeat the query at the kv head's high key channels, so each score reads ``q_c * (c - 136) * scale``: kvq's
+  key up to a per-channel constant, which softmax ignores; each value's extra output channel is folded back
+  onto its channel and the constant added back (as for zero points). The bytes are exactly kvq's (``n +
+  (head_dim - n) / 2`` per token and head), the codes bit-exact with the reference cache. Keys and values of
+  a layer need the same n (one head size per node), ``head_dim + n`` a multiple of 8 (ONNX Runtime), and
+  RoPE runs in the body (the node would rotate the widened head).
 * **Not supported** (refused at export with the reason): dynamic scales, fp8, 2 bits,
   high-precision windows (``residual_length``/``sink_tokens``), a layer whose key and value differ in
   quantized/bit width (one cache type and ``kv_cache_bit_width`` per node).
@@ -82,6 +93,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kvq_export.cache_layout import BUFFER
+from kvq_export.calibrate import HIGH_CHANNELS
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
@@ -99,22 +111,79 @@ GQA_BITS = (8, 4)
 
 
 @dataclass(frozen=True)
+class HighSplit:
+    """How one stream's 8-bit high channels travel through a 4-bit node: two nibbles each.
+
+    kvq's stored 8-bit code ``c`` of a high channel (``int``: ``clip(round((x - zero) / scale), 0, 255)``;
+    ``int_sym``: ``clip(round(x / scale), -127, 127) + 128``) is computed in the graph and split as
+    ``c = 16 * hi + lo``; the node stores ``hi - 8`` in the channel's own place (node scale ``16 * scale``) and
+    ``lo - 8`` in an extra channel after the head's ``head_dim`` (node scale ``scale``), so it reads back
+    ``(c - 136) * scale``: kvq's value minus a per-channel constant (``output_offset``).
+    """
+
+    channels: np.ndarray  # int64 [kv_heads, n]: the calibrated high channels of each kv head, ascending
+    scale: np.ndarray  # float32 [kv_heads, n]: kvq's static scale of each (rounded to scale_dtype)
+    zero: np.ndarray  # float32 [kv_heads, n]: its zero point (0 for int_sym)
+    low: float  # kvq's 8-bit code range before its offset: int 0..255, int_sym -127..127
+    top: float
+    offset: float  # added to the clipped code to make the stored code c (int 0, int_sym 128)
+    head_dim: int
+
+    @classmethod
+    def of(cls, tq: TensorQuant, meta: Mapping, kv_heads: int, head_dim: int) -> HighSplit:
+        """The split of one calibrated stream (``meta``: its scales, zero points and high channels)."""
+        from kvq_export.reference.codec import high_channel_levels
+
+        channels = np.asarray(meta[HIGH_CHANNELS], dtype=np.int64)
+        if channels.shape != (kv_heads, tq.high_channels):
+            raise ExportError(f"high_channels have shape {list(channels.shape)}; expected "
+                              f"[kv_heads={kv_heads}, {tq.high_channels}]")
+        pick = [per_channel(tq, meta[role], kv_heads, head_dim, role)[np.arange(kv_heads)[:, None], channels]
+                if role in meta else np.zeros(channels.shape, np.float32) for role in ("scales", "zero_points")]
+        low, top, offset = high_channel_levels(tq)
+        return cls(channels, pick[0], pick[1], float(low), float(top), float(offset), head_dim)
+
+    def places(self, heads: int | None = None) -> np.ndarray:
+        """int64 ``[heads * n]``: each high channel's place in a ``[heads * head_dim]`` row.
+
+        ``heads``: the kv heads (default), or the query heads, each reading its kv head's channels.
+        """
+        kv_heads = self.channels.shape[0]
+        heads = heads or kv_heads
+        per_head = np.repeat(self.channels, heads // kv_heads, axis=0)
+        return (per_head + np.arange(heads)[:, None] * self.head_dim).reshape(-1)
+
+    @property
+    def output_offset(self) -> np.ndarray:
+        """float32 ``[kv_heads, n]``: kvq's dequantized value minus the node's ``(c - 136) * scale``."""
+        kvq_minus_node = np.float32(136 - self.offset) * self.scale  # kvq: (c - offset) * scale + zero
+        return (kvq_minus_node + self.zero).astype(np.float32)
+
+
+@dataclass(frozen=True)
 class LayerPlan:
     """How one layer's GQA node stores its cache."""
 
     bits: int | None  # None: unquantized buffer
     k_quant: str = "NONE"  # NONE | PER_TENSOR | PER_CHANNEL
     v_quant: str = "NONE"
-    k_scale: np.ndarray | None = None  # float32 [1] or [1, kv_heads, 1, head_dim]
+    k_scale: np.ndarray | None = None  # float32 [1] or [1, kv_heads, 1, node head size]
     v_scale: np.ndarray | None = None
     k_offset: np.ndarray | None = None  # float32 [kv_heads * head_dim], asymmetric streams only (gqa_offset)
     v_offset: np.ndarray | None = None
+    out_offset: np.ndarray | None = None  # float32 [kv_heads * head_dim] added to each kv head's output
+    k_high: HighSplit | None = None  # streams with high channels (both or neither: one node head size)
+    v_high: HighSplit | None = None
 
 
-def unsupported(scheme: KVQuantScheme, num_layers: int) -> list[str]:
+#: ONNX Runtime's GroupQueryAttention wants a head size that is a multiple of this (high channels widen the head)
+GQA_HEAD_MULTIPLE = 8
+
+
+def unsupported(scheme: KVQuantScheme, num_layers: int, head_dim: int | None = None) -> list[str]:
     """Why GroupQueryAttention cannot hold ``scheme``'s cache (empty when it can).
 
-    One line per reason, naming the layers it applies to.
+    One line per reason, naming the layers it applies to. ``head_dim``: also check the node's head size.
     """
     layers_by_reason: dict[str, list[int]] = {}
 
@@ -140,6 +209,12 @@ def unsupported(scheme: KVQuantScheme, num_layers: int) -> list[str]:
         if key.quantized != value.quantized or (key.quantized and key.bits != value.bits):
             note(layer, "key and value: different cache types or bit widths, but one GQA node has one cache type "
                  "and one kv_cache_bit_width")
+        elif key.quantized and key.high_channels != value.high_channels:
+            note(layer, "key and value: different high_channels, but one GQA node has one head size (head_dim + n)")
+        elif key.quantized and head_dim and (head_dim + key.high_channels) % GQA_HEAD_MULTIPLE:
+            note(layer, f"high_channels={key.high_channels}: the node's head of head_dim + n = "
+                 f"{head_dim + key.high_channels} channels is not a multiple of {GQA_HEAD_MULTIPLE} (ONNX Runtime "
+                 f"needs one; allowed n: multiples of {GQA_HEAD_MULTIPLE} when head_dim is)")
     reasons = [f"{_layer_span(layers, num_layers)} {text}" for text, layers in layers_by_reason.items()]
     if scheme.quantized and (scheme.residual_length or scheme.sink_tokens):
         reasons.append(f"residual_length={scheme.residual_length}, sink_tokens={scheme.sink_tokens}: GQA keeps no "
@@ -220,12 +295,12 @@ class GQACacheGraph(LaidOutCache):
     def __init__(self, scheme: KVQuantScheme, *, fuse_rotary: bool = True, fuse_body: bool = True,
                  **geometry) -> None:
         super().__init__(scheme, **geometry)
-        reasons = unsupported(scheme, self.num_layers)
+        reasons = unsupported(scheme, self.num_layers, self.head_dim)
         if reasons:
             raise ExportError(f"flavor ort-gqa cannot hold scheme {scheme.name or 'custom'}: " + "; ".join(reasons))
-        if fuse_rotary and keys_after_rope(scheme, self.num_layers):
-            raise ExportError("ort-gqa: rotated keys and keys with zero points are transformed after RoPE, so "
-                              "RoPE cannot be fused into GroupQueryAttention (use fuse_rotary=False)")
+        if fuse_rotary and rope_in_body(scheme, self.num_layers):
+            raise ExportError("ort-gqa: rotated keys, keys with zero points and high channels are transformed "
+                              "after RoPE, so RoPE cannot be fused into GroupQueryAttention (use fuse_rotary=False)")
         self.fuses_rotary = fuse_rotary
         self.fuses_body = fuse_body
         self.plans = [self._plan(layer, key, value, self.static)
@@ -239,14 +314,30 @@ class GQACacheGraph(LaidOutCache):
             kind, array = gqa_scale(tq, static_scales(static, layer, part), self.kv_heads, self.head_dim)
             types.append(kind)
             arrays.append(array)
+        offsets = [gqa_offset(tq, static[layer][part], self.kv_heads, self.head_dim)
+                   for part, tq in zip(PARTS, (key, value))]
+        out_offset = offsets[1]
+        highs = [HighSplit.of(tq, static[layer][part], self.kv_heads, self.head_dim) if tq.high_channels else None
+                 for part, tq in zip(PARTS, (key, value))]
+        if highs[0] is not None:  # the node's head grows by n channels: the nibbles' scales (see HighSplit)
+            arrays = [self._node_scales(a, high) for a, high in zip(arrays, highs)]
+            types = ["PER_CHANNEL", "PER_CHANNEL"]
+            out_offset = np.zeros(self.kv_heads * self.head_dim, np.float32) if out_offset is None else out_offset
+            out_offset = out_offset.copy()
+            out_offset[highs[1].places()] = highs[1].output_offset.reshape(-1)
         if types[0] != types[1]:  # the CPU kernel needs k_quant_type == v_quant_type
             shape = (1, self.kv_heads, 1, self.head_dim)
             arrays = [np.ascontiguousarray(np.broadcast_to(a.reshape(-1)[0] if a.size == 1 else a, shape))
                       for a in arrays]
             types = ["PER_CHANNEL", "PER_CHANNEL"]
-        offsets = [gqa_offset(tq, static[layer][part], self.kv_heads, self.head_dim)
-                   for part, tq in zip(PARTS, (key, value))]
-        return LayerPlan(key.bits, types[0], types[1], arrays[0], arrays[1], *offsets)
+        return LayerPlan(key.bits, types[0], types[1], arrays[0], arrays[1], *offsets, out_offset, *highs)
+
+    def _node_scales(self, scales: np.ndarray, high: HighSplit) -> np.ndarray:
+        """float32 ``[1, kv_heads, 1, head_dim + n]``: 16x the scale at a high channel, its scale at its extra."""
+        heads, d = self.kv_heads, self.head_dim
+        s = np.broadcast_to(scales.reshape(-1)[0] if scales.size == 1 else scales.reshape(heads, d), (heads, d)).copy()
+        s[np.arange(heads)[:, None], high.channels] = np.float32(16) * high.scale
+        return np.ascontiguousarray(np.concatenate([s, high.scale], axis=1).reshape(1, heads, 1, -1))
 
     # -- CacheGraph protocol --------------------------------------------------------------------------
     def rotation(self, layer: int, part: str) -> np.ndarray | None:
@@ -348,7 +439,11 @@ class GQACacheGraph(LaidOutCache):
              rotary: bool) -> ir.Value:
         """Realign to right padding, run the node on the shared buffers, realign back (k = v = None: packed q)."""
         f, plan = self.facts, self.plans[layer]
+        nibbles = [None if high is None else self._high_nibbles(b, layer, part, x, high)
+                   for part, x, high in zip(PARTS, (k, v), (plan.k_high, plan.v_high))]
         q, k, v = self._offset_inputs(b, layer, q, k, v)
+        if plan.k_high is not None:
+            q, k, v = self._widen(b, layer, q, k, v, nibbles)
         qr, kr, vr = (None if x is None else b.op("GatherND", x, self.to_right, batch_dims=1) for x in (q, k, v))
         past = [self.past[self.layout.buffer_name("past", layer, part)] for part in PARTS]
         scales: list[ir.Value | None] = [None, None]
@@ -375,10 +470,74 @@ class GQACacheGraph(LaidOutCache):
         )
         for part, value in zip(PARTS, (present_k, present_v)):
             self.present[self.layout.buffer_name("present", layer, part)] = value
-        if plan.v_offset is not None:  # sum_j a_j (v_j - c) + c = sum_j a_j v_j: each query head's kv head's c
-            per_query_head = np.repeat(plan.v_offset.reshape(f.num_kv_heads, -1), f.num_heads // f.num_kv_heads, 0)
+        if plan.v_high is not None:
+            out = self._fold(b, layer, out, plan.v_high)
+        if plan.out_offset is not None:  # sum_j a_j (v_j - c) + c = sum_j a_j v_j: each query head's kv head's c
+            per_query_head = np.repeat(plan.out_offset.reshape(f.num_kv_heads, -1), f.num_heads // f.num_kv_heads, 0)
             out = b.op("Add", out, self._offset(b, layer, "value.output", per_query_head.reshape(-1)))
         return b.op("Where", self.valid, b.op("GatherND", out, self.to_left, batch_dims=1), self.zero)
+
+    def _high_nibbles(self, b: GraphBuilder, layer: int, part: str, x: ir.Value,
+                      high: HighSplit) -> tuple[ir.Value, ir.Value, ir.Value]:
+        """New keys/values [B,t,Hkv*D] -> (the high channels' places [Hkv*n], upper nibbles, lower nibbles [B,t,Hkv*n]).
+
+        kvq's 8-bit codes of the high channels, computed as the reference codec does (fp32, round half to
+        even), split into the values the node quantizes back to exactly ``hi - 8`` and ``lo - 8``.
+        """
+        def const(role: str, array: np.ndarray) -> ir.Value:
+            return b.initializer(static_name(layer, part, f"high_channels.{role}"), array)
+
+        scale = const("scale", high.scale.reshape(-1))
+        index = const("index", high.places())
+        picked = b.op("Gather", b.op("Cast", x, to=ir.DataType.FLOAT), index, axis=2)
+        shifted = b.op("Sub", picked, const("zero", high.zero.reshape(-1)))
+        codes = b.op("Clip", b.op("Round", b.op("Div", shifted, scale)),
+                     b.const(high.low), b.const(high.top))
+        codes = b.op("Add", codes, b.const(high.offset))  # kvq's stored code c in [0, 255]
+        sixteen = b.const(16.0)
+        hi = b.op("Floor", b.op("Div", codes, sixteen))
+        lo = b.op("Sub", codes, b.op("Mul", hi, sixteen))
+        eight = b.const(8.0)
+        hi_values = b.op("Mul", b.op("Sub", hi, eight), const("scale16", np.float32(16) * high.scale.reshape(-1)))
+        lo_values = b.op("Mul", b.op("Sub", lo, eight), scale)
+        return index, b.op("Cast", hi_values, to=self.compute_type), b.op("Cast", lo_values, to=self.compute_type)
+
+    def _widen(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value,
+               nibbles: list[tuple[ir.Value, ir.Value, ir.Value] | None]) -> tuple[ir.Value, ir.Value, ir.Value]:
+        """q/k/v rows with the node's head of ``head_dim + n`` channels (see :class:`HighSplit`).
+
+        Keys and values: the high channels' places hold their high nibbles, the n extra channels their low
+        nibbles. Queries: the extra channels repeat the query at its kv head's high key channels, so each
+        score reads ``q_c * (hi part + lo part)``.
+        """
+        f, plan = self.facts, self.plans[layer]
+        d = self.head_dim
+
+        def rows(x: ir.Value, extra: ir.Value, heads: int) -> ir.Value:
+            n = plan.k_high.channels.shape[1]
+            parts = [b.op("Reshape", y, b.const([0, 0, heads, width])) for y, width in ((x, d), (extra, n))]
+            return b.op("Reshape", b.op("Concat", *parts, axis=-1), b.const([0, 0, heads * (d + n)]))
+
+        widened = []
+        for x, (index, upper, lower) in zip((k, v), nibbles):
+            in_place = b.op("ScatterElements", x, b.op("Expand", index, b.op("Shape", upper)), upper, axis=2)
+            widened.append(rows(in_place, lower, f.num_kv_heads))
+        q_extra = b.op("Gather", q, b.initializer(static_name(layer, "query", "high_channels.index"),
+                                                  plan.k_high.places(f.num_heads)), axis=2)
+        return rows(q, q_extra, f.num_heads), *widened
+
+    def _fold(self, b: GraphBuilder, layer: int, out: ir.Value, high: HighSplit) -> ir.Value:
+        """The node's output ``[B, t, Hq * (D + n)]`` -> ``[B, t, Hq * D]``: each query head's n extra channels
+        are added onto its kv head's high value channels (a scatter-add: no matmul over the whole row)."""
+        f, d = self.facts, self.head_dim
+        n = high.channels.shape[1]
+        heads = b.op("Reshape", out, b.const([0, 0, f.num_heads, d + n]))
+        main, extra = (b.op("Reshape", b.op("Slice", heads, b.const([start]), b.const([stop]), b.const([-1])),
+                            b.const([0, 0, f.num_heads * width]))
+                       for start, stop, width in ((0, d, d), (d, d + n, n)))
+        index = b.op("Expand", b.initializer(static_name(layer, "value", "high_channels.fold"),
+                                             high.places(f.num_heads)), b.op("Shape", extra))
+        return b.op("ScatterElements", main, index, extra, axis=2, reduction="add")
 
     def _offset(self, b: GraphBuilder, layer: int, what: str, array: np.ndarray) -> ir.Value:
         return b.initializer(static_name(layer, what, "offset"), array.astype(self.np_type))
@@ -399,11 +558,13 @@ class GQACacheGraph(LaidOutCache):
         return q, k, v
 
 
-def keys_after_rope(scheme: KVQuantScheme, num_layers: int) -> bool:
-    """Whether any layer's keys are rotated or offset after RoPE (then RoPE runs in the body, before the node)."""
-    return any(key.rotation != "none" or key.has_zero_point for key, _ in scheme.streams(num_layers))
+def rope_in_body(scheme: KVQuantScheme, num_layers: int) -> bool:
+    """Whether RoPE must run in the body, before the node: some layer's keys are rotated or offset after RoPE,
+    or its node's head is wider than the model's (high channels)."""
+    return any(key.rotation != "none" or key.has_zero_point or key.high_channels
+               for key, _ in scheme.streams(num_layers))
 
 
 @register_flavor("ort-gqa")
 def _gqa_flavor(scheme: KVQuantScheme, **geometry) -> GQACacheGraph:
-    return GQACacheGraph(scheme, fuse_rotary=not keys_after_rope(scheme, geometry["num_layers"]), **geometry)
+    return GQACacheGraph(scheme, fuse_rotary=not rope_in_body(scheme, geometry["num_layers"]), **geometry)

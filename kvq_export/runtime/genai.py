@@ -251,6 +251,10 @@ def builder_scale_file(static, scheme, *, num_layers: int, kv_heads: int, head_d
         raise ExportError(f"scheme {scheme.name or 'custom'} has no builder kv_cache_quant_scheme: its "
                           f"{' and '.join(zero_points)} streams have zero points, the builder's cache is symmetric "
                           "(use a static symmetric int8/int4 scheme such as ort-int8 or ort-int4)")
+    if any(tq.high_channels for pair in streams for tq in pair):  # kvq's graph widens such heads
+        raise ExportError(f"scheme {scheme.name or 'custom'} has no builder kv_cache_quant_scheme: it keeps "
+                          "8-bit high channels, the builder's cache has one bit width per channel (use a static "
+                          "symmetric int8/int4 scheme such as ort-int8 or ort-int4)")
     bits = {tq.bits for pair in streams for tq in pair}
     if len(bits) != 1:
         raise ExportError(f"scheme {scheme.name or 'custom'} mixes {sorted(bits)} bits; the builder takes one width")
