@@ -60,6 +60,10 @@ METRICS = ("attention", "kl")
 RESOLUTION = 4000
 
 
+#: High channels per head the ``ort-gqa`` set offers its int4 layers.
+GQA_HIGH_CHANNELS = (8, 16, 24)
+
+
 def _static(bits: int, fmt: str = "int_sym") -> TensorQuant:
     return TensorQuant(format=fmt, bits=bits, axis="channel", scales="static", scale_dtype="fp32")
 
@@ -112,11 +116,14 @@ class CandidateSet:
 
 
 CANDIDATE_SETS: dict[str, CandidateSet] = {
+    # int4 with n channels per head at 8 bits rides a head of head_dim + n nibbles (see the ort-gqa flavour):
+    # ONNX Runtime wants a head size that is a multiple of 8, so n steps by 8 (4.5 / 5.0 / 5.5 bits).
     "ort-gqa": CandidateSet(
         "GroupQueryAttention: per layer int8 or int4 (one bit width per node), static per-channel scales, keys "
-        "with or without zero points",
+        "with or without zero points; int4 with 8 / 16 / 24 channels per head at 8 bits (zero-point keys)",
         pairs=((_static(8), _static(8)), (_static(8, "int"), _static(8)),
-               (_static(4), _static(4)), (_static(4, "int"), _static(4))),
+               (_static(4), _static(4)), (_static(4, "int"), _static(4)),
+               *((_high(_static(4, "int"), n), _high(_static(4), n)) for n in GQA_HIGH_CHANNELS)),
     ),
     "kivi": CandidateSet(
         "per-channel keys / per-token values, asymmetric int8/int4/int2, groups of 32 or 64, no window",
@@ -263,13 +270,19 @@ def _static_for(model: PreTrainedModel, candidates: set[TensorQuant], samples, n
 
     out = {}
     for tq in candidates:
-        if tq.quantized and tq.scales == "static":
+        if not tq.quantized:
+            continue
+        high = None
+        if tq.high_channels:
+            high = {layer: {part: choose_high_channels(samples[layer], part, tq,
+                                                       _o_proj(model, layer) if part == "value" else None)
+                            for part in ("key", "value")} for layer in range(num_layers)}
+        if tq.scales == "static":
             out[tq] = static_from_samples(samples, KVQuantScheme(key=tq, value=tq), num_layers, method=method,
-                                          percentile=percentile)
-        elif tq.quantized and tq.high_channels:
-            out[tq] = {layer: {part: {HIGH_CHANNELS: choose_high_channels(
-                samples[layer], part, tq, _o_proj(model, layer) if part == "value" else None)}
-                for part in ("key", "value")} for layer in range(num_layers)}
+                                          percentile=percentile, high_channels=high)
+        elif high is not None:
+            out[tq] = {layer: {part: {HIGH_CHANNELS: chosen} for part, chosen in parts.items()}
+                       for layer, parts in high.items()}
     return out
 
 

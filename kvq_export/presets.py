@@ -43,11 +43,13 @@ def _rotated(tq: TensorQuant) -> TensorQuant:
     return dataclasses.replace(tq, rotation="hadamard")
 
 
-def _ort(bits: int, *, key_zero_points: bool = False) -> KVQuantScheme:
+def _ort(bits: int, *, key_zero_points: bool = False, high_channels: int = 0) -> KVQuantScheme:
     # GroupQueryAttention's quantized cache: static float32 scales per (kv head, channel); keys with zero
-    # points reach the node as symmetric codes through a post-RoPE offset (see the ort-gqa flavour).
-    tq = _int(bits, None, sym=True, axis="channel", scales="static", scale_dtype="fp32")
-    key = _int(bits, None, sym=False, axis="channel", scales="static", scale_dtype="fp32") if key_zero_points else tq
+    # points reach the node as symmetric codes through a post-RoPE offset, 8-bit high channels as two
+    # nibbles of a wider node head (see the ort-gqa flavour).
+    tq = _int(bits, None, sym=True, axis="channel", scales="static", scale_dtype="fp32", high_channels=high_channels)
+    key = _int(bits, None, sym=False, axis="channel", scales="static", scale_dtype="fp32",
+               high_channels=high_channels) if key_zero_points else tq
     return KVQuantScheme(key=key, value=tq)
 
 
@@ -124,6 +126,9 @@ PRESETS: dict[str, tuple[KVQuantScheme, str]] = {
     "ort-int4": (_ort(4), "ORT GroupQueryAttention int4: sym, static fp32 per-channel scales"),
     "ort-int4-asymk": (_ort(4, key_zero_points=True),
                        "ORT GroupQueryAttention int4: keys with static per-channel zero points, sym values"),
+    "ort-int4-hc8": (_ort(4, key_zero_points=True, high_channels=8),
+                     "ORT GroupQueryAttention int4 as ort-int4-asymk, with 8 channels per kv head at 8 bits in "
+                     "both streams (calibrated choice)"),
 }
 PRESETS = {name: (scheme.with_name(name), text) for name, (scheme, text) in PRESETS.items()}
 

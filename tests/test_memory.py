@@ -23,10 +23,9 @@ def _static(scheme: KVQuantScheme, layers: int, heads: int, dim: int):
         out[layer] = {}
         for part, tq in zip(("key", "value"), streams):
             n = dim // tq.token_group(dim) if tq.axis == "token" else dim
+            out[layer][part] = {"scales": torch.full((heads, n), 0.01), "zero_points": torch.zeros(heads, n)}
             if tq.high_channels:
-                out[layer][part] = {"high_channels": torch.arange(tq.high_channels).repeat(heads, 1)}
-            else:
-                out[layer][part] = {"scales": torch.full((heads, n), 0.01), "zero_points": torch.zeros(heads, n)}
+                out[layer][part]["high_channels"] = torch.arange(tq.high_channels).repeat(heads, 1)
     return out
 
 

@@ -323,7 +323,8 @@ def test_cli_plan_writes_a_scheme(tmp_path):
     scheme = KVQuantScheme.from_json(out.read_text())
     assert scheme.name == "planned" and "bits/element at 1024 tokens" in result.output
     data = json.loads(report.read_text())
-    assert data["bits_per_element"] <= 6 and len(data["damages"]) == 2 * 4  # 2 layers x 4 tied candidates
+    # 2 layers x the default set's tied candidates (int8 / int4, with and without key zero points and high channels)
+    assert data["bits_per_element"] <= 6 and len(data["damages"]) == 2 * len(CANDIDATE_SETS["ort-gqa"].options())
     assert data["settings"]["offset"] == 100
     bad = CliRunner().invoke(cli, ["plan", "--model", str(model_dir), "--corpus", str(corpus), "--budget", "1",
                                    "--tokens", "64", "--offset", "0", "--out", str(out)])

@@ -8,9 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvq_export.cache_layout import split_lengths
+from kvq_export.calibrate import fit_metadata
 from kvq_export.presets import PRESETS
 from kvq_export.reference.cache import LayerCache, ReferenceCache, StreamCache
-from kvq_export.reference.codec import dequantize_packed, metadata_from_range, quantize_packed, scale_from_amax
+from kvq_export.reference.codec import dequantize_packed, quantize_packed
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
 GROUP, RESIDUAL, HEAD_DIM = 4, 8, 16
@@ -140,16 +141,14 @@ def test_presets_run_through_the_cache(preset):
     if scheme.needs_calibration:  # absmax calibration on the data itself, with the codec's arithmetic
         static = {0: {}}
         for part, tq in zip(("key", "value"), (scheme.key, scheme.value)):
+            meta = static[0].setdefault(part, {})
             if tq.high_channels:  # each head's widest channels
                 widest = (x.amax(dim=(0, 2)) - x.amin(dim=(0, 2))).topk(tq.high_channels, dim=-1).indices
-                static[0][part] = {"high_channels": widest.sort(dim=-1).values}
-            elif tq.scales == "dynamic":
-                continue
-            elif tq.has_zero_point:
-                scale, zero = metadata_from_range(tq, x.amin(dim=(0, 2)), x.amax(dim=(0, 2)))
-                static[0][part] = {"scales": scale.float(), "zero_points": zero.float()}
-            else:
-                static[0][part] = {"scales": scale_from_amax(tq, x.abs().amax(dim=(0, 2))).float()}
+                meta["high_channels"] = widest.sort(dim=-1).values
+            if tq.quantized and tq.scales == "static":
+                stats = (x.amin(dim=(0, 2)), x.amax(dim=(0, 2))) if tq.has_zero_point else (x.abs().amax(dim=(0, 2)),)
+                meta.update({role: t.float() for role, t in
+                             fit_metadata(tq, stats, meta.get("high_channels")).items()})
     cache = ReferenceCache(scheme, num_layers=1, static=static)
     k, v = cache.update(0, x, x)
     assert k.shape == x.shape and bool(torch.isfinite(k).all())
