@@ -144,14 +144,46 @@ class HighSplit:
         return cls(channels, pick[0], pick[1], float(low), float(top), float(offset), head_dim)
 
     def places(self, heads: int | None = None) -> np.ndarray:
-        """int64 ``[heads * n]``: each high channel's place in a ``[heads * head_dim]`` row.
+        """int64 ``[heads, n]``: each high channel's place in a ``[heads * head_dim]`` row.
 
         ``heads``: the kv heads (default), or the query heads, each reading its kv head's channels.
         """
         kv_heads = self.channels.shape[0]
         heads = heads or kv_heads
         per_head = np.repeat(self.channels, heads // kv_heads, axis=0)
-        return (per_head + np.arange(heads)[:, None] * self.head_dim).reshape(-1)
+        return per_head + np.arange(heads)[:, None] * self.head_dim
+
+    def widened(self, row: int, upper: int, lower: int) -> np.ndarray:
+        """int64 ``[kv_heads * (head_dim + n)]``: where each channel of the node's key/value row is read from.
+
+        The source row holds this stream's ``[kv_heads * head_dim]`` row from ``row``, its ``[kv_heads * n]``
+        upper nibbles from ``upper`` and lower nibbles from ``lower``: a head's channels, with each high
+        channel's upper nibble in its place, then its n lower nibbles.
+        """
+        heads, n = self.channels.shape
+        own = row + np.arange(heads * self.head_dim).reshape(heads, self.head_dim)
+        nibble = np.arange(heads * n).reshape(heads, n)
+        np.put_along_axis(own, self.channels, upper + nibble, axis=1)
+        return np.concatenate([own, lower + nibble], axis=1).reshape(-1)
+
+    def query_widened(self, num_heads: int) -> np.ndarray:
+        """int64 ``[num_heads * (head_dim + n)]``: the node's query row read from the model's: each head's
+        channels, then again its kv head's high key channels."""
+        own = np.arange(num_heads * self.head_dim).reshape(num_heads, self.head_dim)
+        return np.concatenate([own, self.places(num_heads)], axis=1).reshape(-1)
+
+    def folded(self, num_heads: int) -> tuple[np.ndarray, np.ndarray]:
+        """(main, extra) int64 ``[num_heads * head_dim]``: where each channel of the attention output is read
+        from the node's ``[num_heads * (head_dim + n)]`` output row, and the extra channel added to it (a high
+        value channel's lower-nibble output; the other channels read index ``num_heads * (head_dim + n)``,
+        a zero column appended to the row)."""
+        heads, n = num_heads, self.channels.shape[1]
+        wide = self.head_dim + n
+        main = (np.arange(heads)[:, None] * wide + np.arange(self.head_dim)).reshape(-1)
+        extra = np.full((heads, self.head_dim), heads * wide, dtype=np.int64)
+        lows = np.arange(heads)[:, None] * wide + self.head_dim + np.arange(n)
+        np.put_along_axis(extra, np.repeat(self.channels, heads // self.channels.shape[0], axis=0), lows, axis=1)
+        return main, extra.reshape(-1)
 
     @property
     def output_offset(self) -> np.ndarray:
@@ -324,7 +356,7 @@ class GQACacheGraph(LaidOutCache):
             types = ["PER_CHANNEL", "PER_CHANNEL"]
             out_offset = np.zeros(self.kv_heads * self.head_dim, np.float32) if out_offset is None else out_offset
             out_offset = out_offset.copy()
-            out_offset[highs[1].places()] = highs[1].output_offset.reshape(-1)
+            out_offset[highs[1].places().reshape(-1)] = highs[1].output_offset.reshape(-1)
         if types[0] != types[1]:  # the CPU kernel needs k_quant_type == v_quant_type
             shape = (1, self.kv_heads, 1, self.head_dim)
             arrays = [np.ascontiguousarray(np.broadcast_to(a.reshape(-1)[0] if a.size == 1 else a, shape))
@@ -439,11 +471,10 @@ class GQACacheGraph(LaidOutCache):
              rotary: bool) -> ir.Value:
         """Realign to right padding, run the node on the shared buffers, realign back (k = v = None: packed q)."""
         f, plan = self.facts, self.plans[layer]
-        nibbles = [None if high is None else self._high_nibbles(b, layer, part, x, high)
-                   for part, x, high in zip(PARTS, (k, v), (plan.k_high, plan.v_high))]
+        raw = (k, v)
         q, k, v = self._offset_inputs(b, layer, q, k, v)
         if plan.k_high is not None:
-            q, k, v = self._widen(b, layer, q, k, v, nibbles)
+            q, k, v = self._widen(b, layer, q, k, v, raw)
         qr, kr, vr = (None if x is None else b.op("GatherND", x, self.to_right, batch_dims=1) for x in (q, k, v))
         past = [self.past[self.layout.buffer_name("past", layer, part)] for part in PARTS]
         scales: list[ir.Value | None] = [None, None]
@@ -477,67 +508,63 @@ class GQACacheGraph(LaidOutCache):
             out = b.op("Add", out, self._offset(b, layer, "value.output", per_query_head.reshape(-1)))
         return b.op("Where", self.valid, b.op("GatherND", out, self.to_left, batch_dims=1), self.zero)
 
-    def _high_nibbles(self, b: GraphBuilder, layer: int, part: str, x: ir.Value,
-                      high: HighSplit) -> tuple[ir.Value, ir.Value, ir.Value]:
-        """New keys/values [B,t,Hkv*D] -> (the high channels' places [Hkv*n], upper nibbles, lower nibbles [B,t,Hkv*n]).
-
-        kvq's 8-bit codes of the high channels, computed as the reference codec does (fp32, round half to
-        even), split into the values the node quantizes back to exactly ``hi - 8`` and ``lo - 8``.
-        """
-        def const(role: str, array: np.ndarray) -> ir.Value:
-            return b.initializer(static_name(layer, part, f"high_channels.{role}"), array)
-
-        scale = const("scale", high.scale.reshape(-1))
-        index = const("index", high.places())
-        picked = b.op("Gather", b.op("Cast", x, to=ir.DataType.FLOAT), index, axis=2)
-        shifted = b.op("Sub", picked, const("zero", high.zero.reshape(-1)))
-        codes = b.op("Clip", b.op("Round", b.op("Div", shifted, scale)),
-                     b.const(high.low), b.const(high.top))
-        codes = b.op("Add", codes, b.const(high.offset))  # kvq's stored code c in [0, 255]
-        sixteen = b.const(16.0)
-        hi = b.op("Floor", b.op("Div", codes, sixteen))
-        lo = b.op("Sub", codes, b.op("Mul", hi, sixteen))
-        eight = b.const(8.0)
-        hi_values = b.op("Mul", b.op("Sub", hi, eight), const("scale16", np.float32(16) * high.scale.reshape(-1)))
-        lo_values = b.op("Mul", b.op("Sub", lo, eight), scale)
-        return index, b.op("Cast", hi_values, to=self.compute_type), b.op("Cast", lo_values, to=self.compute_type)
-
     def _widen(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value,
-               nibbles: list[tuple[ir.Value, ir.Value, ir.Value] | None]) -> tuple[ir.Value, ir.Value, ir.Value]:
+               raw: tuple[ir.Value, ir.Value]) -> tuple[ir.Value, ir.Value, ir.Value]:
         """q/k/v rows with the node's head of ``head_dim + n`` channels (see :class:`HighSplit`).
 
-        Keys and values: the high channels' places hold their high nibbles, the n extra channels their low
-        nibbles. Queries: the extra channels repeat the query at its kv head's high key channels, so each
-        score reads ``q_c * (hi part + lo part)``.
+        ``raw``: the new keys/values before any offset (``k``/``v``: after it), ``[B, t, Hkv * D]``. kvq's
+        8-bit codes of both streams' high channels are computed at once as the reference codec does (fp32,
+        round half to even) and split into the values the node quantizes back to exactly ``hi - 8`` and
+        ``lo - 8``; one Gather per stream then lays out each widened row (the upper nibble in the high
+        channel's place, the lower ones after ``head_dim``), and one for the queries, whose extra channels
+        repeat the query at its kv head's high key channels. Few, cheap nodes: they run at every step.
         """
         f, plan = self.facts, self.plans[layer]
-        d = self.head_dim
+        highs = (plan.k_high, plan.v_high)
+        row, count = f.num_kv_heads * self.head_dim, highs[0].channels.size  # one stream's row; its high channels
 
-        def rows(x: ir.Value, extra: ir.Value, heads: int) -> ir.Value:
-            n = plan.k_high.channels.shape[1]
-            parts = [b.op("Reshape", y, b.const([0, 0, heads, width])) for y, width in ((x, d), (extra, n))]
-            return b.op("Reshape", b.op("Concat", *parts, axis=-1), b.const([0, 0, heads * (d + n)]))
+        def const(role: str, array: np.ndarray) -> ir.Value:
+            return b.initializer(static_name(layer, "kv", f"high_channels.{role}"), array)
 
-        widened = []
-        for x, (index, upper, lower) in zip((k, v), nibbles):
-            in_place = b.op("ScatterElements", x, b.op("Expand", index, b.op("Shape", upper)), upper, axis=2)
-            widened.append(rows(in_place, lower, f.num_kv_heads))
-        q_extra = b.op("Gather", q, b.initializer(static_name(layer, "query", "high_channels.index"),
-                                                  plan.k_high.places(f.num_heads)), axis=2)
-        return rows(q, q_extra, f.num_heads), *widened
+        def joint(values) -> np.ndarray:  # key then value, per high channel
+            return np.concatenate([np.broadcast_to(np.float32(x), high.scale.shape).reshape(-1)
+                                   for x, high in zip(values, highs)]).astype(np.float32)
+
+        scale = const("scale", joint(h.scale for h in highs))
+        picked = b.op("Gather", b.op("Concat", *raw, axis=2),
+                      const("index", np.concatenate([highs[0].places().reshape(-1),
+                                                     row + highs[1].places().reshape(-1)])), axis=2)
+        if self.compute_type != ir.DataType.FLOAT:
+            picked = b.op("Cast", picked, to=ir.DataType.FLOAT)
+        codes = b.op("Round", b.op("Div", b.op("Sub", picked, const("zero", joint(h.zero for h in highs))), scale))
+        codes = b.op("Min", b.op("Max", codes, const("low", joint(h.low for h in highs))),
+                     const("top", joint(h.top for h in highs)))
+        codes = b.op("Add", codes, const("offset", joint(h.offset for h in highs)))  # kvq's stored code c
+        sixteen, eight = b.const(16.0), b.const(8.0)
+        hi = b.op("Floor", b.op("Div", codes, sixteen))
+        lo = b.op("Sub", codes, b.op("Mul", hi, sixteen))
+        upper = b.op("Mul", b.op("Sub", hi, eight), const("scale16", np.float32(16) * joint(h.scale for h in highs)))
+        lower = b.op("Mul", b.op("Sub", lo, eight), scale)
+        if self.compute_type != ir.DataType.FLOAT:
+            upper, lower = (b.op("Cast", x, to=self.compute_type) for x in (upper, lower))
+        source = b.op("Concat", k, v, upper, lower, axis=2)  # [k | v | upper (k, v) | lower (k, v)]
+        widened = [b.op("Gather", source, b.initializer(static_name(layer, part, "high_channels.widen"),
+                                                        high.widened(i * row, 2 * row + i * count,
+                                                                     2 * row + 2 * count + i * count)), axis=2)
+                   for i, (part, high) in enumerate(zip(PARTS, highs))]
+        query = b.op("Gather", q, b.initializer(static_name(layer, "query", "high_channels.widen"),
+                                                highs[0].query_widened(f.num_heads)), axis=2)
+        return query, *widened
 
     def _fold(self, b: GraphBuilder, layer: int, out: ir.Value, high: HighSplit) -> ir.Value:
         """The node's output ``[B, t, Hq * (D + n)]`` -> ``[B, t, Hq * D]``: each query head's n extra channels
-        are added onto its kv head's high value channels (a scatter-add: no matmul over the whole row)."""
-        f, d = self.facts, self.head_dim
-        n = high.channels.shape[1]
-        heads = b.op("Reshape", out, b.const([0, 0, f.num_heads, d + n]))
-        main, extra = (b.op("Reshape", b.op("Slice", heads, b.const([start]), b.const([stop]), b.const([-1])),
-                            b.const([0, 0, f.num_heads * width]))
-                       for start, stop, width in ((0, d, d), (d, d + n, n)))
-        index = b.op("Expand", b.initializer(static_name(layer, "value", "high_channels.fold"),
-                                             high.places(f.num_heads)), b.op("Shape", extra))
-        return b.op("ScatterElements", main, index, extra, axis=2, reduction="add")
+        are added onto its kv head's high value channels (two Gathers, one reading a zero column appended
+        for the other channels: no matmul over the whole row)."""
+        main, extra = high.folded(self.facts.num_heads)
+        padded = b.op("Pad", out, b.const([0, 0, 0, 0, 0, 1]))  # one zero column at the end
+        gather = [b.op("Gather", x, b.initializer(static_name(layer, "value", f"high_channels.fold.{role}"), index),
+                       axis=2) for x, role, index in ((out, "main", main), (padded, "extra", extra))]
+        return b.op("Add", *gather)
 
     def _offset(self, b: GraphBuilder, layer: int, what: str, array: np.ndarray) -> ir.Value:
         return b.initializer(static_name(layer, what, "offset"), array.astype(self.np_type))
