@@ -126,9 +126,9 @@ PRESETS: dict[str, tuple[KVQuantScheme, str]] = {
     "ort-int4": (_ort(4), "ORT GroupQueryAttention int4: sym, static fp32 per-channel scales"),
     "ort-int4-asymk": (_ort(4, key_zero_points=True),
                        "ORT GroupQueryAttention int4: keys with static per-channel zero points, sym values"),
-    "ort-int4-hc8": (_ort(4, key_zero_points=True, high_channels=8),
-                     "ORT GroupQueryAttention int4 as ort-int4-asymk, with 8 channels per kv head at 8 bits in "
-                     "both streams (calibrated choice)"),
+    "ort-int4-hc16": (_ort(4, key_zero_points=True, high_channels=16),
+                      "ORT GroupQueryAttention int4 as ort-int4-asymk, with 16 channels per kv head at 8 bits in "
+                      "both streams (calibrated choice; the node's head of head_dim + 16 stays a multiple of 16)"),
 }
 PRESETS = {name: (scheme.with_name(name), text) for name, (scheme, text) in PRESETS.items()}
 

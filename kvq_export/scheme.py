@@ -259,7 +259,8 @@ class TensorQuant:
             return
         if self.format not in HIGH_CHANNEL_FORMATS:
             raise _fail("format", self.format, f"allowed with high_channels > 0: {', '.join(HIGH_CHANNEL_FORMATS)}")
-        needs = (("axis", self.axis, "channel"), ("quantizer", self.quantizer, "kvq"), ("rotation", self.rotation, "none"))
+        needs = (("axis", self.axis, "channel"), ("quantizer", self.quantizer, "kvq"),
+                 ("rotation", self.rotation, "none"))
         for name, value, required in needs:
             if value != required:
                 raise _fail(name, value, f"allowed with high_channels > 0: {required!r} (8-bit channels are "

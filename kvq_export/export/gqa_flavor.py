@@ -57,7 +57,7 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   body, ``do_rotary=0``). Values get ``c`` added to the node's output (the attention weights sum to one).
   Static per-channel keys have channels whose range sits far from zero (SmolLM2: ``ort-int4`` +12.6% on
   protocol P, keys with zero points +5.4%), which a symmetric scale pays for with half its levels.
-* **High channels** (``high_channels = n`` on static int4 streams, e.g. ``ort-int4-hc8``): the node has one
+* **High channels** (``high_channels = n`` on static int4 streams, e.g. ``ort-int4-hc16``): the node has one
   bit width, so each of the n 8-bit channels per kv head travels as two nibbles of a node head of
   ``head_dim + n`` channels (:class:`HighSplit`): the graph computes kvq's 8-bit code ``c`` of the channel (the
   codec's arithmetic), and the node stores its upper nibble in the channel's own place (node scale 16x the
@@ -67,7 +67,10 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   onto its channel and the constant added back (as for zero points). The bytes are exactly kvq's (``n +
   (head_dim - n) / 2`` per token and head), the codes bit-exact with the reference cache. Keys and values of
   a layer need the same n (one head size per node), ``head_dim + n`` a multiple of 8 (ONNX Runtime), and
-  RoPE runs in the body (the node would rotate the widened head).
+  RoPE runs in the body (the node would rotate the widened head). Speed: the wider head costs the node its
+  width (one node, 8192 cached tokens, int4, one thread: head 80 1.2x head 64), but ONNX Runtime 1.32's CPU
+  kernel takes a slow path for head sizes that are not a multiple of 16 (head 72: 2.0x, head 88: 2.1x), so
+  with head_dim 64 prefer n = 16 or 32.
 * **Not supported** (refused at export with the reason): dynamic scales, fp8, 2 bits,
   high-precision windows (``residual_length``/``sink_tokens``), a layer whose key and value differ in
   quantized/bit width (one cache type and ``kv_cache_bit_width`` per node).
@@ -167,16 +170,20 @@ class HighSplit:
         return np.concatenate([own, lower + nibble], axis=1).reshape(-1)
 
     def query_widened(self, num_heads: int) -> np.ndarray:
-        """int64 ``[num_heads * (head_dim + n)]``: the node's query row read from the model's: each head's
-        channels, then again its kv head's high key channels."""
+        """int64 ``[num_heads * (head_dim + n)]``: where the node's query row is read from in the model's.
+
+        Each head's channels, then again its kv head's high key channels.
+        """
         own = np.arange(num_heads * self.head_dim).reshape(num_heads, self.head_dim)
         return np.concatenate([own, self.places(num_heads)], axis=1).reshape(-1)
 
     def folded(self, num_heads: int) -> tuple[np.ndarray, np.ndarray]:
-        """(main, extra) int64 ``[num_heads * head_dim]``: where each channel of the attention output is read
-        from the node's ``[num_heads * (head_dim + n)]`` output row, and the extra channel added to it (a high
-        value channel's lower-nibble output; the other channels read index ``num_heads * (head_dim + n)``,
-        a zero column appended to the row)."""
+        """(main, extra) int64 ``[num_heads * head_dim]``: where the attention output is read from.
+
+        ``main``: each channel's place in the node's ``[num_heads * (head_dim + n)]`` output row; ``extra``: the
+        channel added to it (a high value channel's lower-nibble output; the other channels read index
+        ``num_heads * (head_dim + n)``, a zero column appended to the row).
+        """
         heads, n = num_heads, self.channels.shape[1]
         wide = self.head_dim + n
         main = (np.arange(heads)[:, None] * wide + np.arange(self.head_dim)).reshape(-1)
@@ -557,9 +564,11 @@ class GQACacheGraph(LaidOutCache):
         return query, *widened
 
     def _fold(self, b: GraphBuilder, layer: int, out: ir.Value, high: HighSplit) -> ir.Value:
-        """The node's output ``[B, t, Hq * (D + n)]`` -> ``[B, t, Hq * D]``: each query head's n extra channels
-        are added onto its kv head's high value channels (two Gathers, one reading a zero column appended
-        for the other channels: no matmul over the whole row)."""
+        """The node's output ``[B, t, Hq * (D + n)]`` -> ``[B, t, Hq * D]``.
+
+        Each query head's n extra channels are added onto its kv head's high value channels: two Gathers, one
+        reading a zero column appended for the other channels (no matmul over the whole row).
+        """
         main, extra = high.folded(self.facts.num_heads)
         padded = b.op("Pad", out, b.const([0, 0, 0, 0, 0, 1]))  # one zero column at the end
         gather = [b.op("Gather", x, b.initializer(static_name(layer, "value", f"high_channels.fold.{role}"), index),
@@ -586,8 +595,11 @@ class GQACacheGraph(LaidOutCache):
 
 
 def rope_in_body(scheme: KVQuantScheme, num_layers: int) -> bool:
-    """Whether RoPE must run in the body, before the node: some layer's keys are rotated or offset after RoPE,
-    or its node's head is wider than the model's (high channels)."""
+    """Whether RoPE must run in the body, before the node.
+
+    True when some layer's keys are rotated or offset after RoPE, or its node's head is wider than the model's
+    (high channels).
+    """
     return any(key.rotation != "none" or key.has_zero_point or key.high_channels
                for key, _ in scheme.streams(num_layers))
 
