@@ -117,7 +117,8 @@ class CandidateSet:
 
 CANDIDATE_SETS: dict[str, CandidateSet] = {
     # int4 with n channels per head at 8 bits rides a head of head_dim + n nibbles (see the ort-gqa flavour):
-    # ONNX Runtime wants a head size that is a multiple of 8, so n steps by 8 (4.5 / 5.0 / 5.5 bits).
+    # ONNX Runtime wants a head size that is a multiple of 8, so n steps by 8 (4.5 / 5.0 / 5.5 bits at head_dim
+    # 64); its CPU kernel is fast only at multiples of 16, so n = 8 and 24 trade speed for bits there.
     "ort-gqa": CandidateSet(
         "GroupQueryAttention: per layer int8 or int4 (one bit width per node), static per-channel scales, keys "
         "with or without zero points; int4 with 8 / 16 / 24 channels per head at 8 bits (zero-point keys)",

@@ -14,7 +14,7 @@ from kvq_export.cache_layout import buffer_codes_to_kvq
 from kvq_export.calibrate import HIGH_CHANNELS, calibrate_static_scales, static_to_torch
 from kvq_export.manifest import decode_cache
 from kvq_export.presets import PRESETS
-from kvq_export.reference.codec import channel_steps, unpack_stream
+from kvq_export.reference.codec import channel_levels, unpack_stream
 from kvq_export.reference.hf_cache import reference_hf_cache
 from kvq_export.runtime.session import KVQSession
 from kvq_export.scheme import KVQuantScheme, TensorQuant
@@ -82,7 +82,8 @@ def _widened(meta: dict, tq) -> dict:
         return {"scales": scale, **high}
     levels = np.float32((1 << tq.bits) - 1)
     if high:  # each channel's own code steps
-        levels = channel_steps(tq, torch.as_tensor(meta[HIGH_CHANNELS]).long(), scale.shape[-1]).numpy()
+        low, top, _ = channel_levels(tq, torch.as_tensor(meta[HIGH_CHANNELS]).long(), scale.shape[-1])
+        levels = (top - low).numpy()
     middle = meta["zero_points"] + meta["scales"] * levels / 2
     return {"scales": scale, "zero_points": (middle - scale * levels / 2).astype(np.float32), **high}
 

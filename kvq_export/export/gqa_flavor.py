@@ -361,8 +361,8 @@ class GQACacheGraph(LaidOutCache):
         if highs[0] is not None:  # the node's head grows by n channels: the nibbles' scales (see HighSplit)
             arrays = [self._node_scales(a, high) for a, high in zip(arrays, highs)]
             types = ["PER_CHANNEL", "PER_CHANNEL"]
-            out_offset = np.zeros(self.kv_heads * self.head_dim, np.float32) if out_offset is None else out_offset
-            out_offset = out_offset.copy()
+            width = self.kv_heads * self.head_dim
+            out_offset = np.zeros(width, np.float32) if out_offset is None else out_offset.copy()
             out_offset[highs[1].places().reshape(-1)] = highs[1].output_offset.reshape(-1)
         if types[0] != types[1]:  # the CPU kernel needs k_quant_type == v_quant_type
             shape = (1, self.kv_heads, 1, self.head_dim)

@@ -142,12 +142,6 @@ def channel_levels(tq: TensorQuant, high: torch.Tensor, dim: int) -> tuple[torch
     return tuple(torch.where(is_high, float(w), float(n)) for w, n in zip(wide, int_levels(tq)))
 
 
-def channel_steps(tq: TensorQuant, high: torch.Tensor, dim: int) -> torch.Tensor:
-    """``[H, D]`` float32 code steps per channel (``int``: 255 for the high channels, ``2**bits - 1`` otherwise)."""
-    lo, hi, _ = channel_levels(tq, high, dim)
-    return hi - lo
-
-
 def scale_from_amax(tq: TensorQuant, amax: torch.Tensor, top: torch.Tensor | float | None = None) -> torch.Tensor:
     """Symmetric ``int_sym`` / ``fp8_e4m3``: the scale in ``scale_dtype`` for a group's max |x|, clip applied.
 
