@@ -196,9 +196,11 @@ def calibrate_static_scales(
         )
     windows = _check_windows(token_windows, facts.vocab_size)
     static: StaticArrays = {}
-    if high:
-        samples = collect_attention_samples(model, windows, sorted({layer for layer, _, _ in high}),
+    samples = None
+    if high or method == "attention":  # one pass over the windows serves the channel choice and the scales
+        samples = collect_attention_samples(model, windows, sorted({layer for layer, _, _ in (*high, *targets)}),
                                             facts.num_layers)
+    if high:
         for layer, part, tq in high:
             o_proj = model.model.layers[layer].self_attn.o_proj.weight.detach().cpu() if part == "value" else None
             static.setdefault(layer, {}).setdefault(part, {})[HIGH_CHANNELS] = choose_high_channels(
@@ -214,14 +216,16 @@ def calibrate_static_scales(
         return None if high is None else torch.as_tensor(high).to(torch.int64)
 
     if method == "attention":
-        samples = collect_attention_samples(model, windows, sorted({layer for layer, _, _ in targets}),
-                                            facts.num_layers)
         for layer, part, tq in targets:
             rotation = rotation_matrix(tq.rotation, facts.head_dim)
             static.setdefault(layer, {}).setdefault(part, {}).update(attention_metadata(
                 [s.rotated(rotation) for s in samples[layer]], part, tq, chosen(layer, part)))
     else:
-        collected = _collect_kv(model, windows, {(layer, part) for layer, part, _ in targets}, facts.num_layers)
+        if samples is None:
+            collected = _collect_kv(model, windows, {(layer, part) for layer, part, _ in targets}, facts.num_layers)
+        else:  # the samples hold every window's K/V already (the same forward passes)
+            collected = {(layer, part): torch.cat([s.keys if part == "key" else s.values for s in samples[layer]],
+                                                  dim=1) for layer, part, _ in targets}
         for layer, part, tq in targets:
             # a rotated stream stores (and so quantizes) x @ R: its static scales belong to that basis
             values = rotate_torch(collected.pop((layer, part)), rotation_matrix(tq.rotation, facts.head_dim))
