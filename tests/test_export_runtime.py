@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from schedules import crossing_steps
 from state_harness import stored_roles, teacher_force
 from tiny_models import ARCHS, VOCAB, fit_head_dim, tiny_model
 
@@ -55,12 +56,6 @@ def _case(name: str):
 
 
 PROMPTS = {"solo": [[5, 17, 99, 3, 42, 8, 77]], "padded": [[11, 12, 13, 14, 15], [60, 61, 2, 9, 100, 4, 4, 7, 1]]}
-
-
-def _steps(scheme) -> int:
-    groups = [t.group_size or 1 for t in scheme.for_layer(0) if t.quantized and t.axis == "channel"
-              and t.scales == "dynamic"] or [1]
-    return 3 * max(groups + [4]) + max(scheme.residual_for(t) for t in scheme.for_layer(0)) + 2
 
 
 def _static(model, scheme):
@@ -135,7 +130,7 @@ def _check_case(exports, arch, preset, batch):
     static = load_static(directory, session.manifest)
     prompts = PROMPTS[batch]
     rng = np.random.default_rng(len(prompts))
-    stream = rng.integers(0, VOCAB, (_steps(scheme), len(prompts)))
+    stream = rng.integers(0, VOCAB, (crossing_steps(scheme, least_unit=4), len(prompts)))
 
     width = max(map(len, prompts))
     onnx_logits, cache = teacher_force(session, prompts, stream)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from kvgraph_harness import CacheOnly
+from schedules import crossing_steps
 
 from kvq_export.presets import PRESETS
 from kvq_export.reference.cache import LayerCache, StreamCache
@@ -193,9 +194,7 @@ def _stored_basis(scheme):
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_presets_cross_every_flush_boundary(preset):
     scheme = _stored_basis(PRESETS[preset][0])
-    groups = [t.group_size or 1 for t in scheme.for_layer(0) if t.quantized]
-    steps = 3 * max(groups + [1]) + max(scheme.residual_for(t) for t in scheme.for_layer(0)) + 2
-    run_schedule(scheme, [[5, 9]] + [[1, 1]] * steps, dim=64)
+    run_schedule(scheme, [[5, 9]] + [[1, 1]] * crossing_steps(scheme), dim=64)
 
 
 def test_residual_flush_in_one_big_prefill():

@@ -15,6 +15,7 @@ from kvq_plugins.attention import prefill_attention
 from kvq_plugins.cache_update import empty_stream
 from kvq_plugins.layout import StreamLayout, dequantize_stream, take
 from kvq_plugins.synthetic import random_layer_cache, static_metadata, widest_channels
+from schedules import crossing_steps, longest_unit, longest_window
 from tiny_models import fit_head_dim
 
 from kvq_export.dtypes import DType
@@ -83,9 +84,8 @@ def seeded() -> tuple[int, torch.Generator]:
 
 def row_lengths(scheme: KVQuantScheme, rng: random.Random, rows: int = 3) -> list[int]:
     """Row lengths ending mid-group (past the window), inside the recent window, and one more."""
-    units = [t.flush_unit for t in scheme.for_layer(0) if t.quantized]
-    unit = max(units + [1])
-    window = scheme.sink_tokens + max(scheme.residual_for(t) for t in scheme.for_layer(0))
+    unit = longest_unit(scheme)
+    window = scheme.sink_tokens + longest_window(scheme)
     mid = window + unit * rng.randint(1, 2) + (rng.randint(1, unit - 1) if unit > 1 else rng.randint(0, 5))
     inside = rng.randint(1, window) if window else rng.randint(1, 9)
     out = [mid, inside, rng.randint(1, mid + unit)]
@@ -171,10 +171,8 @@ def check_append(scheme: KVQuantScheme, append, seed: int, gen: torch.Generator,
     """Drive ``append`` with a left-padded ragged schedule; compare every stored tensor with StreamCache."""
     rng = random.Random(seed)
     rows = 3
-    longest_unit = max([t.flush_unit for t in scheme.for_layer(0) if t.quantized] + [1])
-    window = max(scheme.residual_for(t) for t in scheme.for_layer(0))
     schedule = [[rng.randint(0, 9) for _ in range(rows)],
-                [rng.randint(0, window + 3 * longest_unit) for _ in range(rows)]]
+                [rng.randint(0, crossing_steps(scheme)) for _ in range(rows)]]
     schedule += [[rng.randint(0, 3) for _ in range(rows)] for _ in range(3)] + [[1] * rows] * 2
     for part, tq in zip(("key", "value"), scheme.for_layer(0)):
         layout = StreamLayout.of(tq, scheme, dim)
