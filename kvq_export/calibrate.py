@@ -351,19 +351,32 @@ class AttentionSample:
         hq, p, d = self.q.shape
         return self.q.reshape(hkv, (hq // hkv) * p, d)
 
-    def attention_with(self, keys: torch.Tensor, recent: int = 0) -> torch.Tensor:
+    def scores(self, keys: torch.Tensor) -> torch.Tensor:
+        """Scaled scores ``[Hkv, G * P, T]`` of the sampled queries over ``keys`` [Hkv, T, D], unmasked."""
+        import torch
+
+        return torch.bmm(self.grouped_queries(), keys.transpose(1, 2)) * self.scaling
+
+    def attention_with(self, keys: torch.Tensor, recent: int = 0,
+                       exact_scores: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention weights of the sampled queries over ``keys`` [Hkv, T, D].
 
         ``recent`` > 0: each query reads its ``recent`` newest keys (its own included) from the exact
-        ``self.keys`` instead, as a cache with that high-precision window does.
+        ``self.keys`` instead, as a cache with that high-precision window does. ``exact_scores``: those
+        keys' :meth:`scores`, when the caller already has them.
         """
         import torch
 
-        q = self.grouped_queries()
-        scores = torch.bmm(q, keys.transpose(1, 2)) * self.scaling
+        scores = self.scores(keys)
         if recent:
-            exact = torch.bmm(q, self.keys.transpose(1, 2)) * self.scaling
+            exact = self.scores(self.keys) if exact_scores is None else exact_scores
             scores = torch.where(self.recent_mask(recent)[None], exact, scores)
+        return self.softmax(scores)
+
+    def softmax(self, scores: torch.Tensor) -> torch.Tensor:
+        """Causal attention weights from :meth:`scores` (the future masked out)."""
+        import torch
+
         return torch.softmax(scores.masked_fill(self._key_offsets()[None] > 0, float("-inf")), dim=-1)
 
     def recent_mask(self, recent: int) -> torch.Tensor:

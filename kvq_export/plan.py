@@ -329,32 +329,43 @@ def attention_damage(
     heads and queries (the quantities ``kvq validate`` reports). The first ``sink_tokens`` tokens stay exact,
     and so do the newest ``residual_length`` tokens of a stream that sets one, as seen from each query.
     """
+    return attention_damages(samples, o_proj, [(key, value, meta or {})], sink_tokens)[0]
+
+
+def attention_damages(
+    samples: Sequence[AttentionSample], o_proj: torch.Tensor,
+    configs: Sequence[tuple[TensorQuant | None, TensorQuant | None, Mapping[str, Mapping]]], sink_tokens: int = 0,
+) -> list[tuple[float, float, float]]:
+    """:func:`attention_damage` of several (key, value, metadata) configurations of one layer.
+
+    The exact attention of each sample is computed once and shared by every configuration.
+    """
     import torch
 
-    meta = meta or {}
-    damage = key_induced = value_induced = 0.0
-    count = 0
+    totals = np.zeros((len(configs), 3))
     for sample in samples:
-        a = sample.attention()
         v = sample.values
-        a_hat = a if key is None else sample.attention_with(
-            _reference_dequant(sample.keys, key, meta.get("key"), sink_tokens), key.residual_length or 0)
-        v_err = None if value is None else _reference_dequant(v, value, meta.get("value"), sink_tokens) - v
-        window = sample.recent_mask(value.residual_length)[None] if value and value.residual_length else None
+        exact_scores = sample.scores(sample.keys)
+        a = sample.softmax(exact_scores)
         o = torch.bmm(a, v)
-        err = torch.bmm(a_hat, v) - o  # [Hkv, G*P, D]
         norm_o = o.norm(dim=-1).clamp_min(1e-30)
-        key_induced += float((err.norm(dim=-1) / norm_o).mean())
-        if v_err is not None:
-            err = err + torch.bmm(_older(a_hat, window), v_err)
-            value_induced += float((torch.bmm(_older(a, window), v_err).norm(dim=-1) / norm_o).mean())
         hq, p, d = sample.q.shape
-        per_head = err.reshape(hq, p, d).permute(1, 0, 2).reshape(p, hq * d)  # [P, Hq*D]
-        moved = per_head @ o_proj.T  # [P, hidden]
         residual = sample.residual_norm.clamp_min(1e-30) if sample.residual_norm is not None else torch.ones(p)
-        damage += float((moved.pow(2).sum(dim=-1) / residual.pow(2)).mean())
-        count += 1
-    return damage / count, key_induced / count, value_induced / count
+        for row, (key, value, meta) in zip(totals, configs):
+            a_hat = a if key is None else sample.attention_with(
+                _reference_dequant(sample.keys, key, meta.get("key"), sink_tokens), key.residual_length or 0,
+                exact_scores)
+            err = torch.bmm(a_hat, v) - o  # [Hkv, G*P, D]
+            row[1] += float((err.norm(dim=-1) / norm_o).mean())
+            if value is not None:
+                v_err = _reference_dequant(v, value, meta.get("value"), sink_tokens) - v
+                window = sample.recent_mask(value.residual_length)[None] if value.residual_length else None
+                err = err + torch.bmm(_older(a_hat, window), v_err)
+                row[2] += float((torch.bmm(_older(a, window), v_err).norm(dim=-1) / norm_o).mean())
+            per_head = err.reshape(hq, p, d).permute(1, 0, 2).reshape(p, hq * d)  # [P, Hq*D]
+            moved = per_head @ o_proj.T  # [P, hidden]
+            row[0] += float((moved.pow(2).sum(dim=-1) / residual.pow(2)).mean())
+    return [tuple(float(x) for x in row / len(samples)) for row in totals]
 
 
 def _o_proj(model: PreTrainedModel, layer: int) -> torch.Tensor:
@@ -371,11 +382,9 @@ def measure_attention(
     """Damage of every candidate of every layer by the ``attention`` metric."""
     out = []
     for layer in range(num_layers):
-        weight = _o_proj(model, layer)
-        for key, value in _measured_configs(cset):
-            meta = _layer_static(static_by, layer, key, value)
-            damage, ki, vi = attention_damage(samples[layer], weight, key, value, meta, sink_tokens)
-            out.append(Damage(layer, key, value, damage, ki, vi))
+        configs = [(key, value, _layer_static(static_by, layer, key, value)) for key, value in _measured_configs(cset)]
+        damages = attention_damages(samples[layer], _o_proj(model, layer), configs, sink_tokens)
+        out += [Damage(layer, key, value, *damage) for (key, value, _), damage in zip(configs, damages)]
     return out
 
 
