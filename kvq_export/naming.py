@@ -115,3 +115,12 @@ def probe_name(layer: int, which: str, *, projected: bool = False) -> str:
     if which not in PROBES:
         raise ValueError(f"probe must be one of {PROBES}, got {which!r}")
     return f"probe.{layer}.{which}" + (".projected" if projected else "")
+
+
+def packed_probe_name(layer: int) -> str:
+    """Name of the packed q|k|v ``[B, t, (Hq + 2 Hkv) * D]`` after RoPE (``probe.3.qkv``).
+
+    What a graph whose attention kernel reads the three packed exposes instead of the :data:`PROBES` (splitting
+    it in the graph would cost a node at every step).
+    """
+    return f"probe.{layer}.qkv"

@@ -162,7 +162,7 @@ def test_fp16_compute_graph_tracks_the_fp32_graph(tmp_path_factory):
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3", "phi3"])
 def test_unfused_rotary_path_matches_and_names_probes(tmp_path_factory, monkeypatch, arch):
-    """fuse_rotary=False: RoPE in the body, do_rotary=0 in the node, probe.* named like the reference.
+    """fuse_rotary=False: RoPE in the body on the packed q|k|v, do_rotary=0 in the node, one packed probe.
 
     The fused graph names only the raw projections; its probed session rotates them with each layer's own
     tables (Gemma3: local and global RoPE) over each layer's rotary channels (Phi3: half of each head) at
@@ -195,7 +195,8 @@ def test_unfused_rotary_path_matches_and_names_probes(tmp_path_factory, monkeypa
         assert np.abs(a - b).max() <= 1e-4
     graph = onnx.load(out / "model.onnx", load_external_data=False).graph
     named = {o for n in graph.node for o in n.output}
-    assert {"probe.0.q", "probe.1.key", "probe.1.value"} <= named
+    assert {"probe.0.qkv", "probe.1.qkv"} <= named  # the body's RoPE on the packed q|k|v: one probe per layer
+    assert "probe.1.key" not in named and not any(n.op_type == "Transpose" and "gqa" in n.name for n in graph.node)
     rotary = {a.i for n in graph.node if n.op_type == "GroupQueryAttention" for a in n.attribute
               if a.name == "do_rotary"}
     assert rotary == {0}

@@ -110,8 +110,8 @@ def test_fused_projections_keep_folded_value_rotation_and_rotated_keys(tmp_path,
         fused_dir = export(model, scheme, tmp_path / f"fused-{keys}", static=static, flavor="ort-gqa")
         plain_dir = export(model, scheme, tmp_path / f"plain-{keys}", static=static, flavor=unfused)
         ops = _ops(fused_dir)
-        assert ops["MatMul"] == 4 * LAYERS + 1 + (2 * LAYERS if keys else 0)  # + a q and a k rotation per layer
-        assert ops["GatherND"] == (4 if keys else 2) * LAYERS  # RoPE in the body: q, k, v realigned apart
+        assert ops["MatMul"] == 4 * LAYERS + 1 + (LAYERS if keys else 0)  # + one rotation of the q and k heads
+        assert ops["GatherND"] == 2 * LAYERS  # packed q|k|v (RoPE in the body or not): realigned together
         fused, plain = KVQSession(fused_dir), KVQSession(plain_dir)
         assert _max_logit_gap(fused, plain) <= 1e-5
         ids, mask = left_pad(PROMPTS["padded"])
@@ -138,3 +138,30 @@ def test_fp16_body_fuses_projections_but_keeps_primitive_norms(tmp_path, unfused
     lb, _ = b.step(ids, mask)
     real = mask.astype(bool)
     assert float(np.abs(la - lb)[real].max()) <= 2e-3 * float(np.abs(lb[real]).max())
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "phi3", "gemma3"])
+def test_packed_rope_gives_the_per_head_ropes_floats(tmp_path, monkeypatch, arch):
+    """RoPE on the packed q|k|v (the body's RoPE for GQA) against the per-head form, with keys offset after RoPE.
+
+    Same products and sums, so the same floats: identical codes and logits, with partial rotary (phi3) and a
+    local and a global RoPE (gemma3); and about 20 fewer nodes per layer (no per-head transposes or Split).
+    """
+    from kvq_export.export import decoder
+
+    scheme = SCHEMES["ort-int4-asymk/hp-fp32"]
+    static = calibration(arch, scheme)
+    model = loud_model(arch)
+    packed_dir = export(model, scheme, tmp_path / "packed", static=static, flavor="ort-gqa")
+    monkeypatch.setattr(decoder, "attends_packed", lambda cache: False)
+    heads_dir = export(model, scheme, tmp_path / "heads", static=static, flavor="ort-gqa")
+    packed, heads = _ops(packed_dir), _ops(heads_dir)
+    assert packed["Transpose"] == (arch in TIED) < heads["Transpose"]  # a tied lm_head's only
+    assert sum(heads.values()) - sum(packed.values()) >= 15 * LAYERS
+    a, b = KVQSession(packed_dir), KVQSession(heads_dir)
+    assert _max_logit_gap(a, b) == 0.0
+    ids, mask = left_pad(PROMPTS["padded"])
+    _, ca = a.step(ids, mask)
+    _, cb = b.step(ids, mask)
+    for name, value in ca.items():
+        assert np.array_equal(value.numpy(), cb[name].numpy()), name

@@ -25,6 +25,11 @@ well, for a kernel that takes a packed q|k|v) and one for gate/up, and in fp32 b
 ``com.microsoft.SkipSimplifiedLayerNormalization`` for the norms (see :class:`_Body`). Other cache graphs get
 the portable body of standard ONNX primitives.
 
+A cache graph whose kernel reads q|k|v packed but needs RoPE applied before it (``attend_packed``: the ort-gqa
+flavour with keys transformed after RoPE) gets RoPE on the packed projection in ``[B, t, H*D]`` form, with the
+same products and sums as the per-head form (:meth:`_Body.apply_packed_rope`), and no per-head transposes:
+decode steps of small models are dominated by per-node overhead, so that layout saves about 20 nodes a layer.
+
 Family differences are the :class:`~kvq_export.export.arch.Arch` declarations (norm placement and
 style, q/k norms, embedding scale, logit soft-capping, activation, per-layer RoPE). Soft-capping of
 attention scores is the cache graph's job (it computes the scores): a cache graph that implements
@@ -205,6 +210,23 @@ def fuses_rotary(cache: CacheGraph) -> bool:
     return bool(getattr(cache, "fuses_rotary", False)) and callable(getattr(cache, "attend_projected", None))
 
 
+class PackedAttentionCacheGraph(CacheGraph, Protocol):
+    """A cache graph whose kernel reads q, k and v side by side, after RoPE (ONNX Runtime's packed GQA input).
+
+    The body then applies RoPE (and the keys' rotation) on the packed projection in ``[B, t, H*D]`` form: no
+    per-head transposes around attention, and no Split of q/k/v (see :meth:`_Body.roped_qkv`).
+    """
+
+    def attend_packed(self, b: GraphBuilder, layer: int, qkv: ir.Value) -> ir.Value:
+        """Attend: ``qkv`` [B, t, (Hq + 2 Hkv) * D] with RoPE applied (compute dtype) -> [B, t, Hq * D]."""
+        ...
+
+
+def attends_packed(cache: CacheGraph) -> bool:
+    """Whether ``cache`` takes rope-applied packed q|k|v through ``attend_packed`` (and not raw projections)."""
+    return not fuses_rotary(cache) and callable(getattr(cache, "attend_packed", None))
+
+
 def fuses_body(cache: CacheGraph) -> bool:
     """Whether ``cache``'s runtime takes ONNX Runtime's fused body (``fuses_body = True``; see :class:`_Body`)."""
     return bool(getattr(cache, "fuses_body", False))
@@ -246,10 +268,15 @@ def build_decoder(
     attention_mask = b.input("attention_mask", ir.DataType.INT64, ["batch", "seq"])
     with b.scope("cache"):
         positions = cache.begin(b, attention_mask=attention_mask, facts=facts)
+    body.packed_attention = attends_packed(cache) and not any(
+        body.value_rotation_in_graph(cache, layer) is not None for layer in range(arch.num_layers))
     if not fuses_rotary(cache):
         with b.scope("rope"):
             for spec in dict.fromkeys(facts.rope_for(i) for i in range(arch.num_layers)):
-                body.rotary_tables(positions, spec)
+                if body.packed_attention:
+                    body.packed_rotary_tables(positions, spec)
+                else:
+                    body.rotary_tables(positions, spec)
 
     with b.scope("embed"):
         embed = body.weights.initializer(b, arch.embed_name(), (arch.vocab_size, arch.hidden_size))
@@ -395,6 +422,8 @@ class _Body:
         if self.fuse_norms and b.opset < RMS_NORM_OPSET:
             raise ExportError(f"the fused body's RMSNormalization needs opset >= {RMS_NORM_OPSET} (got {b.opset})")
         self.tables: dict[int, tuple[ir.Value, ir.Value]] = {}  # id(RopeSpec) -> (cos, sin) [B, 1, t, R]
+        #: RoPE on the packed q|k|v for a cache graph that :func:`attends_packed` (set by :func:`build_decoder`)
+        self.packed_attention = False
         self._rotations: dict[bytes, ir.Value] = {}  # one float32 initializer per distinct R
 
     # --------------------------------------------------------------------------------- building blocks
@@ -547,8 +576,8 @@ class _Body:
             self._rotations[key] = b.initializer(f"rotation.{len(self._rotations)}", r)
         return self.from_float(b.op("MatMul", self.to_float(x), self._rotations[key]))
 
-    def rotary_tables(self, positions: ir.Value, rope: RopeSpec) -> None:
-        """cos/sin [B, 1, t, R] (R = rope.rotary_dim) from int64 positions [B, t], in float32 like HF, then cast."""
+    def _float_tables(self, positions: ir.Value, rope: RopeSpec) -> tuple[ir.Value, ir.Value]:
+        """float32 cos/sin [B, t, R] (R = rope.rotary_dim) from int64 positions [B, t], as HF computes them."""
         b = self.b
         name = "rope.inv_freq" if rope.layer_type is None else f"rope.{rope.layer_type}.inv_freq"
         inv_freq = b.initializer(name, rope.inv_freq.astype(np.float32))
@@ -559,9 +588,36 @@ class _Body:
         if rope.attention_scaling != 1.0:
             scale = b.const(rope.attention_scaling)
             cos, sin = b.op("Mul", cos, scale), b.op("Mul", sin, scale)
-        heads_axis = b.const([1])  # broadcast over heads
-        self.tables[id(rope)] = (b.op("Unsqueeze", self.from_float(cos), heads_axis),
-                                 b.op("Unsqueeze", self.from_float(sin), heads_axis))
+        return cos, sin
+
+    def rotary_tables(self, positions: ir.Value, rope: RopeSpec) -> None:
+        """cos/sin [B, 1, t, R] in the compute dtype, for :meth:`apply_rope`."""
+        cos, sin = self._float_tables(positions, rope)
+        heads_axis = self.b.const([1])  # broadcast over heads
+        self.tables[id(rope)] = (self.b.op("Unsqueeze", self.from_float(cos), heads_axis),
+                                 self.b.op("Unsqueeze", self.from_float(sin), heads_axis))
+
+    def packed_rotary_tables(self, positions: ir.Value, rope: RopeSpec) -> None:
+        """Tables cos and signed sin [B, t, Hq + 2 Hkv, 1, D] in the compute dtype, for :meth:`apply_packed_rope`.
+
+        Over one head: cos, and sin negated on the first half (``rotate_half``'s sign), for the R rotary channels;
+        1 and 0 on the channels that pass through (partial rotary) and on the value heads, so those come out of
+        the same Mul/Mul/Add unchanged (``x * 1 + y * 0 == x`` exactly).
+        """
+        b, f = self.b, self.facts
+        cos, sin = self._float_tables(positions, rope)
+        half, rest = rope.rotary_dim // 2, f.head_dim - rope.rotary_dim
+        sin = b.op("Mul", sin, b.const(np.repeat(np.float32([-1, 1]), half)))
+        tables = []
+        for table, fill in ((cos, 1.0), (sin, 0.0)):
+            if rest:
+                table = b.op("Pad", table, b.const([0, 0, 0, 0, 0, rest]), b.const(np.float32(fill)))
+            table = b.op("Expand", b.op("Unsqueeze", table, b.const([2, 3])),
+                         b.const([1, 1, f.num_heads + f.num_kv_heads, 1, 1]))  # the q and k heads
+            table = b.op("Pad", table, b.const([0, 0, 0, 0, 0, 0, 0, f.num_kv_heads, 0, 0]),
+                         b.const(np.float32(fill)))  # the value heads
+            tables.append(self.from_float(table))
+        self.tables[id(rope)] = (tables[0], tables[1])
 
     def apply_rope(self, x: ir.Value, layer: int) -> ir.Value:
         """Return x * cos + rotate_half(x) * sin, with rotate_half(x) = concat(-x2, x1) (HF layout).
@@ -580,6 +636,44 @@ class _Body:
         rotated = b.op("Concat", b.op("Neg", x2), x1, axis=-1)
         out = b.op("Add", b.op("Mul", x, cos), b.op("Mul", rotated, sin))
         return out if passed is None else b.op("Concat", out, passed, axis=-1)
+
+    def apply_packed_rope(self, qkv: ir.Value, layer: int, key_rotation: np.ndarray | None) -> ir.Value:
+        """:meth:`apply_rope` on the q and k heads of a packed ``[B, t, (Hq + 2 Hkv) * D]`` projection.
+
+        Per head, ``x * cos + x[rotate] * sin'`` with the tables of :meth:`packed_rotary_tables`: the same two
+        products and sum as ``x * cos + rotate_half(x) * sin``, so the same floats. A key rotation ``R`` then
+        multiplies each q and k head (a float32 MatMul per head, the identity on the value heads).
+        """
+        b, f = self.b, self.facts
+        rope = f.rope_for(layer)
+        heads = f.num_heads + 2 * f.num_kv_heads
+        cos, sin = self.tables[id(rope)]
+        half, d = rope.rotary_dim // 2, f.head_dim
+        swap = np.concatenate([np.arange(half, 2 * half), np.arange(half), np.arange(2 * half, d)])
+        x = b.op("Reshape", qkv, b.const([0, 0, heads, 1, d]))
+        x = b.op("Add", b.op("Mul", x, cos), b.op("Mul", b.op("Gather", x, b.const(swap), axis=4), sin))
+        if key_rotation is not None:
+            per_head = np.stack([key_rotation] * (f.num_heads + f.num_kv_heads) + [np.eye(d)] * f.num_kv_heads)
+            x = self.rotate(x, per_head)
+        return b.op("Reshape", x, b.const([0, 0, heads * d]))
+
+    def roped_qkv(self, x: ir.Value, layer: int, parts: list[tuple[LinearNames, int, np.ndarray | None]],
+                  key_rotation: np.ndarray | None) -> ir.Value:
+        """q|k|v of the normed input ``x``, packed ``[B, t, (Hq + 2 Hkv) * D]``, RoPE (and key rotation) applied.
+
+        A fused body makes the packed projection with one MatMul and no Split (unless q/k norms need the parts).
+        """
+        f, names = self.facts, self.arch.layer_names(layer)
+        norms = self.arch.qk_norm is not None and (names.q_norm or names.k_norm)
+        if self.fuse_projections and not norms:
+            qkv = self.fused_projection(x, f.hidden_size, parts)
+        else:
+            (q, k, v), _ = self.linears(x, f.hidden_size, parts)
+            if norms:
+                q = self.qk_norm(q, names.q_norm, f.num_heads)
+                k = self.qk_norm(k, names.k_norm, f.num_kv_heads)
+            qkv = self.b.op("Concat", q, k, v, axis=-1)
+        return self.apply_packed_rope(qkv, layer, key_rotation)
 
     def qk_norm(self, x: ir.Value, weight_name: str | None, num_heads: int) -> ir.Value:
         """``Arch.qk_norm`` on a projection [B, t, H*D]: per head (over D) or over the whole projection."""
@@ -622,41 +716,13 @@ class _Body:
         """
         b, arch, f = self.b, self.arch, self.facts
         names = arch.layer_names(layer)
-        q_size, kv_size = f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim
-        key_rot, value_rot = cache_rotation(cache, layer, "key"), cache_rotation(cache, layer, "value")
-        fold = value_rot is not None and bool(getattr(arch, "folds_value_rotation", True))
-        in_graph = value_rot if not fold else None  # value rotation that the weights cannot absorb
+        q_size = f.num_heads * f.head_dim
+        value_rot = cache_rotation(cache, layer, "value")
+        fold = value_rot is not None and self.value_rotation_in_graph(cache, layer) is None
 
         with b.scope("attn"):
             x, hidden = self.add_norm(hidden, pending, names.input_norm)
-            parts = [(names.q, q_size, None), (names.k, kv_size, None), (names.v, kv_size, value_rot if fold else None)]
-            # packed [B, t, (Hq + 2 Hkv) * D] (fused body): q, k, v side by side, for a kernel that takes them so
-            (q, k, v), packed = self.linears(x, f.hidden_size, parts)
-            if self.arch.qk_norm is not None and (names.q_norm or names.k_norm):
-                packed = None
-                q = self.qk_norm(q, names.q_norm, f.num_heads)
-                k = self.qk_norm(k, names.k_norm, f.num_kv_heads)
-            if fuses_rotary(cache):  # [B, t, H*D] in and out: the cache graph's kernel applies RoPE
-                if key_rot is not None:
-                    raise ExportError(f"layer {layer}: rotated keys need RoPE before the rotation, but this "
-                                      "cache graph applies RoPE itself (export it with the body's RoPE)")
-                if in_graph is not None:
-                    v, packed = self.rotate(v, _block_diag(in_graph, f.num_kv_heads)), None
-                attn = cache.attend_projected(b, layer, q, k, v, packed=packed)  # type: ignore[attr-defined]
-                if in_graph is not None:
-                    attn = self.rotate(attn, _block_diag(in_graph, f.num_heads), inverse=True)
-            else:
-                q = self.apply_rope(self.heads(q, f.num_heads), layer)
-                k = self.apply_rope(self.heads(k, f.num_kv_heads), layer)
-                if key_rot is not None:
-                    q, k = self.rotate(q, key_rot), self.rotate(k, key_rot)
-                v = self.heads(v, f.num_kv_heads)
-                if in_graph is not None:
-                    v = self.rotate(v, in_graph)
-                attn = cache.attend(b, layer, q, k, v)  # [B, Hq, t, D]
-                if in_graph is not None:
-                    attn = self.rotate(attn, in_graph, inverse=True)
-                attn = b.op("Reshape", b.op("Transpose", attn, perm=[0, 2, 1, 3]), b.const([0, 0, q_size]))
+            attn = self.attention(x, layer, cache, value_rot if fold else None)  # [B, t, Hq * D]
             out = self.linear(attn, names.o, q_size, f.hidden_size, rotate_in=value_rot if fold else None)
             delta = self.maybe_norm(out, names.attention_out_norm)
 
@@ -667,6 +733,53 @@ class _Body:
             out = self.linear(self.mlp_activation(gate, up), names.down, inter, f.hidden_size)
             delta = self.maybe_norm(out, names.mlp_out_norm)
         return hidden, delta
+
+    def value_rotation_in_graph(self, cache: CacheGraph, layer: int) -> np.ndarray | None:
+        """``layer``'s value rotation when the weights cannot absorb it (``Arch.folds_value_rotation`` False)."""
+        value_rot = cache_rotation(cache, layer, "value")
+        return value_rot if value_rot is not None and not getattr(self.arch, "folds_value_rotation", True) else None
+
+    def attention(self, x: ir.Value, layer: int, cache: CacheGraph, folded_value_rotation: np.ndarray | None
+                  ) -> ir.Value:
+        """q/k/v projections of the normed input ``x``, RoPE where the body applies it, and ``cache``'s attention.
+
+        Returns ``[B, t, Hq * D]`` for ``o_proj``. ``folded_value_rotation``: the value rotation folded into
+        ``v_proj`` (``o_proj`` folds its inverse).
+        """
+        b, f = self.b, self.facts
+        names = self.arch.layer_names(layer)
+        q_size, kv_size = f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim
+        key_rot, in_graph = cache_rotation(cache, layer, "key"), self.value_rotation_in_graph(cache, layer)
+        parts = [(names.q, q_size, None), (names.k, kv_size, None), (names.v, kv_size, folded_value_rotation)]
+        if self.packed_attention:
+            return cache.attend_packed(b, layer, self.roped_qkv(x, layer, parts, key_rot))  # type: ignore
+        # packed [B, t, (Hq + 2 Hkv) * D] (fused body): q, k, v side by side, for a kernel that takes them so
+        (q, k, v), packed = self.linears(x, f.hidden_size, parts)
+        if self.arch.qk_norm is not None and (names.q_norm or names.k_norm):
+            packed = None
+            q = self.qk_norm(q, names.q_norm, f.num_heads)
+            k = self.qk_norm(k, names.k_norm, f.num_kv_heads)
+        if fuses_rotary(cache):  # [B, t, H*D] in and out: the cache graph's kernel applies RoPE
+            if key_rot is not None:
+                raise ExportError(f"layer {layer}: rotated keys need RoPE before the rotation, but this "
+                                  "cache graph applies RoPE itself (export it with the body's RoPE)")
+            if in_graph is not None:
+                v, packed = self.rotate(v, _block_diag(in_graph, f.num_kv_heads)), None
+            attn = cache.attend_projected(b, layer, q, k, v, packed=packed)  # type: ignore[attr-defined]
+            if in_graph is not None:
+                attn = self.rotate(attn, _block_diag(in_graph, f.num_heads), inverse=True)
+            return attn
+        q = self.apply_rope(self.heads(q, f.num_heads), layer)
+        k = self.apply_rope(self.heads(k, f.num_kv_heads), layer)
+        if key_rot is not None:
+            q, k = self.rotate(q, key_rot), self.rotate(k, key_rot)
+        v = self.heads(v, f.num_kv_heads)
+        if in_graph is not None:
+            v = self.rotate(v, in_graph)
+        attn = cache.attend(b, layer, q, k, v)  # [B, Hq, t, D]
+        if in_graph is not None:
+            attn = self.rotate(attn, in_graph, inverse=True)
+        return b.op("Reshape", b.op("Transpose", attn, perm=[0, 2, 1, 3]), b.const([0, 0, q_size]))
 
     def lm_head(self, hidden: ir.Value, embed: ir.Value) -> ir.Value:
         """Logits [B, t, V] in the compute dtype; a tied head reuses the embedding instead of a copy."""

@@ -32,7 +32,9 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   zeroing is needed even for single-token steps, where an idle row of a batch is the only padding). The
   decoder body hands the node the fused q|k|v projection whole (GQA's packed query) unless something sits
   between projection and attention (q/k norms, an in-graph value rotation), so one GatherND realigns all
-  three; q, k and v are still split out, for the probes. So left-padded batches are fully supported and a
+  three; with the node's RoPE q, k and v are still split out, for the probes. When RoPE runs in the body
+  (below) it runs on the packed projection too (:meth:`~kvq_export.export.decoder._Body.apply_packed_rope`:
+  no per-head transposes, no Split), and the node still gets one packed input. So left-padded batches are fully supported and a
   batched prompt gives what it gives alone; right-padded rows (onnxruntime-genai's prompts, see
   :mod:`kvq_export.runtime.genai`) work too.
 * ``seqlens_k = max(seq_lengths + new - 1, 0)`` (int32), ``total_sequence_length = max(longest row, t)``,
@@ -78,7 +80,8 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   projections (``probe.<layer>.<q|key|value>.projected``) and a validator applies the graph's own rotary
   tables to them (:mod:`kvq_export.validate.probe`); computing RoPE in the graph just for probes would run
   on every step, since ONNX Runtime executes dead branches. With ``fuse_rotary=False`` RoPE runs in the
-  body, the node gets ``do_rotary=0`` and the usual ``probe.*`` values are named.
+  body on the packed q|k|v, the node gets ``do_rotary=0`` and the graph names that packed value
+  (``probe.<layer>.qkv``), which the validator splits.
 * **Rotation** (``rotation`` of a scheme stream): rotated keys must be rotated *after* RoPE, which the node
   cannot do when it applies RoPE itself, so a scheme with any rotated (or offset) key stream is exported with
   ``fuse_rotary=False`` (RoPE and the q/k rotation run in the body; the node gets ``do_rotary=0``). A value
@@ -102,7 +105,7 @@ from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.exporter import register_flavor
 from kvq_export.export.graph_codec import static_name, static_scales
-from kvq_export.export.kv_graph import LaidOutCache, name_probes
+from kvq_export.export.kv_graph import LaidOutCache, name_packed_probe, name_probes
 from kvq_export.naming import PARTS, ROTARY_TABLES, tensor_name
 from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import KVQuantScheme, TensorQuant
@@ -438,14 +441,24 @@ class GQACacheGraph(LaidOutCache):
                 return self._gqa(b, layer, packed, None, None, rotary=True)
             return self._gqa(b, layer, q, k, v, rotary=True)
 
+    def attend_packed(self, b: GraphBuilder, layer: int, qkv: ir.Value) -> ir.Value:
+        """Attend: ``qkv`` [B, t, (Hq + 2 Hkv) * D] with RoPE applied (the body's RoPE) -> [B, t, Hq * D]."""
+        name_packed_probe(b, layer, qkv)
+        with b.scope(f"gqa{layer}"):
+            return self._gqa(b, layer, qkv, None, None, rotary=False)
+
     def attend(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
-        """Attend: q [B,Hq,t,D], k/v [B,Hkv,t,D] with RoPE applied -> [B,Hq,t,D] (the unfused path)."""
+        """Attend: q [B,Hq,t,D], k/v [B,Hkv,t,D] with RoPE applied -> [B,Hq,t,D].
+
+        The body calls it only where it rotates values in the graph (an architecture whose weights cannot absorb
+        the rotation); otherwise it hands the packed q|k|v to :meth:`attend_packed`.
+        """
         name_probes(b, layer, q, k, v)
         f = self.facts
         with b.scope(f"gqa{layer}"):
             flat = [b.op("Reshape", b.op("Transpose", x, perm=[0, 2, 1, 3]), b.const([0, 0, heads * f.head_dim]))
                     for x, heads in ((q, f.num_heads), (k, f.num_kv_heads), (v, f.num_kv_heads))]
-            out = self._gqa(b, layer, *flat, rotary=False)
+            out = self._gqa(b, layer, b.op("Concat", *flat, axis=-1), None, None, rotary=False)
             out = b.op("Reshape", out, b.const([0, 0, f.num_heads, f.head_dim]))
             return b.op("Transpose", out, perm=[0, 2, 1, 3])
 
@@ -478,10 +491,10 @@ class GQACacheGraph(LaidOutCache):
              rotary: bool) -> ir.Value:
         """Realign to right padding, run the node on the shared buffers, realign back (k = v = None: packed q)."""
         f, plan = self.facts, self.plans[layer]
-        raw = (k, v)
+        raw = q
         q, k, v = self._offset_inputs(b, layer, q, k, v)
-        if plan.k_high is not None:
-            q, k, v = self._widen(b, layer, q, k, v, raw)
+        if plan.k_high is not None:  # the body's RoPE: always packed
+            q = self._widen(b, layer, q, raw)
         qr, kr, vr = (None if x is None else b.op("GatherND", x, self.to_right, batch_dims=1) for x in (q, k, v))
         past = [self.past[self.layout.buffer_name("past", layer, part)] for part in PARTS]
         scales: list[ir.Value | None] = [None, None]
@@ -515,19 +528,19 @@ class GQACacheGraph(LaidOutCache):
             out = b.op("Add", out, self._offset(b, layer, "value.output", per_query_head.reshape(-1)))
         return b.op("Where", self.valid, b.op("GatherND", out, self.to_left, batch_dims=1), self.zero)
 
-    def _widen(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value,
-               raw: tuple[ir.Value, ir.Value]) -> tuple[ir.Value, ir.Value, ir.Value]:
-        """q/k/v rows with the node's head of ``head_dim + n`` channels (see :class:`HighSplit`).
+    def _widen(self, b: GraphBuilder, layer: int, qkv: ir.Value, raw: ir.Value) -> ir.Value:
+        """Packed q|k|v rows with the node's head of ``head_dim + n`` channels (see :class:`HighSplit`).
 
-        ``raw``: the new keys/values before any offset (``k``/``v``: after it), ``[B, t, Hkv * D]``. kvq's
-        8-bit codes of both streams' high channels are computed at once as the reference codec does (fp32,
-        round half to even) and split into the values the node quantizes back to exactly ``hi - 8`` and
-        ``lo - 8``; one Gather per stream then lays out each widened row (the upper nibble in the high
-        channel's place, the lower ones after ``head_dim``), and one for the queries, whose extra channels
-        repeat the query at its kv head's high key channels. Few, cheap nodes: they run at every step.
+        ``raw``: the packed row before any offset (``qkv``: after it), ``[B, t, (Hq + 2 Hkv) * D]``. kvq's 8-bit
+        codes of both streams' high channels are computed at once as the reference codec does (fp32, round half
+        to even) and turned into values the node's quantizer rounds to exactly ``hi - 8`` and ``lo - 8``; one
+        Gather then lays out each widened row: each query head's channels and again its kv head's high key
+        channels, then each key and value head with the upper nibble in the high channel's place and the lower
+        ones after ``head_dim``. Few, cheap nodes: they run at every step.
         """
         f, plan = self.facts, self.plans[layer]
         highs = (plan.k_high, plan.v_high)
+        q_size = f.num_heads * self.head_dim
         row, count = f.num_kv_heads * self.head_dim, highs[0].channels.size  # one stream's row; its high channels
 
         def const(role: str, array: np.ndarray) -> ir.Value:
@@ -538,42 +551,41 @@ class GQACacheGraph(LaidOutCache):
                                    for x, high in zip(values, highs)]).astype(np.float32)
 
         scale = const("scale", joint(h.scale for h in highs))
-        picked = b.op("Gather", b.op("Concat", *raw, axis=2),
-                      const("index", np.concatenate([highs[0].places().reshape(-1),
-                                                     row + highs[1].places().reshape(-1)])), axis=2)
+        picked = b.op("Gather", raw, const("index", q_size + np.concatenate([highs[0].places().reshape(-1),
+                                                                              row + highs[1].places().reshape(-1)])),
+                      axis=2)
         if self.compute_type != ir.DataType.FLOAT:
             picked = b.op("Cast", picked, to=ir.DataType.FLOAT)
         codes = b.op("Round", b.op("Div", b.op("Sub", picked, const("zero", joint(h.zero for h in highs))), scale))
         codes = b.op("Min", b.op("Max", codes, const("low", joint(h.low for h in highs))),
                      const("top", joint(h.top for h in highs)))
         codes = b.op("Add", codes, const("offset", joint(h.offset for h in highs)))  # kvq's stored code c
-        sixteen, eight = b.const(16.0), b.const(8.0)
-        hi = b.op("Floor", b.op("Div", codes, sixteen))
-        lo = b.op("Sub", codes, b.op("Mul", hi, sixteen))
-        upper = b.op("Mul", b.op("Sub", hi, eight), const("scale16", np.float32(16) * joint(h.scale for h in highs)))
-        lower = b.op("Mul", b.op("Sub", lo, eight), scale)
+        # [c | c mod 16] -> [(c - 135.5) s | (lo - 8) s]: at node scale 16 s the first rounds to hi - 8, being
+        # (c - 128) / 16 - 0.47 with c - 128 = 16 (hi - 8) + lo, always 1/32 or more from a tie
+        nibbles = b.op("Concat", codes, b.op("Mod", codes, b.const(16.0), fmod=1), axis=2)
+        centre = np.repeat(np.float32([135.5, 8.0]), 2 * count)
+        nibbles = b.op("Mul", b.op("Sub", nibbles, const("nibble_centre", centre)),
+                       const("nibble_scale", np.tile(joint(h.scale for h in highs), 2)))
         if self.compute_type != ir.DataType.FLOAT:
-            upper, lower = (b.op("Cast", x, to=self.compute_type) for x in (upper, lower))
-        source = b.op("Concat", k, v, upper, lower, axis=2)  # [k | v | upper (k, v) | lower (k, v)]
-        widened = [b.op("Gather", source, b.initializer(static_name(layer, part, "high_channels.widen"),
-                                                        high.widened(i * row, 2 * row + i * count,
-                                                                     2 * row + 2 * count + i * count)), axis=2)
-                   for i, (part, high) in enumerate(zip(PARTS, highs))]
-        query = b.op("Gather", q, b.initializer(static_name(layer, "query", "high_channels.widen"),
-                                                highs[0].query_widened(f.num_heads)), axis=2)
-        return query, *widened
+            nibbles = b.op("Cast", nibbles, to=self.compute_type)
+        source = b.op("Concat", qkv, nibbles, axis=2)  # [q | k | v | upper (k, v) | lower (k, v)]
+        nibbles = q_size + 2 * row
+        index = np.concatenate([highs[0].query_widened(f.num_heads),
+                                highs[0].widened(q_size, nibbles, nibbles + 2 * count),
+                                highs[1].widened(q_size + row, nibbles + count, nibbles + 3 * count)])
+        return b.op("Gather", source, b.initializer(static_name(layer, "qkv", "high_channels.widen"), index), axis=2)
 
     def _fold(self, b: GraphBuilder, layer: int, out: ir.Value, high: HighSplit) -> ir.Value:
         """The node's output ``[B, t, Hq * (D + n)]`` -> ``[B, t, Hq * D]``.
 
-        Each query head's n extra channels are added onto its kv head's high value channels: two Gathers, one
-        reading a zero column appended for the other channels (no matmul over the whole row).
+        Each query head's n extra channels are added onto its kv head's high value channels: one Gather reads
+        each channel and the extra channel added to it (a zero column appended for the others), one ReduceSum
+        adds the two (no matmul over the whole row).
         """
-        main, extra = high.folded(self.facts.num_heads)
         padded = b.op("Pad", out, b.const([0, 0, 0, 0, 0, 1]))  # one zero column at the end
-        gather = [b.op("Gather", x, b.initializer(static_name(layer, "value", f"high_channels.fold.{role}"), index),
-                       axis=2) for x, role, index in ((out, "main", main), (padded, "extra", extra))]
-        return b.op("Add", *gather)
+        index = np.stack(high.folded(self.facts.num_heads))  # [2, Hq * D]: main, extra
+        pairs = b.op("Gather", padded, b.initializer(static_name(layer, "value", "high_channels.fold"), index), axis=2)
+        return b.op("ReduceSum", pairs, b.const([2]), keepdims=0)
 
     def _offset(self, b: GraphBuilder, layer: int, what: str, array: np.ndarray) -> ir.Value:
         return b.initializer(static_name(layer, what, "offset"), array.astype(self.np_type))

@@ -36,7 +36,7 @@ from kvq_export.dtypes import DType
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.graph_attention import attention_mask, grouped_query_attention
 from kvq_export.export.graph_codec import GraphCodec, HighChannels, dim, high_channel_choice, static_scales
-from kvq_export.naming import PARTS, PROBES, CacheTensor, probe_name, tensor_name
+from kvq_export.naming import PARTS, PROBES, CacheTensor, packed_probe_name, probe_name, tensor_name
 from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
@@ -59,6 +59,11 @@ def name_probes(b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Val
     """
     for which, value in zip(PROBES, (q, k, v)):
         b.op("Identity", value).name = probe_name(layer, which, projected=projected)
+
+
+def name_packed_probe(b: GraphBuilder, layer: int, qkv: ir.Value) -> None:
+    """:func:`name_probes` for a packed q|k|v after RoPE (:func:`naming.packed_probe_name`)."""
+    b.op("Identity", qkv).name = packed_probe_name(layer)
 
 
 def facts_window(facts, layer: int) -> int | None:

@@ -9,6 +9,9 @@ names the raw projections instead (``probe.<layer>.<which>.projected``, ``[B, t,
 session rotates them with the graph's own cos/sin tables at each token's position, so every consumer sees
 the same ``[B, H, t, D]`` post-RoPE probes whatever the flavour.
 
+A graph whose kernel reads q, k and v packed after the body's RoPE names that one value instead
+(``probe.<layer>.qkv``, :func:`kvq_export.naming.packed_probe_name`); the probed session splits it.
+
 A rotated stream (``rotation`` of the scheme) is probed in its stored basis: q and k after the rotation
 that follows RoPE, v as the folded ``v_proj`` yields it (``v @ R``). Decode the cache with
 ``decode_cache(..., basis="stored")`` to compare with them.
@@ -23,7 +26,7 @@ import numpy as np
 
 from kvq_export.errors import RuntimeInputError
 from kvq_export.manifest import MODEL_NAME
-from kvq_export.naming import PROBES, probe_name
+from kvq_export.naming import PROBES, packed_probe_name, probe_name
 from kvq_export.runtime.session import CacheState, KVQSession
 
 
@@ -92,7 +95,11 @@ class ProbedSession(KVQSession):
         produced = {out for node in model.graph.node for out in node.output}
         names = [probe_name(layer, which) for layer in range(layers) for which in PROBES]
         self._rotary: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
-        if not all(n in produced for n in names):
+        self._packed = False
+        packed = [packed_probe_name(layer) for layer in range(layers)]
+        if not all(n in produced for n in names) and all(n in produced for n in packed):
+            self._packed, names = True, packed
+        elif not all(n in produced for n in names):
             projected = [probe_name(layer, which, projected=True) for layer in range(layers) for which in PROBES]
             tables = layer_rotary_tables(model.graph, self.directory)
             missing = [n for n in names if n not in produced]
@@ -112,6 +119,10 @@ class ProbedSession(KVQSession):
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None,
              cache: CacheState | None = None) -> tuple[np.ndarray, CacheState]:
         """:meth:`KVQSession.step`, then put the probes in post-RoPE ``[B, H, t, D]`` form."""
+        if self._packed:
+            logits, cache = super().step(input_ids, attention_mask, cache)
+            self.last_extra = self._split_packed()
+            return logits, cache
         if self._rotary is None:
             return super().step(input_ids, attention_mask, cache)
         ids = np.asarray(input_ids)
@@ -131,6 +142,19 @@ class ProbedSession(KVQSession):
                                                                                      positions)
         self.last_extra = probes
         return logits, cache
+
+
+    def _split_packed(self) -> dict[str, np.ndarray]:
+        """The per-part probes of each layer's packed q|k|v (:func:`packed_probe_name`)."""
+        model = self.manifest.model
+        d, hq, hkv = model.head_dim, model.num_heads, model.num_kv_heads
+        probes = {}
+        for layer in range(self.manifest.num_layers):
+            qkv = self.last_extra[packed_probe_name(layer)]
+            parts = np.split(qkv, [hq * d, (hq + hkv) * d], axis=-1)
+            for which, x, heads in zip(PROBES, parts, (hq, hkv, hkv)):
+                probes[probe_name(layer, which)] = x.reshape(x.shape[0], x.shape[1], heads, d).transpose(0, 2, 1, 3)
+        return probes
 
 
 def probed_session(directory: str | os.PathLike[str], **kwargs) -> ProbedSession:
