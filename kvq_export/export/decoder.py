@@ -214,7 +214,7 @@ class PackedAttentionCacheGraph(CacheGraph, Protocol):
     """A cache graph whose kernel reads q, k and v side by side, after RoPE (ONNX Runtime's packed GQA input).
 
     The body then applies RoPE (and the keys' rotation) on the packed projection in ``[B, t, H*D]`` form: no
-    per-head transposes around attention, and no Split of q/k/v (see :meth:`_Body.roped_qkv`).
+    per-head transposes around attention, and no Split of q/k/v (see :meth:`_Body.apply_packed_rope`).
     """
 
     def attend_packed(self, b: GraphBuilder, layer: int, qkv: ir.Value) -> ir.Value:
@@ -657,23 +657,23 @@ class _Body:
             x = self.rotate(x, per_head)
         return b.op("Reshape", x, b.const([0, 0, heads * d]))
 
-    def roped_qkv(self, x: ir.Value, layer: int, parts: list[tuple[LinearNames, int, np.ndarray | None]],
-                  key_rotation: np.ndarray | None) -> ir.Value:
-        """q|k|v of the normed input ``x``, packed ``[B, t, (Hq + 2 Hkv) * D]``, RoPE (and key rotation) applied.
+    def projections(self, x: ir.Value, layer: int, parts: list[tuple[LinearNames, int, np.ndarray | None]], *,
+                    split: bool = True) -> tuple[list[ir.Value] | None, ir.Value | None]:
+        """q, k, v of the normed input ``x`` (q/k normed where the family norms them), and the packed q|k|v.
 
-        A fused body makes the packed projection with one MatMul and no Split (unless q/k norms need the parts).
+        The packed value (fused body, nothing between projection and attention) is None otherwise. ``split=False``:
+        a fused body without q/k norms returns the packed value alone (None for the parts: no Split node).
         """
         f, names = self.facts, self.arch.layer_names(layer)
         norms = self.arch.qk_norm is not None and (names.q_norm or names.k_norm)
-        if self.fuse_projections and not norms:
-            qkv = self.fused_projection(x, f.hidden_size, parts)
-        else:
-            (q, k, v), _ = self.linears(x, f.hidden_size, parts)
-            if norms:
-                q = self.qk_norm(q, names.q_norm, f.num_heads)
-                k = self.qk_norm(k, names.k_norm, f.num_kv_heads)
-            qkv = self.b.op("Concat", q, k, v, axis=-1)
-        return self.apply_packed_rope(qkv, layer, key_rotation)
+        if self.fuse_projections and not norms and not split:
+            return None, self.fused_projection(x, f.hidden_size, parts)
+        (q, k, v), packed = self.linears(x, f.hidden_size, parts)
+        if norms:
+            packed = None
+            q = self.qk_norm(q, names.q_norm, f.num_heads)
+            k = self.qk_norm(k, names.k_norm, f.num_kv_heads)
+        return [q, k, v], packed
 
     def qk_norm(self, x: ir.Value, weight_name: str | None, num_heads: int) -> ir.Value:
         """``Arch.qk_norm`` on a projection [B, t, H*D]: per head (over D) or over the whole projection."""
@@ -752,13 +752,11 @@ class _Body:
         key_rot, in_graph = cache_rotation(cache, layer, "key"), self.value_rotation_in_graph(cache, layer)
         parts = [(names.q, q_size, None), (names.k, kv_size, None), (names.v, kv_size, folded_value_rotation)]
         if self.packed_attention:
-            return cache.attend_packed(b, layer, self.roped_qkv(x, layer, parts, key_rot))  # type: ignore
+            separate, qkv = self.projections(x, layer, parts, split=False)
+            qkv = qkv if separate is None else b.op("Concat", *separate, axis=-1)
+            return cache.attend_packed(b, layer, self.apply_packed_rope(qkv, layer, key_rot))  # type: ignore
         # packed [B, t, (Hq + 2 Hkv) * D] (fused body): q, k, v side by side, for a kernel that takes them so
-        (q, k, v), packed = self.linears(x, f.hidden_size, parts)
-        if self.arch.qk_norm is not None and (names.q_norm or names.k_norm):
-            packed = None
-            q = self.qk_norm(q, names.q_norm, f.num_heads)
-            k = self.qk_norm(k, names.k_norm, f.num_kv_heads)
+        (q, k, v), packed = self.projections(x, layer, parts)  # type: ignore[misc]
         if fuses_rotary(cache):  # [B, t, H*D] in and out: the cache graph's kernel applies RoPE
             if key_rot is not None:
                 raise ExportError(f"layer {layer}: rotated keys need RoPE before the rotation, but this "

@@ -34,9 +34,9 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   between projection and attention (q/k norms, an in-graph value rotation), so one GatherND realigns all
   three; with the node's RoPE q, k and v are still split out, for the probes. When RoPE runs in the body
   (below) it runs on the packed projection too (:meth:`~kvq_export.export.decoder._Body.apply_packed_rope`:
-  no per-head transposes, no Split), and the node still gets one packed input. So left-padded batches are fully supported and a
-  batched prompt gives what it gives alone; right-padded rows (onnxruntime-genai's prompts, see
-  :mod:`kvq_export.runtime.genai`) work too.
+  no per-head transposes, no Split), and the node still gets one packed input. So left-padded batches are
+  fully supported and a batched prompt gives what it gives alone; right-padded rows (onnxruntime-genai's
+  prompts, see :mod:`kvq_export.runtime.genai`) work too.
 * ``seqlens_k = max(seq_lengths + new - 1, 0)`` (int32), ``total_sequence_length = max(longest row, t)``,
   ``query_seqlens = new tokens per row``, all computed in-graph from ``past.seq_lengths`` and the mask.
 * **Buffer sharing**: when ``past_key`` and ``present_key`` are the same memory (IO binding), the kernel
