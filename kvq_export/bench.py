@@ -21,10 +21,13 @@ opened side by side in this process. For each (context, batch):
 * **memory**: the process's peak RSS so far (``ru_maxrss``, a high-water mark over everything measured
   before, including other sessions) and its current RSS.
 
-Every result is also a ratio to the baseline of the same flavour, context and batch: ``decode_ms``
-(< 1: faster), ``prefill_tok_s`` (> 1: faster), ``cache_bytes`` (< 1: smaller), and ``cache_reduction``
-(baseline bytes / bytes). :func:`perplexity` adds a strict-decode perplexity (every token fed alone, so
-it attends to the stored cache) for quality deltas.
+Every result is also a ratio to the baseline of the same flavour, context and batch: ``decode_ms`` (< 1: faster;
+the ratio of the medians), ``decode_ms_paired`` with ``decode_ms_paired_low``/``_high`` (the median of the
+per-step ratios -- step ``i`` of a scheme against step ``i`` of the baseline, taken in the same round seconds
+apart, so a change in machine load between rounds cancels -- and its 90% bootstrap interval: on a shared machine
+single steps spread by ±10%, and the interval says whether a ratio is really below 1), ``prefill_tok_s`` (> 1:
+faster), ``cache_bytes`` (< 1: smaller), and ``cache_reduction`` (baseline bytes / bytes). :func:`perplexity`
+adds a strict-decode perplexity (every token fed alone, so it attends to the stored cache) for quality deltas.
 
 Timings are printed, never asserted: tests only check that a bench runs and its JSON is well formed.
 """
@@ -52,7 +55,7 @@ from kvq_export.errors import DependencyError, KVQError
 
 logger = logging.getLogger(__name__)
 
-BENCH_VERSION = 1
+BENCH_VERSION = 2
 DEFAULT_CONTEXTS = (512, 2048, 8192)
 DEFAULT_BATCHES = (1, 4)
 FILLS = ("synthetic", "prefill")
@@ -177,6 +180,20 @@ def _rss() -> tuple[int, int]:
 
 def _percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q))
+
+
+def paired_ratio(times: Sequence[float], base_times: Sequence[float], *, level: float = 0.9,
+                 resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """(median, low, high) of the per-step ratios ``times[i] / base_times[i]``.
+
+    ``low``/``high``: the ``level`` bootstrap interval of the median (percentiles of the medians of ``resamples``
+    resamples of the steps).
+    """
+    ratios = np.asarray(times, dtype=np.float64) / np.asarray(base_times, dtype=np.float64)
+    picks = np.random.default_rng(seed).integers(0, ratios.size, (resamples, ratios.size))
+    medians = np.median(ratios[picks], axis=1)
+    tail = 100 * (1 - level) / 2
+    return float(np.median(ratios)), float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
 
 
 def _rotations(names: Sequence[str], i: int) -> list[str]:
@@ -341,8 +358,10 @@ def run_bench(
                 gc.collect()
                 base = next(r for r in group if r.scheme == base_name)
                 for result in group:
+                    paired = paired_ratio(times[result.scheme], times[base_name])
                     result.ratio = {
                         "decode_ms": result.decode_ms_median / base.decode_ms_median,
+                        **dict(zip(("decode_ms_paired", "decode_ms_paired_low", "decode_ms_paired_high"), paired)),
                         "prefill_tok_s": result.prefill_tok_s / base.prefill_tok_s,
                         "cache_bytes": result.cache_bytes / base.cache_bytes,
                         "cache_reduction": base.cache_bytes / result.cache_bytes,
@@ -408,13 +427,15 @@ def report_table(report: BenchReport):
 
     table = Table(title=f"kvq bench on {report.model} ({report.fill} cache fill; ratios vs {report.baseline} "
                         "of the same flavour)")
-    for col in ("flavor", "scheme", "ctx", "batch", "decode ms (p10-p90)", "x base", "tok/s", "prefill tok/s",
-                "x base", "cache", "x less", "peak RSS"):
+    for col in ("flavor", "scheme", "ctx", "batch", "decode ms (p10-p90)", "x base (paired, 90%)", "tok/s",
+                "prefill tok/s", "x base", "cache", "x less", "peak RSS"):
         table.add_column(col, justify="left" if col in ("flavor", "scheme") else "right")
     for r in report.results:
         table.add_row(
             r.flavor, r.scheme, str(r.context), str(r.batch),
-            f"{r.decode_ms_median:.2f} ({r.decode_ms_p10:.2f}-{r.decode_ms_p90:.2f})", f"{r.ratio['decode_ms']:.2f}",
+            f"{r.decode_ms_median:.2f} ({r.decode_ms_p10:.2f}-{r.decode_ms_p90:.2f})",
+            f"{r.ratio['decode_ms_paired']:.2f} ({r.ratio['decode_ms_paired_low']:.2f}-"
+            f"{r.ratio['decode_ms_paired_high']:.2f})",
             f"{r.decode_tok_s:.1f}", f"{r.prefill_tok_s:.0f}", f"{r.ratio['prefill_tok_s']:.2f}",
             _mib(r.cache_bytes), f"{r.ratio['cache_reduction']:.2f}", _mib(r.peak_rss_bytes))
     return table

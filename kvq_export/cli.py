@@ -540,7 +540,8 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
 
     def show(r) -> None:  # a long run reports each result as it is measured
         progress.print(f"{r.flavor} {r.scheme} ctx {r.context} batch {r.batch}: decode {r.decode_ms_median:.2f} ms "
-                       f"(x{r.ratio['decode_ms']:.2f}), cache {r.ratio['cache_reduction']:.2f}x smaller")
+                       f"(x{r.ratio['decode_ms_paired']:.2f}, 90% {r.ratio['decode_ms_paired_low']:.2f}-"
+                       f"{r.ratio['decode_ms_paired_high']:.2f}), cache {r.ratio['cache_reduction']:.2f}x smaller")
 
     report = kvq_bench.run_bench(
         model_spec, [s for s in schemes.split(",") if s], flavors=[f for f in flavors.split(",") if f],

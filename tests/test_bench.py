@@ -40,7 +40,7 @@ def report(model_dir, tmp_path_factory):
 
 def test_report_is_well_formed_json(report):
     data = json.loads(report.to_json())
-    assert data["fill"] == "synthetic" and data["baseline"] == "fp16" and data["bench_version"] == 1
+    assert data["fill"] == "synthetic" and data["baseline"] == "fp16" and data["bench_version"] == 2
     rows = data["results"]
     assert len(rows) == 2 * 2 * 2 * 2  # flavours x (baseline, ort-int8) x contexts x batches
     assert {(r["flavor"], r["scheme"]) for r in rows} == {(f, s) for f in ("ort-gqa", "reference")
@@ -49,11 +49,14 @@ def test_report_is_well_formed_json(report):
         assert r["decode_steps"] == 4 and 0 < r["decode_ms_p10"] <= r["decode_ms_median"] <= r["decode_ms_p90"]
         assert r["prefill_tokens"] == 16 and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
         assert r["peak_rss_bytes"] >= r["rss_bytes"] > 0
-        assert set(r["ratio"]) == {"decode_ms", "prefill_tok_s", "cache_bytes", "cache_reduction"}
+        assert set(r["ratio"]) == {"decode_ms", "decode_ms_paired", "decode_ms_paired_low", "decode_ms_paired_high",
+                                   "prefill_tok_s", "cache_bytes", "cache_reduction"}
+        ratio = r["ratio"]
+        assert ratio["decode_ms_paired_low"] <= ratio["decode_ms_paired"] <= ratio["decode_ms_paired_high"]
         # the bytes held equal the memory model (buffer capacity == context; regions exact)
         assert r["cache_bytes"] == r["cache_bytes_predicted"]
         if r["scheme"] == "fp16":
-            assert r["ratio"]["decode_ms"] == 1.0 and r["ratio"]["cache_bytes"] == 1.0
+            assert ratio["decode_ms"] == ratio["decode_ms_paired_high"] == 1.0 and ratio["cache_bytes"] == 1.0
         else:  # int8 codes, static scales in the graph: half of fp16
             assert r["ratio"]["cache_bytes"] == 0.5 and r["ratio"]["cache_reduction"] == 2.0
     ppl = data["perplexity"]
@@ -231,3 +234,16 @@ def test_protocol_p_rounds_every_linear_input_to_q8_blocks_like_llama_cpp():
         blocks = x.float().reshape(-1, 32)
         d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float().clamp_min(1e-30)
         assert torch.allclose(blocks / d, (blocks / d).round(), atol=1e-3)
+
+
+def test_paired_ratio_cancels_load_that_hits_both_alike():
+    """Steps of a scheme 1.1x the baseline's, under a load that swings both by ±40% from round to round."""
+    from kvq_export.bench import paired_ratio
+
+    rng = np.random.default_rng(3)
+    load = 1 + 0.4 * np.sin(np.arange(48))  # the machine, round by round
+    base = 0.05 * load * (1 + 0.01 * rng.standard_normal(48))
+    scheme = 1.1 * 0.05 * load * (1 + 0.01 * rng.standard_normal(48))
+    median, low, high = paired_ratio(scheme, base)
+    assert low <= median <= high and low < 1.1 < high and high - low < 0.02
+    assert paired_ratio(base, base) == (1.0, 1.0, 1.0)
