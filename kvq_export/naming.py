@@ -117,10 +117,11 @@ def probe_name(layer: int, which: str, *, projected: bool = False) -> str:
     return f"probe.{layer}.{which}" + (".projected" if projected else "")
 
 
-def packed_probe_name(layer: int) -> str:
+def packed_probe_name(layer: int, *, projected: bool = False) -> str:
     """Name of the packed q|k|v ``[B, t, (Hq + 2 Hkv) * D]`` after RoPE (``probe.3.qkv``).
 
     What a graph whose attention kernel reads the three packed exposes instead of the :data:`PROBES` (splitting
-    it in the graph would cost a node at every step).
+    it in the graph would cost a node at every step). ``projected=True``: the raw projection before RoPE
+    (``probe.3.qkv.projected``), for a kernel that applies RoPE itself.
     """
-    return f"probe.{layer}.qkv"
+    return f"probe.{layer}.qkv" + (".projected" if projected else "")

@@ -195,12 +195,12 @@ class FusedRotaryCacheGraph(CacheGraph, Protocol):
 
     fuses_rotary: bool
 
-    def attend_projected(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value, *,
-                         packed: ir.Value | None = None) -> ir.Value:
+    def attend_projected(self, b: GraphBuilder, layer: int, q: ir.Value | None, k: ir.Value | None,
+                         v: ir.Value | None, *, packed: ir.Value | None = None) -> ir.Value:
         """Attend: q [B, t, Hq*D], k/v [B, t, Hkv*D] straight from the projections (no RoPE) -> [B, t, Hq*D].
 
         ``packed``, when given, is ``concat(q, k, v)`` along the last axis as one value (a fused projection's
-        output, of which q/k/v are the Split): the kernel may read it instead and leave q/k/v to the probes.
+        output); q/k/v are then None (the graph does not split them out) and the kernel reads ``packed``.
         """
         ...
 
@@ -755,18 +755,21 @@ class _Body:
             separate, qkv = self.projections(x, layer, parts, split=False)
             qkv = qkv if separate is None else b.op("Concat", *separate, axis=-1)
             return cache.attend_packed(b, layer, self.apply_packed_rope(qkv, layer, key_rot))  # type: ignore
-        # packed [B, t, (Hq + 2 Hkv) * D] (fused body): q, k, v side by side, for a kernel that takes them so
-        (q, k, v), packed = self.projections(x, layer, parts)  # type: ignore[misc]
         if fuses_rotary(cache):  # [B, t, H*D] in and out: the cache graph's kernel applies RoPE
             if key_rot is not None:
                 raise ExportError(f"layer {layer}: rotated keys need RoPE before the rotation, but this "
                                   "cache graph applies RoPE itself (export it with the body's RoPE)")
+            # packed [B, t, (Hq + 2 Hkv) * D] (fused body): q, k, v side by side, for a kernel that takes them so;
+            # then the parts are not even split out (None)
+            separate, packed = self.projections(x, layer, parts, split=in_graph is not None)
+            q, k, v = separate or (None, None, None)
             if in_graph is not None:
                 v, packed = self.rotate(v, _block_diag(in_graph, f.num_kv_heads)), None
             attn = cache.attend_projected(b, layer, q, k, v, packed=packed)  # type: ignore[attr-defined]
             if in_graph is not None:
                 attn = self.rotate(attn, _block_diag(in_graph, f.num_heads), inverse=True)
             return attn
+        (q, k, v), _ = self.projections(x, layer, parts)  # type: ignore[misc]
         q = self.apply_rope(self.heads(q, f.num_heads), layer)
         k = self.apply_rope(self.heads(k, f.num_kv_heads), layer)
         if key_rot is not None:

@@ -32,11 +32,11 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   zeroing is needed even for single-token steps, where an idle row of a batch is the only padding). The
   decoder body hands the node the fused q|k|v projection whole (GQA's packed query) unless something sits
   between projection and attention (q/k norms, an in-graph value rotation), so one GatherND realigns all
-  three; with the node's RoPE q, k and v are still split out, for the probes. When RoPE runs in the body
-  (below) it runs on the packed projection too (:meth:`~kvq_export.export.decoder._Body.apply_packed_rope`:
-  no per-head transposes, no Split), and the node still gets one packed input. So left-padded batches are
-  fully supported and a batched prompt gives what it gives alone; right-padded rows (onnxruntime-genai's
-  prompts, see :mod:`kvq_export.runtime.genai`) work too.
+  three, and q, k and v are not split out at all. When RoPE runs in the body (below) it runs on the packed
+  projection too (:meth:`~kvq_export.export.decoder._Body.apply_packed_rope`: no per-head transposes, no
+  Split), and the node still gets one packed input. So left-padded batches are fully supported and a batched
+  prompt gives what it gives alone; right-padded rows (onnxruntime-genai's prompts, see
+  :mod:`kvq_export.runtime.genai`) work too.
 * ``seqlens_k = max(seq_lengths + new - 1, 0)`` (int32), ``total_sequence_length = max(longest row, t)``,
   ``query_seqlens = new tokens per row``, all computed in-graph from ``past.seq_lengths`` and the mask.
 * **Buffer sharing**: when ``past_key`` and ``present_key`` are the same memory (IO binding), the kernel
@@ -77,8 +77,9 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   high-precision windows (``residual_length``/``sink_tokens``), a layer whose key and value differ in
   quantized/bit width (one cache type and ``kv_cache_bit_width`` per node).
 * **Probes**: with fused RoPE the post-RoPE q/k never exist as graph values, so the graph names the raw
-  projections (``probe.<layer>.<q|key|value>.projected``) and a validator applies the graph's own rotary
-  tables to them (:mod:`kvq_export.validate.probe`); computing RoPE in the graph just for probes would run
+  projections (the packed ``probe.<layer>.qkv.projected``, or ``probe.<layer>.<q|key|value>.projected`` where
+  q/k norms split them) and a validator applies the graph's own rotary tables to them
+  (:mod:`kvq_export.validate.probe`); computing RoPE, or even a Split, in the graph just for probes would run
   on every step, since ONNX Runtime executes dead branches. With ``fuse_rotary=False`` RoPE runs in the
   body on the packed q|k|v, the node gets ``do_rotary=0`` and the graph names that packed value
   (``probe.<layer>.qkv``), which the validator splits.
@@ -428,17 +429,19 @@ class GQACacheGraph(LaidOutCache):
         offset = b.op("Sub", b.op("Unsqueeze", n0, b.const([1])), shift)
         return b.op("Max", b.op("Add", s, offset), b.const(0))
 
-    def attend_projected(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value, *,
-                         packed: ir.Value | None = None) -> ir.Value:
+    def attend_projected(self, b: GraphBuilder, layer: int, q: ir.Value | None, k: ir.Value | None,
+                         v: ir.Value | None, *, packed: ir.Value | None = None) -> ir.Value:
         """Attend: q [B,t,Hq*D], k/v [B,t,Hkv*D] before RoPE -> [B,t,Hq*D] (GQA applies RoPE).
 
-        With ``packed`` (q, k, v side by side) the node takes GQA's packed query and one realignment moves all
-        three; q/k/v then only name the probes.
+        With ``packed`` (q, k, v side by side; q/k/v None) the node takes GQA's packed query, one realignment
+        moves all three, and the packed value is the probe.
         """
+        if packed is not None:
+            name_packed_probe(b, layer, packed, projected=True)
+            with b.scope(f"gqa{layer}"):
+                return self._gqa(b, layer, packed, None, None, rotary=True)
         name_probes(b, layer, q, k, v, projected=True)
         with b.scope(f"gqa{layer}"):
-            if packed is not None:
-                return self._gqa(b, layer, packed, None, None, rotary=True)
             return self._gqa(b, layer, q, k, v, rotary=True)
 
     def attend_packed(self, b: GraphBuilder, layer: int, qkv: ir.Value) -> ir.Value:

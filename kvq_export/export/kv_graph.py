@@ -61,9 +61,9 @@ def name_probes(b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Val
         b.op("Identity", value).name = probe_name(layer, which, projected=projected)
 
 
-def name_packed_probe(b: GraphBuilder, layer: int, qkv: ir.Value) -> None:
-    """:func:`name_probes` for a packed q|k|v after RoPE (:func:`naming.packed_probe_name`)."""
-    b.op("Identity", qkv).name = packed_probe_name(layer)
+def name_packed_probe(b: GraphBuilder, layer: int, qkv: ir.Value, *, projected: bool = False) -> None:
+    """:func:`name_probes` for a packed q|k|v (:func:`naming.packed_probe_name`)."""
+    b.op("Identity", qkv).name = packed_probe_name(layer, projected=projected)
 
 
 def facts_window(facts, layer: int) -> int | None:

@@ -9,8 +9,9 @@ names the raw projections instead (``probe.<layer>.<which>.projected``, ``[B, t,
 session rotates them with the graph's own cos/sin tables at each token's position, so every consumer sees
 the same ``[B, H, t, D]`` post-RoPE probes whatever the flavour.
 
-A graph whose kernel reads q, k and v packed after the body's RoPE names that one value instead
-(``probe.<layer>.qkv``, :func:`kvq_export.naming.packed_probe_name`); the probed session splits it.
+A graph whose kernel reads q, k and v packed names that one value instead (``probe.<layer>.qkv`` after the
+body's RoPE, ``probe.<layer>.qkv.projected`` before a fused kernel's, :func:`kvq_export.naming.packed_probe_name`):
+splitting it in the graph would cost a node at every step. The probed session splits it.
 
 A rotated stream (``rotation`` of the scheme) is probed in its stored basis: q and k after the rotation
 that follows RoPE, v as the folded ``v_proj`` yields it (``v @ R``). Decode the cache with
@@ -93,20 +94,20 @@ class ProbedSession(KVQSession):
         model = onnx.load(str(self.directory / MODEL_NAME), load_external_data=False)
         layers = self.manifest.num_layers
         produced = {out for node in model.graph.node for out in node.output}
-        names = [probe_name(layer, which) for layer in range(layers) for which in PROBES]
+        # the forms a graph names its probes in, most direct first: (packed q|k|v, raw projections before RoPE)
+        for self._packed, self._projected in ((False, False), (True, False), (False, True), (True, True)):
+            names = self._probe_names(layers)
+            if all(n in produced for n in names):
+                break
+        else:
+            raise RuntimeInputError(f"{self.directory}: the graph has no {probe_name(0, 'q')} "
+                                    "(exported by an older kvq?)")
         self._rotary: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
-        self._packed = False
-        packed = [packed_probe_name(layer) for layer in range(layers)]
-        if not all(n in produced for n in names) and all(n in produced for n in packed):
-            self._packed, names = True, packed
-        elif not all(n in produced for n in names):
-            projected = [probe_name(layer, which, projected=True) for layer in range(layers) for which in PROBES]
-            tables = layer_rotary_tables(model.graph, self.directory)
-            missing = [n for n in names if n not in produced]
-            if not all(n in produced for n in projected) or sorted(tables) != list(range(layers)):
-                raise RuntimeInputError(f"{self.directory}: the graph has no {missing[0]} (exported by an older kvq?)")
-            self._rotary = tables
-            names = projected
+        if self._projected:
+            self._rotary = layer_rotary_tables(model.graph, self.directory)
+            if sorted(self._rotary) != list(range(layers)):
+                raise RuntimeInputError(f"{self.directory}: the graph names raw projections as probes but not every "
+                                        "layer's rotary tables")
         model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names)
         # loaded from memory, its external weights read from the export: nothing is written into the export
         options = session_options(kwargs.get("threads"), spinning=kwargs.get("spinning", False))
@@ -116,14 +117,15 @@ class ProbedSession(KVQSession):
                                             providers=choose_providers(kwargs.get("providers")))
         self.extra_outputs = tuple(names)
 
+    def _probe_names(self, layers: int) -> list[str]:
+        if self._packed:
+            return [packed_probe_name(layer, projected=self._projected) for layer in range(layers)]
+        return [probe_name(layer, which, projected=self._projected) for layer in range(layers) for which in PROBES]
+
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None,
              cache: CacheState | None = None) -> tuple[np.ndarray, CacheState]:
         """:meth:`KVQSession.step`, then put the probes in post-RoPE ``[B, H, t, D]`` form."""
-        if self._packed:
-            logits, cache = super().step(input_ids, attention_mask, cache)
-            self.last_extra = self._split_packed()
-            return logits, cache
-        if self._rotary is None:
+        if not (self._packed or self._projected):
             return super().step(input_ids, attention_mask, cache)
         ids = np.asarray(input_ids)
         mask = np.ones(ids.shape, np.int64) if attention_mask is None else np.asarray(attention_mask, np.int64)
@@ -131,30 +133,22 @@ class ProbedSession(KVQSession):
         logits, cache = super().step(input_ids, attention_mask, cache)
         positions = token_positions(before, mask)
         model = self.manifest.model
-        head_dim = model.head_dim
+        d, heads = model.head_dim, {"q": model.num_heads, "key": model.num_kv_heads, "value": model.num_kv_heads}
         probes = {}
         for layer in range(self.manifest.num_layers):
-            for which in PROBES:
-                raw = self.last_extra[probe_name(layer, which, projected=True)]
-                heads = model.num_heads if which == "q" else model.num_kv_heads
-                x = raw.reshape(raw.shape[0], raw.shape[1], heads, head_dim).transpose(0, 2, 1, 3)
-                probes[probe_name(layer, which)] = x if which == "value" else rotate(x, *self._rotary[layer],
-                                                                                     positions)
+            if self._packed:
+                qkv = self.last_extra[packed_probe_name(layer, projected=self._projected)]
+                parts = dict(zip(PROBES, np.split(qkv, np.cumsum([heads["q"] * d, heads["key"] * d]), axis=-1)))
+            else:
+                parts = {which: self.last_extra[probe_name(layer, which, projected=self._projected)]
+                         for which in PROBES}
+            for which, raw in parts.items():
+                x = raw.reshape(raw.shape[0], raw.shape[1], heads[which], d).transpose(0, 2, 1, 3)
+                if self._projected and which != "value":
+                    x = rotate(x, *self._rotary[layer], positions)
+                probes[probe_name(layer, which)] = x
         self.last_extra = probes
         return logits, cache
-
-
-    def _split_packed(self) -> dict[str, np.ndarray]:
-        """The per-part probes of each layer's packed q|k|v (:func:`packed_probe_name`)."""
-        model = self.manifest.model
-        d, hq, hkv = model.head_dim, model.num_heads, model.num_kv_heads
-        probes = {}
-        for layer in range(self.manifest.num_layers):
-            qkv = self.last_extra[packed_probe_name(layer)]
-            parts = np.split(qkv, [hq * d, (hq + hkv) * d], axis=-1)
-            for which, x, heads in zip(PROBES, parts, (hq, hkv, hkv)):
-                probes[probe_name(layer, which)] = x.reshape(x.shape[0], x.shape[1], heads, d).transpose(0, 2, 1, 3)
-        return probes
 
 
 def probed_session(directory: str | os.PathLike[str], **kwargs) -> ProbedSession:
