@@ -572,10 +572,10 @@ class GQACacheGraph(LaidOutCache):
         if self.compute_type != ir.DataType.FLOAT:
             nibbles = b.op("Cast", nibbles, to=self.compute_type)
         source = b.op("Concat", qkv, nibbles, axis=2)  # [q | k | v | upper (k, v) | lower (k, v)]
-        nibbles = q_size + 2 * row
+        upper = q_size + 2 * row  # where the nibbles start in the source row
         index = np.concatenate([highs[0].query_widened(f.num_heads),
-                                highs[0].widened(q_size, nibbles, nibbles + 2 * count),
-                                highs[1].widened(q_size + row, nibbles + count, nibbles + 3 * count)])
+                                highs[0].widened(q_size, upper, upper + 2 * count),
+                                highs[1].widened(q_size + row, upper + count, upper + 3 * count)])
         return b.op("Gather", source, b.initializer(static_name(layer, "qkv", "high_channels.widen"), index), axis=2)
 
     def _fold(self, b: GraphBuilder, layer: int, out: ir.Value, high: HighSplit) -> ir.Value:

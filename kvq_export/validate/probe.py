@@ -81,6 +81,13 @@ def layer_rotary_tables(graph, directory) -> dict[int, tuple[np.ndarray, np.ndar
     return out
 
 
+def _probe_names(layers: int, packed: bool, projected: bool) -> list[str]:
+    """Every probe a graph of ``layers`` layers names in one form (see the module docstring)."""
+    if packed:
+        return [packed_probe_name(layer, projected=projected) for layer in range(layers)]
+    return [probe_name(layer, which, projected=projected) for layer in range(layers) for which in PROBES]
+
+
 class ProbedSession(KVQSession):
     """A :class:`KVQSession` whose every step also returns the post-RoPE probes (``last_extra[probe_name(...)]``)."""
 
@@ -95,13 +102,13 @@ class ProbedSession(KVQSession):
         layers = self.manifest.num_layers
         produced = {out for node in model.graph.node for out in node.output}
         # the forms a graph names its probes in, most direct first: (packed q|k|v, raw projections before RoPE)
-        for self._packed, self._projected in ((False, False), (True, False), (False, True), (True, True)):
-            names = self._probe_names(layers)
-            if all(n in produced for n in names):
-                break
-        else:
+        forms = ((False, False), (True, False), (False, True), (True, True))
+        form = next((f for f in forms if all(n in produced for n in _probe_names(layers, *f))), None)
+        if form is None:
             raise RuntimeInputError(f"{self.directory}: the graph has no {probe_name(0, 'q')} "
                                     "(exported by an older kvq?)")
+        self._packed, self._projected = form
+        names = _probe_names(layers, *form)
         self._rotary: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
         if self._projected:
             self._rotary = layer_rotary_tables(model.graph, self.directory)
@@ -116,11 +123,6 @@ class ProbedSession(KVQSession):
         self.session = ort.InferenceSession(model.SerializeToString(), options,
                                             providers=choose_providers(kwargs.get("providers")))
         self.extra_outputs = tuple(names)
-
-    def _probe_names(self, layers: int) -> list[str]:
-        if self._packed:
-            return [packed_probe_name(layer, projected=self._projected) for layer in range(layers)]
-        return [probe_name(layer, which, projected=self._projected) for layer in range(layers) for which in PROBES]
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None,
              cache: CacheState | None = None) -> tuple[np.ndarray, CacheState]:
