@@ -207,6 +207,28 @@ def test_unfused_rotary_path_matches_and_names_probes(tmp_path_factory, monkeypa
     assert "probe.1.key" not in fused_names
 
 
+def test_a_graph_without_probes_is_refused_by_name(tmp_path_factory):
+    """A probed session needs one of the probe forms; a graph without any says which probe is missing."""
+    import shutil
+
+    import onnx
+
+    from kvq_export.validate.probe import ProbedSession
+
+    scheme = SCHEMES["ort-int8/hp-fp32"]
+    directory = _export(tmp_path_factory, "llama", scheme, calibration("llama", scheme)).directory
+    bare = tmp_path_factory.mktemp("bare") / "m"
+    shutil.copytree(directory, bare)
+    model = onnx.load(bare / "model.onnx", load_external_data=False)
+    kept = [n for n in model.graph.node if not any(o.startswith("probe.") for o in n.output)]
+    assert len(kept) < len(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    onnx.save(model, bare / "model.onnx")
+    with pytest.raises(RuntimeInputError, match=r"has no probe\.0\.q"):
+        ProbedSession(bare, verify_weights=False)  # model.onnx changed on purpose
+
+
 def _gqa_attrs(session) -> list[dict]:
     import onnx
 
