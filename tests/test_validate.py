@@ -192,6 +192,7 @@ def test_quantized_validation_reports_every_section(tiny, tmp_path):
     page = write_html(r, tmp_path / "r.html").read_text()
     assert page.count("data:image/png;base64,") == 4 and "key error hurts most" in page.lower()
     assert len(summary_rows(r)) >= 10
+    assert dict(summary_rows(r))["scheme"].endswith(" vs fp16 (reference) baseline")  # the baseline it ran against
 
 
 def test_baseline_is_exported_on_the_fly(tiny, monkeypatch, tmp_path):

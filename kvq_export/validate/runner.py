@@ -125,6 +125,8 @@ def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike
     result = {
         "export": str(export_dir),
         "baseline": str(base_dir),
+        "baseline_scheme": base.manifest.scheme.to_dict(),
+        "baseline_flavor": base.manifest.flavor,
         "scheme": quant.manifest.scheme.to_dict(),
         "model": {k: getattr(quant.manifest.model, k) for k in ("source", "model_type", "num_layers", "num_heads",
                                                                   "num_kv_heads", "head_dim")},
