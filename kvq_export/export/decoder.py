@@ -641,7 +641,9 @@ class _Body:
         """:meth:`apply_rope` on the q and k heads of a packed ``[B, t, (Hq + 2 Hkv) * D]`` projection.
 
         Per head, ``x * cos + x[rotate] * sin'`` with the tables of :meth:`packed_rotary_tables`: the same two
-        products and sum as ``x * cos + rotate_half(x) * sin``, so the same floats. A key rotation ``R`` then
+        products and sum as ``x * cos + rotate_half(x) * sin``, so the same floats in an fp32 body. (An fp16 body
+        on ONNX Runtime's CPU runs these ops in float32 between casts it inserts, and may round at other points
+        than in the per-head form: logits within 2e-4 on the tiny test models.) A key rotation ``R`` then
         multiplies each q and k head (a float32 MatMul per head, the identity on the value heads).
         """
         b, f = self.b, self.facts
