@@ -461,17 +461,16 @@ def static_from_samples(samples: Mapping[int, list[AttentionSample]], scheme: KV
     """
     import torch
 
+    from kvq_export.reference.codec import check_high_channels
+
     _check_method(method, percentile)
     static: StaticArrays = {}
     for layer, part, tq in static_streams(scheme, num_layers):
         if layer not in samples:
             raise KVQError(f"no attention samples were collected for layer {layer}")
-        high = None
-        if tq.high_channels:
-            chosen = (high_channels or {}).get(layer, {}).get(part)
-            if chosen is None:
-                raise KVQError(f"layer {layer} {part} keeps {tq.high_channels} high channels: give their choice")
-            high = torch.as_tensor(np.asarray(chosen)).to(torch.int64)
+        heads, _, dim = samples[layer][0].keys.shape
+        high = None if not tq.high_channels else check_high_channels(
+            (high_channels or {}).get(layer, {}).get(part), tq, heads, dim)
         if method == "attention":
             meta = attention_metadata(samples[layer], part, tq, high)
         else:

@@ -207,6 +207,18 @@ def test_unfused_rotary_path_matches_and_names_probes(tmp_path_factory, monkeypa
     assert "probe.1.key" not in fused_names
 
 
+def test_high_channels_without_their_calibrated_choice_are_refused(tmp_path):
+    """Static scales without the chosen high channels: the export names what is missing (kvq never guesses)."""
+    scheme = SCHEMES["int4-high/hp-fp32"]
+    static = calibration("llama", scheme)
+    for parts in static.values():
+        for meta in parts.values():
+            meta.pop("high_channels")
+    with pytest.raises(ExportError, match="layer 0 key keeps .* high channels per head but no calibration chose"):
+        export(tiny_model("llama"), scheme, tmp_path / "m", static=static, flavor="ort-gqa")
+    assert not (tmp_path / "m").exists()
+
+
 def test_a_graph_without_probes_is_refused_by_name(tmp_path_factory):
     """A probed session needs one of the probe forms; a graph without any says which probe is missing."""
     import shutil

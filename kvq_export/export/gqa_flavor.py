@@ -100,12 +100,11 @@ import numpy as np
 import onnx_ir as ir
 
 from kvq_export.cache_layout import BUFFER
-from kvq_export.calibrate import HIGH_CHANNELS
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.exporter import register_flavor
-from kvq_export.export.graph_codec import static_name, static_scales
+from kvq_export.export.graph_codec import high_channel_choice, static_name, static_scales
 from kvq_export.export.kv_graph import LaidOutCache, name_packed_probe, name_probes
 from kvq_export.naming import PARTS, ROTARY_TABLES, tensor_name
 from kvq_export.rotation import stream_rotation
@@ -137,14 +136,12 @@ class HighSplit:
     head_dim: int
 
     @classmethod
-    def of(cls, tq: TensorQuant, meta: Mapping, kv_heads: int, head_dim: int) -> HighSplit:
-        """The split of one calibrated stream (``meta``: its scales, zero points and high channels)."""
-        from kvq_export.reference.codec import high_channel_levels
+    def of(cls, tq: TensorQuant, static: Mapping, layer: int, part: str, kv_heads: int, head_dim: int) -> HighSplit:
+        """The split of one calibrated stream (``static[layer][part]``: its scales, zero points and high channels)."""
+        from kvq_export.reference.codec import check_high_channels, high_channel_levels
 
-        channels = np.asarray(meta[HIGH_CHANNELS], dtype=np.int64)
-        if channels.shape != (kv_heads, tq.high_channels):
-            raise ExportError(f"high_channels have shape {list(channels.shape)}; expected "
-                              f"[kv_heads={kv_heads}, {tq.high_channels}]")
+        channels = check_high_channels(high_channel_choice(static, layer, part, tq), tq, kv_heads, head_dim).numpy()
+        meta = static[layer][part]
         pick = [per_channel(tq, meta[role], kv_heads, head_dim, role)[np.arange(kv_heads)[:, None], channels]
                 if role in meta else np.zeros(channels.shape, np.float32) for role in ("scales", "zero_points")]
         low, top, offset = high_channel_levels(tq)
@@ -360,7 +357,7 @@ class GQACacheGraph(LaidOutCache):
         offsets = [gqa_offset(tq, static[layer][part], self.kv_heads, self.head_dim)
                    for part, tq in zip(PARTS, (key, value))]
         out_offset = offsets[1]
-        highs = [HighSplit.of(tq, static[layer][part], self.kv_heads, self.head_dim) if tq.high_channels else None
+        highs = [HighSplit.of(tq, static, layer, part, self.kv_heads, self.head_dim) if tq.high_channels else None
                  for part, tq in zip(PARTS, (key, value))]
         if highs[0] is not None:  # the node's head grows by n channels: the nibbles' scales (see HighSplit)
             arrays = [self._node_scales(a, high) for a, high in zip(arrays, highs)]
