@@ -75,10 +75,6 @@ class StreamLayout:
         if not tq.quantized:
             return cls("fp16", 16, "token", 0, False, False, head_dim, scheme.sink_tokens, scheme.residual_for(tq),
                        1, "fp16", scheme.hp_dtype)
-        if tq.high_channels and (tq.format != "int" or tq.scales != "dynamic"):
-            raise QuantizationError(f"the fused attention kernel keeps high channels of dynamic int streams only, "
-                                    f"got format {tq.format} with {tq.scales} scales (the reference and ort-gqa "
-                                    "flavours hold them)")
         if tq.axis == "token":
             group = tq.token_group(head_dim)
         else:
@@ -135,7 +131,7 @@ class StreamLayout:
 
     @property
     def tag(self) -> str:
-        """``fp16`` | ``sym`` | ``asym`` | ``asymhc``: which roles the stream has (part of the plugin name)."""
+        """``fp16``, ``sym``, ``asym``, ``symhc`` or ``asymhc``: the roles the stream has (part of the plugin name)."""
         if not self.quantized:
             return "fp16"
         return ("asym" if self.has_zero else "sym") + ("hc" if self.high else "")
@@ -265,8 +261,9 @@ def dequantize_stream(layout: StreamLayout, tensors: Mapping[str, torch.Tensor],
     if layout.format == "fp8_e4m3":
         values = stored.view(torch.float8_e4m3fn).to(torch.float32)
     else:
-        values = unpack_stream(stored, layout.tensor_quant(), high_channels(layout, tensors))
-        values = values.to(torch.float32) - float(layout.offset)
+        high = high_channels(layout, tensors)
+        values = unpack_stream(stored, layout.tensor_quant(), high).to(torch.float32)
+        values = values - code_offsets(layout, high, recent.device)
     scale, zero = _metadata(layout, tensors, slot, heads, total, gather)
     if layout.axis == "token":
         deq = values.reshape(batch, heads, total, layout.meta_width, layout.group) * scale.unsqueeze(-1)
@@ -277,6 +274,20 @@ def dequantize_stream(layout: StreamLayout, tensors: Mapping[str, torch.Tensor],
         if zero is not None:
             deq = deq + zero
     return torch.where(in_quant[:, None, :, None], deq.reshape(batch, heads, total, dim), out)
+
+
+def code_offsets(layout: StreamLayout, high: torch.Tensor | None, device=None) -> torch.Tensor | float:
+    """The stored-code offset of each channel: ``layout.offset``, or ``[H, 1, D]`` when high channels have their own.
+
+    ``int_sym`` high channels are 8-bit codes stored around 128 beside the others' ``2**(bits-1)``
+    (:func:`kvq_export.reference.codec.channel_levels`); ``int`` codes have no offset at all.
+    """
+    if high is None or not layout.offset:
+        return float(layout.offset)
+    from kvq_export.reference.codec import channel_levels
+
+    offsets = channel_levels(layout.tensor_quant(), high.cpu(), layout.head_dim)[2]
+    return offsets[:, None, :].to(device)
 
 
 def high_channels(layout: StreamLayout, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:

@@ -91,7 +91,7 @@ def quantize_block(
     if not tk.interpreted():
         consts["enable_fp_fusion"] = False  # keep mid - half (clip), x * id + 8.5 (ggml) from becoming FMAs
     args = (x, counts, codes, s_arg, z_arg)
-    if name == "_quantize_channel_kernel":
+    if name != "_quantize_ggml_kernel":
         if layout.high and channel_order is None:
             raise QuantizationError("a stream with high channels needs its [kv_heads, head_dim] channel_order")
         args += (channel_order.to(device=x.device, dtype=torch.int32).contiguous() if layout.high else None,)
@@ -135,11 +135,11 @@ def quantize_constants(layout: StreamLayout, heads: int) -> tuple[str, dict[str,
     common = dict(HEADS=heads, HEAD_DIM=dim, BITS=layout.bits, FP8=layout.format == "fp8_e4m3",
                   HAS_ZERO=layout.has_zero, LO=lo, HI=hi, OFFSET=layout.offset, TOP=top, CLIP=layout.clip,
                   HALF_CLIP=0.5 * layout.clip, LOW_BITS=low_bits, BLOCK_P=_next_pow2(packed * low_bits // 8),
-                  BLOCK_U=_next_pow2(max(packed * upper_bits // 8, 1)))
+                  BLOCK_U=_next_pow2(max(packed * upper_bits // 8, 1)), HIGH=layout.high,
+                  BLOCK_HI=_next_pow2(max(layout.high, 1)))
     if layout.axis == "channel" and not layout.static:
-        return "_quantize_channel_kernel", {**common, "GROUP": layout.group, "HIGH": layout.high,
-                                            "BLOCK_G": _next_pow2(layout.group), "BLOCK_D": _next_pow2(dim),
-                                            "BLOCK_HI": _next_pow2(max(layout.high, 1))}
+        return "_quantize_channel_kernel", {**common, "GROUP": layout.group, "BLOCK_G": _next_pow2(layout.group),
+                                            "BLOCK_D": _next_pow2(dim)}
     group = 1 if layout.axis == "channel" else layout.group
     return "_quantize_token_kernel", {**common, "GROUP": group, "META": layout.meta_width, "STATIC": layout.static,
                                       "BLOCK_T": 16, "BLOCK_G": _next_pow2(layout.meta_width),

@@ -37,8 +37,12 @@ class LayerCase:
 
 
 def static_metadata(tq: TensorQuant, sample: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Calibration-like static ``[H, n]`` scales (and minimums) covering ``sample [1, H, T, D]``."""
-    from kvq_export.reference.codec import metadata_from_range, scale_from_amax
+    """Calibration-like static ``[H, n]`` scales (and minimums) covering ``sample [1, H, T, D]``.
+
+    A stream with high channels also gets its ``high_channels`` (:func:`widest_channels`), whose scales span
+    their range with 8-bit levels.
+    """
+    from kvq_export.reference.codec import channel_levels, metadata_from_range, scale_from_amax
 
     x = sample[0].float()  # [H, T, D]
     heads, _, dim = x.shape
@@ -47,10 +51,17 @@ def static_metadata(tq: TensorQuant, sample: torch.Tensor) -> dict[str, torch.Te
         grouped = x.reshape(heads, -1, dim // g, g).transpose(1, 2).reshape(heads, dim // g, -1)
     else:
         grouped = x.transpose(1, 2)  # [H, D, T]
+    out: dict[str, torch.Tensor] = {}
+    lo = top = None  # per-channel levels [H, D] with high channels (channel axis only)
+    if tq.high_channels:
+        out["high_channels"] = widest_channels(tq, sample)
+        lo, top, _ = channel_levels(tq, out["high_channels"], dim)
     if tq.has_zero_point:
-        scales, zeros = metadata_from_range(tq, grouped.amin(-1), grouped.amax(-1))
-        return {"scales": scales, "zero_points": zeros}
-    return {"scales": scale_from_amax(tq, grouped.abs().amax(-1))}
+        out["scales"], out["zero_points"] = metadata_from_range(tq, grouped.amin(-1), grouped.amax(-1),
+                                                                None if top is None else top - lo)
+    else:
+        out["scales"] = scale_from_amax(tq, grouped.abs().amax(-1), top)
+    return out
 
 
 def widest_channels(tq: TensorQuant, sample: torch.Tensor) -> torch.Tensor:

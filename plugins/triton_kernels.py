@@ -164,6 +164,9 @@ def _stream_tile(sinks_ptr, codes_ptr, scales_ptr, zeros_ptr, recent_ptr, order_
             PACKED: tl.constexpr = HIGH + (HEAD_DIM - HIGH) * BITS // 8
             code = _code_at(codes_ptr, (bh * Q_LEN + slot)[:, None] * PACKED, d, m2, HEAD_DIM, BITS, HIGH)
             val = code.to(tl.float32) - OFFSET
+            if HIGH > 0:
+                if OFFSET > 0:  # int_sym: the 8-bit high channels are stored around 128
+                    val = tl.where((d < HIGH)[None, :], code.to(tl.float32) - 128.0, val)
         if STATIC:
             midx = h * META + ch // GROUP
             sc = tl.load(scales_ptr + midx, mask=dmask, other=0.0).to(tl.float32)[None, :]
@@ -327,10 +330,11 @@ def _encode(x, sc, zp, FP8: tl.constexpr, HAS_ZERO: tl.constexpr, LO: tl.constex
 
 
 def _group_meta(x, mask, axis: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr, steps,
-                TOP: tl.constexpr, CLIP: tl.constexpr, HALF_CLIP: tl.constexpr):
+                CLIP: tl.constexpr, HALF_CLIP: tl.constexpr):
     """(scale, minimum) of each group along ``axis``, in fp32 before rounding to the scale dtype.
 
-    ``steps``: code steps over an asymmetric group's range (a scalar, or per channel with high channels).
+    ``steps``: what the scale divides (a scalar, or per channel with high channels): the code steps over an
+    asymmetric group's range, or the highest code a symmetric group's max |x| maps to.
     """
     if HAS_ZERO:
         mn = _rmin(tl.where(mask, x, float("inf")), axis)
@@ -344,7 +348,7 @@ def _group_meta(x, mask, axis: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.con
     amax = _rmax(tl.where(mask, tl.abs(x), 0.0), axis)
     if CLIP != 1.0:
         amax = amax * CLIP
-    return tl.div_rn(amax, TOP), amax
+    return tl.div_rn(amax, steps), amax
 
 
 def _head_tile(x_ptr, row, ok, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, PER: tl.constexpr):
@@ -402,9 +406,13 @@ def _store_row_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, o
     """
     W: tl.constexpr = HEAD_DIM - HIGH
     PACKED: tl.constexpr = HIGH + W * BITS // 8
-    if HIGH > 0:  # asymmetric int only: codes 0..255
-        _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h, 0, HIGH, 0, 8, 0,
-                     BLOCK_HI, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO, 0, 255, 0)
+    if HIGH > 0:  # 8-bit codes: int 0..255; int_sym (OFFSET > 0) -127..127 stored + 128
+        if OFFSET > 0:
+            _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h, 0, HIGH, 0, 8, 0,
+                         BLOCK_HI, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO, -127, 127, 128)
+        else:
+            _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h, 0, HIGH, 0, 8, 0,
+                         BLOCK_HI, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO, 0, 255, 0)
     _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h, HIGH, W, 0, LOW_BITS, HIGH,
                  BLOCK_P, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO, LO, HI, OFFSET)
     if LOW_BITS < BITS:  # the plane of the higher bits
@@ -414,19 +422,20 @@ def _store_row_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, o
 
 
 def _quantize_token_kernel(
-    x_ptr, counts_ptr, codes_ptr, scales_ptr, zeros_ptr, F_LEN,
+    x_ptr, counts_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, F_LEN,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, META: tl.constexpr,
-    BITS: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr, STATIC: tl.constexpr,
+    BITS: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr, STATIC: tl.constexpr, HIGH: tl.constexpr,
     LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr, TOP: tl.constexpr, CLIP: tl.constexpr,
     HALF_CLIP: tl.constexpr, LOW_BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_U: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_U: tl.constexpr,
 ):
     """Token-axis (and static) streams: quantize BLOCK_T tokens of one (row, head); grid ``(B*H, cdiv(F, BLOCK_T))``.
 
     The block ``x [B, H, F, D]`` holds each row's ``counts[b]`` tokens right-aligned. Pass 1 writes each
     token's per-group scale (and minimum) in the stored dtype; pass 2 reads them back (so codes are computed
     against exactly the stored metadata, like the codec), quantizes and packs along head_dim.
-    Static streams read the ``[H, META]`` metadata instead (channel-axis static: GROUP 1, META head_dim).
+    Static streams read the ``[H, META]`` metadata instead (channel-axis static: GROUP 1, META head_dim), by
+    channel: with HIGH high channels the stored positions map to channels through ``channel_order``.
     """
     pid_bh = tl.program_id(0)
     b = pid_bh // HEADS
@@ -443,7 +452,11 @@ def _quantize_token_kernel(
         m3 = tok_ok[:, None, None] & (g < META)[None, :, None] & (e < GROUP)[None, None, :]
         xg = tl.load(x_ptr + row[:, None, None] * HEAD_DIM + (g * GROUP)[None, :, None] + e[None, None, :],
                      mask=m3, other=0.0).to(tl.float32)
-        scale, low = _group_meta(xg, m3, 2, FP8, HAS_ZERO, HI * 1.0 - LO * 1.0, TOP, CLIP, HALF_CLIP)
+        if HAS_ZERO:
+            steps = HI * 1.0 - LO * 1.0
+        else:
+            steps = TOP * 1.0
+        scale, low = _group_meta(xg, m3, 2, FP8, HAS_ZERO, steps, CLIP, HALF_CLIP)
         moff = row[:, None] * META + g[None, :]
         mmask = tok_ok[:, None] & (g < META)[None, :]
         tl.store(scales_ptr + moff, scale.to(scales_ptr.dtype.element_ty), mask=mmask)
@@ -451,8 +464,8 @@ def _quantize_token_kernel(
             tl.store(zeros_ptr + moff, low.to(zeros_ptr.dtype.element_ty), mask=mmask)
         tl.debug_barrier()
         mbase = row * META
-    _store_row_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, None, row, tok_ok, mbase, h, HEAD_DIM, BITS, GROUP, 0,
-                     FP8, HAS_ZERO, LO, HI, OFFSET, LOW_BITS, 1, BLOCK_P, BLOCK_U)
+    _store_row_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, row, tok_ok, mbase, h, HEAD_DIM, BITS,
+                     GROUP, HIGH, FP8, HAS_ZERO, LO, HI, OFFSET, LOW_BITS, BLOCK_HI, BLOCK_P, BLOCK_U)
 
 
 def _first_of(xg, hit, e):
@@ -561,7 +574,8 @@ def _quantize_channel_kernel(
     Pass 1 writes the group's per-channel scale (and minimum); pass 2 reads them back, quantizes every
     token of the group and packs along head_dim. Groups left of the row's right-aligned ``counts[b]``
     tokens are skipped (F and the counts are whole groups). With HIGH high channels the channels are
-    visited in stored order (``channel_order``), the first HIGH of them with 255 code steps.
+    visited in stored order (``channel_order``), the first HIGH of them with 8-bit levels (255 code steps;
+    symmetric: a top of 127).
     """
     pid_bh = tl.program_id(0)
     gs = tl.program_id(1)
@@ -578,8 +592,11 @@ def _quantize_channel_kernel(
     dmask = d < HEAD_DIM
     m2 = tmask[:, None] & dmask[None, :]
     xg = tl.load(x_ptr + trow[:, None] * HEAD_DIM + ch[None, :], mask=m2, other=0.0).to(tl.float32)
-    steps = tl.where(d < HIGH, 255.0, HI * 1.0 - LO * 1.0)
-    scale, low = _group_meta(xg, m2, 0, FP8, HAS_ZERO, steps, TOP, CLIP, HALF_CLIP)
+    if HAS_ZERO:
+        steps = tl.where(d < HIGH, 255.0, HI * 1.0 - LO * 1.0)
+    else:
+        steps = tl.where(d < HIGH, 127.0, TOP * 1.0)
+    scale, low = _group_meta(xg, m2, 0, FP8, HAS_ZERO, steps, CLIP, HALF_CLIP)
     mrow = pid_bh.to(tl.int64) * (F_LEN // GROUP) + gs
     mmask = dmask & (d * 0 + gs * GROUP >= first)
     tl.store(scales_ptr + mrow * HEAD_DIM + ch, scale.to(scales_ptr.dtype.element_ty), mask=mmask)

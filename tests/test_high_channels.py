@@ -1,7 +1,7 @@
 """High channels: n channels per kv head at 8 bits inside a 2/4-bit per-channel stream.
 
 The scheme field, the reference codec's arithmetic and byte layout (asymmetric and symmetric, dynamic and
-static scales), the calibrated choice, its file, the fused kernel's refusal and an export driven end to end
+static scales), the calibrated choice, its file, the fused kernel's layout and an export driven end to end
 on ONNX Runtime (the in-graph bytes are compared with the reference bit for bit in tests/test_kv_graph.py,
 and GroupQueryAttention's nibble split in tests/test_gqa_flavor.py).
 """
@@ -189,13 +189,18 @@ def test_calibration_file_keeps_the_choice_as_int32(tmp_path):
     assert scheme.needs_calibration and not scheme.has_static_scales
 
 
-@pytest.mark.parametrize("tq", [STATIC_HIGH["int"], STATIC_HIGH["int_sym"],
-                                dataclasses.replace(HIGH, format="int_sym")])
-def test_fused_kernel_refuses_high_channels_it_does_not_hold(tq):
-    from plugins.layout import StreamLayout
+@pytest.mark.parametrize(("tq", "tag", "offset"), [(STATIC_HIGH["int"], "asymhc", 0.0),
+                                                   (dataclasses.replace(HIGH, format="int_sym"), "symhc", 8.0)])
+def test_fused_kernel_layout_holds_static_and_symmetric_high_channels(tq, tag, offset):
+    from plugins.layout import StreamLayout, code_offsets
 
-    with pytest.raises(QuantizationError, match="high channels of dynamic int streams only"):
-        StreamLayout.of(tq, KVQuantScheme(key=tq), 64)
+    layout = StreamLayout.of(tq, KVQuantScheme(key=tq), 64)
+    assert layout.tag == tag and layout.roles[-1] == "channel_order"
+    offsets = code_offsets(layout, CHOSEN, "cpu")
+    if tq.format == "int":
+        assert offsets == 0.0
+    else:  # the symmetric high channels sit around 128, the others around 2**(bits-1)
+        assert offsets.shape == (3, 1, 64) and offsets[0, 0, 5] == 128.0 and offsets[0, 0, 6] == offset
 
 
 def test_fused_kernel_layout_carries_the_channel_order():

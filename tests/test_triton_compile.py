@@ -45,7 +45,7 @@ int3 = KVQuantScheme(key=TensorQuant(format="int", bits=3, axis="channel", group
 cases = [("high-int6", high6, "fp16", 90), ("int3", int3, "fp16", 80),
          ("kivi-2", PRESETS["kivi-2"][0], "fp16", 90), ("int4-sym-g32", PRESETS["int4-sym-g32"][0], "fp32", 80),
          ("ort-int4", PRESETS["ort-int4"][0], "fp16", 80), ("fp8", PRESETS["fp8"][0], "fp16", 90),
-         ("mixed", mixed, "fp32", 90)]
+         ("mixed", mixed, "fp32", 90), ("ort-int4-hc16", PRESETS["ort-int4-hc16"][0], "fp16", 90)]
 for name, scheme, dtype, arch in cases:
     sig = plugin_signature(scheme, 0, num_heads=32, kv_heads=8, head_dim=128, dtype=dtype, window=256)
     kernel = aot_kernel(sig, target=("cuda", arch))
@@ -59,7 +59,7 @@ for name, scheme, dtype, arch in cases:
     out["aot"].append({"case": name, "params": entry.count(".param"), "expected": len(sig.inputs) + 8,
                        "ptxas": proc.returncode, "stderr": proc.stderr[-500:]})
 streams = [("high-int6", high6), ("int3", int3)]
-streams += [(n, PRESETS[n][0]) for n in ("kivi-2", "int4-g32", "fp8", "ort-int8")]
+streams += [(n, PRESETS[n][0]) for n in ("kivi-2", "int4-g32", "fp8", "ort-int8", "ort-int4-hc16")]
 for scheme_name, scheme in streams:
     for part, tq in zip(("key", "value"), scheme.for_layer(0)):
         layout = StreamLayout.of(tq, scheme, 128)
@@ -70,7 +70,7 @@ for scheme_name, scheme in streams:
             types["zeros_ptr"] = sdt
         else:
             consts["zeros_ptr"] = None
-        if name == "_quantize_channel_kernel":
+        if name != "_quantize_ggml_kernel":
             if layout.high:
                 types["order_ptr"] = "*i32"
             else:
@@ -94,12 +94,12 @@ def compiled(tmp_path_factory):
 
 
 def test_aot_ptx_takes_exactly_what_tensorrt_passes_and_assembles(compiled):
-    assert len(compiled["aot"]) == 7
+    assert len(compiled["aot"]) == 8
     for case in compiled["aot"]:
         assert case["params"] == case["expected"], case  # inputs + 7 int32 lengths + output; no scratch pointers
         assert case["ptxas"] == 0, case
 
 
 def test_reduce_and_quantize_kernels_compile(compiled):
-    assert len(compiled["other"]) == 13
+    assert len(compiled["other"]) == 15
     assert all(item["cubin"] > 0 for item in compiled["other"]), compiled["other"]

@@ -19,7 +19,7 @@ from schedules import crossing_steps, longest_unit, longest_window
 from tiny_models import fit_head_dim
 
 from kvq_export.dtypes import DType
-from kvq_export.errors import KVQError, QuantizationError
+from kvq_export.errors import KVQError
 from kvq_export.presets import PRESETS
 from kvq_export.reference.cache import StreamCache
 from kvq_export.reference.codec import channel_order
@@ -51,6 +51,14 @@ SMALL = {  # group 4, recent 8, sinks 2/3: every boundary is crossed within a fe
         key=TensorQuant(format="int", bits=4, axis="channel", group_size=4, high_channels=4),
         value=TensorQuant(format="int", bits=2, axis="channel", group_size=4, high_channels=4, clip=0.9),
         residual_length=8),
+    "static-high-channels": KVQuantScheme(  # the fast path's streams: zero-point keys, symmetric values
+        key=TensorQuant(format="int", bits=4, axis="channel", scales="static", scale_dtype="fp32", high_channels=4),
+        value=TensorQuant(format="int_sym", bits=4, axis="channel", scales="static", scale_dtype="fp32",
+                          high_channels=8), residual_length=3, sink_tokens=1),
+    "sym-high-channels": KVQuantScheme(
+        key=TensorQuant(format="int_sym", bits=4, axis="channel", group_size=4, high_channels=4),
+        value=TensorQuant(format="int_sym", bits=2, axis="channel", group_size=4, high_channels=8, clip=0.9),
+        residual_length=4),
     "per-stream-windows": KVQuantScheme(  # values keep their own window; keys none
         key=TensorQuant(format="int", bits=4, axis="channel", group_size=4),
         value=TensorQuant(format="int", bits=3, group_size=8, clip=0.9, residual_length=5), sink_tokens=1),
@@ -58,21 +66,14 @@ SMALL = {  # group 4, recent 8, sinks 2/3: every boundary is crossed within a fe
                                value=TensorQuant(format="int", bits=4, axis="channel", group_size=4),
                                residual_length=4),
 }
-def _kernel_holds(scheme: KVQuantScheme) -> bool:
-    try:
-        StreamLayout.for_layer(scheme, 0, 64)
-    except QuantizationError:
-        return False
-    return True
 
 
 #: Every preset the kernels see as such. A rotated preset reaches the kernels as its unrotated twin in the stored
 #: basis (the graph rotates q/k and folds the value rotation around the plugin), so its kernel case is that twin's;
 #: tests/test_rotation.py runs the kernels on rotated caches end to end.
 #: The kernel cases here use head_dim 32, so a preset with token groups of 64 runs as its groups-of-32 twin.
-#: Presets the fused kernel refuses (static high channels: tests/test_high_channels.py) have no kernel case.
 ALL = {**{name: fit_head_dim(scheme, 32) for name, (scheme, _) in PRESETS.items()
-          if scheme.key.rotation == "none" and scheme.value.rotation == "none" and _kernel_holds(scheme)}, **SMALL}
+          if scheme.key.rotation == "none" and scheme.value.rotation == "none"}, **SMALL}
 
 
 def seeded() -> tuple[int, torch.Generator]:
@@ -179,9 +180,11 @@ def check_append(scheme: KVQuantScheme, append, seed: int, gen: torch.Generator,
         static, stored, high = None, {}, None
         if layout.static:
             static = static_metadata(tq, torch.randn(1, heads, 64, dim, generator=gen))
+            high = static.pop("high_channels", None)
             stored = {k: v.to(device=device, dtype=DType.get(tq.scale_dtype).torch) for k, v in static.items()}
         if layout.high:
-            high = widest_channels(tq, torch.randn(1, heads, 16, dim, generator=gen))
+            if high is None:
+                high = widest_channels(tq, torch.randn(1, heads, 16, dim, generator=gen))
             stored["channel_order"] = channel_order(high, dim).to(device=device, dtype=torch.int32)
         refs = [StreamCache(tq, scheme, static_scales=(static or {}).get("scales"),
                             static_zeros=(static or {}).get("zero_points"), high_channels=high) for _ in range(rows)]

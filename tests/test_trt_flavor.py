@@ -43,6 +43,7 @@ CASES = {  # (arch, scheme): presets of every stream kind, a mixed-precision ove
     "llama-int3-high": ("llama", KVQuantScheme(  # 3-bit code planes beside 8-bit channels; clipped 3-bit values
         key=TensorQuant(format="int", bits=3, axis="channel", group_size=8, high_channels=8),
         value=TensorQuant(format="int", bits=3, group_size=16, clip=0.85))),
+    "llama-ort-int4-hc16": ("llama", PRESETS["ort-int4-hc16"][0]),  # static 8-bit channels, symmetric values
     "llama-override": ("llama", dataclasses.replace(
         PRESETS["int4-g32"][0], sink_tokens=2, residual_length=8,
         layer_overrides=(LayerOverride(layer=1, key=TensorQuant.fp16(),
@@ -137,7 +138,7 @@ def test_plugin_nodes_match_the_declared_signature(exported, case):
 
 
 @pytest.mark.parametrize("flavor", ["trt", "reference"])
-@pytest.mark.parametrize("case", ["llama-high-int6", "llama-int3-high", "llama-ort-int4"])
+@pytest.mark.parametrize("case", ["llama-high-int6", "llama-int3-high", "llama-ort-int4", "llama-ort-int4-hc16"])
 def test_every_initializer_is_read_by_a_node(exported, case, flavor):
     # each flavour reads a different part of a stream's calibrated constants (the plugin a channel order, the
     # reference graph permutation matrices); one it never reads is dead weight ONNX Runtime warns about
@@ -147,7 +148,7 @@ def test_every_initializer_is_read_by_a_node(exported, case, flavor):
 
 
 @pytest.mark.parametrize("case", ["llama-kivi-4", "llama-ort-int4", "llama-override", "llama-int4-sym-g32-rotated",
-                                  "llama-high-int6"])
+                                  "llama-high-int6", "llama-ort-int4-hc16"])
 def test_cache_io_and_update_equal_the_reference_flavour(exported, case):
     trt_dir, ref_dir = exported(case, "trt"), exported(case, "reference")
     trt_model, ref_model = _load(trt_dir), _load(ref_dir)

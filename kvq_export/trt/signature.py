@@ -20,8 +20,8 @@ rotated rows, and the output (``o @ R_value``) is rotated back by the folded ``o
 over whatever basis it is given, so its attributes do not carry the rotation and one plugin serves both.
 
 The plugin name says which inputs there are: ``kvq_attention_{key}_{value}`` with ``fp16`` (only
-``recent``), ``sym`` (sinks, codes, scales, recent), ``asym`` (with zero points) or ``asymhc`` (with zero
-points and the channel order).
+``recent``), ``sym`` (sinks, codes, scales, recent), ``asym`` (with zero points), ``symhc`` or ``asymhc`` (either
+with the channel order of its high channels).
 """
 
 from __future__ import annotations
