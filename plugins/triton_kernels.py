@@ -407,12 +407,9 @@ def _store_row_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, o
     W: tl.constexpr = HEAD_DIM - HIGH
     PACKED: tl.constexpr = HIGH + W * BITS // 8
     if HIGH > 0:  # 8-bit codes: int 0..255; int_sym (OFFSET > 0) -127..127 stored + 128
-        if OFFSET > 0:
-            _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h, 0, HIGH, 0, 8, 0,
-                         BLOCK_HI, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO, -127, 127, 128)
-        else:
-            _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h, 0, HIGH, 0, 8, 0,
-                         BLOCK_HI, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO, 0, 255, 0)
+        _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h, 0, HIGH, 0, 8, 0,
+                     BLOCK_HI, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO, -127 if OFFSET > 0 else 0,
+                     127 if OFFSET > 0 else 255, 128 if OFFSET > 0 else 0)
     _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h, HIGH, W, 0, LOW_BITS, HIGH,
                  BLOCK_P, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO, LO, HI, OFFSET)
     if LOW_BITS < BITS:  # the plane of the higher bits
