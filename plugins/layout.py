@@ -263,7 +263,7 @@ def dequantize_stream(layout: StreamLayout, tensors: Mapping[str, torch.Tensor],
     else:
         high = high_channels(layout, tensors)
         values = unpack_stream(stored, layout.tensor_quant(), high).to(torch.float32)
-        values = values - code_offsets(layout, high, recent.device)
+        values = values - code_offsets(layout, high)
     scale, zero = _metadata(layout, tensors, slot, heads, total, gather)
     if layout.axis == "token":
         deq = values.reshape(batch, heads, total, layout.meta_width, layout.group) * scale.unsqueeze(-1)
@@ -276,7 +276,7 @@ def dequantize_stream(layout: StreamLayout, tensors: Mapping[str, torch.Tensor],
     return torch.where(in_quant[:, None, :, None], deq.reshape(batch, heads, total, dim), out)
 
 
-def code_offsets(layout: StreamLayout, high: torch.Tensor | None, device=None) -> torch.Tensor | float:
+def code_offsets(layout: StreamLayout, high: torch.Tensor | None) -> torch.Tensor | float:
     """The stored-code offset of each channel: ``layout.offset``, or ``[H, 1, D]`` when high channels have their own.
 
     ``int_sym`` high channels are 8-bit codes stored around 128 beside the others' ``2**(bits-1)``
@@ -286,8 +286,7 @@ def code_offsets(layout: StreamLayout, high: torch.Tensor | None, device=None) -
         return float(layout.offset)
     from kvq_export.reference.codec import channel_levels
 
-    offsets = channel_levels(layout.tensor_quant(), high.cpu(), layout.head_dim)[2]
-    return offsets[:, None, :].to(device)
+    return channel_levels(layout.tensor_quant(), high, layout.head_dim)[2][:, None, :]
 
 
 def high_channels(layout: StreamLayout, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:

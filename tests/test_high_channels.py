@@ -196,7 +196,7 @@ def test_fused_kernel_layout_holds_static_and_symmetric_high_channels(tq, tag, o
 
     layout = StreamLayout.of(tq, KVQuantScheme(key=tq), 64)
     assert layout.tag == tag and layout.roles[-1] == "channel_order"
-    offsets = code_offsets(layout, CHOSEN, "cpu")
+    offsets = code_offsets(layout, CHOSEN)
     if tq.format == "int":
         assert offsets == 0.0
     else:  # the symmetric high channels sit around 128, the others around 2**(bits-1)
@@ -223,3 +223,12 @@ def test_export_without_a_calibration_names_what_is_missing(tmp_path):
     with pytest.raises(ExportError, match="uses calibrated high channels: calibrate first"):
         export(tiny_model("llama"), scheme, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_channel_levels_stay_on_the_device_of_the_choice():
+    # a GPU cache (the fused kernel's prefill buffer, tools/bench_kernel.py) passes its channel choice on the
+    # device; the per-channel levels must be built there, not on the CPU ("meta" stands in for a GPU here)
+    from kvq_export.reference.codec import channel_levels
+
+    levels = channel_levels(STATIC_HIGH["int_sym"], CHOSEN.to("meta"), 64)
+    assert all(t.device.type == "meta" for t in levels)

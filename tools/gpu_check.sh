@@ -41,8 +41,8 @@ fi
 timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider \
   tests/test_triton_kernels.py tests/test_triton_layout.py tests/test_triton_compile.py >>"$log" 2>&1 || status=1
 
-echo "## bench_kernel (fused 4-bit vs fp16 SDPA decode, 8k/32k)" >>"$log"
-timeout 200 "$PYTHON" tools/bench_kernel.py --scheme kivi-4 --contexts 8192,32768 --batches 1,8 \
+echo "## bench_kernel (fused 4-bit vs fp16 SDPA decode, 8k/32k; the fast path's static high channels too)" >>"$log"
+timeout 200 "$PYTHON" tools/bench_kernel.py --scheme kivi-4 --scheme ort-int4-hc16 --contexts 8192,32768 --batches 1,8 \
   --warmup 10 --iters 50 --json "$OUT/bench_kernel-$stamp.json" >>"$log" 2>&1 || status=1
 
 echo "## exit status $status" >>"$log"

@@ -122,7 +122,7 @@ def check_high_channels(high: torch.Tensor | None, tq: TensorQuant, heads: int, 
 
 def channel_order(high: torch.Tensor, dim: int) -> torch.Tensor:
     """``[H, D]`` stored channel order: each head's high channels, then the rest, both ascending."""
-    is_high = torch.zeros(high.shape[0], dim, dtype=torch.bool).scatter_(1, high, True)
+    is_high = torch.zeros(high.shape[0], dim, dtype=torch.bool, device=high.device).scatter_(1, high, True)
     rest = torch.stack([torch.nonzero(~row).flatten() for row in is_high])
     return torch.cat([high, rest], dim=1)
 
@@ -138,7 +138,7 @@ def channel_levels(tq: TensorQuant, high: torch.Tensor, dim: int) -> tuple[torch
     The high channels take the 8-bit levels of the stream's format, the others ``int_levels(tq)``.
     """
     wide = high_channel_levels(tq)
-    is_high = torch.zeros(high.shape[0], dim, dtype=torch.bool).scatter_(1, high, True)
+    is_high = torch.zeros(high.shape[0], dim, dtype=torch.bool, device=high.device).scatter_(1, high, True)
     return tuple(torch.where(is_high, float(w), float(n)) for w, n in zip(wide, int_levels(tq)))
 
 
