@@ -45,7 +45,8 @@ def stream_constants(prefix: str, layout: StreamLayout) -> dict[str, int | bool]
     if not layout.quantized:
         return {f"{prefix}_QUANT": False, f"{prefix}_FP8": False, f"{prefix}_BITS": 8, f"{prefix}_OFFSET": 0,
                 f"{prefix}_CHANNEL": False, f"{prefix}_GROUP": 1, f"{prefix}_META": 1, f"{prefix}_STATIC": False,
-                f"{prefix}_HAS_ZERO": False, f"{prefix}_UNIT": 1, f"{prefix}_HIGH": 0, f"{prefix}_RESIDUAL": 0}
+                f"{prefix}_HAS_ZERO": False, f"{prefix}_UNIT": 1, f"{prefix}_HIGH": 0, f"{prefix}_HIGH_OFFSET": 0,
+                f"{prefix}_RESIDUAL": 0}
     channel = layout.axis == "channel"
     group = 1 if layout.static and channel else layout.group
     return {
@@ -54,7 +55,7 @@ def stream_constants(prefix: str, layout: StreamLayout) -> dict[str, int | bool]
         f"{prefix}_CHANNEL": channel and not layout.static, f"{prefix}_GROUP": group,
         f"{prefix}_META": layout.meta_width, f"{prefix}_STATIC": layout.static,
         f"{prefix}_HAS_ZERO": layout.has_zero, f"{prefix}_UNIT": layout.unit, f"{prefix}_HIGH": layout.high,
-        f"{prefix}_RESIDUAL": layout.residual_length,
+        f"{prefix}_HIGH_OFFSET": layout.high_levels[2], f"{prefix}_RESIDUAL": layout.residual_length,
     }
 
 

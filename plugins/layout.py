@@ -113,6 +113,19 @@ class StreamLayout:
         return 1 << (self.bits - 1) if self.format == "int_sym" else 0
 
     @property
+    def high_levels(self) -> tuple[int, int, int]:
+        """The high channels' 8-bit (lowest code, highest code, offset), as the codec has them.
+
+        ``int``: (0, 255, 0); ``int_sym``: (-127, 127, 128). Without high channels (0, 0, ``offset``), so a
+        kernel's per-position offset is the stream's own.
+        """
+        if not self.high:
+            return 0, 0, self.offset
+        from kvq_export.reference.codec import high_channel_levels
+
+        return high_channel_levels(self.tensor_quant())
+
+    @property
     def meta_width(self) -> int:
         """Entries per metadata row: ``head_dim // group`` (token axis) or ``head_dim`` (channel axis)."""
         if not self.quantized:

@@ -126,14 +126,15 @@ def _stream_tile(sinks_ptr, codes_ptr, scales_ptr, zeros_ptr, recent_ptr, order_
                  QUANT: tl.constexpr, FP8: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr,
                  CHANNEL: tl.constexpr, GROUP: tl.constexpr, META: tl.constexpr, STATIC: tl.constexpr,
                  HAS_ZERO: tl.constexpr, SINKS: tl.constexpr, RESIDUAL: tl.constexpr, UNIT: tl.constexpr,
-                 HIGH: tl.constexpr):
+                 HIGH: tl.constexpr, HIGH_OFFSET: tl.constexpr):
     """fp32 ``[BLOCK_N, BLOCK_D]`` values of one stream at logical positions ``pos`` of row ``b``, head ``h``.
 
     Each position is read from the region holding it (sinks / quantized / recent, right-aligned per row,
     counts from ``n`` as in ``RegionSplit.lengths``); quantized entries are unpacked and dequantized here, in
     registers. Positions outside ``[0, n)`` read as 0. Column ``d`` is stored position ``d``: the channel
     ``d`` itself, or for a stream with HIGH high channels the channel ``channel_order[h, d]`` (sinks and
-    recent rows are read in that order too, so the whole tile is in the stream's stored order).
+    recent rows are read in that order too, so the whole tile is in the stream's stored order). The high
+    channels' 8-bit codes have their own offset, HIGH_OFFSET.
     """
     bh = (b * KV_HEADS + h).to(tl.int64)
     dmask = d < HEAD_DIM
@@ -163,10 +164,7 @@ def _stream_tile(sinks_ptr, codes_ptr, scales_ptr, zeros_ptr, recent_ptr, order_
         else:
             PACKED: tl.constexpr = HIGH + (HEAD_DIM - HIGH) * BITS // 8
             code = _code_at(codes_ptr, (bh * Q_LEN + slot)[:, None] * PACKED, d, m2, HEAD_DIM, BITS, HIGH)
-            val = code.to(tl.float32) - OFFSET
-            if HIGH > 0:
-                if OFFSET > 0:  # int_sym: the 8-bit high channels are stored around 128
-                    val = tl.where((d < HIGH)[None, :], code.to(tl.float32) - 128.0, val)
+            val = code.to(tl.float32) - tl.where((d < HIGH)[None, :], HIGH_OFFSET, OFFSET)
         if STATIC:
             midx = h * META + ch // GROUP
             sc = tl.load(scales_ptr + midx, mask=dmask, other=0.0).to(tl.float32)[None, :]
@@ -199,10 +197,12 @@ def _decode_attention_kernel(
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F16: tl.constexpr, SINKS: tl.constexpr,
     K_QUANT: tl.constexpr, K_FP8: tl.constexpr, K_BITS: tl.constexpr, K_OFFSET: tl.constexpr,
     K_CHANNEL: tl.constexpr, K_GROUP: tl.constexpr, K_META: tl.constexpr, K_STATIC: tl.constexpr,
-    K_HAS_ZERO: tl.constexpr, K_UNIT: tl.constexpr, K_HIGH: tl.constexpr, K_RESIDUAL: tl.constexpr,
+    K_HAS_ZERO: tl.constexpr, K_UNIT: tl.constexpr, K_HIGH: tl.constexpr, K_HIGH_OFFSET: tl.constexpr,
+    K_RESIDUAL: tl.constexpr,
     V_QUANT: tl.constexpr, V_FP8: tl.constexpr, V_BITS: tl.constexpr, V_OFFSET: tl.constexpr,
     V_CHANNEL: tl.constexpr, V_GROUP: tl.constexpr, V_META: tl.constexpr, V_STATIC: tl.constexpr,
-    V_HAS_ZERO: tl.constexpr, V_UNIT: tl.constexpr, V_HIGH: tl.constexpr, V_RESIDUAL: tl.constexpr,
+    V_HAS_ZERO: tl.constexpr, V_UNIT: tl.constexpr, V_HIGH: tl.constexpr, V_HIGH_OFFSET: tl.constexpr,
+    V_RESIDUAL: tl.constexpr,
 ):
     """One (row, kv head, query block, sequence split): all GROUPS query heads of the kv head at once.
 
@@ -255,10 +255,10 @@ def _decode_attention_kernel(
         pos = start + tl.arange(0, BLOCK_N)
         k = _stream_tile(ks_ptr, kc_ptr, kscale_ptr, kzero_ptr, kr_ptr, ko_ptr, b, h, pos, d, n, KS_LEN, KQ_LEN,
                          KR_LEN, KV_HEADS, HEAD_DIM, K_QUANT, K_FP8, K_BITS, K_OFFSET, K_CHANNEL, K_GROUP, K_META,
-                         K_STATIC, K_HAS_ZERO, SINKS, K_RESIDUAL, K_UNIT, K_HIGH)
+                         K_STATIC, K_HAS_ZERO, SINKS, K_RESIDUAL, K_UNIT, K_HIGH, K_HIGH_OFFSET)
         v = _stream_tile(vs_ptr, vc_ptr, vscale_ptr, vzero_ptr, vr_ptr, vo_ptr, b, h, pos, d, n, VS_LEN, VQ_LEN,
                          VR_LEN, KV_HEADS, HEAD_DIM, V_QUANT, V_FP8, V_BITS, V_OFFSET, V_CHANNEL, V_GROUP, V_META,
-                         V_STATIC, V_HAS_ZERO, SINKS, V_RESIDUAL, V_UNIT, V_HIGH)
+                         V_STATIC, V_HAS_ZERO, SINKS, V_RESIDUAL, V_UNIT, V_HIGH, V_HIGH_OFFSET)
         if DOT_F16:
             s = tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16)))
         else:
@@ -398,18 +398,18 @@ def _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, m
 def _store_row_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h,
                      HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HIGH: tl.constexpr,
                      FP8: tl.constexpr, HAS_ZERO: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
-                     OFFSET: tl.constexpr, LOW_BITS: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_P: tl.constexpr,
-                     BLOCK_U: tl.constexpr):
+                     OFFSET: tl.constexpr, HIGH_LO: tl.constexpr, HIGH_HI: tl.constexpr, HIGH_OFFSET: tl.constexpr,
+                     LOW_BITS: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_U: tl.constexpr):
     """Every stored byte of the code rows of tokens ``xrow``: high channels, then the packed planes.
 
-    ``LOW_BITS``: width of the first plane (``BITS`` for one-plane codes; 2 or 4 for 3/5/6-bit codes).
+    ``LOW_BITS``: width of the first plane (``BITS`` for one-plane codes; 2 or 4 for 3/5/6-bit codes);
+    ``HIGH_LO``, ``HIGH_HI``, ``HIGH_OFFSET``: the high channels' 8-bit levels (``LO``, ``HI``, ``OFFSET``: the rest's).
     """
     W: tl.constexpr = HEAD_DIM - HIGH
     PACKED: tl.constexpr = HIGH + W * BITS // 8
-    if HIGH > 0:  # 8-bit codes: int 0..255; int_sym (OFFSET > 0) -127..127 stored + 128
+    if HIGH > 0:
         _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h, 0, HIGH, 0, 8, 0,
-                     BLOCK_HI, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO, -127 if OFFSET > 0 else 0,
-                     127 if OFFSET > 0 else 255, 128 if OFFSET > 0 else 0)
+                     BLOCK_HI, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO, HIGH_LO, HIGH_HI, HIGH_OFFSET)
     _store_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, xrow, ok, mbase, h, HIGH, W, 0, LOW_BITS, HIGH,
                  BLOCK_P, HEAD_DIM, PACKED, GROUP, HIGH, FP8, HAS_ZERO, LO, HI, OFFSET)
     if LOW_BITS < BITS:  # the plane of the higher bits
@@ -422,7 +422,8 @@ def _quantize_token_kernel(
     x_ptr, counts_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, F_LEN,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, META: tl.constexpr,
     BITS: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr, STATIC: tl.constexpr, HIGH: tl.constexpr,
-    LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr, TOP: tl.constexpr, CLIP: tl.constexpr,
+    LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr, TOP: tl.constexpr, HIGH_LO: tl.constexpr,
+    HIGH_HI: tl.constexpr, HIGH_OFFSET: tl.constexpr, CLIP: tl.constexpr,
     HALF_CLIP: tl.constexpr, LOW_BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_U: tl.constexpr,
 ):
@@ -462,7 +463,8 @@ def _quantize_token_kernel(
         tl.debug_barrier()
         mbase = row * META
     _store_row_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, row, tok_ok, mbase, h, HEAD_DIM, BITS,
-                     GROUP, HIGH, FP8, HAS_ZERO, LO, HI, OFFSET, LOW_BITS, BLOCK_HI, BLOCK_P, BLOCK_U)
+                     GROUP, HIGH, FP8, HAS_ZERO, LO, HI, OFFSET, HIGH_LO, HIGH_HI, HIGH_OFFSET, LOW_BITS, BLOCK_HI,
+                     BLOCK_P, BLOCK_U)
 
 
 def _first_of(xg, hit, e):
@@ -562,7 +564,8 @@ def _quantize_channel_kernel(
     x_ptr, counts_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, F_LEN,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
     BITS: tl.constexpr, FP8: tl.constexpr, HAS_ZERO: tl.constexpr, HIGH: tl.constexpr,
-    LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr, TOP: tl.constexpr, CLIP: tl.constexpr,
+    LO: tl.constexpr, HI: tl.constexpr, OFFSET: tl.constexpr, TOP: tl.constexpr, HIGH_LO: tl.constexpr,
+    HIGH_HI: tl.constexpr, HIGH_OFFSET: tl.constexpr, CLIP: tl.constexpr,
     HALF_CLIP: tl.constexpr, LOW_BITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_HI: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_U: tl.constexpr,
 ):
@@ -571,8 +574,7 @@ def _quantize_channel_kernel(
     Pass 1 writes the group's per-channel scale (and minimum); pass 2 reads them back, quantizes every
     token of the group and packs along head_dim. Groups left of the row's right-aligned ``counts[b]``
     tokens are skipped (F and the counts are whole groups). With HIGH high channels the channels are
-    visited in stored order (``channel_order``), the first HIGH of them with 8-bit levels (255 code steps;
-    symmetric: a top of 127).
+    visited in stored order (``channel_order``), the first HIGH of them with their 8-bit levels (``HIGH_*``).
     """
     pid_bh = tl.program_id(0)
     gs = tl.program_id(1)
@@ -590,9 +592,9 @@ def _quantize_channel_kernel(
     m2 = tmask[:, None] & dmask[None, :]
     xg = tl.load(x_ptr + trow[:, None] * HEAD_DIM + ch[None, :], mask=m2, other=0.0).to(tl.float32)
     if HAS_ZERO:
-        steps = tl.where(d < HIGH, 255.0, HI * 1.0 - LO * 1.0)
+        steps = tl.where(d < HIGH, HIGH_HI * 1.0 - HIGH_LO * 1.0, HI * 1.0 - LO * 1.0)
     else:
-        steps = tl.where(d < HIGH, 127.0, TOP * 1.0)
+        steps = tl.where(d < HIGH, HIGH_HI * 1.0, TOP * 1.0)
     scale, low = _group_meta(xg, m2, 0, FP8, HAS_ZERO, steps, CLIP, HALF_CLIP)
     mrow = pid_bh.to(tl.int64) * (F_LEN // GROUP) + gs
     mmask = dmask & (d * 0 + gs * GROUP >= first)
@@ -601,7 +603,8 @@ def _quantize_channel_kernel(
         tl.store(zeros_ptr + mrow * HEAD_DIM + ch, low.to(zeros_ptr.dtype.element_ty), mask=mmask)
     tl.debug_barrier()
     _store_row_codes(x_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr, trow, tmask, tt * 0 + mrow * HEAD_DIM, h,
-                     HEAD_DIM, BITS, 1, HIGH, FP8, HAS_ZERO, LO, HI, OFFSET, LOW_BITS, BLOCK_HI, BLOCK_P, BLOCK_U)
+                     HEAD_DIM, BITS, 1, HIGH, FP8, HAS_ZERO, LO, HI, OFFSET, HIGH_LO, HIGH_HI, HIGH_OFFSET, LOW_BITS,
+                     BLOCK_HI, BLOCK_P, BLOCK_U)
 
 
 # ---------------------------------------------------------------------------------------------- build

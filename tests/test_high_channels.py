@@ -196,6 +196,7 @@ def test_fused_kernel_layout_holds_static_and_symmetric_high_channels(tq, tag, o
 
     layout = StreamLayout.of(tq, KVQuantScheme(key=tq), 64)
     assert layout.tag == tag and layout.roles[-1] == "channel_order"
+    assert layout.high_levels == ((0, 255, 0) if tq.format == "int" else (-127, 127, 128))
     offsets = code_offsets(layout, CHOSEN)
     if tq.format == "int":
         assert offsets == 0.0
