@@ -475,7 +475,8 @@ def _first_of(xg, hit, e):
 
 def _ggml_code(x, d, mn, SYM: tl.constexpr, BITS: tl.constexpr):
     """int32 codes of fp32 ``x`` against the fp32 (unrounded) block scale ``d`` / minimum ``mn``, as ggml's C."""
-    inv = tl.where(d == 0.0, 0.0, tl.div_rn(1.0, tl.where(d == 0.0, 1.0, d)))
+    inv = tl.div_rn(1.0, tl.where(d == 0.0, 1.0, d))
+    inv = tl.where((d == 0.0) | (tl.abs(inv) == float("inf")), 0.0, inv)  # 1/d overflows: id 0, as the codec
     if SYM and BITS == 8:  # roundf(x * id) from exact steps, stored + 128
         y = x * inv
         a = tl.abs(y)

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from kvgraph_harness import CacheOnly
 
@@ -35,13 +35,26 @@ def ggml_tq(kind: str) -> TensorQuant:
 
 
 # -- transcription of ggml's reference quantizers (one block of 32 floats) ----------
+def _inverse(d):
+    """The block's ``id = d ? 1.0f/d : 0.0f``, as ggml computes it.
+
+    Where 1/d overflows ggml's C goes on to convert NaN/inf to an integer (undefined behaviour); kvq's
+    documented choice there is id = 0, so the transcription takes it too.
+    """
+    if d == 0:
+        return F(0.0)
+    with np.errstate(over="ignore"):
+        inv = F(F(1.0) / d)
+    return inv if np.isfinite(inv) else F(0.0)
+
+
 def _ref_x_0(block, nmax: int, top: int):  # q4_0 (nmax 8, top 15) / q5_0 (16, 31)
     amax, vmax = F(0.0), F(0.0)
     for v in block:
         if amax < abs(v):
             amax, vmax = abs(v), v
     d = F(vmax / F(-nmax))
-    inv = F(F(1.0) / d) if d != 0 else F(0.0)
+    inv = _inverse(d)
     codes = [min(top, int(F(F(v * inv) + F(nmax + 0.5)))) for v in block]
     return codes, np.float16(d), None
 
@@ -54,7 +67,7 @@ def _ref_x_1(block, top: int):  # q4_1 (top 15) / q5_1 (top 31, no MIN in C: a n
         if v > mx:
             mx = v
     d = F(F(mx - mn) / F(top))
-    inv = F(F(1.0) / d) if d != 0 else F(0.0)
+    inv = _inverse(d)
     codes = [min(top, int(F(F(F(v - mn) * inv) + F(0.5)))) for v in block]
     return codes, np.float16(d), np.float16(mn)
 
@@ -64,7 +77,7 @@ def _ref_8_0(block):
     for v in block:
         amax = max(amax, abs(v))
     d = F(amax / F(127))
-    inv = F(F(1.0) / d) if d != 0 else F(0.0)
+    inv = _inverse(d)
     codes = []
     for v in block:
         y = float(F(v * inv))
@@ -122,6 +135,8 @@ def _adversarial(rng: np.random.Generator) -> list[np.ndarray]:
         np.concatenate([[3.0, -3.0], rng.uniform(-1, 1, 30)]).astype(F),  # magnitude tie: first wins
         np.concatenate([[-3.0, 3.0], rng.uniform(-1, 1, 30)]).astype(F),
         np.full(32, 2.5, F),  # zero range for q4_1: d = 0, id = 0
+        np.concatenate([np.zeros(31), [6e-43]]).astype(F),  # a subnormal block: 1/d overflows, id = 0
+        np.full(32, 1e-45, F),
         np.arange(-16, 16, dtype=F),  # every q*_0 code exactly on a level / half level
         (np.arange(32, dtype=F) - 15.5),
         np.array([127 * (i - 16) / 16 + 0.5 for i in range(32)], F),  # q8_0 ties
@@ -145,6 +160,7 @@ _floats = st.one_of(st.floats(-1e4, 1e4, width=32, allow_subnormal=True), st.sam
                     st.integers(-16, 16).map(lambda i: i / 2))
 
 
+@example(kind="q4_0", values=[0.0] * 31 + [5.941505488737224e-43], blocks=1, shift=0.0)  # 1/d overflows
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(sorted(KINDS)), values=st.lists(_floats, min_size=32, max_size=32),
        blocks=st.integers(1, 2), shift=st.floats(-100, 100, width=32))

@@ -141,6 +141,20 @@ def test_quantize_kernel_matches_its_reference():
             assert torch.equal(g.cpu(), w), f"seed={seed}"
 
 
+@pytest.mark.parametrize("preset", ["q4_0", "q4_1", "q5_0", "q8_0"])
+def test_ggml_quantize_kernel_where_the_block_inverse_overflows(preset):
+    # blocks of tiny subnormals: 1/d overflows, where ggml's C is undefined and kvq takes id = 0
+    case = random_layer_cache(ALL[preset], [1], kv_heads=1, head_dim=32)
+    x = torch.zeros(1, 1, 2, 32)
+    x[0, 0, 0, 31] = 6e-43
+    x[0, 0, 1] = 1e-45
+    for layout in (case.key_layout, case.value_layout):
+        got = get_kernel("quantize")(x.to(DEVICE), torch.tensor([2]), layout)
+        want = get_reference("quantize")(x, torch.tensor([2]), layout)
+        for g, w in zip(got, want):
+            assert g is None and w is None or torch.equal(g.cpu().view(torch.uint8), w.view(torch.uint8))
+
+
 def test_kernels_refuse_tensors_on_the_wrong_device():
     case = random_layer_cache(ALL["int4-sym-g32"], [5], kv_heads=1, head_dim=32)
     other = "cuda" if DEVICE == "cpu" else "cpu"

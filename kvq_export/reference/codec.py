@@ -25,7 +25,9 @@ in C's order, the fp32 scale used to quantize and its fp16 rounding stored; the 
 above (``x̂ = (code - 2**(b-1)) * d`` for q4_0/q5_0/q8_0, ``x̂ = code * d + m`` for q4_1/q5_1):
 
 * q4_0 / q5_0: ``v`` = first element of largest magnitude (0 for an all-zero block), ``d = v / -2**(b-1)``,
-  ``id = 1 / d`` (0 when d is 0), ``code = min(2**b - 1, floor(x * id + (2**(b-1) + 0.5)))``;
+  ``id = 1 / d`` (0 when d is 0), ``code = min(2**b - 1, floor(x * id + (2**(b-1) + 0.5)))``. Where ``1 / d``
+  overflows (|d| < 2**-128: a block of tiny subnormals) ggml's C converts NaN/inf to an integer, which is
+  undefined; kvq takes ``id = 0`` there too (such a ``d`` is ±0 in fp16, so the block decodes to 0 either way);
 * q4_1 / q5_1: ``m`` / ``M`` = first minimum / maximum, ``d = (M - m) / (2**b - 1)``,
   ``code = min(2**b - 1, floor((x - m) * id + 0.5))``;
 * q8_0: ``d = max|x| / 127``, ``code = roundf(x * id) + 128`` (round half away from zero).
@@ -286,7 +288,8 @@ def _quantize_ggml(xg: torch.Tensor, tq: TensorQuant) -> tuple[torch.Tensor, tor
         mn = _first_at(xg, xg.argmin(dim=-1, keepdim=True))
         mx = _first_at(xg, xg.argmax(dim=-1, keepdim=True))
         d = (mx - mn) / float(top)
-    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / torch.where(d == 0, torch.ones_like(d), d))
+    inv = 1.0 / torch.where(d == 0, torch.ones_like(d), d)
+    inv = torch.where((d == 0) | torch.isinf(inv), torch.zeros_like(d), inv)  # see the module doc: |d| < 2**-128
     if tq.format == "int_sym" and tq.bits == 8:
         codes = round_away(xg * inv) + 128.0
     elif tq.format == "int_sym":
