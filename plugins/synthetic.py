@@ -40,9 +40,9 @@ def static_metadata(tq: TensorQuant, sample: torch.Tensor) -> dict[str, torch.Te
     """Calibration-like static ``[H, n]`` scales (and minimums) covering ``sample [1, H, T, D]``.
 
     A stream with high channels also gets its ``high_channels`` (:func:`widest_channels`), whose scales span
-    their range with 8-bit levels.
+    their range with 8-bit levels (:func:`kvq_export.calibrate.fit_metadata`, as calibration fits them).
     """
-    from kvq_export.reference.codec import channel_levels, metadata_from_range, scale_from_amax
+    from kvq_export.calibrate import fit_metadata
 
     x = sample[0].float()  # [H, T, D]
     heads, _, dim = x.shape
@@ -51,16 +51,11 @@ def static_metadata(tq: TensorQuant, sample: torch.Tensor) -> dict[str, torch.Te
         grouped = x.reshape(heads, -1, dim // g, g).transpose(1, 2).reshape(heads, dim // g, -1)
     else:
         grouped = x.transpose(1, 2)  # [H, D, T]
-    out: dict[str, torch.Tensor] = {}
-    lo = top = None  # per-channel levels [H, D] with high channels (channel axis only)
-    if tq.high_channels:
-        out["high_channels"] = widest_channels(tq, sample)
-        lo, top, _ = channel_levels(tq, out["high_channels"], dim)
-    if tq.has_zero_point:
-        out["scales"], out["zero_points"] = metadata_from_range(tq, grouped.amin(-1), grouped.amax(-1),
-                                                                None if top is None else top - lo)
-    else:
-        out["scales"] = scale_from_amax(tq, grouped.abs().amax(-1), top)
+    high = widest_channels(tq, sample) if tq.high_channels else None
+    stats = (grouped.amin(-1), grouped.amax(-1)) if tq.has_zero_point else (grouped.abs().amax(-1),)
+    out = fit_metadata(tq, stats, high)
+    if high is not None:
+        out["high_channels"] = high
     return out
 
 
