@@ -18,12 +18,17 @@ def write_json(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     return atomic_write(path, json.dumps(result, indent=2))
 
 
+def _label(scheme: dict[str, Any], flavor: str | None) -> str:
+    """``name (flavour)`` of a recorded scheme."""
+    return f"{scheme.get('name') or 'custom'} ({flavor})"
+
+
 def _baseline(result: dict[str, Any]) -> str:
     """The baseline's scheme and flavour (results written before they were recorded: the default fp16)."""
     scheme = result.get("baseline_scheme")
     if scheme is None:
         return "fp16 baseline"
-    return f"{scheme.get('name') or 'custom'} ({result.get('baseline_flavor')}) baseline"
+    return f"{_label(scheme, result.get('baseline_flavor'))} baseline"
 
 
 def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
@@ -31,7 +36,7 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     tok, att, mem, lat = result["token"], result["attention"], result["memory"], result["latency"]
     greedy = tok["greedy"]
     rows = [
-        ("scheme", f"{result['scheme'].get('name') or 'custom'} ({result['flavor']}) vs {_baseline(result)}"),
+        ("scheme", f"{_label(result['scheme'], result['flavor'])} vs {_baseline(result)}"),
         ("perplexity", f"{tok['perplexity']:.4f} vs {tok['perplexity_baseline']:.4f} "
                        f"({100 * tok['perplexity_delta_rel']:+.3f}%, {tok['predictions']} predictions)"),
         ("logit KL", f"mean {tok['kl']['mean']:.3g}, p99 {tok['kl']['p99']:.3g}, max {tok['kl']['max']:.3g}"),
