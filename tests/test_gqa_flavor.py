@@ -149,8 +149,9 @@ def _export_int8(session):
     return export(tiny_model("qwen2"), scheme, out, static=calibration("qwen2", scheme), flavor="ort-gqa")
 
 
-def test_fp16_compute_graph_tracks_the_fp32_graph(tmp_path_factory):
-    scheme = SCHEMES["ort-int8"]
+@pytest.mark.parametrize("name", ["ort-int8", "int4-high/hp-fp32"])  # high channels: codes computed in fp32
+def test_fp16_compute_graph_tracks_the_fp32_graph(tmp_path_factory, name):
+    scheme = SCHEMES[name]
     static = calibration("mistral", scheme)
     fp32 = _export(tmp_path_factory, "mistral", scheme, static)
     fp16 = _export(tmp_path_factory, "mistral", scheme, static, dtype="fp16")

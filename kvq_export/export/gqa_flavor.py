@@ -157,18 +157,18 @@ class HighSplit:
         per_head = np.repeat(self.channels, heads // kv_heads, axis=0)
         return per_head + np.arange(heads)[:, None] * self.head_dim
 
-    def widened(self, row: int, upper: int, lower: int) -> np.ndarray:
-        """int64 ``[kv_heads * (head_dim + n)]``: where each channel of the node's key/value row is read from.
+    def widened(self, own: np.ndarray, upper: np.ndarray | float, lower: np.ndarray | float) -> np.ndarray:
+        """One stream's ``[kv_heads * (head_dim + n)]`` row in the node's layout, from per-channel entries.
 
-        The source row holds this stream's ``[kv_heads * head_dim]`` row from ``row``, its ``[kv_heads * n]``
-        upper nibbles from ``upper`` and lower nibbles from ``lower``: a head's channels, with each high
-        channel's upper nibble in its place, then its n lower nibbles.
+        ``own``: ``[kv_heads, head_dim]``, one entry per channel; ``upper``/``lower``: ``[kv_heads, n]`` (or one
+        for all), one per high channel. Each head's channels, with a high channel's own place taking its
+        ``upper`` entry, then its n ``lower`` entries. Serves both the node row's source positions and the
+        per-place constants that go with them.
         """
         heads, n = self.channels.shape
-        own = row + np.arange(heads * self.head_dim).reshape(heads, self.head_dim)
-        nibble = np.arange(heads * n).reshape(heads, n)
-        np.put_along_axis(own, self.channels, upper + nibble, axis=1)
-        return np.concatenate([own, lower + nibble], axis=1).reshape(-1)
+        own = np.array(own).reshape(heads, self.head_dim)
+        np.put_along_axis(own, self.channels, np.broadcast_to(upper, (heads, n)).astype(own.dtype), axis=1)
+        return np.concatenate([own, np.broadcast_to(lower, (heads, n)).astype(own.dtype)], axis=1).reshape(-1)
 
     def query_widened(self, num_heads: int) -> np.ndarray:
         """int64 ``[num_heads * (head_dim + n)]``: where the node's query row is read from in the model's.
@@ -491,10 +491,10 @@ class GQACacheGraph(LaidOutCache):
              rotary: bool) -> ir.Value:
         """Realign to right padding, run the node on the shared buffers, realign back (k = v = None: packed q)."""
         f, plan = self.facts, self.plans[layer]
-        raw = q
-        q, k, v = self._offset_inputs(b, layer, q, k, v)
         if plan.k_high is not None:  # the body's RoPE: always packed
-            q = self._widen(b, layer, q, raw)
+            q = self._widen(b, layer, q)  # the offsets subtracted too
+        else:
+            q, k, v = self._offset_inputs(b, layer, q, k, v)
         qr, kr, vr = (None if x is None else b.op("GatherND", x, self.to_right, batch_dims=1) for x in (q, k, v))
         past = [self.past[self.layout.buffer_name("past", layer, part)] for part in PARTS]
         scales: list[ir.Value | None] = [None, None]
@@ -528,52 +528,55 @@ class GQACacheGraph(LaidOutCache):
             out = b.op("Add", out, self._offset(b, layer, "value.output", per_query_head.reshape(-1)))
         return b.op("Where", self.valid, b.op("GatherND", out, self.to_left, batch_dims=1), self.zero)
 
-    def _widen(self, b: GraphBuilder, layer: int, qkv: ir.Value, raw: ir.Value) -> ir.Value:
+    def _widen(self, b: GraphBuilder, layer: int, qkv: ir.Value) -> ir.Value:
         """Packed q|k|v rows with the node's head of ``head_dim + n`` channels (see :class:`HighSplit`).
 
-        ``raw``: the packed row before any offset (``qkv``: after it), ``[B, t, (Hq + 2 Hkv) * D]``. kvq's 8-bit
-        codes of both streams' high channels are computed at once as the reference codec does (fp32, round half
-        to even) and turned into values the node's quantizer rounds to exactly ``hi - 8`` and ``lo - 8``; one
-        Gather then lays out each widened row: each query head's channels and again its kv head's high key
-        channels, then each key and value head with the upper nibble in the high channel's place and the lower
-        ones after ``head_dim``. Few, cheap nodes: they run at every step.
+        ``qkv``: ``[B, t, (Hq + 2 Hkv) * D]`` after RoPE. kvq's 8-bit codes ``c`` of both streams' high channels
+        are computed as the reference codec does (fp32, round half to even), over the whole row at once (off the
+        high channels the constants are inert and the codes unread: no Gather to pick the channels out), and
+        join the row with their lower nibbles ``c mod 16``. One Gather lays out each widened row: each query
+        head's channels and again its kv head's high key channels, then each key and value head with ``c`` in
+        the high channel's place and ``c mod 16`` after ``head_dim``. One Sub and one Mul over the widened row
+        then turn those into values the node's quantizer rounds to exactly ``hi - 8`` and ``lo - 8``, and
+        subtract asymmetric streams' offsets from the other channels (minus 0, times 1 elsewhere: exact). Few,
+        cheap nodes: they run at every step.
         """
         f, plan = self.facts, self.plans[layer]
         highs = (plan.k_high, plan.v_high)
-        q_size = f.num_heads * self.head_dim
-        row, count = f.num_kv_heads * self.head_dim, highs[0].channels.size  # one stream's row; its high channels
+        q_size, row = f.num_heads * self.head_dim, f.num_kv_heads * self.head_dim
+        width = q_size + 2 * row
+        starts = (q_size, q_size + row)  # where the key and value rows start in the packed row
 
         def const(role: str, array: np.ndarray) -> ir.Value:
             return b.initializer(static_name(layer, "kv", f"high_channels.{role}"), array)
 
-        def joint(values) -> np.ndarray:  # key then value, per high channel
-            return np.concatenate([np.broadcast_to(np.float32(x), high.scale.shape).reshape(-1)
-                                   for x, high in zip(values, highs)]).astype(np.float32)
+        def by_place(values, fill: float) -> np.ndarray:  # float32 [width]: each high channel's value, else fill
+            out = np.full(width, fill, np.float32)
+            for start, value, high in zip(starts, values, highs):
+                out[start + high.places().reshape(-1)] = np.broadcast_to(np.float32(value), high.scale.shape).reshape(-1)
+            return out
 
-        scale = const("scale", joint(h.scale for h in highs))
-        picked = b.op("Gather", raw, const("index", q_size + np.concatenate([highs[0].places().reshape(-1),
-                                                                              row + highs[1].places().reshape(-1)])),
-                      axis=2)
-        if self.compute_type != ir.DataType.FLOAT:
-            picked = b.op("Cast", picked, to=ir.DataType.FLOAT)
-        codes = b.op("Round", b.op("Div", b.op("Sub", picked, const("zero", joint(h.zero for h in highs))), scale))
-        codes = b.op("Min", b.op("Max", codes, const("low", joint(h.low for h in highs))),
-                     const("top", joint(h.top for h in highs)))
-        codes = b.op("Add", codes, const("offset", joint(h.offset for h in highs)))  # kvq's stored code c
-        # [c | c mod 16] -> [(c - 135.5) s | (lo - 8) s]: at node scale 16 s the first rounds to hi - 8, being
-        # (c - 128) / 16 - 0.47 with c - 128 = 16 (hi - 8) + lo, always 1/32 or more from a tie
-        nibbles = b.op("Concat", codes, b.op("Mod", codes, b.const(16.0), fmod=1), axis=2)
-        centre = np.repeat(np.float32([135.5, 8.0]), 2 * count)
-        nibbles = b.op("Mul", b.op("Sub", nibbles, const("nibble_centre", centre)),
-                       const("nibble_scale", np.tile(joint(h.scale for h in highs), 2)))
-        if self.compute_type != ir.DataType.FLOAT:
-            nibbles = b.op("Cast", nibbles, to=self.compute_type)
-        source = b.op("Concat", qkv, nibbles, axis=2)  # [q | k | v | upper (k, v) | lower (k, v)]
-        upper = q_size + 2 * row  # where the nibbles start in the source row
-        index = np.concatenate([highs[0].query_widened(f.num_heads),
-                                highs[0].widened(q_size, upper, upper + 2 * count),
-                                highs[1].widened(q_size + row, upper + count, upper + 3 * count)])
-        return b.op("Gather", source, b.initializer(static_name(layer, "qkv", "high_channels.widen"), index), axis=2)
+        x = qkv if self.compute_type == ir.DataType.FLOAT else b.op("Cast", qkv, to=ir.DataType.FLOAT)
+        codes = b.op("Div", b.op("Sub", x, const("zero", by_place((h.zero for h in highs), 0))),
+                     const("scale", by_place((h.scale for h in highs), 1)))
+        codes = b.op("Min", b.op("Max", b.op("Round", codes), const("low", by_place((h.low for h in highs), 0))),
+                     const("top", by_place((h.top for h in highs), 0)))
+        codes = b.op("Add", codes, const("offset", by_place((h.offset for h in highs), 0)))  # kvq's stored code c
+        source = b.op("Concat", x, codes, b.op("Mod", codes, b.const(16.0), fmod=1), axis=2)  # [row | c | c mod 16]
+        own, query = np.arange(width), highs[0].query_widened(f.num_heads)
+        index = np.concatenate([query] + [
+            high.widened(own[start:start + row], width + start + high.places(), 2 * width + start + high.places())
+            for start, high in zip(starts, highs)])
+        wide = b.op("Gather", source, b.initializer(static_name(layer, "qkv", "high_channels.widen"), index), axis=2)
+        # [c - 135.5 | lo - 8] * s: at node scale 16 s the first rounds to hi - 8, being (c - 128) / 16 - 0.47 with
+        # c - 128 = 16 (hi - 8) + lo, always 1/32 or more from a tie
+        offsets = [np.zeros(row, np.float32) if o is None else o for o in (plan.k_offset, plan.v_offset)]
+        centre = np.concatenate([np.zeros(query.size, np.float32)] + [
+            high.widened(offset.astype(np.float32), 135.5, 8.0) for offset, high in zip(offsets, highs)])
+        scale = np.concatenate([np.ones(query.size, np.float32)] + [
+            high.widened(np.ones(row, np.float32), high.scale, high.scale) for high in highs])
+        wide = b.op("Mul", b.op("Sub", wide, const("centre", centre)), const("nibble_scale", scale))
+        return wide if self.compute_type == ir.DataType.FLOAT else b.op("Cast", wide, to=self.compute_type)
 
     def _fold(self, b: GraphBuilder, layer: int, out: ir.Value, high: HighSplit) -> ir.Value:
         """The node's output ``[B, t, Hq * (D + n)]`` -> ``[B, t, Hq * D]``.
