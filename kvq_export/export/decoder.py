@@ -598,7 +598,7 @@ class _Body:
                                  self.b.op("Unsqueeze", self.from_float(sin), heads_axis))
 
     def packed_rotary_tables(self, positions: ir.Value, rope: RopeSpec) -> None:
-        """Tables cos and signed sin [B, t, Hq + 2 Hkv, 1, D] in the compute dtype, for :meth:`apply_packed_rope`.
+        """Tables cos and signed sin [B, t, (Hq + 2 Hkv) * D] in the compute dtype, for :meth:`apply_packed_rope`.
 
         Over one head: cos, and sin negated on the first half (``rotate_half``'s sign), for the R rotary channels;
         1 and 0 on the channels that pass through (partial rotary) and on the value heads, so those come out of
@@ -616,7 +616,8 @@ class _Body:
                          b.const([1, 1, f.num_heads + f.num_kv_heads, 1, 1]))  # the q and k heads
             table = b.op("Pad", table, b.const([0, 0, 0, 0, 0, 0, 0, f.num_kv_heads, 0, 0]),
                          b.const(np.float32(fill)))  # the value heads
-            tables.append(self.from_float(table))
+            # flat like the packed row, so no layer reshapes the row for them
+            tables.append(self.from_float(b.op("Reshape", table, b.const([0, 0, -1]))))
         self.tables[id(rope)] = (tables[0], tables[1])
 
     def apply_rope(self, x: ir.Value, layer: int) -> ir.Value:
@@ -641,10 +642,11 @@ class _Body:
         """:meth:`apply_rope` on the q and k heads of a packed ``[B, t, (Hq + 2 Hkv) * D]`` projection.
 
         Per head, ``x * cos + x[rotate] * sin'`` with the tables of :meth:`packed_rotary_tables`: the same two
-        products and sum as ``x * cos + rotate_half(x) * sin``, so the same floats in an fp32 body. (An fp16 body
-        on ONNX Runtime's CPU runs these ops in float32 between casts it inserts, and may round at other points
-        than in the per-head form: logits within 2e-4 on the tiny test models.) A key rotation ``R`` then
-        multiplies each q and k head (a float32 MatMul per head, the identity on the value heads).
+        products and sum as ``x * cos + rotate_half(x) * sin``, so the same floats in an fp32 body. They run on the
+        flat row (one Gather swaps the halves of every head), so nothing is reshaped. (An fp16 body on ONNX
+        Runtime's CPU runs these ops in float32 between casts it inserts, and may round at other points than in
+        the per-head form: logits within 2e-4 on the tiny test models.) A key rotation ``R`` then multiplies each
+        q and k head (a float32 MatMul per head, the identity on the value heads).
         """
         b, f = self.b, self.facts
         rope = f.rope_for(layer)
@@ -652,12 +654,13 @@ class _Body:
         cos, sin = self.tables[id(rope)]
         half, d = rope.rotary_dim // 2, f.head_dim
         swap = np.concatenate([np.arange(half, 2 * half), np.arange(half), np.arange(2 * half, d)])
-        x = b.op("Reshape", qkv, b.const([0, 0, heads, 1, d]))
-        x = b.op("Add", b.op("Mul", x, cos), b.op("Mul", b.op("Gather", x, b.const(swap), axis=4), sin))
+        swap = (np.arange(heads)[:, None] * d + swap).reshape(-1)  # within each head of the flat row
+        x = b.op("Add", b.op("Mul", qkv, cos), b.op("Mul", b.op("Gather", qkv, b.const(swap), axis=2), sin))
         if key_rotation is not None:
             per_head = np.stack([key_rotation] * (f.num_heads + f.num_kv_heads) + [np.eye(d)] * f.num_kv_heads)
-            x = self.rotate(x, per_head)
-        return b.op("Reshape", x, b.const([0, 0, heads * d]))
+            x = b.op("Reshape", self.rotate(b.op("Reshape", x, b.const([0, 0, heads, 1, d])), per_head),
+                     b.const([0, 0, heads * d]))
+        return x
 
     def projections(self, x: ir.Value, layer: int, parts: list[tuple[LinearNames, int, np.ndarray | None]], *,
                     split: bool = True) -> tuple[list[ir.Value] | None, ir.Value | None]:
