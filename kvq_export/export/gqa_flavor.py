@@ -553,7 +553,7 @@ class GQACacheGraph(LaidOutCache):
         def by_place(values, fill: float) -> np.ndarray:  # float32 [width]: each high channel's value, else fill
             out = np.full(width, fill, np.float32)
             for start, value, high in zip(starts, values, highs):
-                out[start + high.places().reshape(-1)] = np.broadcast_to(np.float32(value), high.scale.shape).reshape(-1)
+                out[start + high.places()] = np.broadcast_to(np.float32(value), high.scale.shape)
             return out
 
         x = qkv if self.compute_type == ir.DataType.FLOAT else b.op("Cast", qkv, to=ir.DataType.FLOAT)
