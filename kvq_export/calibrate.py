@@ -560,7 +560,7 @@ def attention_metadata(samples: list[AttentionSample], part: str, tq: TensorQuan
     import torch
 
     xs = [s.keys if part == "key" else s.values for s in samples]
-    values = _grouped(torch.cat(xs, dim=1), tq)
+    values = static_groups(torch.cat(xs, dim=1), tq)
     stats = (values.amin(dim=-1), values.amax(dim=-1)) if tq.has_zero_point else (values.abs().amax(dim=-1),)
     grid = torch.tensor(ATTENTION_CLIP_GRID, dtype=torch.float32)
     objective = None  # [C, H, n]
@@ -594,7 +594,7 @@ def attention_metadata(samples: list[AttentionSample], part: str, tq: TensorQuan
     return {role: array.numpy().astype(np.float32).copy() for role, array in out.items()}
 
 
-def _grouped(x: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
+def static_groups(x: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
     """``[H, N, D]`` -> ``[H, n, M]``: one static group per row of the last dim (all its values)."""
     heads, tokens, dim = x.shape
     if tq.axis == "channel":
@@ -620,7 +620,7 @@ def _stream_metadata(
     import torch
 
     sdtype = DType.get(tq.scale_dtype).torch
-    values = _grouped(x, tq)
+    values = static_groups(x, tq)
     if tq.has_zero_point:
         stats = (_stat(values, method, 100.0 - percentile, low=True), _stat(values, method, percentile))
     else:

@@ -30,13 +30,13 @@ def _next_pow2(x: int) -> int:
 
 
 def _levels(layout: StreamLayout) -> tuple[int, int, float]:
-    """(lowest code, highest code, top) before the offset; top is the symmetric range end."""
+    """(lowest code, highest code, top) before the offset, as the codec has them; top is the symmetric range end."""
     if layout.format == "fp8_e4m3":
         return 0, 0, FP8_E4M3_MAX
-    if layout.format == "int":
-        return 0, (1 << layout.bits) - 1, 0.0
-    qmax = (1 << (layout.bits - 1)) - 1
-    return -qmax, qmax, float(qmax)
+    from kvq_export.reference.codec import int_levels
+
+    lo, hi, _ = int_levels(layout.tensor_quant())
+    return lo, hi, 0.0 if layout.format == "int" else float(hi)
 
 
 @register_kernel("quantize")

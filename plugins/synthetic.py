@@ -42,15 +42,9 @@ def static_metadata(tq: TensorQuant, sample: torch.Tensor) -> dict[str, torch.Te
     A stream with high channels also gets its ``high_channels`` (:func:`widest_channels`), whose scales span
     their range with 8-bit levels (:func:`kvq_export.calibrate.fit_metadata`, as calibration fits them).
     """
-    from kvq_export.calibrate import fit_metadata
+    from kvq_export.calibrate import fit_metadata, static_groups
 
-    x = sample[0].float()  # [H, T, D]
-    heads, _, dim = x.shape
-    if tq.axis == "token":
-        g = tq.token_group(dim)
-        grouped = x.reshape(heads, -1, dim // g, g).transpose(1, 2).reshape(heads, dim // g, -1)
-    else:
-        grouped = x.transpose(1, 2)  # [H, D, T]
+    grouped = static_groups(sample[0].float(), tq)  # [H, n, values of a group]
     high = widest_channels(tq, sample) if tq.high_channels else None
     stats = (grouped.amin(-1), grouped.amax(-1)) if tq.has_zero_point else (grouped.abs().amax(-1),)
     out = fit_metadata(tq, stats, high)
