@@ -136,7 +136,7 @@ def quantize_constants(layout: StreamLayout, heads: int) -> tuple[str, dict[str,
                   HAS_ZERO=layout.has_zero, LO=lo, HI=hi, OFFSET=layout.offset, TOP=top, CLIP=layout.clip,
                   HALF_CLIP=0.5 * layout.clip, LOW_BITS=low_bits, BLOCK_P=_next_pow2(packed * low_bits // 8),
                   BLOCK_U=_next_pow2(max(packed * upper_bits // 8, 1)), HIGH=layout.high,
-                  HIGH_LO=layout.high_levels[0], HIGH_HI=layout.high_levels[1], HIGH_OFFSET=layout.high_levels[2],
+                  **dict(zip(("HIGH_LO", "HIGH_HI", "HIGH_OFFSET"), layout.high_levels)),
                   BLOCK_HI=_next_pow2(max(layout.high, 1)))
     if layout.axis == "channel" and not layout.static:
         return "_quantize_channel_kernel", {**common, "GROUP": layout.group, "BLOCK_G": _next_pow2(layout.group),
