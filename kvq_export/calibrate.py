@@ -561,7 +561,7 @@ def attention_metadata(samples: list[AttentionSample], part: str, tq: TensorQuan
 
     xs = [s.keys if part == "key" else s.values for s in samples]
     values = static_groups(torch.cat(xs, dim=1), tq)
-    stats = (values.amin(dim=-1), values.amax(dim=-1)) if tq.has_zero_point else (values.abs().amax(dim=-1),)
+    stats = absmax_stats(values, tq)
     grid = torch.tensor(ATTENTION_CLIP_GRID, dtype=torch.float32)
     objective = None  # [C, H, n]
     for sample, x in zip(samples, xs):
@@ -601,6 +601,11 @@ def static_groups(x: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
         return x.permute(0, 2, 1)
     group = tq.token_group(dim)
     return x.reshape(heads, tokens, dim // group, group).permute(0, 2, 1, 3).reshape(heads, dim // group, -1)
+
+
+def absmax_stats(values: torch.Tensor, tq: TensorQuant) -> tuple[torch.Tensor, ...]:
+    """:func:`fit_metadata`'s statistics of grouped values (:func:`static_groups`): (min, max), or (max|x|,)."""
+    return (values.amin(dim=-1), values.amax(dim=-1)) if tq.has_zero_point else (values.abs().amax(dim=-1),)
 
 
 def _stat(values: torch.Tensor, method: str, q: float, *, low: bool = False) -> torch.Tensor:

@@ -42,12 +42,10 @@ def static_metadata(tq: TensorQuant, sample: torch.Tensor) -> dict[str, torch.Te
     A stream with high channels also gets its ``high_channels`` (:func:`widest_channels`), whose scales span
     their range with 8-bit levels (:func:`kvq_export.calibrate.fit_metadata`, as calibration fits them).
     """
-    from kvq_export.calibrate import fit_metadata, static_groups
+    from kvq_export.calibrate import absmax_stats, fit_metadata, static_groups
 
-    grouped = static_groups(sample[0].float(), tq)  # [H, n, values of a group]
     high = widest_channels(tq, sample) if tq.high_channels else None
-    stats = (grouped.amin(-1), grouped.amax(-1)) if tq.has_zero_point else (grouped.abs().amax(-1),)
-    out = fit_metadata(tq, stats, high)
+    out = fit_metadata(tq, absmax_stats(static_groups(sample[0].float(), tq), tq), high)
     if high is not None:
         out["high_channels"] = high
     return out
