@@ -215,6 +215,10 @@ class LayerPlan:
     k_high: HighSplit | None = None  # streams with high channels (both or neither: one node head size)
     v_high: HighSplit | None = None
 
+    def stream_offsets(self, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The key and value offsets, float32 ``[width]`` zeros for a stream that has none."""
+        return tuple(np.zeros(width, np.float32) if o is None else o for o in (self.k_offset, self.v_offset))
+
 
 #: ONNX Runtime's GroupQueryAttention wants a head size that is a multiple of this (high channels widen the head)
 GQA_HEAD_MULTIPLE = 8
@@ -570,7 +574,7 @@ class GQACacheGraph(LaidOutCache):
         wide = b.op("Gather", source, b.initializer(static_name(layer, "qkv", "high_channels.widen"), index), axis=2)
         # [c - 135.5 | lo - 8] * s: at node scale 16 s the first rounds to hi - 8, being (c - 128) / 16 - 0.47 with
         # c - 128 = 16 (hi - 8) + lo, always 1/32 or more from a tie
-        offsets = [np.zeros(row, np.float32) if o is None else o for o in (plan.k_offset, plan.v_offset)]
+        offsets = plan.stream_offsets(row)
         centre = np.concatenate([np.zeros(query.size, np.float32)] + [
             high.widened(offset.astype(np.float32), 135.5, 8.0) for offset, high in zip(offsets, highs)])
         scale = np.concatenate([np.ones(query.size, np.float32)] + [
@@ -599,10 +603,9 @@ class GQACacheGraph(LaidOutCache):
         plan, f = self.plans[layer], self.facts
         if plan.k_offset is None and plan.v_offset is None:
             return q, k, v
-        width = f.num_kv_heads * f.head_dim
-        offsets = [np.zeros(width, np.float32) if o is None else o for o in (plan.k_offset, plan.v_offset)]
         if k is None:  # packed q | k | v: one offset over the whole row
-            whole = np.concatenate([np.zeros(f.num_heads * f.head_dim, np.float32), *offsets])
+            whole = np.concatenate([np.zeros(f.num_heads * f.head_dim, np.float32),
+                                    *plan.stream_offsets(f.num_kv_heads * f.head_dim)])
             return b.op("Sub", q, self._offset(b, layer, "packed", whole)), None, None
         k, v = (x if o is None else b.op("Sub", x, self._offset(b, layer, part, o))
                 for x, o, part in zip((k, v), (plan.k_offset, plan.v_offset), PARTS))
