@@ -247,3 +247,61 @@ def test_paired_ratio_cancels_load_that_hits_both_alike():
     median, low, high = paired_ratio(scheme, base)
     assert low <= median <= high and low < 1.1 < high and high - low < 0.02
     assert paired_ratio(base, base) == (1.0, 1.0, 1.0)
+
+
+def _peer_compare():
+    """tools/peer_compare.py as a module (tools/ is not a package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "peer_compare.py"
+    spec = importlib.util.spec_from_file_location("peer_compare", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_peer_compare_dequantizes_a_gguf_for_llama_cpp_like_kvq_does(tmp_path):
+    """``--llama-weights fp32``: every tensor F32 and equal to gguf's dequantization, metadata kept, written once."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(0)
+    source = tmp_path / "tiny.Q4_1.gguf"
+    writer = gguf.GGUFWriter(source, "llama")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    writer.add_context_length(64)
+    writer.add_token_list(["a", "b", "c"])
+    tensors = {"token_embd.weight": (gguf.GGMLQuantizationType.Q8_0, (3, 64)),
+               "blk.0.attn_q.weight": (gguf.GGMLQuantizationType.Q4_1, (64, 64)),
+               "output_norm.weight": (gguf.GGMLQuantizationType.F32, (64,))}
+    for name, (kind, shape) in tensors.items():
+        data = rng.standard_normal(shape).astype(np.float32)
+        if kind != gguf.GGMLQuantizationType.F32:
+            data = quantize(data, kind)
+        writer.add_tensor(name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    out = tmp_path / "work" / "tiny.F32.gguf"
+    peers = _peer_compare()
+    assert peers.dequantized_gguf(source, out) == out
+    original, copy = gguf.GGUFReader(source), gguf.GGUFReader(out)
+    assert [t.name for t in copy.tensors] == list(tensors)
+    for src, dst in zip(original.tensors, copy.tensors):
+        assert dst.tensor_type == gguf.GGMLQuantizationType.F32
+        assert list(dst.shape) == list(src.shape)
+        expected = dequantize(src.data, src.tensor_type).reshape(-1)
+        assert np.array_equal(np.asarray(dst.data).reshape(-1), expected)
+    assert copy.fields[gguf.Keys.General.FILE_TYPE].contents() == gguf.LlamaFileType.ALL_F32
+    for key in (gguf.Keys.General.ARCHITECTURE, gguf.Keys.LLM.CONTEXT_LENGTH.format(arch="llama"),
+                gguf.Keys.Tokenizer.LIST):
+        assert copy.fields[key].contents() == original.fields[key].contents()
+    assert not list(out.parent.glob("*.partial"))
+    written = out.stat().st_mtime_ns
+    assert peers.dequantized_gguf(source, out) == out and out.stat().st_mtime_ns == written  # reused, not rewritten

@@ -11,14 +11,18 @@ and fed to every engine as token ids), same protocol:
 
 Each engine is compared with *its own* unquantized cache (llama.cpp f16, transformers ``DynamicCache``,
 kvq ``fp16``): ``ppl_delta`` and ``speed_ratio`` (step time / baseline step time) are what line up across
-engines; absolute perplexities differ because llama.cpp runs 4-bit weights.
+engines; absolute perplexities differ because llama.cpp runs 4-bit weights. ``--llama-weights fp32`` gives llama.cpp
+the same weights as the others (the GGUF with every tensor dequantized to F32, :func:`dequantized_gguf`): then its
+cache types compare with kvq's like for like, and ``--ppl-windows 8 --ppl-tokens 512 --ppl-offset 0`` is
+protocol P (llama.cpp rows also report KL and top-1 agreement with its own f16 cache).
 
 Peers and the kvq preset each one lines up with:
 
 ======================  ==================================  =====================================
 engine                  cache                               kvq preset
 ======================  ==================================  =====================================
-llama.cpp (flash attn)  f16 / q8_0 / q4_0 / q4_1            fp16 / q8_0 / q4_0 / q4_1
+llama.cpp (flash attn)  f16 / q8_0 / q4_0 / q4_1 (rotated)  fp16 / q8_0-rot / q4_0-rot / q4_1-rot
+                        also q5_0, K q8_0 + V q4_0          q5_0-rot, k-q8_0-v-q4_0-rot
 transformers            QuantizedCache quanto int4 / int2   kivi-4 / kivi-2 (per-channel, R=128)
 transformers            QuantizedCache hqq int4 / int2      kivi-4 / kivi-2
 transformers            QuantizedCache fp8 (per tensor)     fp8
@@ -57,9 +61,17 @@ logger = logging.getLogger("peer_compare")
 
 PEERS = ("kvq", "llama.cpp", "hf", "genai")
 KVQ_PRESETS = ("q8_0", "q4_0", "q4_1", "kivi-4", "kivi-2", "fp8")
-#: llama.cpp cache type -> (ggml type name in llama_cpp, kvq preset)
-LLAMA_CPP_TYPES = {"f16": ("GGML_TYPE_F16", "fp16"), "q8_0": ("GGML_TYPE_Q8_0", "q8_0"),
-                   "q4_0": ("GGML_TYPE_Q4_0", "q4_0"), "q4_1": ("GGML_TYPE_Q4_1", "q4_1")}
+#: llama.cpp cache -> (ggml key type, ggml value type, kvq preset). llama.cpp stores a quantized cache in a
+#: Hadamard-rotated basis (unless ``LLAMA_ATTN_ROT_DISABLE=1``), hence the ``-rot`` counterparts.
+LLAMA_CPP_TYPES = {"f16": ("GGML_TYPE_F16", "GGML_TYPE_F16", "fp16"),
+                   "q8_0": ("GGML_TYPE_Q8_0", "GGML_TYPE_Q8_0", "q8_0-rot"),
+                   "k-q8_0-v-q4_0": ("GGML_TYPE_Q8_0", "GGML_TYPE_Q4_0", "k-q8_0-v-q4_0-rot"),
+                   "q5_0": ("GGML_TYPE_Q5_0", "GGML_TYPE_Q5_0", "q5_0-rot"),
+                   "q4_1": ("GGML_TYPE_Q4_1", "GGML_TYPE_Q4_1", "q4_1-rot"),
+                   "q4_0": ("GGML_TYPE_Q4_0", "GGML_TYPE_Q4_0", "q4_0-rot")}
+LLAMA_CPP_DEFAULT = ("f16", "q8_0", "q4_0", "q4_1")
+#: ``--llama-weights``: the GGUF's own (quantized) weights, or the same file with every tensor dequantized to F32
+LLAMA_WEIGHTS = ("gguf", "fp32")
 #: transformers QuantizedCache configurations -> (backend, nbits, module it needs, kvq preset)
 HF_CACHES = {"quanto-int4": ("quanto", 4, "optimum.quanto", "kivi-4"),
              "quanto-int2": ("quanto", 2, "optimum.quanto", "kivi-2"),
@@ -77,6 +89,8 @@ class Row:
     status: str = "ok"  # ok | unavailable | failed: reason
     ppl: float | None = None
     ppl_delta: float | None = None  # vs the engine's own unquantized cache
+    mean_kl: float | None = None  # llama.cpp: mean KL of the next-token distribution from its own f16 cache's
+    top1: float | None = None  # llama.cpp: share of tokens whose argmax agrees with the f16 cache's
     decode_ms: float | None = None  # median single-token step at --context tokens
     speed_ratio: float | None = None  # decode_ms / the engine's baseline decode_ms (< 1: faster)
     note: str = ""
@@ -148,46 +162,131 @@ def _interleaved(steppers: dict[str, Callable[[int], None]], steps: int, warmup:
 
 
 def run_llama_cpp(gguf: Path, windows: list[list[int]], context: int, steps: int, threads: int | None,
-                  ppl: bool = True) -> list[Row]:
-    """Run llama.cpp through llama-cpp-python: flash attention on, K and V cache of each type."""
+                  ppl: bool = True, caches: Sequence[str] = LLAMA_CPP_DEFAULT) -> list[Row]:
+    """Run llama.cpp through llama-cpp-python: flash attention on, one engine per cache in ``caches``.
+
+    Perplexity is strict decode on every engine, and each quantized cache's next-token distributions are
+    compared with the f16 cache's (mean KL, top-1 agreement), window by window.
+    """
+    caches = ["f16", *(c for c in caches if c != "f16")]
     if not _has("llama_cpp"):
-        return [Row("llama.cpp", c, k, status="unavailable: pip install llama-cpp-python")
-                for c, (_, k) in LLAMA_CPP_TYPES.items()]
+        return [Row("llama.cpp", c, LLAMA_CPP_TYPES[c][2], status="unavailable: pip install llama-cpp-python")
+                for c in caches]
     import llama_cpp
 
     rows, engines = {}, {}
     length = max(len(w) for w in windows)
     prompt = (windows[0] * (context // len(windows[0]) + 1))[:context]
-    for cache, (type_name, kvq_name) in LLAMA_CPP_TYPES.items():
+    for cache in caches:
+        k_type, v_type, kvq_name = LLAMA_CPP_TYPES[cache]
         row = rows[cache] = Row("llama.cpp", cache, kvq_name)
         try:
-            ggml_type = getattr(llama_cpp, type_name)
             kwargs = dict(model_path=str(gguf), n_ctx=max(context + steps + 16, length + 8), n_batch=512,
-                          n_ubatch=512, type_k=ggml_type, type_v=ggml_type, flash_attn=True, logits_all=True,
-                          verbose=False, n_threads=threads, seed=0)
-            llm = llama_cpp.Llama(**{k: v for k, v in kwargs.items() if v is not None})
-            if ppl:
-                total = count = 0.0
-                for window in windows:
-                    llm.reset()
-                    for token in window:  # strict decode: one token per eval
-                        llm.eval([token])
-                    scores = np.asarray(llm.scores[: len(window)])
-                    total += sum(_nll(scores[i], window[i + 1]) for i in range(len(window) - 1))
-                    count += len(window) - 1
-                row.ppl = math.exp(total / count)
-            llm.reset()
-            llm.eval(prompt)
-            engines[cache] = llm
+                          n_ubatch=512, type_k=getattr(llama_cpp, k_type), type_v=getattr(llama_cpp, v_type),
+                          flash_attn=True, logits_all=True, verbose=False, n_threads=threads, seed=0)
+            engines[cache] = llama_cpp.Llama(**{k: v for k, v in kwargs.items() if v is not None})
         except Exception as err:  # a peer failing must not stop the others
             row.status = f"failed: {type(err).__name__}: {err}"
-        logger.info("llama.cpp %s: %s", cache, row)
+    if ppl and engines:
+        for name, (value, kl, top1) in _llama_cpp_scores(engines, windows, rows).items():
+            rows[name].ppl, rows[name].mean_kl, rows[name].top1 = value, kl, top1
+            logger.info("llama.cpp %s: %s", name, rows[name])
+    for name, llm in list(engines.items()):
+        try:
+            llm.reset()
+            llm.eval(prompt)
+        except Exception as err:
+            rows[name].status = f"failed: {type(err).__name__}: {err}"
+            del engines[name]
     if engines:
         speeds = _interleaved({name: (lambda i, llm=llm: llm.eval([prompt[i % len(prompt)]]))
                                for name, llm in engines.items()}, steps)
         for name, ms in speeds.items():
             rows[name].decode_ms = ms
     return _finish(list(rows.values()), "f16")
+
+
+def _llama_cpp_scores(engines: dict[str, Any], windows: list[list[int]],
+                      rows: dict[str, Row]) -> dict[str, tuple[float, float | None, float | None]]:
+    """Strict decode of ``windows`` on every engine: ``{cache: (ppl, mean KL from f16, top-1 agreement)}``.
+
+    Every window is decoded one token per eval on each engine in turn; its scored positions (all but the last
+    token's) are compared with the f16 engine's before the next window, so only one window of logits is held.
+    An engine that fails is marked in ``rows`` and dropped.
+    """
+    nll = {name: 0.0 for name in engines}
+    kl = {name: 0.0 for name in engines}
+    agree = {name: 0 for name in engines}
+    count = 0
+    for window in windows:
+        logp = {}
+        for name, llm in list(engines.items()):
+            try:
+                llm.reset()
+                for token in window:
+                    llm.eval([token])
+                logp[name] = _log_softmax(np.asarray(llm.scores[: len(window) - 1], dtype=np.float64))
+            except Exception as err:
+                rows[name].status = f"failed: {type(err).__name__}: {err}"
+                del engines[name]
+        targets = np.asarray(window[1:])
+        base = logp.get("f16")
+        for name, lp in logp.items():
+            nll[name] -= float(lp[np.arange(len(targets)), targets].sum())
+            if base is not None:
+                kl[name] += float((np.exp(base) * (base - lp)).sum())
+                agree[name] += int((base.argmax(-1) == lp.argmax(-1)).sum())
+        count += len(targets)
+    has_base = "f16" in engines
+    return {name: (math.exp(nll[name] / count), kl[name] / count if has_base else None,
+                   agree[name] / count if has_base else None) for name in engines}
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    top = logits.max(-1, keepdims=True)
+    return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+
+
+def dequantized_gguf(source: Path, out: Path) -> Path:
+    """``source`` with every tensor stored as F32 (quantized ones dequantized by gguf's reference), at ``out``.
+
+    llama.cpp then runs the very weights kvq and transformers run (kvq's fp32 conversion of a GGUF dequantizes
+    the same tensors), so a cache comparison no longer mixes in the quantized matmuls' arithmetic (llama.cpp
+    rounds every activation to q8 blocks before a Q4_1 matmul). Metadata and tensor order are copied; the file
+    is written once (beside a stamp of its source) and reused.
+    """
+    import gguf
+    from gguf.quants import dequantize
+
+    stamp = {"source": str(source), "bytes": source.stat().st_size, "mtime_ns": source.stat().st_mtime_ns}
+    if _reuse(out.parent, stamp) and out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    partial = out.with_name(out.name + ".partial")
+    writer = gguf.GGUFWriter(partial, arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue  # written by the writer itself
+        if field.name == gguf.Keys.General.FILE_TYPE:
+            writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+            continue
+        kind = field.types[0]
+        writer.add_key_value(field.name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for tensor in reader.tensors:
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+        data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape)
+        writer.add_tensor(tensor.name, data, raw_dtype=gguf.GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    partial.replace(out)
+    _stamp(out.parent, stamp)
+    logger.info("llama.cpp weights: %s dequantized to F32 at %s", source, out)
+    return out
 
 
 # -- transformers ------------------------------------------------------------------------------------------------
@@ -578,17 +677,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS)}")
     parser.add_argument("--ppl-windows", type=int, default=2)
     parser.add_argument("--ppl-tokens", type=int, default=512)
+    parser.add_argument("--ppl-offset", type=int, default=None,
+                        help="corpus token the perplexity windows start at (default: kvq_export.bench.PPL_OFFSET; "
+                             "0 with 8 x 512 is protocol P)")
     parser.add_argument("--context", type=int, default=1024, help="tokens in the cache for decode timing")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps")
     parser.add_argument("--kvq-flavor", default="reference")
     parser.add_argument("--threads", type=int, default=None, help="llama.cpp threads")
+    parser.add_argument("--llama-caches", default=",".join(LLAMA_CPP_DEFAULT),
+                        help=f"llama.cpp caches, comma list of {', '.join(LLAMA_CPP_TYPES)} (f16 always runs)")
+    parser.add_argument("--llama-weights", choices=LLAMA_WEIGHTS, default="gguf",
+                        help="llama.cpp weights: the GGUF's own, or fp32 (the GGUF dequantized, the weights kvq "
+                             "runs; written once to --work-dir)")
     parser.add_argument("--no-ppl", action="store_true", help="decode speed only (peers' perplexity skipped)")
     parser.add_argument("--json", dest="json_out", default=None, help="write the rows as JSON here")
     parser.add_argument("--genai-contexts", default="512,2048,8192", help="genai peer: decode-step contexts")
     parser.add_argument("--genai-ppl-windows", type=int, default=8,
                         help="genai peer: protocol P windows (britannica from token 0)")
     parser.add_argument("--genai-ppl-tokens", type=int, default=512)
-    parser.add_argument("--work-dir", default="/tmp/kvq-peers", help="genai peer: exports and builds are kept here")
+    parser.add_argument("--work-dir", default="/tmp/kvq-peers",
+                        help="genai exports and builds, and llama.cpp's fp32 weights, are kept here")
     parser.add_argument("--genai-ppl-engines", default=None, help="genai peer: comma list of engines to score")
     parser.add_argument("--genai-timed-engines", default=None, help="genai peer: comma list of engines to time")
     parser.add_argument("--genai-int4-percentile", type=float, default=99.9,
@@ -600,7 +708,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown peer(s) {', '.join(unknown)}; allowed: {', '.join(PEERS)}")
 
-    windows = text_windows(args.model, args.ppl_windows, args.ppl_tokens)
+    llama_caches = [c.strip() for c in args.llama_caches.split(",") if c.strip()]
+    unknown = sorted(set(llama_caches) - set(LLAMA_CPP_TYPES))
+    if unknown:
+        parser.error(f"unknown llama.cpp cache(s) {', '.join(unknown)}; allowed: {', '.join(LLAMA_CPP_TYPES)}")
+
+    windows = text_windows(args.model, args.ppl_windows, args.ppl_tokens, args.ppl_offset)
     rows: list[Row] = []
     if "kvq" in peers:
         rows += run_kvq(args.model, windows, args.context, args.steps, args.kvq_flavor, not args.no_ppl)
@@ -609,7 +722,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if gguf is None:
             rows.append(Row("llama.cpp", "-", "-", status="unavailable: --model is not a GGUF file"))
         else:
-            rows += run_llama_cpp(gguf, windows, args.context, args.steps, args.threads, not args.no_ppl)
+            if args.llama_weights == "fp32":
+                gguf = dequantized_gguf(gguf, Path(args.work_dir) / "llama-fp32" / f"{gguf.stem}.F32.gguf")
+            rows += run_llama_cpp(gguf, windows, args.context, args.steps, args.threads, not args.no_ppl,
+                                  llama_caches)
     if "hf" in peers:
         rows += run_hf(args.model, windows, args.context, args.steps, not args.no_ppl)
     genai_rows: list[Row] = []
@@ -625,18 +741,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from kvq_export.bench import PPL_OFFSET
+
+    offset = PPL_OFFSET if args.ppl_offset is None else args.ppl_offset
     table = Table(title=f"peers on {args.model}: strict-decode perplexity on {args.ppl_windows}x{args.ppl_tokens} "
-                        f"britannica tokens; decode step at {args.context} tokens, batch 1")
-    for col in ("engine", "cache", "kvq preset", "ppl", "Δppl vs own base", "decode ms", "x own base", "status"):
-        table.add_column(col, justify="right" if col in ("ppl", "Δppl vs own base", "decode ms", "x own base")
-                         else "left")
+                        f"britannica tokens from token {offset}; decode step at {args.context} tokens, batch 1"
+                        + (f"; llama.cpp weights {args.llama_weights}" if "llama.cpp" in peers else ""))
+    numbers = ("ppl", "Δppl vs own base", "KL", "top-1", "decode ms", "x own base")
+    for col in ("engine", "cache", "kvq preset", *numbers, "status"):
+        table.add_column(col, justify="right" if col in numbers else "left")
 
     def fmt(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
     for r in rows:
-        table.add_row(r.engine, r.cache, r.kvq_counterpart, fmt(r.ppl, ".3f"), fmt(r.ppl_delta, "+.3f"),
-                      fmt(r.decode_ms, ".2f"), fmt(r.speed_ratio, ".2f"), r.status)
+        delta = ("-" if r.ppl_delta is None
+                 else f"{r.ppl_delta:+.3f} ({100 * r.ppl_delta / (r.ppl - r.ppl_delta):+.2f}%)")
+        table.add_row(r.engine, r.cache, r.kvq_counterpart, fmt(r.ppl, ".3f"), delta, fmt(r.mean_kl, ".4f"),
+                      fmt(r.top1, ".1%"), fmt(r.decode_ms, ".2f"), fmt(r.speed_ratio, ".2f"), r.status)
     if rows:
         Console(width=200).print(table)
     if genai_rows:
