@@ -170,7 +170,7 @@ def run_llama_cpp(gguf: Path, windows: list[list[int]], context: int, steps: int
     """
     caches = ["f16", *(c for c in caches if c != "f16")]
     if not _has("llama_cpp"):
-        return [Row("llama.cpp", c, LLAMA_CPP_TYPES[c][2], status="unavailable: pip install llama-cpp-python")
+        return [Row("llama.cpp", c, _llama_cpp_counterpart(c), status="unavailable: pip install llama-cpp-python")
                 for c in caches]
     import llama_cpp
 
@@ -178,8 +178,8 @@ def run_llama_cpp(gguf: Path, windows: list[list[int]], context: int, steps: int
     length = max(len(w) for w in windows)
     prompt = (windows[0] * (context // len(windows[0]) + 1))[:context]
     for cache in caches:
-        k_type, v_type, kvq_name = LLAMA_CPP_TYPES[cache]
-        row = rows[cache] = Row("llama.cpp", cache, kvq_name)
+        k_type, v_type, _ = LLAMA_CPP_TYPES[cache]
+        row = rows[cache] = Row("llama.cpp", cache, _llama_cpp_counterpart(cache))
         try:
             kwargs = dict(model_path=str(gguf), n_ctx=max(context + steps + 16, length + 8), n_batch=512,
                           n_ubatch=512, type_k=getattr(llama_cpp, k_type), type_v=getattr(llama_cpp, v_type),
@@ -204,6 +204,15 @@ def run_llama_cpp(gguf: Path, windows: list[list[int]], context: int, steps: int
         for name, ms in speeds.items():
             rows[name].decode_ms = ms
     return _finish(list(rows.values()), "f16")
+
+
+def _llama_cpp_counterpart(cache: str) -> str:
+    """The kvq preset ``cache`` lines up with: the rotated one unless llama.cpp's rotation is switched off."""
+    import os
+
+    preset = LLAMA_CPP_TYPES[cache][2]
+    off = os.environ.get("LLAMA_ATTN_ROT_DISABLE", "0").strip()
+    return preset.removesuffix("-rot") if off.lstrip("-").isdigit() and int(off) else preset
 
 
 def _llama_cpp_scores(engines: dict[str, Any], windows: list[list[int]],
