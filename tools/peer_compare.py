@@ -262,7 +262,7 @@ def dequantized_gguf(source: Path, out: Path) -> Path:
     llama.cpp then runs the very weights kvq and transformers run (kvq's fp32 conversion of a GGUF dequantizes
     the same tensors), so a cache comparison no longer mixes in the quantized matmuls' arithmetic (llama.cpp
     rounds every activation to q8 blocks before a Q4_1 matmul). Metadata and tensor order are copied; the file
-    is written once (beside a stamp of its source) and reused.
+    is written once and reused while the stamp beside it (``out``'s folder holds one copy) matches ``source``.
     """
     import gguf
     from gguf.quants import dequantize
@@ -732,7 +732,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append(Row("llama.cpp", "-", "-", status="unavailable: --model is not a GGUF file"))
         else:
             if args.llama_weights == "fp32":
-                gguf = dequantized_gguf(gguf, Path(args.work_dir) / "llama-fp32" / f"{gguf.stem}.F32.gguf")
+                # one folder per source: its stamp says which file the copy was made from
+                folder = Path(args.work_dir) / f"llama-fp32-{gguf.stem}"
+                gguf = dequantized_gguf(gguf, folder / f"{gguf.stem}.F32.gguf")
             rows += run_llama_cpp(gguf, windows, args.context, args.steps, args.threads, not args.no_ppl,
                                   llama_caches)
     if "hf" in peers:
