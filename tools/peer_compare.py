@@ -108,10 +108,15 @@ def _has(module: str | None) -> bool:
         return False
 
 
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities over the last axis, in float64."""
+    logits = logits.astype(np.float64)
+    top = logits.max(-1, keepdims=True)
+    return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+
+
 def _nll(logits: np.ndarray, target: int) -> float:
-    row = logits.astype(np.float64)
-    top = row.max()
-    return float(top + math.log(np.exp(row - top).sum()) - row[target])
+    return float(-_log_softmax(logits)[target])
 
 
 def _finish(rows: list[Row], baseline: str) -> list[Row]:
@@ -234,7 +239,7 @@ def _llama_cpp_scores(engines: dict[str, Any], windows: list[list[int]],
                 llm.reset()
                 for token in window:
                     llm.eval([token])
-                logp[name] = _log_softmax(np.asarray(llm.scores[: len(window) - 1], dtype=np.float64))
+                logp[name] = _log_softmax(np.asarray(llm.scores[: len(window) - 1]))
             except Exception as err:
                 rows[name].status = f"failed: {type(err).__name__}: {err}"
                 del engines[name]
@@ -249,11 +254,6 @@ def _llama_cpp_scores(engines: dict[str, Any], windows: list[list[int]],
     has_base = "f16" in engines
     return {name: (math.exp(nll[name] / count), kl[name] / count if has_base else None,
                    agree[name] / count if has_base else None) for name in engines}
-
-
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    top = logits.max(-1, keepdims=True)
-    return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
 
 
 def dequantized_gguf(source: Path, out: Path) -> Path:
