@@ -1,0 +1,464 @@
+"""Weight storage formats of an export: fp32 as built, fp16, or block-quantized int8 / int4.
+
+:func:`quantize_weights` rewrites a built decoder graph after :func:`~kvq_export.export.decoder.build_decoder`
+and before :func:`~kvq_export.export.builder.save`::
+
+    graph = build_decoder(model, arch, cache)
+    graph = quantize_weights(graph, format="int4")      # block_size=32, symmetric, fp32 activations
+    save(graph, out / "model.onnx")
+
+It takes that in-memory graph (an ``onnx_ir.Model``, or an ``onnx.ModelProto`` whose weights are loaded, not
+left in external data) and returns the same kind; a ModelProto argument is changed in place. ONNX Runtime's
+quantizer reads and writes initializer bytes in memory, so the graph is never serialized whole and a model
+over protobuf's 2 GB limit is fine as long as it is saved with external data (:func:`save` does), but the fp32
+weights and their quantized copies are both held while it runs.
+
+Formats (the cache and the compute dtype are untouched by all of them):
+
+* ``fp32``: the weights as the graph was built (an fp16-compute graph keeps its fp16 weights);
+* ``fp16``: every 2-D weight of an fp32 graph is stored as float16 and cast back to float32 by a ``Cast`` in the
+  graph (the file halves; ONNX Runtime folds the casts when it loads the graph, so memory at run time does not);
+* ``int8`` / ``int4``: the weight MatMuls (q/k/v/o, MLP and an untied lm_head) become ``com.microsoft.MatMulNBits``
+  through ONNX Runtime's own ``MatMulNBitsQuantizer`` (blocks of ``block_size`` along the input dimension, one
+  scale per block, zero points when not ``symmetric``); the embedding becomes ``com.microsoft.GatherBlockQuantized``.
+
+A tied lm_head (a MatMul on the embedding's Transpose, or a ``Gemm(transB=1)`` on it) reads the same quantized
+embedding: the embedding ``[V, H]`` is exactly the ``[N, K]`` matrix MatMulNBits wants, so it is quantized once,
+by the same ONNX Runtime routine ``MatMulNBitsQuantizer`` uses, into MatMulNBits' ``[V, blocks, bytes]`` layout.
+MatMulNBits reads that initializer as it is; GatherBlockQuantized needs it as ``[V, blocks * bytes]`` and reads it
+through a ``Reshape`` that ONNX Runtime folds at load (ONNX Runtime 1.32 refuses a 2-D ``B`` in MatMulNBits, and
+a 3-D gather table would need its scales as ``[V, blocks, 1]``, which MatMulNBits refuses), as onnxruntime-genai's
+builder does with ``shared_embeddings``. Scales and zero points are the same initializers for both. The file holds
+the embedding once, quantized, and no full-precision copy.
+
+``accuracy_level`` is MatMulNBits' compute type for the activations: 1 float32, 2 float16, 3 bfloat16, 4 int8.
+The default is 1: with int8 activations (onnxruntime-genai's CPU default) a sequence's greedy tokens depend on what
+else is in the batch; with float32 activations they do not. Level 4 is faster on CPU; ask for it explicitly.
+
+:func:`weight_bytes` reports what an export directory's initializers hold: the quantized payload, the scales and
+zero points, and the unquantized rest (by dtype), for showing beside the cache's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from kvq_export.errors import ExportError
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
+BITS = {"int8": 8, "int4": 4}
+#: block sizes MatMulNBits and GatherBlockQuantized take on CPU (a power of two, at least 16)
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+#: MatMulNBits ``accuracy_level``: the activations' compute type
+ACCURACY_LEVELS = {1: "float32", 2: "float16", 3: "bfloat16", 4: "int8"}
+#: float32 activations: greedy tokens do not depend on the batch
+DEFAULT_ACCURACY_LEVEL = 1
+#: graph metadata key recording how the weights are stored (JSON)
+WEIGHTS_KEY = "kvq.weights"
+MS_DOMAIN = "com.microsoft"
+
+_FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+_DTYPE_NAMES = {onnx.TensorProto.FLOAT: "fp32", onnx.TensorProto.FLOAT16: "fp16", onnx.TensorProto.BFLOAT16: "bf16"}
+
+
+def check_weight_options(format: str, block_size: int, symmetric: bool, accuracy_level: int | None) -> None:
+    """Raise a one-line :class:`ExportError` unless every option is one kvq can store."""
+    if format not in WEIGHT_FORMATS:
+        raise ExportError(f"unknown weight format {format!r}; allowed: {', '.join(WEIGHT_FORMATS)}")
+    if isinstance(block_size, bool) or block_size not in BLOCK_SIZES:
+        raise ExportError(f"invalid weight block size {block_size!r}; allowed: {', '.join(map(str, BLOCK_SIZES))}")
+    if not isinstance(symmetric, bool):
+        raise ExportError(f"invalid symmetric={symmetric!r}; allowed: True, False")
+    if accuracy_level is not None and (isinstance(accuracy_level, bool) or accuracy_level not in ACCURACY_LEVELS):
+        allowed = ", ".join(f"{level} ({name} activations)" for level, name in ACCURACY_LEVELS.items())
+        raise ExportError(f"invalid accuracy_level {accuracy_level!r}; allowed: {allowed}, or None (ONNX Runtime's)")
+
+
+def quantize_weights(
+    model: onnx.ModelProto | ir.Model,
+    *,
+    format: str,
+    block_size: int = 32,
+    symmetric: bool = True,
+    accuracy_level: int | None = DEFAULT_ACCURACY_LEVEL,
+) -> onnx.ModelProto | ir.Model:
+    """Store ``model``'s weights in ``format`` (see the module docstring); returns the same kind of model.
+
+    Args:
+        model: a built decoder graph with its weights in memory.
+        format: ``fp32`` (unchanged), ``fp16``, ``int8`` or ``int4``.
+        block_size: elements per scale along each weight's input dimension (int formats).
+        symmetric: no zero points (int formats); asymmetric blocks store a zero point per block.
+        accuracy_level: MatMulNBits' activation compute type (1 float32 .. 4 int8); None leaves ONNX Runtime's.
+
+    Raises:
+        ExportError: an option kvq does not support, or a graph with no weight to convert.
+
+    """
+    check_weight_options(format, block_size, symmetric, accuracy_level)
+    if format == "fp32":
+        return model
+    as_ir = isinstance(model, ir.Model)
+    if as_ir:
+        ir.external_data.load_to_model(model)  # a loaded model may still point into its data file
+        proto = ir.to_proto(model)
+    else:
+        proto = model
+        external = [t.name for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+        if external:
+            raise ExportError(f"weight {external[0]} is still in external data: load the model with its weights "
+                              "(onnx.load(path), load_external_data=True) before converting them")
+    if format == "fp16":
+        record = _store_fp16(proto)
+    else:
+        proto, record = _quantize_blocks(proto, BITS[format], block_size, symmetric, accuracy_level)
+    _set_metadata(proto, WEIGHTS_KEY, json.dumps(record, sort_keys=True))
+    return ir.from_proto(proto) if as_ir else proto
+
+
+# -- which initializers are weights ---------------------------------------------------------------------
+def _is_weight(name: str) -> bool:
+    """Whether initializer ``name`` is one of the model's weights.
+
+    The decoder stores weights under their Hugging Face names (``....weight``; a fused slice adds ``[a:b]``); its
+    own float constants (rotations, channel permutations, rope tables) have other names and stay as built.
+    """
+    base = name.rsplit("[", 1)[0] if name.endswith("]") else name
+    return base.endswith(".weight")
+
+
+class _Graph:
+    """Lookups over one GraphProto that the rewrites below keep current."""
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.graph = graph
+        self.inits = {t.name: t for t in graph.initializer}
+
+    def consumers(self, name: str) -> list[tuple[onnx.NodeProto, int]]:
+        return [(n, i) for n in self.graph.node for i, x in enumerate(n.input) if x == name]
+
+    def used(self, name: str) -> bool:
+        return any(name in n.input for n in self.graph.node) or any(o.name == name for o in self.graph.output)
+
+    def add_initializer(self, array: np.ndarray, name: str) -> str:
+        tensor = onnx.numpy_helper.from_array(np.ascontiguousarray(array), name)
+        self.graph.initializer.append(tensor)
+        self.inits[name] = tensor
+        return name
+
+    def drop_initializer(self, name: str) -> None:
+        if not self.used(name):
+            self.graph.initializer.remove(self.inits.pop(name))
+
+    def replace_node(self, old: onnx.NodeProto, new: list[onnx.NodeProto]) -> None:
+        index = list(self.graph.node).index(old)
+        self.graph.node.remove(old)
+        for offset, node in enumerate(new):
+            self.graph.node.insert(index + offset, node)
+
+    def weight_matmuls(self) -> list[onnx.NodeProto]:
+        """MatMuls whose B is a 2-D float weight initializer."""
+        return [n for n in self.graph.node if n.op_type == "MatMul" and len(n.input) == 2 and n.input[1] in self.inits
+                and _is_weight(n.input[1]) and len(self.inits[n.input[1]].dims) == 2
+                and self.inits[n.input[1]].data_type in _FLOATS]
+
+
+def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+# -- fp16 storage -----------------------------------------------------------------------------------------
+def _store_fp16(proto: onnx.ModelProto) -> dict[str, Any]:
+    """Every 2-D float32 weight becomes a float16 initializer plus a Cast back to float32 under its old name."""
+    g = _Graph(proto.graph)
+    casts = []
+    for tensor in list(proto.graph.initializer):
+        if tensor.data_type != onnx.TensorProto.FLOAT or len(tensor.dims) != 2 or not _is_weight(tensor.name):
+            continue
+        array = onnx.numpy_helper.to_array(tensor)
+        if np.abs(array).max(initial=0) > np.finfo(np.float16).max:
+            raise ExportError(f"weight {tensor.name} has values beyond float16's range; store it as fp32 or int8")
+        stored = g.add_initializer(array.astype(np.float16), f"{tensor.name}.fp16")
+        proto.graph.initializer.remove(g.inits.pop(tensor.name))
+        casts.append(onnx.helper.make_node("Cast", [stored], [tensor.name], name=f"{tensor.name}/Cast",
+                                           to=onnx.TensorProto.FLOAT))
+    for offset, node in enumerate(casts):  # before every consumer
+        proto.graph.node.insert(offset, node)
+    if casts:
+        logger.info("stored %d weights as float16", len(casts))
+    elif any(t.data_type == onnx.TensorProto.FLOAT16 and _is_weight(t.name) for t in proto.graph.initializer):
+        logger.info("the graph's weights are float16 already")
+    else:
+        raise ExportError("found no float weight initializer to store as fp16 (is this a kvq decoder graph?)")
+    return {"format": "fp16"}
+
+
+# -- block quantization -------------------------------------------------------------------------------------
+@dataclass
+class _Embedding:
+    """An embedding table, the Gathers that read it and the lm_head nodes that read it transposed."""
+
+    name: str
+    gathers: list[onnx.NodeProto] = field(default_factory=list)
+    heads: list[tuple[onnx.NodeProto, onnx.NodeProto | None]] = field(default_factory=list)  # (MatMul|Gemm, Transpose)
+    others: int = 0  # consumers left as they are (they keep the full-precision table)
+
+
+def _find_embeddings(g: _Graph) -> list[_Embedding]:
+    found = []
+    for name, tensor in g.inits.items():
+        if not _is_weight(name) or len(tensor.dims) != 2 or tensor.data_type not in _FLOATS:
+            continue
+        uses = g.consumers(name)
+        if not any(n.op_type == "Gather" and i == 0 and _attr(n, "axis", 0) == 0 for n, i in uses):
+            continue
+        emb = _Embedding(name)
+        for node, index in uses:
+            if node.op_type == "Gather" and index == 0 and _attr(node, "axis", 0) == 0:
+                emb.gathers.append(node)
+            elif node.op_type == "Transpose" and list(_attr(node, "perm", [])) == [1, 0]:
+                readers = g.consumers(node.output[0])
+                if readers and all(r.op_type == "MatMul" and i == 1 for r, i in readers):
+                    emb.heads.extend((r, node) for r, _ in readers)
+                else:
+                    emb.others += 1
+            elif (node.op_type == "Gemm" and index == 1 and len(node.input) == 2 and _attr(node, "transB", 0) == 1
+                  and _attr(node, "transA", 0) == 0 and _attr(node, "alpha", 1.0) == 1.0):
+                emb.heads.append((node, None))
+            else:
+                emb.others += 1
+        found.append(emb)
+    return found
+
+
+def _block_quantizer(bits: int, block_size: int, symmetric: bool):
+    """ONNX Runtime's block quantizer, the one MatMulNBitsQuantizer calls for each MatMul weight."""
+    ort = _ort_quantizer()
+    return ort.DefaultWeightOnlyQuantizer(ort.DefaultWeightOnlyQuantConfig(block_size=block_size,
+                                                                           is_symmetric=symmetric, bits=bits))
+
+
+def _ort_quantizer():
+    """ONNX Runtime's ``matmul_nbits_quantizer`` module, imported without letting it configure the root logger.
+
+    The module calls ``logging.basicConfig(level=INFO)`` when imported, which would turn on every library's INFO
+    lines in the application, and logs one INFO line per graph node: both are held back to kvq's own logging.
+    """
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        from onnxruntime.quantization import matmul_nbits_quantizer as module
+    finally:
+        for handler in root.handlers[:]:
+            if handler not in handlers:
+                root.removeHandler(handler)
+        root.setLevel(level)
+    logging.getLogger(module.__name__).setLevel(logging.WARNING)
+    return module
+
+
+def _quantize_embedding(g: _Graph, emb: _Embedding, bits: int, block_size: int, symmetric: bool,
+                        accuracy_level: int | None) -> int:
+    """Replace the Gathers and tied heads of ``emb``; return how many MatMulNBits it made."""
+    table = onnx.numpy_helper.to_array(g.inits[emb.name])
+    vocab, hidden = table.shape
+    # [V, H] is MatMulNBits' [N, K]: quantize its transpose as the K x N weight of a MatMul
+    packed, scales, zero_points = _block_quantizer(bits, block_size, symmetric).qbits_block_quant(
+        np.ascontiguousarray(table.T))
+    blocks, width = packed.shape[1], packed.shape[1] * packed.shape[2]
+    data = g.add_initializer(packed, f"{emb.name}_Q{bits}")
+    scale = g.add_initializer(scales, f"{emb.name}_scales")
+    extra = [] if symmetric else [g.add_initializer(zero_points, f"{emb.name}_zero_points")]
+    rows = f"{data}/rows"
+    reshape = onnx.helper.make_node("Reshape", [data, g.add_initializer(np.array([vocab, width], np.int64),
+                                                                        f"{data}/rows_shape")],
+                                    [rows], name=f"{data}/Reshape")
+    for number, gather in enumerate(emb.gathers):
+        padded = blocks * block_size != hidden  # a last partial block: ORT pads it, the gather returns the padding
+        out = f"{gather.output[0]}/padded" if padded else gather.output[0]
+        nodes = [reshape] if number == 0 else []
+        nodes.append(onnx.helper.make_node(
+            "GatherBlockQuantized", [rows, gather.input[1], scale, *extra], [out], domain=MS_DOMAIN,
+            name=f"{gather.name}_Q{bits}", bits=bits, block_size=block_size, gather_axis=0, quantize_axis=1))
+        if padded:
+            nodes.append(onnx.helper.make_node(
+                "Slice", [out, g.add_initializer(np.array([0], np.int64), f"{out}/starts"),
+                          g.add_initializer(np.array([hidden], np.int64), f"{out}/ends"),
+                          g.add_initializer(np.array([-1], np.int64), f"{out}/axes")],
+                [gather.output[0]], name=f"{gather.name}_Q{bits}/Slice"))
+        g.replace_node(gather, nodes)
+    for head, transpose in emb.heads:
+        attrs = {"K": hidden, "N": vocab, "bits": bits, "block_size": block_size}
+        if accuracy_level:
+            attrs["accuracy_level"] = accuracy_level
+        g.replace_node(head, [onnx.helper.make_node("MatMulNBits", [head.input[0], data, scale, *extra],
+                                                    [head.output[0]], domain=MS_DOMAIN, name=f"{head.name}_Q{bits}",
+                                                    **attrs)])
+        if transpose is not None and not g.used(transpose.output[0]):
+            g.graph.node.remove(transpose)
+    g.drop_initializer(emb.name)
+    if emb.others:
+        logger.warning("%s has %d other readers: it stays in full precision for them", emb.name, emb.others)
+    logger.info("embedding %s: GatherBlockQuantized%s", emb.name,
+                f" and the tied lm_head's MatMulNBits on one {bits}-bit table" if emb.heads else "")
+    return len(emb.heads)
+
+
+def _quantize_blocks(proto: onnx.ModelProto, bits: int, block_size: int, symmetric: bool,
+                     accuracy_level: int | None) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    g = _Graph(proto.graph)
+    embeddings = _find_embeddings(g)
+    heads = sum(_quantize_embedding(g, emb, bits, block_size, symmetric, accuracy_level) for emb in embeddings)
+    weights = g.weight_matmuls()
+    if not weights and not embeddings:
+        raise ExportError("found no weight MatMul or embedding Gather to quantize (is this a kvq decoder graph?)")
+    _name_nodes(proto.graph.node, "MatMul")
+    chosen = {n.name for n in weights}
+    # other MatMuls with a constant B (rotations, channel permutations) stay in float32: they are exact transforms
+    keep = [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.name not in chosen]
+    quantizer = _ort_quantizer().MatMulNBitsQuantizer(
+        proto, bits=bits, block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level,
+        nodes_to_exclude=keep, op_types_to_quantize=("MatMul",))
+    quantizer.process()
+    proto = quantizer.model.model
+    made = sum(n.op_type == "MatMulNBits" for n in proto.graph.node)
+    if made != len(weights) + heads:
+        left = sorted(chosen & {n.name for n in proto.graph.node if n.op_type == "MatMul"})
+        raise ExportError(f"ONNX Runtime's quantizer left {len(left)} weight MatMul(s) unquantized ({left[0]}, ...)")
+    logger.info("quantized %d MatMuls to %d-bit MatMulNBits (blocks of %d, %s, accuracy_level %s)",
+                made, bits, block_size, "symmetric" if symmetric else "asymmetric", accuracy_level)
+    return proto, {"format": f"int{bits}", "block_size": block_size, "symmetric": symmetric,
+                   "accuracy_level": accuracy_level}
+
+
+def _name_nodes(nodes: Iterable[onnx.NodeProto], op_type: str) -> None:
+    """Give unnamed ``op_type`` nodes unique names (the quantizer selects nodes by name)."""
+    taken = {n.name for n in nodes}
+    for number, node in enumerate(n for n in nodes if n.op_type == op_type and not n.name):
+        name = f"{op_type}_w{number}"
+        while name in taken:
+            name += "_"
+        node.name = name
+        taken.add(name)
+
+
+def _set_metadata(proto: onnx.ModelProto, key: str, value: str) -> None:
+    for prop in proto.metadata_props:
+        if prop.key == key:
+            prop.value = value
+            return
+    proto.metadata_props.add(key=key, value=value)
+
+
+# -- what an export's weights weigh ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WeightBytes:
+    """Initializer bytes of one graph, by role (shared initializers counted once).
+
+    ``quantized``: the integer payload of MatMulNBits / GatherBlockQuantized; ``scales``: their scales and zero
+    points; ``unquantized``: every other initializer by dtype (``fp32``, ``fp16``, ``int64``, ...): float weights,
+    norms, small constants. ``settings``: what :func:`quantize_weights` recorded in the graph (empty if nothing).
+    ``files``: bytes of ``model.onnx`` and its external data on disk.
+    """
+
+    format: str
+    quantized: int
+    scales: int
+    unquantized: dict[str, int]
+    files: int
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        """All initializer bytes."""
+        return self.quantized + self.scales + sum(self.unquantized.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"format": self.format, "quantized": self.quantized, "scales": self.scales,
+                "unquantized": dict(self.unquantized), "total": self.total, "files": self.files,
+                "settings": dict(self.settings)}
+
+    def describe(self) -> str:
+        """One line: ``int4 weights 77.9 MB: 62.1 MB quantized + 15.5 MB scales/zero points + 0.3 MB unquantized``."""
+        rest = sum(self.unquantized.values())
+        biggest = ", ".join(f"{name} {_mb(n)}" for name, n in sorted(self.unquantized.items(), key=lambda kv: -kv[1])
+                            if n >= 0.05 * rest)
+        return (f"{self.format} weights {_mb(self.total)}: {_mb(self.quantized)} quantized + {_mb(self.scales)} "
+                f"scales/zero points + {_mb(rest)} unquantized ({biggest or 'none'})")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def weight_bytes(directory: str | os.PathLike[str]) -> WeightBytes:
+    """:class:`WeightBytes` of an export directory's ``model.onnx`` (reads the graph, not the weight data)."""
+    from kvq_export.export.builder import EXTERNAL_DATA_SUFFIX
+    from kvq_export.manifest import MODEL_NAME
+
+    path = Path(directory) / MODEL_NAME
+    if not path.is_file():
+        raise ExportError(f"{directory} has no {MODEL_NAME}")
+    proto = onnx.load(str(path), load_external_data=False)
+    graph = proto.graph
+    made_by = {o: n for n in graph.node for o in n.output}
+
+    def source(name: str) -> str:  # through the Reshape a shared gather table is read by
+        node = made_by.get(name)
+        return node.input[0] if node is not None and node.op_type == "Reshape" else name
+
+    payload, scales, bits = set(), set(), set()
+    for node in graph.node:
+        if node.domain == MS_DOMAIN and node.op_type in ("MatMulNBits", "GatherBlockQuantized"):
+            payload.add(source(node.input[0] if node.op_type == "GatherBlockQuantized" else node.input[1]))
+            scales.update(x for x in node.input[2:4] if x)
+            bits.add(_attr(node, "bits", 4))
+    quantized = scale_bytes = 0
+    unquantized: dict[str, int] = {}
+    for tensor in graph.initializer:
+        size = _tensor_bytes(tensor)
+        if tensor.name in payload:
+            quantized += size
+        elif tensor.name in scales:
+            scale_bytes += size
+        else:
+            dtype = _DTYPE_NAMES.get(tensor.data_type) or onnx.TensorProto.DataType.Name(tensor.data_type).lower()
+            unquantized[dtype] = unquantized.get(dtype, 0) + size
+    settings = {}
+    for prop in proto.metadata_props:
+        if prop.key == WEIGHTS_KEY:
+            settings = json.loads(prop.value)
+    if settings.get("format"):
+        fmt = settings["format"]
+    elif bits:
+        fmt = "+".join(f"int{b}" for b in sorted(bits))
+    else:  # as built: the float dtype holding most bytes
+        floats = {k: v for k, v in unquantized.items() if k in ("fp32", "fp16", "bf16")}
+        fmt = max(floats, key=floats.get) if floats else "none"
+    data = path.with_name(path.name + EXTERNAL_DATA_SUFFIX)
+    files = path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
+    return WeightBytes(fmt, quantized, scale_bytes, unquantized, files, settings)
+
+
+def _tensor_bytes(tensor: onnx.TensorProto) -> int:
+    count = math.prod(tensor.dims)
+    if tensor.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+        return (count + 1) // 2
+    return count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
