@@ -250,3 +250,12 @@ def test_a_graph_without_weights_is_refused():
     for fmt in ("fp16", "int4"):
         with pytest.raises(ExportError, match=r"found no .* \(is this a kvq decoder graph\?\)"):
             quantize_weights(onnx.helper.make_model(graph), format=fmt)
+
+
+def test_int8_weights_without_int8_activations_warn(exports, caplog):
+    """ONNX Runtime's CPU kernel for 8-bit weights is fast only with int8 activations: say so."""
+    proto = onnx.load(str(exports("reference") / MODEL_NAME))
+    quantize_weights(proto, format="int8", accuracy_level=4)
+    assert "accuracy_level=4" not in caplog.text
+    quantize_weights(onnx.load(str(exports("reference") / MODEL_NAME)), format="int8")
+    assert "int8 weights with accuracy_level 1" in caplog.text and "accuracy_level=4" in caplog.text

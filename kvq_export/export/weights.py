@@ -32,8 +32,11 @@ builder does with ``shared_embeddings``. Scales and zero points are the same ini
 the embedding once, quantized, and no full-precision copy.
 
 ``accuracy_level`` is MatMulNBits' compute type for the activations: 1 float32, 2 float16, 3 bfloat16, 4 int8.
-The default is 1: with int8 activations (onnxruntime-genai's CPU default) a sequence's greedy tokens depend on what
-else is in the batch; with float32 activations they do not. Level 4 is faster on CPU; ask for it explicitly.
+The default is 1: under onnxruntime-genai's continuous batching, int8 activations (its builder's CPU default) made
+a sequence's greedy tokens depend on what else was in the batch, and float32 activations did not. Level 4 is faster
+on CPU (SmolLM2 int4, decode step at 512 tokens: about 0.7x the time of level 1); ask for it explicitly. ONNX Runtime
+1.32 has no fast CPU kernel for 8-bit weights with float32 activations (SmolLM2 int8 at level 1 decoded about 10x
+slower than with fp32 weights): int8 weights on CPU want ``accuracy_level=4``, and kvq warns otherwise.
 
 :func:`weight_bytes` reports what an export directory's initializers hold: the quantized payload, the scales and
 zero points, and the unquantized rest (by dtype), for showing beside the cache's bytes.
@@ -111,6 +114,10 @@ def quantize_weights(
     check_weight_options(format, block_size, symmetric, accuracy_level)
     if format == "fp32":
         return model
+    if format == "int8" and accuracy_level != 4:
+        logger.warning("int8 weights with accuracy_level %s: ONNX Runtime's CPU kernel for them is slow (about 10x "
+                       "fp32 weights per decode step); accuracy_level=4 (int8 activations) is the fast one",
+                       accuracy_level)
     as_ir = isinstance(model, ir.Model)
     if as_ir:
         ir.external_data.load_to_model(model)  # a loaded model may still point into its data file
