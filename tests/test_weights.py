@@ -259,3 +259,23 @@ def test_int8_weights_without_int8_activations_warn(exports, caplog):
     assert "accuracy_level=4" not in caplog.text
     quantize_weights(onnx.load(str(exports("reference") / MODEL_NAME)), format="int8")
     assert "int8 weights with accuracy_level 1" in caplog.text and "accuracy_level=4" in caplog.text
+
+
+def test_blocks_wider_than_the_hidden_size_pad_and_slice(exports, tmp_path):
+    """Hidden size 128 in blocks of 256: ONNX Runtime pads the last block; the gathered rows are sliced back."""
+    src = exports("ort-gqa")
+    out = converted(src, tmp_path / "q", format="int4", block_size=256)
+    gather = next(n for n in nodes(out) if n.op_type == "GatherBlockQuantized")
+    assert next(n for n in nodes(out) if gather.output[0] in n.input).op_type == "Slice"
+    assert rel_error(logits(out), logits(src)) < TOLERANCE["int4"]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "phi3", "gemma2"])
+def test_other_architectures(tmp_path, arch):
+    """Biases (qwen2), row slices of fused projections (phi3), soft-capping and a scaled tied embedding (gemma2)."""
+    model = tiny_model(arch)
+    src = export(model, "int4-sym-g32", tmp_path / "fp32")
+    out = converted(src, tmp_path / "q", format="int8")
+    assert rel_error(logits(out), logits(src)) < TOLERANCE["int8"]
+    assert not [n for n in nodes(out) if n.op_type in ("MatMul", "Gemm", "Gather") and n.input[int(
+        n.op_type != "Gather")].endswith((".weight", "]"))]
