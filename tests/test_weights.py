@@ -279,3 +279,9 @@ def test_other_architectures(tmp_path, arch):
     assert rel_error(logits(out), logits(src)) < TOLERANCE["int8"]
     assert not [n for n in nodes(out) if n.op_type in ("MatMul", "Gemm", "Gather") and n.input[int(
         n.op_type != "Gather")].endswith((".weight", "]"))]
+
+
+def test_converting_twice_is_refused(exports):
+    once = quantize_weights(onnx.load(str(exports("reference") / MODEL_NAME)), format="fp16")
+    with pytest.raises(ExportError, match=r"weights are stored as fp16 already; convert the graph as built"):
+        quantize_weights(once, format="int4")

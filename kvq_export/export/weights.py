@@ -128,6 +128,9 @@ def quantize_weights(
         if external:
             raise ExportError(f"weight {external[0]} is still in external data: load the model with its weights "
                               "(onnx.load(path), load_external_data=True) before converting them")
+    done = next((json.loads(p.value).get("format") for p in proto.metadata_props if p.key == WEIGHTS_KEY), None)
+    if done is not None:
+        raise ExportError(f"the graph's weights are stored as {done} already; convert the graph as built")
     if format == "fp16":
         record = _store_fp16(proto)
     else:
