@@ -119,6 +119,10 @@ def quantize_weights(
                        "fp32 weights per decode step); accuracy_level=4 (int8 activations) is the fast one",
                        accuracy_level)
     as_ir = isinstance(model, ir.Model)
+    metadata = model.metadata_props if as_ir else {prop.key: prop.value for prop in model.metadata_props}
+    if WEIGHTS_KEY in metadata:
+        done = json.loads(metadata[WEIGHTS_KEY]).get("format")
+        raise ExportError(f"the graph's weights are stored as {done} already; convert the graph as built")
     if as_ir:
         ir.external_data.load_to_model(model)  # a loaded model may still point into its data file
         proto = ir.to_proto(model)
@@ -128,9 +132,6 @@ def quantize_weights(
         if external:
             raise ExportError(f"weight {external[0]} is still in external data: load the model with its weights "
                               "(onnx.load(path), load_external_data=True) before converting them")
-    done = next((json.loads(p.value).get("format") for p in proto.metadata_props if p.key == WEIGHTS_KEY), None)
-    if done is not None:
-        raise ExportError(f"the graph's weights are stored as {done} already; convert the graph as built")
     if format == "fp16":
         record = _store_fp16(proto)
     else:
