@@ -35,7 +35,7 @@ the embedding once, quantized, and no full-precision copy.
 The default is 1: under onnxruntime-genai's continuous batching, int8 activations (its builder's CPU default) made
 a sequence's greedy tokens depend on what else was in the batch, and float32 activations did not. Level 4 is faster
 on CPU (SmolLM2 int4, decode step at 512 tokens: about 0.7x the time of level 1); ask for it explicitly. ONNX Runtime
-1.32 has no fast CPU kernel for 8-bit weights with float32 activations (SmolLM2 int8 at level 1 decoded about 10x
+1.32 has no fast CPU kernel for 8-bit weights with float32 activations (SmolLM2 int8 at level 1 decoded more than 10x
 slower than with fp32 weights): int8 weights on CPU want ``accuracy_level=4``, and kvq warns otherwise.
 
 :func:`weight_bytes` reports what an export directory's initializers hold: the quantized payload, the scales and
@@ -115,7 +115,7 @@ def quantize_weights(
     if format == "fp32":
         return model
     if format == "int8" and accuracy_level != 4:
-        logger.warning("int8 weights with accuracy_level %s: ONNX Runtime's CPU kernel for them is slow (about 10x "
+        logger.warning("int8 weights with accuracy_level %s: ONNX Runtime's CPU kernel for them is slow (more than 10x "
                        "fp32 weights per decode step); accuracy_level=4 (int8 activations) is the fast one",
                        accuracy_level)
     as_ir = isinstance(model, ir.Model)
