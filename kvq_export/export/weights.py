@@ -22,6 +22,9 @@ Formats (the cache and the compute dtype are untouched by all of them):
   through ONNX Runtime's own ``MatMulNBitsQuantizer`` (blocks of ``block_size`` along the input dimension, one
   scale per block, zero points when not ``symmetric``); the embedding becomes ``com.microsoft.GatherBlockQuantized``.
 
+MatMulNBits and GatherBlockQuantized are ONNX Runtime contrib ops: a graph meant for another runtime (the ``trt``
+flavour's TensorRT parser) can take ``fp16`` but not the int formats.
+
 A tied lm_head (a MatMul on the embedding's Transpose, or a ``Gemm(transB=1)`` on it) reads the same quantized
 embedding: the embedding ``[V, H]`` is exactly the ``[N, K]`` matrix MatMulNBits wants, so it is quantized once,
 by the same ONNX Runtime routine ``MatMulNBitsQuantizer`` uses, into MatMulNBits' ``[V, blocks, bytes]`` layout.
