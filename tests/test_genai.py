@@ -19,16 +19,10 @@ from tiny_models import WORDS, save_tiny_model_dir, tiny_model
 
 from kvq_export.errors import ExportError, KVQError, RuntimeInputError
 from kvq_export.export.exporter import export
+from kvq_export.export.genai_package import GENAI_CONFIG, GENAI_MODEL, RUNTIME
 from kvq_export.manifest import MODEL_NAME, Manifest
 from kvq_export.memory import Geometry, predict
-from kvq_export.runtime.genai import (
-    GENAI_CONFIG,
-    GENAI_MODEL,
-    RUNTIME,
-    GenaiSession,
-    builder_scale_file,
-    serve_command,
-)
+from kvq_export.runtime.genai import GenaiSession, builder_scale_file, serve_command
 from kvq_export.runtime.sampling import Sampler, SamplingConfig
 from kvq_export.runtime.session import KVQSession
 

@@ -234,7 +234,7 @@ def _write_runtime_files(directory: Path, manifest: Manifest) -> Manifest:
     """Add what other runtimes read (onnxruntime-genai's config and graph) and record it in the manifest."""
     from dataclasses import replace
 
-    from kvq_export.runtime.genai import RUNTIME, write_genai_files
+    from kvq_export.export.genai_package import RUNTIME, write_genai_files
 
     return replace(manifest, runtimes={**manifest.runtimes, RUNTIME: write_genai_files(directory, manifest)})
 

@@ -36,7 +36,7 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   projection too (:meth:`~kvq_export.export.decoder._Body.apply_packed_rope`: no per-head transposes, no
   Split), and the node still gets one packed input. So left-padded batches are fully supported and a batched
   prompt gives what it gives alone; right-padded rows (onnxruntime-genai's prompts, see
-  :mod:`kvq_export.runtime.genai`) work too.
+  :mod:`kvq_export.export.genai_package`) work too.
 * ``seqlens_k = max(seq_lengths + new - 1, 0)`` (int32), ``total_sequence_length = max(longest row, t)``,
   ``query_seqlens = new tokens per row``, all computed in-graph from ``past.seq_lengths`` and the mask.
 * **Buffer sharing**: when ``past_key`` and ``present_key`` are the same memory (IO binding), the kernel
@@ -104,6 +104,7 @@ from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.exporter import register_flavor
+from kvq_export.export.gqa_capability import unsupported
 from kvq_export.export.graph_codec import high_channel_choice, static_name, static_scales
 from kvq_export.export.kv_graph import LaidOutCache, name_packed_probe, name_probes
 from kvq_export.naming import PARTS, ROTARY_TABLES, tensor_name
@@ -113,7 +114,6 @@ from kvq_export.scheme import KVQuantScheme, TensorQuant
 logger = logging.getLogger(__name__)
 
 GQA_DOMAIN = "com.microsoft"
-GQA_BITS = (8, 4)
 
 
 @dataclass(frozen=True)
@@ -218,66 +218,6 @@ class LayerPlan:
     def stream_offsets(self, width: int) -> tuple[np.ndarray, np.ndarray]:
         """The key and value offsets, float32 ``[width]`` zeros for a stream that has none."""
         return tuple(np.zeros(width, np.float32) if o is None else o for o in (self.k_offset, self.v_offset))
-
-
-#: ONNX Runtime's GroupQueryAttention wants a head size that is a multiple of this (high channels widen the head)
-GQA_HEAD_MULTIPLE = 8
-
-
-def unsupported(scheme: KVQuantScheme, num_layers: int, head_dim: int | None = None) -> list[str]:
-    """Why GroupQueryAttention cannot hold ``scheme``'s cache (empty when it can).
-
-    One line per reason, naming the layers it applies to. ``head_dim``: also check the node's head size.
-    """
-    layers_by_reason: dict[str, list[int]] = {}
-
-    def note(layer: int, text: str) -> None:
-        layers_by_reason.setdefault(text, []).append(layer)
-
-    for layer, (key, value) in enumerate(scheme.streams(num_layers)):
-        for part, tq in zip(PARTS, (key, value)):
-            if not tq.quantized:
-                continue
-            if tq.residual_length:
-                note(layer, f"{part}: residual_length={tq.residual_length} (GQA keeps no high-precision window)")
-            if tq.quantizer != "kvq":
-                note(layer, f"{part}: quantizer {tq.quantizer} (ggml blocks need dynamic per-32 scales; GQA: static)")
-            if tq.format not in ("int_sym", "int"):
-                note(layer, f"{part}: format {tq.format} (GQA's cache holds int8/int4 codes only, int_sym or int; "
-                     "fp8 is not implemented on CPU)")
-            elif tq.bits not in GQA_BITS:
-                note(layer, f"{part}: {tq.bits} bits (kv_cache_bit_width is 8 or 4)")
-            if tq.scales != "static":
-                note(layer, f"{part}: dynamic scales (GQA takes fixed k_scale/v_scale: use static scales, "
-                     "e.g. the ort-int8 / ort-int4 presets)")
-        if key.quantized != value.quantized or (key.quantized and key.bits != value.bits):
-            note(layer, "key and value: different cache types or bit widths, but one GQA node has one cache type "
-                 "and one kv_cache_bit_width")
-        elif key.quantized and key.high_channels != value.high_channels:
-            note(layer, "key and value: different high_channels, but one GQA node has one head size (head_dim + n)")
-        elif key.quantized and head_dim and (head_dim + key.high_channels) % GQA_HEAD_MULTIPLE:
-            note(layer, f"high_channels={key.high_channels}: the node's head of head_dim + n = "
-                 f"{head_dim + key.high_channels} channels is not a multiple of {GQA_HEAD_MULTIPLE} (ONNX Runtime "
-                 f"needs one; allowed n: multiples of {GQA_HEAD_MULTIPLE} when head_dim is)")
-    reasons = [f"{_layer_span(layers, num_layers)} {text}" for text, layers in layers_by_reason.items()]
-    if scheme.quantized and (scheme.residual_length or scheme.sink_tokens):
-        reasons.append(f"residual_length={scheme.residual_length}, sink_tokens={scheme.sink_tokens}: GQA keeps no "
-                       "high-precision window (both must be 0)")
-    return reasons
-
-
-def _layer_span(layers: list[int], num_layers: int) -> str:
-    """``every layer``, ``layer 3`` or ``layers 0-2, 5`` (ascending layer indices)."""
-    if len(layers) == num_layers:
-        return "every layer"
-    runs: list[list[int]] = []
-    for layer in layers:
-        if runs and layer == runs[-1][1] + 1:
-            runs[-1][1] = layer
-        else:
-            runs.append([layer, layer])
-    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-    return f"layer {text}" if len(layers) == 1 else f"layers {text}"
 
 
 def per_channel(tq: TensorQuant, meta: np.ndarray, kv_heads: int, head_dim: int, role: str = "scales") -> np.ndarray:

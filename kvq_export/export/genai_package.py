@@ -1,0 +1,202 @@
+"""Package a kvq export for onnxruntime-genai: ``genai_config.json`` and the entry graph ``model.genai.onnx``.
+
+onnxruntime-genai (``og``) runs a decoder from a directory holding ``genai_config.json``, an ONNX graph and the
+tokenizer files, with its own C++ generation loop. Each step it feeds ``input_ids``, an ``attention_mask`` of the
+*whole* sequence so far (``[batch, total]``: a batched prompt right-padded, trailing ``pad_token_id`` masked, then
+one column of ones per generated token) and the past cache, found through printf templates
+(``past.%d.key.buffer``). With ``past_present_share_buffer`` it allocates one ``[batch, kv_heads, max_length, …]``
+buffer per layer and stream up front, taking the element type and packed width from the graph input (int8, or
+uint8 holding two 4-bit codes), and binds it as past input and present output, exactly the ``buffer`` layout's
+contract (:mod:`kvq_export.naming`).
+
+kvq's ``ort-gqa`` graph differs in one point: it carries each row's length as cache state (``past.seq_lengths``
+in, ``present.seq_lengths`` out) and its mask covers only this call's tokens, and og can feed neither.
+:func:`adapt_graph` therefore writes ``model.genai.onnx``: the same graph, referencing the same
+``model.onnx.data`` (no weight is copied), behind a prologue that takes og's mask and derives both::
+
+    call mask   = attention_mask[:, total - t:]          (t = input_ids' width)
+    past length = sum(attention_mask) - sum(call mask)   (per row)
+
+The GroupQueryAttention graph accepts rows padded on either side (kvq feeds left padding, og right padding), so
+nothing else changes and ``kvq generate`` keeps running ``model.onnx`` of the same directory.
+
+What og cannot hold: the reference and trt flavours' ``regions`` layout (sinks / quantized codes with dynamic
+per-token or per-group scales and zero points / a high-precision recent window, each region sized per call).
+An export of those writes no og files; its manifest's ``runtimes`` entry and one log line say why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvq_export.cache_layout import BUFFER
+from kvq_export.errors import ExportError
+from kvq_export.export.gqa_capability import unsupported
+from kvq_export.manifest import MODEL_NAME, Manifest
+from kvq_export.naming import tensor_name
+
+logger = logging.getLogger(__name__)
+
+#: Key of the manifest's ``runtimes`` entry.
+RUNTIME = "onnxruntime-genai"
+GENAI_CONFIG = "genai_config.json"
+GENAI_MODEL = "model.genai.onnx"
+#: og model types whose decoder-only state is the plain one (input_ids, mask, cache); anything else is served
+#: as ``llama``, which selects the same generic state (kvq's graph needs nothing model-specific from og).
+GENAI_TYPES = ("llama", "mistral", "qwen2")
+#: Names the prologue gives its values (unique in any kvq graph: they carry this prefix).
+_PREFIX = "genai."
+
+
+# -- what can be served ---------------------------------------------------------------------------------------
+def unsupported_reason(manifest: Manifest) -> str | None:
+    """Why og cannot serve this export (None when it can)."""
+    if manifest.cache_layout.shares_buffers:
+        return None
+    why = (f"flavour {manifest.flavor} keeps the cache in the {manifest.cache_layout.name!r} layout (sinks / codes "
+           "with per-call metadata / a high-precision window, each sized per call), but onnxruntime-genai allocates "
+           "one [batch, kv_heads, max_length, head_dim] buffer per layer and stream")
+    reasons = unsupported(manifest.scheme, manifest.num_layers)
+    if reasons:
+        return f"{why}; and scheme {manifest.scheme.name or 'custom'} cannot be held by GroupQueryAttention: " + \
+            "; ".join(reasons)
+    return f"{why}: re-export with --flavor ort-gqa"
+
+
+def _template(direction: str, part: str, num_layers: int) -> str:
+    """The printf template og expands per layer, checked against the naming function for every layer."""
+    template = BUFFER.buffer_name(direction, 0, part).replace(".0.", ".%d.", 1)
+    if any(template % layer != BUFFER.buffer_name(direction, layer, part) for layer in range(num_layers)):
+        raise ExportError(f"cache names of {direction} {part} do not follow one per-layer template")
+    return template
+
+
+def genai_config(manifest: Manifest, *, filename: str = GENAI_MODEL) -> dict[str, Any]:
+    """``genai_config.json`` for a ``buffer``-layout export (greedy search defaults, one shared buffer)."""
+    model, tokenizer = manifest.model, manifest.tokenizer
+    layers = manifest.num_layers
+    eos = tokenizer.get("eos_token_id")
+    eos_ids = list(eos) if isinstance(eos, list) else [] if eos is None else [int(eos)]  # [] never stops
+    pad = tokenizer.get("pad_token_id")
+    pad = int(pad) if pad is not None else (eos_ids[0] if eos_ids else 0)
+    bos = tokenizer.get("bos_token_id")
+    context = model.max_position_embeddings
+    kind = model.model_type
+    return {
+        "model": {
+            "type": kind if kind in GENAI_TYPES else "llama",
+            "bos_token_id": int(bos) if bos is not None else pad,
+            "eos_token_id": eos_ids,
+            "pad_token_id": pad,
+            "vocab_size": model.vocab_size,
+            "context_length": context,
+            "decoder": {
+                "filename": filename,
+                "session_options": {"log_id": "kvq", "provider_options": []},
+                "head_size": model.head_dim,
+                "hidden_size": model.hidden_size,
+                "num_attention_heads": model.num_heads,
+                "num_key_value_heads": model.num_kv_heads,
+                "num_hidden_layers": layers,
+                "inputs": {
+                    "input_ids": "input_ids",
+                    "attention_mask": "attention_mask",
+                    "past_key_names": _template("past", "key", layers),
+                    "past_value_names": _template("past", "value", layers),
+                },
+                "outputs": {
+                    "logits": "logits",
+                    "present_key_names": _template("present", "key", layers),
+                    "present_value_names": _template("present", "value", layers),
+                },
+            },
+        },
+        "search": {
+            "do_sample": False, "num_beams": 1, "num_return_sequences": 1, "max_length": context, "min_length": 0,
+            "temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0, "length_penalty": 1.0,
+            "early_stopping": True, "no_repeat_ngram_size": 0, "diversity_penalty": 0.0,
+            "past_present_share_buffer": True,
+        },
+    }
+
+
+# -- the graph og runs ----------------------------------------------------------------------------------------
+def adapt_graph(model_path: str | os.PathLike[str], out_path: str | os.PathLike[str]) -> Path:
+    """Write og's variant of a ``buffer``-layout graph (see the module docstring) beside ``model_path``.
+
+    The weights stay in ``model_path``'s external-data file: the new graph references it, so the two graphs share
+    one copy. Raises :class:`ExportError` if the graph lacks the inputs/outputs the rewrite replaces.
+    """
+    import onnx_ir as ir
+
+    model = ir.load(str(model_path))
+    graph = model.graph
+    inputs = {value.name: value for value in graph.inputs}
+    seq_name = tensor_name("past", None, None, "seq_lengths")
+    out_seq_name = tensor_name("present", None, None, "seq_lengths")
+    missing = [name for name in ("input_ids", "attention_mask", seq_name) if name not in inputs]
+    present_seq = [value for value in graph.outputs if value.name == out_seq_name]
+    if missing or not present_seq:
+        raise ExportError(f"{model_path}: not a kvq buffer-layout graph (missing {missing or [out_seq_name]})")
+    call_mask_in, past_lengths_in = inputs["attention_mask"], inputs[seq_name]
+    call_mask_in.name = _PREFIX + "unused_call_mask"  # frees the name for og's whole-sequence mask
+    full = ir.Value(name="attention_mask", type=ir.TensorType(ir.DataType.INT64),
+                    shape=ir.Shape(["batch", "total_sequence_length"]))
+
+    nodes: list[ir.Node] = []
+
+    def op(op_type: str, *args: ir.Value, name: str, **attrs: Any) -> ir.Value:
+        node = ir.node(op_type, list(args), attributes=attrs, outputs=[ir.Value(name=_PREFIX + name)],
+                       name=_PREFIX + name)
+        nodes.append(node)
+        return node.outputs[0]
+
+    def const(name: str, values: list[int]) -> ir.Value:
+        return op("Constant", name=name, value=ir.tensor(np.array(values, dtype=np.int64), name=_PREFIX + name))
+
+    axis1 = const("axis1", [1])
+    t = op("Shape", inputs["input_ids"], name="new_tokens", start=1, end=2)
+    call = op("Slice", full, op("Neg", t, name="minus_new_tokens"), const("end", [np.iinfo(np.int64).max]), axis1,
+              name="call_mask")
+    past_lengths = op("Sub", op("ReduceSum", full, axis1, name="held", keepdims=0),
+                      op("ReduceSum", call, axis1, name="new", keepdims=0), name="past_lengths")
+    call_mask_in.replace_all_uses_with(call)
+    past_lengths_in.replace_all_uses_with(past_lengths)
+    graph.inputs.remove(call_mask_in)
+    graph.inputs.remove(past_lengths_in)
+    graph.inputs.insert(1, full)
+    for value in present_seq:
+        graph.outputs.remove(value)
+    graph.insert_before(next(iter(graph)), nodes)
+    out = Path(out_path)
+    ir.save(model, out)  # external tensors stay references into model.onnx.data
+    logger.debug("wrote %s (%d prologue nodes)", out, len(nodes))
+    return out
+
+
+def write_genai_files(directory: str | os.PathLike[str], manifest: Manifest) -> dict[str, Any]:
+    """Write ``genai_config.json`` and ``model.genai.onnx`` into an export directory, or explain why not.
+
+    Returns the manifest's ``runtimes`` entry for og: ``{"supported": True, "config": .., "model": .., ..}`` or
+    ``{"supported": False, "reason": ..}`` (also logged, once).
+    """
+    reason = unsupported_reason(manifest)
+    if reason is not None:
+        logger.info("onnxruntime-genai cannot serve this export: %s", reason)
+        return {"supported": False, "reason": reason}
+    directory = Path(directory)
+    config = genai_config(manifest)
+    adapt_graph(directory / MODEL_NAME, directory / GENAI_MODEL)
+    (directory / GENAI_CONFIG).write_text(json.dumps(config, indent=2))
+    entry: dict[str, Any] = {"supported": True, "config": GENAI_CONFIG, "model": GENAI_MODEL,
+                             "past_present_share_buffer": True}
+    if manifest.scheme.hp_dtype == "fp16" and not manifest.scheme.quantized:
+        entry["note"] = ("unquantized fp16 buffer: ONNX Runtime's CPU GroupQueryAttention casts it whole to float32 "
+                         "every step (fast on CUDA); an fp32 buffer is the copy-free CPU baseline")
+    return entry
