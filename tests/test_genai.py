@@ -115,6 +115,86 @@ def test_genai_files_follow_the_manifest(exports):
     assert (directory / GENAI_MODEL).stat().st_size < 2 * (directory / MODEL_NAME).stat().st_size
 
 
+#: (prompt, tokens to generate) of the og.Engine tests: lengths 3 to 11, rows finishing at different steps, one prompt
+#: ending with the pad id (the Engine's mask comes from its own lengths, not from the token values)
+ENGINE_REQUESTS = [([11, 12, 13], 12), ([60, 61, 2, 9, 100, 4, 4, 7, 1, 3, 3], 6), ([5, 17, 99, 3, 42, 8, 77], 9),
+                   ([23, 7, 51, 40, 0], 12)]
+
+
+def _engine(directory):
+    """(onnxruntime_genai, an og.Engine on ``directory``) with no EOS id (the tiny model's must not end a row)."""
+    og = pytest.importorskip("onnxruntime_genai")
+    config = og.Config(str(directory))
+    config.overlay(json.dumps({"model": {"eos_token_id": []}}))
+    return og, og.Engine(og.Model(config))
+
+
+def _begin_turn(og, request, prompt: list[int], n: int) -> None:
+    options = og.TurnOptions(request)
+    options.set_max_generated_tokens(n)
+    options.set_do_sample(False)
+    request.begin_turn(np.asarray(prompt, np.int32), options)
+
+
+def _engine_greedy(directory, requests, arrivals) -> list[list[int]]:
+    """Greedy tokens of each ``(prompt, n)`` served by one og.Engine.
+
+    Request i arrives at engine step ``arrivals[i]`` (or as soon as the engine is idle). The Engine batches
+    arrivals statically: up to 4 rows, padded to the longest prompt, each row's mask its own length, so a longer
+    row's step sees the shorter rows' masks end in zeros.
+    """
+    og, engine = _engine(directory)
+    queue = sorted(range(len(requests)), key=lambda i: arrivals[i])
+    index_of, tokens = {}, [[] for _ in requests]
+    events, step, held = engine.create_event_buffer(64), 0, []
+    while queue or engine.has_pending_requests():
+        while queue and (arrivals[queue[0]] <= step or not engine.has_pending_requests()):
+            index = queue.pop(0)
+            request = engine.create_request()
+            _begin_turn(og, request, *requests[index])
+            index_of[id(request)] = index
+            held.append(request)  # alive until the end: ids stay unique
+        for event in engine.run(events):
+            assert not event.flags & og.EngineEventFlags.FAILED, event.error_code
+            if event.flags & og.EngineEventFlags.TOKEN:
+                tokens[index_of[id(event.request)]].append(int(event.token))
+        step += 1
+    return tokens
+
+
+@pytest.mark.parametrize("name", ["fp32", "ort-int8", "ort-int4", "int4-high/hp-fp32"])
+def test_engine_batches_give_each_prompt_its_greedy_alone(exports, name):
+    """Batched by og.Engine, each prompt gets the greedy tokens it gets alone.
+
+    og.Engine feeds each row a mask of its own length (trailing zeros on shorter rows), og.Generator one of equal
+    width: the entry graph takes each row's new tokens as the last of its own ones, so both serve alike.
+    """
+    session = KVQSession(exports[name])
+    alone = [session.generate([prompt], n, stop_at_eos=False)[0].tokens for prompt, n in ENGINE_REQUESTS]
+    assert all(len(tokens) == n for tokens, (_, n) in zip(alone, ENGINE_REQUESTS))
+    assert _engine_greedy(exports[name], ENGINE_REQUESTS, [0, 0, 0, 0]) == alone  # one batch of four
+    assert _engine_greedy(exports[name], ENGINE_REQUESTS, [0, 2, 3, 5]) == alone  # staggered: batches of 1 and 3
+
+
+def test_engine_second_turn_continues_the_sequence(exports):
+    """A request alone may take another turn: its new prompt and reply continue the first turn's cache."""
+    og, engine = _engine(exports["ort-int8"])
+    request, events = engine.create_request(), engine.create_event_buffer(64)
+
+    def turn(prompt: list[int], n: int) -> list[int]:
+        _begin_turn(og, request, prompt, n)
+        out = []
+        while engine.has_pending_requests():
+            out += [int(e.token) for e in engine.run(events) if e.flags & og.EngineEventFlags.TOKEN]
+        return out
+
+    first, second = [11, 12, 13, 40], [5, 6, 7]
+    replies = turn(first, 5), turn(second, 6)
+    session = KVQSession(exports["ort-int8"])
+    assert replies[0] == session.generate([first], 5, stop_at_eos=False)[0].tokens
+    assert replies[1] == session.generate([first + replies[0] + second], 6, stop_at_eos=False)[0].tokens
+
+
 def test_right_padded_rows_give_the_left_padded_result(exports):
     """onnxruntime-genai right-pads a batched prompt, kvq left-pads it: the GQA graph gives both one result."""
     session = KVQSession(exports["ort-int8"])

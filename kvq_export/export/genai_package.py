@@ -1,21 +1,38 @@
 """Package a kvq export for onnxruntime-genai: ``genai_config.json`` and the entry graph ``model.genai.onnx``.
 
 onnxruntime-genai (``og``) runs a decoder from a directory holding ``genai_config.json``, an ONNX graph and the
-tokenizer files, with its own C++ generation loop. Each step it feeds ``input_ids``, an ``attention_mask`` of the
-*whole* sequence so far (``[batch, total]``: a batched prompt right-padded, trailing ``pad_token_id`` masked, then
-one column of ones per generated token) and the past cache, found through printf templates
-(``past.%d.key.buffer``). With ``past_present_share_buffer`` it allocates one ``[batch, kv_heads, max_length, …]``
-buffer per layer and stream up front, taking the element type and packed width from the graph input (int8, or
-uint8 holding two 4-bit codes), and binds it as past input and present output, exactly the ``buffer`` layout's
-contract (:mod:`kvq_export.naming`).
+tokenizer files, with its own C++ loop. Each call it feeds ``input_ids`` (``[batch, t]``, rows right-padded
+with ``pad_token_id``), an ``attention_mask`` of the *whole* sequence (``[batch, W]``) and the past cache, found
+through printf templates (``past.%d.key.buffer``). With ``past_present_share_buffer`` it allocates one
+``[batch, kv_heads, max_length, …]`` buffer per layer and stream up front, taking the element type and packed
+width from the graph input (int8, or uint8 holding two 4-bit codes; one type for every layer), and binds it as
+past input and present output, exactly the ``buffer`` layout's contract (:mod:`kvq_export.naming`).
 
-kvq's ``ort-gqa`` graph differs in one point: it carries each row's length as cache state (``past.seq_lengths``
-in, ``present.seq_lengths`` out) and its mask covers only this call's tokens, and og can feed neither.
+Its two loops lay the mask out differently (the same for every kind of cache):
+
+* the prompt, in both: ``t == W``, each row's ones first, then zeros for its padding;
+* ``og.Generator`` after it: one column of ones appended per step for every row (a shorter prompt's padding
+  zeros stay in the middle), so the step's tokens are the mask's last ``t`` columns;
+* ``og.Engine`` (continuous batching; a static batch of up to 4 requests that start together): each row's
+  mask is ones up to that row's own length and zeros after it, so a shorter row's new token sits at column
+  ``sum(mask) - 1``, followed by zeros.
+
+kvq's ``ort-gqa`` graph carries each row's length as cache state (``past.seq_lengths`` in,
+``present.seq_lengths`` out) and takes the mask of this call's tokens only, and og feeds neither.
 :func:`adapt_graph` therefore writes ``model.genai.onnx``: the same graph, referencing the same
-``model.onnx.data`` (no weight is copied), behind a prologue that takes og's mask and derives both::
+``model.onnx.data`` (no weight is copied), behind a prologue that derives both from og's inputs as og's own
+GroupQueryAttention graphs read them (``seqlens_k = sum(mask) - 1``)::
 
-    call mask   = attention_mask[:, total - t:]          (t = input_ids' width)
+    call mask   = attention_mask[:, W - t:]   if t == W (the prompt: each row's padding masked)
+                  ones [batch, t]             otherwise (each row's t newest tokens are the last t of its ones)
     past length = sum(attention_mask) - sum(call mask)   (per row)
+
+Reading the step's tokens off the mask's last columns instead would be right for ``og.Generator`` only: under
+``og.Engine`` a shorter row's token would read as padding (its logits garbage, its key and value never stored).
+A consumer feeds nothing else: ``og.Generator`` and ``og.Engine`` drive the export as they are. Like og's own
+graphs, the prologue cannot tell a row that brings fewer than ``t`` tokens to a later call, and og 0.18 never
+batches one: ``og.Generator`` refuses a second multi-token append for a batch, ``og.Engine`` a second turn while
+its static batch holds more than one request (alone, a second turn continues the sequence exactly).
 
 The GroupQueryAttention graph accepts rows padded on either side (kvq feeds left padding, og right padding), so
 nothing else changes and ``kvq generate`` keeps running ``model.onnx`` of the same directory.
@@ -162,8 +179,14 @@ def adapt_graph(model_path: str | os.PathLike[str], out_path: str | os.PathLike[
 
     axis1 = const("axis1", [1])
     t = op("Shape", inputs["input_ids"], name="new_tokens", start=1, end=2)
-    call = op("Slice", full, op("Neg", t, name="minus_new_tokens"), const("end", [np.iinfo(np.int64).max]), axis1,
-              name="call_mask")
+    width = op("Shape", full, name="mask_width", start=1, end=2)
+    # 1 on every call after the prompt, where each row brings t tokens: the last t of its own ones, wherever
+    # they sit in the mask (og.Generator's last column, og.Engine's ragged rows with trailing zeros)
+    later = op("Cast", op("Not", op("Equal", width, t, name="is_prompt"), name="not_prompt"), name="later",
+               to=ir.DataType.INT64)
+    prompt_mask = op("Slice", full, op("Neg", t, name="minus_new_tokens"), const("end", [np.iinfo(np.int64).max]),
+                     axis1, name="prompt_mask")
+    call = op("Max", prompt_mask, later, name="call_mask")
     past_lengths = op("Sub", op("ReduceSum", full, axis1, name="held", keepdims=0),
                       op("ReduceSum", call, axis1, name="new", keepdims=0), name="past_lengths")
     call_mask_in.replace_all_uses_with(call)
