@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ import numpy as np
 import onnx
 import pytest
 from gqa_harness import SCHEMES, calibration
-from tiny_models import WORDS, save_tiny_model_dir, tiny_model
+from tiny_models import WORDS, byte_model, byte_tokenizer, save_tiny_model_dir, tiny_model
 
 from kvq_export.errors import ExportError, KVQError, RuntimeInputError
 from kvq_export.export.exporter import export
@@ -290,12 +291,63 @@ def test_cli_calibrate_feeds_the_builder(tmp_path):
                                           np.asarray(data["scales"][key][layer], np.float32))
 
 
-def test_cli_generate_runtime_genai(exports, tmp_path):
-    proc = _kvq("generate", str(exports["fp32"]), "--prompt", "w1", "--runtime", "genai")
-    assert proc.returncode == 1 and proc.stderr.startswith("error: onnxruntime-genai cannot read the tokenizer")
+def _generate(directory, *args: str):
+    """``kvq generate DIRECTORY ARGS`` in this process (exceptions other than a one-line error are kept)."""
+    from click.testing import CliRunner
+
+    from kvq_export.cli import cli
+
+    return CliRunner().invoke(cli, ["generate", str(directory), *args])
+
+
+def _one_line_error(result) -> str:
+    """The CLI's ``error: ...`` line of a failed ``kvq generate`` (a traceback-worthy exception fails the test)."""
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 1, repr(result.exception)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and not result.stdout, result.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def byte_export(tmp_path_factory):
+    """An fp32 ort-gqa export whose tokenizer onnxruntime-genai reads (text prompts through both runtimes)."""
+    return export(byte_model(), SCHEMES["fp32"], tmp_path_factory.mktemp("bytes") / "gqa", flavor="ort-gqa",
+                  tokenizer=byte_tokenizer())
+
+
+def test_cli_generate_genai_json_equals_kvq(byte_export):
+    prompts = ["--prompt", "Once upon a time", "--prompt", "The capital"]
+    runs = {runtime: _generate(byte_export, *prompts, "--max-new-tokens", "6", "--runtime", runtime, "--json")
+            for runtime in ("genai", "kvq")}
+    assert all(run.exit_code == 0 for run in runs.values()), {k: repr(r.exception) for k, r in runs.items()}
+    genai, ours = (json.loads(runs[runtime].stdout) for runtime in ("genai", "kvq"))
+    assert genai["runtime"] == "genai" and [r["prompt"] for r in genai["results"]] == prompts[1::2]
+    # a random model's bytes are seldom UTF-8, and the two tokenizers replace broken bytes differently: the text
+    # is compared on SmolLM2 (test_smollm2_text_prompts_through_genai)
+    keys = ("prompt", "prompt_tokens", "tokens", "finish_reason", "cache_bytes")
+    assert [{k: r[k] for k in keys} for r in genai["results"]] == [{k: r[k] for k in keys} for r in ours["results"]]
+    assert all(len(r["tokens"]) == 6 and isinstance(r["text"], str) for r in genai["results"])
+
+
+def test_cli_generate_genai_errors_are_one_line(exports, byte_export, tmp_path, monkeypatch):
+    line = _one_line_error(_generate(byte_export, "--prompt", "Hi", "--max-new-tokens", "5000", "--runtime", "genai"))
+    assert "exceeds the export's context_length 1024; allowed: max_new_tokens <= 1022" in line
+    # onnxruntime-genai refusing the directory (here a config naming a graph that is not there)
+    broken = tmp_path / "broken"
+    shutil.copytree(byte_export, broken)
+    config = json.loads((broken / GENAI_CONFIG).read_text())
+    config["model"]["decoder"]["filename"] = "missing.onnx"
+    (broken / GENAI_CONFIG).write_text(json.dumps(config))
+    line = _one_line_error(_generate(broken, "--prompt", "Hi", "--runtime", "genai"))
+    assert line.startswith(f"error: onnxruntime-genai cannot load {broken}: ") and "missing.onnx" in line
+    # the tiny models' word-level tokenizer is not one onnxruntime-genai reads
+    line = _one_line_error(_generate(exports["fp32"], "--prompt", "w1", "--runtime", "genai"))
+    assert line.startswith("error: onnxruntime-genai cannot read the tokenizer")
     reference = export(tiny_model("llama"), "q4_0", tmp_path / "q40")
-    proc = _kvq("generate", str(reference), "--prompt", "w1", "--runtime", "genai")
-    assert proc.returncode == 1 and "has no genai_config.json" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert "has no genai_config.json" in _one_line_error(_generate(reference, "--prompt", "w1", "--runtime", "genai"))
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # not installed
+    line = _one_line_error(_generate(byte_export, "--prompt", "Hi", "--runtime", "genai"))
+    assert line.startswith("error: onnxruntime_genai is not available")
 
 
 def test_serve_command_is_one_line_without_kvq(exports):

@@ -127,3 +127,29 @@ def fit_head_dim(scheme, head_dim: int):
         return dataclasses.replace(tq, group_size=head_dim) if wide else tq
 
     return dataclasses.replace(scheme, key=fit(scheme.key), value=fit(scheme.value))
+
+
+#: Vocabulary of :func:`byte_model`: one token per byte.
+BYTE_VOCAB = 256
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer without merges (one token per byte) that onnxruntime-genai reads too."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import GPT2TokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return GPT2TokenizerFast(tokenizer_object=tok, eos_token=None, bos_token=None, unk_token=None)
+
+
+@functools.cache
+def byte_model():
+    """The tiny llama with :func:`byte_tokenizer`'s vocabulary (text prompts through either runtime)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(BYTE_VOCAB)
+    config = LlamaConfig(**{**COMMON, "vocab_size": BYTE_VOCAB}, tie_word_embeddings=False)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()

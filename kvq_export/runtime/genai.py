@@ -10,7 +10,8 @@ import json
 import logging
 import os
 import shlex
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -157,10 +158,20 @@ class GenaiSession:
             raise RuntimeInputError(f"{self.directory} has no {GENAI_CONFIG}: {reason}")
         self.og = require("onnxruntime_genai")
         self.threads = threads or default_threads()
-        self.model = self.og.Model(self._config())
+        with self._og_call("load"):
+            self.model = self.og.Model(self._config())
         self.config = json.loads((self.directory / GENAI_CONFIG).read_text())
         self._tokenizer = None
         self._no_eos_model = None
+
+    @contextmanager
+    def _og_call(self, what: str) -> Iterator[None]:
+        """Turn og's own refusals (a config or graph it cannot run) into one-line :class:`RuntimeInputError`."""
+        try:
+            yield
+        except RuntimeError as err:  # og raises its C++ exceptions as RuntimeError
+            detail = " ".join(str(err).split())
+            raise RuntimeInputError(f"onnxruntime-genai cannot {what} {self.directory}: {detail}") from None
 
     def _config(self, **model_overlay: Any):
         config = self.og.Config(str(self.directory))
@@ -209,8 +220,7 @@ class GenaiSession:
             raise RuntimeInputError(f"invalid max_new_tokens={max_new_tokens}: onnxruntime-genai needs >= 1")
         sampling = sampling or SamplingConfig()
         texts = [p if isinstance(p, str) else None for p in prompts]
-        token_lists = [list(self.tokenizer.encode(p)) if isinstance(p, str) else [int(t) for t in p]
-                       for p in prompts]
+        token_lists = [[int(t) for t in (self.tokenizer.encode(p) if isinstance(p, str) else p)] for p in prompts]
         if not token_lists or any(len(t) == 0 for t in token_lists):
             raise RuntimeInputError("every prompt needs at least one token")
         pad = self.pad_token_id
@@ -218,8 +228,14 @@ class GenaiSession:
             raise RuntimeInputError(f"a batched prompt ends with pad_token_id {pad}, which onnxruntime-genai reads "
                                     "as padding: run that prompt alone")
         width = max(len(t) for t in token_lists)
+        context = int(self.config["model"]["context_length"])
+        if width + max_new_tokens > context:
+            allowed = f"max_new_tokens <= {context - width}" if width < context else f"prompts under {context} tokens"
+            raise RuntimeInputError(f"a prompt of {width} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                                    f"export's context_length {context}; allowed: {allowed}")
         if not stop_at_eos and self._no_eos_model is None:  # og always stops at EOS: load a copy without one
-            self._no_eos_model = self.og.Model(self._config(eos_token_id=[]))
+            with self._og_call("load"):
+                self._no_eos_model = self.og.Model(self._config(eos_token_id=[]))
         model = self.model if stop_at_eos else self._no_eos_model
         params = self.og.GeneratorParams(model)
         options: dict[str, Any] = {"max_length": width + max_new_tokens, "batch_size": len(token_lists),
@@ -231,14 +247,15 @@ class GenaiSession:
                            top_p=float(sampling.top_p or 1.0))
             if sampling.seed is not None:
                 options["random_seed"] = int(sampling.seed)
-        params.set_search_options(**options)
-        generator = self.og.Generator(model, params)
         ids = np.full((len(token_lists), width), pad, dtype=np.int32)
         for row, toks in enumerate(token_lists):
             ids[row, :len(toks)] = toks
-        generator.append_tokens(ids)
-        while not generator.is_done():
-            generator.generate_next_token()
+        with self._og_call("run"):
+            params.set_search_options(**options)
+            generator = self.og.Generator(model, params)
+            generator.append_tokens(ids)
+            while not generator.is_done():
+                generator.generate_next_token()
         nbytes = self.cache_nbytes(generator)
         eos = set(self.eos_token_ids) if stop_at_eos else set()
         results = []
