@@ -163,6 +163,15 @@ CANDIDATE_SETS: dict[str, CandidateSet] = {
 }
 
 
+_GQA = CANDIDATE_SETS["ort-gqa"]
+# onnxruntime-genai allocates one cache element type for every layer, and GroupQueryAttention reads 8-bit codes only
+# as int8, 4-bit ones only as uint8: plans of one of these sets are the ones it serves
+for _bits in (4, 8):
+    CANDIDATE_SETS[f"ort-gqa-int{_bits}"] = CandidateSet(
+        f"the ort-gqa set's {_bits}-bit layer options only: one cache element type, so onnxruntime-genai serves "
+        "every plan of it", pairs=tuple(pair for pair in _GQA.pairs if pair[0].bits == _bits))
+
+
 def _recent(tq: TensorQuant, tokens: int) -> TensorQuant:
     return dataclasses.replace(tq, residual_length=tokens)
 
@@ -532,13 +541,71 @@ class Plan:
     damages: list[Damage] = field(default_factory=list)
     uniform: list[dict[str, Any]] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
+    #: onnxruntime-genai's view of an ort-gqa plan (None for one GroupQueryAttention cannot hold): whether it
+    #: serves the plan, and if not why, and the nearest plan it serves (see :func:`genai_view`)
+    genai: dict[str, Any] | None = None
+    #: that nearest plan's scheme (None when the plan itself is served, or no plan of one cache type fits)
+    genai_nearest: KVQuantScheme | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (the ``--report`` file)."""
         return {"scheme": self.scheme.to_dict(), "bits_per_element": self.bits_per_element,
                 "predicted_damage": self.damage, "budget": self.budget, "context": self.context,
                 "metric": self.metric, "uniform": self.uniform, "settings": self.settings,
-                "damages": [d.to_dict() for d in self.damages]}
+                "onnxruntime_genai": self.genai, "damages": [d.to_dict() for d in self.damages]}
+
+
+def genai_view(scheme: KVQuantScheme, options: Sequence[Sequence[Option]], budget_bytes: int, facts, context: int,
+               *, about: str, resolution: int = RESOLUTION) -> tuple[dict[str, Any] | None, KVQuantScheme | None]:
+    """Whether onnxruntime-genai serves a plan, and if not, the nearest plan it serves.
+
+    og allocates one cache element type for every layer (:func:`kvq_export.export.genai_package.mixed_types_reason`),
+    so a plan mixing 8-bit and 4-bit layers is not served. The nearest plan is the least damage under the same
+    budget with every layer's option of one element type: the plan ``kvq plan`` gives with only those candidates
+    (``ort-gqa-int4`` / ``ort-gqa-int8`` for the ``ort-gqa`` set). Returns (the report's entry, that scheme);
+    (None, None) when GroupQueryAttention cannot hold the plan at all.
+    """
+    from kvq_export.cache_layout import BUFFER
+    from kvq_export.export.genai_package import mixed_types_reason
+    from kvq_export.export.gqa_capability import unsupported
+    from kvq_export.memory import predict
+
+    layers, heads, dim = facts.num_layers, facts.num_kv_heads, facts.head_dim
+    if unsupported(scheme, layers, dim):
+        return None, None
+
+    def buffers(s: KVQuantScheme, num_layers: int):
+        return BUFFER.tensors(s, num_layers=num_layers, kv_heads=heads, head_dim=dim)
+
+    reason = mixed_types_reason(buffers(scheme, layers), layers)
+    if reason is None:
+        return {"servable": True}, None
+    kind = {}  # option (key, value) -> its buffers' element types
+    for row in options:
+        for o in row:
+            kind.setdefault((o.key, o.value), tuple(sorted({t.dtype for t in buffers(
+                KVQuantScheme(key=o.key, value=o.value, sink_tokens=scheme.sink_tokens), 1)})))
+    best: tuple[float, list[tuple[TensorQuant, TensorQuant]], tuple[str, ...]] | None = None
+    for types in dict.fromkeys(kind.values()):
+        rows = [[o for o in row if kind[(o.key, o.value)] == types] for row in options]
+        try:
+            chosen = allocate(rows, budget_bytes, resolution)
+        except KVQError:  # no plan of this type fits the budget
+            continue
+        damage = sum(row[i].damage for row, i in zip(rows, chosen))
+        if best is None or damage < best[0]:
+            best = (damage, [(row[i].key, row[i].value) for row, i in zip(rows, chosen)], types)
+    entry: dict[str, Any] = {"servable": False, "reason": reason, "nearest": None}
+    if best is None:
+        return entry, None
+    damage, choice, types = best
+    nearest = scheme_from_choice(choice, f"{scheme.name or 'plan'}-genai", scheme.sink_tokens)
+    bits = {o.key.bits for o in options[0] if kind[(o.key, o.value)] == types}
+    candidates = f"ort-gqa-int{min(bits)}" if about == _GQA.about and len(bits) == 1 else \
+        f"only its {'/'.join(types)} candidates"
+    entry["nearest"] = {"scheme": nearest.to_dict(), "bits_per_element": predict(nearest, facts, context)
+                        .bits_per_element, "predicted_damage": damage, "candidates": candidates}
+    return entry, nearest
 
 
 def plan_scheme(
@@ -625,7 +692,15 @@ def plan_scheme(
                         "damage": sum(row[i].damage for row in options)})
     logger.info("planned %s: %.3f bits/element at %d tokens (budget %g), predicted damage %.4g (%s metric)",
                 scheme.name, bits, context, budget, total, metric)
+    genai, nearest = genai_view(scheme, options, budget_bytes, facts, context, about=cset.about,
+                                resolution=resolution)
+    if genai is not None and not genai["servable"]:
+        near = genai["nearest"]
+        offer = "no plan of one cache type fits the budget" if near is None else (
+            f"the nearest plan it serves (--candidates {near['candidates']}): {near['bits_per_element']:.3f} "
+            f"bits/element, predicted damage {near['predicted_damage']:.4g}: {nearest.describe()}")
+        logger.warning("onnxruntime-genai cannot serve %s: %s; %s", scheme.name, genai["reason"], offer)
     return Plan(scheme, bits, total, budget, context, metric, damages, uniform,
                 {"candidates": cset.about, "calib_method": calib_method, "sink_tokens": sink_tokens,
                  "value_window": value_window, "windows": len(windows),
-                 "tokens": sum(len(w) for w in windows)})
+                 "tokens": sum(len(w) for w in windows)}, genai, nearest)

@@ -7,25 +7,31 @@ text path runs on SmolLM2 (``test_smollm2_text_prompts_through_genai``, slow).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import logging
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 from gqa_harness import SCHEMES, calibration
-from tiny_models import WORDS, byte_model, byte_tokenizer, save_tiny_model_dir, tiny_model
+from tiny_models import VOCAB, WORDS, byte_model, byte_tokenizer, layered_model, save_tiny_model_dir, tiny_model
 
+from kvq_export.calibrate import calibrate_static_scales
 from kvq_export.errors import ExportError, KVQError, RuntimeInputError
 from kvq_export.export.exporter import export
-from kvq_export.export.genai_package import GENAI_CONFIG, GENAI_MODEL, RUNTIME
+from kvq_export.export.genai_package import GENAI_CONFIG, GENAI_MODEL, RUNTIME, adapt_graph, genai_config
 from kvq_export.manifest import MODEL_NAME, Manifest
 from kvq_export.memory import Geometry, predict
+from kvq_export.plan import plan_scheme, scheme_from_choice
 from kvq_export.runtime.genai import GenaiSession, builder_scale_file, serve_command
 from kvq_export.runtime.sampling import Sampler, SamplingConfig
 from kvq_export.runtime.session import KVQSession
+from kvq_export.scheme import KVQuantScheme
 
 pytest.importorskip("onnxruntime_genai")
 
@@ -218,6 +224,83 @@ def test_right_padded_rows_give_the_left_padded_result(exports):
         if name.endswith(".buffer"):
             for row, n in enumerate(lengths):
                 assert np.array_equal(value.numpy()[row, :, :n], cache_l[name].numpy()[row, :, :n]), name
+
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+GQA_PLANS = sorted(path.name for path in MODELS.glob("*gqa*.json"))
+
+
+def _on_layers(scheme: KVQuantScheme) -> tuple[KVQuantScheme, int]:
+    """``scheme``'s distinct per-layer (key, value) formats in order of first use, one per layer, and the layer count.
+
+    At least two layers: a plan of one format keeps a tiny model's usual two.
+    """
+    layers = 1 + max((o.layer for o in scheme.layer_overrides), default=0)
+    formats = list(dict.fromkeys(scheme.streams(layers)))
+    choice = formats if len(formats) > 1 else formats * 2
+    return dataclasses.replace(scheme_from_choice(choice, scheme.name), hp_dtype=scheme.hp_dtype), len(choice)
+
+
+def _served_as_kvq(directory, scheme, num_layers: int) -> None:
+    """The export is served with kvq's greedy tokens if its layers share one bit width; else its manifest says why."""
+    entry = Manifest.load(directory).runtimes[RUNTIME]
+    widths = {tq.bits for pair in scheme.streams(num_layers) for tq in pair}
+    if len(widths) == 1:
+        assert entry["supported"] is True
+        prompts = PROMPTS["ragged"]
+        assert [r.tokens for r in GenaiSession(directory).generate(prompts, 8)] == \
+            [r.tokens for r in KVQSession(directory).generate(prompts, 8)]
+        return
+    assert entry["supported"] is False and not (directory / GENAI_CONFIG).exists()
+    assert "one element type" in entry["reason"] and "int8 (8-bit codes)" in entry["reason"]
+    assert "uint8 (two 4-bit codes per byte)" in entry["reason"] and "--candidates ort-gqa-int4" in entry["reason"]
+    with pytest.raises(RuntimeInputError, match="has no genai_config.json: onnxruntime-genai allocates every layer"):
+        GenaiSession(directory)
+    # onnxruntime-genai itself, on the files written anyway: it allocates the first layer's type for every layer
+    manifest = Manifest.load(directory)
+    (directory / GENAI_CONFIG).write_text(json.dumps(genai_config(manifest)))
+    adapt_graph(directory / MODEL_NAME, directory / GENAI_MODEL)
+    with pytest.raises(RuntimeInputError, match=r"cannot run .*Unexpected input data type. Actual: \(tensor\(u?int8"):
+        GenaiSession(directory, verify_weights=False).generate(PROMPTS["ragged"], 4)
+
+
+@pytest.mark.parametrize("name", GQA_PLANS)
+def test_shipped_gqa_plans_are_served_or_say_why(name, tmp_path):
+    """Each shipped ort-gqa plan's per-layer formats, on a tiny model, are served or say why.
+
+    onnxruntime-genai serves it exactly as kvq does, or (8-bit and 4-bit layers together, which it cannot
+    allocate) the manifest says so and names the plans it serves.
+    """
+    scheme, layers = _on_layers(KVQuantScheme.from_json((MODELS / name).read_text()))
+    model = layered_model(layers)
+    static = calibrate_static_scales(model, scheme, np.random.default_rng(3).integers(0, VOCAB, (4, 64)).tolist())
+    directory = export(model, scheme, tmp_path / "gqa", flavor="ort-gqa", static=static)
+    _served_as_kvq(directory, scheme, layers)
+
+
+def test_fresh_plan_offers_the_nearest_plan_genai_serves(tmp_path, caplog):
+    """A fresh ort-gqa plan mixing int8 and int4 layers offers the nearest plan onnxruntime-genai serves.
+
+    That is the least damage plan of one bit width under the same budget, and onnxruntime-genai serves it.
+    """
+    model = tiny_model("llama")
+    windows = np.random.default_rng(5).integers(0, VOCAB, (2, 48)).tolist()
+    with caplog.at_level(logging.WARNING, logger="kvq_export.plan"):
+        plan = plan_scheme(model, windows, budget=6.5, context=256)
+    assert {k.bits for k, _ in plan.scheme.streams(2)} == {8, 4} and plan.genai["servable"] is False
+    nearest = plan.genai["nearest"]
+    assert nearest["candidates"] == "ort-gqa-int4" and nearest["bits_per_element"] <= 6.5
+    assert nearest["predicted_damage"] >= plan.damage and nearest["scheme"] == plan.genai_nearest.to_dict()
+    assert f"onnxruntime-genai cannot serve {plan.scheme.name}" in caplog.text
+    assert "the nearest plan it serves (--candidates ort-gqa-int4)" in caplog.text
+    assert plan.to_dict()["onnxruntime_genai"] == plan.genai
+    # the nearest plan is what planning with only the 4-bit candidates gives
+    again = plan_scheme(model, windows, budget=6.5, context=256, candidates="ort-gqa-int4")
+    assert again.scheme.streams(2) == plan.genai_nearest.streams(2) and again.genai == {"servable": True}
+    for name, scheme in (("mixed", plan.scheme), ("nearest", plan.genai_nearest)):
+        directory = export(model, scheme, tmp_path / name, flavor="ort-gqa",
+                           static=calibrate_static_scales(model, scheme, windows))
+        _served_as_kvq(directory, scheme, 2)
 
 
 def test_regions_layout_exports_say_why(tmp_path):

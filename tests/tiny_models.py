@@ -153,3 +153,13 @@ def byte_model():
     torch.manual_seed(BYTE_VOCAB)
     config = LlamaConfig(**{**COMMON, "vocab_size": BYTE_VOCAB}, tie_word_embeddings=False)
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+@functools.cache
+def layered_model(num_layers: int):
+    """The tiny llama with ``num_layers`` layers (per-layer schemes with more distinct layers than two)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(num_layers)
+    config = LlamaConfig(**{**COMMON, "num_hidden_layers": num_layers}, tie_word_embeddings=False)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()

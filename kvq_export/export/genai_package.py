@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +55,9 @@ import numpy as np
 
 from kvq_export.cache_layout import BUFFER
 from kvq_export.errors import ExportError
-from kvq_export.export.gqa_capability import unsupported
+from kvq_export.export.gqa_capability import layer_span, unsupported
 from kvq_export.manifest import MODEL_NAME, Manifest
-from kvq_export.naming import tensor_name
+from kvq_export.naming import CacheTensor, tensor_name
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +73,39 @@ _PREFIX = "genai."
 
 
 # -- what can be served ---------------------------------------------------------------------------------------
+#: ``kvq plan`` candidate sets whose every plan og serves: one bit width, so one cache element type, for all layers.
+SERVABLE_PLAN_SETS = ("ort-gqa-int4", "ort-gqa-int8")
+#: What a buffer of each element type holds (GroupQueryAttention reads each kind of cache only in its own type).
+_HOLDS = {"int8": "int8 (8-bit codes)", "uint8": "uint8 (two 4-bit codes per byte)"}
+
+
+def mixed_types_reason(buffers: Iterable[CacheTensor], num_layers: int) -> str | None:
+    """Why og cannot allocate these ``buffer``-layout cache tensors (None when it can).
+
+    og 0.18 allocates every layer's buffers with one element type, its first cache input's, while
+    GroupQueryAttention reads 8-bit codes only from int8 and 4-bit codes only from uint8 (and an unquantized cache
+    from its float type): a scheme whose layers differ in bit width, or mix quantized and unquantized layers, has
+    no type og can allocate. Head widths may differ per layer (og reads each layer's from the graph), so 4-bit
+    layers with and without 8-bit high channels mix freely.
+    """
+    layers_by_type: dict[str, list[int]] = {}
+    for spec in buffers:
+        if spec.role == BUFFER.role and spec.layer not in layers_by_type.get(spec.dtype, []):
+            layers_by_type.setdefault(spec.dtype, []).append(spec.layer)
+    if len(layers_by_type) < 2:
+        return None
+    kinds = ", ".join(f"{layer_span(sorted(layers), num_layers)}: {_HOLDS.get(dtype, dtype)}"
+                      for dtype, layers in sorted(layers_by_type.items(), key=lambda item: min(item[1])))
+    return (f"onnxruntime-genai allocates every layer's cache buffer with one element type, but the layers' types "
+            f"differ ({kinds}) and GroupQueryAttention reads each only in its own: plan one bit width for every "
+            f"layer (kvq plan --candidates {' or '.join(SERVABLE_PLAN_SETS)}) or export a uniform preset (ort-int8, "
+            "ort-int4)")
+
+
 def unsupported_reason(manifest: Manifest) -> str | None:
     """Why og cannot serve this export (None when it can)."""
     if manifest.cache_layout.shares_buffers:
-        return None
+        return mixed_types_reason(manifest.cache("past"), manifest.num_layers)
     why = (f"flavour {manifest.flavor} keeps the cache in the {manifest.cache_layout.name!r} layout (sinks / codes "
            "with per-call metadata / a high-precision window, each sized per call), but onnxruntime-genai allocates "
            "one [batch, kv_heads, max_length, head_dim] buffer per layer and stream")

@@ -50,14 +50,14 @@ def unsupported(scheme: KVQuantScheme, num_layers: int, head_dim: int | None = N
             note(layer, f"high_channels={key.high_channels}: the node's head of head_dim + n = "
                  f"{head_dim + key.high_channels} channels is not a multiple of {GQA_HEAD_MULTIPLE} (ONNX Runtime "
                  f"needs one; allowed n: multiples of {GQA_HEAD_MULTIPLE} when head_dim is)")
-    reasons = [f"{_layer_span(layers, num_layers)} {text}" for text, layers in layers_by_reason.items()]
+    reasons = [f"{layer_span(layers, num_layers)} {text}" for text, layers in layers_by_reason.items()]
     if scheme.quantized and (scheme.residual_length or scheme.sink_tokens):
         reasons.append(f"residual_length={scheme.residual_length}, sink_tokens={scheme.sink_tokens}: GQA keeps no "
                        "high-precision window (both must be 0)")
     return reasons
 
 
-def _layer_span(layers: list[int], num_layers: int) -> str:
+def layer_span(layers: list[int], num_layers: int) -> str:
     """``every layer``, ``layer 3`` or ``layers 0-2, 5`` (ascending layer indices)."""
     if len(layers) == num_layers:
         return "every layer"
