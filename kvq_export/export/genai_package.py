@@ -38,7 +38,8 @@ The GroupQueryAttention graph accepts rows padded on either side (kvq feeds left
 nothing else changes and ``kvq generate`` keeps running ``model.onnx`` of the same directory.
 
 What og cannot hold: the reference and trt flavours' ``regions`` layout (sinks / quantized codes with dynamic
-per-token or per-group scales and zero points / a high-precision recent window, each region sized per call).
+per-token or per-group scales and zero points / a high-precision recent window, each region sized per call),
+and a ``buffer`` layout whose layers differ in element type (8-bit and 4-bit layers: :func:`mixed_types_reason`).
 An export of those writes no og files; its manifest's ``runtimes`` entry and one log line say why.
 """
 
