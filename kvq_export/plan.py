@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from kvq_export.calibrate import AttentionSample
+    from kvq_export.model_facts import ModelFacts
 
 logger = logging.getLogger(__name__)
 
@@ -166,10 +167,9 @@ CANDIDATE_SETS: dict[str, CandidateSet] = {
 _GQA = CANDIDATE_SETS["ort-gqa"]
 # onnxruntime-genai allocates one cache element type for every layer, and GroupQueryAttention reads 8-bit codes only
 # as int8, 4-bit ones only as uint8: plans of one of these sets are the ones it serves
-for _bits in (4, 8):
-    CANDIDATE_SETS[f"ort-gqa-int{_bits}"] = CandidateSet(
-        f"the ort-gqa set's {_bits}-bit layer options only: one cache element type, so onnxruntime-genai serves "
-        "every plan of it", pairs=tuple(pair for pair in _GQA.pairs if pair[0].bits == _bits))
+CANDIDATE_SETS.update({f"ort-gqa-int{bits}": CandidateSet(
+    f"the ort-gqa set's {bits}-bit layer options only: one cache element type, so onnxruntime-genai serves every "
+    "plan of it", pairs=tuple(pair for pair in _GQA.pairs if pair[0].bits == bits)) for bits in (4, 8)})
 
 
 def _recent(tq: TensorQuant, tokens: int) -> TensorQuant:
@@ -555,8 +555,9 @@ class Plan:
                 "onnxruntime_genai": self.genai, "damages": [d.to_dict() for d in self.damages]}
 
 
-def genai_view(scheme: KVQuantScheme, options: Sequence[Sequence[Option]], budget_bytes: int, facts, context: int,
-               *, about: str, resolution: int = RESOLUTION) -> tuple[dict[str, Any] | None, KVQuantScheme | None]:
+def genai_view(scheme: KVQuantScheme, options: Sequence[Sequence[Option]], budget_bytes: int, facts: ModelFacts,
+               context: int, *, about: str, resolution: int = RESOLUTION,
+               ) -> tuple[dict[str, Any] | None, KVQuantScheme | None]:
     """Whether onnxruntime-genai serves a plan, and if not, the nearest plan it serves.
 
     og allocates one cache element type for every layer (:func:`kvq_export.export.genai_package.mixed_types_reason`),
