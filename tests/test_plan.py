@@ -326,6 +326,9 @@ def test_cli_plan_writes_a_scheme(tmp_path):
     # 2 layers x the default set's tied candidates (int8 / int4, with and without key zero points and high channels)
     assert data["bits_per_element"] <= 6 and len(data["damages"]) == 2 * len(CANDIDATE_SETS["ort-gqa"].options())
     assert data["settings"]["offset"] == 100
+    # onnxruntime-genai serves a plan whose layers share one bit width (one cache element type)
+    widths = {tq.bits for pair in scheme.streams(2) for tq in pair}
+    assert data["onnxruntime_genai"]["servable"] is (len(widths) == 1)
     bad = CliRunner().invoke(cli, ["plan", "--model", str(model_dir), "--corpus", str(corpus), "--budget", "1",
                                    "--tokens", "64", "--offset", "0", "--out", str(out)])
     assert bad.exit_code == 1 and "no allocation fits" in bad.output
