@@ -24,7 +24,14 @@ from tiny_models import VOCAB, WORDS, byte_model, byte_tokenizer, layered_model,
 from kvq_export.calibrate import calibrate_static_scales
 from kvq_export.errors import ExportError, KVQError, RuntimeInputError
 from kvq_export.export.exporter import export
-from kvq_export.export.genai_package import GENAI_CONFIG, GENAI_MODEL, RUNTIME, adapt_graph, genai_config
+from kvq_export.export.genai_package import (
+    GENAI_CONFIG,
+    GENAI_MODEL,
+    RUNTIME,
+    adapt_graph,
+    engine_reason,
+    genai_config,
+)
 from kvq_export.manifest import MODEL_NAME, Manifest
 from kvq_export.memory import Geometry, predict
 from kvq_export.plan import plan_scheme, scheme_from_choice
@@ -102,7 +109,7 @@ def test_genai_files_follow_the_manifest(exports):
     directory = exports["ort-int8"]
     manifest = Manifest.load(directory)
     assert manifest.runtimes[RUNTIME] == {"supported": True, "config": GENAI_CONFIG, "model": GENAI_MODEL,
-                                          "past_present_share_buffer": True}
+                                          "past_present_share_buffer": True, "engine_batches": True}
     config = json.loads((directory / GENAI_CONFIG).read_text())
     decoder = config["model"]["decoder"]
     assert config["search"]["past_present_share_buffer"] is True and decoder["filename"] == GENAI_MODEL
@@ -176,6 +183,10 @@ def test_engine_batches_give_each_prompt_its_greedy_alone(exports, name):
     og.Engine feeds each row a mask of its own length (trailing zeros on shorter rows), og.Generator one of equal
     width: the entry graph takes each row's new tokens as the last of its own ones, so both serve alike.
     """
+    manifest = Manifest.load(exports[name])
+    assert engine_reason(manifest) is None
+    older = dataclasses.replace(manifest, runtimes={RUNTIME: {**manifest.runtimes[RUNTIME], "engine_batches": False}})
+    assert "a shorter row of an og.Engine batch decodes wrong tokens: re-export it" in engine_reason(older)
     session = KVQSession(exports[name])
     alone = [session.generate([prompt], n, stop_at_eos=False)[0].tokens for prompt, n in ENGINE_REQUESTS]
     assert all(len(tokens) == n for tokens, (_, n) in zip(alone, ENGINE_REQUESTS))
@@ -307,6 +318,7 @@ def test_regions_layout_exports_say_why(tmp_path):
     directory = export(tiny_model("llama"), "kivi-4", tmp_path / "kivi4")
     entry = Manifest.load(directory).runtimes[RUNTIME]
     assert entry["supported"] is False and "regions" in entry["reason"] and "kivi-4" in entry["reason"]
+    assert engine_reason(Manifest.load(directory)) == entry["reason"]
     assert not (directory / GENAI_CONFIG).exists() and not (directory / GENAI_MODEL).exists()
     with pytest.raises(RuntimeInputError, match="has no genai_config.json: flavour reference"):
         GenaiSession(directory)

@@ -234,6 +234,23 @@ def adapt_graph(model_path: str | os.PathLike[str], out_path: str | os.PathLike[
     return out
 
 
+def engine_reason(manifest: Manifest) -> str | None:
+    """Why ``og.Engine`` cannot batch this export's requests correctly (None when it can).
+
+    An entry graph whose prologue reads only og.Generator's masks (exports without ``engine_batches`` in their
+    ``runtimes`` entry) serves og.Generator and a lone Engine request, but gives a shorter row of an Engine batch
+    wrong tokens: a server checks this before batching.
+    """
+    entry = manifest.runtimes.get(RUNTIME) or {}
+    if not entry.get("supported"):
+        return entry.get("reason") or unsupported_reason(manifest) or \
+            "it was exported before kvq wrote onnxruntime-genai files: re-export it"
+    if not entry.get("engine_batches"):
+        return ("its model.genai.onnx reads only og.Generator's attention masks, so a shorter row of an og.Engine "
+                "batch decodes wrong tokens: re-export it")
+    return None
+
+
 def write_genai_files(directory: str | os.PathLike[str], manifest: Manifest) -> dict[str, Any]:
     """Write ``genai_config.json`` and ``model.genai.onnx`` into an export directory, or explain why not.
 
@@ -249,7 +266,7 @@ def write_genai_files(directory: str | os.PathLike[str], manifest: Manifest) -> 
     adapt_graph(directory / MODEL_NAME, directory / GENAI_MODEL)
     (directory / GENAI_CONFIG).write_text(json.dumps(config, indent=2))
     entry: dict[str, Any] = {"supported": True, "config": GENAI_CONFIG, "model": GENAI_MODEL,
-                             "past_present_share_buffer": True}
+                             "past_present_share_buffer": True, "engine_batches": True}
     if manifest.scheme.hp_dtype == "fp16" and not manifest.scheme.quantized:
         entry["note"] = ("unquantized fp16 buffer: ONNX Runtime's CPU GroupQueryAttention casts it whole to float32 "
                          "every step (fast on CUDA); an fp32 buffer is the copy-free CPU baseline")
