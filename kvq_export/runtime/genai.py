@@ -56,7 +56,8 @@ def builder_scale_file(static, scheme, *, num_layers: int, kv_heads: int, head_d
     ``kv_cache_quant_scheme=int{bits}_{granularity}`` uses exactly kvq's scales (the ones ``kvq export --flavor
     ort-gqa`` writes into its graph); the builder rescales them for another bit width.
     """
-    from kvq_export.export.gqa_flavor import gqa_scale, unsupported
+    from kvq_export.export.gqa_capability import unsupported
+    from kvq_export.export.gqa_flavor import gqa_scale
 
     if granularity not in GRANULARITIES:
         raise ExportError(f"unknown granularity {granularity!r}; allowed: {', '.join(GRANULARITIES)}")
