@@ -604,6 +604,27 @@ def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir) -> Non
                       soft_wrap=True)
 
 
+@cli.command()
+@click.argument("export_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (127.0.0.1: this machine).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0 picks a free port.")
+@click.option("--model-name", default=None, help="The `model` clients name (default: the export directory's name).")
+@click.option("--backend", type=click.Choice(["auto", "engine", "session"]), default="auto", show_default=True,
+              help="engine: onnxruntime-genai's continuous batching (ort-gqa exports); session: kvq's loop, one "
+                   "request at a time; auto: engine where onnxruntime-genai can serve the export.")
+@click.option("--shutdown-timeout", type=click.FloatRange(0), default=10.0, show_default=True,
+              help="Seconds in-flight requests may finish after SIGINT/SIGTERM before they are cancelled.")
+@click.option("--no-verify", "no_verify", is_flag=True,
+              help="Skip checking the weight files against the checksums in kvq.json (faster on trusted storage).")
+def serve(export_dir, host, port, model_name, backend, shutdown_timeout, no_verify) -> None:
+    """Serve an export over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    from kvq_export.serve import serve as run_server
+
+    logging.getLogger("kvq_export.serve").setLevel(min(logging.getLogger().getEffectiveLevel(), logging.INFO))
+    run_server(export_dir, host=host, port=port, model_name=model_name, backend=backend,
+               verify_weights=not no_verify, shutdown_timeout=shutdown_timeout)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     cli.main(args=argv, prog_name="kvq", standalone_mode=True)

@@ -400,14 +400,7 @@ class KVQSession:
     def tokenizer(self):
         """The tokenizer saved in the export directory."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            check_export_files(self.directory, self.manifest)
-            try:  # an export is data: never run code it ships (auto_map), never ask about it
-                self._tokenizer = AutoTokenizer.from_pretrained(self.directory, local_files_only=True,
-                                                                trust_remote_code=False)
-            except (OSError, ValueError, TypeError, KeyError) as err:
-                raise RuntimeInputError(f"{self.directory} has no usable tokenizer: {err}") from None
+            self._tokenizer = load_tokenizer(self.directory, self.manifest)
         return self._tokenizer
 
     def _encode(self, text: str) -> list[int]:
@@ -502,9 +495,24 @@ def open_onnx(path: Path, options, providers: Sequence[str]):
         raise RuntimeInputError(f"ONNX Runtime cannot load {path}: {first}") from None
 
 
-def continuation_text(tokenizer, prompt_tokens: Sequence[int], tokens: Sequence[int]) -> str:
-    """Text of ``tokens`` as it reads after the prompt (keeps the leading space tokenizers fold in)."""
-    prompt = tokenizer.decode(list(prompt_tokens), skip_special_tokens=True)
+def load_tokenizer(directory: str | Path, manifest: Manifest):
+    """The Hugging Face tokenizer saved in an export directory (never running code the export ships)."""
+    from transformers import AutoTokenizer
+
+    check_export_files(Path(directory), manifest)
+    try:  # an export is data: never run code it ships (auto_map), never ask about it
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise RuntimeInputError(f"{directory} has no usable tokenizer: {err}") from None
+
+
+def continuation_text(tokenizer, prompt_tokens: Sequence[int], tokens: Sequence[int], *,
+                      prompt_text: str | None = None) -> str:
+    """Text of ``tokens`` as it reads after the prompt (keeps the leading space tokenizers fold in).
+
+    ``prompt_text``: the prompt's decoded text when the caller already holds it (a streaming loop decodes it once).
+    """
+    prompt = tokenizer.decode(list(prompt_tokens), skip_special_tokens=True) if prompt_text is None else prompt_text
     full = tokenizer.decode([*prompt_tokens, *tokens], skip_special_tokens=True)
     return full[len(prompt):] if full.startswith(prompt) else tokenizer.decode(list(tokens), skip_special_tokens=True)
 
