@@ -25,6 +25,7 @@ import pytest
 from gqa_harness import SCHEMES, calibration
 from tiny_models import WORDS, tiny_model
 
+from kvq_export.errors import KVQError
 from kvq_export.export.exporter import export
 from kvq_export.runtime.sampling import SamplingConfig
 from kvq_export.runtime.session import KVQSession, continuation_text
@@ -381,3 +382,17 @@ def test_streamed_text_holds_back_a_possible_stop_string():
     for token in tokenizer("w3 w4")["input_ids"]:
         assert quiet.add(token, stream=False) == ""
     assert quiet.finish() == quiet.text == " w3 w4"
+
+
+def test_backend_choice_and_a_taken_port_are_one_line_errors(exports):
+    with pytest.raises(KVQError, match="onnxruntime-genai cannot serve .*regions"):
+        open_backend(exports["session"], kind="engine")
+    with pytest.raises(KVQError, match="unknown backend 'gpu'; allowed: auto, engine, session"):
+        open_backend(exports["session"], kind="gpu")
+    assert open_backend(exports["engine"], kind="session").batching is False
+    taken = bind("127.0.0.1", 0)
+    try:
+        with pytest.raises(KVQError, match=f"cannot listen on 127.0.0.1:{taken.getsockname()[1]}"):
+            bind("127.0.0.1", taken.getsockname()[1])
+    finally:
+        taken.close()

@@ -411,7 +411,13 @@ class EngineBackend(Backend):
         """One engine step (all of them when ``drain``, bounded): route tokens, close finished requests."""
         flags = og.EngineEventFlags
         for _ in range(100 if drain else 1):
-            if not turns or not engine.has_pending_requests():
+            if not turns:
+                return
+            if not engine.has_pending_requests():  # never reported finished: end them rather than spin on them
+                for turn in turns:
+                    turn.request.close()
+                    turn.stream.fail("onnxruntime-genai dropped the request without finishing it")
+                turns.clear()
                 return
             try:
                 fired = list(engine.run(events))
