@@ -8,6 +8,7 @@ timeout and every wait a deadline.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import re
@@ -283,14 +284,23 @@ def _wait_idle(url: str, seconds: float = 10.0) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_client_that_goes_away_frees_its_slot(servers, sessions, kind):
+def test_a_client_that_goes_away_frees_its_slot(servers, sessions, kind, caplog):
     url = servers[kind]
     body = {"model": NAME, "prompt": words(3), "max_tokens": 1000, "temperature": 0}
+    caplog.set_level(logging.INFO, logger="kvq_export.serve.app")
     with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
         with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
             assert next(response.iter_lines()).startswith("data:")
         # the stream is closed after its first event: the request is cancelled, the backend is free again
     _wait_idle(url)
+    if kind == "session":  # 1000 tokens take seconds here (the engine may be done first): both requests cancelled
+        assert any(re.match(r"stream closed early .* after \d+ tokens", r.getMessage()) for r in caplog.records)
+        with httpx.Client(base_url=url, timeout=httpx.Timeout(TIMEOUT, read=0.5)) as http, \
+                pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json=body)
+        _wait_idle(url)
+        gone = [r.getMessage() for r in caplog.records if r.getMessage().startswith("client gone")]
+        assert gone and int(gone[0].split()[-2]) < 1000, gone
     prompt = words(4, start=9)  # and the next request is served as if alone
     reply = client(url).completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0)
     assert reply.choices[0].text == alone(sessions[kind], prompt, 10)

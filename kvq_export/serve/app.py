@@ -134,7 +134,7 @@ async def _generate(backend: Backend, http_request: Request, request: Generation
         while not collect.done():  # a client that goes away cancels its request
             await asyncio.wait({collect}, timeout=DISCONNECT_POLL)
             if not collect.done() and await http_request.is_disconnected():
-                logger.info("client went away: request cancelled after %d tokens", len(tracker.tokens))
+                logger.info("client gone: request cancelled after %d tokens", len(tracker.tokens))
                 return JSONResponse(error_body("client disconnected"), status_code=499)
         finish = collect.result()
     except GenerationError as err:
@@ -164,6 +164,7 @@ async def _events(stream: TokenStream, tracker: TextTracker, reply: Reply,
     def event(data: dict[str, Any]) -> dict[str, str]:
         return {"data": json.dumps(data)}
 
+    complete = False
     try:
         if request.chat:
             yield event(reply.chunk("", role=True))
@@ -184,9 +185,14 @@ async def _events(stream: TokenStream, tracker: TextTracker, reply: Reply,
         if request.include_usage:
             yield event(reply.usage_chunk(reply.usage(len(tracker.prompt_tokens), len(tracker.tokens))))
         yield {"data": "[DONE]"}
+        complete = True
     except GenerationError as err:
+        complete = True
         yield event(error_body(str(err), kind="server_error"))
     finally:
+        if not complete:
+            logger.info("stream closed early (client gone or server stopping): request cancelled after %d tokens",
+                        len(tracker.tokens))
         stream.cancel()
 
 
