@@ -610,8 +610,8 @@ def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir) -> Non
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0 picks a free port.")
 @click.option("--model-name", default=None, help="The `model` clients name (default: the export directory's name).")
 @click.option("--backend", type=click.Choice(["auto", "engine", "session"]), default="auto", show_default=True,
-              help="engine: onnxruntime-genai's continuous batching (ort-gqa exports); session: kvq's loop, one "
-                   "request at a time; auto: engine where onnxruntime-genai can serve the export.")
+              help="engine: onnxruntime-genai's og.Engine, requests batched (ort-gqa exports); session: kvq's loop, "
+                   "one request at a time; auto: engine where onnxruntime-genai can serve the export.")
 @click.option("--shutdown-timeout", type=click.FloatRange(0), default=10.0, show_default=True,
               help="Seconds in-flight requests may finish after SIGINT/SIGTERM before they are cancelled.")
 @click.option("--no-verify", "no_verify", is_flag=True,

@@ -121,14 +121,15 @@ async def _generate(backend: Backend, http_request: Request, request: Generation
                            "temperature 0 for a reproducible answer", param="seed", code="unsupported_field")
     ids = prompt_tokens(backend, request)
     max_tokens = bounded_max_tokens(request, len(ids), backend.max_positions)
-    try:
-        stream = backend.submit(Job(tuple(ids), max_tokens, request.sampling))
-    except GenerationError as err:
-        return JSONResponse(error_body(str(err), kind="server_error"), status_code=503)
+    job = Job(tuple(ids), max_tokens, request.sampling)
     tracker = TextTracker(backend.tokenizer, ids, request.stop)
     reply = Reply(request.chat, request.model)
-    if request.stream:
-        return EventSourceResponse(_events(stream, tracker, reply, request), ping=15)
+    if request.stream:  # submitted when the response starts: a client gone before then never runs
+        return EventSourceResponse(_events(backend, job, tracker, reply, request), ping=15)
+    try:
+        stream = backend.submit(job)
+    except GenerationError as err:
+        return JSONResponse(error_body(str(err), kind="server_error"), status_code=503)
     collect = asyncio.ensure_future(_collect(stream, tracker))
     try:
         while not collect.done():  # a client that goes away cancels its request
@@ -158,12 +159,17 @@ async def _collect(stream: TokenStream, tracker: TextTracker) -> str:
     return stream.finish_reason
 
 
-async def _events(stream: TokenStream, tracker: TextTracker, reply: Reply,
+async def _events(backend: Backend, job: Job, tracker: TextTracker, reply: Reply,
                   request: GenerationRequest) -> AsyncIterator[dict[str, str]]:
     """The server-sent events of a streamed request; leaving early (client gone, shutdown) cancels it."""
     def event(data: dict[str, Any]) -> dict[str, str]:
         return {"data": json.dumps(data)}
 
+    try:
+        stream = backend.submit(job)
+    except GenerationError as err:
+        yield event(error_body(str(err), kind="server_error"))
+        return
     complete = False
     try:
         if request.chat:

@@ -181,7 +181,15 @@ class Backend(ABC):
                 ready.set()
                 return
             ready.set()
-            self._serve(state)
+            try:
+                self._serve(state)
+            except BaseException:  # a bug in the loop: fail what waits instead of leaving it waiting forever
+                logger.exception("the %s thread failed; the server answers no more requests", type(self).__name__)
+                self._closed = True
+                with self._lock:
+                    left = list(self._streams)
+                for stream in left:
+                    stream.fail("the server's generation thread failed")
 
         self._thread = threading.Thread(target=main, name=f"kvq-{type(self).__name__}", daemon=True)
         self._thread.start()
@@ -404,7 +412,10 @@ class EngineBackend(Backend):
     def _cancel_turn(turns: list[_Turn], stream: TokenStream) -> None:
         for turn in turns:
             if turn.stream is stream:
-                turn.request.cancel_turn(turn.turn)  # the engine reports it finished (cancelled) at its next step
+                try:
+                    turn.request.cancel_turn(turn.turn)  # the engine reports it finished (cancelled) at its next step
+                except Exception as err:  # noqa: BLE001 - og's own error: the turn ended meanwhile
+                    logger.debug("cancelling a turn: %s", err)
                 return
 
     def _step(self, og, engine, events, turns: list[_Turn], *, drain: bool) -> None:
