@@ -201,8 +201,10 @@ def test_seeded_sampling_repeats_where_the_backend_supports_it(servers, sessions
     with pytest.raises(openai.BadRequestError, match="seed is not supported") as info:
         api.completions.create(**ask)
     assert info.value.body["param"] == "seed"
-    unseeded = {k: v for k, v in ask.items() if k != "seed"}
-    assert api.completions.create(**unseeded).usage.completion_tokens == 12
+    unseeded = api.completions.create(**{k: v for k, v in ask.items() if k != "seed"})
+    # onnxruntime-genai ends a row at the pad id (0 here: the tiny export has no EOS), which sampling may draw
+    assert unseeded.choices[0].finish_reason == ("length" if unseeded.usage.completion_tokens == 12 else "stop")
+    assert unseeded.usage.completion_tokens <= 12
 
 
 # -- refusals --------------------------------------------------------------------------------------------------------
