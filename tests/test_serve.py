@@ -1,7 +1,7 @@
 """``kvq serve``: a real server on 127.0.0.1, driven by the official ``openai`` client.
 
-Two servers run for the module, each in a thread: the tiny ort-gqa export on onnxruntime-genai's continuous-
-batching Engine, and a tiny reference-flavour export on one KVQSession. Every answer is compared with
+Two servers run for the module, each in a thread: the tiny ort-gqa export on onnxruntime-genai's ``og.Engine``,
+and a tiny reference-flavour export on one KVQSession. Every answer is compared with
 ``KVQSession.generate`` (what ``kvq generate`` prints) for the same prompt run alone. Every request has a client
 timeout and every wait a deadline.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 from gqa_harness import SCHEMES, calibration
-from tiny_models import WORDS, tiny_model
+from tiny_models import WORDS, tiny_model, tiny_tokenizer
 
 from kvq_export.errors import KVQError
 from kvq_export.export.exporter import export
@@ -51,14 +51,9 @@ def words(n: int, start: int = 0) -> str:
 
 
 def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 @pytest.fixture(scope="module")

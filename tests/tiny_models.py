@@ -102,15 +102,20 @@ def loud_model(kind: str):
 WORDS = [f"w{i}" for i in range(VOCAB - 1)]
 
 
-def save_tiny_model_dir(path, kind: str = "llama"):
-    """Write a tiny model plus a word-level tokenizer (``w0 w1 ...``) as a Hugging Face directory."""
+def tiny_tokenizer():
+    """The tiny models' word-level tokenizer: ``[UNK]`` is id 0, word ``w{i}`` is id ``i + 1``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tiny_model(kind).save_pretrained(path)
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+
+
+def save_tiny_model_dir(path, kind: str = "llama"):
+    """Write a tiny model plus a word-level tokenizer (``w0 w1 ...``) as a Hugging Face directory."""
+    tiny_model(kind).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
     return path
 
 
