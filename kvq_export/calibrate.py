@@ -63,7 +63,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,6 +73,7 @@ import numpy as np
 from kvq_export._atomic import atomic_writer
 from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError, ModelError, QuantizationError, SchemeError
+from kvq_export.progress import task
 from kvq_export.rotation import rotate_torch, rotation_matrix
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
@@ -120,14 +121,23 @@ def high_channel_streams(scheme: KVQuantScheme, num_layers: int) -> list[tuple[i
     ]
 
 
+def ranging_group(tq: TensorQuant) -> int | None:
+    """Tokens per range :func:`channel_importance` measures for ``tq`` (None: a whole window, static scales).
+
+    Streams with the same ranging group rank channels alike (only how many they keep differs).
+    """
+    return None if tq.scales == "static" else int(tq.group_size)
+
+
 def channel_importance(samples: Sequence[AttentionSample], part: str, tq: TensorQuant,
                        o_proj: torch.Tensor | None = None) -> torch.Tensor:
     """``[kv_heads, D]``: how much a channel's quantization error moves attention (see the module docstring)."""
     weight = range_sq = None
+    ranging = ranging_group(tq)
     for sample in samples:
         x = sample.keys if part == "key" else sample.values  # [H, T, D]
         heads, tokens, dim = x.shape
-        group = tokens if tq.scales == "static" else min(int(tq.group_size), tokens)  # static: one range
+        group = tokens if ranging is None else min(ranging, tokens)  # static: one range
         grouped = x[:, : tokens // group * group].reshape(heads, tokens // group, group, dim)
         r = (grouped.amax(2) - grouped.amin(2)).pow(2).mean(1)  # [H, D]
         range_sq = r if range_sq is None else range_sq + r
@@ -145,10 +155,18 @@ def channel_importance(samples: Sequence[AttentionSample], part: str, tq: Tensor
 def choose_high_channels(samples: Sequence[AttentionSample], part: str, tq: TensorQuant,
                          o_proj: torch.Tensor | None = None) -> np.ndarray:
     """The ``tq.high_channels`` most important channels of each kv head, ascending, as int32 ``[H, n]``."""
+    return top_channels(channel_importance(samples, part, tq, o_proj), tq.high_channels)
+
+
+def top_channels(importance: torch.Tensor, n: int) -> np.ndarray:
+    """The ``n`` channels of each kv head with the largest ``importance`` ``[H, D]``, ascending, int32 ``[H, n]``.
+
+    Ties go to the lower channel index.
+    """
     import torch
 
-    ranked = channel_importance(samples, part, tq, o_proj).argsort(dim=-1, descending=True, stable=True)
-    chosen, _ = torch.sort(ranked[:, : tq.high_channels], dim=-1)
+    ranked = importance.argsort(dim=-1, descending=True, stable=True)
+    chosen, _ = torch.sort(ranked[:, :n], dim=-1)
     return chosen.numpy().astype(np.int32)
 
 
@@ -216,13 +234,17 @@ def calibrate_static_scales(
         return None if high is None else torch.as_tensor(high).to(torch.int64)
 
     if method == "attention":
-        for layer, part, tq in targets:
-            rotation = rotation_matrix(tq.rotation, facts.head_dim)
-            static.setdefault(layer, {}).setdefault(part, {}).update(attention_metadata(
-                [s.rotated(rotation) for s in samples[layer]], part, tq, chosen(layer, part)))
+        with task("calibration: streams", total=len(targets)) as advance:
+            for layer, part, tq in targets:
+                rotation = rotation_matrix(tq.rotation, facts.head_dim)
+                static.setdefault(layer, {}).setdefault(part, {}).update(attention_metadata(
+                    [s.rotated(rotation) for s in samples[layer]], part, tq, chosen(layer, part)))
+                advance()
     else:
         if samples is None:
-            collected = _collect_kv(model, windows, {(layer, part) for layer, part, _ in targets}, facts.num_layers)
+            with task("calibration: forward passes", total=len(windows)) as advance:
+                collected = _collect_kv(model, windows, {(layer, part) for layer, part, _ in targets},
+                                        facts.num_layers, advance)
         else:  # the samples hold every window's K/V already (the same forward passes)
             collected = {(layer, part): torch.cat([s.keys if part == "key" else s.values for s in samples[layer]],
                                                   dim=1) for layer, part, _ in targets}
@@ -277,9 +299,13 @@ def _check_windows(token_windows: Sequence[Sequence[int]], vocab_size: int) -> l
 
 
 def _collect_kv(
-    model: PreTrainedModel, windows: list[list[int]], needed: set[tuple[int, str]], num_layers: int
+    model: PreTrainedModel, windows: list[list[int]], needed: set[tuple[int, str]], num_layers: int,
+    advance: Callable[[], None] | None = None,
 ) -> dict[tuple[int, str], torch.Tensor]:
-    """Run every window through ``model``; return the needed K/V streams as float32 ``[H, tokens, D]``."""
+    """Run every window through ``model``; return the needed K/V streams as float32 ``[H, tokens, D]``.
+
+    ``advance`` is called after each window.
+    """
     import torch
     from transformers.cache_utils import DynamicCache
 
@@ -311,6 +337,8 @@ def _collect_kv(
                     x = stored[0].to(device="cpu", dtype=torch.float32)
                     check_finite(x)
                     chunks[(layer, part)].append(x)
+                if advance is not None:
+                    advance()
     finally:
         model.train(was_training)
     return {key: torch.cat(parts, dim=1) for key, parts in chunks.items()}
@@ -432,17 +460,19 @@ def collect_attention_samples(
                 for layer in layers]
     samples: dict[int, list[AttentionSample]] = {layer: [] for layer in layers}
     try:
-        for window in windows:
-            captured.clear()
-            kv = _collect_kv(model, [window], {(layer, part) for layer in layers for part in PARTS}, num_layers)
-            n = len(window)
-            positions = torch.unique(torch.linspace(0, n - 1, min(n, ATTENTION_QUERIES)).round().long())
-            for layer in layers:
-                module = modules[layer]
-                scaling = float(getattr(module, "scaling", module.head_dim ** -0.5))
-                samples[layer].append(AttentionSample(captured[layer][:, positions].contiguous(), positions,
-                                                      kv[(layer, "key")], kv[(layer, "value")], scaling,
-                                                      residual[layer][positions].contiguous()))
+        with task("attention samples: forward passes", total=len(windows)) as advance:
+            for window in windows:
+                captured.clear()
+                kv = _collect_kv(model, [window], {(layer, part) for layer in layers for part in PARTS}, num_layers)
+                n = len(window)
+                positions = torch.unique(torch.linspace(0, n - 1, min(n, ATTENTION_QUERIES)).round().long())
+                for layer in layers:
+                    module = modules[layer]
+                    scaling = float(getattr(module, "scaling", module.head_dim ** -0.5))
+                    samples[layer].append(AttentionSample(captured[layer][:, positions].contiguous(), positions,
+                                                          kv[(layer, "key")], kv[(layer, "value")], scaling,
+                                                          residual[layer][positions].contiguous()))
+                advance()
     finally:
         for handle in handles:
             handle.remove()
@@ -459,27 +489,40 @@ def static_from_samples(samples: Mapping[int, list[AttentionSample]], scheme: KV
     channels take their chosen ``[H, n]`` channels from ``high_channels`` ``{layer: {part: ...}}`` (see
     :func:`choose_high_channels`) and keep them in the result.
     """
-    import torch
-
-    from kvq_export.reference.codec import check_high_channels
-
     _check_method(method, percentile)
     static: StaticArrays = {}
     for layer, part, tq in static_streams(scheme, num_layers):
         if layer not in samples:
             raise KVQError(f"no attention samples were collected for layer {layer}")
-        heads, _, dim = samples[layer][0].keys.shape
-        high = None if not tq.high_channels else check_high_channels(
-            (high_channels or {}).get(layer, {}).get(part), tq, heads, dim)
-        if method == "attention":
-            meta = attention_metadata(samples[layer], part, tq, high)
-        else:
-            x = torch.cat([s.keys if part == "key" else s.values for s in samples[layer]], dim=1)
-            meta = _stream_metadata(x, tq, method, percentile, high)
-        if high is not None:
-            meta[HIGH_CHANNELS] = high.numpy().astype(np.int32)
-        static.setdefault(layer, {})[part] = meta
+        static.setdefault(layer, {})[part] = stream_from_samples(
+            samples[layer], part, tq, method=method, percentile=percentile,
+            high_channels=(high_channels or {}).get(layer, {}).get(part))
     return static
+
+
+def stream_from_samples(samples: Sequence[AttentionSample], part: str, tq: TensorQuant, *, method: str,
+                        percentile: float = 99.9, high_channels: np.ndarray | None = None,
+                        stream: torch.Tensor | None = None) -> dict[str, np.ndarray]:
+    """Metadata of one static stream (one layer's ``part``) by ``method`` from that layer's samples.
+
+    ``stream``: the samples' ``part`` already joined along the tokens ``[H, N, D]`` (a caller calibrating
+    many formats of one stream joins it once); ``high_channels``: see :func:`static_from_samples`.
+    """
+    import torch
+
+    from kvq_export.reference.codec import check_high_channels
+
+    heads, _, dim = samples[0].keys.shape
+    high = None if not tq.high_channels else check_high_channels(high_channels, tq, heads, dim)
+    if method == "attention":
+        meta = attention_metadata(list(samples), part, tq, high)
+    else:
+        if stream is None:
+            stream = torch.cat([s.keys if part == "key" else s.values for s in samples], dim=1)
+        meta = _stream_metadata(stream, tq, method, percentile, high)
+    if high is not None:
+        meta[HIGH_CHANNELS] = high.numpy().astype(np.int32)
+    return meta
 
 
 def candidate_metadata(tq: TensorQuant, stats: tuple[torch.Tensor, ...], ratio: torch.Tensor,

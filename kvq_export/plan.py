@@ -33,17 +33,19 @@ option: its key and value together).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvq_export.calibrate import PARTS
 from kvq_export.errors import KVQError, SchemeError
 from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
 
@@ -273,26 +275,60 @@ class Damage:
                 "key_induced": self.key_induced, "value_induced": self.value_induced}
 
 
-def _static_for(model: PreTrainedModel, candidates: set[TensorQuant], samples, num_layers: int, method: str,
-                percentile: float):
-    """Calibrated metadata per static or high-channel candidate: ``{tq: {layer: {"key"|"value": {...}}}}``."""
-    from kvq_export.calibrate import HIGH_CHANNELS, choose_high_channels, static_from_samples
+def _calibrated_parts(cset: CandidateSet) -> dict[TensorQuant, tuple[str, ...]]:
+    """Each static or high-channel candidate with the parts (``key``/``value``) the set offers it for."""
+    parts: dict[TensorQuant, list[str]] = {}
+    for pair in cset.options():
+        for part, tq in zip(PARTS, pair):
+            if tq.quantized and (tq.scales == "static" or tq.high_channels) and part not in parts.get(tq, ()):
+                parts.setdefault(tq, []).append(part)
+    return {tq: tuple(p) for tq, p in parts.items()}
 
-    out = {}
-    for tq in candidates:
-        if not tq.quantized:
-            continue
-        high = None
-        if tq.high_channels:
-            high = {layer: {part: choose_high_channels(samples[layer], part, tq,
-                                                       _o_proj(model, layer) if part == "value" else None)
-                            for part in ("key", "value")} for layer in range(num_layers)}
-        if tq.scales == "static":
-            out[tq] = static_from_samples(samples, KVQuantScheme(key=tq, value=tq), num_layers, method=method,
-                                          percentile=percentile, high_channels=high)
-        elif high is not None:
-            out[tq] = {layer: {part: {HIGH_CHANNELS: chosen} for part, chosen in parts.items()}
-                       for layer, parts in high.items()}
+
+def _static_for(model: PreTrainedModel, cset: CandidateSet, samples, num_layers: int, method: str,
+                percentile: float):
+    """Calibrated metadata per static or high-channel candidate: ``{tq: {layer: {"key"|"value": {...}}}}``.
+
+    Only the parts the set offers a candidate for are calibrated. The channel ranking behind high channels is
+    measured once per (layer, part, ranging group) and each candidate keeps its own number of top channels; each
+    layer's K/V is joined along the tokens once for every static format.
+    """
+    import torch
+
+    from kvq_export.calibrate import (
+        HIGH_CHANNELS,
+        channel_importance,
+        ranging_group,
+        stream_from_samples,
+        top_channels,
+    )
+    from kvq_export.progress import task
+
+    wanted = _calibrated_parts(cset)
+    out: dict[TensorQuant, dict[int, dict[str, dict]]] = {tq: {} for tq in wanted}
+    with task("plan: calibrating candidates", total=num_layers) as advance:
+        for layer in range(num_layers):
+            rankings: dict[tuple[str, int | None], torch.Tensor] = {}
+            streams: dict[str, torch.Tensor] = {}
+            for tq, parts in wanted.items():
+                for part in parts:
+                    high = None
+                    if tq.high_channels:
+                        ranking = (part, ranging_group(tq))
+                        if ranking not in rankings:
+                            rankings[ranking] = channel_importance(
+                                samples[layer], part, tq, _o_proj(model, layer) if part == "value" else None)
+                        high = top_channels(rankings[ranking], tq.high_channels)
+                    if tq.scales == "static":
+                        if part not in streams and method != "attention":
+                            streams[part] = torch.cat([s.keys if part == "key" else s.values
+                                                       for s in samples[layer]], dim=1)
+                        meta = stream_from_samples(samples[layer], part, tq, method=method, percentile=percentile,
+                                                   high_channels=high, stream=streams.get(part))
+                    else:
+                        meta = {HIGH_CHANNELS: high}
+                    out[tq].setdefault(layer, {})[part] = meta
+            advance()
     return out
 
 
@@ -341,40 +377,109 @@ def attention_damage(
     return attention_damages(samples, o_proj, [(key, value, meta or {})], sink_tokens)[0]
 
 
+#: attention weights ([configs, Hkv, G * P, T] elements) one batch of configurations may hold at once
+BATCH_ELEMENTS = 1 << 23
+
+
 def attention_damages(
     samples: Sequence[AttentionSample], o_proj: torch.Tensor,
     configs: Sequence[tuple[TensorQuant | None, TensorQuant | None, Mapping[str, Mapping]]], sink_tokens: int = 0,
 ) -> list[tuple[float, float, float]]:
     """:func:`attention_damage` of several (key, value, metadata) configurations of one layer.
 
-    The exact attention of each sample is computed once and shared by every configuration.
+    The exact attention of each sample is computed once and shared by every configuration; each distinct
+    (stream, metadata) is stored and read back once per sample, and configurations are measured in batches
+    (one matmul / softmax for a batch, the same per-configuration arithmetic).
     """
     import torch
 
     totals = np.zeros((len(configs), 3))
-    for sample in samples:
-        v = sample.values
-        exact_scores = sample.scores(sample.keys)
-        a = sample.softmax(exact_scores)
-        o = torch.bmm(a, v)
-        norm_o = o.norm(dim=-1).clamp_min(1e-30)
-        hq, p, d = sample.q.shape
-        residual = sample.residual_norm.clamp_min(1e-30) if sample.residual_norm is not None else torch.ones(p)
-        for row, (key, value, meta) in zip(totals, configs):
-            a_hat = a if key is None else sample.attention_with(
-                _reference_dequant(sample.keys, key, meta.get("key"), sink_tokens), key.residual_length or 0,
-                exact_scores)
-            err = torch.bmm(a_hat, v) - o  # [Hkv, G*P, D]
-            row[1] += float((err.norm(dim=-1) / norm_o).mean())
-            if value is not None:
-                v_err = _reference_dequant(v, value, meta.get("value"), sink_tokens) - v
-                window = sample.recent_mask(value.residual_length)[None] if value.residual_length else None
-                err = err + torch.bmm(_older(a_hat, window), v_err)
-                row[2] += float((torch.bmm(_older(a, window), v_err).norm(dim=-1) / norm_o).mean())
-            per_head = err.reshape(hq, p, d).permute(1, 0, 2).reshape(p, hq * d)  # [P, Hq*D]
-            moved = per_head @ o_proj.T  # [P, hidden]
-            row[0] += float((moved.pow(2).sum(dim=-1) / residual.pow(2)).mean())
+    with torch.inference_mode():
+        for sample in samples:
+            exact = _ExactAttention(sample)
+            read = _StoredReads(sample, sink_tokens)
+            batch = max(1, BATCH_ELEMENTS // max(1, exact.a.numel()))
+            for start in range(0, len(configs), batch):
+                chunk = configs[start:start + batch]
+                totals[start:start + len(chunk)] += _batch_damages(exact, read, o_proj, chunk)
     return [tuple(float(x) for x in row / len(samples)) for row in totals]
+
+
+class _ExactAttention:
+    """One sample's unquantized attention: scores, weights ``a``, output ``o`` and the norms damage divides by."""
+
+    def __init__(self, sample: AttentionSample) -> None:
+        import torch
+
+        self.sample = sample
+        self.scores = sample.scores(sample.keys)
+        self.a = sample.softmax(self.scores)
+        self.o = torch.bmm(self.a, sample.values)
+        self.norm_o = self.o.norm(dim=-1).clamp_min(1e-30)
+        p = sample.q.shape[1]
+        self.residual = sample.residual_norm.clamp_min(1e-30) if sample.residual_norm is not None else torch.ones(p)
+
+
+class _StoredReads:
+    """What attention reads for each (part, stream, metadata) of one sample, stored and read back once."""
+
+    def __init__(self, sample: AttentionSample, sink_tokens: int) -> None:
+        self.sample, self.sink_tokens = sample, sink_tokens
+        self.cache: dict[tuple[str, TensorQuant, int], torch.Tensor] = {}
+        self.held: list[Mapping | None] = []  # keeps each metadata object (and so its id) alive
+
+    def __call__(self, part: str, tq: TensorQuant, meta: Mapping | None) -> torch.Tensor:
+        key = (part, tq, id(meta))
+        if key not in self.cache:
+            x = self.sample.keys if part == "key" else self.sample.values
+            self.cache[key] = _reference_dequant(x, tq, meta, self.sink_tokens)
+            self.held.append(meta)
+        return self.cache[key]
+
+
+def _batch_damages(exact: _ExactAttention, read: _StoredReads, o_proj: torch.Tensor,
+                   configs: Sequence[tuple[TensorQuant | None, TensorQuant | None, Mapping[str, Mapping]]],
+                   ) -> np.ndarray:
+    """``[len(configs), 3]``: one sample's (damage, key-induced, value-induced) of each configuration."""
+    import torch
+
+    sample, a, v = exact.sample, exact.a, exact.sample.values
+    out = np.zeros((len(configs), 3))
+    err = exact.o.new_zeros((len(configs), *exact.o.shape))  # [C, Hkv, G*P, D]: ô - o
+    weights = {}  # config -> its attention weights where its key is quantized (else the exact ones)
+    keyed = [i for i, (key, _, _) in enumerate(configs) if key is not None]
+    if keyed:
+        k_hat = torch.stack([read("key", configs[i][0], configs[i][2].get("key")) for i in keyed])
+        scores = torch.matmul(sample.grouped_queries(), k_hat.transpose(-1, -2)) * sample.scaling
+        for row, i in enumerate(keyed):
+            recent = configs[i][0].residual_length or 0
+            if recent:  # the newest keys of each query are read exactly
+                scores[row] = torch.where(sample.recent_mask(recent)[None], exact.scores, scores[row])
+        a_hat = sample.softmax(scores)
+        err[keyed] = torch.matmul(a_hat, v) - exact.o
+        key_induced = err[keyed].norm(dim=-1) / exact.norm_o
+        for row, i in enumerate(keyed):
+            weights[i] = a_hat[row]
+            out[i, 1] = float(key_induced[row].mean())
+    # value errors, read through each configuration's weights on the tokens older than its value window
+    valued = [i for i, (_, value, _) in enumerate(configs) if value is not None]
+    if valued:
+        v_err = torch.stack([read("value", configs[i][1], configs[i][2].get("value")) - v for i in valued])
+        windows = [sample.recent_mask(configs[i][1].residual_length)[None] if configs[i][1].residual_length
+                   else None for i in valued]
+        older_hat = torch.stack([_older(weights.get(i, a), w) for i, w in zip(valued, windows)])
+        err[valued] += torch.matmul(older_hat, v_err)
+        older = torch.stack([_older(a, w) for w in windows])
+        value_induced = torch.matmul(older, v_err).norm(dim=-1) / exact.norm_o
+        for row, i in enumerate(valued):
+            out[i, 2] = float(value_induced[row].mean())
+    hq, p, d = sample.q.shape
+    per_head = err.reshape(len(configs), hq, p, d).permute(0, 2, 1, 3).reshape(len(configs), p, hq * d)
+    moved = torch.matmul(per_head, o_proj.T)  # [C, P, hidden]
+    energy = moved.pow(2).sum(dim=-1) / exact.residual.pow(2)
+    for i in range(len(configs)):
+        out[i, 0] = float(energy[i].mean())
+    return out
 
 
 def _o_proj(model: PreTrainedModel, layer: int) -> torch.Tensor:
@@ -389,11 +494,16 @@ def measure_attention(
     static_by: Mapping, num_layers: int, sink_tokens: int = 0,
 ) -> list[Damage]:
     """Damage of every candidate of every layer by the ``attention`` metric."""
+    from kvq_export.progress import task
+
     out = []
-    for layer in range(num_layers):
-        configs = [(key, value, _layer_static(static_by, layer, key, value)) for key, value in _measured_configs(cset)]
-        damages = attention_damages(samples[layer], _o_proj(model, layer), configs, sink_tokens)
-        out += [Damage(layer, key, value, *damage) for (key, value, _), damage in zip(configs, damages)]
+    with task("plan: measuring attention damage", total=num_layers) as advance:
+        for layer in range(num_layers):
+            configs = [(key, value, _layer_static(static_by, layer, key, value))
+                       for key, value in _measured_configs(cset)]
+            damages = attention_damages(samples[layer], _o_proj(model, layer), configs, sink_tokens)
+            out += [Damage(layer, key, value, *damage) for (key, value, _), damage in zip(configs, damages)]
+            advance()
     return out
 
 
@@ -413,6 +523,7 @@ def measure_kl(
     import torch
 
     from kvq_export.calibrate import static_to_torch
+    from kvq_export.progress import task
     from kvq_export.reference.hf_cache import reference_hf_cache
 
     configs = [(layer, k, v) for layer in range(num_layers) for k, v in _measured_configs(cset)]
@@ -422,7 +533,7 @@ def measure_kl(
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), task("plan: measuring logit KL", total=len(windows) * len(configs)) as advance:
             for window in windows:
                 ids = torch.tensor([list(window)], dtype=torch.long, device=device)
                 base = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
@@ -435,6 +546,7 @@ def measure_kl(
                     logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0].float()
                     quant = torch.log_softmax(logits, dim=-1)
                     totals[i] += float((p * (base - quant)).sum())
+                    advance()
                 tokens += len(window)
     finally:
         model.train(was_training)
@@ -528,6 +640,24 @@ def scheme_from_choice(choice: Sequence[tuple[TensorQuant, TensorQuant]], name: 
 
 
 # -- the whole plan ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run torch at one intra-op thread inside the block (restored after).
+
+    Candidate calibration and damage measurement are thousands of small tensor ops: a second thread adds a
+    barrier to each, and on shared cores that barrier waits for a descheduled thread (on a loaded 2-core
+    machine the measurement ran 6x slower with two threads than with one). The results are the same.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @dataclass
 class Plan:
     """A planned scheme with what it was chosen from."""
@@ -650,6 +780,7 @@ def plan_scheme(
     from kvq_export.calibrate import _check_windows, collect_attention_samples
     from kvq_export.memory import predict, stream_bytes
     from kvq_export.model_source import model_facts
+    from kvq_export.progress import task
 
     if metric not in METRICS:
         raise KVQError(f"unknown plan metric {metric!r}; allowed: {', '.join(METRICS)}")
@@ -665,11 +796,11 @@ def plan_scheme(
     cset = fitting(cset, dim)
     windows = _check_windows(windows, facts.vocab_size)
     samples = collect_attention_samples(model, windows, list(range(layers)), layers)
-    static_by = _static_for(model, {t for pair in cset.options() for t in pair}, samples, layers, calib_method,
-                            percentile)
-    if metric == "attention":
-        damages = measure_attention(model, samples, cset, static_by, layers, sink_tokens)
-    else:
+    with _one_thread():
+        static_by = _static_for(model, cset, samples, layers, calib_method, percentile)
+        if metric == "attention":
+            damages = measure_attention(model, samples, cset, static_by, layers, sink_tokens)
+    if metric == "kl":  # model forwards: at the caller's threads
         damages = measure_kl(model, windows, cset, static_by, layers, sink_tokens)
 
     def nbytes(tq: TensorQuant) -> int:
@@ -680,7 +811,9 @@ def plan_scheme(
     options = layer_options(damages, cset, layers, nbytes)
     elements = 2 * layers * heads * context * dim
     budget_bytes = int(budget * elements / 8)
-    chosen = allocate(options, budget_bytes, resolution)
+    with task("plan: allocating bits", total=1) as advance:
+        chosen = allocate(options, budget_bytes, resolution)
+        advance()
     choice = [(options[layer][i].key, options[layer][i].value) for layer, i in enumerate(chosen)]
     scheme = scheme_from_choice(choice, name or f"plan-{budget:g}b", sink_tokens)
     bits = predict(scheme, facts, context).bits_per_element
