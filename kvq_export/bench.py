@@ -52,6 +52,7 @@ import numpy as np
 from kvq_export._atomic import atomic_write
 from kvq_export.calibrate import DEFAULT_CALIB_TOKENS
 from kvq_export.errors import DependencyError, KVQError
+from kvq_export.progress import task
 
 logger = logging.getLogger(__name__)
 
@@ -101,11 +102,12 @@ class BenchReport:
     settings: dict[str, Any]
     results: list[BenchResult] = field(default_factory=list)
     perplexity: list[dict[str, Any]] = field(default_factory=list)
+    complete: bool = False  # False while measuring (and in the file of a run that was stopped)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (``kvq bench --json``)."""
         return {"bench_version": BENCH_VERSION, "model": self.model, "baseline": self.baseline, "fill": self.fill,
-                "settings": self.settings, "results": [r.to_dict() for r in self.results],
+                "complete": self.complete, "settings": self.settings, "results": [r.to_dict() for r in self.results],
                 "perplexity": self.perplexity}
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -255,6 +257,7 @@ def run_bench(
     seed: int = 0,
     fill: str = "synthetic",
     on_result: Callable[[BenchResult], None] | None = None,
+    json_out: str | os.PathLike[str] | None = None,
 ) -> BenchReport:
     """Benchmark ``schemes`` (and ``baseline``) for every flavour, context and batch; see the module docstring.
 
@@ -284,6 +287,8 @@ def run_bench(
         fill: ``synthetic`` (random data in the stored layout, instant) or ``prefill`` (a real chunked prefill
             of random token ids, ``prefill_tokens`` per chunk: slow at long contexts, a check of the former).
         on_result: called with each result as soon as it is measured (progress output).
+        json_out: the report's JSON file, rewritten (atomically) after every result, so a run that is stopped
+            keeps every row measured so far (``"complete": false`` until the run ends).
     """
     _check_positive(contexts=contexts, batches=batches, steps=[steps], prefill_tokens=[prefill_tokens],
                     prefill_repeats=[prefill_repeats])
@@ -315,13 +320,21 @@ def run_bench(
                                 "percentile": calib_percentile, **({"offset": calib_offset} if calib_offset else {})},
                 "load_average_start": list(os.getloadavg())}
     report = BenchReport(model=str(model), baseline=base_name, fill=fill, settings=settings)
+
+    def save() -> None:
+        if json_out is not None:
+            atomic_write(json_out, report.to_json())
+
     rng = np.random.default_rng(seed)
-    exports = {flavor: {name: bench_export(hf_model, tokenizer, scheme, flavor, root, tag=tag, dtype=dtype,
-                                           calib_corpus=calib_corpus, calib_tokens=calib_tokens,
-                                           calib_method=calib_method, calib_percentile=calib_percentile,
-                                           calib_offset=calib_offset)
-                        for name, scheme in resolved.items()}
-               for flavor in flavors}
+    exports: dict[str, dict[str, Path]] = {flavor: {} for flavor in flavors}
+    with task("bench: exports", total=len(flavors) * len(resolved)) as advance:
+        for flavor in flavors:
+            for name, scheme in resolved.items():
+                exports[flavor][name] = bench_export(
+                    hf_model, tokenizer, scheme, flavor, root, tag=tag, dtype=dtype, calib_corpus=calib_corpus,
+                    calib_tokens=calib_tokens, calib_method=calib_method, calib_percentile=calib_percentile,
+                    calib_offset=calib_offset)
+                advance()
     settings["exports"] = {flavor: {name: str(d) for name, d in dirs.items()} for flavor, dirs in exports.items()}
     del hf_model, tokenizer  # the PyTorch model is not needed while measuring
     gc.collect()
@@ -367,13 +380,17 @@ def run_bench(
                         "cache_reduction": base.cache_bytes / result.cache_bytes,
                     }
                     report.results.append(result)
+                    save()
                     if on_result is not None:
                         on_result(result)
         if ppl_windows > 0:
             report.perplexity.extend(_perplexities(sessions, base_name, flavor, calib_corpus, ppl_windows, ppl_tokens))
+            save()
         del sessions
         gc.collect()
     settings["load_average_end"] = list(os.getloadavg())  # other processes share the cores: compare ratios
+    report.complete = True
+    save()
     return report
 
 

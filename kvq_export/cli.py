@@ -248,22 +248,25 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, ca
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Scheme JSON to write.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the measured damage per layer and candidate, and the uniform choices, as JSON.")
+@click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
 def plan(model_spec, corpus, tokens, offset, budget, context, candidates, metric, calib_method, percentile,
-         sink_tokens, value_window, name, out_path, report_path) -> None:
+         sink_tokens, value_window, name, out_path, report_path, quiet) -> None:
     """Choose per-layer key/value formats under a bit budget by measured attention damage; write a scheme."""
     from pathlib import Path
 
     from kvq_export.calibrate import calibration_windows
     from kvq_export.model_source import load_model
     from kvq_export.plan import plan_scheme
+    from kvq_export.progress import tqdm_bars
 
     model, tokenizer = load_model(model_spec)
     if tokenizer is None:
         raise KVQError(f"model {model_spec} has no tokenizer: kvq plan reads calibration text")
     windows = calibration_windows(tokenizer, corpus, tokens, offset=offset)
-    result = plan_scheme(model, windows, budget=budget, context=context, candidates=candidates, metric=metric,
-                         calib_method=calib_method, percentile=percentile, sink_tokens=sink_tokens,
-                         value_window=value_window, name=name or Path(out_path).stem)
+    with tqdm_bars(not quiet):
+        result = plan_scheme(model, windows, budget=budget, context=context, candidates=candidates, metric=metric,
+                             calib_method=calib_method, percentile=percentile, sink_tokens=sink_tokens,
+                             value_window=value_window, name=name or Path(out_path).stem)
     result.settings.update(model=model_spec, corpus=corpus, offset=offset)
     Path(out_path).write_text(result.scheme.to_json() + "\n")
     if report_path:
@@ -341,14 +344,17 @@ def generate(export_dir, prompts, max_new_tokens, temperature, top_k, top_p, see
 @click.option("--granularity", type=click.Choice(["per_channel", "per_tensor"]), default="per_channel",
               show_default=True, help="genai-scales: the builder's kv_cache_quant_scheme granularity.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="File to write.")
+@click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
 def calibrate(model_spec, scheme_spec, calib_corpus, calib_tokens, calib_method, percentile, calib_offset,
-              file_format, granularity, out) -> None:
+              file_format, granularity, out, quiet) -> None:
     """Calibrate static K/V scales and write them for kvq or for onnxruntime-genai's model builder."""
+    from kvq_export.progress import tqdm_bars
     from kvq_export.runtime.genai import calibrate_to_file
 
-    path = calibrate_to_file(model_spec, scheme_spec, out, corpus=calib_corpus, tokens=calib_tokens,
-                             method=calib_method, percentile=percentile, offset=calib_offset,
-                             file_format=file_format, granularity=granularity)
+    with tqdm_bars(not quiet):
+        path = calibrate_to_file(model_spec, scheme_spec, out, corpus=calib_corpus, tokens=calib_tokens,
+                                 method=calib_method, percentile=percentile, offset=calib_offset,
+                                 file_format=file_format, granularity=granularity)
     click.echo(f"wrote {path}")
     if file_format == "genai-scales":
         data = json.loads(path.read_text())
@@ -528,13 +534,15 @@ def _ints(text: str) -> list[int]:
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
               help="PNG of decode latency and cache bytes against context length.")
+@click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
 def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warmup, prefill_tokens, fill, dtype,
           threads, ppl_windows, ppl_tokens, calib_corpus, calib_tokens, calib_offset, calib_method, percentile,
-          work_dir, json_out, plot_out) -> None:
+          work_dir, json_out, plot_out, quiet) -> None:
     """Decode latency, prefill throughput, cache bytes and RSS per scheme, as ratios to the baseline."""
     from rich.console import Console
 
     from kvq_export import bench as kvq_bench
+    from kvq_export.progress import tqdm_bars
 
     progress = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -543,20 +551,23 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
                        f"(x{r.ratio['decode_ms_paired']:.2f}, 90% {r.ratio['decode_ms_paired_low']:.2f}-"
                        f"{r.ratio['decode_ms_paired_high']:.2f}), cache {r.ratio['cache_reduction']:.2f}x smaller")
 
-    report = kvq_bench.run_bench(
-        model_spec, [s for s in schemes.split(",") if s], flavors=[f for f in flavors.split(",") if f],
-        contexts=_ints(contexts), batches=_ints(batches), baseline=baseline, steps=steps, warmup=warmup,
-        prefill_tokens=prefill_tokens, fill=fill, dtype=dtype, threads=threads, ppl_windows=ppl_windows,
-        ppl_tokens=ppl_tokens, calib_corpus=calib_corpus, calib_tokens=calib_tokens, calib_method=calib_method,
-        calib_percentile=percentile, calib_offset=calib_offset, work_dir=work_dir, on_result=show)
+    try:
+        with tqdm_bars(not quiet):
+            report = kvq_bench.run_bench(
+                model_spec, [s for s in schemes.split(",") if s], flavors=[f for f in flavors.split(",") if f],
+                contexts=_ints(contexts), batches=_ints(batches), baseline=baseline, steps=steps, warmup=warmup,
+                prefill_tokens=prefill_tokens, fill=fill, dtype=dtype, threads=threads, ppl_windows=ppl_windows,
+                ppl_tokens=ppl_tokens, calib_corpus=calib_corpus, calib_tokens=calib_tokens,
+                calib_method=calib_method, calib_percentile=percentile, calib_offset=calib_offset, work_dir=work_dir,
+                on_result=show, json_out=json_out)
+    except KeyboardInterrupt:
+        if json_out:
+            click.echo(f"interrupted: {json_out} keeps every result measured so far", err=True)
+        raise
     console = _console()
     console.print(kvq_bench.report_table(report))
     if ppl_windows:
         console.print(kvq_bench.perplexity_table(report))
-    if json_out:
-        from kvq_export.validate.report import write_json
-
-        write_json(report.to_dict(), json_out)
     if plot_out:
         kvq_bench.plot(report, plot_out)
 

@@ -305,3 +305,37 @@ def test_peer_compare_dequantizes_a_gguf_for_llama_cpp_like_kvq_does(tmp_path):
     assert not list(out.parent.glob("*.partial"))
     written = out.stat().st_mtime_ns
     assert peers.dequantized_gguf(source, out) == out and out.stat().st_mtime_ns == written  # reused, not rewritten
+
+
+def test_a_stopped_bench_keeps_every_row_it_measured(model_dir, tmp_path):
+    """The --json file is rewritten after every row: a run stopped after its first row still holds that row."""
+    out = tmp_path / "bench.json"
+    seen = []
+
+    def stop(result) -> None:
+        seen.append(result)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(str(model_dir), ["ort-int8"], flavors=("reference",), contexts=(8, 12), batches=(1,), steps=2,
+                  warmup=0, prefill_tokens=4, prefill_repeats=1, work_dir=tmp_path / "work", on_result=stop,
+                  json_out=out)
+    data = json.loads(out.read_text())
+    assert data["complete"] is False and len(seen) == 1
+    assert [(r["scheme"], r["context"]) for r in data["results"]] == [(seen[0].scheme, 8)]
+    assert data["results"][0]["decode_ms_median"] == seen[0].decode_ms_median
+    done = run_bench(str(model_dir), [], flavors=("reference",), contexts=(8,), batches=(1,), steps=2, warmup=0,
+                     prefill_tokens=4, prefill_repeats=1, work_dir=tmp_path / "work", json_out=out)
+    assert json.loads(out.read_text()) == json.loads(done.to_json()) and done.complete
+
+
+def test_bench_reports_its_exports_as_progress(model_dir, tmp_path):
+    from kvq_export.progress import reporting
+
+    steps = []
+    with reporting(steps.append):
+        run_bench(str(model_dir), ["ort-int8"], flavors=("reference",), contexts=(8,), batches=(1,), steps=2,
+                  warmup=0, prefill_tokens=4, prefill_repeats=1, work_dir=tmp_path, calib_tokens=64)
+    exports = [(s.done, s.total, s.finished) for s in steps if s.desc == "bench: exports"]
+    assert exports == [(0, 2, False), (1, 2, False), (2, 2, False), (2, 2, True)]
+    assert any(s.desc == "calibration: forward passes" and s.finished for s in steps)  # ort-int8 is calibrated

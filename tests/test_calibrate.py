@@ -265,6 +265,22 @@ def test_logs_token_count(model, windows, caplog):
     assert "on 72 token(s) in 3 window(s)" in caplog.text
 
 
+def test_calibration_reports_progress_per_window_and_stream(model, windows):
+    from kvq_export.progress import reporting
+
+    steps = []
+    with reporting(steps.append):
+        calibrate_static_scales(model, get_preset("ort-int8"), windows)
+        calibrate_static_scales(model, _static(ASYM_CHANNEL), windows[:2], method="attention")
+    assert [(s.desc, s.done, s.total, s.finished) for s in steps[:5]] == [
+        ("calibration: forward passes", done, 3, False) for done in range(4)] + [
+        ("calibration: forward passes", 3, 3, True)]
+    samples = [(s.done, s.finished) for s in steps if s.desc == "attention samples: forward passes"]
+    assert samples == [(0, False), (1, False), (2, False), (2, True)]
+    streams = [s for s in steps if s.desc == "calibration: streams"]
+    assert streams[-1].finished and streams[-1].done == streams[-1].total == 2 * LAYERS
+
+
 def test_training_flag_is_restored(model, windows):
     model.train()
     try:

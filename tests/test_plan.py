@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -283,6 +284,19 @@ def test_shipped_smollm2_plans_fit_the_model_and_their_budget(budget):
     assert len(set(scheme.streams(30))) > 1  # a per-layer plan, not a uniform scheme
 
 
+def test_plan_reports_each_stage_as_progress(windows):
+    from kvq_export.progress import reporting
+
+    steps, threads = [], torch.get_num_threads()
+    with reporting(steps.append):
+        plan_scheme(tiny_model("llama"), windows, budget=6.0, context=4096, candidates="ort-gqa")
+    ended = [(s.desc, s.done, s.total) for s in steps if s.finished]
+    assert ended == [("attention samples: forward passes", 2, 2), ("plan: calibrating candidates", 2, 2),
+                     ("plan: measuring attention damage", 2, 2), ("plan: allocating bits", 1, 1)]
+    assert [s.done for s in steps if s.desc == "plan: measuring attention damage"] == [0, 1, 2, 2]
+    assert torch.get_num_threads() == threads  # the analysis runs at one thread; the caller's count comes back
+
+
 def test_plan_errors(windows):
     model = tiny_model("llama")
     with pytest.raises(KVQError, match="no allocation fits"):
@@ -322,6 +336,7 @@ def test_cli_plan_writes_a_scheme(tmp_path):
     assert result.exit_code == 0, result.output
     scheme = KVQuantScheme.from_json(out.read_text())
     assert scheme.name == "planned" and "bits/element at 1024 tokens" in result.output
+    assert "plan: measuring" not in result.output  # no progress bars when stderr is not a terminal
     data = json.loads(report.read_text())
     # 2 layers x the default set's tied candidates (int8 / int4, with and without key zero points and high channels)
     assert data["bits_per_element"] <= 6 and len(data["damages"]) == 2 * len(CANDIDATE_SETS["ort-gqa"].options())
@@ -358,3 +373,40 @@ def test_plan_calibrates_candidates_like_export_by_default():
 
     assert default("plan") == default("export") == "absmax"
     assert inspect.signature(plan_scheme).parameters["calib_method"].default == "absmax"
+
+
+# -- choices pinned across changes to the planner's arithmetic -------------------------------------------------
+PINS = Path(__file__).resolve().parent / "data" / "plan_pins.json"
+#: ``plan_scheme`` settings whose planned schemes and measured damages ``data/plan_pins.json`` holds, as the
+#: planner gave them before its measurement was batched: a faster planner must choose the same, from the same
+#: damages (on the tiny model and the ``windows`` fixture).
+PINNED = {
+    "ort-gqa": dict(budget=6.0, context=4096, candidates="ort-gqa"),
+    "ort-gqa-percentile": dict(budget=5.5, context=4096, candidates="ort-gqa", calib_method="percentile"),
+    "ort-attention-calibrated": dict(budget=6.02, context=4096, candidates="ort-int8,ort-int4",
+                                     calib_method="attention"),
+    "ort-gqa-kl": dict(budget=6.0, context=4096, candidates="ort-gqa", metric="kl"),
+    "kivi": dict(budget=4.5, context=4096, candidates=fitting(CANDIDATE_SETS["kivi"], 32)),
+    "accuracy-sinks": dict(budget=4.5, context=256, candidates=fitting(CANDIDATE_SETS["accuracy"], 32), sink_tokens=4),
+    "accuracy-recent": dict(budget=3.5, context=256, candidates=fitting(CANDIDATE_SETS["accuracy-recent"], 32)),
+    "accuracy-value-window": dict(budget=4.0, context=256, candidates=fitting(CANDIDATE_SETS["accuracy"], 32),
+                                  value_window=8),
+}
+
+
+def pinned_plan(case: str, windows: list[list[int]]) -> dict:
+    """The planned scheme and every measured damage of a :data:`PINNED` case, in ``data/plan_pins.json``'s form."""
+    plan = plan_scheme(tiny_model("llama"), windows, name=case, **PINNED[case])
+    return {"scheme": plan.scheme.to_dict(),
+            "damages": [[d.layer, d.key.describe() if d.key else None, d.value.describe() if d.value else None,
+                         d.damage, d.key_induced, d.value_induced] for d in plan.damages]}
+
+
+@pytest.mark.parametrize("case", sorted(PINNED))
+def test_plan_choices_and_damages_are_pinned(case, windows):
+    pinned = json.loads(PINS.read_text())[case]
+    got = pinned_plan(case, windows)
+    assert got["scheme"] == pinned["scheme"]
+    assert [d[:3] for d in got["damages"]] == [d[:3] for d in pinned["damages"]]
+    for measured, recorded in zip(got["damages"], pinned["damages"]):
+        assert measured[3:] == pytest.approx(recorded[3:], rel=1e-5, abs=1e-12), measured[:3]
