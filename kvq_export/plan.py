@@ -467,10 +467,14 @@ def _batch_damages(exact: _ExactAttention, read: _StoredReads, o_proj: torch.Ten
         v_err = torch.stack([read("value", configs[i][1], configs[i][2].get("value")) - v for i in valued])
         windows = [sample.recent_mask(configs[i][1].residual_length)[None] if configs[i][1].residual_length
                    else None for i in valued]
-        older_hat = torch.stack([_older(weights.get(i, a), w) for i, w in zip(valued, windows)])
-        err[valued] += torch.matmul(older_hat, v_err)
-        older = torch.stack([_older(a, w) for w in windows])
-        value_induced = torch.matmul(older, v_err).norm(dim=-1) / exact.norm_o
+        induced = torch.matmul(torch.stack([_older(a, w) for w in windows]), v_err)  # A (V̂ - V) on older tokens
+        through = induced.clone()  # the same through each configuration's own weights (the exact ones: as above)
+        rows = [row for row, i in enumerate(valued) if i in weights]
+        if rows:
+            through[rows] = torch.matmul(torch.stack([_older(weights[valued[row]], windows[row]) for row in rows]),
+                                       v_err[rows])
+        err[valued] += through
+        value_induced = induced.norm(dim=-1) / exact.norm_o
         for row, i in enumerate(valued):
             out[i, 2] = float(value_induced[row].mean())
     hq, p, d = sample.q.shape
