@@ -259,6 +259,9 @@ def plan(model_spec, corpus, tokens, offset, budget, context, candidates, metric
     from kvq_export.plan import plan_scheme
     from kvq_export.progress import tqdm_bars
 
+    for path in (out_path, report_path):  # a plan takes minutes: refuse a file it could not write before planning
+        if path and not Path(path).resolve().parent.is_dir():
+            raise KVQError(f"cannot write {path}: its directory does not exist")
     model, tokenizer = load_model(model_spec)
     if tokenizer is None:
         raise KVQError(f"model {model_spec} has no tokenizer: kvq plan reads calibration text")

@@ -347,6 +347,9 @@ def test_cli_plan_writes_a_scheme(tmp_path):
     bad = CliRunner().invoke(cli, ["plan", "--model", str(model_dir), "--corpus", str(corpus), "--budget", "1",
                                    "--tokens", "64", "--offset", "0", "--out", str(out)])
     assert bad.exit_code == 1 and "no allocation fits" in bad.output
+    nowhere = CliRunner().invoke(cli, ["plan", "--model", str(model_dir), "--budget", "6", "--out",
+                                       str(tmp_path / "missing" / "p.json")])
+    assert nowhere.exit_code == 1 and "its directory does not exist" in nowhere.output
     negative = CliRunner().invoke(cli, ["plan", "--budget", "4", "--value-window", "-3", "--out", str(out)])
     assert negative.exit_code == 2 and "--value-window" in negative.output
 
