@@ -1,4 +1,4 @@
-"""Atomic file writes: a temporary file beside the target, then one rename, so a reader never sees half a file.
+"""Atomic writes: a temporary file or directory beside the target, then one rename, so a reader never sees half.
 
 ``tempfile.mkstemp`` creates files readable by their owner only; a finished file gets the permissions an
 ordinary ``open()`` would have given it (``0o666`` minus the umask), so exports, reports and engines written
@@ -7,13 +7,20 @@ by one user can be served by another.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import glob
+import logging
 import os
+import shutil
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
+
+logger = logging.getLogger(__name__)
 
 
 def _umask() -> int:
@@ -96,3 +103,87 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> Path:
     with atomic_writer(path, "wb" if isinstance(data, bytes) else "w") as handle:
         handle.write(data)
     return Path(path)
+
+
+# -- whole directories: built aside, then swapped in ---------------------------------------------------------
+def temp_dir_beside(target: str | os.PathLike[str]) -> Path:
+    """A new hidden directory ``.<name>.tmp-XXXX`` beside ``target``, to fill and then move into place."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+
+
+def seal_dir(directory: str | os.PathLike[str]) -> None:
+    """Give a filled temporary directory the permissions an ordinary ``mkdir()`` would have."""
+    os.chmod(directory, dir_mode())  # mkdtemp makes it 0700; the files inside follow the umask, so does it
+
+
+def move_dir_into_place(new: Path, target: Path, *, replaceable: Callable[[Path], bool]) -> None:
+    """Put the complete directory ``new`` at ``target``: at every instant ``target`` is the old or the new one.
+
+    A non-empty ``target`` is replaced only when ``replaceable(target)``: swapped with ``new`` in one atomic
+    exchange, then removed; where the platform has no exchange, two renames with the old one kept aside
+    (``.<name>.old-<pid>``) until the new one is in place (:func:`clean_leftovers` restores it if the process dies
+    in between). An empty ``target`` is replaced; one that appears meanwhile never is.
+
+    Raises:
+        FileExistsError: ``target`` holds a directory ``replaceable`` refuses, or appeared while ``new`` was built.
+    """
+    if target.is_dir() and any(target.iterdir()):
+        if not replaceable(target):
+            raise FileExistsError(errno.EEXIST, "filled by someone else", str(target))
+        if exchange(new, target):
+            shutil.rmtree(new, ignore_errors=True)  # ``new`` now names the old directory
+            return
+        trash = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, trash)
+        os.replace(new, target)
+        shutil.rmtree(trash, ignore_errors=True)
+        return
+    if target.is_dir():
+        target.rmdir()  # empty: nothing to lose
+    rename_noreplace(new, target)
+
+
+def clean_leftovers(target: Path, *, complete: Callable[[Path], bool]) -> None:
+    """Remove what an interrupted :func:`move_dir_into_place` of ``target`` left; call it holding the target's lock.
+
+    A directory swapped aside (``.<name>.old-*``) while ``target`` is missing is put back first when
+    ``complete(it)``: a crash between the two renames of the fallback swap then costs nothing.
+    """
+    name = glob.escape(target.name)  # a name like "run[1]" is not a pattern
+    for old in sorted(target.parent.glob(f".{name}.old-*")):
+        if not os.path.lexists(target) and complete(old):
+            logger.warning("restoring %s from %s (it was interrupted while being replaced)", target, old.name)
+            os.rename(old, target)
+        else:
+            logger.info("removing %s, left by an interrupted write", old)
+            shutil.rmtree(old, ignore_errors=True)
+    for tmp in target.parent.glob(f".{name}.tmp-*"):
+        logger.info("removing %s, left by an interrupted write", tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_dir_atomically(target: Path, write: Callable[[Path], None], *, stale_after_s: float = 3600.0) -> None:
+    """Fill a temporary directory beside ``target`` with ``write`` and rename it into place.
+
+    A killed or failed ``write`` never leaves a ``target`` that looks complete. If another process finished
+    ``target`` first, its copy is kept. Temporary directories older than ``stale_after_s`` (abandoned by a
+    killed writer; no lock tells a live one apart) are removed first.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{glob.escape(target.name)}.tmp-*"):
+        with contextlib.suppress(OSError):
+            if time.time() - stale.stat().st_mtime > stale_after_s:
+                shutil.rmtree(stale, ignore_errors=True)
+    tmp = temp_dir_beside(target)
+    try:
+        write(tmp)
+        seal_dir(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        if not target.is_dir():
+            raise
+        logger.info("%s was written concurrently; keeping that copy", target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

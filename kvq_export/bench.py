@@ -50,9 +50,15 @@ from typing import Any
 import numpy as np
 
 from kvq_export._atomic import atomic_write
-from kvq_export.calibrate import DEFAULT_CALIB_TOKENS
+from kvq_export.corpus import load_corpus, token_windows
 from kvq_export.errors import DependencyError, KVQError
+from kvq_export.export.exporter import ensure_export
+from kvq_export.memory import predict
+from kvq_export.model_source import cache_root, load_model, model_facts
+from kvq_export.presets import resolve_scheme
 from kvq_export.progress import task
+from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec, ExportRequest
+from kvq_export.runtime.session import KVQSession
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +66,9 @@ BENCH_VERSION = 2
 DEFAULT_CONTEXTS = (512, 2048, 8192)
 DEFAULT_BATCHES = (1, 4)
 FILLS = ("synthetic", "prefill")
-#: Text of the perplexity windows starts this many tokens into the corpus (calibration reads its start).
-PPL_OFFSET = 60000
+#: Text of the perplexity windows starts this many tokens into the corpus: the text ``kvq validate`` scores
+#: (calibration reads held-out text further on, :data:`kvq_export.request.DEFAULT_CALIB_OFFSET`).
+PPL_OFFSET = 0
 
 
 @dataclass
@@ -118,24 +125,18 @@ class BenchReport:
 # -- exports ------------------------------------------------------------------------------------------------
 def bench_export(
     model: Any, tokenizer: Any, scheme: Any, flavor: str, root: Path, *, tag: str, dtype: str = "fp32",
-    calib_corpus: str = "britannica", calib_tokens: int = DEFAULT_CALIB_TOKENS, calib_method: str = "absmax",
-    calib_percentile: float = 99.9, calib_offset: int = 0,
+    calibration: CalibrationSpec = DEFAULT_CALIBRATION, spec: str | None = None,
 ) -> Path:
     """Export ``scheme`` with ``flavor`` under ``root``; reuse an earlier one made with the same parameters.
 
+    ``model``/``tokenizer`` are loaded already (``spec``: the model spec they came from, recorded as the source).
     "Same" is :func:`kvq_export.export.exporter.ensure_export`'s rule: the same request built by the same
     kvq source (its digest, not just its version), so a code change re-exports.
     """
-    from kvq_export.export.exporter import ensure_export
-    from kvq_export.presets import resolve_scheme
-
-    scheme = resolve_scheme(scheme)
-    directory = root / f"{tag}-{flavor}-{(scheme.name or 'custom').replace('/', '_')}-{dtype}"
+    request = ExportRequest(model=spec, scheme=scheme, flavor=flavor, dtype=dtype, calibration=calibration)
+    directory = root / f"{tag}-{flavor}-{(request.scheme.name or 'custom').replace('/', '_')}-{dtype}"
     start = time.perf_counter()
-    out = ensure_export(model, scheme, directory, dtype=dtype, flavor=flavor, tokenizer=tokenizer,
-                        calib_corpus=calib_corpus if scheme.needs_calibration else None, calib_tokens=calib_tokens,
-                        calib_method=calib_method, calib_percentile=calib_percentile,
-                        calib_offset=calib_offset)
+    out = ensure_export(request, directory, model=model, tokenizer=tokenizer)
     logger.info("export %s ready in %.1f s", directory, time.perf_counter() - start)
     return out
 
@@ -247,11 +248,7 @@ def run_bench(
     threads: int | None = None,
     dtype: str = "fp32",
     work_dir: str | os.PathLike[str] | None = None,
-    calib_corpus: str = "britannica",
-    calib_tokens: int = DEFAULT_CALIB_TOKENS,
-    calib_method: str = "absmax",
-    calib_percentile: float = 99.9,
-    calib_offset: int = 0,
+    calibration: CalibrationSpec = DEFAULT_CALIBRATION,
     ppl_windows: int = 0,
     ppl_tokens: int = 512,
     seed: int = 0,
@@ -275,13 +272,9 @@ def run_bench(
         threads: ONNX Runtime intra-op threads (default: ``OMP_NUM_THREADS`` when set, else its choice).
         dtype: compute dtype of the exports.
         work_dir: where exports are kept (default ``$KVQ_CACHE_DIR/bench``).
-        calib_corpus: calibration corpus of static-scale schemes (see ``kvq export``).
-        calib_tokens: calibration tokens.
-        calib_method: ``absmax`` or ``percentile``.
-        calib_percentile: the percentile for ``percentile``.
-        calib_offset: corpus tokens skipped before the calibration text.
+        calibration: how static-scale schemes are calibrated (see ``kvq export``).
         ppl_windows: when > 0, also a strict-decode perplexity per export on this many windows of the
-            calibration corpus (from token :data:`PPL_OFFSET` on, away from the calibration text).
+            calibration corpus (from token :data:`PPL_OFFSET` on, the text ``kvq validate`` scores).
         ppl_tokens: tokens per perplexity window.
         seed: seeds the synthetic caches and token ids.
         fill: ``synthetic`` (random data in the stored layout, instant) or ``prefill`` (a real chunked prefill
@@ -299,10 +292,6 @@ def run_bench(
     too_short = [c for c in contexts if c < warmup + steps + 1]
     if too_short:
         raise KVQError(f"context {too_short[0]} is shorter than warmup + steps + 1 = {warmup + steps + 1}")
-    from kvq_export.memory import predict
-    from kvq_export.model_source import cache_root, load_model, model_facts
-    from kvq_export.presets import resolve_scheme
-    from kvq_export.runtime.session import KVQSession
 
     resolved = {}
     for spec in [baseline, *schemes]:
@@ -316,8 +305,7 @@ def run_bench(
     settings = {"flavors": list(flavors), "schemes": list(resolved), "contexts": list(contexts),
                 "batches": list(batches), "steps": steps, "warmup": warmup, "prefill_tokens": prefill_tokens,
                 "prefill_repeats": prefill_repeats, "threads": threads, "dtype": dtype, "cpu_count": os.cpu_count(),
-                "calibration": {"corpus": calib_corpus, "tokens": calib_tokens, "method": calib_method,
-                                "percentile": calib_percentile, **({"offset": calib_offset} if calib_offset else {})},
+                "calibration": calibration.to_dict(),
                 "load_average_start": list(os.getloadavg())}
     report = BenchReport(model=str(model), baseline=base_name, fill=fill, settings=settings)
 
@@ -330,10 +318,8 @@ def run_bench(
     with task("bench: exports", total=len(flavors) * len(resolved)) as advance:
         for flavor in flavors:
             for name, scheme in resolved.items():
-                exports[flavor][name] = bench_export(
-                    hf_model, tokenizer, scheme, flavor, root, tag=tag, dtype=dtype, calib_corpus=calib_corpus,
-                    calib_tokens=calib_tokens, calib_method=calib_method, calib_percentile=calib_percentile,
-                    calib_offset=calib_offset)
+                exports[flavor][name] = bench_export(hf_model, tokenizer, scheme, flavor, root, tag=tag, dtype=dtype,
+                                                     calibration=calibration, spec=str(model))
                 advance()
     settings["exports"] = {flavor: {name: str(d) for name, d in dirs.items()} for flavor, dirs in exports.items()}
     del hf_model, tokenizer  # the PyTorch model is not needed while measuring
@@ -384,7 +370,8 @@ def run_bench(
                     if on_result is not None:
                         on_result(result)
         if ppl_windows > 0:
-            report.perplexity.extend(_perplexities(sessions, base_name, flavor, calib_corpus, ppl_windows, ppl_tokens))
+            report.perplexity.extend(_perplexities(sessions, base_name, flavor, calibration.corpus, ppl_windows,
+                                                    ppl_tokens))
             save()
         del sessions
         gc.collect()
@@ -426,8 +413,6 @@ def perplexity(session: Any, windows: Sequence[Sequence[int]]) -> dict[str, floa
 
 
 def _perplexities(sessions: dict, base_name: str, flavor: str, corpus: str, n: int, length: int) -> list[dict]:
-    from kvq_export.corpus import load_corpus, token_windows
-
     tokenizer = sessions[base_name].tokenizer
     windows = token_windows(tokenizer, load_corpus(corpus), n, length, offset=PPL_OFFSET)
     out = {name: perplexity(session, windows) for name, session in sessions.items()}

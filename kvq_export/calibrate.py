@@ -71,9 +71,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvq_export._atomic import atomic_writer
+from kvq_export.corpus import load_corpus, token_windows
 from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError, ModelError, QuantizationError, SchemeError
+from kvq_export.model_source import model_facts
 from kvq_export.progress import task
+from kvq_export.request import DEFAULT_PERCENTILE, CalibrationMethod
 from kvq_export.rotation import rotate_torch, rotation_matrix
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
@@ -83,13 +86,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("absmax", "percentile", "attention")
+METHODS = tuple(str(method) for method in CalibrationMethod)
 #: clip ratios (of the absmax statistic) the ``attention`` method tries per channel
 ATTENTION_CLIP_GRID = tuple(round(1.0 - 0.04 * i, 2) for i in range(16))
 #: decode queries per window the ``attention`` method scores (evenly spaced positions)
 ATTENTION_QUERIES = 128
-#: calibration tokens when none are given (``kvq export`` and ``kvq bench`` share it, so their scales agree)
-DEFAULT_CALIB_TOKENS = 4096
 PARTS = ("key", "value")
 META_ROLES = ("scales", "zero_points")
 #: calibration role holding a stream's chosen 8-bit channels ``[kv_heads, n]`` (integer indices)
@@ -176,7 +177,7 @@ def calibrate_static_scales(
     token_windows: Sequence[Sequence[int]],
     *,
     method: str = "absmax",
-    percentile: float = 99.9,
+    percentile: float = DEFAULT_PERCENTILE,
 ) -> StaticArrays:
     """Measure the static scales (and zero points) of every static stream of ``scheme`` on ``model``.
 
@@ -201,7 +202,6 @@ def calibrate_static_scales(
 
     """
     _check_method(method, percentile)
-    from kvq_export.model_source import model_facts
 
     facts = model_facts(model.config)
     scheme.check_model(facts.num_layers, facts.head_dim)
@@ -268,8 +268,6 @@ def calibration_windows(tokenizer: Any, corpus: str, tokens: int, *, offset: int
     ``kvq export``, ``kvq bench`` and ``kvq plan`` cut calibration text the same way, so the same options
     give the same scales.
     """
-    from kvq_export.corpus import load_corpus, token_windows
-
     window = min(1024, tokens)
     return token_windows(tokenizer, load_corpus(corpus), max(1, tokens // window), window, offset=offset)
 
@@ -480,7 +478,7 @@ def collect_attention_samples(
 
 
 def static_from_samples(samples: Mapping[int, list[AttentionSample]], scheme: KVQuantScheme, num_layers: int,
-                        *, method: str = "attention", percentile: float = 99.9,
+                        *, method: str = "attention", percentile: float = DEFAULT_PERCENTILE,
                         high_channels: Mapping[int, Mapping[str, np.ndarray]] | None = None) -> StaticArrays:
     """Metadata of every static stream of ``scheme`` by ``method`` from already collected samples.
 
@@ -501,7 +499,7 @@ def static_from_samples(samples: Mapping[int, list[AttentionSample]], scheme: KV
 
 
 def stream_from_samples(samples: Sequence[AttentionSample], part: str, tq: TensorQuant, *, method: str,
-                        percentile: float = 99.9, high_channels: np.ndarray | None = None,
+                        percentile: float = DEFAULT_PERCENTILE, high_channels: np.ndarray | None = None,
                         stream: torch.Tensor | None = None) -> dict[str, np.ndarray]:
     """Metadata of one static stream (one layer's ``part``) by ``method`` from that layer's samples.
 

@@ -7,6 +7,7 @@ A :class:`~kvq_export.errors.KVQError` becomes a one-line message and exit code 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
@@ -14,6 +15,8 @@ import sys
 import click
 
 from kvq_export.errors import KVQError
+from kvq_export.export.flavors import FLAVORS, flavor_names
+from kvq_export.request import DEFAULT_OPSET, MIN_OPSET, CalibrationMethod, CalibrationSpec
 
 DEFAULT_CURVE = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -44,26 +47,45 @@ def _console():
     return console if console.is_terminal else Console(highlight=False, width=140)
 
 
-def calibration_options(*, corpus_default: str | None):
-    """The static-scale calibration options ``export`` and ``bench`` share (same names, same defaults)."""
-    from kvq_export.calibrate import DEFAULT_CALIB_TOKENS, METHODS
+def calibration_options(*, optional: bool = False, short_names: bool = False):
+    """The calibration options every calibrating command shares, given to it as one ``calibration`` argument.
 
-    corpus_help = "Static-scale schemes: corpus name (britannica) or text file."
+    ``--calib-corpus``, ``--calib-tokens``, ``--calib-offset``, ``--calib-method`` and ``--percentile`` take the
+    defaults of :class:`~kvq_export.request.CalibrationSpec`. ``optional``: no corpus unless one is given
+    (``calibration`` is then None: ``kvq export`` calibrates only when asked). ``short_names``: also accept
+    ``--corpus``, ``--tokens`` and ``--offset`` (``kvq plan``'s spellings).
+    """
+    default = CalibrationSpec()
+
+    def names(name: str) -> tuple[str, ...]:
+        return (f"--calib-{name}", f"--{name}") if short_names else (f"--calib-{name}",)
+
     options = [
-        click.option("--calib-corpus", default=corpus_default, show_default=corpus_default is not None,
-                     help=corpus_help),
-        click.option("--calib-tokens", type=click.IntRange(1), default=DEFAULT_CALIB_TOKENS, show_default=True),
-        click.option("--calib-offset", type=click.IntRange(0), default=0, show_default=True,
-                     help="Corpus tokens skipped before the calibration text (keep it apart from scored text)."),
-        click.option("--calib-method", type=click.Choice(METHODS), default="absmax", show_default=True),
-        click.option("--percentile", type=click.FloatRange(0, 100, min_open=True), default=99.9, show_default=True,
-                     help="For --calib-method percentile."),
+        click.option(*names("corpus"), "calib_corpus", default=None if optional else default.corpus,
+                     show_default=not optional, help="Calibration text: corpus name (britannica) or text file."),
+        click.option(*names("tokens"), "calib_tokens", type=click.IntRange(1), default=default.tokens,
+                     show_default=True, help="Calibration tokens."),
+        click.option(*names("offset"), "calib_offset", type=click.IntRange(0), default=default.offset,
+                     show_default=True, help="Corpus tokens skipped before the calibration text (kvq validate scores "
+                     "from token 0: keep the calibration text apart from it)."),
+        click.option("--calib-method", "calib_method", type=click.Choice([str(m) for m in CalibrationMethod]),
+                     default=str(default.method), show_default=True,
+                     help="absmax, a percentile, or per-channel clipping chosen by its effect on attention."),
+        click.option("--percentile", "percentile", type=click.FloatRange(50, 100, min_open=True),
+                     default=default.percentile, show_default=True, help="For --calib-method percentile."),
     ]
 
     def apply(func):
+        @functools.wraps(func)
+        def command(*args, calib_corpus, calib_tokens, calib_offset, calib_method, percentile, **kwargs):
+            calibration = None if calib_corpus is None else CalibrationSpec(
+                corpus=calib_corpus, tokens=calib_tokens, offset=calib_offset, method=calib_method,
+                percentile=percentile)
+            return func(*args, calibration=calibration, **kwargs)
+
         for option in reversed(options):
-            func = option(func)
-        return func
+            command = option(command)
+        return command
 
     return apply
 
@@ -196,36 +218,30 @@ def memory(model_spec: str, scheme_spec: str, seq_len: int, batch: int, as_json:
 @click.option("--out", "out_dir", required=True, help="Export directory.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
               help="Compute dtype of the graph.")
-@click.option("--opset", type=click.IntRange(18), default=23, show_default=True)
-@click.option("--flavor", default="reference", show_default=True,
-              help="Graph flavour: reference (standard ONNX ops, any ONNX Runtime), ort-gqa (ONNX Runtime's fused "
-              "GroupQueryAttention, static int8/int4), trt (Triton/TensorRT plugin nodes).")
+@click.option("--opset", type=click.IntRange(MIN_OPSET), default=DEFAULT_OPSET, show_default=True)
+@click.option("--flavor", type=click.Choice(flavor_names()), default=flavor_names()[0], show_default=True,
+              help="Graph flavor: " + "; ".join(f"{f.name} ({f.about})" for f in FLAVORS.values()) + ".")
 @click.option("--force", is_flag=True, help="Replace an existing export directory (only a kvq export is replaced).")
-@calibration_options(corpus_default=None)
-def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, calib_corpus, calib_tokens,
-               calib_offset, calib_method, percentile) -> None:
+@calibration_options(optional=True)
+def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, calibration) -> None:
     """Export MODEL with a quantized KV cache to an ONNX directory (model.onnx + kvq.json)."""
     from kvq_export.export.exporter import export
-
-    out = export(model_spec, scheme_spec, out_dir, dtype=dtype, opset=opset, flavor=flavor, force=force,
-                 calib_corpus=calib_corpus, calib_tokens=calib_tokens, calib_method=calib_method,
-                 calib_percentile=percentile, calib_offset=calib_offset)
-    click.echo(f"exported to {out}")
-    from kvq_export.manifest import Manifest
+    from kvq_export.request import ExportRequest
     from kvq_export.runtime.genai import RUNTIME
 
-    genai = Manifest.load(out).runtimes.get(RUNTIME) or {}
-    click.echo(f"{RUNTIME}: " + (f"serve with og.Model({str(out)!r}) ({genai['config']})" if genai.get("supported")
+    request = ExportRequest(model=model_spec, scheme=scheme_spec, flavor=flavor, dtype=dtype, opset=opset,
+                            calibration=calibration)
+    manifest = export(request, out_dir, force=force)
+    click.echo(f"exported to {out_dir}")
+    genai = manifest.runtimes.get(RUNTIME) or {}
+    click.echo(f"{RUNTIME}: " + (f"serve with og.Model({str(out_dir)!r}) ({genai['config']})" if genai.get("supported")
                                  else f"not servable: {genai.get('reason', 'no entry')}"))
 
 
 @cli.command()
 @click.option("--model", "model_spec", default="smollm2", show_default=True,
               help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
-@click.option("--corpus", default="britannica", show_default=True, help="Calibration text: corpus name or text file.")
-@click.option("--tokens", type=click.IntRange(2), default=2048, show_default=True, help="Calibration tokens.")
-@click.option("--offset", type=click.IntRange(0), default=60000, show_default=True,
-              help="Corpus tokens skipped first (keep the planning text apart from the text you score).")
+@calibration_options(short_names=True)
 @click.option("--budget", type=click.FloatRange(0, min_open=True), required=True,
               help="Most bits per cached element at --context (memory model: metadata and windows count).")
 @click.option("--context", type=click.IntRange(1), default=4096, show_default=True,
@@ -236,10 +252,6 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, ca
 @click.option("--metric", type=click.Choice(["attention", "kl"]), default="attention", show_default=True,
               help="attention: output error through o_proj relative to the residual stream (one model pass); "
                    "kl: logit KL with one layer's stream quantized (a forward per layer and candidate).")
-@click.option("--calib-method", type=click.Choice(["absmax", "percentile", "attention"]), default="absmax",
-              show_default=True, help="Calibration of static candidates (export them with the same method; "
-              "both default to absmax).")
-@click.option("--percentile", type=click.FloatRange(0, 100, min_open=True), default=99.9, show_default=True)
 @click.option("--sink-tokens", type=click.IntRange(0), default=0, show_default=True,
               help="First tokens kept in high precision in every layer (measured, and counted in the budget).")
 @click.option("--value-window", type=click.IntRange(0), default=None,
@@ -249,8 +261,8 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, ca
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the measured damage per layer and candidate, and the uniform choices, as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
-def plan(model_spec, corpus, tokens, offset, budget, context, candidates, metric, calib_method, percentile,
-         sink_tokens, value_window, name, out_path, report_path, quiet) -> None:
+def plan(model_spec, calibration, budget, context, candidates, metric, sink_tokens, value_window, name, out_path,
+         report_path, quiet) -> None:
     """Choose per-layer key/value formats under a bit budget by measured attention damage; write a scheme."""
     from pathlib import Path
 
@@ -265,12 +277,12 @@ def plan(model_spec, corpus, tokens, offset, budget, context, candidates, metric
     model, tokenizer = load_model(model_spec)
     if tokenizer is None:
         raise KVQError(f"model {model_spec} has no tokenizer: kvq plan reads calibration text")
-    windows = calibration_windows(tokenizer, corpus, tokens, offset=offset)
+    windows = calibration_windows(tokenizer, calibration.corpus, calibration.tokens, offset=calibration.offset)
     with tqdm_bars(not quiet):
         result = plan_scheme(model, windows, budget=budget, context=context, candidates=candidates, metric=metric,
-                             calib_method=calib_method, percentile=percentile, sink_tokens=sink_tokens,
-                             value_window=value_window, name=name or Path(out_path).stem)
-    result.settings.update(model=model_spec, corpus=corpus, offset=offset)
+                             calibration=calibration, sink_tokens=sink_tokens, value_window=value_window,
+                             name=name or Path(out_path).stem)
+    result.settings.update(model=model_spec, corpus=calibration.corpus, offset=calibration.offset)
     Path(out_path).write_text(result.scheme.to_json() + "\n")
     if report_path:
         from kvq_export.validate.report import write_json
@@ -341,23 +353,22 @@ def generate(export_dir, prompts, max_new_tokens, temperature, top_k, top_p, see
               help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
 @click.option("--scheme", "scheme_spec", default="ort-int8", show_default=True,
               help="Preset or scheme .json file with static scales (what is calibrated).")
-@calibration_options(corpus_default="britannica")
+@calibration_options()
 @click.option("--format", "file_format", type=click.Choice(["genai-scales", "npz"]), default="genai-scales",
               show_default=True, help="genai-scales: onnxruntime-genai builder's kv_cache_scale_file; npz: kvq's.")
 @click.option("--granularity", type=click.Choice(["per_channel", "per_tensor"]), default="per_channel",
               show_default=True, help="genai-scales: the builder's kv_cache_quant_scheme granularity.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="File to write.")
 @click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
-def calibrate(model_spec, scheme_spec, calib_corpus, calib_tokens, calib_method, percentile, calib_offset,
-              file_format, granularity, out, quiet) -> None:
+def calibrate(model_spec, scheme_spec, calibration, file_format, granularity, out, quiet) -> None:
     """Calibrate static K/V scales and write them for kvq or for onnxruntime-genai's model builder."""
     from kvq_export.progress import tqdm_bars
     from kvq_export.runtime.genai import calibrate_to_file
 
     with tqdm_bars(not quiet):
-        path = calibrate_to_file(model_spec, scheme_spec, out, corpus=calib_corpus, tokens=calib_tokens,
-                                 method=calib_method, percentile=percentile, offset=calib_offset,
-                                 file_format=file_format, granularity=granularity)
+        path = calibrate_to_file(model_spec, scheme_spec, out, corpus=calibration.corpus, tokens=calibration.tokens,
+                                 method=str(calibration.method), percentile=calibration.percentile,
+                                 offset=calibration.offset, file_format=file_format, granularity=granularity)
     click.echo(f"wrote {path}")
     if file_format == "genai-scales":
         data = json.loads(path.read_text())
@@ -435,7 +446,7 @@ def validate(export_dir, baseline, corpus, windows, window_len, offset, chunk, p
 @click.argument("dir_b", type=click.Path(exists=True, file_okay=False), required=False)
 @click.option("--backend", type=click.Choice(["onnxrt", "trt"]), default="onnxrt", show_default=True,
               help="onnxrt: DIR_A vs DIR_B on ONNX Runtime. trt: the TensorRT engine of DIR_A (a --flavor trt "
-                   "export) vs its reference flavour on ONNX Runtime (DIR_B, or re-exported from the model source).")
+                   "export) vs its reference flavor on ONNX Runtime (DIR_B, or re-exported from the model source).")
 @click.option("--engine", type=click.Path(dir_okay=False), default=None, help="--backend trt: engine file.")
 @click.option("--logits-atol", type=float, default=1e-3, show_default=True)
 @click.option("--logits-rtol", type=float, default=1e-3, show_default=True)
@@ -459,7 +470,7 @@ def compare(dir_a, dir_b, backend, engine, logits_atol, logits_rtol, cache_atol,
         from kvq_export.trt import compare_with_onnxruntime
 
         ok = compare_with_onnxruntime(dir_a, reference_dir=dir_b, engine=engine, tolerances=tol, **run)
-        other = dir_b or "its reference flavour"
+        other = dir_b or "its reference flavor"
     else:
         if dir_b is None:
             raise click.UsageError("--backend onnxrt compares two export directories: give DIR_B")
@@ -514,7 +525,8 @@ def _ints(text: str) -> list[int]:
 @cli.command()
 @click.option("--model", "model_spec", default="smollm2", show_default=True)
 @click.option("--schemes", required=True, help="Comma-separated presets or scheme files (the baseline is added).")
-@click.option("--flavors", default="ort-gqa", show_default=True, help="Comma-separated flavours (reference, ort-gqa).")
+@click.option("--flavors", default="ort-gqa", show_default=True,
+              help=f"Comma-separated flavors ({', '.join(flavor_names())}).")
 @click.option("--contexts", default="512,2048,8192", show_default=True)
 @click.option("--batch", "batches", default="1,4", show_default=True)
 @click.option("--baseline", default="fp16", show_default=True, help="Scheme every result is a ratio to.")
@@ -531,7 +543,7 @@ def _ints(text: str) -> list[int]:
 @click.option("--ppl-windows", type=click.IntRange(0), default=0, show_default=True,
               help="Also report strict-decode perplexity on this many windows of the calibration corpus.")
 @click.option("--ppl-tokens", type=click.IntRange(2), default=512, show_default=True, help="Tokens per window.")
-@calibration_options(corpus_default="britannica")
+@calibration_options()
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None,
               help="Where the exports are kept and reused (default: the kvq cache directory).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
@@ -539,8 +551,7 @@ def _ints(text: str) -> list[int]:
               help="PNG of decode latency and cache bytes against context length.")
 @click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
 def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warmup, prefill_tokens, fill, dtype,
-          threads, ppl_windows, ppl_tokens, calib_corpus, calib_tokens, calib_offset, calib_method, percentile,
-          work_dir, json_out, plot_out, quiet) -> None:
+          threads, ppl_windows, ppl_tokens, calibration, work_dir, json_out, plot_out, quiet) -> None:
     """Decode latency, prefill throughput, cache bytes and RSS per scheme, as ratios to the baseline."""
     from rich.console import Console
 
@@ -560,9 +571,7 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
                 model_spec, [s for s in schemes.split(",") if s], flavors=[f for f in flavors.split(",") if f],
                 contexts=_ints(contexts), batches=_ints(batches), baseline=baseline, steps=steps, warmup=warmup,
                 prefill_tokens=prefill_tokens, fill=fill, dtype=dtype, threads=threads, ppl_windows=ppl_windows,
-                ppl_tokens=ppl_tokens, calib_corpus=calib_corpus, calib_tokens=calib_tokens,
-                calib_method=calib_method, calib_percentile=percentile, calib_offset=calib_offset, work_dir=work_dir,
-                on_result=show, json_out=json_out)
+                ppl_tokens=ppl_tokens, calibration=calibration, work_dir=work_dir, on_result=show, json_out=json_out)
     except KeyboardInterrupt:
         if json_out:
             click.echo(f"interrupted: {json_out} keeps every result measured so far", err=True)
@@ -583,7 +592,8 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
               help="Greedy decoding's repetition penalty (default: the demo's, 1.3).")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Where the exports live (default: the kvq cache directory).")
-def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir) -> None:
+@calibration_options()
+def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir, calibration) -> None:
     """fp16 baseline, the most accurate <= 5-bit scheme and the ort-gqa fast path: text, bytes, speed, serving."""
     import dataclasses
 
@@ -595,7 +605,7 @@ def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir) -> Non
     prompt = prompt or DEMO_PROMPT
     sampling = DEMO_SAMPLING if repetition_penalty is None else dataclasses.replace(
         DEMO_SAMPLING, repetition_penalty=repetition_penalty)
-    rows = run_demo(model_spec, prompt, max_new_tokens, workdir, sampling)
+    rows = run_demo(model_spec, prompt, max_new_tokens, workdir, sampling, calibration=calibration)
     from rich.markup import escape
 
     console.print(f"[bold]prompt[/bold] ({rows[0].prompt_tokens} tokens): {escape(prompt)}")
@@ -605,9 +615,9 @@ def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir) -> Non
     for r in rows:
         console.print(f"[bold]{escape(r.role)}[/bold] — {escape(r.scheme)} ({r.flavor}): {escape(r.text.strip())}\n")
     table = Table(title=f"{model_spec}: one prompt, three caches")
-    for col in ("", "scheme (flavour)", "tokens = base", "cache bytes", "vs base", "bits/elem", "ms/token",
+    for col in ("", "scheme (flavor)", "tokens = base", "cache bytes", "vs base", "bits/elem", "ms/token",
                 "x base"):
-        table.add_column(col, justify="left" if col in ("", "scheme (flavour)") else "right")
+        table.add_column(col, justify="left" if col in ("", "scheme (flavor)") else "right")
     for r in rows:
         table.add_row(escape(r.role), escape(f"{r.scheme} ({r.flavor})"), f"{r.agree_with_baseline}/{len(r.tokens)}",
                       str(r.cache_bytes), f"{base.cache_bytes / r.cache_bytes:.2f}x smaller" if r.cache_bytes else "-",

@@ -1,9 +1,9 @@
 """The demo behind ``make demo``: three exports of the built-in model, one prompt, side by side.
 
-1. the **fp16 baseline** (reference flavour: standard ONNX ops, any ONNX Runtime);
+1. the **fp16 baseline** (reference flavor: standard ONNX ops, any ONNX Runtime);
 2. the **most accurate preset at <= 5 bits per element for a short prompt** (:data:`ACCURATE_SCHEME`: KIVI-style
    4-bit keys per channel and values per token, asymmetric groups of 64, no fp16 window; +0.99% perplexity on
-   protocol P at 4.5 bits/element (`kvq validate`), +0.86% in the PyTorch reference), also reference flavour.
+   protocol P at 4.5 bits/element (`kvq validate`), +0.86% in the PyTorch reference), also reference flavor.
    ``k-int4-hc4-v-q4_0-rot`` (int4 keys with 4 calibrated 8-bit channels per head, rotated q4_0 values) is
    more accurate on P (+0.54% / +0.32%), but its key groups of 128 tokens keep up to 127 tokens in fp16: 6.6
    bits/element at the demo's 200 tokens against 4.7;
@@ -26,8 +26,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvq_export.presets import resolve_scheme
+from kvq_export.export.exporter import cached_export_dir, ensure_export
+from kvq_export.memory import predict
+from kvq_export.model_source import cache_root
+from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec, ExportRequest
+from kvq_export.runtime.genai import RUNTIME, serve_command
 from kvq_export.runtime.sampling import SamplingConfig
+from kvq_export.runtime.session import KVQSession
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +51,11 @@ DEMO_PROMPT = (
 DEMO_SAMPLING = SamplingConfig(repetition_penalty=1.3)
 #: kivi-4 with groups of 64 and no fp16 recent window (a preset).
 ACCURATE_SCHEME = "kivi-4-r0-g64"
-#: Calibration text of the static-scale run (the same default as ``kvq export --calib-corpus``).
-CALIB_CORPUS = "britannica"
 
 
 @dataclass(frozen=True)
 class DemoRun:
-    """One export of the demo: what it shows, its scheme and flavour."""
+    """One export of the demo: what it shows, its scheme and flavor."""
 
     role: str
     scheme: str
@@ -85,26 +88,6 @@ class DemoRow:
     serve: str = ""  # one shell line serving the export with onnxruntime-genai, or why it cannot
 
 
-def baseline_dir(model_spec: str, scheme_spec: str, workdir: Path, flavor: str = "reference") -> Path:
-    """Where the demo and validation keep ``model_spec`` exported with ``scheme_spec`` (and ``flavor``)."""
-    scheme = resolve_scheme(scheme_spec)
-    suffix = "" if flavor == "reference" else f"-{flavor}"
-    return workdir / f"{Path(model_spec).name}-{scheme.name or 'custom'}{suffix}"
-
-
-def ensure_export(model_spec: str, scheme_spec: str, workdir: Path, *, flavor: str = "reference",
-                  calib_corpus: str | None = None) -> Path:
-    """``workdir/<model>-<scheme>[-<flavor>]``, reused while current (:func:`kvq_export.export.exporter.ensure_export`).
-
-    Static-scale schemes are calibrated on ``calib_corpus`` (``kvq export``'s default token count).
-    """
-    from kvq_export.export.exporter import ensure_export as ensure
-
-    scheme = resolve_scheme(scheme_spec)
-    return ensure(model_spec, scheme, baseline_dir(model_spec, scheme_spec, workdir, flavor), flavor=flavor,
-                  calib_corpus=calib_corpus if scheme.needs_calibration else None)
-
-
 def _timed_generate(session, prompt: str, max_new_tokens: int, sampling: SamplingConfig):
     """Generate and return (result, median ms between consecutive tokens)."""
     stamps: list[float] = []
@@ -115,19 +98,17 @@ def _timed_generate(session, prompt: str, max_new_tokens: int, sampling: Samplin
 
 
 def run_demo(model_spec: str, prompt: str, max_new_tokens: int, workdir: str | os.PathLike[str] | None = None,
-             sampling: SamplingConfig = DEMO_SAMPLING, runs: tuple[DemoRun, ...] = DEMO_RUNS) -> list[DemoRow]:
-    """Export (or reuse) each of ``runs`` and generate from ``prompt``; the first run is the baseline."""
-    from kvq_export.memory import predict
-    from kvq_export.model_source import cache_root
-    from kvq_export.runtime.genai import RUNTIME, serve_command
-    from kvq_export.runtime.session import KVQSession
+             sampling: SamplingConfig = DEMO_SAMPLING, runs: tuple[DemoRun, ...] = DEMO_RUNS,
+             calibration: CalibrationSpec = DEFAULT_CALIBRATION) -> list[DemoRow]:
+    """Export (or reuse) each of ``runs`` and generate from ``prompt``; the first run is the baseline.
 
+    Static-scale runs are calibrated as ``calibration`` says (``kvq export``'s defaults: held-out britannica text).
+    """
     root = Path(workdir) if workdir else cache_root() / "exports"
     rows: list[DemoRow] = []
     for run in runs:
-        directory = ensure_export(model_spec, run.scheme, root, flavor=run.flavor,
-                                  calib_corpus=CALIB_CORPUS if resolve_scheme(run.scheme).needs_calibration
-                                  else None)
+        request = ExportRequest(model=model_spec, scheme=run.scheme, flavor=run.flavor, calibration=calibration)
+        directory = ensure_export(request, cached_export_dir(request, root))
         session = KVQSession(directory)
         result, decode_ms = _timed_generate(session, prompt, max_new_tokens, sampling)
         base = rows[0] if rows else None

@@ -19,6 +19,9 @@ import numpy as np
 
 from kvq_export.errors import KVQError
 
+#: Compute dtypes an export's graph can run in (``--dtype``; a manifest's ``dtype``).
+COMPUTE_DTYPES = ("fp32", "fp16")
+
 
 @dataclass(frozen=True)
 class DType:

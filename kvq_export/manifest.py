@@ -21,6 +21,7 @@ import numpy as np
 
 from kvq_export._atomic import atomic_write
 from kvq_export.cache_layout import REGIONS, CacheLayout, layout_named
+from kvq_export.dtypes import COMPUTE_DTYPES
 from kvq_export.errors import KVQError, RuntimeInputError
 from kvq_export.model_facts import ModelFacts
 from kvq_export.model_facts import json_field as _get
@@ -38,7 +39,6 @@ WEIGHT_FILES = (MODEL_NAME, MODEL_NAME + ".data", "model.genai.onnx")
 #: ONNX metadata key under which the graph carries the scheme it was built for (compared with the manifest's).
 GRAPH_SCHEME_KEY = "kvq.scheme"
 #: Compute dtypes an export can have.
-COMPUTE_DTYPES = ("fp32", "fp16")
 
 #: How a rotated stream (``rotation`` of a scheme stream) is stored and decoded; repeated in every manifest.
 ROTATION_RULES = (

@@ -18,8 +18,6 @@ from kvq_export.errors import RuntimeInputError
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kvq_export.export.arch import Arch
-
 #: Upper bounds of the integer facts: a mistyped huge value must not make a loader build millions of names.
 INT_FACTS = {"num_layers": 4096, "num_heads": 4096, "num_kv_heads": 4096, "head_dim": 65536,
              "hidden_size": 2**40, "vocab_size": 2**40, "max_position_embeddings": 2**40}
@@ -100,17 +98,12 @@ class ModelFacts:
 
     # -- derivation ------------------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, config: PretrainedConfig, arch: Arch | None = None, *,
-                    source: str | None = None) -> ModelFacts:
-        """The facts of ``config`` as its registered architecture reads them (``arch``: that reader, if built).
+    def from_config(cls, config: PretrainedConfig, arch: Any, *, source: str | None = None) -> ModelFacts:
+        """The facts of ``config`` as ``arch``, its registered architecture reader (an ``Arch``), reads them.
 
-        Raises :class:`~kvq_export.errors.ModelError` for an unsupported ``model_type`` and
-        :class:`~kvq_export.errors.ExportError` for a config the architecture cannot describe.
+        The caller picks the reader (``kvq_export.export.arch.get_arch(config)``, or
+        :func:`kvq_export.model_source.model_facts` which does both), so the facts sit below the exporter.
         """
-        if arch is None:
-            from kvq_export.export.arch import get_arch
-
-            arch = get_arch(config)
         rope = arch.rope()
         parameters = {k: v for k, v in arch.rope_parameters().items()
                       if isinstance(v, (int, float, str, bool, type(None), list, dict))}

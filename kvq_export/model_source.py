@@ -20,16 +20,14 @@ import contextlib
 import importlib.util
 import logging
 import os
-import shutil
-import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from kvq_export._atomic import dir_mode
+from kvq_export._atomic import write_dir_atomically
 from kvq_export.errors import ModelError
+from kvq_export.export.arch import get_arch
 from kvq_export.model_facts import ModelFacts
 
 if TYPE_CHECKING:
@@ -38,7 +36,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-_STALE_TMP_S = 3600.0  # a conversion temp dir older than this is abandoned
 
 
 @dataclass(frozen=True)
@@ -393,31 +390,6 @@ def _convert_gguf(gguf_path: Path, header: GgufHeader, out_dir: Path) -> None:
     AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs).save_pretrained(out_dir)
 
 
-def write_dir_atomically(target: Path, write: Callable[[Path], None]) -> None:
-    """Fill a temp dir next to ``target`` with ``write`` and rename it into place.
-
-    A killed or failed ``write`` never leaves a ``target`` that looks complete. If another process
-    finished ``target`` first, its copy is kept.
-    """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    prefix = f".{target.name}.tmp-"
-    for stale in target.parent.glob(prefix + "*"):  # left by a killed conversion
-        with contextlib.suppress(OSError):
-            if time.time() - stale.stat().st_mtime > _STALE_TMP_S:
-                shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
-    try:
-        write(tmp)
-        tmp.chmod(dir_mode())  # mkdtemp makes it 0700; the files inside follow the umask, so does it
-        os.replace(tmp, target)
-    except OSError:
-        if not target.is_dir():
-            raise
-        logger.info("%s was written concurrently; keeping that copy", target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def model_facts(config: PretrainedConfig) -> ModelFacts:
     """The facts kvq reads from ``config`` (see :meth:`ModelFacts.from_config`; the same object as ``kvq.json``'s)."""
-    return ModelFacts.from_config(config)
+    return ModelFacts.from_config(config, get_arch(config))

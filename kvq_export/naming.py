@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvq_export.scheme import code_planes
+
 DIRECTIONS = ("past", "present")
 PARTS = ("key", "value")
 def packing_rule(bits: int, high_channels: int = 0) -> str:
@@ -20,8 +22,6 @@ def packing_rule(bits: int, high_channels: int = 0) -> str:
     One plane: packed lowest bits first. 3-, 5- and 6-bit codes: a plane of the low bits, then a plane of
     the higher bits (:func:`~kvq_export.scheme.code_planes`). High channels: their 8-bit codes first.
     """
-    from kvq_export.scheme import code_planes
-
     planes = code_planes(bits)
     width, start = ("D", "") if not high_channels else ("(D - n)", "n + ")
 

@@ -45,8 +45,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvq_export.calibrate import PARTS
+from kvq_export.calibrate import (
+    HIGH_CHANNELS,
+    PARTS,
+    _check_windows,
+    collect_attention_samples,
+    static_to_torch,
+)
 from kvq_export.errors import KVQError, SchemeError
+from kvq_export.memory import predict, stream_bytes
+from kvq_export.model_source import model_facts
+from kvq_export.presets import resolve_scheme
+from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec
 from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
 
 if TYPE_CHECKING:
@@ -221,7 +231,6 @@ def candidate_set(spec: str) -> CandidateSet:
     """A built-in set name, or comma-separated presets / scheme files (each a tied layer option)."""
     if spec in CANDIDATE_SETS:
         return CANDIDATE_SETS[spec]
-    from kvq_export.presets import resolve_scheme
 
     names = [part.strip() for part in spec.split(",") if part.strip()]
     if not names:
@@ -296,7 +305,6 @@ def _static_for(model: PreTrainedModel, cset: CandidateSet, samples, num_layers:
     import torch
 
     from kvq_export.calibrate import (
-        HIGH_CHANNELS,
         channel_importance,
         ranging_group,
         stream_from_samples,
@@ -526,7 +534,6 @@ def measure_kl(
     """Damage of every candidate of every layer as the logit KL from the unquantized model (mean per token)."""
     import torch
 
-    from kvq_export.calibrate import static_to_torch
     from kvq_export.progress import task
     from kvq_export.reference.hf_cache import reference_hf_cache
 
@@ -751,8 +758,7 @@ def plan_scheme(
     context: int,
     candidates: CandidateSet | str = "ort-gqa",
     metric: str = "attention",
-    calib_method: str = "absmax",
-    percentile: float = 99.9,
+    calibration: CalibrationSpec = DEFAULT_CALIBRATION,
     name: str | None = None,
     resolution: int = RESOLUTION,
     sink_tokens: int = 0,
@@ -767,8 +773,7 @@ def plan_scheme(
         context: the cache length the budget is stated at.
         candidates: a :class:`CandidateSet` or a spec for :func:`candidate_set`.
         metric: ``attention`` or ``kl``.
-        calib_method: calibration of static candidates (``absmax``, ``percentile``, ``attention``).
-        percentile: for ``calib_method="percentile"``.
+        calibration: how static candidates are calibrated (its method and percentile; ``windows`` are its text).
         name: the planned scheme's name.
         resolution: the knapsack grid (see :func:`allocate`).
         sink_tokens: first tokens of every sequence kept in high precision in every layer (attention sinks
@@ -781,9 +786,6 @@ def plan_scheme(
         KVQError: unknown metric, a non-positive budget/context, or a budget no choice fits.
 
     """
-    from kvq_export.calibrate import _check_windows, collect_attention_samples
-    from kvq_export.memory import predict, stream_bytes
-    from kvq_export.model_source import model_facts
     from kvq_export.progress import task
 
     if metric not in METRICS:
@@ -801,7 +803,7 @@ def plan_scheme(
     windows = _check_windows(windows, facts.vocab_size)
     samples = collect_attention_samples(model, windows, list(range(layers)), layers)
     with _one_thread():
-        static_by = _static_for(model, cset, samples, layers, calib_method, percentile)
+        static_by = _static_for(model, cset, samples, layers, str(calibration.method), calibration.percentile)
         if metric == "attention":
             damages = measure_attention(model, samples, cset, static_by, layers, sink_tokens)
     if metric == "kl":  # model forwards: at the caller's threads
@@ -839,6 +841,6 @@ def plan_scheme(
             f"bits/element, predicted damage {near['predicted_damage']:.4g}: {nearest.describe()}")
         logger.warning("onnxruntime-genai cannot serve %s: %s; %s", scheme.name, genai["reason"], offer)
     return Plan(scheme, bits, total, budget, context, metric, damages, uniform,
-                {"candidates": cset.about, "calib_method": calib_method, "sink_tokens": sink_tokens,
+                {"candidates": cset.about, "calib_method": str(calibration.method), "sink_tokens": sink_tokens,
                  "value_window": value_window, "windows": len(windows),
                  "tokens": sum(len(w) for w in windows)}, genai, nearest)

@@ -12,7 +12,7 @@ since it rotates its quantized caches:
 
 Row vectors throughout: a stored row is ``x @ R`` and the inverse is ``y @ R.T``. Code never relies on
 ``R`` being symmetric, so a non-symmetric orthogonal kind (a seeded random rotation) only needs a
-builder in :data:`_BUILDERS` and a name in :data:`kvq_export.scheme.ROTATIONS`.
+builder in :data:`_BUILDERS` and a name in :data:`ROTATIONS`.
 
 ``hadamard``: the normalized Sylvester Hadamard matrix ``H_n = H_{n/2} (x) [[1, 1], [1, -1]] / sqrt(2)``
 (entries ``+-1/sqrt(n)``, ``H = H.T = H^-1``). A head_dim that is not a power of two gets a
@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvq_export.errors import SchemeError
-from kvq_export.scheme import ROTATIONS
+
+#: Rotations of the head dimension applied before a stream is stored (a scheme's ``rotation``; scheme.py reads it).
+ROTATIONS = ("none", "hadamard")
 
 if TYPE_CHECKING:
     import torch

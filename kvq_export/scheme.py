@@ -27,6 +27,7 @@ from typing import Any
 
 from kvq_export.dtypes import DType
 from kvq_export.errors import SchemeError
+from kvq_export.rotation import ROTATIONS, check_rotation
 
 FORMATS = ("fp16", "int", "int_sym", "fp8_e4m3")
 AXES = ("token", "channel")
@@ -45,8 +46,6 @@ PLANE_BITS = (3, 5, 6)
 #: Code widths of the channels beside a stream's 8-bit high channels, and the formats that can keep them.
 HIGH_CHANNEL_BITS = (2, 3, 4)
 HIGH_CHANNEL_FORMATS = ("int", "int_sym")
-#: Rotations of the head dimension applied before a stream is stored (:mod:`kvq_export.rotation`).
-ROTATIONS = ("none", "hadamard")
 
 #: Largest finite float8 e4m3fn value.
 FP8_E4M3_MAX = 448.0
@@ -286,8 +285,6 @@ class TensorQuant:
     def check_head_dim(self, head_dim: int, where: str) -> None:
         """Raise when this stream cannot describe a cache with ``head_dim`` channels."""
         if self.rotation != "none":
-            from kvq_export.rotation import check_rotation
-
             check_rotation(self.rotation, head_dim, where)
         if not self.quantized:
             return

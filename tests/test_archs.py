@@ -25,7 +25,7 @@ from transformers import AutoConfig
 
 from kvq_export.errors import ExportError, ModelError
 from kvq_export.export.arch import get_arch, supported_model_types
-from kvq_export.export.exporter import export
+from kvq_export.export.exporter import export_model
 from kvq_export.manifest import Manifest, decode_cache, load_static
 from kvq_export.memory import predict
 from kvq_export.model_source import model_facts
@@ -48,7 +48,7 @@ def test_fp32_logits_match_transformers(tmp_path, arch, flavor):
     model = loud_model(arch)
     rng = np.random.default_rng(7)
     tokens = PROMPT + [int(t) for t in rng.integers(0, VOCAB, DECODE)]
-    session = KVQSession(export(model, FP32_CACHE, tmp_path / f"{arch}-{flavor}", flavor=flavor))
+    session = KVQSession(export_model(model, FP32_CACHE, tmp_path / f"{arch}-{flavor}", flavor=flavor))
     got = teacher_forced_logits(session, tokens, len(PROMPT))
     with torch.no_grad():
         want = model(torch.tensor([tokens])).logits[0].numpy()
@@ -68,7 +68,7 @@ def test_fp16_bodies_stay_close(tmp_path, arch):
     model = loud_model(arch)
     rng = np.random.default_rng(7)
     tokens = PROMPT + [int(t) for t in rng.integers(0, VOCAB, 3)]
-    session = KVQSession(export(model, "fp16", tmp_path / arch, dtype="fp16"))
+    session = KVQSession(export_model(model, "fp16", tmp_path / arch, dtype="fp16"))
     got = teacher_forced_logits(session, tokens, len(PROMPT))
     with torch.no_grad():
         want = model(torch.tensor([tokens])).logits[0].numpy()
@@ -139,7 +139,7 @@ def test_reference_flavour_equals_the_reference_cache(tmp_path, arch, name):
     layer inherits) <= 1e-3 of the largest logit.
     """
     model, scheme = tiny_model(arch), REFERENCE_SCHEMES[name]
-    directory = export(model, scheme, tmp_path / "export", static=_static(model, scheme))
+    directory = export_model(model, scheme, tmp_path / "export", static=_static(model, scheme))
     session = KVQSession(directory)
     static = load_static(directory, session.manifest)
     prompts = [[11, 12, 13, 14, 15], [60, 61, 2, 9, 100, 4, 4, 7, 1]]
@@ -195,7 +195,7 @@ def test_ort_gqa_codes_equal_the_reference_cache(tmp_path, arch, name):
     static = {layer: {part: {role: a * np.float32(1.2) for role, a in meta.items()} for part, meta in parts.items()}
               for layer, parts in static.items()}
     out = tmp_path / f"{arch}-{name.replace('/', '_')}"
-    session = KVQSession(export(tiny_model(arch), scheme, out, static=static, flavor="ort-gqa"))
+    session = KVQSession(export_model(tiny_model(arch), scheme, out, static=static, flavor="ort-gqa"))
     c = compare(session, arch, scheme, static, prompts, steps=GQA_STEPS)
     logger.warning("%s/%s: %s", arch, name, {k: v for k, v in vars(c).items() if k != "alone"})
     assert c.worse == 0 and c.off_by_one + c.saturated <= max(1, c.codes // 500), c
@@ -217,7 +217,7 @@ def test_cache_graph_is_bit_exact_with_one_kv_head_and_head_dim_256(name):
 def test_trt_flavour_plugin_nodes(tmp_path, arch):
     """One plugin node per layer with the model's geometry, scaling (query_pre_attn_scalar) and per-layer window."""
     model = tiny_model(arch)
-    directory = export(model, PRESETS["kivi-4"][0], tmp_path / arch, flavor="trt")
+    directory = export_model(model, PRESETS["kivi-4"][0], tmp_path / arch, flavor="trt")
     manifest = Manifest.load(directory)
     graph = onnx.load(str(directory / "model.onnx"), load_external_data=False).graph
     nodes = [n for n in graph.node if n.domain == PLUGIN_NAMESPACE]
@@ -234,7 +234,7 @@ def test_trt_flavour_plugin_nodes(tmp_path, arch):
 
 def test_attention_softcap_is_refused_where_the_attention_cannot_apply_it(tmp_path):
     with pytest.raises(ExportError, match="soft-caps its attention scores.*TrtCacheGraph"):
-        export(tiny_model("gemma2"), PRESETS["kivi-4"][0], tmp_path / "trt", flavor="trt")
+        export_model(tiny_model("gemma2"), PRESETS["kivi-4"][0], tmp_path / "trt", flavor="trt")
     assert not (tmp_path / "trt").exists()
 
 

@@ -11,6 +11,7 @@ from tiny_models import tiny_model
 
 from kvq_export.bench import plot, report_table, run_bench, synthetic_cache
 from kvq_export.errors import KVQError
+from kvq_export.request import CalibrationSpec
 
 
 def _char_tokenizer():
@@ -35,7 +36,8 @@ def model_dir(tmp_path_factory):
 def report(model_dir, tmp_path_factory):
     return run_bench(str(model_dir), ["ort-int8"], flavors=("ort-gqa", "reference"), contexts=(24, 40),
                      batches=(1, 2), steps=4, warmup=1, prefill_tokens=16, prefill_repeats=1,
-                     work_dir=tmp_path_factory.mktemp("bench"), calib_tokens=256, ppl_windows=2, ppl_tokens=12)
+                     work_dir=tmp_path_factory.mktemp("bench"), calibration=CalibrationSpec(tokens=256),
+                     ppl_windows=2, ppl_tokens=12)
 
 
 def test_report_is_well_formed_json(report):
@@ -85,11 +87,11 @@ def test_exports_are_reused(model_dir, tmp_path):
 
 
 def test_synthetic_cache_matches_every_layout(model_dir, tmp_path):
-    from kvq_export.export.exporter import export
+    from kvq_export.export.exporter import export_model
     from kvq_export.runtime.session import KVQSession
 
     for flavor, scheme in (("reference", "kivi-4"), ("reference", "fp8"), ("ort-gqa", "fp16")):
-        session = KVQSession(export(tiny_model("llama"), scheme, tmp_path / f"{flavor}-{scheme}", flavor=flavor))
+        session = KVQSession(export_model(tiny_model("llama"), scheme, tmp_path / f"{flavor}-{scheme}", flavor=flavor))
         cache = synthetic_cache(session, 2, 150, capacity=160)
         session.check_cache(cache, 2)
         logits, cache = session.step(np.array([[1], [2]]), None, cache)
@@ -119,7 +121,8 @@ def test_cli_passes_every_setting_through(model_dir, tmp_path):
     data = json.loads(out.read_text())
     s = data["settings"]
     assert data["fill"] == "prefill" and s["warmup"] == 1 and s["steps"] == 2 and s["prefill_tokens"] == 4
-    assert s["calibration"] == {"corpus": "britannica", "tokens": 128, "method": "percentile", "percentile": 99.0}
+    assert s["calibration"] == {"corpus": "britannica", "tokens": 128, "offset": 60000, "method": "percentile",
+                                "percentile": 99.0}
     assert all(d.startswith(str(tmp_path / "work")) for d in s["exports"]["ort-gqa"].values())
     assert [p["tokens"] for p in data["perplexity"]] == [9, 9]
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
@@ -133,9 +136,9 @@ def test_profile_step_tool_splits_a_step_by_operator(tmp_path):
     import sys
     from pathlib import Path
 
-    from kvq_export.export.exporter import export
+    from kvq_export.export.exporter import export_model
 
-    dirs = [export(tiny_model("llama"), "fp16", tmp_path / f, flavor=f) for f in ("ort-gqa", "reference")]
+    dirs = [export_model(tiny_model("llama"), "fp16", tmp_path / f, flavor=f) for f in ("ort-gqa", "reference")]
     tool = Path(__file__).resolve().parents[1] / "tools" / "profile_step.py"
     out = tmp_path / "profile.json"
     proc = subprocess.run([sys.executable, str(tool), *map(str, dirs), "--context", "40", "--steps", "3",
@@ -335,7 +338,8 @@ def test_bench_reports_its_exports_as_progress(model_dir, tmp_path):
     steps = []
     with reporting(steps.append):
         run_bench(str(model_dir), ["ort-int8"], flavors=("reference",), contexts=(8,), batches=(1,), steps=2,
-                  warmup=0, prefill_tokens=4, prefill_repeats=1, work_dir=tmp_path, calib_tokens=64)
+                  warmup=0, prefill_tokens=4, prefill_repeats=1, work_dir=tmp_path,
+                  calibration=CalibrationSpec(tokens=64))
     exports = [(s.done, s.total, s.finished) for s in steps if s.desc == "bench: exports"]
     assert exports == [(0, 2, False), (1, 2, False), (2, 2, False), (2, 2, True)]
     assert any(s.desc == "calibration: forward passes" and s.finished for s in steps)  # ort-int8 is calibrated

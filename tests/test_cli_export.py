@@ -64,7 +64,7 @@ def test_static_scheme_calibrates_from_a_text_file(model_dir, tmp_path):
     text.write_text(" ".join(WORDS * 20))
     out = tmp_path / "ort"
     proc = kvq("export", "--model", str(model_dir), "--scheme", "ort-int8", "--out", str(out), "--calib-corpus",
-               str(text), "--calib-tokens", "256")
+               str(text), "--calib-tokens", "256", "--calib-offset", "0")
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((out / "kvq.json").read_text())
     assert manifest["calibration"]["file"] == "calibration.npz" and (out / "calibration.npz").is_file()
@@ -78,7 +78,8 @@ def test_ort_gqa_export_generates_validates_and_compares_from_the_cli(model_dir,
     text.write_text(" ".join(WORDS * 40))
     out, base = tmp_path / "gqa", tmp_path / "fp16"
     for args in (("--scheme", "ort-int4", "--out", str(out), "--flavor", "ort-gqa", "--calib-corpus", str(text),
-                  "--calib-tokens", "256", "--calib-method", "percentile", "--percentile", "99.5"),
+                  "--calib-tokens", "256", "--calib-offset", "0", "--calib-method", "percentile", "--percentile",
+                  "99.5"),
                  ("--scheme", "fp16", "--out", str(base))):
         proc = kvq("export", "--model", str(model_dir), *args)
         assert proc.returncode == 0, proc.stderr

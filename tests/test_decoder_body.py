@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from kvq_export.errors import ExportError, ModelError
 from kvq_export.export.arch import get_arch, supported_model_types
 from kvq_export.export.builder import GraphBuilder, save
-from kvq_export.export.decoder import DecoderFacts, build_decoder
+from kvq_export.export.decoder import CacheGraph, DecoderFacts, build_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ CASES = {
 
 
 # ------------------------------------------------------------------------------------ test-only cache
-class SimpleFloatCache:
+class SimpleFloatCache(CacheGraph):
     """TEST-ONLY CacheGraph: float past/present K/V, eager attention with an additive finite mask."""
 
     def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, facts: DecoderFacts) -> ir.Value:

@@ -23,7 +23,7 @@ from tiny_models import ARCHS, VOCAB, fit_head_dim, tiny_model
 
 from kvq_export.calibrate import calibrate_static_scales, static_to_torch
 from kvq_export.errors import ExportError, ModelError, RuntimeInputError
-from kvq_export.export.exporter import export
+from kvq_export.export.exporter import export_model
 from kvq_export.manifest import Manifest, decode_cache, load_static
 from kvq_export.presets import PRESETS
 from kvq_export.reference.hf_cache import reference_hf_cache
@@ -74,7 +74,7 @@ def exports(tmp_path_factory):
         if (arch, preset) not in made:
             model, scheme = tiny_model(arch), fit_head_dim(_case(preset), 32)
             out = tmp_path_factory.mktemp("exports") / f"{arch}-{preset}"
-            made[arch, preset] = export(model, scheme, out, static=_static(model, scheme))
+            made[arch, preset] = export_model(model, scheme, out, static=_static(model, scheme))
         return made[arch, preset]
 
     return get
@@ -202,7 +202,7 @@ def test_fp16_export_matches_plain_hf_model(exports, tmp_path):
     model = tiny_model("llama")
     tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]
     # fp32 storage of the same unquantized path: equal to the plain model
-    fp32 = export(model, dataclasses.replace(PRESETS["fp16"][0], hp_dtype="fp32"), tmp_path / "fp32")
+    fp32 = export_model(model, dataclasses.replace(PRESETS["fp16"][0], hp_dtype="fp32"), tmp_path / "fp32")
     diff32, _, _ = _plain_hf_vs_export(fp32, model, tokens)
     assert diff32 <= 1e-4
     # fp16 storage: attention reads fp16-rounded K/V, so logits move by fp16 rounding only
@@ -289,24 +289,24 @@ def test_manifest_that_does_not_match_graph_is_refused(exports, tmp_path):
 def test_export_refusals(tmp_path, exports):
     model = tiny_model("llama")
     with pytest.raises(ExportError, match="already exists"):
-        export(model, "int4-sym-g32", exports("llama", "int4-sym-g32"))
+        export_model(model, "int4-sym-g32", exports("llama", "int4-sym-g32"))
     with pytest.raises(ExportError, match="static scales: calibrate first"):
-        export(model, "ort-int8", tmp_path / "x")
+        export_model(model, "ort-int8", tmp_path / "x")
     with pytest.raises(ExportError, match=r"unknown flavor 'nope'; allowed: (ort-gqa, )?reference(, trt)?"):
-        export(model, "int4-sym-g32", tmp_path / "y", flavor="nope")
+        export_model(model, "int4-sym-g32", tmp_path / "y", flavor="nope")
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".*tmp*"))
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(ModelError, match="unsupported model_type 'gpt2'; supported: gemma, gemma2, gemma3_text, "
                                          "llama, mistral, olmo2, phi3, qwen2, qwen3$"):
-        export(gpt2, "int4-sym-g32", tmp_path / "z")
+        export_model(gpt2, "int4-sym-g32", tmp_path / "z")
 
 
 def test_force_replaces_an_existing_export(tmp_path):
     model = tiny_model("llama")
-    first = export(model, "int4-sym-g32", tmp_path / "out")
-    export(model, "kivi-4", first, force=True)
+    first = export_model(model, "int4-sym-g32", tmp_path / "out")
+    export_model(model, "kivi-4", first, force=True)
     assert Manifest.load(first).scheme == PRESETS["kivi-4"][0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
@@ -314,8 +314,8 @@ def test_force_replaces_an_existing_export(tmp_path):
 def test_fp16_compute_graph_tracks_the_fp32_graph(tmp_path):
     """--dtype fp16: the body and attention run in fp16 (softmax in fp32); the cache format is unchanged."""
     model = tiny_model("mistral")
-    fp32 = KVQSession(export(model, "kivi-4", tmp_path / "fp32"))
-    fp16 = KVQSession(export(model, "kivi-4", tmp_path / "fp16", dtype="fp16"))
+    fp32 = KVQSession(export_model(model, "kivi-4", tmp_path / "fp32"))
+    fp16 = KVQSession(export_model(model, "kivi-4", tmp_path / "fp16", dtype="fp16"))
     assert fp16.manifest.cache("past") == fp32.manifest.cache("past")
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, VOCAB, (1, 170))  # past kivi's recent window: quantized tokens are attended

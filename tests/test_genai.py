@@ -23,7 +23,7 @@ from tiny_models import VOCAB, WORDS, byte_model, byte_tokenizer, layered_model,
 
 from kvq_export.calibrate import calibrate_static_scales
 from kvq_export.errors import ExportError, KVQError, RuntimeInputError
-from kvq_export.export.exporter import export
+from kvq_export.export.exporter import export_model
 from kvq_export.export.genai_package import (
     GENAI_CONFIG,
     GENAI_MODEL,
@@ -35,6 +35,7 @@ from kvq_export.export.genai_package import (
 from kvq_export.manifest import MODEL_NAME, Manifest
 from kvq_export.memory import Geometry, predict
 from kvq_export.plan import plan_scheme, scheme_from_choice
+from kvq_export.request import CalibrationSpec
 from kvq_export.runtime.genai import GenaiSession, builder_scale_file, serve_command
 from kvq_export.runtime.sampling import Sampler, SamplingConfig
 from kvq_export.runtime.session import KVQSession
@@ -54,7 +55,7 @@ def exports(tmp_path_factory):
     out = {}
     for name in ("fp32", "ort-int8", "ort-int4", "ort-int4-asymk", "int4-high/hp-fp32"):
         scheme = SCHEMES[name]
-        out[name] = export(tiny_model("llama"), scheme, root / name.replace("/", "_"), flavor="ort-gqa",
+        out[name] = export_model(tiny_model("llama"), scheme, root / name.replace("/", "_"), flavor="ort-gqa",
                            static=calibration("llama", scheme))
     return out
 
@@ -89,11 +90,11 @@ def test_int4_buffers_hold_two_codes_per_byte(exports):
 def test_eos_ends_rows_alike(tmp_path):
     model = copy.deepcopy(tiny_model("llama"))
     prompts = PROMPTS["ragged"][:2]
-    plain = KVQSession(export(model, SCHEMES["fp32"], tmp_path / "plain", flavor="ort-gqa")).generate(prompts, 12)
+    plain = KVQSession(export_model(model, SCHEMES["fp32"], tmp_path / "plain", flavor="ort-gqa")).generate(prompts, 12)
     # row 1 ends at its 4th token or before (og right-pads with the EOS id, so no prompt may end with it)
     eos = next(t for t in plain[1].tokens[3:] if t not in {p[-1] for p in prompts})
     model.config.eos_token_id = eos
-    directory = export(model, SCHEMES["fp32"], tmp_path / "eos", flavor="ort-gqa")
+    directory = export_model(model, SCHEMES["fp32"], tmp_path / "eos", flavor="ort-gqa")
     assert json.loads((directory / GENAI_CONFIG).read_text())["model"]["eos_token_id"] == [eos]
     ours = KVQSession(directory).generate(prompts, 12)
     theirs = GenaiSession(directory).generate(prompts, 12)
@@ -285,7 +286,7 @@ def test_shipped_gqa_plans_are_served_or_say_why(name, tmp_path):
     scheme, layers = _on_layers(KVQuantScheme.from_json((MODELS / name).read_text()))
     model = layered_model(layers)
     static = calibrate_static_scales(model, scheme, np.random.default_rng(3).integers(0, VOCAB, (4, 64)).tolist())
-    directory = export(model, scheme, tmp_path / "gqa", flavor="ort-gqa", static=static)
+    directory = export_model(model, scheme, tmp_path / "gqa", flavor="ort-gqa", static=static)
     _served_as_kvq(directory, scheme, layers)
 
 
@@ -309,13 +310,13 @@ def test_fresh_plan_offers_the_nearest_plan_genai_serves(tmp_path, caplog):
     again = plan_scheme(model, windows, budget=6.5, context=256, candidates="ort-gqa-int4")
     assert again.scheme.streams(2) == plan.genai_nearest.streams(2) and again.genai == {"servable": True}
     for name, scheme in (("mixed", plan.scheme), ("nearest", plan.genai_nearest)):
-        directory = export(model, scheme, tmp_path / name, flavor="ort-gqa",
+        directory = export_model(model, scheme, tmp_path / name, flavor="ort-gqa",
                            static=calibrate_static_scales(model, scheme, windows))
         _served_as_kvq(directory, scheme, 2)
 
 
 def test_regions_layout_exports_say_why(tmp_path):
-    directory = export(tiny_model("llama"), "kivi-4", tmp_path / "kivi4")
+    directory = export_model(tiny_model("llama"), "kivi-4", tmp_path / "kivi4")
     entry = Manifest.load(directory).runtimes[RUNTIME]
     assert entry["supported"] is False and "regions" in entry["reason"] and "kivi-4" in entry["reason"]
     assert engine_reason(Manifest.load(directory)) == entry["reason"]
@@ -323,7 +324,7 @@ def test_regions_layout_exports_say_why(tmp_path):
     with pytest.raises(RuntimeInputError, match="has no genai_config.json: flavour reference"):
         GenaiSession(directory)
     # a scheme GQA can hold, exported with the reference flavour: the fix is the flavour
-    directory = export(tiny_model("llama"), SCHEMES["ort-int8"], tmp_path / "ref8",
+    directory = export_model(tiny_model("llama"), SCHEMES["ort-int8"], tmp_path / "ref8",
                        static=calibration("llama", SCHEMES["ort-int8"]))
     assert "re-export with --flavor ort-gqa" in Manifest.load(directory).runtimes[RUNTIME]["reason"]
 
@@ -366,7 +367,7 @@ def test_cli_calibrate_feeds_the_builder(tmp_path):
     corpus.write_text(" ".join(WORDS[i % len(WORDS)] for i in range(0, 600, 7)))
     scales = tmp_path / "scales.json"
     proc = _kvq("calibrate", "--model", str(model_dir), "--scheme", "ort-int8", "--calib-corpus", str(corpus),
-                "--calib-tokens", "64", "--out", str(scales))
+                "--calib-tokens", "64", "--calib-offset", "0", "--out", str(scales))
     assert proc.returncode == 0, proc.stderr
     assert "kv_cache_quant_scheme=int8_per_channel" in proc.stdout
     data = json.loads(scales.read_text())
@@ -406,7 +407,7 @@ def _one_line_error(result) -> str:
 @pytest.fixture(scope="module")
 def byte_export(tmp_path_factory):
     """An fp32 ort-gqa export whose tokenizer onnxruntime-genai reads (text prompts through both runtimes)."""
-    return export(byte_model(), SCHEMES["fp32"], tmp_path_factory.mktemp("bytes") / "gqa", flavor="ort-gqa",
+    return export_model(byte_model(), SCHEMES["fp32"], tmp_path_factory.mktemp("bytes") / "gqa", flavor="ort-gqa",
                   tokenizer=byte_tokenizer())
 
 
@@ -438,7 +439,7 @@ def test_cli_generate_genai_errors_are_one_line(exports, byte_export, tmp_path, 
     # the tiny models' word-level tokenizer is not one onnxruntime-genai reads
     line = _one_line_error(_generate(exports["fp32"], "--prompt", "w1", "--runtime", "genai"))
     assert line.startswith("error: onnxruntime-genai cannot read the tokenizer")
-    reference = export(tiny_model("llama"), "q4_0", tmp_path / "q40")
+    reference = export_model(tiny_model("llama"), "q4_0", tmp_path / "q40")
     assert "has no genai_config.json" in _one_line_error(_generate(reference, "--prompt", "w1", "--runtime", "genai"))
     monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # not installed
     line = _one_line_error(_generate(byte_export, "--prompt", "Hi", "--runtime", "genai"))
@@ -474,8 +475,8 @@ def test_smollm2_text_prompts_through_genai(tmp_path):
     from kvq_export.model_source import load_model
 
     model, tokenizer = load_model("smollm2")
-    directory = export(model, "ort-int8", tmp_path / "gqa8", flavor="ort-gqa", tokenizer=tokenizer,
-                       calib_corpus="britannica", calib_tokens=1024)
+    directory = export_model(model, "ort-int8", tmp_path / "gqa8", flavor="ort-gqa", tokenizer=tokenizer,
+                             calibration=CalibrationSpec(tokens=1024))
     prompts = ["Once upon a time", "The capital of France is a city that"]
     ours = KVQSession(directory).generate(prompts, 24)
     theirs = GenaiSession(directory).generate(prompts, 24)

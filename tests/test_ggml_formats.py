@@ -295,7 +295,7 @@ def test_export_with_per_layer_mixed_formats_matches_torch_reference(tmp_path, m
     import test_export_runtime as ter
     from tiny_models import tiny_model
 
-    from kvq_export.export.exporter import export
+    from kvq_export.export.exporter import export_model
 
     scheme = KVQuantScheme(
         key=ggml_tq("q8_0"), value=ggml_tq("q4_0"),
@@ -305,7 +305,7 @@ def test_export_with_per_layer_mixed_formats_matches_torch_reference(tmp_path, m
     model = tiny_model("llama")
     assert model.config.num_hidden_layers >= 2
     monkeypatch.setitem(PRESETS, "mixed-layers", (scheme, "test"))
-    directory = export(model, scheme, tmp_path / "mixed")
+    directory = export_model(model, scheme, tmp_path / "mixed")
 
     ter._check_case(lambda arch, preset: directory, "llama", "mixed-layers", "padded")
 

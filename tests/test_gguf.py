@@ -28,7 +28,7 @@ from tiny_models import COMMON, VOCAB
 
 from kvq_export.cli import cli
 from kvq_export.errors import ModelError
-from kvq_export.export.exporter import export
+from kvq_export.export.exporter import export_model
 from kvq_export.model_source import GGUF_ARCHITECTURES, load_config, load_model, model_facts
 from kvq_export.presets import PRESETS, resolve_scheme
 from kvq_export.runtime.session import KVQSession
@@ -235,7 +235,7 @@ def test_gguf_export_matches_the_source_model(written, tmp_path):
     tokens = PROMPT + DECODE
     with torch.no_grad():
         want = model(torch.tensor([tokens])).logits[0].numpy()
-    session = KVQSession(export(path, FP32_CACHE, tmp_path / "fp32", flavor="ort-gqa"))
+    session = KVQSession(export_model(path, FP32_CACHE, tmp_path / "fp32", flavor="ort-gqa"))
     got = teacher_forced_logits(session, tokens, len(PROMPT))
     err = float(np.abs(got - want).max())
     logger.warning("%s: GGUF export max |logits - source model| = %.2e (max |logit| %.2f)", kind, err,
@@ -244,8 +244,8 @@ def test_gguf_export_matches_the_source_model(written, tmp_path):
 
     # every token quantized (no high-precision window): the GGUF's export equals the source model's export
     scheme = PRESETS["int4-sym-g32"][0]
-    got = teacher_forced_logits(KVQSession(export(path, scheme, tmp_path / "int4")), tokens, len(PROMPT))
-    ref = teacher_forced_logits(KVQSession(export(model, scheme, tmp_path / "int4-source")), tokens, len(PROMPT))
+    got = teacher_forced_logits(KVQSession(export_model(path, scheme, tmp_path / "int4")), tokens, len(PROMPT))
+    ref = teacher_forced_logits(KVQSession(export_model(model, scheme, tmp_path / "int4-source")), tokens, len(PROMPT))
     err, moved = float(np.abs(got - ref).max()), float(np.abs(ref - want).max())
     logger.warning("%s: int4-sym-g32 export of the GGUF vs of the source model: max |Δlogits| %.2e "
                    "(quantization itself moves them by %.2e)", kind, err, moved)

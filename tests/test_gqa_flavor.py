@@ -38,7 +38,7 @@ from gqa_harness import PROMPTS, SCHEMES, calibration, compare, left_pad, sequen
 from tiny_models import ARCHS, VOCAB, tiny_model
 
 from kvq_export.errors import ExportError, RuntimeInputError
-from kvq_export.export.exporter import export
+from kvq_export.export.exporter import export_model
 from kvq_export.export.gqa_flavor import GQACacheGraph, gqa_scale, unsupported
 from kvq_export.presets import PRESETS
 from kvq_export.runtime.session import KVQSession
@@ -47,7 +47,7 @@ from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
 
 def _export(tmp_path_factory, arch, scheme, static, **kw):
     out = tmp_path_factory.mktemp("gqa") / f"{arch}-{(scheme.name or 'custom').replace('/', '_')}"
-    return KVQSession(export(tiny_model(arch), scheme, out, static=static, flavor="ort-gqa", **kw))
+    return KVQSession(export_model(tiny_model(arch), scheme, out, static=static, flavor="ort-gqa", **kw))
 
 
 @pytest.mark.parametrize("name", ["fp32", "ort-int8/hp-fp32", "ort-int4/hp-fp32", "ort-int4-asymk/hp-fp32",
@@ -146,7 +146,7 @@ def test_manifest_describes_the_buffer_layout(tmp_path_factory):
 def _export_int8(session):
     scheme = SCHEMES["ort-int8"]
     out = session.directory.parent / "qwen2-int8"
-    return export(tiny_model("qwen2"), scheme, out, static=calibration("qwen2", scheme), flavor="ort-gqa")
+    return export_model(tiny_model("qwen2"), scheme, out, static=calibration("qwen2", scheme), flavor="ort-gqa")
 
 
 @pytest.mark.parametrize("name", ["ort-int8", "int4-high/hp-fp32"])  # high channels: codes computed in fp32
@@ -171,16 +171,17 @@ def test_unfused_rotary_path_matches_and_names_probes(tmp_path_factory, monkeypa
     """
     import onnx
 
-    from kvq_export.export import exporter
     from kvq_export.validate.probe import ProbedSession
 
-    monkeypatch.setitem(exporter.FLAVORS, "ort-gqa-unfused",
-                        lambda scheme, **geo: GQACacheGraph(scheme, fuse_rotary=False, **geo))
     scheme = SCHEMES["ort-int8/hp-fp32"]
     static = calibration(arch, scheme)
     fused = ProbedSession(_export(tmp_path_factory, arch, scheme, static).directory)
     out = tmp_path_factory.mktemp("unfused") / "m"
-    unfused = ProbedSession(export(tiny_model(arch), scheme, out, static=static, flavor="ort-gqa-unfused"))
+    monkeypatch.setattr(GQACacheGraph, "for_model", classmethod(
+        lambda cls, scheme, facts, static=None: cls(scheme, fuse_rotary=False, num_layers=facts.num_layers,
+                                                    kv_heads=facts.num_kv_heads, head_dim=facts.head_dim,
+                                                    static=static)))
+    unfused = ProbedSession(export_model(tiny_model(arch), scheme, out, static=static, flavor="ort-gqa"))
     ids, mask = left_pad(PROMPTS["padded"])
     a, ca = fused.step(ids, mask)
     b, cb = unfused.step(ids, mask)
@@ -216,7 +217,7 @@ def test_high_channels_without_their_calibrated_choice_are_refused(tmp_path):
         for meta in parts.values():
             meta.pop("high_channels")
     with pytest.raises(ExportError, match="layer 0 key keeps .* high channels per head but no calibration chose"):
-        export(tiny_model("llama"), scheme, tmp_path / "m", static=static, flavor="ort-gqa")
+        export_model(tiny_model("llama"), scheme, tmp_path / "m", static=static, flavor="ort-gqa")
     assert not (tmp_path / "m").exists()
 
 
@@ -306,7 +307,7 @@ def test_gqa_scale_mapping():
 def test_unsupported_schemes_are_refused_with_the_reason(tmp_path, preset, reason):
     scheme = PRESETS[preset][0]
     with pytest.raises(ExportError, match=f"flavor ort-gqa cannot hold scheme {preset}: .*({reason})"):
-        export(tiny_model("llama"), scheme, tmp_path / preset, flavor="ort-gqa")
+        export_model(tiny_model("llama"), scheme, tmp_path / preset, flavor="ort-gqa")
     assert not (tmp_path / preset).exists()
 
 
@@ -341,7 +342,7 @@ def test_high_channels_must_match_and_fit_the_node_head():
 
 def test_static_scales_need_calibration(tmp_path):
     with pytest.raises(ExportError, match="static scales: calibrate first"):
-        export(tiny_model("llama"), "ort-int4", tmp_path / "x", flavor="ort-gqa")
+        export_model(tiny_model("llama"), "ort-int4", tmp_path / "x", flavor="ort-gqa")
     with pytest.raises(ExportError, match="layer 0 key uses static scales but no calibration was given"):
         GQACacheGraph(PRESETS["ort-int4"][0], num_layers=2, kv_heads=2, head_dim=32, static=None)
 
@@ -354,7 +355,7 @@ def test_fp16_buffer_with_fp32_compute_warns_about_cpu_casts(tmp_path, caplog):
     import onnxruntime as ort
 
     with caplog.at_level(logging.WARNING, logger="kvq_export.export.gqa_flavor"):
-        out = export(tiny_model("llama"), SCHEMES["fp16"], tmp_path / "fp16", flavor="ort-gqa")
+        out = export_model(tiny_model("llama"), SCHEMES["fp16"], tmp_path / "fp16", flavor="ort-gqa")
     assert "casts the whole buffer to float32 and back every step" in caplog.text
     options = ort.SessionOptions()
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
@@ -364,7 +365,7 @@ def test_fp16_buffer_with_fp32_compute_warns_about_cpu_casts(tmp_path, caplog):
     assert inserted  # what the warning is about; an fp32 buffer gets none, and no warning:
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kvq_export.export.gqa_flavor"):
-        out = export(tiny_model("llama"), SCHEMES["fp32"], tmp_path / "fp32", flavor="ort-gqa")
+        out = export_model(tiny_model("llama"), SCHEMES["fp32"], tmp_path / "fp32", flavor="ort-gqa")
     assert "casts the whole buffer" not in caplog.text
     ort.InferenceSession(str(out / "model.onnx"), options, providers=["CPUExecutionProvider"])
     assert not [n for n in onnx.load(tmp_path / "optimized.onnx", load_external_data=False).graph.node

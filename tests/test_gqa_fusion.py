@@ -21,8 +21,7 @@ import pytest
 from gqa_harness import PROMPTS, SCHEMES, calibration, left_pad
 from tiny_models import ARCHS, NEW_ARCHS, VOCAB, loud_model
 
-from kvq_export.export import exporter
-from kvq_export.export.exporter import export
+from kvq_export.export.exporter import export_model
 from kvq_export.export.gqa_flavor import GQACacheGraph, rope_in_body
 from kvq_export.runtime.session import KVQSession
 
@@ -44,13 +43,18 @@ PRIMITIVE_NORM = ("ReduceMean", "Sqrt", "Reciprocal")
 
 
 @pytest.fixture
-def unfused(monkeypatch):
-    """Register ``ort-gqa-unfused``: the ort-gqa cache graph with the portable (unfused) body."""
-    def factory(scheme, **geo):
-        return GQACacheGraph(scheme, fuse_rotary=not rope_in_body(scheme, geo["num_layers"]), fuse_body=False, **geo)
+def unfused():
+    """Export with the ort-gqa cache graph and the portable (unfused) body: ``unfused(model, scheme, out, **kw)``."""
+    def for_model(cls, scheme, facts, *, static=None):
+        return cls(scheme, fuse_rotary=not rope_in_body(scheme, facts.num_layers), fuse_body=False,
+                   num_layers=facts.num_layers, kv_heads=facts.num_kv_heads, head_dim=facts.head_dim, static=static)
 
-    monkeypatch.setitem(exporter.FLAVORS, "ort-gqa-unfused", factory)
-    return "ort-gqa-unfused"
+    def export_unfused(model, scheme, out, **options):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(GQACacheGraph, "for_model", classmethod(for_model))
+            return export_model(model, scheme, out, flavor="ort-gqa", **options)
+
+    return export_unfused
 
 
 def _ops(directory) -> collections.Counter:
@@ -78,8 +82,8 @@ def _max_logit_gap(a: KVQSession, b: KVQSession, steps: int = 8) -> float:
 def test_fused_body_uses_fused_ops_and_equals_the_unfused_body(tmp_path, unfused, arch):
     model = loud_model(arch)
     scheme = SCHEMES["fp32"]
-    fused_dir = export(model, scheme, tmp_path / "fused", flavor="ort-gqa")
-    plain_dir = export(model, scheme, tmp_path / "plain", flavor=unfused)
+    fused_dir = export_model(model, scheme, tmp_path / "fused", flavor="ort-gqa")
+    plain_dir = unfused(model, scheme, tmp_path / "plain")
     fused, plain = _ops(fused_dir), _ops(plain_dir)
     head = 0 if arch in TIED else 1
     assert fused["MatMul"] == 4 * LAYERS + 1  # qkv, o, gate_up, down; lm_head (tied: on the embedding's Transpose)
@@ -109,8 +113,8 @@ def test_fused_projections_keep_folded_value_rotation_and_rotated_keys(tmp_path,
                                      name=None)
         static = calibration("qwen2", scheme)  # q/k/v biases: the value bias is rotated with its weight
         model = loud_model("qwen2")
-        fused_dir = export(model, scheme, tmp_path / f"fused-{keys}", static=static, flavor="ort-gqa")
-        plain_dir = export(model, scheme, tmp_path / f"plain-{keys}", static=static, flavor=unfused)
+        fused_dir = export_model(model, scheme, tmp_path / f"fused-{keys}", static=static, flavor="ort-gqa")
+        plain_dir = unfused(model, scheme, tmp_path / f"plain-{keys}", static=static)
         ops = _ops(fused_dir)
         assert ops["MatMul"] == 4 * LAYERS + 1 + (LAYERS if keys else 0)  # + one rotation of the q and k heads
         assert ops["GatherND"] == 2 * LAYERS  # packed q|k|v (RoPE in the body or not): realigned together
@@ -128,8 +132,8 @@ def test_fp16_body_fuses_projections_but_keeps_primitive_norms(tmp_path, unfused
     """An fp16 Llama norm is rounded before its weight multiply (as transformers does): no fused norm there."""
     model = loud_model("llama")
     scheme = SCHEMES["fp16"]
-    fused_dir = export(model, scheme, tmp_path / "fused", flavor="ort-gqa", dtype="fp16")
-    plain_dir = export(model, scheme, tmp_path / "plain", flavor=unfused, dtype="fp16")
+    fused_dir = export_model(model, scheme, tmp_path / "fused", flavor="ort-gqa", dtype="fp16")
+    plain_dir = unfused(model, scheme, tmp_path / "plain", dtype="fp16")
     fused = _ops(fused_dir)
     assert fused["MatMul"] == 4 * LAYERS + 1 and fused["Split"] == LAYERS  # gate/up only
     assert fused["ReduceMean"] == 2 * LAYERS + 1
@@ -154,9 +158,9 @@ def test_packed_rope_gives_the_per_head_ropes_floats(tmp_path, monkeypatch, arch
     scheme = SCHEMES["ort-int4-asymk/hp-fp32"]
     static = calibration(arch, scheme)
     model = loud_model(arch)
-    packed_dir = export(model, scheme, tmp_path / "packed", static=static, flavor="ort-gqa")
+    packed_dir = export_model(model, scheme, tmp_path / "packed", static=static, flavor="ort-gqa")
     monkeypatch.setattr(decoder, "attends_packed", lambda cache: False)
-    heads_dir = export(model, scheme, tmp_path / "heads", static=static, flavor="ort-gqa")
+    heads_dir = export_model(model, scheme, tmp_path / "heads", static=static, flavor="ort-gqa")
     packed, heads = _ops(packed_dir), _ops(heads_dir)
     assert packed["Transpose"] == (arch in TIED) < heads["Transpose"]  # a tied lm_head's only
     assert sum(heads.values()) - sum(packed.values()) >= 15 * LAYERS

@@ -218,11 +218,11 @@ def test_export_without_a_calibration_names_what_is_missing(tmp_path):
     from tiny_models import tiny_model
 
     from kvq_export.errors import ExportError
-    from kvq_export.export.exporter import export
+    from kvq_export.export.exporter import export_model
 
     scheme = KVQuantScheme(key=dataclasses.replace(HIGH, group_size=8, high_channels=4))
     with pytest.raises(ExportError, match="uses calibrated high channels: calibrate first"):
-        export(tiny_model("llama"), scheme, tmp_path / "out")
+        export_model(tiny_model("llama"), scheme, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # nothing half-written
 
 

@@ -31,7 +31,7 @@ WRITTEN = {
 def test_every_architecture_round_trips(kind):
     config = _config(kind)
     arch = get_arch(config)
-    facts = ModelFacts.from_config(config, source="given")
+    facts = ModelFacts.from_config(config, arch, source="given")
     data = json.loads(json.dumps(facts.to_dict()))  # through JSON, as kvq.json stores it
     assert set(data) == set(WRITTEN)
     assert ModelFacts.from_dict(data) == facts and ModelFacts.from_dict(data).to_dict() == data
@@ -126,10 +126,10 @@ def test_any_corruption_of_a_field_is_one_line_naming_it(name, value):
 
 def test_an_export_writes_and_reloads_the_facts(tmp_path):
     """An export's kvq.json keeps the model section's keys, loads as ModelFacts, and is read by attribute."""
-    from kvq_export.export.exporter import export
+    from kvq_export.export.exporter import export_model
 
     model_dir = save_tiny_model_dir(tmp_path / "tiny")
-    out = export(model_dir, "fp16", tmp_path / "export")
+    out = export_model(model_dir, "fp16", tmp_path / "export")
     written = json.loads((out / MANIFEST_NAME).read_text())["model"]
     assert set(written) == set(WRITTEN) and written["source"] == str(model_dir)
     manifest = Manifest.load(out)

@@ -16,7 +16,7 @@ from tiny_models import VOCAB, save_tiny_model_dir, tiny_model
 from kvq_export.calibrate import calibrate_static_scales
 from kvq_export.cli import cli
 from kvq_export.errors import KVQError, SchemeError
-from kvq_export.export.exporter import export
+from kvq_export.export.exporter import export_model
 from kvq_export.export.gqa_flavor import unsupported
 from kvq_export.memory import predict
 from kvq_export.model_source import model_facts
@@ -32,6 +32,7 @@ from kvq_export.plan import (
     with_value_window,
 )
 from kvq_export.presets import get_preset
+from kvq_export.request import CalibrationSpec
 from kvq_export.runtime.session import KVQSession
 from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
 
@@ -128,7 +129,7 @@ def test_ort_gqa_plan_spends_the_budget_where_damage_is(windows, metric):
     high = predict(KVQuantScheme(key=INT8, value=INT8), facts, context).bits_per_element
     budget = (low + high) / 2 + 0.01  # room for exactly one of the two layers at 8 bits
     plan = plan_scheme(model, windows, budget=budget, context=context, candidates="ort-int8,ort-int4",
-                       metric=metric, calib_method="absmax")
+                       metric=metric, calibration=CalibrationSpec(method="absmax"))
     assert plan.bits_per_element <= budget
     streams = plan.scheme.streams(2)
     assert sorted(k.bits for k, _ in streams) == [4, 8] and all(k == v for k, v in streams)
@@ -300,7 +301,8 @@ def test_plan_reports_each_stage_as_progress(windows):
 def test_plan_errors(windows):
     model = tiny_model("llama")
     with pytest.raises(KVQError, match="no allocation fits"):
-        plan_scheme(model, windows, budget=2.0, context=4096, candidates="ort-gqa", calib_method="absmax")
+        plan_scheme(model, windows, budget=2.0, context=4096, candidates="ort-gqa",
+                    calibration=CalibrationSpec(method="absmax"))
     with pytest.raises(KVQError, match="allowed: attention, kl"):
         plan_scheme(model, windows, budget=5.0, context=4096, metric="mse")
 
@@ -315,7 +317,7 @@ def test_mixed_bit_widths_export_per_layer_on_ort_gqa(tmp_path):
     static = calibrate_static_scales(tiny_model("llama"), scheme, sequences(prompts))
     static = {layer: {part: {role: a * np.float32(1.05) for role, a in meta.items()} for part, meta in parts.items()}
               for layer, parts in static.items()}
-    session = KVQSession(export(tiny_model("llama"), scheme, tmp_path / "x", static=static, flavor="ort-gqa"))
+    session = KVQSession(export_model(tiny_model("llama"), scheme, tmp_path / "x", static=static, flavor="ort-gqa"))
     graph = onnx.load(session.directory / "model.onnx", load_external_data=False).graph
     widths = [next(a.i for a in n.attribute if a.name == "kv_cache_bit_width") for n in graph.node
               if n.op_type == "GroupQueryAttention"]
@@ -375,7 +377,7 @@ def test_plan_calibrates_candidates_like_export_by_default():
         return next(p.default for p in cli.commands[command].params if p.name == "calib_method")
 
     assert default("plan") == default("export") == "absmax"
-    assert inspect.signature(plan_scheme).parameters["calib_method"].default == "absmax"
+    assert inspect.signature(plan_scheme).parameters["calibration"].default.method == "absmax"
 
 
 # -- choices pinned across changes to the planner's arithmetic -------------------------------------------------
@@ -385,9 +387,10 @@ PINS = Path(__file__).resolve().parent / "data" / "plan_pins.json"
 #: damages (on the tiny model and the ``windows`` fixture).
 PINNED = {
     "ort-gqa": dict(budget=6.0, context=4096, candidates="ort-gqa"),
-    "ort-gqa-percentile": dict(budget=5.5, context=4096, candidates="ort-gqa", calib_method="percentile"),
+    "ort-gqa-percentile": dict(budget=5.5, context=4096, candidates="ort-gqa",
+                               calibration=CalibrationSpec(method="percentile")),
     "ort-attention-calibrated": dict(budget=6.02, context=4096, candidates="ort-int8,ort-int4",
-                                     calib_method="attention"),
+                                     calibration=CalibrationSpec(method="attention")),
     "ort-gqa-kl": dict(budget=6.0, context=4096, candidates="ort-gqa", metric="kl"),
     "kivi": dict(budget=4.5, context=4096, candidates=fitting(CANDIDATE_SETS["kivi"], 32)),
     "accuracy-sinks": dict(budget=4.5, context=256, candidates=fitting(CANDIDATE_SETS["accuracy"], 32), sink_tokens=4),

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from tiny_models import save_tiny_model_dir
 
 from kvq_export.cli import cli
-from kvq_export.export.exporter import export
+from kvq_export.export.exporter import export_model
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exported(model_dir, tmp_path_factory):
-    return export(model_dir, "q4_0", tmp_path_factory.mktemp("exp") / "q4_0")
+    return export_model(model_dir, "q4_0", tmp_path_factory.mktemp("exp") / "q4_0")
 
 
 def run(*args) -> tuple[int, str]:

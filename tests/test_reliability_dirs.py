@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 from tiny_models import save_tiny_model_dir
 
+from kvq_export import _atomic
 from kvq_export.errors import ExportError
 from kvq_export.export import exporter
-from kvq_export.export.exporter import export
+from kvq_export.export.exporter import export_model
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def test_force_refuses_a_directory_that_is_not_an_export(tmp_path, contents):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(text)
     with pytest.raises(ExportError, match="not a kvq export directory.*--force replaces only a kvq export"):
-        export("/nonexistent-model", "fp16", out, force=True)  # refused before the model is even looked at
+        export_model("/nonexistent-model", "fp16", out, force=True)  # refused before the model is even looked at
     assert all((out / name).read_text() == text for name, text in contents.items())
 
 
@@ -49,27 +50,27 @@ def test_force_refuses_a_file_and_a_symlink(tmp_path):
     notes = tmp_path / "notes.txt"
     notes.write_text("notes")
     with pytest.raises(ExportError, match="is not a directory"):
-        export("/nonexistent-model", "fp16", notes, force=True)
+        export_model("/nonexistent-model", "fp16", notes, force=True)
     assert notes.read_text() == "notes"
     real = _fake_export(tmp_path / "real", "old")
     link = tmp_path / "link"
     link.symlink_to(real)
     with pytest.raises(ExportError, match="symbolic link"):
-        export("/nonexistent-model", "fp16", link, force=True)
+        export_model("/nonexistent-model", "fp16", link, force=True)
     assert (real / "kvq.json").read_text() == "old" and link.is_symlink()
 
 
 def test_an_existing_export_needs_force(tmp_path):
     out = _fake_export(tmp_path / "exp", "old")
     with pytest.raises(ExportError, match="already exists; pass --force"):
-        export("/nonexistent-model", "fp16", out)
+        export_model("/nonexistent-model", "fp16", out)
 
 
 def test_a_second_export_of_the_same_directory_fails_at_once(tmp_path):
     out = tmp_path / "exp"
     with exporter._target_lock(out):  # another process is exporting here
         with pytest.raises(ExportError, match="another kvq export is writing"):
-            export("/nonexistent-model", "fp16", out)
+            export_model("/nonexistent-model", "fp16", out)
     assert not out.exists() and not list(tmp_path.iterdir())  # the lock file goes with its holder
 
 
@@ -83,7 +84,7 @@ def test_the_swap_is_atomic_and_leaves_nothing_behind(tmp_path):
 def test_a_crash_between_the_fallback_renames_is_repaired_by_the_next_export(tmp_path, monkeypatch):
     out = _fake_export(tmp_path / "exp", "old")
     new = _fake_export(tmp_path / ".exp.tmp-1", "new")
-    monkeypatch.setattr(exporter, "exchange", lambda a, b: False)  # a platform without renameat2
+    monkeypatch.setattr(_atomic, "exchange", lambda a, b: False)  # a platform without renameat2
     real = os.replace
 
     def killed(src, dst):
@@ -91,10 +92,10 @@ def test_a_crash_between_the_fallback_renames_is_repaired_by_the_next_export(tmp
             raise KeyboardInterrupt  # the process dies between moving the old export aside and the new one in
         return real(src, dst)
 
-    monkeypatch.setattr(exporter.os, "replace", killed)
+    monkeypatch.setattr(_atomic.os, "replace", killed)
     with pytest.raises(KeyboardInterrupt):
         exporter._move_into_place(new, out)
-    monkeypatch.setattr(exporter.os, "replace", real)
+    monkeypatch.setattr(_atomic.os, "replace", real)
     assert not out.exists()
     exporter._clean_leftovers(out)  # what the next export does first, holding the lock
     assert (out / "kvq.json").read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["exp"]
@@ -105,17 +106,17 @@ def test_a_directory_created_meanwhile_is_never_replaced(tmp_path):
     new = _fake_export(tmp_path / ".exp.tmp-1", "new")
     (out / "x").mkdir(parents=True)  # someone else's files appeared at the target while exporting
     (out / "x" / "f").write_text("theirs")
-    with pytest.raises(ExportError, match="filled by someone else"):
+    with pytest.raises(ExportError, match="created or filled by someone else"):
         exporter._move_into_place(new, out)
     assert (out / "x" / "f").read_text() == "theirs"
     other = tmp_path / "other"
-    monkey = exporter.rename_noreplace
+    monkey = _atomic.rename_noreplace
     try:  # appears between the last check and the rename: the no-replace rename refuses it
-        exporter.rename_noreplace = lambda a, b: (other.mkdir(), monkey(a, b))
-        with pytest.raises(ExportError, match="created by someone else"):
+        _atomic.rename_noreplace = lambda a, b: (other.mkdir(), monkey(a, b))
+        with pytest.raises(ExportError, match="created or filled by someone else"):
             exporter._move_into_place(new, other)
     finally:
-        exporter.rename_noreplace = monkey
+        _atomic.rename_noreplace = monkey
     assert other.is_dir() and not any(other.iterdir()) and (new / "kvq.json").read_text() == "new"
 
 
@@ -123,7 +124,7 @@ _KILLED = """
 import os, sys
 from kvq_export.export import exporter
 exporter.Manifest.save = lambda self, directory: os._exit(9)  # killed with the temporary half written
-exporter.export(sys.argv[1], "fp16", sys.argv[2])
+exporter.export_model(sys.argv[1], "fp16", sys.argv[2])
 """
 
 
@@ -134,22 +135,22 @@ def test_killed_export_leftovers_are_cleaned_and_umask_is_honoured(model_dir, tm
     assert not out.exists() and any(p.name.startswith(".exp.tmp-") for p in tmp_path.iterdir())
     old = os.umask(0o027)
     try:
-        export(model_dir, "fp16", out)
+        export_model(model_dir, "fp16", out)
     finally:
         os.umask(old)
     assert [p.name for p in tmp_path.iterdir()] == ["exp"]  # temporaries and the lock are gone
     assert stat.S_IMODE(out.stat().st_mode) == 0o750
     assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {0o640}
     with pytest.raises(ExportError, match="already exists"):
-        export(model_dir, "fp16", out)
-    export(model_dir, "fp16", out, force=True)  # an export directory is replaced with force
+        export_model(model_dir, "fp16", out)
+    export_model(model_dir, "fp16", out, force=True)  # an export directory is replaced with force
     assert (out / "kvq.json").is_file() and [p.name for p in tmp_path.iterdir()] == ["exp"]
 
 
 def test_an_empty_directory_is_filled(model_dir, tmp_path):
     out = tmp_path / "made-by-mkdir"
     out.mkdir()
-    export(model_dir, "fp16", out)
+    export_model(model_dir, "fp16", out)
     assert (out / "kvq.json").is_file()
 
 

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from tiny_models import WORDS, save_tiny_model_dir
 
 from kvq_export.errors import KVQError, RuntimeInputError
-from kvq_export.export.exporter import ensure_export, export
+from kvq_export.export.exporter import ensure_export, export_model
 from kvq_export.manifest import Manifest, load_static
+from kvq_export.request import CalibrationSpec, ExportRequest
 from kvq_export.runtime.session import KVQSession
 
 
@@ -35,14 +36,15 @@ def model_dir(root):
 
 @pytest.fixture(scope="module")
 def kivi(root, model_dir):
-    return export(model_dir, "kivi-2", root / "kivi")
+    return export_model(model_dir, "kivi-2", root / "kivi")
 
 
 @pytest.fixture(scope="module")
 def static(root, model_dir):
     text = root / "calib.txt"
     text.write_text(" ".join(WORDS * 20))
-    return export(model_dir, "ort-int8", root / "static", calib_corpus=str(text), calib_tokens=256)
+    return export_model(model_dir, "ort-int8", root / "static",
+                        calibration=CalibrationSpec(corpus=str(text), tokens=256, offset=0))
 
 
 def _copy(src, tmp_path, name="copy"):
@@ -209,19 +211,20 @@ def test_manifest_fields_are_typed(manifest_dict, change, message):
 
 # -- one rule for reusing an export --------------------------------------------------------------------------
 def test_ensure_export_reuses_only_a_current_intact_export(model_dir, tmp_path):
-    out = ensure_export(str(model_dir), "fp16", tmp_path / "base")
+    fp32, fp16 = (ExportRequest(model=str(model_dir), scheme="fp16", dtype=dtype) for dtype in ("fp32", "fp16"))
+    out = ensure_export(fp32, tmp_path / "base")
     stamp = os.stat(out / "model.onnx").st_mtime_ns
-    assert ensure_export(str(model_dir), "fp16", out) == out and os.stat(out / "model.onnx").st_mtime_ns == stamp
+    assert ensure_export(fp32, out) == out and os.stat(out / "model.onnx").st_mtime_ns == stamp
     _edit(out, lambda m: m["build"].update(kvq_code="0" * 16))  # built by other kvq code of the same version
-    ensure_export(str(model_dir), "fp16", out)
+    ensure_export(fp32, out)
     assert os.stat(out / "model.onnx").st_mtime_ns != stamp
     stamp = os.stat(out / "model.onnx").st_mtime_ns
-    ensure_export(str(model_dir), "fp16", out, dtype="fp16")  # another request
+    ensure_export(fp16, out)  # another request
     assert Manifest.load(out).dtype == "fp16" and os.stat(out / "model.onnx").st_mtime_ns != stamp
     data = bytearray((out / "model.onnx.data").read_bytes())
     data[:64] = b"\x00" * 64
     (out / "model.onnx.data").write_bytes(bytes(data))
-    ensure_export(str(model_dir), "fp16", out, dtype="fp16")  # corrupted weights: exported again
+    ensure_export(fp16, out)  # corrupted weights: exported again
     KVQSession(out)
 
 
@@ -242,13 +245,14 @@ def test_ensure_export_waits_for_a_concurrent_writer_then_reuses_its_export(mode
 
     from kvq_export.export import exporter
 
-    out = ensure_export(str(model_dir), "fp16", tmp_path / "shared")
+    request = ExportRequest(model=str(model_dir), scheme="fp16")
+    out = ensure_export(request, tmp_path / "shared")
     code = Manifest.load(out).build["kvq_code"]
     stamp = os.stat(out / "model.onnx").st_mtime_ns
     result = {}
     with exporter._target_lock(out):  # another process is (re)making the shared baseline
         _edit(out, lambda m: m["build"].update(kvq_code="stale"))
-        waiter = threading.Thread(target=lambda: result.update(path=ensure_export(str(model_dir), "fp16", out)))
+        waiter = threading.Thread(target=lambda: result.update(path=ensure_export(request, out)))
         waiter.start()
         time.sleep(0.5)
         assert waiter.is_alive()  # blocked on the lock, not failing and not exporting a second time

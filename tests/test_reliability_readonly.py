@@ -8,7 +8,7 @@ import shutil
 import pytest
 from tiny_models import save_tiny_model_dir
 
-from kvq_export.export.exporter import export
+from kvq_export.export.exporter import export_model
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +16,7 @@ def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp("ro")
     model = save_tiny_model_dir(root / "tiny")
     (root / "corpus.txt").write_text(" ".join(f"w{i % 100}" for i in range(400)))
-    return {"q4_0": export(model, "q4_0", root / "q4_0"), "fp16": export(model, "fp16", root / "fp16"),
+    return {"q4_0": export_model(model, "q4_0", root / "q4_0"), "fp16": export_model(model, "fp16", root / "fp16"),
             "corpus": root / "corpus.txt"}
 
 

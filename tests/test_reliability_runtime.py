@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from tiny_models import VOCAB, WORDS, save_tiny_model_dir
 
 from kvq_export.errors import KVQError, RuntimeInputError
-from kvq_export.export.exporter import export
+from kvq_export.export.exporter import export_model
+from kvq_export.request import CalibrationSpec
 from kvq_export.runtime.sampling import Sampler, SamplingConfig
 from kvq_export.runtime.session import KVQSession, ort_value
 
@@ -24,9 +25,9 @@ def exports(tmp_path_factory):
     model = save_tiny_model_dir(root / "tiny")
     text = root / "calib.txt"
     text.write_text(" ".join(WORDS * 20))
-    return {"kivi": export(model, "kivi-2", root / "kivi"), "fp16": export(model, "fp16", root / "fp16"),
-            "gqa": export(model, "ort-int8", root / "gqa", flavor="ort-gqa", calib_corpus=str(text),
-                          calib_tokens=256)}
+    return {"kivi": export_model(model, "kivi-2", root / "kivi"), "fp16": export_model(model, "fp16", root / "fp16"),
+            "gqa": export_model(model, "ort-int8", root / "gqa", flavor="ort-gqa",
+                                calibration=CalibrationSpec(corpus=str(text), tokens=256, offset=0))}
 
 
 @pytest.fixture(scope="module")

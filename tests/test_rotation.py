@@ -25,7 +25,7 @@ from tiny_models import COMMON, VOCAB, tiny_model
 
 from kvq_export.errors import ExportError, SchemeError
 from kvq_export.export.decoder import _fold_rotation
-from kvq_export.export.exporter import export
+from kvq_export.export.exporter import export_model
 from kvq_export.manifest import Manifest, decode_cache, load_static
 from kvq_export.memory import Geometry, predict
 from kvq_export.presets import PRESETS
@@ -169,10 +169,10 @@ def _logits(directory, prompts=PROMPTS["padded"], steps=6, verify_weights=True):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: v_proj bias rotated too
 def test_unquantized_rotated_export_equals_unrotated(tmp_path, arch, flavor):
     model = tiny_model(arch)
-    plain = _logits(export(model, UNQUANTIZED, tmp_path / "plain", flavor=flavor))
+    plain = _logits(export_model(model, UNQUANTIZED, tmp_path / "plain", flavor=flavor))
     for name, key, value in (("kv", "hadamard", "hadamard"), ("v", "none", "hadamard")):
         scheme = rotated(UNQUANTIZED, key, value)
-        got = _logits(export(model, scheme, tmp_path / name, flavor=flavor))
+        got = _logits(export_model(model, scheme, tmp_path / name, flavor=flavor))
         assert np.abs(got - plain).max() <= 1e-5 * max(1.0, float(np.abs(plain).max())), (name, flavor)
 
 
@@ -185,7 +185,7 @@ def test_gqa_rotated_keys_unfuse_rope_and_name_probes(tmp_path):
     import onnx
 
     for name, key in (("keys", "hadamard"), ("values", "none")):
-        out = export(model, rotated(UNQUANTIZED, key, "hadamard"), tmp_path / name, flavor="ort-gqa")
+        out = export_model(model, rotated(UNQUANTIZED, key, "hadamard"), tmp_path / name, flavor="ort-gqa")
         graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
         do_rotary = {a.i for n in graph.node if n.op_type == "GroupQueryAttention" for a in n.attribute
                      if a.name == "do_rotary"}
@@ -201,8 +201,8 @@ def test_non_power_of_two_head_dim_export(tmp_path):
     torch.manual_seed(5)
     config = LlamaConfig(**{**COMMON, "head_dim": 48, "num_attention_heads": 4, "tie_word_embeddings": False})
     model = LlamaForCausalLM(config).eval()
-    plain = _logits(export(model, UNQUANTIZED, tmp_path / "plain"))
-    out = export(model, rotated(UNQUANTIZED), tmp_path / "rot")
+    plain = _logits(export_model(model, UNQUANTIZED, tmp_path / "plain"))
+    out = export_model(model, rotated(UNQUANTIZED), tmp_path / "rot")
     assert np.abs(_logits(out) - plain).max() <= 1e-5 * max(1.0, float(np.abs(plain).max()))
     assert Manifest.load(out).to_dict()["cache"]["rotation"]["layers"][0]["key"] == \
         "block-diagonal hadamard (32 + 16)"
@@ -219,7 +219,7 @@ def test_value_rotation_in_graph_when_the_arch_cannot_fold(tmp_path):
 
     model = tiny_model("qwen2")
     scheme = rotated(Q4_TOKEN)
-    folded = _logits(export(model, scheme, tmp_path / "folded"))
+    folded = _logits(export_model(model, scheme, tmp_path / "folded"))
     arch = get_arch(model.config)
     arch.folds_value_rotation = False
     cache = QuantizedCacheGraph(scheme, num_layers=2, kv_heads=2, head_dim=32)
@@ -240,7 +240,7 @@ def test_value_rotation_in_graph_when_the_arch_cannot_fold(tmp_path):
 def test_quantized_rotated_export_tracks_the_reference_cache(tmp_path, scheme):
     """Codes equal the reference cache's (tests/test_export_runtime.py tolerances); logits within 1e-4."""
     model = tiny_model("llama")
-    directory = export(model, scheme, tmp_path / "e")
+    directory = export_model(model, scheme, tmp_path / "e")
     session = KVQSession(directory)
     prompt = PROMPTS["solo"][0]
     stream = np.random.default_rng(1).integers(0, VOCAB, 20)
@@ -270,7 +270,7 @@ def test_gqa_static_rotated_codes_equal_the_reference_cache(tmp_path_factory):
     prompts = PROMPTS["padded"]
     static = calibration("llama", scheme, covering=sequences(prompts, 10))
     out = tmp_path_factory.mktemp("gqa") / "rot"
-    session = KVQSession(export(tiny_model("llama"), scheme, out, static=static, flavor="ort-gqa"))
+    session = KVQSession(export_model(tiny_model("llama"), scheme, out, static=static, flavor="ort-gqa"))
     c = compare(session, "llama", scheme, static, prompts, steps=10)
     assert c.logits <= 1e-4, c
     assert c.saturated == 0 and c.worse == 0 and c.off_by_one <= max(1, c.codes // 500), c

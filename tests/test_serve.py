@@ -27,7 +27,7 @@ from gqa_harness import SCHEMES, calibration
 from tiny_models import WORDS, tiny_model, tiny_tokenizer
 
 from kvq_export.errors import KVQError
-from kvq_export.export.exporter import export
+from kvq_export.export.exporter import export_model
 from kvq_export.runtime.sampling import SamplingConfig
 from kvq_export.runtime.session import KVQSession, continuation_text
 from kvq_export.serve import create_app, open_backend
@@ -60,9 +60,9 @@ def _tokenizer():
 def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     scheme = SCHEMES["ort-int8"]
-    return {"engine": export(tiny_model("llama"), scheme, root / "gqa", flavor="ort-gqa", tokenizer=_tokenizer(),
+    return {"engine": export_model(tiny_model("llama"), scheme, root / "gqa", flavor="ort-gqa", tokenizer=_tokenizer(),
                              static=calibration("llama", scheme)),
-            "session": export(tiny_model("llama"), "q4_0", root / "ref", tokenizer=_tokenizer())}
+            "session": export_model(tiny_model("llama"), "q4_0", root / "ref", tokenizer=_tokenizer())}
 
 
 @pytest.fixture(scope="module")

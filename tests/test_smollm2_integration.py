@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kvq_export.export.exporter import export
+from kvq_export.export.exporter import export_model
 from kvq_export.runtime.session import KVQSession
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ def sessions(tmp_path_factory):
     out = {}
     for scheme in ("fp16", "kivi-4"):
         start = time.perf_counter()
-        directory = export(model, scheme, tmp_path_factory.mktemp("smollm2") / scheme, tokenizer=tokenizer)
+        directory = export_model(model, scheme, tmp_path_factory.mktemp("smollm2") / scheme, tokenizer=tokenizer)
         logger.warning("export smollm2 %s: %.1f s", scheme, time.perf_counter() - start)
         out[scheme] = KVQSession(directory)
     return out

@@ -15,7 +15,7 @@ from tiny_models import tiny_model
 from kvq_export._lazy import available, require
 from kvq_export.cache_layout import split_lengths
 from kvq_export.errors import DependencyError
-from kvq_export.export.exporter import export
+from kvq_export.export.exporter import export_model
 from kvq_export.manifest import Manifest
 from kvq_export.presets import PRESETS
 from kvq_export.trt import build_engine, compare_with_onnxruntime, engine_profiles
@@ -37,7 +37,7 @@ SCHEME = dataclasses.replace(PRESETS["kivi-4"][0], residual_length=32, sink_toke
 
 @pytest.fixture(scope="module")
 def trt_export(tmp_path_factory):
-    return export(tiny_model("llama"), SCHEME, tmp_path_factory.mktemp("engine") / "kivi-trt", flavor="trt")
+    return export_model(tiny_model("llama"), SCHEME, tmp_path_factory.mktemp("engine") / "kivi-trt", flavor="trt")
 
 
 @pytest.mark.skipif(MISSING is None, reason="TensorRT is installed: the missing-dependency path cannot be shown")
@@ -89,7 +89,7 @@ def test_engine_matches_onnxruntime_reference(trt_export, tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
     engine = build_engine(trt_export, max_batch=2, max_context=256, max_prefill=64, output=tmp_path / "m.engine")
-    reference = export(tiny_model("llama"), SCHEME, tmp_path / "reference")
+    reference = export_model(tiny_model("llama"), SCHEME, tmp_path / "reference")
     assert compare_with_onnxruntime(trt_export, reference_dir=reference, engine=engine, steps=40)
 
 

@@ -20,7 +20,7 @@ from onnx import helper
 from tiny_models import tiny_model
 
 from kvq_export.errors import ExportError
-from kvq_export.export.exporter import export, flavor_names
+from kvq_export.export.exporter import export_model, flavor_names
 from kvq_export.manifest import Manifest
 from kvq_export.naming import tensor_name
 from kvq_export.presets import PRESETS
@@ -72,7 +72,7 @@ def exported(tmp_path_factory):
             arch, scheme = CASES[case]
             model = tiny_model(arch)
             out = tmp_path_factory.mktemp("trt") / f"{case}-{flavor}"
-            made[case, flavor] = export(model, scheme, out, flavor=flavor, static=_static(model, scheme))
+            made[case, flavor] = export_model(model, scheme, out, flavor=flavor, static=_static(model, scheme))
         return made[case, flavor]
 
     return get
@@ -216,4 +216,4 @@ def test_signature_is_derived_from_the_scheme():
 
 def test_unknown_flavor_lists_trt():
     with pytest.raises(ExportError, match="trt"):
-        export(tiny_model("llama"), "int4-sym-g32", "/nonexistent/never-written", flavor="nope")
+        export_model(tiny_model("llama"), "int4-sym-g32", "/nonexistent/never-written", flavor="nope")

@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import WORDS, save_tiny_model_dir, tiny_model
 
-from kvq_export.export.exporter import export
+from kvq_export.export.exporter import export_model
+from kvq_export.request import CalibrationSpec
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 from kvq_export.validate.attention import METRICS, AttentionSample, attention_metrics, rank_agreement
 from kvq_export.validate.runner import ValidateConfig, validate
@@ -105,7 +106,7 @@ def tiny(tmp_path_factory):
         "values-only": KVQuantScheme(key=fp16, value=TensorQuant(format="int", bits=2, group_size=32), name="vo"),
         "keys-only": KVQuantScheme(key=TensorQuant(format="int", bits=2, group_size=32), value=fp16, name="ko"),
     }
-    dirs = {name: export(str(model_dir), scheme, root / name) for name, scheme in schemes.items()}
+    dirs = {name: export_model(str(model_dir), scheme, root / name) for name, scheme in schemes.items()}
     return {"root": root, "model_dir": model_dir, "corpus": corpus, **dirs}
 
 
@@ -151,7 +152,7 @@ def test_rotated_streams_are_analysed_in_one_basis(tiny):
     plain = KVQuantScheme(key=rot, value=rot, name="fp16-rot")
     values = KVQuantScheme(key=fp16, value=TensorQuant(format="int", bits=2, group_size=32, rotation="hadamard"),
                            name="vo-rot")
-    dirs = {s.name: export(str(tiny["model_dir"]), s, tiny["root"] / s.name) for s in (plain, values)}
+    dirs = {s.name: export_model(str(tiny["model_dir"]), s, tiny["root"] / s.name) for s in (plain, values)}
     s = validate(dirs["fp16-rot"], tiny["fp16"], _config(tiny, gen_tokens=0), progress=False)["attention"]["summary"]
     for name in ("key_mse", "value_mse", "score_shift_max", "key_induced", "value_induced", "out_rel_both"):
         assert s[name] < 1e-9, name
@@ -169,7 +170,7 @@ def test_strict_decode_perplexity_equals_pytorch_full_forward(tiny):
     from kvq_export.presets import get_preset
     from kvq_export.runtime.session import KVQSession
 
-    fp32 = export(str(tiny["model_dir"]), dataclasses.replace(get_preset("fp16"), hp_dtype="fp32", name="fp32"),
+    fp32 = export_model(str(tiny["model_dir"]), dataclasses.replace(get_preset("fp16"), hp_dtype="fp32", name="fp32"),
                   tiny["root"] / "fp32")
     r = validate(tiny["kivi-2"], fp32, _config(tiny, attention_samples=0), progress=False)
     windows = token_windows(KVQSession(fp32).tokenizer, load_corpus(str(tiny["corpus"])), 3, 96)
@@ -207,8 +208,8 @@ def test_ort_gqa_export_validates_like_the_reference_flavour(tiny):
     Same scheme, same static scales, two flavours: the analyses must agree (GQA quantizes fp32 K/V where the
     reference rounds them to fp16 first, so a few codes differ by one: close, not identical).
     """
-    calib = dict(calib_corpus=str(tiny["corpus"]), calib_tokens=512)
-    dirs = {flavor: export(str(tiny["model_dir"]), "ort-int8", tiny["root"] / f"ort-int8-{flavor}", flavor=flavor,
+    calib = dict(calibration=CalibrationSpec(corpus=str(tiny["corpus"]), tokens=512, offset=0))
+    dirs = {flavor: export_model(str(tiny["model_dir"]), "ort-int8", tiny["root"] / f"ort-int8-{flavor}", flavor=flavor,
                            **calib) for flavor in ("ort-gqa", "reference")}
     config = _config(tiny, gen_tokens=4)
     got, want = (validate(dirs[f], tiny["fp16"], config, progress=False) for f in ("ort-gqa", "reference"))

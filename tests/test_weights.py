@@ -15,7 +15,7 @@ from tiny_models import VOCAB, tiny_model
 from kvq_export.calibrate import calibrate_static_scales
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import save
-from kvq_export.export.exporter import export
+from kvq_export.export.exporter import export_model
 from kvq_export.export.weights import WEIGHTS_KEY, quantize_weights, weight_bytes
 from kvq_export.manifest import MODEL_NAME, Manifest, weight_checksums
 from kvq_export.presets import PRESETS
@@ -41,7 +41,7 @@ def exports(tmp_path_factory):
                 rng = np.random.default_rng(3)
                 static = calibrate_static_scales(model, scheme, [list(rng.integers(0, VOCAB, 64)) for _ in range(4)])
             out = tmp_path_factory.mktemp("weights") / f"{case}-{arch}"
-            made[case, arch] = export(model, scheme, out, flavor=case.removesuffix("-rot"), static=static)
+            made[case, arch] = export_model(model, scheme, out, flavor=case.removesuffix("-rot"), static=static)
         return made[case, arch]
 
     return get
@@ -202,7 +202,7 @@ def test_tolerance_catches_a_misread_payload(exports, tmp_path):
 
 def test_fp16_compute_graph_takes_int4_weights(tmp_path):
     model = tiny_model("llama-tied")
-    src = export(model, "int4-sym-g32", tmp_path / "fp16", dtype="fp16")
+    src = export_model(model, "int4-sym-g32", tmp_path / "fp16", dtype="fp16")
     out = converted(src, tmp_path / "q", format="int4")
     assert rel_error(logits(out), logits(src)) < TOLERANCE["int4"]
     # its weights are fp16 already: fp16 storage adds no Cast
@@ -274,7 +274,7 @@ def test_blocks_wider_than_the_hidden_size_pad_and_slice(exports, tmp_path):
 def test_other_architectures(tmp_path, arch):
     """Biases (qwen2), row slices of fused projections (phi3), soft-capping and a scaled tied embedding (gemma2)."""
     model = tiny_model(arch)
-    src = export(model, "int4-sym-g32", tmp_path / "fp32")
+    src = export_model(model, "int4-sym-g32", tmp_path / "fp32")
     out = converted(src, tmp_path / "q", format="int8")
     assert rel_error(logits(out), logits(src)) < TOLERANCE["int8"]
     assert not [n for n in nodes(out) if n.op_type in ("MatMul", "Gemm", "Gather") and n.input[int(

@@ -57,6 +57,8 @@ from typing import Any
 
 import numpy as np
 
+from kvq_export.request import DEFAULT_CALIBRATION, DEFAULT_PERCENTILE
+
 logger = logging.getLogger("peer_compare")
 
 PEERS = ("kvq", "llama.cpp", "hf", "genai")
@@ -353,8 +355,6 @@ def run_hf(model: str, windows: list[list[int]], context: int, steps: int, ppl: 
 # -- onnxruntime-genai and its model builder ------------------------------------------------------------------
 #: builder ``kv_cache_quant_scheme`` -> the kvq ort-gqa preset holding the same cache (static symmetric per channel)
 GENAI_SCHEMES = {"int8_per_channel": "ort-int8", "int4_per_channel": "ort-int4"}
-#: kvq calibrates on held-out text from here (protocol P evaluates britannica tokens 0..4095)
-CALIB_OFFSET = 60000
 PREFILL_CHUNK = 512
 FP32_CACHE = Path(__file__).resolve().parent / "schemes" / "fp32-cache.json"
 
@@ -507,23 +507,24 @@ class KvqEngine:
 def kvq_gqa_export(model: str, scheme: str, out: Path, static) -> Path:
     """``kvq export --flavor ort-gqa`` with the given static scales (reused if built with the same ones)."""
     from kvq_export.calibrate import calibration_digest
-    from kvq_export.export.exporter import export, source_digest
+    from kvq_export.export.exporter import export_model, source_digest
 
     # the exporting code is part of the stamp: a graph change must not time a stale export
     stamp = {"scheme": scheme, "scales": calibration_digest(static) if static else None, "kvq_code": source_digest()}
     if not _reuse(out, stamp):
-        export(model, scheme, out, flavor="ort-gqa", static=static, force=True)
+        export_model(model, scheme, out, flavor="ort-gqa", static=static, force=True)
         _stamp(out, stamp)
     return out
 
 
 def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], steps: int, work: Path,
-              ppl: bool = True, int4_percentile: float | None = 99.9, ppl_engines: Sequence[str] | None = None,
-              timed_engines: Sequence[str] | None = None) -> list[Row]:
+              ppl: bool = True, int4_percentile: float | None = DEFAULT_PERCENTILE,
+              ppl_engines: Sequence[str] | None = None, timed_engines: Sequence[str] | None = None) -> list[Row]:
     """Run kvq ort-gqa (kvq's loop) vs onnxruntime-genai's builder (og's loop) on the same fp32 weights.
 
-    Perplexity on ``p_windows`` (strict decode); kvq's static scales come from 4096 held-out britannica tokens
-    (from CALIB_OFFSET), absmax like ``kvq export``; the builder runs with those same scales (written by
+    Perplexity on ``p_windows`` (strict decode); kvq's static scales come from ``kvq export``'s default calibration
+    (:data:`kvq_export.request.DEFAULT_CALIBRATION`: 4096 held-out britannica tokens, absmax); the builder runs
+    with those same scales (written by
     ``kvq calibrate --format genai-scales``) and with its own calibrator's (its default path). Decode steps at
     each context interleaved across all engines in this process, after a chunked prefill of the context.
     ``ppl_engines`` / ``timed_engines`` pick engines by name (``kvq ort-int8 absmax``, ``builder int8_per_channel
@@ -532,7 +533,12 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
     """
     import json
 
-    from kvq_export.calibrate import calibrate_static_scales, load_calibration, save_calibration
+    from kvq_export.calibrate import (
+        calibrate_static_scales,
+        calibration_windows,
+        load_calibration,
+        save_calibration,
+    )
     from kvq_export.corpus import load_corpus, token_windows
     from kvq_export.model_source import load_model, model_facts
     from kvq_export.presets import resolve_scheme
@@ -543,7 +549,8 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
     hf = model_hf_dir(model)
     hf_model, tokenizer = load_model(model)
     facts = model_facts(hf_model.config)
-    calib = token_windows(tokenizer, load_corpus("britannica"), 4, 1024, offset=CALIB_OFFSET)
+    spec = DEFAULT_CALIBRATION
+    calib = calibration_windows(tokenizer, spec.corpus, spec.tokens, offset=spec.offset)
     work.mkdir(parents=True, exist_ok=True)
     engines: dict[str, tuple[Row, Any]] = {}  # name -> (row, engine or a factory that loads it)
 
@@ -562,10 +569,10 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
     add("builder fp32", Row("genai builder", "fp32 (no kv quant)", "fp32-cache"), lambda: GenaiEngine(base_dir))
     for quant, preset in GENAI_SCHEMES.items():
         scheme = resolve_scheme(preset)
-        methods = [("absmax", 99.9)] + ([("percentile", int4_percentile)] if "int4" in quant and int4_percentile
-                                        else [])
+        methods = [(str(spec.method), spec.percentile)] + (
+            [("percentile", int4_percentile)] if "int4" in quant and int4_percentile else [])
         for method, pct in methods:
-            label = "absmax" if method == "absmax" else f"p{pct:g}"
+            label = f"p{pct:g}" if method == "percentile" else method
             saved = work / f"kvq-static-{preset}-{label}.npz"  # calibrating again would give the same scales
             if saved.is_file():
                 static = load_calibration(saved)
@@ -708,7 +715,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="genai exports and builds, and llama.cpp's fp32 weights, are kept here")
     parser.add_argument("--genai-ppl-engines", default=None, help="genai peer: comma list of engines to score")
     parser.add_argument("--genai-timed-engines", default=None, help="genai peer: comma list of engines to time")
-    parser.add_argument("--genai-int4-percentile", type=float, default=99.9,
+    parser.add_argument("--genai-int4-percentile", type=float, default=DEFAULT_PERCENTILE,
                         help="genai peer: also int4 with kvq percentile scales (0: skip)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

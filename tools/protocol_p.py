@@ -49,6 +49,7 @@ from kvq_export.model_source import load_model
 from kvq_export.presets import resolve_scheme
 from kvq_export.reference.codec import dequantize, quantize
 from kvq_export.reference.hf_cache import reference_hf_cache
+from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec
 from kvq_export.rotation import rotate_torch, rotation_matrix
 from kvq_export.scheme import TensorQuant
 
@@ -142,10 +143,13 @@ def main() -> None:
     parser.add_argument("--window-len", type=int, default=512)
     parser.add_argument("--offset", type=int, default=0, help="corpus token the first window starts at")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--calib-method", default="absmax", help="static-scale schemes: absmax, percentile, attention")
-    parser.add_argument("--percentile", type=float, default=99.9, help="for --calib-method percentile")
-    parser.add_argument("--calib-tokens", type=int, default=4096, help="static-scale schemes: calibration tokens")
-    parser.add_argument("--calib-offset", type=int, default=60000,
+    parser.add_argument("--calib-method", default=str(DEFAULT_CALIBRATION.method),
+                        help="static-scale schemes: absmax, percentile, attention")
+    parser.add_argument("--percentile", type=float, default=DEFAULT_CALIBRATION.percentile,
+                        help="for --calib-method percentile")
+    parser.add_argument("--calib-tokens", type=int, default=DEFAULT_CALIBRATION.tokens,
+                        help="static-scale schemes: calibration tokens")
+    parser.add_argument("--calib-offset", type=int, default=DEFAULT_CALIBRATION.offset,
                         help="static-scale schemes: corpus token the calibration text starts at (apart from P's)")
     parser.add_argument("--query-q8_0", action="store_true",
                         help="quantize the query to q8_0 before the key dot product in layers with ggml-quantized "
@@ -158,6 +162,8 @@ def main() -> None:
                              "1 + SCALE·N(0,1) from that seed (the spread float noise alone gives a figure)")
     parser.add_argument("--jitter-scale", type=float, default=1e-6, metavar="SCALE", help="for --jitter")
     args = parser.parse_args()
+    calibration = CalibrationSpec(corpus=args.corpus, tokens=args.calib_tokens, offset=args.calib_offset,
+                                  method=args.calib_method, percentile=args.percentile)
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
@@ -180,9 +186,9 @@ def main() -> None:
         scheme = resolve_scheme(spec)
         static = None
         if scheme.needs_calibration:  # calibrated on held-out text, as ``kvq export`` would
-            calib = calibration_windows(tokenizer, args.corpus, args.calib_tokens, offset=args.calib_offset)
-            static = static_to_torch(calibrate_static_scales(model, scheme, calib, method=args.calib_method,
-                                                             percentile=args.percentile))
+            calib = calibration_windows(tokenizer, calibration.corpus, calibration.tokens, offset=calibration.offset)
+            static = static_to_torch(calibrate_static_scales(model, scheme, calib, method=calibration.method,
+                                                             percentile=calibration.percentile))
         if args.query_q8_0:
             quantize_queries_like_llama_cpp(model, scheme, geometry.head_dim)
         bits = {tokens: predict(scheme, geometry, tokens).bits_per_element for tokens in (512, 4096)}
@@ -200,9 +206,10 @@ def main() -> None:
                 "scored": int(targets.numel()), **({"query": "q8_0"} if args.query_q8_0 else {}),
                 **({"activations": "q8"} if args.activations_q8 else {}),
                 **({"jitter": {"seed": seed, "scale": args.jitter_scale}} if seed is not None else {}),
-                **({"calibration": {"method": args.calib_method, "tokens": args.calib_tokens,
-                                    "offset": args.calib_offset,
-                                    **({"percentile": args.percentile} if args.calib_method == "percentile" else {})}}
+                **({"calibration": {"method": str(calibration.method), "tokens": calibration.tokens,
+                                    "offset": calibration.offset,
+                                    **({"percentile": calibration.percentile}
+                                       if calibration.method == "percentile" else {})}}
                    if static is not None else {}),
                 "seconds": round(time.time() - start),
             }

@@ -133,6 +133,9 @@ class Arch:
     global_rope_layer_type: ClassVar[str | None] = None
     #: The family's default RoPE honours ``partial_rotary_factor`` (Phi3); others rotate the whole head.
     partial_rotary: ClassVar[bool] = False
+    #: v goes straight from ``v_proj`` into the cache and attention's output straight into ``o_proj``, so a value
+    #: rotation folds into those weights (False: the body rotates in the graph, see :mod:`kvq_export.export.decoder`).
+    folds_value_rotation: ClassVar[bool] = True
 
     def __init__(self, config: PretrainedConfig) -> None:
         self.config = config

@@ -3,7 +3,7 @@
 The KV cache is not part of the body. A :class:`CacheGraph` declares the past/present cache tensors
 and computes attention; the body hands it rope-applied q/k/v per layer (or, to a cache graph with
 ``fuses_rotary = True`` such as a fused attention kernel, the raw projections through
-:meth:`FusedRotaryCacheGraph.attend_projected`; it applies RoPE itself from ``facts.rope``)::
+:meth:`CacheGraph.attend_projected`; it applies RoPE itself from ``facts.rope``)::
 
     arch = get_arch(model.config)
     model_ir = build_decoder(model, arch, MyCache(...), dtype="fp32")
@@ -57,9 +57,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx_ir as ir
@@ -70,6 +71,9 @@ from kvq_export.export.builder import GraphBuilder
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
+
+    from kvq_export.model_facts import ModelFacts
+    from kvq_export.scheme import KVQuantScheme
 
 logger = logging.getLogger(__name__)
 
@@ -157,43 +161,53 @@ class DecoderFacts:
         )
 
 
-class CacheGraph(Protocol):
-    """The KV-cache part of the graph: declares cache inputs/outputs and computes attention."""
+class CacheGraph(ABC):
+    """The KV-cache part of the graph: declares cache inputs/outputs and computes attention.
 
-    def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, facts: DecoderFacts) -> ir.Value:
-        """Declare the past-cache graph inputs; return `positions` int64 [B, t] of the new tokens."""
-        ...
-
-    def attend(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
-        """Attend: q [B, Hq, t, D], k/v [B, Hkv, t, D] (rope applied, compute dtype) -> [B, Hq, t, D]."""
-        ...
-
-    def end(self, b: GraphBuilder) -> None:
-        """Declare the present-cache graph outputs."""
-        ...
-
-
-class RotatingCacheGraph(CacheGraph, Protocol):
-    """A cache graph whose scheme stores rotated streams (see the module docstring)."""
-
-    def rotation(self, layer: int, part: str) -> np.ndarray | None:
-        """``R`` [D, D] (float64) of ``layer``'s ``key``/``value`` stream, or None when it is not rotated."""
-        ...
-
-
-def cache_rotation(cache: CacheGraph, layer: int, part: str) -> np.ndarray | None:
-    """The rotation ``cache`` stores ``layer``'s ``part`` stream in (None for a cache without rotations)."""
-    method = getattr(cache, "rotation", None)
-    return method(layer, part) if callable(method) else None
-
-
-class FusedRotaryCacheGraph(CacheGraph, Protocol):
-    """A cache graph whose attention applies RoPE itself (a fused kernel); opt in with ``fuses_rotary = True``.
-
-    Its :meth:`begin` may return None (the body then builds no cos/sin tables); RoPE comes from ``facts.rope``.
+    Every flavour's cache graph subclasses it. What a cache graph can do is declared by the class-level flags
+    below (a subclass, or an instance whose choice depends on the scheme, sets its own); the body reads the
+    flags and never probes for methods. The optional hooks have base defaults: no rotation, and the fused
+    attention entry points refuse unless the flag that selects them is set.
     """
 
-    fuses_rotary: bool
+    #: its attention applies RoPE itself and takes the raw projections through :meth:`attend_projected`
+    #: (its :meth:`begin` may then return None: the body builds no cos/sin tables; RoPE comes from ``facts.rope``)
+    fuses_rotary: bool = False
+    #: its kernel reads rope-applied q|k|v packed in one value, through :meth:`attend_packed` (ONNX Runtime's
+    #: packed GQA input; the body then applies RoPE on the packed projection, see :meth:`_Body.apply_packed_rope`)
+    attends_packed: bool = False
+    #: it runs on ONNX Runtime anyway, so the body may use ONNX Runtime's fused nodes (see :class:`_Body`)
+    fuses_body: bool = False
+    #: its attention applies ``facts.attn_softcap`` (Gemma2's attention soft-capping)
+    supports_attn_softcap: bool = False
+
+    @classmethod
+    def unsupported(cls, scheme: KVQuantScheme, num_layers: int, head_dim: int | None = None) -> list[str]:
+        """Why this cache graph cannot hold ``scheme`` (one line per reason; empty when it can)."""
+        return []
+
+    @classmethod
+    def for_model(cls, scheme: KVQuantScheme, facts: ModelFacts, *,
+                  static: Mapping[int, Mapping[str, Mapping[str, Any]]] | None = None) -> CacheGraph:
+        """Build the cache graph for ``scheme`` on the model of ``facts`` (with calibrated ``static`` metadata)."""
+        return cls(scheme, num_layers=facts.num_layers, kv_heads=facts.num_kv_heads, head_dim=facts.head_dim,
+                   static=static)
+
+    @abstractmethod
+    def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, facts: DecoderFacts) -> ir.Value | None:
+        """Declare the past-cache graph inputs; return `positions` int64 [B, t] of the new tokens."""
+
+    @abstractmethod
+    def attend(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
+        """Attend: q [B, Hq, t, D], k/v [B, Hkv, t, D] (rope applied, compute dtype) -> [B, Hq, t, D]."""
+
+    @abstractmethod
+    def end(self, b: GraphBuilder) -> None:
+        """Declare the present-cache graph outputs."""
+
+    def rotation(self, layer: int, part: str) -> np.ndarray | None:
+        """``R`` [D, D] (float64) ``layer``'s ``key``/``value`` stream is stored in, or None when it is not rotated."""
+        return None
 
     def attend_projected(self, b: GraphBuilder, layer: int, q: ir.Value | None, k: ir.Value | None,
                          v: ir.Value | None, *, packed: ir.Value | None = None) -> ir.Value:
@@ -201,35 +215,36 @@ class FusedRotaryCacheGraph(CacheGraph, Protocol):
 
         ``packed``, when given, is ``concat(q, k, v)`` along the last axis as one value (a fused projection's
         output); q/k/v are then None (the graph does not split them out) and the kernel reads ``packed``.
+        Only called when :attr:`fuses_rotary` is set.
         """
-        ...
+        raise NotImplementedError(f"{type(self).__name__} does not fuse RoPE (fuses_rotary is False)")
+
+    def attend_packed(self, b: GraphBuilder, layer: int, qkv: ir.Value) -> ir.Value:
+        """Attend: ``qkv`` [B, t, (Hq + 2 Hkv) * D] with RoPE applied (compute dtype) -> [B, t, Hq * D].
+
+        Only called when :attr:`attends_packed` is set.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not read a packed q|k|v (attends_packed is False)")
+
+
+def cache_rotation(cache: CacheGraph, layer: int, part: str) -> np.ndarray | None:
+    """The rotation ``cache`` stores ``layer``'s ``part`` stream in (None for a cache without rotations)."""
+    return cache.rotation(layer, part)
 
 
 def fuses_rotary(cache: CacheGraph) -> bool:
     """Whether ``cache`` takes the raw projections through ``attend_projected`` and applies RoPE itself."""
-    return bool(getattr(cache, "fuses_rotary", False)) and callable(getattr(cache, "attend_projected", None))
-
-
-class PackedAttentionCacheGraph(CacheGraph, Protocol):
-    """A cache graph whose kernel reads q, k and v side by side, after RoPE (ONNX Runtime's packed GQA input).
-
-    The body then applies RoPE (and the keys' rotation) on the packed projection in ``[B, t, H*D]`` form: no
-    per-head transposes around attention, and no Split of q/k/v (see :meth:`_Body.apply_packed_rope`).
-    """
-
-    def attend_packed(self, b: GraphBuilder, layer: int, qkv: ir.Value) -> ir.Value:
-        """Attend: ``qkv`` [B, t, (Hq + 2 Hkv) * D] with RoPE applied (compute dtype) -> [B, t, Hq * D]."""
-        ...
+    return cache.fuses_rotary
 
 
 def attends_packed(cache: CacheGraph) -> bool:
     """Whether ``cache`` takes rope-applied packed q|k|v through ``attend_packed`` (and not raw projections)."""
-    return not fuses_rotary(cache) and callable(getattr(cache, "attend_packed", None))
+    return cache.attends_packed and not cache.fuses_rotary
 
 
 def fuses_body(cache: CacheGraph) -> bool:
     """Whether ``cache``'s runtime takes ONNX Runtime's fused body (``fuses_body = True``; see :class:`_Body`)."""
-    return bool(getattr(cache, "fuses_body", False))
+    return cache.fuses_body
 
 
 def build_decoder(
@@ -256,7 +271,7 @@ def build_decoder(
     rope = arch.rope()
     facts = replace(DecoderFacts.from_arch(arch, compute), rope=rope,
                     layer_ropes=tuple(arch.layer_rope(i) for i in range(arch.num_layers)))
-    if facts.attn_softcap and not getattr(cache, "supports_attn_softcap", False):
+    if facts.attn_softcap and not cache.supports_attn_softcap:
         raise ExportError(
             f"{arch.model_type} soft-caps its attention scores (attn_logit_softcapping={facts.attn_softcap}), "
             f"which the {type(cache).__name__} attention does not implement"
@@ -742,7 +757,7 @@ class _Body:
     def value_rotation_in_graph(self, cache: CacheGraph, layer: int) -> np.ndarray | None:
         """``layer``'s value rotation when the weights cannot absorb it (``Arch.folds_value_rotation`` False)."""
         value_rot = cache_rotation(cache, layer, "value")
-        return value_rot if value_rot is not None and not getattr(self.arch, "folds_value_rotation", True) else None
+        return value_rot if value_rot is not None and not self.arch.folds_value_rotation else None
 
     def attention(self, x: ir.Value, layer: int, cache: CacheGraph, folded_value_rotation: np.ndarray | None
                   ) -> ir.Value:

@@ -1,39 +1,52 @@
-"""``export()``: a model + a scheme -> a deployable export directory.
+"""``export()``: an :class:`~kvq_export.request.ExportRequest` -> a deployable export directory.
 
 The directory holds ``model.onnx`` (+ ``model.onnx.data``), the tokenizer files, the calibration file
-for static-scale schemes, and ``kvq.json`` (the manifest). It is written into a hidden temporary
-directory beside the target and swapped into place at the end, so a half-written export never looks
-complete and a crash leaves the old export or the new one. A lock file beside the target lets one export
-of a directory run at a time; ``force`` replaces only a directory that holds a kvq manifest. The manifest
-records sha256 checksums of the weight files, and the graph carries its scheme, so a loader can refuse
-corrupted weights and an edited manifest.
+for static-scale schemes, and ``kvq.json`` (the manifest). The export is a pipeline of small stages, each a
+plain function a test or a tool can run alone::
 
-Flavours are registered: each maps a scheme + model geometry to a
-:class:`~kvq_export.export.decoder.CacheGraph`; ``reference`` (standard ONNX ops only) is built in.
+    load_source -> read_facts -> plan_export -> calibrate -> build_graph -> _quantize_weights -> package
+
+:func:`plan_export` checks everything (the scheme against the model and the flavor, calibration, weights)
+before anything is written; the rest carry the plan out. The directory is written into a hidden temporary
+directory beside the target and swapped into place at the end (:mod:`kvq_export._atomic`), so a half-written
+export never looks complete and a crash leaves the old export or the new one. A lock file beside the target
+lets one export of a directory run at a time; ``force`` replaces only a directory that holds a kvq manifest.
+The manifest records sha256 checksums of the weight files, and the graph carries its scheme, so a loader can
+refuse corrupted weights and an edited manifest.
+
+Flavours are declared in :mod:`kvq_export.export.flavors`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import glob
 import hashlib
 import logging
 import os
 import shutil
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvq_export._atomic import dir_mode, exchange, file_mode, rename_noreplace
-from kvq_export.calibrate import DEFAULT_CALIB_TOKENS
-from kvq_export.errors import ExportError
+import kvq_export
+from kvq_export._atomic import (
+    clean_leftovers,
+    file_mode,
+    move_dir_into_place,
+    seal_dir,
+    temp_dir_beside,
+)
+from kvq_export.calibrate import calibrate_static_scales, calibration_digest, calibration_windows, save_calibration
+from kvq_export.errors import ExportError, KVQError
+from kvq_export.export.arch import Arch, get_arch
+from kvq_export.export.flavors import Flavor, FlavorName, flavor_names, get_flavor
+from kvq_export.export.genai_package import RUNTIME, write_genai_files
 from kvq_export.manifest import (
     CALIBRATION_NAME,
-    COMPUTE_DTYPES,
     GRAPH_SCHEME_KEY,
     MANIFEST_NAME,
     MODEL_NAME,
@@ -42,59 +55,268 @@ from kvq_export.manifest import (
     weight_checksums,
 )
 from kvq_export.model_facts import ModelFacts
+from kvq_export.model_source import load_model
+from kvq_export.request import DEFAULT_OPSET, CalibrationSpec, ExportRequest, WeightFormat, WeightSpec
 from kvq_export.scheme import KVQuantScheme
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+    from kvq_export.export.decoder import CacheGraph
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_OPSET = 23
-DTYPES = COMPUTE_DTYPES
+__all__ = ["DEFAULT_OPSET", "ExportPlan", "Source", "build_graph", "calibrate", "ensure_export", "export",
+           "export_model", "flavor_names", "get_flavor", "load_source", "package", "plan_export", "read_facts"]
 
-FlavorFactory = Callable[..., Any]
-FLAVORS: dict[str, FlavorFactory] = {}
-#: flavours registered by their own module, imported only when asked for (they may need extra stacks)
-FLAVOR_MODULES = {
-    "ort-gqa": "kvq_export.export.gqa_flavor",
-    "trt": "kvq_export.export.trt_flavor",
-}
+StaticArrays = Mapping[int, Mapping[str, Mapping[str, Any]]]
+#: Weight formats :func:`_quantize_weights` can write (the others are refused by :func:`plan_export`).
+QUANTIZABLE_WEIGHTS = (WeightFormat.FP32,)
 
 
-def register_flavor(name: str) -> Callable[[FlavorFactory], FlavorFactory]:
-    """Register a factory ``(scheme, *, num_layers, kv_heads, head_dim, static) -> CacheGraph``."""
+# -- the stages --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Source:
+    """The model an export reads: a Hugging Face causal LM, its tokenizer (None without) and its spec."""
 
-    def wrap(factory: FlavorFactory) -> FlavorFactory:
-        FLAVORS[name] = factory
-        return factory
-
-    return wrap
-
-
-@register_flavor("reference")
-def _reference_flavor(scheme: KVQuantScheme, **geometry):
-    from kvq_export.export.kv_graph import QuantizedCacheGraph
-
-    return QuantizedCacheGraph(scheme, **geometry)
+    model: Any
+    tokenizer: Any
+    spec: str | None  # what the request named (None: a model handed over in memory)
 
 
-def flavor_names() -> list[str]:
-    """Every flavour kvq knows, registered or importable."""
-    return sorted(set(FLAVORS) | {name for name, module in FLAVOR_MODULES.items() if _module_exists(module)})
+def load_source(request: ExportRequest, model: Any = None, tokenizer: Any = None) -> Source:
+    """The request's model: ``model`` (already loaded, with ``tokenizer``) or loaded from ``request.model``."""
+    if model is None:
+        if request.model is None:
+            raise ExportError("the request names no model (model=None): pass the loaded model to export()")
+        model, tokenizer = load_model(request.model)
+    return Source(model, tokenizer, request.model)
 
 
-def _module_exists(module: str) -> bool:
-    from importlib.util import find_spec
+def read_facts(source: Source) -> tuple[Arch, ModelFacts]:
+    """The model's registered architecture reader and the facts it reads (what ``kvq.json`` records)."""
+    arch = get_arch(source.model.config)
+    return arch, ModelFacts.from_config(source.model.config, arch, source=source.spec)
 
-    return find_spec(module) is not None
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """A checked export: every stage after :func:`plan_export` only carries it out."""
+
+    request: ExportRequest
+    flavor: Flavor
+    arch: Arch
+    facts: ModelFacts
+    static: StaticArrays | None  # calibrated metadata handed over by the caller (None: calibrate, or none needed)
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether :func:`calibrate` runs the model over the request's calibration text."""
+        return self.request.scheme.needs_calibration and self.static is None
 
 
-def get_flavor(name: str) -> FlavorFactory:
-    """The factory of flavour ``name``, importing its module on first use."""
-    if name not in FLAVORS and name in FLAVOR_MODULES and _module_exists(FLAVOR_MODULES[name]):
-        import importlib
+def plan_export(request: ExportRequest, source: Source, *, static: StaticArrays | None = None) -> ExportPlan:
+    """Check that ``request`` can be carried out on ``source`` before anything is computed or written.
 
-        importlib.import_module(FLAVOR_MODULES[name])  # registers itself with @register_flavor
-    if name not in FLAVORS:
-        raise ExportError(f"unknown flavor {name!r}; allowed: {', '.join(flavor_names())}")
-    return FLAVORS[name]
+    Raises a one-line :class:`~kvq_export.errors.KVQError` for a scheme the model or the flavor cannot hold, a
+    static-scale scheme with neither scales nor calibration text (kvq never guesses a scale or a channel) and a
+    weight format kvq cannot write.
+    """
+    arch, facts = read_facts(source)
+    scheme = request.scheme
+    scheme.check_model(facts.num_layers, facts.head_dim)
+    flavor = get_flavor(request.flavor)
+    flavor.check(scheme, facts)
+    if scheme.needs_calibration and static is None:
+        if request.calibration is None:
+            needs = "static scales" if scheme.has_static_scales else "calibrated high channels"
+            raise ExportError(f"scheme {scheme.name or 'custom'} uses {needs}: calibrate first (give --calib-corpus; "
+                              "kvq never guesses a scale or a channel)")
+        if source.tokenizer is None:
+            raise ExportError("calibrating from a corpus needs the model's tokenizer")
+    if request.weights.format not in QUANTIZABLE_WEIGHTS:
+        raise ExportError(f"weights.format={request.weights.format} cannot be written yet; allowed: "
+                          f"{', '.join(QUANTIZABLE_WEIGHTS)}")
+    return ExportPlan(request, flavor, arch, facts, static)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The static metadata an export is built with, and how it was chosen (the manifest's ``calibration``)."""
+
+    static: StaticArrays | None
+    provenance: dict[str, Any]
+
+
+def calibrate(plan: ExportPlan, source: Source) -> Calibration:
+    """The static scales (and high channels) of the plan: given, calibrated on the request's text, or none."""
+    if not plan.calibrates:
+        return Calibration(plan.static, {"source": "given"})
+    spec: CalibrationSpec = plan.request.calibration
+    windows = calibration_windows(source.tokenizer, spec.corpus, spec.tokens, offset=spec.offset)
+    static = calibrate_static_scales(source.model, plan.request.scheme, windows, method=spec.method,
+                                     percentile=spec.percentile)
+    provenance = {"source": "calibrated", "corpus": spec.corpus, "tokens": sum(len(w) for w in windows),
+                  "offset": spec.offset, "method": str(spec.method),
+                  **({"percentile": spec.percentile} if spec.method == "percentile" else {})}
+    return Calibration(static, provenance)
+
+
+def build_graph(plan: ExportPlan, source: Source, static: StaticArrays | None) -> tuple[ir.Model, CacheGraph]:
+    """The decoder graph around the flavor's cache graph; it carries its own scheme (an edited kvq.json is refused)."""
+    from kvq_export.export.decoder import build_decoder
+
+    request = plan.request
+    cache = plan.flavor.build(request.scheme, plan.facts, static=static)
+    graph = build_decoder(source.model, plan.arch, cache, dtype=request.dtype, opset=request.opset)
+    graph.metadata_props[GRAPH_SCHEME_KEY] = request.scheme.to_json(indent=None)
+    return graph, cache
+
+
+def _quantize_weights(graph: ir.Model, spec: WeightSpec) -> ir.Model:
+    """The built graph with its weights stored as ``spec`` says (fp32: as built)."""
+    if spec.format not in QUANTIZABLE_WEIGHTS:  # plan_export refused it already
+        raise ExportError(f"weights.format={spec.format} cannot be written yet; allowed: "
+                          f"{', '.join(QUANTIZABLE_WEIGHTS)}")
+    return graph
+
+
+def package(directory: Path, plan: ExportPlan, source: Source, graph: ir.Model, calibration: Calibration) -> Manifest:
+    """Write the graph, tokenizer, calibration and runtime files into ``directory``; the manifest comes last."""
+    from kvq_export.export.builder import save
+
+    request, facts = plan.request, plan.facts
+    save(graph, directory / MODEL_NAME)
+    if source.tokenizer is not None:
+        source.tokenizer.save_pretrained(directory)
+    written = None
+    if calibration.static is not None and request.scheme.needs_calibration:
+        save_calibration(calibration.static, directory / CALIBRATION_NAME)
+        written = {"file": CALIBRATION_NAME, "digest": calibration_digest(calibration.static),
+                   **calibration.provenance}
+    manifest = Manifest(
+        scheme=request.scheme, model=facts, flavor=str(plan.flavor.name), opset=request.opset, dtype=request.dtype,
+        layout=plan.flavor.layout.name, kvq_version=kvq_export.__version__,
+        inputs=[{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]},
+                {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "seq"],
+                 "meaning": "1 = real token, 0 = left padding of this call's tokens"}],
+        outputs=[{"name": "logits", "dtype": "float32", "shape": ["batch", "seq", facts.vocab_size]}],
+        tokenizer=_tokenizer_facts(source.tokenizer, source.model.config), calibration=written,
+        build=_build_record(request, plan.static),
+    )
+    manifest = _write_runtime_files(directory, manifest)
+    # checksums last, once: they cover the graphs the runtime files add (hashing the weights is the slow part)
+    manifest = dataclasses.replace(manifest, weights=weight_checksums(directory))
+    manifest.save(directory)  # last: a directory with kvq.json is complete
+    return manifest
+
+
+def _write_runtime_files(directory: Path, manifest: Manifest) -> Manifest:
+    """Add what other runtimes read (onnxruntime-genai's config and graph) and record it in the manifest."""
+    return dataclasses.replace(manifest, runtimes={**manifest.runtimes,
+                                                   RUNTIME: write_genai_files(directory, manifest)})
+
+
+# -- the entry points --------------------------------------------------------------------------------------
+def export(request: ExportRequest, out_dir: str | os.PathLike[str], *, force: bool = False, model: Any = None,
+           tokenizer: Any = None, static: StaticArrays | None = None) -> Manifest:
+    """Carry out ``request`` into ``out_dir``; return the manifest written there.
+
+    ``model`` (with its ``tokenizer``) is the already loaded model, else ``request.model`` is loaded. Static-scale
+    schemes take ``static`` (see :mod:`kvq_export.calibrate`) or are calibrated as ``request.calibration`` says;
+    without either they are refused. ``force`` replaces an existing export directory (never anything else).
+    """
+    return _export_to(request, Path(out_dir), force=force, wait=False, reuse=None, model=model,
+                      tokenizer=tokenizer, static=static)
+
+
+def export_model(model: str | os.PathLike[str] | Any, scheme: KVQuantScheme | str, out_dir: str | os.PathLike[str],
+                 *, flavor: str = "reference", dtype: str = "fp32", opset: int = DEFAULT_OPSET,
+                 weights: WeightSpec | None = None, calibration: CalibrationSpec | None = None, force: bool = False,
+                 static: StaticArrays | None = None, tokenizer: Any = None) -> Path:
+    """:func:`export` from loose arguments: ``model`` is a model spec or a loaded HF causal LM; returns ``out_dir``."""
+    spec = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
+    request = ExportRequest(model=spec, scheme=scheme, flavor=flavor, weights=weights or WeightSpec(), dtype=dtype,
+                            opset=opset, calibration=calibration)
+    export(request, out_dir, force=force, model=None if spec else model, tokenizer=tokenizer, static=static)
+    return Path(out_dir)
+
+
+def ensure_export(request: ExportRequest, out_dir: str | os.PathLike[str], *, model: Any = None,
+                  tokenizer: Any = None, static: StaticArrays | None = None) -> Path:
+    """``out_dir`` if it is an intact export this exact kvq source built from the same request, else a new one.
+
+    The one rule for reusing an export (an automatic validation baseline, demo and benchmark exports): the
+    manifest's ``build`` section must name this source's :func:`source_digest` and the same request (and static
+    metadata), and its weights must match their checksums.
+    """
+    out = Path(out_dir)
+    wanted = _build_record(request, static)
+
+    def current() -> bool:
+        try:
+            manifest = Manifest.load(out)
+            if manifest.build == wanted:
+                verify_weights(out, manifest)
+                logger.info("reusing %s", out)
+                return True
+        except KVQError as err:
+            logger.info("not reusing %s: %s", out, err)
+        return False
+
+    if current():
+        return out
+    # concurrent callers (parallel validations sharing one baseline) wait for the first, then reuse its export
+    _export_to(request, out, force=True, wait=True, reuse=current, model=model, tokenizer=tokenizer, static=static)
+    return out
+
+
+def cached_export_dir(request: ExportRequest, root: str | os.PathLike[str]) -> Path:
+    """Where the demo and validation keep the export of ``request``: ``root/<model>-<scheme>[-<flavor>]``."""
+    suffix = "" if request.flavor is FlavorName.REFERENCE else f"-{request.flavor}"
+    return Path(root) / f"{Path(request.model or 'model').name}-{request.scheme.name or 'custom'}{suffix}"
+
+
+def _export_to(request: ExportRequest, out: Path, *, force: bool, wait: bool, reuse, model: Any, tokenizer: Any,
+               static: StaticArrays | None) -> Manifest:
+    """Check ``out``, take its lock (or wait for it), then export unless ``reuse()`` says the result is there."""
+    _check_target(out, force)
+    with _target_lock(out, wait=wait):
+        if reuse is not None and reuse():  # another process made it while we waited
+            return Manifest.load(out)
+        _clean_leftovers(out)
+        _check_target(out, force)  # again, now that no other export can be changing it
+        return _run(request, out, model=model, tokenizer=tokenizer, static=static)
+
+
+def _run(request: ExportRequest, out: Path, *, model: Any, tokenizer: Any, static: StaticArrays | None) -> Manifest:
+    """The pipeline, run while this process holds ``out``'s lock: plan, then compute, then write aside and swap."""
+    start = time.perf_counter()
+    source = load_source(request, model, tokenizer)
+    plan = plan_export(request, source, static=static)
+    calibration = calibrate(plan, source)
+    graph, _ = build_graph(plan, source, calibration.static)
+    graph = _quantize_weights(graph, request.weights)
+    logger.info("built the %s graph in %.1f s", plan.flavor.name, time.perf_counter() - start)
+    tmp = temp_dir_beside(out)
+    try:
+        manifest = package(tmp, plan, source, graph, calibration)
+        seal_dir(tmp)
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("exported %s (%s, %s) to %s in %.1f s", plan.facts.model_type, request.scheme.name or "custom",
+                plan.flavor.name, out, time.perf_counter() - start)
+    return manifest
+
+
+def _build_record(request: ExportRequest, static: StaticArrays | None) -> dict[str, Any]:
+    """The manifest's ``build`` section: the source digest and the request (and given static metadata's digest)."""
+    record: dict[str, Any] = {"kvq_code": source_digest(), "request": request.to_dict()}
+    if static is not None and request.scheme.needs_calibration:
+        record["static"] = calibration_digest(static)
+    return record
 
 
 def _tokenizer_facts(tokenizer, config) -> dict[str, Any]:
@@ -106,150 +328,6 @@ def _tokenizer_facts(tokenizer, config) -> dict[str, Any]:
             "files": tokenizer is not None}
 
 
-def export(
-    model: str | os.PathLike[str] | Any,
-    scheme: KVQuantScheme | str,
-    out_dir: str | os.PathLike[str],
-    *,
-    dtype: str = "fp32",
-    opset: int = DEFAULT_OPSET,
-    flavor: str = "reference",
-    force: bool = False,
-    static: Mapping | None = None,
-    tokenizer: Any = None,
-    calib_corpus: str | None = None,
-    calib_tokens: int = DEFAULT_CALIB_TOKENS,
-    calib_method: str = "absmax",
-    calib_percentile: float = 99.9,
-    calib_offset: int = 0,
-) -> Path:
-    """Export ``model`` (a model spec, or a loaded HF causal LM) with ``scheme`` into ``out_dir``.
-
-    Static-scale schemes need calibrated scales: pass ``static`` (see :mod:`kvq_export.calibrate`)
-    or ``calib_corpus`` (a corpus name or text file, of which ``calib_tokens`` tokens from token
-    ``calib_offset`` on are used);
-    without either they are refused. Returns the export directory.
-    """
-    from kvq_export.presets import resolve_scheme
-
-    scheme = resolve_scheme(scheme)
-    get_flavor(flavor)
-    if dtype not in DTYPES:
-        raise ExportError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
-    return _export_to(model, scheme, Path(out_dir), force=force, wait=False, reuse=None, dtype=dtype, opset=opset,
-                      flavor=flavor, static=static, tokenizer=tokenizer, calib_corpus=calib_corpus,
-                      calib_tokens=calib_tokens, calib_method=calib_method, calib_percentile=calib_percentile,
-                      calib_offset=calib_offset)
-
-
-def _export_to(model, scheme: KVQuantScheme, out: Path, *, force: bool, wait: bool,
-               reuse: Callable[[], bool] | None, **options) -> Path:
-    """Check ``out``, take its lock (or wait for it), then export unless ``reuse()`` says the result is there."""
-    _check_target(out, force)
-    with _target_lock(out, wait=wait):
-        if reuse is not None and reuse():  # another process made it while we waited
-            return out
-        _clean_leftovers(out)
-        _check_target(out, force)  # again, now that no other export can be changing it
-        return _export_locked(model, scheme, out, **options)
-
-
-def _export_locked(model, scheme: KVQuantScheme, out: Path, *, dtype: str, opset: int, flavor: str, static,
-                   tokenizer, calib_corpus, calib_tokens: int, calib_method: str, calib_percentile: float,
-                   calib_offset: int) -> Path:
-    """The body of :func:`export`, run while this process holds ``out``'s lock."""
-    import kvq_export
-    from kvq_export.export.arch import get_arch
-    from kvq_export.export.builder import save
-    from kvq_export.export.decoder import build_decoder
-
-    request = _request(model, scheme, flavor=flavor, dtype=dtype, opset=opset, static=static,
-                       calib_corpus=calib_corpus, calib_tokens=calib_tokens, calib_method=calib_method,
-                       calib_percentile=calib_percentile, calib_offset=calib_offset)
-    start = time.perf_counter()
-    source = None
-    if isinstance(model, (str, os.PathLike)):
-        from kvq_export.model_source import load_model
-
-        source = str(model)
-        model, tokenizer = load_model(model)
-    config = model.config
-    arch = get_arch(config)
-    scheme.check_model(arch.num_layers, arch.head_dim)
-    provenance: dict[str, Any] = {"source": "given"}  # how the static scales were chosen, for the manifest
-    if scheme.needs_calibration and static is None:
-        if calib_corpus is None:
-            needs = "static scales" if scheme.has_static_scales else "calibrated high channels"
-            raise ExportError(f"scheme {scheme.name or 'custom'} uses {needs}: calibrate first (give --calib-corpus; "
-                              "kvq never guesses a scale or a channel)")
-        static, used = _calibrate(model, tokenizer, scheme, calib_corpus, calib_tokens, calib_method,
-                                  calib_percentile, calib_offset)
-        provenance = {"source": "calibrated", "corpus": str(calib_corpus), "tokens": used,
-                      "offset": calib_offset, "method": calib_method,
-                      **({"percentile": calib_percentile} if calib_method == "percentile" else {})}
-    cache = get_flavor(flavor)(scheme, num_layers=arch.num_layers, kv_heads=arch.num_kv_heads,
-                            head_dim=arch.head_dim, static=static)
-    graph = build_decoder(model, arch, cache, dtype=dtype, opset=opset)
-    logger.info("built the %s graph in %.1f s", flavor, time.perf_counter() - start)
-    # the graph carries its own scheme: a loader compares it with the manifest (an edited kvq.json is refused)
-    graph.metadata_props[GRAPH_SCHEME_KEY] = scheme.to_json(indent=None)
-
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        save(graph, tmp / MODEL_NAME)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        calibration = None
-        if static is not None and scheme.needs_calibration:
-            from kvq_export.calibrate import calibration_digest, save_calibration
-
-            save_calibration(static, tmp / CALIBRATION_NAME)
-            calibration = {"file": CALIBRATION_NAME, "digest": calibration_digest(static), **provenance}
-        manifest = Manifest(
-            scheme=scheme, model=ModelFacts.from_config(config, arch, source=source), flavor=flavor, opset=opset,
-            dtype=dtype, layout=cache.layout.name,
-            kvq_version=kvq_export.__version__,
-            inputs=[{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]},
-                    {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "seq"],
-                     "meaning": "1 = real token, 0 = left padding of this call's tokens"}],
-            outputs=[{"name": "logits", "dtype": "float32", "shape": ["batch", "seq", arch.vocab_size]}],
-            tokenizer=_tokenizer_facts(tokenizer, config), calibration=calibration,
-            build={"kvq_code": source_digest(), "request": request},
-        )
-        manifest = _write_runtime_files(tmp, manifest)
-        # checksums last, once: they cover the graphs the runtime files add (hashing the weights is the slow part)
-        manifest = dataclasses.replace(manifest, weights=weight_checksums(tmp))
-        manifest.save(tmp)  # last: a directory with kvq.json is complete
-        os.chmod(tmp, dir_mode())  # mkdtemp makes it 0700; the files inside follow the umask, so does it
-        _move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    logger.info("exported %s (%s, %s) to %s in %.1f s", arch.model_type, scheme.name or "custom", flavor, out,
-                time.perf_counter() - start)
-    return out
-
-
-def _write_runtime_files(directory: Path, manifest: Manifest) -> Manifest:
-    """Add what other runtimes read (onnxruntime-genai's config and graph) and record it in the manifest."""
-    from dataclasses import replace
-
-    from kvq_export.export.genai_package import RUNTIME, write_genai_files
-
-    return replace(manifest, runtimes={**manifest.runtimes, RUNTIME: write_genai_files(directory, manifest)})
-
-
-def _calibrate(model, tokenizer, scheme, corpus: str, tokens: int, method: str, percentile: float, offset: int = 0):
-    """(static scales, tokens used) from about ``tokens`` tokens of ``corpus`` from token ``offset`` on."""
-    from kvq_export.calibrate import calibrate_static_scales, calibration_windows
-
-    if tokenizer is None:
-        raise ExportError("calibrating from a corpus needs the model's tokenizer")
-    windows = calibration_windows(tokenizer, corpus, tokens, offset=offset)
-    static = calibrate_static_scales(model, scheme, windows, method=method, percentile=percentile)
-    return static, sum(len(w) for w in windows)
-
-
 def source_digest() -> str:
     """Digest of kvq_export's source: which code built an export (finer than the version number)."""
     return _source_digest()
@@ -257,76 +335,12 @@ def source_digest() -> str:
 
 @functools.cache
 def _source_digest() -> str:
-    import kvq_export
-
     h = hashlib.sha256()
     root = Path(kvq_export.__file__).parent
     for path in sorted(root.rglob("*.py")):
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
-
-
-def _request(model, scheme: KVQuantScheme, *, flavor: str, dtype: str, opset: int, static, calib_corpus,
-             calib_tokens: int, calib_method: str, calib_percentile: float, calib_offset: int) -> dict[str, Any]:
-    """Everything that shapes an export, as JSON: two equal requests from one kvq source give one export."""
-    request: dict[str, Any] = {"source": str(model) if isinstance(model, (str, os.PathLike)) else None,
-                               "scheme": {**scheme.to_dict(), "name": None}, "flavor": flavor, "dtype": dtype,
-                               "opset": opset}
-    if scheme.needs_calibration:
-        if static is not None:
-            from kvq_export.calibrate import calibration_digest
-
-            request["static"] = calibration_digest(static)
-        else:
-            request["calibration"] = {"corpus": str(calib_corpus), "tokens": calib_tokens, "method": calib_method,
-                                      "percentile": calib_percentile, "offset": calib_offset}
-    return request
-
-
-def ensure_export(model: str | os.PathLike[str] | Any, scheme: KVQuantScheme | str,
-                  out_dir: str | os.PathLike[str], **options) -> Path:
-    """``out_dir`` if it is an intact export this exact kvq source built from the same request, else a new one.
-
-    The one rule for reusing an export (an automatic validation baseline, benchmark exports): the manifest's
-    ``build`` section must name this source's :func:`source_digest` and the same model, scheme, flavour, dtype,
-    opset and calibration, and its weights must match their checksums. ``options`` are :func:`export`'s.
-    """
-    from kvq_export.errors import KVQError
-    from kvq_export.presets import resolve_scheme
-
-    scheme = resolve_scheme(scheme)
-    out = Path(out_dir)
-    unknown = sorted(set(options) - set(_REQUEST_DEFAULTS) - {"static", "tokenizer"})
-    if unknown:
-        raise ExportError(f"unknown export option(s) {', '.join(unknown)}")
-    wanted = {key: options.get(key, default) for key, default in _REQUEST_DEFAULTS.items()}
-    get_flavor(wanted["flavor"])
-    if wanted["dtype"] not in DTYPES:
-        raise ExportError(f"unknown dtype {wanted['dtype']!r}; allowed: {', '.join(DTYPES)}")
-    request = _request(model, scheme, static=options.get("static"), **wanted)
-
-    def current() -> bool:
-        try:
-            manifest = Manifest.load(out)
-            if manifest.build == {"kvq_code": source_digest(), "request": request}:
-                verify_weights(out, manifest)
-                logger.info("reusing %s", out)
-                return True
-        except KVQError as err:
-            logger.info("not reusing %s: %s", out, err)
-        return False
-
-    if current():
-        return out
-    # concurrent callers (parallel validations sharing one baseline) wait for the first, then reuse its export
-    return _export_to(model, scheme, out, force=True, wait=True, reuse=current, static=options.get("static"),
-                      tokenizer=options.get("tokenizer"), **wanted)
-
-
-_REQUEST_DEFAULTS = {"flavor": "reference", "dtype": "fp32", "opset": DEFAULT_OPSET, "calib_corpus": None,
-                     "calib_tokens": DEFAULT_CALIB_TOKENS, "calib_method": "absmax", "calib_percentile": 99.9,
-                     "calib_offset": 0}
 
 
 # -- the export directory: what may be replaced, by whom, and how ---------------------------------------
@@ -376,48 +390,19 @@ def _target_lock(out: Path, *, wait: bool = False) -> Iterator[None]:
         os.close(fd)
 
 
-def _clean_leftovers(out: Path) -> None:
-    """Remove what a killed export of ``out`` left (we hold the lock: their writer is gone).
+def _is_export(directory: Path) -> bool:
+    return (directory / MANIFEST_NAME).is_file()
 
-    An old export swapped aside (``.<name>.old-*``) while ``out`` is missing is put back first: a crash
-    between the two renames of the fallback swap then costs nothing.
-    """
-    name = glob.escape(out.name)  # a name like "run[1]" is not a pattern
-    for old in sorted(out.parent.glob(f".{name}.old-*")):
-        if not os.path.lexists(out) and (old / MANIFEST_NAME).is_file():
-            logger.warning("restoring %s from %s (an export was interrupted while replacing it)", out, old.name)
-            os.rename(old, out)
-        else:
-            logger.info("removing %s, left by an interrupted export", old)
-            shutil.rmtree(old, ignore_errors=True)
-    for tmp in out.parent.glob(f".{name}.tmp-*"):
-        logger.info("removing %s, left by an interrupted export", tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
+
+def _clean_leftovers(out: Path) -> None:
+    """Remove what a killed export of ``out`` left (we hold the lock: their writer is gone)."""
+    clean_leftovers(out, complete=_is_export)
 
 
 def _move_into_place(new: Path, target: Path) -> None:
-    """Put the complete export ``new`` at ``target``: at every instant ``target`` is the old or the new export.
-
-    An existing export is swapped with ``new`` in one atomic exchange, then removed; where the platform has
-    no exchange, two renames with the old one kept aside (``.<name>.old-<pid>``) until the new one is in place,
-    and restored by the next export if this one dies in between. A ``target`` that appeared meanwhile is
-    never replaced.
-    """
-    if target.is_dir() and any(target.iterdir()):
-        if not (target / MANIFEST_NAME).is_file():
-            raise ExportError(f"{target} was filled by someone else while exporting (it is not a kvq export); "
-                              "nothing was replaced")
-        if exchange(new, target):
-            shutil.rmtree(new, ignore_errors=True)  # ``new`` now names the old export
-            return
-        trash = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.replace(target, trash)
-        os.replace(new, target)
-        shutil.rmtree(trash, ignore_errors=True)
-        return
-    if target.is_dir():
-        target.rmdir()  # empty: nothing to lose
+    """Put the complete export ``new`` at ``target`` (see :func:`kvq_export._atomic.move_dir_into_place`)."""
     try:
-        rename_noreplace(new, target)
+        move_dir_into_place(new, target, replaceable=_is_export)
     except FileExistsError:
-        raise ExportError(f"{target} was created by someone else while exporting; nothing was replaced") from None
+        raise ExportError(f"{target} was created or filled by someone else while exporting (it is not a kvq "
+                          "export); nothing was replaced") from None

@@ -103,7 +103,6 @@ from kvq_export.cache_layout import BUFFER
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
-from kvq_export.export.exporter import register_flavor
 from kvq_export.export.gqa_capability import unsupported
 from kvq_export.export.graph_codec import high_channel_choice, static_name, static_scales
 from kvq_export.export.kv_graph import LaidOutCache, name_packed_probe, name_probes
@@ -275,6 +274,8 @@ class GQACacheGraph(LaidOutCache):
     layout = BUFFER
     #: the node's ``softcap`` attribute is Gemma2's attention soft-capping
     supports_attn_softcap = True
+    #: GroupQueryAttention takes q|k|v packed in its query input
+    attends_packed = True
 
     def __init__(self, scheme: KVQuantScheme, *, fuse_rotary: bool = True, fuse_body: bool = True,
                  **geometry) -> None:
@@ -289,6 +290,17 @@ class GQACacheGraph(LaidOutCache):
         self.fuses_body = fuse_body
         self.plans = [self._plan(layer, key, value, self.static)
                       for layer, (key, value) in enumerate(scheme.streams(self.num_layers))]
+
+    @classmethod
+    def unsupported(cls, scheme: KVQuantScheme, num_layers: int, head_dim: int | None = None) -> list[str]:
+        """Why GroupQueryAttention cannot hold ``scheme`` (see the module-level :func:`unsupported`)."""
+        return unsupported(scheme, num_layers, head_dim)
+
+    @classmethod
+    def for_model(cls, scheme: KVQuantScheme, facts, *, static: Mapping | None = None) -> GQACacheGraph:
+        """RoPE fused into the node unless the keys are transformed after it (:func:`rope_in_body`)."""
+        return cls(scheme, fuse_rotary=not rope_in_body(scheme, facts.num_layers), num_layers=facts.num_layers,
+                   kv_heads=facts.num_kv_heads, head_dim=facts.head_dim, static=static)
 
     def _plan(self, layer: int, key: TensorQuant, value: TensorQuant, static: Mapping) -> LayerPlan:
         if not key.quantized:
@@ -560,8 +572,3 @@ def rope_in_body(scheme: KVQuantScheme, num_layers: int) -> bool:
     """
     return any(key.rotation != "none" or key.has_zero_point or key.high_channels
                for key, _ in scheme.streams(num_layers))
-
-
-@register_flavor("ort-gqa")
-def _gqa_flavor(scheme: KVQuantScheme, **geometry) -> GQACacheGraph:
-    return GQACacheGraph(scheme, fuse_rotary=not rope_in_body(scheme, geometry["num_layers"]), **geometry)

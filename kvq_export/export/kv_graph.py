@@ -34,6 +34,7 @@ import onnx_ir as ir
 from kvq_export.cache_layout import REGIONS, CacheLayout, RegionSplit
 from kvq_export.dtypes import DType
 from kvq_export.export.builder import GraphBuilder
+from kvq_export.export.decoder import CacheGraph
 from kvq_export.export.graph_attention import attention_mask, grouped_query_attention
 from kvq_export.export.graph_codec import GraphCodec, HighChannels, dim, high_channel_choice, static_scales
 from kvq_export.naming import PARTS, PROBES, CacheTensor, packed_probe_name, probe_name, tensor_name
@@ -180,7 +181,7 @@ class _Ops:
         return b.op("GatherElements", src, index, axis=2)
 
 
-class LaidOutCache:
+class LaidOutCache(CacheGraph):
     """What every flavour's cache graph shares: its layout and the tensors that layout puts at the boundary.
 
     Args:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from kvq_export.export.builder import GraphBuilder
-from kvq_export.export.exporter import register_flavor
 from kvq_export.export.kv_graph import QuantizedCacheGraph, StoredStream, facts_window, name_probes
 from kvq_export.scheme import KVQuantScheme
 from kvq_export.trt.signature import PluginSignature, plugin_signature
@@ -73,8 +72,3 @@ def _role_value(state: StoredStream, role: str) -> ir.Value:
     if value is None:
         raise AssertionError(f"stream has no {role} value")  # the signature and the store disagree: a bug
     return value
-
-
-@register_flavor("trt")
-def _trt_flavor(scheme: KVQuantScheme, **geometry) -> TrtCacheGraph:
-    return TrtCacheGraph(scheme, **geometry)

@@ -22,6 +22,12 @@ import numpy as np
 from kvq_export._lazy import require
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
+from kvq_export.export.exporter import export
+from kvq_export.export.flavors import FlavorName, get_flavor
+from kvq_export.manifest import Manifest, load_static
+from kvq_export.naming import present_name
+from kvq_export.request import ExportRequest
+from kvq_export.trt.engine import ENGINE_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +46,6 @@ def _trt_runner_class():
             self.export_dir, self.engine, self.profile = Path(export_dir), Path(engine), profile
 
         def activate_impl(self) -> None:
-            from kvq_export.manifest import Manifest, load_static
-
             self.manifest = Manifest.load(self.export_dir)
             self.static = load_static(self.export_dir, self.manifest)
             self.runner = TrtRunner(EngineFromBytes(self.engine.read_bytes()), optimization_profile=self.profile)
@@ -55,7 +59,6 @@ def _trt_runner_class():
         def infer_impl(self, feed_dict):
             import time
 
-            from kvq_export.naming import present_name
             from kvq_export.validate.compare import decoded_cache
 
             batch = feed_dict["input_ids"].shape[0]
@@ -96,15 +99,14 @@ def empty_cache(manifest, batch: int) -> dict[str, np.ndarray]:
 
 def _reference_export(export_dir: Path, workdir: Path) -> Path:
     """Export the reference flavour of the same model, scheme, dtype and calibration into ``workdir``."""
-    from kvq_export.export.exporter import export
-    from kvq_export.manifest import Manifest, load_static
-
     manifest = Manifest.load(export_dir)
     source = manifest.model.source
     if not source:
         raise ExportError(f"{export_dir} does not record its model source; pass the reference export directory")
-    return export(source, manifest.scheme, workdir / "reference", dtype=manifest.dtype, opset=manifest.opset,
-                  flavor="reference", static=load_static(export_dir, manifest))
+    request = ExportRequest(model=source, scheme=manifest.scheme, flavor=FlavorName.REFERENCE, dtype=manifest.dtype,
+                            opset=manifest.opset)
+    export(request, workdir / "reference", static=load_static(export_dir, manifest))
+    return workdir / "reference"
 
 
 def compare_with_onnxruntime(
@@ -126,15 +128,13 @@ def compare_with_onnxruntime(
     require("tensorrt")
     from polygraphy.comparator import Comparator
 
-    from kvq_export.manifest import Manifest
-    from kvq_export.trt.engine import ENGINE_NAME
     from kvq_export.validate.compare import Tolerances, compare_feeds, kvq_runner_class
 
     export_dir = Path(export_dir)
     engine = Path(engine) if engine else export_dir / ENGINE_NAME
     if not engine.is_file():
         raise ExportError(f"no engine at {engine}; build it first (kvq build {export_dir})")
-    if manifest_flavor(export_dir) == "trt":
+    if get_flavor(manifest_flavor(export_dir)).needs_plugins:
         require("tensorrt.plugin")
         from kvq_plugins.trt_plugin import register_for_export
 
@@ -152,6 +152,4 @@ def compare_with_onnxruntime(
 
 def manifest_flavor(export_dir: str | os.PathLike[str]) -> str:
     """The flavour an export directory was made with."""
-    from kvq_export.manifest import Manifest
-
     return Manifest.load(export_dir).flavor

@@ -25,7 +25,10 @@ from pathlib import Path
 
 from kvq_export._atomic import atomic_write
 from kvq_export._lazy import require
+from kvq_export.cache_layout import RegionSplit
 from kvq_export.errors import ExportError
+from kvq_export.export.flavors import Runtime, get_flavor
+from kvq_export.manifest import MODEL_NAME, Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +42,6 @@ _REGION_AXIS = re.compile(r"^past\.(?P<layer>\d+)\.(?P<part>key|value)\.(?P<regi
 
 def _region_bounds(manifest, axis: str, max_context: int) -> tuple[int, int] | None:
     """(largest, typical) length of a cache region axis at ``max_context`` tokens; None if not a region axis."""
-    from kvq_export.cache_layout import RegionSplit
-
     match = _REGION_AXIS.match(axis)
     if match is None:
         return None
@@ -109,14 +110,13 @@ def build_engine(
     engine). ``fp16=True`` on an fp32 export builds a weakly typed network with TensorRT's FP16 flag
     instead. The kvq plugins are registered first when the export uses them (``--flavor trt``).
     """
-    from kvq_export.manifest import MODEL_NAME, Manifest
-
     trt = require("tensorrt")
     manifest = Manifest.load(export_dir)
-    if manifest.flavor == "ort-gqa":
-        raise ExportError("the ort-gqa flavour uses com.microsoft ops TensorRT does not have; "
+    flavor = get_flavor(manifest.flavor)
+    if not flavor.serves(Runtime.TENSORRT):
+        raise ExportError(f"the {flavor.name} flavor uses ops TensorRT does not have; "
                           "export with --flavor trt (or reference)")
-    if manifest.flavor == "trt":
+    if flavor.needs_plugins:
         require("tensorrt.plugin")
         from kvq_plugins.trt_plugin import register_for_export
 

@@ -23,6 +23,9 @@ import numpy as np
 
 from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError
+from kvq_export.export.exporter import cached_export_dir, ensure_export
+from kvq_export.model_source import cache_root
+from kvq_export.request import ExportRequest
 from kvq_export.validate.attention import METRICS, AttentionSample, attention_metrics, rank_agreement
 
 logger = logging.getLogger(__name__)
@@ -95,11 +98,9 @@ def resolve_baseline(manifest, baseline: str | os.PathLike[str] | None) -> Path:
     source = manifest.model.source
     if not source:
         raise KVQError("this export does not record its model source; pass --baseline DIR (an fp16 export)")
-    from kvq_export.demo import baseline_dir
-    from kvq_export.export.exporter import ensure_export
-    from kvq_export.model_source import cache_root
 
-    return ensure_export(source, "fp16", baseline_dir(source, "fp16", cache_root() / "exports"))
+    request = ExportRequest(model=source, scheme="fp16")
+    return ensure_export(request, cached_export_dir(request, cache_root() / "exports"))
 
 
 def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike[str] | None = None,

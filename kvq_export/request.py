@@ -1,0 +1,238 @@
+"""What an export is asked to be: typed, frozen, checked on construction.
+
+Three small records describe a request, each with one default per setting that every command shares:
+
+* :class:`CalibrationSpec` -- where static scales come from (corpus, tokens, offset, method, percentile);
+* :class:`WeightSpec` -- how the graph's weights are stored (fp32, or quantized blocks);
+* :class:`ExportRequest` -- model, scheme, flavor, weights, compute dtype, opset and calibration.
+
+Each normalizes loose input (a preset name, a plain string for an enum, a path) when it is built and refuses
+anything else with a one-line error naming the field and the allowed values, so a request that exists is a
+valid one. ``to_dict``/``from_dict`` give the JSON form that ``kvq.json`` records in its ``build`` section and
+that :func:`kvq_export.export.exporter.ensure_export` compares to decide whether an export can be reused;
+enums stay plain strings there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from kvq_export.dtypes import COMPUTE_DTYPES
+from kvq_export.errors import ExportError, KVQError
+from kvq_export.export.flavors import FlavorName
+from kvq_export.presets import resolve_scheme
+from kvq_export.scheme import KVQuantScheme
+
+#: The calibration text every command reads by default (``kvq validate`` scores the same corpus).
+DEFAULT_CORPUS = "britannica"
+#: Calibration tokens when none are given: ``kvq export``, ``plan``, ``bench`` and the demo agree, so their scales do.
+DEFAULT_CALIB_TOKENS = 4096
+#: Calibration text starts this far into the corpus: past the 8 x 512 tokens ``kvq validate`` scores from token 0,
+#: so a calibrated export is never scored on the text it was calibrated on.
+DEFAULT_CALIB_OFFSET = 60000
+#: The percentile of ``method="percentile"`` (the 99.9th clips the rare outliers that cost 4-bit codes the most).
+DEFAULT_PERCENTILE = 99.9
+#: The opset of an export when none is asked for, and the oldest the decoder graph can be written in.
+DEFAULT_OPSET = 23
+MIN_OPSET = 18
+#: Block sizes of quantized weights (MatMulNBits and GatherBlockQuantized on CPU) and MatMulNBits' activation types.
+WEIGHT_BLOCK_SIZES = (16, 32, 64, 128, 256)
+ACCURACY_LEVELS = (1, 2, 3, 4)
+
+
+class CalibrationMethod(StrEnum):
+    """How a static scale is chosen from the calibration K/V (see :mod:`kvq_export.calibrate`)."""
+
+    ABSMAX = "absmax"
+    PERCENTILE = "percentile"
+    ATTENTION = "attention"
+
+
+class WeightFormat(StrEnum):
+    """How the graph's linear weights are stored."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+    INT8 = "int8"
+    INT4 = "int4"
+
+
+def _enum(kind: type[StrEnum], value: Any, where: str, error: type[KVQError]) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        raise error(f"invalid {where}={value!r}: allowed: {', '.join(kind)}") from None
+
+
+def _int(value: Any, where: str, least: int, error: type[KVQError]) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise error(f"invalid {where}={value!r}: allowed: an integer >= {least}")
+    return value
+
+
+def _known(data: Mapping[str, Any], cls: type, where: str, error: type[KVQError]) -> dict[str, Any]:
+    """``data`` as keyword arguments of ``cls``; an unknown key is refused with the allowed ones."""
+    if not isinstance(data, Mapping):
+        raise error(f"invalid {where}: expected an object, got {type(data).__name__}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise error(f"unknown {where} field(s) {', '.join(map(str, unknown))}; allowed: {', '.join(names)}")
+    return dict(data)
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    """Where static scales (and calibrated high channels) come from.
+
+    ``tokens`` tokens of ``corpus`` (a built-in corpus name or a text file), cut into windows of at most 1024,
+    starting ``offset`` tokens in; ``method`` picks each scale (``percentile``: the ``percentile``-th).
+    """
+
+    corpus: str = DEFAULT_CORPUS
+    tokens: int = DEFAULT_CALIB_TOKENS
+    offset: int = DEFAULT_CALIB_OFFSET
+    method: CalibrationMethod = CalibrationMethod.ABSMAX
+    percentile: float = DEFAULT_PERCENTILE
+
+    def __post_init__(self) -> None:
+        if isinstance(self.corpus, os.PathLike):
+            object.__setattr__(self, "corpus", os.fspath(self.corpus))
+        if not isinstance(self.corpus, str) or not self.corpus:
+            raise KVQError(f"invalid calibration.corpus={self.corpus!r}: allowed: a corpus name or a text file")
+        _int(self.tokens, "calibration.tokens", 1, KVQError)
+        _int(self.offset, "calibration.offset", 0, KVQError)
+        object.__setattr__(self, "method", _enum(CalibrationMethod, self.method, "calibration.method", KVQError))
+        number = isinstance(self.percentile, (int, float)) and not isinstance(self.percentile, bool)
+        if not number or not 50.0 < self.percentile <= 100.0:
+            raise KVQError(f"invalid calibration.percentile={self.percentile!r}: allowed: a number in (50, 100]")
+        object.__setattr__(self, "percentile", float(self.percentile))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (the method as a plain string)."""
+        return {"corpus": self.corpus, "tokens": self.tokens, "offset": self.offset, "method": str(self.method),
+                "percentile": self.percentile}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CalibrationSpec:
+        """Parse :meth:`to_dict`'s form; missing fields take the defaults."""
+        return cls(**_known(data, cls, "calibration", KVQError))
+
+
+#: The calibration of every command that is given no other (a frozen, shared default).
+DEFAULT_CALIBRATION = CalibrationSpec()
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """How the graph's linear weights are stored: as computed (``fp32``), or quantized in blocks.
+
+    ``int8``/``int4`` quantize each weight in blocks of ``block_size`` input channels (``symmetric``: no zero
+    point) for ONNX Runtime's ``MatMulNBits``, which computes with activations of ``accuracy_level`` (1: fp32,
+    2: fp16, 3: bf16, 4: int8; None: ONNX Runtime's choice). Level 1 is the default: with int8 activations a
+    batched request can decode differently from the same request alone.
+    """
+
+    format: WeightFormat = WeightFormat.FP32
+    block_size: int = 32
+    symmetric: bool = True
+    accuracy_level: int | None = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "format", _enum(WeightFormat, self.format, "weights.format", ExportError))
+        if isinstance(self.block_size, bool) or self.block_size not in WEIGHT_BLOCK_SIZES:
+            raise ExportError(f"invalid weights.block_size={self.block_size!r}: allowed: "
+                              f"{', '.join(map(str, WEIGHT_BLOCK_SIZES))}")
+        if not isinstance(self.symmetric, bool):
+            raise ExportError(f"invalid weights.symmetric={self.symmetric!r}: allowed: true, false")
+        level = self.accuracy_level
+        if level is not None and (isinstance(level, bool) or level not in ACCURACY_LEVELS):
+            raise ExportError(f"invalid weights.accuracy_level={level!r}: allowed: 1, 2, 3, 4, or null "
+                              "(ONNX Runtime's)")
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the weights are stored as integer blocks."""
+        return self.format in (WeightFormat.INT8, WeightFormat.INT4)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (the format as a plain string)."""
+        return {"format": str(self.format), "block_size": self.block_size, "symmetric": self.symmetric,
+                "accuracy_level": self.accuracy_level}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WeightSpec:
+        """Parse :meth:`to_dict`'s form; missing fields take the defaults."""
+        return cls(**_known(data, cls, "weights", ExportError))
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    """Everything that shapes one export; two equal requests built by one kvq source give one export.
+
+    Args:
+        model: a model spec (built-in name, Hugging Face directory or ``.gguf`` file); None when the caller hands
+            :func:`~kvq_export.export.exporter.export` an already loaded model.
+        scheme: the cache scheme, or a preset name / scheme JSON file.
+        flavor: the graph flavor (:mod:`kvq_export.export.flavors`).
+        weights: how the weights are stored.
+        dtype: compute dtype of the graph (``fp32``, ``fp16``).
+        opset: ONNX opset of the graph.
+        calibration: where static scales come from; None for a scheme that needs none, or when the caller gives
+            the scales themselves (a scheme that needs them is then refused without them: kvq never guesses one).
+    """
+
+    model: str | None
+    scheme: KVQuantScheme
+    flavor: FlavorName = FlavorName.REFERENCE
+    weights: WeightSpec = field(default_factory=WeightSpec)
+    dtype: str = "fp32"
+    opset: int = DEFAULT_OPSET
+    calibration: CalibrationSpec | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, os.PathLike):
+            object.__setattr__(self, "model", os.fspath(self.model))
+        if self.model is not None and not isinstance(self.model, str):
+            raise ExportError(f"invalid model={type(self.model).__name__}: allowed: a model spec (a name, a "
+                              "directory or a .gguf file), or None with the loaded model given to export()")
+        scheme = self.scheme
+        if isinstance(scheme, Mapping):
+            scheme = KVQuantScheme.from_dict(scheme)
+        object.__setattr__(self, "scheme", resolve_scheme(scheme))
+        object.__setattr__(self, "flavor", _enum(FlavorName, self.flavor, "flavor", ExportError))
+        if isinstance(self.weights, Mapping):
+            object.__setattr__(self, "weights", WeightSpec.from_dict(self.weights))
+        if not isinstance(self.weights, WeightSpec):
+            raise ExportError(f"invalid weights={self.weights!r}: allowed: a WeightSpec")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ExportError(f"invalid dtype={self.dtype!r}: allowed: {', '.join(COMPUTE_DTYPES)}")
+        _int(self.opset, "opset", MIN_OPSET, ExportError)
+        if isinstance(self.calibration, Mapping):
+            object.__setattr__(self, "calibration", CalibrationSpec.from_dict(self.calibration))
+        if self.calibration is not None and not isinstance(self.calibration, CalibrationSpec):
+            raise ExportError(f"invalid calibration={self.calibration!r}: allowed: a CalibrationSpec or None")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form: what ``kvq.json``'s ``build.request`` records and reuse compares.
+
+        The scheme's name is left out (a renamed copy of a scheme is the same request), and so is the calibration
+        of a scheme that needs none.
+        """
+        calibration = self.calibration if self.scheme.needs_calibration else None
+        return {"model": self.model, "scheme": {**self.scheme.to_dict(), "name": None}, "flavor": str(self.flavor),
+                "weights": self.weights.to_dict(), "dtype": self.dtype, "opset": self.opset,
+                "calibration": calibration.to_dict() if calibration is not None else None}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ExportRequest:
+        """Parse :meth:`to_dict`'s form."""
+        values = _known(data, cls, "request", ExportError)
+        if "scheme" not in values:
+            raise ExportError("missing request field 'scheme'")
+        return cls(**{"model": None, **values})
