@@ -60,8 +60,8 @@ def _tokenizer():
 def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     scheme = SCHEMES["ort-int8"]
-    return {"engine": export_model(tiny_model("llama"), scheme, root / "gqa", flavor="ort-gqa", tokenizer=_tokenizer(),
-                             static=calibration("llama", scheme)),
+    return {"engine": export_model(tiny_model("llama"), scheme, root / "gqa", flavor="ort-gqa",
+                                   tokenizer=_tokenizer(), static=calibration("llama", scheme)),
             "session": export_model(tiny_model("llama"), "q4_0", root / "ref", tokenizer=_tokenizer())}
 
 
