@@ -24,7 +24,7 @@ from typing import Any
 
 from kvq_export.dtypes import COMPUTE_DTYPES
 from kvq_export.errors import ExportError, KVQError
-from kvq_export.export.flavors import FlavorName
+from kvq_export.export.flavors import FlavorName, get_flavor
 from kvq_export.presets import resolve_scheme
 from kvq_export.scheme import KVQuantScheme
 
@@ -205,7 +205,7 @@ class ExportRequest:
         if isinstance(scheme, Mapping):
             scheme = KVQuantScheme.from_dict(scheme)
         object.__setattr__(self, "scheme", resolve_scheme(scheme))
-        object.__setattr__(self, "flavor", _enum(FlavorName, self.flavor, "flavor", ExportError))
+        object.__setattr__(self, "flavor", get_flavor(self.flavor).name)  # unknown: refused with the allowed ones
         if isinstance(self.weights, Mapping):
             object.__setattr__(self, "weights", WeightSpec.from_dict(self.weights))
         if not isinstance(self.weights, WeightSpec):

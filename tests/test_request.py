@@ -86,7 +86,7 @@ def test_what_does_not_shape_an_export_is_left_out_of_its_json():
     (lambda: WeightSpec(accuracy_level=0), ExportError, r"weights\.accuracy_level=0: allowed: 1, 2, 3, 4, or null"),
     (lambda: WeightSpec(symmetric="yes"), ExportError, r"weights\.symmetric='yes': allowed: true, false"),
     (lambda: ExportRequest(model="m", scheme="fp16", flavor="nope"), ExportError,
-     r"flavor='nope': allowed: reference, ort-gqa, trt"),
+     r"unknown flavor 'nope'; allowed: reference, ort-gqa, trt"),
     (lambda: ExportRequest(model="m", scheme="fp16", dtype="bf16"), ExportError, r"dtype='bf16': allowed: fp32, fp16"),
     (lambda: ExportRequest(model="m", scheme="fp16", opset=17), ExportError, r"opset=17: allowed: an integer >= 18"),
     (lambda: ExportRequest(model=object(), scheme="fp16"), ExportError, r"invalid model=object: allowed: a model spec"),
