@@ -56,7 +56,7 @@ def exports(tmp_path_factory):
     for name in ("fp32", "ort-int8", "ort-int4", "ort-int4-asymk", "int4-high/hp-fp32"):
         scheme = SCHEMES[name]
         out[name] = export_model(tiny_model("llama"), scheme, root / name.replace("/", "_"), flavor="ort-gqa",
-                           static=calibration("llama", scheme))
+                                 static=calibration("llama", scheme))
     return out
 
 
@@ -311,7 +311,7 @@ def test_fresh_plan_offers_the_nearest_plan_genai_serves(tmp_path, caplog):
     assert again.scheme.streams(2) == plan.genai_nearest.streams(2) and again.genai == {"servable": True}
     for name, scheme in (("mixed", plan.scheme), ("nearest", plan.genai_nearest)):
         directory = export_model(model, scheme, tmp_path / name, flavor="ort-gqa",
-                           static=calibrate_static_scales(model, scheme, windows))
+                                 static=calibrate_static_scales(model, scheme, windows))
         _served_as_kvq(directory, scheme, 2)
 
 
@@ -325,7 +325,7 @@ def test_regions_layout_exports_say_why(tmp_path):
         GenaiSession(directory)
     # a scheme GQA can hold, exported with the reference flavour: the fix is the flavour
     directory = export_model(tiny_model("llama"), SCHEMES["ort-int8"], tmp_path / "ref8",
-                       static=calibration("llama", SCHEMES["ort-int8"]))
+                             static=calibration("llama", SCHEMES["ort-int8"]))
     assert "re-export with --flavor ort-gqa" in Manifest.load(directory).runtimes[RUNTIME]["reason"]
 
 
@@ -408,7 +408,7 @@ def _one_line_error(result) -> str:
 def byte_export(tmp_path_factory):
     """An fp32 ort-gqa export whose tokenizer onnxruntime-genai reads (text prompts through both runtimes)."""
     return export_model(byte_model(), SCHEMES["fp32"], tmp_path_factory.mktemp("bytes") / "gqa", flavor="ort-gqa",
-                  tokenizer=byte_tokenizer())
+                        tokenizer=byte_tokenizer())
 
 
 def test_cli_generate_genai_json_equals_kvq(byte_export):

@@ -171,7 +171,7 @@ def test_strict_decode_perplexity_equals_pytorch_full_forward(tiny):
     from kvq_export.runtime.session import KVQSession
 
     fp32 = export_model(str(tiny["model_dir"]), dataclasses.replace(get_preset("fp16"), hp_dtype="fp32", name="fp32"),
-                  tiny["root"] / "fp32")
+                        tiny["root"] / "fp32")
     r = validate(tiny["kivi-2"], fp32, _config(tiny, attention_samples=0), progress=False)
     windows = token_windows(KVQSession(fp32).tokenizer, load_corpus(str(tiny["corpus"])), 3, 96)
     model = tiny_model("llama")
@@ -210,7 +210,7 @@ def test_ort_gqa_export_validates_like_the_reference_flavour(tiny):
     """
     calib = dict(calibration=CalibrationSpec(corpus=str(tiny["corpus"]), tokens=512, offset=0))
     dirs = {flavor: export_model(str(tiny["model_dir"]), "ort-int8", tiny["root"] / f"ort-int8-{flavor}", flavor=flavor,
-                           **calib) for flavor in ("ort-gqa", "reference")}
+                                 **calib) for flavor in ("ort-gqa", "reference")}
     config = _config(tiny, gen_tokens=4)
     got, want = (validate(dirs[f], tiny["fp16"], config, progress=False) for f in ("ort-gqa", "reference"))
     assert got["flavor"] == "ort-gqa" and got["attention"]["samples"] == want["attention"]["samples"] == 18
