@@ -23,10 +23,11 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvq_export._atomic import dir_mode
 from kvq_export.errors import ModelError
@@ -98,7 +99,9 @@ def resolve_spec(spec: str | os.PathLike[str]) -> ModelSource:
     text = os.fspath(spec)
     if text in BUILTIN_MODELS:
         return ModelSource("gguf", _builtin_path(text))
-    path = Path(text).expanduser()
+    # Absolute once, here: every later reader (transformers' GGUF loader resolves a bare file name against the
+    # current directory) then sees the one file the user named.
+    path = Path(text).expanduser().resolve()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelError(
@@ -141,9 +144,77 @@ def cache_root() -> Path:
 
 
 def gguf_cache_dir(gguf_path: Path) -> Path:
-    """Return the fp32 cache folder of a GGUF file, keyed by name, size and mtime (changed file: new one)."""
-    st = gguf_path.stat()
-    return cache_root() / f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}"
+    """Return the fp32 cache folder of a GGUF file, keyed by its content: size, mtime and sha256.
+
+    The name is only there for a reader: two files of one name (or one file changed) never share a folder.
+    """
+    size, mtime_ns, digest = file_fingerprint(gguf_path)
+    return cache_root() / f"{gguf_path.stem}-{size}-{mtime_ns}-{digest[:16]}"
+
+
+_DIGESTS: dict[tuple[int, ...], str] = {}
+
+
+def file_fingerprint(path: Path) -> tuple[int, int, str]:
+    """``(size, mtime_ns, sha256)`` of a file's content; hashed once per process and file version.
+
+    The memo key includes the inode and ctime, which every write (and every ``touch -d``) changes.
+    """
+    st = os.stat(path)
+    version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if version not in _DIGESTS:
+        import hashlib
+
+        with open(path, "rb") as handle:
+            _DIGESTS[version] = hashlib.file_digest(handle, "sha256").hexdigest()
+    return st.st_size, st.st_mtime_ns, _DIGESTS[version]
+
+
+#: files of a Hugging Face directory that shape the loaded model or its tokenizer
+_HF_FILE_PATTERNS = ("*.json", "*.safetensors", "*.bin", "*.model", "*.txt")
+
+
+def canonical_spec(spec: str | os.PathLike[str]) -> str:
+    """The spec as recorded: a built-in name as is, a path as the absolute path :func:`resolve_spec` loads."""
+    text = os.fspath(spec)
+    return text if text in BUILTIN_MODELS else str(resolve_spec(text).path)
+
+
+def model_identity(model: str | os.PathLike[str] | Any) -> dict[str, Any]:
+    """What a cached result derived from ``model`` is keyed by: its content, never its name.
+
+    A spec gives its absolute path and the size, mtime and sha256 of every file it loads from; a loaded
+    model the sha256 of its config and weights (:func:`weights_digest`).
+    """
+    if not isinstance(model, (str, os.PathLike)):
+        return {"weights": weights_digest(model)}
+    source = resolve_spec(model)
+    files = [source.path] if source.kind == "gguf" else sorted(
+        {f for pattern in _HF_FILE_PATTERNS for f in source.path.glob(pattern) if f.is_file()})
+    return {"spec": canonical_spec(model),
+            "files": {f.name: list(file_fingerprint(f)) for f in files}}
+
+
+_WEIGHT_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def weights_digest(model: PreTrainedModel) -> str:
+    """sha256 of a loaded model's config and tensors; kept while no tensor is replaced or changed in place."""
+    import hashlib
+
+    import torch
+
+    tensors = model.state_dict()
+    version = tuple((name, t.data_ptr(), t._version) for name, t in tensors.items())
+    cached = _WEIGHT_DIGESTS.get(model)
+    if cached is not None and cached[0] == version:
+        return cached[1]
+    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    for name, tensor in sorted(tensors.items()):
+        h.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    _WEIGHT_DIGESTS[model] = (version, h.hexdigest())
+    return _WEIGHT_DIGESTS[model][1]
 
 
 def load_config(spec: str | os.PathLike[str]) -> PretrainedConfig:
@@ -372,7 +443,7 @@ def _gguf_config(gguf_path: Path, header: GgufHeader) -> PretrainedConfig:
 
     # Parses the GGUF metadata (a few seconds: the tokenizer arrays dominate), no tensors.
     config = AutoConfig.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True, trust_remote_code=False
+        gguf_path.parent, gguf_file=str(gguf_path.absolute()), local_files_only=True, trust_remote_code=False
     )
     return restore_gguf_config(config, header)
 
@@ -382,7 +453,8 @@ def _convert_gguf(gguf_path: Path, header: GgufHeader, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    kwargs = {"gguf_file": gguf_path.name, "local_files_only": True, "trust_remote_code": False}
+    # an absolute gguf_file: transformers takes a bare name that exists in the current directory over the folder's
+    kwargs = {"gguf_file": str(gguf_path.absolute()), "local_files_only": True, "trust_remote_code": False}
     # dequantize=True loads a plain fp32 model (no GGUF quantizer attached, so save_pretrained works)
     # and never keeps packed GGUF blocks, even where a GGUF matmul kernel is installed.
     model = AutoModelForCausalLM.from_pretrained(

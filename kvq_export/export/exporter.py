@@ -169,10 +169,10 @@ def _export_locked(model, scheme: KVQuantScheme, out: Path, *, dtype: str, opset
     start = time.perf_counter()
     source = None
     if isinstance(model, (str, os.PathLike)):
-        from kvq_export.model_source import load_model
+        from kvq_export.model_source import canonical_spec, load_model
 
-        source = str(model)
-        model, tokenizer = load_model(model)
+        source = canonical_spec(model)  # absolute: the manifest names the same model from any directory
+        model, tokenizer = load_model(source)
     config = model.config
     arch = get_arch(config)
     scheme.check_model(arch.num_layers, arch.head_dim)
@@ -269,8 +269,14 @@ def _source_digest() -> str:
 
 def _request(model, scheme: KVQuantScheme, *, flavor: str, dtype: str, opset: int, static, calib_corpus,
              calib_tokens: int, calib_method: str, calib_percentile: float, calib_offset: int) -> dict[str, Any]:
-    """Everything that shapes an export, as JSON: two equal requests from one kvq source give one export."""
-    request: dict[str, Any] = {"source": str(model) if isinstance(model, (str, os.PathLike)) else None,
+    """Everything that shapes an export, as JSON: two equal requests from one kvq source give one export.
+
+    The model is named by its content (:func:`~kvq_export.model_source.model_identity`), so a reused export is
+    never one of another model that had the same name or path.
+    """
+    from kvq_export.model_source import model_identity
+
+    request: dict[str, Any] = {"source": model_identity(model),
                                "scheme": {**scheme.to_dict(), "name": None}, "flavor": flavor, "dtype": dtype,
                                "opset": opset}
     if scheme.needs_calibration:
