@@ -239,12 +239,22 @@ def _unreadable_as_model_error(path: Path):
     ``IndexError`` on a short tensor) for bad bytes; those are bad input here, not bugs. transformers' GGUF
     loader raises ``NotImplementedError`` for files it cannot map (e.g. a ``llama`` GGUF named ``mistral``).
     """
+    import pickle
     import struct
+
+    from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassFieldValidationError
 
     try:
         yield
     except ModelError:
         raise
+    except (StrictDataclassClassValidationError, StrictDataclassFieldValidationError) as err:
+        cause = err.__cause__ or err  # the config's own reason ("hidden size (1) is not a multiple ..."), in one line
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise ModelError(f"cannot read the model at {path}: its config is invalid: {first}") from None
+    except pickle.UnpicklingError:  # torch.load(weights_only=True) met a pickle that runs code
+        raise ModelError(f"cannot read the model at {path}: its pickled weights (pytorch_model.bin) need code to "
+                         "load, which kvq never runs; convert them to safetensors") from None
     except (ValueError, OSError, EOFError, KeyError, IndexError, struct.error, UnicodeDecodeError,
             NotImplementedError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -406,14 +416,14 @@ def restore_gguf_config(config: PretrainedConfig, header: GgufHeader) -> Pretrai
 
 def _load_hf_dir(model_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # library code: no progress bars on stderr for a sub-second load
     start = time.perf_counter()
     # a model is data: code it ships (auto_map) is never run, and never asked about
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True,
-                                                 trust_remote_code=False)
+    model = _complete_model(model_dir, model_dir, dtype=torch.float32, local_files_only=True,
+                            trust_remote_code=False)
     model.eval()
     tokenizer = None
     if any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
@@ -422,6 +432,43 @@ def _load_hf_dir(model_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerB
         logger.warning("no tokenizer files in %s; returning tokenizer=None", model_dir)
     logger.info("loaded %s in %.1f s", model_dir, time.perf_counter() - start)
     return model, tokenizer
+
+
+def _complete_model(path: Path, *args, **kwargs) -> PreTrainedModel:
+    """``AutoModelForCausalLM.from_pretrained(*args, **kwargs)``, refused unless every weight came from ``path``.
+
+    transformers fills a missing or wrongly shaped tensor with random values and only logs it; an export of
+    such a model would run and be wrong. Missing, unexpected and mismatched tensors are one ModelError here.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report is a table on stderr; the error below says it in one line
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(*args, output_loading_info=True,
+                                                           ignore_mismatched_sizes=True, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    problems = []
+    for label, names in (("missing", info.get("missing_keys")), ("unexpected", info.get("unexpected_keys"))):
+        if names:
+            problems.append(f"{label} {_some(sorted(names))}")
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        problems.append("shapes differ from the config: " + _some(
+            [f"{name} {list(have)} in the weights, {list(want)} by the config" for name, have, want in mismatched]))
+    problems += [str(msg).strip().splitlines()[0] for msg in info.get("error_msgs") or () if str(msg).strip()]
+    if problems:
+        raise ModelError(f"cannot load {path}: its weights do not match its config ({'; '.join(problems)}); "
+                         "kvq exports only complete checkpoints")
+    return model
+
+
+def _some(items: list[str], shown: int = 4) -> str:
+    """The first ``shown`` items, comma-separated, with how many more there are."""
+    more = f" (+{len(items) - shown} more)" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
 
 
 def _ensure_fp32_cache(gguf_path: Path) -> Path:
@@ -451,14 +498,14 @@ def _gguf_config(gguf_path: Path, header: GgufHeader) -> PretrainedConfig:
 def _convert_gguf(gguf_path: Path, header: GgufHeader, out_dir: Path) -> None:
     """Dequantize a GGUF model to fp32 and save it, with its tokenizer, as a Hugging Face directory."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoTokenizer, GgufConfig
 
     # an absolute gguf_file: transformers takes a bare name that exists in the current directory over the folder's
     kwargs = {"gguf_file": str(gguf_path.absolute()), "local_files_only": True, "trust_remote_code": False}
     # dequantize=True loads a plain fp32 model (no GGUF quantizer attached, so save_pretrained works)
     # and never keeps packed GGUF blocks, even where a GGUF matmul kernel is installed.
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, config=_gguf_config(gguf_path, header), dtype=torch.float32,
+    model = _complete_model(
+        gguf_path, gguf_path.parent, config=_gguf_config(gguf_path, header), dtype=torch.float32,
         quantization_config=GgufConfig(dequantize=True), **kwargs
     )
     model.save_pretrained(out_dir)

@@ -5,14 +5,19 @@ Where the inputs form a space the cases come from hypothesis with a fixed seed (
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
 from tiny_models import save_tiny_model_dir
 
+from kvq_export.cli import cli
+from kvq_export.errors import ModelError
 from kvq_export.model_source import gguf_cache_dir, load_model
 
 SEED = int(os.environ.get("KVQ_TEST_SEED", "20261203"))
@@ -89,3 +94,68 @@ def test_export_reuse_is_keyed_by_the_models_content(tmp_path, monkeypatch):
     save_tiny_model_dir(tmp_path / "m", kind="llama-tied")  # another model, same path
     again = ensure_export("m", "fp16", tmp_path / "out")
     assert Manifest.load(again).weights != digest
+
+
+# -- 2. incomplete checkpoints ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def _copy_model(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused_naming_it(tiny_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    broken = _copy_model(tiny_dir, tmp_path / "broken")
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    tensors["model.layers.9.extra.weight"] = torch.zeros(3)
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    result = CliRunner().invoke(cli, ["export", "--model", str(broken), "--scheme", "fp16",
+                                      "--out", str(tmp_path / "out")])
+    line = _one_line_error(result)
+    assert "missing model.layers.1.self_attn.k_proj.weight" in line
+    assert "unexpected model.layers.9.extra.weight" in line
+    assert not (tmp_path / "out").exists()
+
+
+SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "vocab_size")
+
+
+@seed(SEED)
+@FUZZ
+@given(field=st.sampled_from(SIZE_FIELDS), value=st.integers(1, 300))
+def test_a_config_whose_sizes_do_not_match_the_weights_is_one_model_error(tiny_dir, tmp_path_factory, field, value):
+    config = json.loads((tiny_dir / "config.json").read_text())
+    if config[field] == value:
+        return
+    broken = _copy_model(tiny_dir, tmp_path_factory.mktemp("sizes") / "m")
+    (broken / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ModelError) as err:
+        load_model(broken)
+    message = str(err.value)
+    assert "\n" not in message and str(broken) in message
+
+
+def test_a_pickle_that_runs_code_is_refused_in_one_line(tiny_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((tiny_dir / "config.json").read_text())
+    torch.save({**load_file(tiny_dir / "model.safetensors"), "payload": Payload()}, pickled / "pytorch_model.bin")
+    result = CliRunner().invoke(cli, ["export", "--model", str(pickled), "--scheme", "fp16",
+                                      "--out", str(tmp_path / "out")])
+    line = _one_line_error(result)
+    assert "need code to load" in line and "safetensors" in line and "ran" not in result.output
