@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -290,19 +291,45 @@ class GgufHeader:
         return self.metadata.get(f"{self.architecture}.{name}")
 
 
+#: deepest array-of-arrays a GGUF header may hold (llama.cpp writes flat arrays)
+GGUF_MAX_ARRAY_DEPTH = 4
+#: most dimensions of a GGUF tensor (ggml's GGML_MAX_DIMS)
+GGUF_MAX_DIMS = 4
+
+
 def read_gguf_header(path: Path) -> GgufHeader:
     """Read a GGUF file's header: scalar metadata and tensor names, no tensor data.
 
     Streams the header with the gguf package's type codes: ``gguf.GGUFReader`` would also decode every
-    vocabulary entry, seconds on a real model (this takes about 0.1 s). Bad or short bytes raise
-    ``ValueError``/``EOFError``.
+    vocabulary entry, seconds on a real model (this takes about 0.1 s). Every length, count and tensor size
+    the header states is checked against the bytes the file holds before anything is read or allocated, and
+    arrays nest at most :data:`GGUF_MAX_ARRAY_DEPTH` deep, so a hostile header costs no memory and no
+    recursion. Bad or short bytes raise ``ValueError``/``EOFError``; a header that passes describes a file
+    every later reader (transformers' GGUF loader) can read within its size.
     """
     import struct
 
     import numpy as np
-    from gguf import GGUF_MAGIC, GGUFReader, GGUFValueType
+    from gguf import (
+        GGML_QUANT_SIZES,
+        GGUF_DEFAULT_ALIGNMENT,
+        GGUF_MAGIC,
+        GGMLQuantizationType,
+        GGUFReader,
+        GGUFValueType,
+    )
 
     with open(path, "rb") as handle:
+        file_size = os.fstat(handle.fileno()).st_size
+
+        def left() -> int:
+            return file_size - handle.tell()
+
+        def claim(size: int, what: str) -> int:
+            if size > left():
+                raise ValueError(f"the GGUF header states {what} of {size} bytes at offset {handle.tell()}, "
+                                 f"but the file has {left()} bytes left")
+            return size
 
         def read(size: int) -> bytes:
             data = handle.read(size)
@@ -322,36 +349,68 @@ def read_gguf_header(path: Path) -> GgufHeader:
         def number(fmt: str) -> int:
             return struct.unpack(order + fmt, read(struct.calcsize(fmt)))[0]
 
-        def string() -> str:
-            return read(number("Q")).decode("utf-8")
+        def string(what: str) -> str:
+            return read(claim(number("Q"), what)).decode("utf-8")
 
-        def skip(kind: GGUFValueType, count: int) -> None:
-            if kind == GGUFValueType.STRING:
-                for _ in range(count):
-                    handle.seek(number("Q"), os.SEEK_CUR)
-            elif kind == GGUFValueType.ARRAY:
-                for _ in range(count):
-                    inner = GGUFValueType(number("I"))
-                    skip(inner, number("Q"))
-            else:
-                handle.seek(count * scalars[kind].itemsize, os.SEEK_CUR)
+        def skip_array() -> None:
+            """Skip an array value (item type, count, items), nested arrays included, without recursion."""
+            pending = [1]  # arrays still to skip, per nesting level
+            while pending:
+                if not pending[-1]:
+                    pending.pop()
+                    continue
+                pending[-1] -= 1
+                kind, count = GGUFValueType(number("I")), number("Q")
+                if kind == GGUFValueType.ARRAY:
+                    if len(pending) >= GGUF_MAX_ARRAY_DEPTH:
+                        raise ValueError(f"the GGUF header nests arrays deeper than {GGUF_MAX_ARRAY_DEPTH} levels")
+                    claim(count * 12, f"an array of {count} arrays")  # each at least a type and a count
+                    pending.append(count)
+                elif kind == GGUFValueType.STRING:
+                    claim(count * 8, f"an array of {count} strings")  # each at least its length
+                    for _ in range(count):
+                        handle.seek(claim(number("Q"), "a string"), os.SEEK_CUR)
+                else:
+                    handle.seek(claim(count * scalars[kind].itemsize, f"an array of {count} numbers"), os.SEEK_CUR)
 
         tensor_count, kv_count = number("Q"), number("Q")
+        claim(kv_count * 12, f"{kv_count} metadata entries")  # each at least a key length and a type
+        claim(tensor_count * 24, f"{tensor_count} tensors")  # name length, dims count, type, offset
         metadata: dict[str, str | int | float | bool] = {}
         for _ in range(kv_count):
-            key = string()
+            key = string("a metadata key")
             kind = GGUFValueType(number("I"))
             if kind == GGUFValueType.STRING:
-                metadata[key] = string()
+                metadata[key] = string(f"the value of {key}")
             elif kind == GGUFValueType.ARRAY:
-                inner = GGUFValueType(number("I"))
-                skip(inner, number("Q"))
+                skip_array()
             else:
                 metadata[key] = np.frombuffer(read(scalars[kind].itemsize), scalars[kind])[0].item()
-        names = []
+        names, extents = [], []
         for _ in range(tensor_count):  # name, n_dims, dims, ggml type, offset
-            names.append(string())
-            handle.seek(8 * number("I") + 4 + 8, os.SEEK_CUR)
+            name = string("a tensor name")
+            n_dims = number("I")
+            if n_dims > GGUF_MAX_DIMS:
+                raise ValueError(f"GGUF tensor {name!r} has {n_dims} dimensions; at most {GGUF_MAX_DIMS}")
+            dims = [number("Q") for _ in range(n_dims)]
+            kind, offset = GGMLQuantizationType(number("I")), number("Q")
+            if kind not in GGML_QUANT_SIZES:
+                raise ValueError(f"GGUF tensor {name!r} has ggml type {kind.name}, which has no known size")
+            block, block_bytes = GGML_QUANT_SIZES[kind]
+            elements = math.prod(dims)
+            if dims and dims[0] % block:
+                raise ValueError(f"GGUF tensor {name!r}: its first dimension {dims[0]} is not a multiple of "
+                                 f"{kind.name}'s block of {block}")
+            names.append(name)
+            extents.append((name, offset, elements // block * block_bytes))
+        alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"GGUF general.alignment {alignment!r} is not a power of two")
+        data_start = -(-handle.tell() // alignment) * alignment
+        for name, offset, size in extents:
+            if data_start + offset + size > file_size:
+                raise ValueError(f"GGUF tensor {name!r} claims {size} bytes at offset {offset} of its data, "
+                                 f"beyond the file's {file_size} bytes")
         return GgufHeader(metadata, tuple(names))
 
 

@@ -159,3 +159,122 @@ def test_a_pickle_that_runs_code_is_refused_in_one_line(tiny_dir, tmp_path):
                                       "--out", str(tmp_path / "out")])
     line = _one_line_error(result)
     assert "need code to load" in line and "safetensors" in line and "ran" not in result.output
+
+
+# -- 3. malformed input files, bounded -------------------------------------------------------------------------
+def _gguf(metadata: list[tuple[str, int, bytes]], tensors: list[tuple[str, list[int], int]] = (),
+          data: bytes = b"") -> bytes:
+    """A little-endian GGUF v3: ``metadata`` as (key, value type, encoded value), ``tensors`` as (name, dims, type)."""
+    import struct
+
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text.encode())) + text.encode()
+
+    out = struct.pack("<IIQQ", 0x46554747, 3, len(tensors), len(metadata))
+    for key, kind, value in metadata:
+        out += string(key) + struct.pack("<I", kind) + value
+    offset = 0
+    for name, dims, kind in tensors:
+        out += string(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims)
+        out += struct.pack("<IQ", kind, offset)
+        offset += 4 * int(np_prod(dims))
+    return out + b"\0" * (-len(out) % 32) + data
+
+
+def np_prod(dims) -> int:
+    import math
+
+    return math.prod(dims)
+
+
+def _gstr(text: str) -> bytes:
+    import struct
+
+    return struct.pack("<Q", len(text.encode())) + text.encode()
+
+
+STRING, ARRAY, UINT32, F32 = 8, 9, 4, 0
+
+
+def _valid_gguf() -> bytes:
+    """A header-complete llama GGUF with strings, arrays and one f32 tensor of 8 values."""
+    import struct
+
+    return _gguf([("general.architecture", STRING, _gstr("llama")),
+                  ("llama.block_count", UINT32, struct.pack("<I", 1)),
+                  ("tokenizer.ggml.tokens", ARRAY, struct.pack("<IQ", STRING, 3) + b"".join(map(_gstr, "abc"))),
+                  ("tokenizer.ggml.token_type", ARRAY, struct.pack("<IQ", UINT32, 3) + struct.pack("<3I", 1, 1, 1))],
+                 [("token_embd.weight", [4, 2], F32)], data=b"\0" * 32)
+
+
+@pytest.mark.parametrize("case", ["string 2^62", "array of 2^62 strings", "nested arrays", "2^40 dimension",
+                                  "tensor past the end"])
+def test_a_hostile_gguf_header_is_one_model_error_before_any_allocation(case, tmp_path, monkeypatch):
+    import struct
+
+    from kvq_export.model_source import load_config, read_gguf_header
+
+    monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
+    arch = ("general.architecture", STRING, _gstr("llama"))
+    if case == "string 2^62":
+        data = _gguf([arch, ("general.name", STRING, struct.pack("<Q", 1 << 62) + b"x")])
+    elif case == "array of 2^62 strings":
+        data = _gguf([arch, ("tokenizer.ggml.tokens", ARRAY, struct.pack("<IQ", STRING, 1 << 62))])
+    elif case == "nested arrays":
+        data = _gguf([arch, ("x", ARRAY, struct.pack("<IQ", ARRAY, 1) * 100_000 + struct.pack("<IQ", UINT32, 0))])
+    elif case == "2^40 dimension":
+        data = _gguf([arch], [("token_embd.weight", [1 << 40, 2], F32)], data=b"\0" * 64)
+    else:
+        data = _gguf([arch], [("token_embd.weight", [64, 2], F32)], data=b"\0" * 64)
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(data)
+    with pytest.raises((ValueError, EOFError)):
+        read_gguf_header(path)
+    with pytest.raises(ModelError) as err:
+        load_config(path)
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def valid_gguf(tmp_path_factory) -> Path:
+    from kvq_export.model_source import read_gguf_header
+
+    path = tmp_path_factory.mktemp("gguf") / "ok.gguf"
+    path.write_bytes(_valid_gguf())
+    header = read_gguf_header(path)
+    assert header.architecture == "llama" and header.tensor_names == ("token_embd.weight",)
+    return path
+
+
+@seed(SEED)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(at=st.integers(0, 400), width=st.sampled_from([4, 8]),
+       value=st.sampled_from([1 << 62, 1 << 40, (1 << 64) - 1, (1 << 32) - 1, 1 << 31, 9, 8, 0]) |
+       st.integers(0, (1 << 64) - 1))
+def test_any_overwritten_gguf_header_field_is_read_within_the_file(valid_gguf, tmp_path_factory, at, width, value):
+    """Every length, count, type or dimension the header states, overwritten, is refused or read within bounds."""
+    import struct
+
+    from kvq_export.model_source import read_gguf_header
+
+    data = bytearray(valid_gguf.read_bytes())
+    at = min(at, len(data) - 8)
+    data[at:at + width] = struct.pack("<Q" if width == 8 else "<I", value % (1 << (8 * width)))
+    path = tmp_path_factory.mktemp("fuzz") / "m.gguf"
+    path.write_bytes(bytes(data))
+    try:
+        read_gguf_header(path)
+    except (ValueError, EOFError):  # UnicodeDecodeError and unknown type codes are ValueErrors
+        pass
+
+
+@pytest.mark.parametrize("text,needle", [("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+                                         ('{"residual_length": ' + "9" * 5000 + "}", "5000 digits"),
+                                         ('{"key": {"bits": ' + "1" * 21 + "}}", "21 digits")])
+def test_a_hostile_scheme_json_is_one_scheme_error(text, needle, tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    result = CliRunner().invoke(cli, ["memory", "--scheme", str(path), "--seq-len", "8", "--model",
+                                      str(save_tiny_model_dir(tmp_path / "m"))])
+    line = _one_line_error(result)
+    assert needle in line
