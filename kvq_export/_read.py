@@ -56,10 +56,13 @@ def read_bytes(path: str | os.PathLike[str], what: str, *, limit: int = TEXT_LIM
 
 def read_text(path: str | os.PathLike[str], what: str, *, limit: int = TEXT_LIMIT,
               error: type[KVQError] = KVQError) -> str:
-    """:func:`read_bytes` decoded as UTF-8; bytes that are not UTF-8 are a one-line error."""
+    """:func:`read_bytes` decoded as UTF-8 with ``\\r\\n`` and ``\\r`` read as ``\\n`` (as ``open()`` does).
+
+    Bytes that are not UTF-8 are a one-line error.
+    """
     data = read_bytes(path, what, limit=limit, error=error)
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
     except UnicodeDecodeError as err:
         raise error(f"{what} {os.fspath(path)} is not UTF-8 text ({err.reason} at byte {err.start})") from None
 

@@ -488,12 +488,10 @@ def build(export_dir, fp16, max_batch, max_context, max_prefill, output) -> None
 
 
 def _utf8_text(path: str, what: str) -> str:
-    """A text file's content; bytes that are not UTF-8 are a one-line error, not a traceback."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read()
-    except UnicodeDecodeError as err:
-        raise KVQError(f"{what} {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    """A text file's content, capped (``/dev/zero`` is refused); bytes that are not UTF-8 are a one-line error."""
+    from kvq_export._read import read_text
+
+    return read_text(path, what)
 
 
 def _utf8_arg(text: str, option: str) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvq_export._atomic import atomic_write
+from kvq_export._read import parse_json, read_text
 from kvq_export.cache_layout import REGIONS, CacheLayout, layout_named
 from kvq_export.errors import KVQError, RuntimeInputError
 from kvq_export.model_facts import ModelFacts
@@ -198,14 +199,8 @@ class Manifest:
         path = Path(directory) / MANIFEST_NAME
         if not path.is_file():
             raise RuntimeInputError(f"{directory} is not a kvq export directory: {MANIFEST_NAME} is missing")
-        try:
-            data = json.loads(path.read_bytes().decode("utf-8"))
-        except UnicodeDecodeError as err:
-            raise RuntimeInputError(f"{path} is not UTF-8 text: {err}") from None
-        except json.JSONDecodeError as err:
-            raise RuntimeInputError(f"{path} is not valid JSON: {err}") from None
-        except RecursionError:
-            raise RuntimeInputError(f"{path} is not valid JSON: nested too deeply") from None
+        # capped: a sparse or endless kvq.json is refused before it is read
+        data = parse_json(read_text(path, "manifest", error=RuntimeInputError), str(path), error=RuntimeInputError)
         manifest = cls.from_dict(data)
         check_export_files(directory, manifest)
         return manifest

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvq_export._atomic import dir_mode
+from kvq_export._read import TEXT_LIMIT, TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes
 from kvq_export.errors import ModelError
 from kvq_export.model_facts import ModelFacts
 
@@ -229,7 +230,15 @@ def load_config(spec: str | os.PathLike[str]) -> PretrainedConfig:
             if (cached / "config.json").is_file():
                 return AutoConfig.from_pretrained(cached, local_files_only=True, trust_remote_code=False)
             return _gguf_config(source.path, check_gguf_header(source.path))
+        _check_small_files(source.path)
         return AutoConfig.from_pretrained(source.path, local_files_only=True, trust_remote_code=False)
+
+
+def _check_small_files(model_dir: Path) -> None:
+    """Refuse a config or tokenizer file of a Hugging Face directory that transformers would read whole."""
+    check_sizes(model_dir, ("config.json", "generation_config.json"), "model file", limit=TEXT_LIMIT,
+                error=ModelError)
+    check_sizes(model_dir, TOKENIZER_FILES, "tokenizer file", limit=TOKENIZER_LIMIT, error=ModelError)
 
 
 @contextlib.contextmanager
@@ -479,6 +488,7 @@ def _load_hf_dir(model_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerB
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # library code: no progress bars on stderr for a sub-second load
+    _check_small_files(model_dir)
     start = time.perf_counter()
     # a model is data: code it ships (auto_map) is never run, and never asked about
     model = _complete_model(model_dir, model_dir, dtype=torch.float32, local_files_only=True,

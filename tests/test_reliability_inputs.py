@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tiny_models import save_tiny_model_dir
 
 from kvq_export.cli import cli
-from kvq_export.errors import ModelError
+from kvq_export.errors import KVQError, ModelError
 from kvq_export.model_source import gguf_cache_dir, load_model
 
 SEED = int(os.environ.get("KVQ_TEST_SEED", "20261203"))
@@ -278,3 +278,54 @@ def test_a_hostile_scheme_json_is_one_scheme_error(text, needle, tmp_path):
                                       str(save_tiny_model_dir(tmp_path / "m"))])
     line = _one_line_error(result)
     assert needle in line
+
+
+# -- 4. unbounded reads ------------------------------------------------------------------------------------------
+@seed(SEED)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(size=st.integers(0, 300), limit=st.integers(1, 200))
+def test_the_capped_reader_returns_a_file_within_its_limit_and_names_the_limit_otherwise(tmp_path_factory, size,
+                                                                                        limit):
+    from kvq_export._read import read_bytes
+
+    path = tmp_path_factory.mktemp("cap") / "f.txt"
+    path.write_bytes(b"a" * size)
+    if size <= limit:
+        assert read_bytes(path, "text file", limit=limit) == b"a" * size
+    else:
+        with pytest.raises(KVQError, match=f"at most {limit} bytes"):
+            read_bytes(path, "text file", limit=limit)
+
+
+def test_prompts_from_an_endless_device_are_refused_with_the_limit(tmp_path):
+    result = CliRunner().invoke(cli, ["validate", str(tmp_path), "--prompts", "/dev/zero"])
+    line = _one_line_error(result)
+    assert "prompts file /dev/zero" in line and "64 MiB" in line
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory, tiny_dir):
+    from kvq_export.export.exporter import export
+
+    return export(tiny_dir, "fp16", tmp_path_factory.mktemp("exp") / "fp16")
+
+
+@pytest.mark.parametrize("name, size", [("kvq.json", 3 << 30), ("tokenizer.json", 20 << 30)])
+def test_a_sparse_export_file_is_refused_without_reading_it(tiny_export, tmp_path, name, size):
+    import shutil
+
+    export_dir = tmp_path / "e"
+    shutil.copytree(tiny_export, export_dir)
+    with open(export_dir / name, "r+b") as handle:
+        handle.truncate(size)  # sparse: no disk used, GiBs to a reader
+    result = CliRunner().invoke(cli, ["generate", str(export_dir), "--prompt", "w1 w2", "--max-new-tokens", "2"])
+    line = _one_line_error(result)
+    assert name in line and f"{size} bytes" in line and "MiB" in line
+
+
+def test_a_sparse_tokenizer_file_of_a_model_directory_is_refused(tiny_dir, tmp_path):
+    model = _copy_model(tiny_dir, tmp_path / "m")
+    with open(model / "tokenizer.json", "r+b") as handle:
+        handle.truncate(4 << 30)
+    with pytest.raises(ModelError, match="256 MiB"):
+        load_model(model)

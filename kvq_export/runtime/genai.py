@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvq_export._lazy import require
+from kvq_export._read import TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes, read_json
 from kvq_export.errors import ExportError, RuntimeInputError
 from kvq_export.export.genai_package import GENAI_CONFIG, RUNTIME, unsupported_reason
 from kvq_export.manifest import Manifest
@@ -159,9 +160,11 @@ class GenaiSession:
             raise RuntimeInputError(f"{self.directory} has no {GENAI_CONFIG}: {reason}")
         self.og = require("onnxruntime_genai")
         self.threads = threads or default_threads()
+        # onnxruntime-genai reads these whole: a sparse or endless one is refused first
+        check_sizes(self.directory, TOKENIZER_FILES, "tokenizer file", limit=TOKENIZER_LIMIT, error=RuntimeInputError)
+        self.config = read_json(self.directory / GENAI_CONFIG, GENAI_CONFIG, error=RuntimeInputError)
         with self._og_call("load"):
             self.model = self.og.Model(self._config())
-        self.config = json.loads((self.directory / GENAI_CONFIG).read_text())
         self._tokenizer = None
         self._no_eos_model = None
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvq_export._read import TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes
 from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError, RuntimeInputError
 from kvq_export.manifest import (
@@ -500,6 +501,8 @@ def load_tokenizer(directory: str | Path, manifest: Manifest):
     from transformers import AutoTokenizer
 
     check_export_files(Path(directory), manifest)
+    check_sizes(directory, TOKENIZER_FILES, "tokenizer file", limit=TOKENIZER_LIMIT,
+                error=RuntimeInputError)  # transformers reads them whole
     try:  # an export is data: never run code it ships (auto_map), never ask about it
         return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, TypeError, KeyError) as err:
