@@ -32,6 +32,20 @@ def dir_mode() -> int:
     return 0o777 & ~_umask()
 
 
+#: longest name whose companions (``.<name>.tmp-XXXXXXXX``, ``.<name>.old-<pid>``, ``.<name>.lock``) fit in
+#: the 255 bytes a file name may have
+_ASIDE_MAX = 255 - len("..tmp-XXXXXXXX")
+
+
+def aside_name(name: str) -> str:
+    """The stem of the hidden files kept beside ``name``: ``name`` itself, or a short digest of a long one."""
+    if len(os.fsencode(name)) <= _ASIDE_MAX:
+        return name
+    import hashlib
+
+    return "kvq-" + hashlib.sha256(os.fsencode(name)).hexdigest()[:16]
+
+
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 
@@ -80,7 +94,7 @@ def atomic_writer(path: str | os.PathLike[str], mode: str = "w") -> Iterator[IO]
         raise ValueError(f"mode must be 'w' or 'wb', got {mode!r}")
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{aside_name(target.name)}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, mode) as handle:
             yield handle

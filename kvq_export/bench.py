@@ -300,7 +300,7 @@ def run_bench(
     if too_short:
         raise KVQError(f"context {too_short[0]} is shorter than warmup + steps + 1 = {warmup + steps + 1}")
     from kvq_export.memory import predict
-    from kvq_export.model_source import cache_root, load_model, model_facts
+    from kvq_export.model_source import cache_dir, load_model, model_facts
     from kvq_export.presets import resolve_scheme
     from kvq_export.runtime.session import KVQSession
 
@@ -309,7 +309,7 @@ def run_bench(
         scheme = resolve_scheme(spec)
         resolved.setdefault(scheme.name or str(spec), scheme)
     base_name = resolve_scheme(baseline).name or baseline
-    root = Path(work_dir) if work_dir else cache_root() / "bench"
+    root = Path(work_dir) if work_dir else cache_dir("bench")
     tag = Path(str(model)).stem if os.sep in str(model) else str(model)
     hf_model, tokenizer = load_model(model)
     facts = model_facts(hf_model.config)

@@ -118,11 +118,11 @@ def run_demo(model_spec: str, prompt: str, max_new_tokens: int, workdir: str | o
              sampling: SamplingConfig = DEMO_SAMPLING, runs: tuple[DemoRun, ...] = DEMO_RUNS) -> list[DemoRow]:
     """Export (or reuse) each of ``runs`` and generate from ``prompt``; the first run is the baseline."""
     from kvq_export.memory import predict
-    from kvq_export.model_source import cache_root
+    from kvq_export.model_source import cache_dir
     from kvq_export.runtime.genai import RUNTIME, serve_command
     from kvq_export.runtime.session import KVQSession
 
-    root = Path(workdir) if workdir else cache_root() / "exports"
+    root = Path(workdir) if workdir else cache_dir("exports")
     rows: list[DemoRow] = []
     for run in runs:
         directory = ensure_export(model_spec, run.scheme, root, flavor=run.flavor,

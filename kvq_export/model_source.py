@@ -17,6 +17,7 @@ into the config (:func:`restore_gguf_config`), or the file is refused where it c
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import logging
 import math
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvq_export._atomic import dir_mode
+from kvq_export._atomic import aside_name, dir_mode
 from kvq_export._read import TEXT_LIMIT, TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes
 from kvq_export.errors import ModelError
 from kvq_export.model_facts import ModelFacts
@@ -145,13 +146,26 @@ def cache_root() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvq"
 
 
+def cache_dir(*parts: str) -> Path:
+    """``cache_root()/parts``, created; a one-line :class:`ModelError` where it cannot be (a file, no permission)."""
+    path = cache_root().joinpath(*parts)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable")
+    except OSError as err:
+        raise ModelError(f"kvq's cache directory {path} cannot be used ({err.strerror or err}); set KVQ_CACHE_DIR "
+                         "to a writable directory") from None
+    return path
+
+
 def gguf_cache_dir(gguf_path: Path) -> Path:
     """Return the fp32 cache folder of a GGUF file, keyed by its content: size, mtime and sha256.
 
     The name is only there for a reader: two files of one name (or one file changed) never share a folder.
     """
     size, mtime_ns, digest = file_fingerprint(gguf_path)
-    return cache_root() / f"{gguf_path.stem}-{size}-{mtime_ns}-{digest[:16]}"
+    return cache_root() / f"{gguf_path.stem[:100]}-{size}-{mtime_ns}-{digest[:16]}"
 
 
 _DIGESTS: dict[tuple[int, ...], str] = {}
@@ -546,9 +560,15 @@ def _ensure_fp32_cache(gguf_path: Path) -> Path:
     if (target / "config.json").is_file():
         return target
     header = check_gguf_header(gguf_path)
+    cache_dir()
     logger.info("converting %s to fp32 (once) into %s", gguf_path, target)
     start = time.perf_counter()
-    write_dir_atomically(target, lambda tmp: _convert_gguf(gguf_path, header, tmp))
+    try:
+        write_dir_atomically(target, lambda tmp: _convert_gguf(gguf_path, header, tmp))
+    except OSError as err:  # the cache's file system, not the model: say so (the temporary copy is gone)
+        reason = "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err))
+        raise ModelError(f"cannot cache the fp32 conversion of {gguf_path} in {target.parent}: {reason}; "
+                         "free space there or set KVQ_CACHE_DIR to another directory") from None
     logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
     return target
 
@@ -588,7 +608,7 @@ def write_dir_atomically(target: Path, write: Callable[[Path], None]) -> None:
     finished ``target`` first, its copy is kept.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
-    prefix = f".{target.name}.tmp-"
+    prefix = f".{aside_name(target.name)}.tmp-"
     for stale in target.parent.glob(prefix + "*"):  # left by a killed conversion
         with contextlib.suppress(OSError):
             if time.time() - stale.stat().st_mtime > _STALE_TMP_S:

@@ -329,3 +329,78 @@ def test_a_sparse_tokenizer_file_of_a_model_directory_is_refused(tiny_dir, tmp_p
         handle.truncate(4 << 30)
     with pytest.raises(ModelError, match="256 MiB"):
         load_model(model)
+
+
+# -- 5. output targets -----------------------------------------------------------------------------------------------
+def _export_args(model: Path, out: str) -> list[str]:
+    return ["export", "--model", str(model), "--scheme", "fp16", "--out", out]
+
+
+@pytest.mark.parametrize("out", [".", "..", "./", "sub/.."])
+def test_the_current_directory_or_a_parent_is_never_an_export_target(tiny_dir, tmp_path, monkeypatch, out):
+    here = tmp_path / "work"
+    (here / "sub").mkdir(parents=True)
+    monkeypatch.chdir(here)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    line = _one_line_error(CliRunner().invoke(cli, _export_args(tiny_dir, out)))
+    assert "current directory" in line
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before and Path.cwd() == here
+
+
+def test_an_output_the_file_system_refuses_is_one_line(tiny_dir):
+    line = _one_line_error(CliRunner().invoke(cli, _export_args(tiny_dir, "/proc/kvq-export")))
+    assert "cannot write the export /proc/kvq-export" in line
+    assert not os.path.lexists("/proc/kvq-export")
+
+
+@pytest.mark.parametrize("length", [246, 250, 255])
+def test_a_legal_long_output_name_exports_and_leaves_nothing_beside_it(tiny_dir, tmp_path, length):
+    out = tmp_path / ("e" * length)
+    result = CliRunner().invoke(cli, _export_args(tiny_dir, str(out)))
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in tmp_path.iterdir()] == [out.name] and (out / "kvq.json").is_file()
+    result = CliRunner().invoke(cli, [*_export_args(tiny_dir, str(out)), "--force"])
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+
+
+@pytest.mark.parametrize("stage", ["graph", "tokenizer", "manifest"])
+def test_a_disk_that_fills_during_the_export_is_one_line_and_keeps_the_old_export(tiny_dir, tiny_export, tmp_path,
+                                                                                  monkeypatch, stage):
+    import errno
+    import shutil
+
+    from kvq_export.export import builder, exporter
+
+    out = tmp_path / "e"
+    shutil.copytree(tiny_export, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def fill(directory) -> None:  # writes part of a file, then the disk is full
+        (Path(directory) / "partial.bin").write_bytes(b"x" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device", str(Path(directory) / "partial.bin"))
+
+    if stage == "graph":
+        monkeypatch.setattr(builder, "save", lambda graph, path, *args, **kwargs: fill(Path(path).parent))
+    elif stage == "tokenizer":
+        from transformers import PreTrainedTokenizerBase
+
+        monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", lambda self, d, *args, **kwargs: fill(d))
+    else:
+        monkeypatch.setattr(exporter.Manifest, "save", lambda self, d: fill(d))
+    line = _one_line_error(CliRunner().invoke(cli, [*_export_args(tiny_dir, str(out)), "--force"]))
+    assert "no space left on device" in line and str(out) in line
+    assert [p.name for p in tmp_path.iterdir()] == ["e"]  # no temporary directory, no lock
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+@pytest.mark.parametrize("cache", ["a file", "/proc/kvq-cache"])
+def test_a_cache_directory_that_cannot_be_used_is_one_line(two_ggufs, tmp_path, monkeypatch, cache):
+    if cache == "a file":
+        cache = tmp_path / "cache-file"
+        cache.write_text("")
+    monkeypatch.setenv("KVQ_CACHE_DIR", str(cache))
+    _, models = two_ggufs
+    line = _one_line_error(CliRunner().invoke(cli, _export_args(models["a"][1], str(tmp_path / "out"))))
+    assert f"cache directory {cache}" in line and "KVQ_CACHE_DIR" in line
+    assert not (tmp_path / "out").exists()

@@ -14,7 +14,9 @@ Flavours are registered: each maps a scheme + model geometry to a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import functools
 import glob
 import hashlib
@@ -28,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvq_export._atomic import dir_mode, exchange, file_mode, rename_noreplace
+from kvq_export._atomic import aside_name, dir_mode, exchange, file_mode, rename_noreplace
 from kvq_export.calibrate import DEFAULT_CALIB_TOKENS
 from kvq_export.errors import ExportError
 from kvq_export.manifest import (
@@ -144,14 +146,39 @@ def export(
 
 def _export_to(model, scheme: KVQuantScheme, out: Path, *, force: bool, wait: bool,
                reuse: Callable[[], bool] | None, **options) -> Path:
-    """Check ``out``, take its lock (or wait for it), then export unless ``reuse()`` says the result is there."""
-    _check_target(out, force)
-    with _target_lock(out, wait=wait):
-        if reuse is not None and reuse():  # another process made it while we waited
-            return out
-        _clean_leftovers(out)
-        _check_target(out, force)  # again, now that no other export can be changing it
-        return _export_locked(model, scheme, out, **options)
+    """Check ``out``, take its lock (or wait for it), then export unless ``reuse()`` says the result is there.
+
+    A file system that refuses a write (full, read-only, ``/proc``) is one ExportError; the temporary
+    directory and the lock are gone by then, and an existing export is untouched.
+    """
+    out = _output_dir(out)
+    try:
+        _check_target(out, force)
+        with _target_lock(out, wait=wait):
+            if reuse is not None and reuse():  # another process made it while we waited
+                return out
+            _clean_leftovers(out)
+            _check_target(out, force)  # again, now that no other export can be changing it
+            return _export_locked(model, scheme, out, **options)
+    except OSError as err:
+        reason = "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err))
+        where = f" ({err.filename})" if err.filename and err.errno != errno.ENOSPC else ""
+        raise ExportError(f"cannot write the export {out}: {reason}{where}; nothing was written or replaced"
+                          ) from None
+
+
+def _output_dir(out: Path) -> Path:
+    """``out`` as an absolute path (``.``, ``..`` resolved); the current directory and its parents are refused.
+
+    An export replaces its target directory as a whole, which the directory a process runs in must never be.
+    """
+    path = Path(os.path.abspath(out))
+    with contextlib.suppress(OSError):  # a deleted current directory has no parents to protect
+        here = Path.cwd()
+        if path == here or path in here.parents:
+            raise ExportError(f"export directory {out} is the current directory or one of its parents; "
+                              "give a directory of its own for the export")
+    return path
 
 
 def _export_locked(model, scheme: KVQuantScheme, out: Path, *, dtype: str, opset: int, flavor: str, static,
@@ -194,7 +221,7 @@ def _export_locked(model, scheme: KVQuantScheme, out: Path, *, dtype: str, opset
     # the graph carries its own scheme: a loader compares it with the manifest (an edited kvq.json is refused)
     graph.metadata_props[GRAPH_SCHEME_KEY] = scheme.to_json(indent=None)
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{aside_name(out.name)}.tmp-", dir=out.parent))
     try:
         save(graph, tmp / MODEL_NAME)
         if tokenizer is not None:
@@ -360,7 +387,7 @@ def _target_lock(out: Path, *, wait: bool = False) -> Iterator[None]:
     import fcntl
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    lock = out.parent / f".{out.name}.lock"
+    lock = out.parent / f".{aside_name(out.name)}.lock"
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, file_mode())
         try:
@@ -388,7 +415,7 @@ def _clean_leftovers(out: Path) -> None:
     An old export swapped aside (``.<name>.old-*``) while ``out`` is missing is put back first: a crash
     between the two renames of the fallback swap then costs nothing.
     """
-    name = glob.escape(out.name)  # a name like "run[1]" is not a pattern
+    name = glob.escape(aside_name(out.name))  # a name like "run[1]" is not a pattern
     for old in sorted(out.parent.glob(f".{name}.old-*")):
         if not os.path.lexists(out) and (old / MANIFEST_NAME).is_file():
             logger.warning("restoring %s from %s (an export was interrupted while replacing it)", out, old.name)
@@ -416,7 +443,7 @@ def _move_into_place(new: Path, target: Path) -> None:
         if exchange(new, target):
             shutil.rmtree(new, ignore_errors=True)  # ``new`` now names the old export
             return
-        trash = target.with_name(f".{target.name}.old-{os.getpid()}")
+        trash = target.with_name(f".{aside_name(target.name)}.old-{os.getpid()}")
         os.replace(target, trash)
         os.replace(new, target)
         shutil.rmtree(trash, ignore_errors=True)

@@ -97,9 +97,9 @@ def resolve_baseline(manifest, baseline: str | os.PathLike[str] | None) -> Path:
         raise KVQError("this export does not record its model source; pass --baseline DIR (an fp16 export)")
     from kvq_export.demo import baseline_dir
     from kvq_export.export.exporter import ensure_export
-    from kvq_export.model_source import cache_root
+    from kvq_export.model_source import cache_dir
 
-    return ensure_export(source, "fp16", baseline_dir(source, "fp16", cache_root() / "exports"))
+    return ensure_export(source, "fp16", baseline_dir(source, "fp16", cache_dir("exports")))
 
 
 def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike[str] | None = None,
