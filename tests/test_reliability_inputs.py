@@ -349,7 +349,7 @@ def test_the_current_directory_or_a_parent_is_never_an_export_target(tiny_dir, t
 
 def test_an_output_the_file_system_refuses_is_one_line(tiny_dir):
     line = _one_line_error(CliRunner().invoke(cli, _export_args(tiny_dir, "/proc/kvq-export")))
-    assert "cannot write the export /proc/kvq-export" in line
+    assert "cannot create the lock file /proc/.kvq-export.lock" in line
     assert not os.path.lexists("/proc/kvq-export")
 
 
@@ -404,3 +404,44 @@ def test_a_cache_directory_that_cannot_be_used_is_one_line(two_ggufs, tmp_path, 
     line = _one_line_error(CliRunner().invoke(cli, _export_args(models["a"][1], str(tmp_path / "out"))))
     assert f"cache directory {cache}" in line and "KVQ_CACHE_DIR" in line
     assert not (tmp_path / "out").exists()
+
+
+# -- 6. lock files ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["symlink to nothing", "symlink to a file", "fifo", "directory", "hard link"])
+def test_a_lock_that_is_not_a_plain_file_is_refused_and_nothing_it_points_at_changes(tiny_dir, tmp_path, kind):
+    victim = tmp_path / "elsewhere" / "victim"
+    victim.parent.mkdir()
+    lock = tmp_path / ".e.lock"
+    if kind == "symlink to nothing":
+        lock.symlink_to(victim)
+    elif kind == "symlink to a file":
+        victim.write_text("keep")
+        lock.symlink_to(victim)
+    elif kind == "fifo":
+        os.mkfifo(lock)
+    elif kind == "directory":
+        lock.mkdir()
+    else:
+        victim.write_text("keep")
+        os.link(victim, lock)
+    line = _one_line_error(CliRunner().invoke(cli, _export_args(tiny_dir, str(tmp_path / "e"))))
+    assert str(lock) in line and "remove it" in line
+    kept = kind in ("symlink to a file", "hard link")
+    assert [p.name for p in victim.parent.iterdir()] == (["victim"] if kept else [])  # nothing created there
+    assert not kept or victim.read_text() == "keep"
+    assert not (tmp_path / "e").exists() and os.path.lexists(lock)
+
+
+def test_a_lock_in_a_directory_that_cannot_be_written_is_one_line(tiny_dir, tmp_path, monkeypatch):
+    import errno
+
+    real = os.open
+
+    def unwritable(path, flags, *args, **kwargs):  # as a user without write permission there (root has it)
+        if str(path).endswith(".lock") and flags & os.O_CREAT:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", unwritable)
+    line = _one_line_error(CliRunner().invoke(cli, _export_args(tiny_dir, str(tmp_path / "e"))))
+    assert "cannot create the lock file" in line and "Permission denied" in line
