@@ -291,7 +291,7 @@ def plan(model_spec, corpus, tokens, offset, budget, context, candidates, metric
 @click.option("--top-k", type=click.IntRange(1), default=None)
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None)
 @click.option("--seed", type=int, default=None)
-@click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+@click.option("--repetition-penalty", type=click.FloatRange(0.01, 100), default=1.0, show_default=True,
               help="> 1 discourages tokens the row already holds (prompt included); 1 = off.")
 @click.option("--runtime", type=click.Choice(["kvq", "genai"]), default="kvq", show_default=True,
               help="kvq: kvq's loop on ONNX Runtime; genai: onnxruntime-genai's C++ loop (ort-gqa exports).")
@@ -577,7 +577,7 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
 @click.option("--model", "model_spec", default="smollm2", show_default=True)
 @click.option("--prompt", default=None, help="Prompt text (default: a built-in ~130-token story opening).")
 @click.option("--max-new-tokens", type=click.IntRange(2), default=64, show_default=True)
-@click.option("--repetition-penalty", type=float, default=None,
+@click.option("--repetition-penalty", type=click.FloatRange(0.01, 100), default=None,
               help="Greedy decoding's repetition penalty (default: the demo's, 1.3).")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Where the exports live (default: the kvq cache directory).")

@@ -445,3 +445,89 @@ def test_a_lock_in_a_directory_that_cannot_be_written_is_one_line(tiny_dir, tmp_
     monkeypatch.setattr(os, "open", unwritable)
     line = _one_line_error(CliRunner().invoke(cli, _export_args(tiny_dir, str(tmp_path / "e"))))
     assert "cannot create the lock file" in line and "Permission denied" in line
+
+
+# -- 7. wrong settings -----------------------------------------------------------------------------------------------
+@seed(SEED)
+@settings(max_examples=60, deadline=None)
+@given(opset=st.integers(-5, 300) | st.sampled_from([99999, 2**63]))
+def test_an_opset_is_accepted_exactly_when_onnx_and_onnx_runtime_load_it(opset):
+    from kvq_export.errors import ExportError
+    from kvq_export.export.exporter import check_opset, supported_opsets
+
+    low, high = supported_opsets()
+    if low <= opset <= high:
+        check_opset(opset)
+    else:
+        with pytest.raises(ExportError, match=f"allowed {low}..{high}"):
+            check_opset(opset)
+
+
+def test_export_refuses_an_opset_it_could_only_write_broken(tiny_dir, tmp_path):
+    from kvq_export.export.exporter import supported_opsets
+
+    line = _one_line_error(CliRunner().invoke(cli, [*_export_args(tiny_dir, str(tmp_path / "e")), "--opset", "99999"]))
+    low, high = supported_opsets()
+    assert f"opset 99999 is not supported: allowed {low}..{high}" in line and high >= 23
+    assert not (tmp_path / "e").exists()
+
+
+@seed(SEED)
+@settings(max_examples=200, deadline=None)
+@given(penalty=st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([1e308, 1e-308, 5e-324, 0.01, 100.0]))
+def test_a_repetition_penalty_is_bounded_so_penalized_logits_stay_finite(penalty):
+    import numpy as np
+
+    from kvq_export.runtime.sampling import REPETITION_PENALTY_RANGE, Sampler, SamplingConfig
+
+    low, high = REPETITION_PENALTY_RANGE
+    if not low <= penalty <= high:
+        with pytest.raises(KVQError, match=f"repetition_penalty=.*allowed: a number from {low:g} to {high:g}"):
+            SamplingConfig(repetition_penalty=penalty)
+        return
+    sampler = Sampler(SamplingConfig(repetition_penalty=penalty))
+    sampler.prime([[0, 1, 2, 3]])
+    logits = np.array([[3e4, -3e4, 1e-3, -1e-3, 5.0]], np.float32)
+    assert np.isfinite(sampler._penalize(logits)).all()
+
+
+@pytest.mark.parametrize("command", ["generate", "demo"])
+def test_the_cli_blames_repetition_penalty_with_the_librarys_range(tiny_export, command):
+    from kvq_export.runtime.sampling import REPETITION_PENALTY_RANGE
+
+    option = next(p for p in cli.commands[command].params if p.name == "repetition_penalty")
+    assert (option.type.min, option.type.max) == REPETITION_PENALTY_RANGE
+    args = [str(tiny_export), "--prompt", "w1"] if command == "generate" else []
+    result = CliRunner().invoke(cli, [command, *args, "--repetition-penalty", "1e308"])
+    assert result.exit_code == 2 and "Invalid value for '--repetition-penalty'" in result.output
+    assert "0.01<=x<=100" in result.output
+
+
+@pytest.fixture
+def little_memory(monkeypatch):
+    """8 GiB available, whatever this machine has: the refusals below do not depend on the machine."""
+    from kvq_export import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: 8 << 30)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--contexts", "1000000000"], "context 1000000000 is beyond the model's 1024 positions"),
+    (["--contexts", "512", "--batch", "1000000"], "bench at context 512 and batch 1000000 needs at least"),
+])
+def test_bench_refuses_what_the_model_or_the_memory_cannot_hold_before_exporting(tiny_dir, tmp_path, little_memory,
+                                                                                 args, needle):
+    result = CliRunner().invoke(cli, ["bench", "--model", str(tiny_dir), "--schemes", "q4_0", "--flavors",
+                                      "reference", "--work-dir", str(tmp_path / "w"), *args])
+    line = _one_line_error(result)
+    assert needle in line and ("8.0 GiB" in line or "positions" in line)
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--batch", "100000"], "compare at batch 100000 needs at least"),
+    (["--prompt-len", "2000"], "prompt length + steps 2004 is beyond the model's 1024 positions"),
+])
+def test_compare_refuses_runs_beyond_positions_or_memory_up_front(tiny_export, little_memory, args, needle):
+    line = _one_line_error(CliRunner().invoke(cli, ["compare", str(tiny_export), str(tiny_export), *args]))
+    assert needle in line

@@ -99,6 +99,44 @@ def get_flavor(name: str) -> FlavorFactory:
     return FLAVORS[name]
 
 
+MIN_OPSET = 18
+
+
+def check_opset(opset: int) -> None:
+    """Refuse an opset the installed onnx or ONNX Runtime cannot load (the export would be written and fail)."""
+    low, high = supported_opsets()
+    if isinstance(opset, bool) or not isinstance(opset, int) or not low <= opset <= high:
+        import onnx
+        import onnxruntime
+
+        raise ExportError(f"opset {opset!r} is not supported: allowed {low}..{high} (the range both onnx "
+                          f"{onnx.__version__} and ONNX Runtime {onnxruntime.__version__} load)")
+
+
+@functools.cache
+def supported_opsets() -> tuple[int, int]:
+    """(lowest, highest) default-domain opset kvq exports: its own minimum, the newest both onnx and ONNX Runtime load.
+
+    ONNX Runtime states no maximum in Python: the newest opset it loads is found by loading a one-node model,
+    newest first (a few milliseconds each).
+    """
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    value = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [value],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    for opset in range(onnx.defs.onnx_opset_version(), MIN_OPSET - 1, -1):
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        try:
+            ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        except Exception:  # noqa: BLE001 - any refusal means "not this opset"
+            continue
+        return MIN_OPSET, opset
+    return MIN_OPSET, MIN_OPSET - 1  # loads nothing: every opset is refused, with the range stated
+
+
 def _tokenizer_facts(tokenizer, config) -> dict[str, Any]:
     eos = getattr(config, "eos_token_id", None)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -138,6 +176,7 @@ def export(
     get_flavor(flavor)
     if dtype not in DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+    check_opset(opset)
     return _export_to(model, scheme, Path(out_dir), force=force, wait=False, reuse=None, dtype=dtype, opset=opset,
                       flavor=flavor, static=static, tokenizer=tokenizer, calib_corpus=calib_corpus,
                       calib_tokens=calib_tokens, calib_method=calib_method, calib_percentile=calib_percentile,
@@ -337,6 +376,7 @@ def ensure_export(model: str | os.PathLike[str] | Any, scheme: KVQuantScheme | s
     get_flavor(wanted["flavor"])
     if wanted["dtype"] not in DTYPES:
         raise ExportError(f"unknown dtype {wanted['dtype']!r}; allowed: {', '.join(DTYPES)}")
+    check_opset(wanted["opset"])
     request = _request(model, scheme, static=options.get("static"), **wanted)
 
     def current() -> bool:

@@ -109,6 +109,23 @@ def compare_feeds(vocab_size: int, *, prompt_len: int = 48, batch: int = 2, step
     return feeds
 
 
+def _check_compare_size(manifests, *, prompt_len: int, batch: int, steps: int) -> None:
+    """Refuse, before any session starts, runs past the model's positions or beyond the memory available.
+
+    The Comparator keeps every step's outputs of both runs: the logits, and the cache after each step.
+    """
+    from kvq_export.memory import check_fits, check_positions, predict
+
+    length = prompt_len + steps
+    for manifest in manifests:
+        check_positions([length], manifest.model.max_position_embeddings, "prompt length + steps",
+                        "compare shorter runs")
+    needed = sum(4 * batch * m.model.vocab_size * length + (steps + 1) * predict(m.scheme, m.model, length,
+                                                                                   batch).total_bytes
+                 for m in manifests)
+    check_fits(needed, f"compare at batch {batch}", "compare a smaller batch or shorter runs")
+
+
 def compare_exports(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str],
                     tolerances: Tolerances | None = None, *, prompt_len: int = 48, batch: int = 2, steps: int = 4,
                     seed: int = 0, verify_weights: bool = True) -> bool:
@@ -131,6 +148,7 @@ def compare_exports(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str]
         a, b = getattr(ma.model, field), getattr(mb.model, field)
         if a != b:
             raise KVQError(f"{dir_a} and {dir_b} are different models ({field}: {a} vs {b})")
+    _check_compare_size((ma, mb), prompt_len=prompt_len, batch=batch, steps=steps)
     runner = kvq_runner_class()
     feeds = compare_feeds(ma.model.vocab_size, prompt_len=prompt_len, batch=batch, steps=steps, seed=seed)
     results = Comparator.run([runner(dir_a), runner(dir_b)], data_loader=feeds)
