@@ -25,7 +25,7 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except KVQError as err:
-            click.echo(f"error: {err}", err=True)
+            click.echo(f"error: {err.for_cli()}", err=True)
             ctx.exit(1)
 
 

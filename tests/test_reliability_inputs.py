@@ -531,3 +531,32 @@ def test_bench_refuses_what_the_model_or_the_memory_cannot_hold_before_exporting
 def test_compare_refuses_runs_beyond_positions_or_memory_up_front(tiny_export, little_memory, args, needle):
     line = _one_line_error(CliRunner().invoke(cli, ["compare", str(tiny_export), str(tiny_export), *args]))
     assert needle in line
+
+
+# -- 8. misleading errors --------------------------------------------------------------------------------------------
+def test_an_fp16_cache_that_overflows_names_the_tensor_and_the_range(tiny_dir, tmp_path):
+    """Keys of about 1e5 cannot be stored in float16: the error says so instead of blaming the weights."""
+    from transformers import AutoModelForCausalLM
+
+    from kvq_export.export.exporter import export
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight.mul_(1e6)
+    model.save_pretrained(_copy_model(tiny_dir, tmp_path / "loud"))
+    out = export(tmp_path / "loud", "fp16", tmp_path / "e")
+    line = _one_line_error(CliRunner().invoke(cli, ["generate", str(out), "--prompt", "w1 w2 w3",
+                                                    "--max-new-tokens", "3", "--json"]))
+    assert "layer 1 key" in line and "beyond float16's range (±65504)" in line
+    assert "weights" not in line
+
+
+def test_a_repeated_export_names_force_in_the_callers_words(tiny_export, tiny_dir):
+    from kvq_export.errors import ExportError
+    from kvq_export.export.exporter import export
+
+    line = _one_line_error(CliRunner().invoke(cli, _export_args(tiny_dir, str(tiny_export))))
+    assert line.endswith("already exists; pass --force to replace it") and "force=True" not in line
+    with pytest.raises(ExportError) as err:
+        export(tiny_dir, "fp16", tiny_export)
+    assert str(err.value).endswith("already exists; pass force=True to replace it") and "--force" not in str(err.value)

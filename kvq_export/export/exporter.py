@@ -406,16 +406,20 @@ _REQUEST_DEFAULTS = {"flavor": "reference", "dtype": "fp32", "opset": DEFAULT_OP
 def _check_target(out: Path, force: bool) -> None:
     """Refuse every ``out`` that is not ours to (re)place: only an export directory is replaced, with force."""
     if out.is_symlink():
-        raise ExportError(f"{out} is a symbolic link; give the directory it points to, or another --out")
+        raise ExportError(f"{out} is a symbolic link; give the directory it points to, or another out_dir",
+                          cli=f"{out} is a symbolic link; give the directory it points to, or another --out")
     if out.exists() and not out.is_dir():
-        raise ExportError(f"{out} exists and is not a directory; choose another --out")
+        raise ExportError(f"{out} exists and is not a directory; choose another out_dir",
+                          cli=f"{out} exists and is not a directory; choose another --out")
     if not out.is_dir() or not any(out.iterdir()):
         return  # nothing there, or an empty directory: nothing to lose
     if not (out / MANIFEST_NAME).is_file():
-        raise ExportError(f"{out} is not a kvq export directory (no {MANIFEST_NAME}) and is not empty; "
-                          "--force replaces only a kvq export: choose another --out")
+        not_ours = f"{out} is not a kvq export directory (no {MANIFEST_NAME}) and is not empty"
+        raise ExportError(f"{not_ours}; force=True replaces only a kvq export: choose another out_dir",
+                          cli=f"{not_ours}; --force replaces only a kvq export: choose another --out")
     if not force:
-        raise ExportError(f"{out} already exists; pass --force (force=True) to replace it")
+        raise ExportError(f"{out} already exists; pass force=True to replace it",
+                          cli=f"{out} already exists; pass --force to replace it")
 
 
 @contextmanager

@@ -307,7 +307,7 @@ class KVQSession:
         cache = self._grow(cache, int(lengths.max(initial=0)) + input_ids.shape[1])
         self._check_positions(lengths + mask.sum(axis=1))
         logits, new = self._run(input_ids, mask, cache)
-        self._check_finite(logits, mask, cache)
+        self._check_finite(logits, mask, cache, new)
         return logits, new
 
     # -- input checks (before any work) ----------------------------------------------------------------------
@@ -357,20 +357,39 @@ class KVQSession:
             raise RuntimeInputError(f"{what} would put {int(totals[row])} tokens in row {row}, beyond the {top} "
                                     "positions this export supports (max_position_embeddings)")
 
-    def _check_finite(self, logits: np.ndarray, mask: np.ndarray, fed: CacheState) -> None:
-        """NaN/Inf logits of a real token: name the fed cache tensor that holds non-finite values, else the logits."""
+    def _check_finite(self, logits: np.ndarray, mask: np.ndarray, fed: CacheState,
+                      written: CacheState | None = None) -> None:
+        """NaN/Inf logits of a real token: name the cache tensor (fed, or written this step) that holds them.
+
+        A float16 cache tensor holding Inf means the model's keys or values exceeded float16's range when
+        they were stored: that is said, with the tensor, instead of blaming the weights.
+        """
         if np.isfinite(logits[:, -1]).all():  # the usual case: one pass over [batch, vocab]
             return
         real = mask[:, -1] == 1
         if np.isfinite(logits[real, -1]).all():  # only padding rows (finished in generate) are not finite
             return
-        for spec in self.past:
-            if spec.dtype in ("float16", "float32") and spec.role != "seq_lengths":
-                values = fed[spec.name].numpy()
-                if values.size and not np.isfinite(values).all():
-                    raise RuntimeInputError(f"cache tensor {spec.name} holds NaN or Inf; the logits are not finite")
-        raise RuntimeInputError("the graph produced NaN or Inf logits (input and cache are finite): the weights or "
-                                "the calibration scales are broken")
+        for when, cache in (("fed to this step", fed), ("written by this step", written or {})):
+            for spec in self.past:
+                if spec.dtype not in ("float16", "float32") or spec.role == "seq_lengths" or spec.name not in cache:
+                    continue
+                if cache is fed and written is not None and self.layout.shared(spec):
+                    continue  # updated in place: it now holds what this step wrote
+                values = cache[spec.name].numpy()
+                if not values.size or np.isfinite(values).all():
+                    continue
+                if spec.dtype == "float16" and np.isinf(values).any():
+                    what = f"layer {spec.layer} {spec.part} {spec.role}" if spec.layer is not None else spec.role
+                    raise RuntimeInputError(
+                        f"cache tensor {spec.name} holds values beyond float16's range (±65504) ({what}, {when}): "
+                        "the model's keys or values exceed what this float16 cache stores; use a scheme whose cache "
+                        "keeps them in float32 (or one that quantizes them with scales)")
+                raise RuntimeInputError(f"cache tensor {spec.name} holds NaN or Inf ({when}); the logits are not "
+                                        "finite")
+        computed = " computed in float16 (its activations may exceed float16's range)" \
+            if self.manifest.dtype == "fp16" else ""
+        raise RuntimeInputError(f"the graph{computed} produced NaN or Inf logits (input and cache are finite): the "
+                                "weights or the calibration scales are broken")
 
     def _run(self, input_ids: np.ndarray, mask: np.ndarray, cache: CacheState) -> tuple[np.ndarray, CacheState]:
         """One graph run through IO binding; tensors the layout shares are bound as past input and present output."""
