@@ -97,6 +97,25 @@ def read_json(path: str | os.PathLike[str], what: str, *, limit: int = TEXT_LIMI
     return parse_json(read_text(path, what, limit=limit, error=error), f"{what} {os.fspath(path)}", error=error)
 
 
+_DIGESTS: dict[tuple[int, ...], str] = {}
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """sha256 of a file's content, hashed once per process and file version.
+
+    The version is the inode with size, mtime and ctime: every write changes ctime, even one that restores the
+    size and the mtime, so a rewritten file is hashed again.
+    """
+    st = os.stat(path)
+    version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if version not in _DIGESTS:
+        import hashlib
+
+        with open(path, "rb") as handle:
+            _DIGESTS[version] = hashlib.file_digest(handle, "sha256").hexdigest()
+    return _DIGESTS[version]
+
+
 def check_sizes(directory: str | os.PathLike[str], names: Iterable[str], what: str, *, limit: int,
                 error: type[KVQError] = KVQError) -> None:
     """Refuse, before a library reads them whole, files in ``directory`` that are not plain files within ``limit``.

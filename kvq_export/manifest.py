@@ -9,7 +9,6 @@ runtime can check its own decoder.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -20,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvq_export._atomic import atomic_write
-from kvq_export._read import parse_json, read_text
+from kvq_export._read import file_sha256, parse_json, read_text
 from kvq_export.cache_layout import REGIONS, CacheLayout, layout_named
 from kvq_export.errors import KVQError, RuntimeInputError
 from kvq_export.model_facts import ModelFacts
@@ -260,16 +259,8 @@ def verify_weights(directory: str | os.PathLike[str], manifest: Manifest) -> Non
 
 
 def _sha256(path: Path) -> str:
-    """sha256 of a file, remembered per (path, inode, size, mtime): a process hashes an unchanged file once."""
-    st = path.stat()
-    key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
-    if key not in _DIGESTS:
-        with open(path, "rb") as handle:
-            _DIGESTS[key] = hashlib.file_digest(handle, "sha256").hexdigest()
-    return _DIGESTS[key]
-
-
-_DIGESTS: dict[tuple, str] = {}
+    """sha256 of a file, hashed once per file version (a rewrite with the old size and mtime is hashed again)."""
+    return file_sha256(path)
 
 
 def load_static(directory: str | os.PathLike[str], manifest: Manifest) -> dict | None:

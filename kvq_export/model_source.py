@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvq_export._atomic import aside_name, dir_mode
-from kvq_export._read import TEXT_LIMIT, TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes
+from kvq_export._read import TEXT_LIMIT, TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes, file_sha256
 from kvq_export.errors import ModelError
 from kvq_export.model_facts import ModelFacts
 
@@ -168,22 +168,11 @@ def gguf_cache_dir(gguf_path: Path) -> Path:
     return cache_root() / f"{gguf_path.stem[:100]}-{size}-{mtime_ns}-{digest[:16]}"
 
 
-_DIGESTS: dict[tuple[int, ...], str] = {}
-
-
 def file_fingerprint(path: Path) -> tuple[int, int, str]:
-    """``(size, mtime_ns, sha256)`` of a file's content; hashed once per process and file version.
-
-    The memo key includes the inode and ctime, which every write (and every ``touch -d``) changes.
-    """
+    """``(size, mtime_ns, sha256)`` of a file's content (the digest hashed once per file version)."""
+    digest = file_sha256(path)
     st = os.stat(path)
-    version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    if version not in _DIGESTS:
-        import hashlib
-
-        with open(path, "rb") as handle:
-            _DIGESTS[version] = hashlib.file_digest(handle, "sha256").hexdigest()
-    return st.st_size, st.st_mtime_ns, _DIGESTS[version]
+    return st.st_size, st.st_mtime_ns, digest
 
 
 #: files of a Hugging Face directory that shape the loaded model or its tokenizer

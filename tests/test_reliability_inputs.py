@@ -96,6 +96,29 @@ def test_export_reuse_is_keyed_by_the_models_content(tmp_path, monkeypatch):
     assert Manifest.load(again).weights != digest
 
 
+
+def test_a_file_rewritten_with_its_old_size_and_mtime_is_hashed_again(tiny_export, tmp_path):
+    """Digest memos are keyed by the file's version (inode, size, mtime, ctime), not by its name and mtime."""
+    import shutil
+
+    from kvq_export.errors import RuntimeInputError
+    from kvq_export.manifest import Manifest, verify_weights
+
+    out = shutil.copytree(tiny_export, tmp_path / "e")
+    manifest = Manifest.load(out)
+    verify_weights(out, manifest)  # hashed and remembered
+    data = out / "model.onnx.data"
+    stamp = data.stat()
+    with open(data, "r+b") as handle:  # same size, another byte
+        first = handle.read(1)
+        handle.seek(0)
+        handle.write(bytes([first[0] ^ 1]))
+    os.utime(data, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert data.stat().st_size == stamp.st_size and data.stat().st_mtime_ns == stamp.st_mtime_ns
+    with pytest.raises(RuntimeInputError, match="does not match its sha256"):
+        verify_weights(out, manifest)
+
+
 # -- 2. incomplete checkpoints ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
