@@ -278,7 +278,7 @@ def test_any_overwritten_gguf_header_field_is_read_within_the_file(valid_gguf, t
     """Every length, count, type or dimension the header states, overwritten, is refused or read within bounds."""
     import struct
 
-    from kvq_export.model_source import read_gguf_header
+    from kvq_export.model_source import load_config, read_gguf_header
 
     data = bytearray(valid_gguf.read_bytes())
     at = min(at, len(data) - 8)
@@ -289,6 +289,10 @@ def test_any_overwritten_gguf_header_field_is_read_within_the_file(valid_gguf, t
         read_gguf_header(path)
     except (ValueError, EOFError):  # UnicodeDecodeError and unknown type codes are ValueErrors
         pass
+    try:  # what passes the header check, transformers' reader then reads within the file too
+        load_config(path)
+    except ModelError as err:
+        assert "\n" not in str(err)
 
 
 @pytest.mark.parametrize("text,needle", [("[" * 100_000 + "]" * 100_000, "nested too deeply"),
@@ -301,6 +305,23 @@ def test_a_hostile_scheme_json_is_one_scheme_error(text, needle, tmp_path):
                                       str(save_tiny_model_dir(tmp_path / "m"))])
     line = _one_line_error(result)
     assert needle in line
+
+
+
+@seed(SEED)
+@settings(max_examples=80, deadline=None)
+@given(depth=st.integers(0, 200_000), digits=st.integers(1, 6000), sign=st.sampled_from(["", "-"]))
+def test_scheme_json_of_any_depth_or_integer_length_parses_or_is_one_scheme_error(depth, digits, sign):
+    from kvq_export.errors import SchemeError
+    from kvq_export.scheme import KVQuantScheme
+
+    text = '{"residual_length": ' + "[" * depth + sign + "7" * digits + "]" * depth + "}"
+    try:
+        KVQuantScheme.from_json(text)
+    except SchemeError as err:
+        assert "\n" not in str(err)
+        if digits > 20:
+            assert f"{digits} digits" in str(err) or "nested too deeply" in str(err)
 
 
 # -- 4. unbounded reads ------------------------------------------------------------------------------------------
