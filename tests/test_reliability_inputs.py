@@ -97,6 +97,24 @@ def test_export_reuse_is_keyed_by_the_models_content(tmp_path, monkeypatch):
 
 
 
+def test_export_reuse_of_a_loaded_model_is_keyed_by_its_weights(tmp_path):
+    """Bench hands ensure_export loaded models: the same one changed in place is exported again, not reused."""
+    import copy
+
+    from tiny_models import tiny_model
+
+    from kvq_export.export.exporter import ensure_export
+    from kvq_export.manifest import Manifest
+
+    model = copy.deepcopy(tiny_model("llama"))  # tiny_model is shared: change a copy
+    first = Manifest.load(ensure_export(model, "fp16", tmp_path / "out")).weights
+    assert Manifest.load(ensure_export(model, "fp16", tmp_path / "out")).weights == first  # reused
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(2.0)
+    assert Manifest.load(ensure_export(model, "fp16", tmp_path / "out")).weights != first
+
+
+
 def test_a_file_rewritten_with_its_old_size_and_mtime_is_hashed_again(tiny_export, tmp_path):
     """Digest memos are keyed by the file's version (inode, size, mtime, ctime), not by its name and mtime."""
     import shutil
