@@ -16,10 +16,10 @@ from kvq_export.calibrate import calibrate_static_scales
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import save
 from kvq_export.export.exporter import export
+from kvq_export.export.genai_package import GENAI_MODEL, adapt_graph
 from kvq_export.export.weights import WEIGHTS_KEY, quantize_weights, weight_bytes
 from kvq_export.manifest import MODEL_NAME, Manifest, weight_checksums
 from kvq_export.presets import PRESETS
-from kvq_export.export.genai_package import GENAI_MODEL, adapt_graph
 from kvq_export.runtime.session import KVQSession
 
 #: (flavour, preset): the portable graph (tied head: Gemm(transB=1)) and ONNX Runtime's GroupQueryAttention
