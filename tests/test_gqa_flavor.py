@@ -200,8 +200,9 @@ def test_unfused_rotary_path_matches_and_names_probes(tmp_path_factory, monkeypa
     named = {o for n in graph.node for o in n.output}
     assert {"probe.0.qkv", "probe.1.qkv"} <= named  # the body's RoPE on the packed q|k|v: one probe per layer
     assert "probe.1.key" not in named and not any(n.op_type == "Transpose" and "gqa" in n.name for n in graph.node)
-    rotary = {a.i for n in graph.node if n.op_type == "GroupQueryAttention" for a in n.attribute
-              if a.name == "do_rotary"}
+    nodes = [*graph.node, *(n for node in graph.node if node.op_type == "If" for a in node.attribute
+                            for n in a.g.node)]  # a quantized layer's nodes: the prefill and step branches
+    rotary = {a.i for n in nodes if n.op_type == "GroupQueryAttention" for a in n.attribute if a.name == "do_rotary"}
     assert rotary == {0}
     fused_names = {o for n in onnx.load(fused.directory / "model.onnx", load_external_data=False).graph.node
                    for o in n.output}
@@ -248,8 +249,19 @@ def _gqa_attrs(session) -> list[dict]:
     import onnx
 
     graph = onnx.load(session.directory / "model.onnx", load_external_data=False).graph
-    return [{a.name: (a.s.decode() if a.s else a.i) for a in n.attribute} for n in graph.node
-            if n.op_type == "GroupQueryAttention"]
+    return [{a.name: (a.s.decode() if a.s else a.i) for a in n.attribute} for n in _step_nodes(graph)]
+
+
+def _step_nodes(graph) -> list:
+    """Each layer's GroupQueryAttention node of a decode step (a quantized layer's: its If's step branch)."""
+    nodes = []
+    for node in graph.node:
+        if node.op_type == "If":
+            step = next(a.g for a in node.attribute if a.name == "else_branch")
+            nodes += [n for n in step.node if n.op_type == "GroupQueryAttention"]
+        elif node.op_type == "GroupQueryAttention":
+            nodes.append(node)
+    return nodes
 
 
 def test_token_axis_scales_and_a_fp16_layer_among_int8(tmp_path_factory):
