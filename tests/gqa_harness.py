@@ -161,3 +161,18 @@ def compare(session: KVQSession, arch: str, scheme, static, prompts, *, steps: i
                 want_kv = stream_ref.dequantized(basis="stored")[0].numpy()  # decode_cache's default basis
                 out.decoded = max(out.decoded, float(np.abs(k_or_v - want_kv).max()))
     return out
+
+
+def step_nodes(graph) -> list:
+    """Each layer's GroupQueryAttention node of a decode step, in order.
+
+    A quantized layer's is in its If's step branch, beside the prefill branch's unquantized node.
+    """
+    nodes = []
+    for node in graph.node:
+        if node.op_type == "If":
+            step = next(a.g for a in node.attribute if a.name == "else_branch")
+            nodes += [n for n in step.node if n.op_type == "GroupQueryAttention"]
+        elif node.op_type == "GroupQueryAttention":
+            nodes.append(node)
+    return nodes

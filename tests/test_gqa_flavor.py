@@ -36,7 +36,7 @@ import json
 
 import numpy as np
 import pytest
-from gqa_harness import PROMPTS, SCHEMES, calibration, compare, left_pad, sequences
+from gqa_harness import PROMPTS, SCHEMES, calibration, compare, left_pad, sequences, step_nodes
 from tiny_models import ARCHS, VOCAB, tiny_model
 
 from kvq_export.errors import ExportError, RuntimeInputError
@@ -249,19 +249,7 @@ def _gqa_attrs(session) -> list[dict]:
     import onnx
 
     graph = onnx.load(session.directory / "model.onnx", load_external_data=False).graph
-    return [{a.name: (a.s.decode() if a.s else a.i) for a in n.attribute} for n in _step_nodes(graph)]
-
-
-def _step_nodes(graph) -> list:
-    """Each layer's GroupQueryAttention node of a decode step (a quantized layer's: its If's step branch)."""
-    nodes = []
-    for node in graph.node:
-        if node.op_type == "If":
-            step = next(a.g for a in node.attribute if a.name == "else_branch")
-            nodes += [n for n in step.node if n.op_type == "GroupQueryAttention"]
-        elif node.op_type == "GroupQueryAttention":
-            nodes.append(node)
-    return nodes
+    return [{a.name: (a.s.decode() if a.s else a.i) for a in n.attribute} for n in step_nodes(graph)]
 
 
 def test_token_axis_scales_and_a_fp16_layer_among_int8(tmp_path_factory):
