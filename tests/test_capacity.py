@@ -118,3 +118,17 @@ def test_bad_options_are_one_line_errors(exports, tmp_path):
         run_capacity({"x": exports["fp32"]}, backend="gpu")
     with pytest.raises(CapacityError, match="allowed: > new_tokens"):
         run_capacity({"x": exports["fp32"]}, contexts=(4,), new_tokens=8)
+
+
+def test_cli_writes_rows_and_plot(exports, tmp_path):
+    from click.testing import CliRunner
+
+    from kvq_export.cli import cli
+
+    out, png = tmp_path / "rows.jsonl", tmp_path / "c.png"
+    result = CliRunner().invoke(cli, ["bench-serve", f"int4={exports['ort-int4']}", "--context", "40",
+                                      "--concurrent", "1", "--new-tokens", "2", "--threads", "1", "--budget-gb", "1",
+                                      "--out", str(out), "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    assert "int4 @40:" in result.output
+    assert [r.name for r in read_rows(out)] == ["int4"] and png.is_file()
