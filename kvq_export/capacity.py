@@ -91,9 +91,14 @@ def footprint(directory: str | os.PathLike[str], name: str | None = None) -> Foo
             if tensor is None:
                 raise CapacityError(f"{directory}: the decoder graph has no cache input {template % layer}")
             dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+            # the builder leaves a quantized cache's dims symbolic: og allocates the config's heads and head size
+            # then (a 4-bit cache packed two to a byte would be half that, so it is refused rather than guessed)
+            if dims[1:2] == [None] or dims[3:4] == [None]:
+                packed = tensor.elem_type == 2  # uint8: 4-bit codes
+                dims = [None, int(decoder["num_key_value_heads"]), None, None if packed else int(decoder["head_size"])]
             if len(dims) != 4 or dims[1] is None or dims[3] is None or tensor.elem_type not in _ITEMSIZE:
-                raise CapacityError(f"{directory}: cache input {template % layer} is not [batch, kv_heads (fixed), "
-                                    f"tokens, head_dim (fixed)] of a float or 8-bit type: {dims}")
+                raise CapacityError(f"{directory}: cache input {template % layer} is not [batch, kv_heads, tokens, "
+                                    f"head_dim] of a float or 8-bit type whose widths the graph or config give: {dims}")
             per_token += dims[1] * dims[3] * _ITEMSIZE[tensor.elem_type]
     shared = config.get("search", {}).get("past_present_share_buffer", False)
     return Footprint(name or directory.name, str(directory), _weight_bytes(directory, graph), per_token,

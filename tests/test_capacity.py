@@ -132,3 +132,27 @@ def test_cli_writes_rows_and_plot(exports, tmp_path):
     assert result.exit_code == 0, result.output
     assert "int4 @40:" in result.output
     assert [r.name for r in read_rows(out)] == ["int4"] and png.is_file()
+
+
+@pytest.mark.parametrize("name", ["ort-int8", "ort-int4"])
+def test_symbolic_cache_widths_come_from_the_config(exports, tmp_path, name):
+    """The builder leaves a quantized cache's heads and head size symbolic: og allocates the config's."""
+    import shutil
+
+    import onnx
+
+    from kvq_export.export.genai_package import GENAI_MODEL
+
+    copy = tmp_path / "copy"
+    shutil.copytree(exports[name], copy)
+    proto = onnx.load(str(copy / GENAI_MODEL), load_external_data=False)
+    for value in proto.graph.input:
+        if value.name.startswith("past") and len(value.type.tensor_type.shape.dim) == 4:
+            for axis in (1, 3):
+                value.type.tensor_type.shape.dim[axis].dim_param = f"d{axis}"
+    onnx.save(proto, str(copy / GENAI_MODEL))
+    if name == "ort-int8":
+        assert footprint(copy).cache_bytes_per_token == footprint(exports[name]).cache_bytes_per_token
+    else:  # two 4-bit codes a byte: the config's head size would count twice the bytes
+        with pytest.raises(CapacityError, match="whose widths the graph or config give"):
+            footprint(copy)
