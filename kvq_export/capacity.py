@@ -267,11 +267,13 @@ def capacity_row(print_: Footprint, context: int, concurrent: int, budget_bytes:
 def run_capacity(directories: Mapping[str, str | os.PathLike[str]], *, contexts: Sequence[int] = CONTEXTS,
                  concurrent: int = 4, budget_bytes: int = 8 << 30, new_tokens: int = 8, backend: str = "auto",
                  threads: int | None = None, out: str | os.PathLike[str] | None = None,
-                 measure_fn: Callable[..., dict[str, Any]] | None = None) -> list[CapacityRow]:
+                 measure_fn: Callable[..., dict[str, Any]] | None = None, predict_only: bool = False
+                 ) -> list[CapacityRow]:
     """Predict and measure every directory at every context; each row is appended to ``out`` once measured.
 
     ``measure_fn`` (default :func:`measure`) takes ``(backend, directory, context, concurrent, new_tokens,
-    threads)``; a measurement that fails leaves a row with its prediction and the failure as ``status``.
+    threads)``; a measurement that fails leaves a row with its prediction and the failure as ``status``;
+    ``predict_only`` measures nothing (rows with status ``predicted``).
     """
     if concurrent < 1 or new_tokens < 1 or budget_bytes < 1:
         raise CapacityError(f"invalid concurrent={concurrent}/new_tokens={new_tokens}/budget_bytes={budget_bytes}: "
@@ -285,11 +287,13 @@ def run_capacity(directories: Mapping[str, str | os.PathLike[str]], *, contexts:
     rows = []
     for context in contexts:
         for name, print_ in prints.items():
+            measured, status = None, "predicted"
             try:
-                measured = measure_fn(backends[name], print_.directory, context, concurrent, new_tokens, threads)
-                status = "ok"
+                if not predict_only:
+                    measured = measure_fn(backends[name], print_.directory, context, concurrent, new_tokens, threads)
+                    status = "ok"
             except CapacityError as err:
-                measured, status = None, f"failed: {err}"
+                status = f"failed: {err}"
             row = capacity_row(print_, context, concurrent, budget_bytes, backends[name], measured)
             row.status = status
             logger.info("%s @%d x%d: %s", name, context, concurrent, json.dumps(asdict(row)))

@@ -652,7 +652,9 @@ def serve(export_dir, host, port, model_name, backend, shutdown_timeout, no_veri
 @click.option("--threads", type=click.IntRange(1), default=None)
 @click.option("--out", "out", default="capacity.jsonl", show_default=True, help="Rows appended as measured.")
 @click.option("--plot", "plot_out", default=None, help="Write a PNG of the rows here.")
-def bench_serve(export_dirs, contexts, concurrent, budget_gb, new_tokens, backend, threads, out, plot_out) -> None:
+@click.option("--predict-only", is_flag=True, help="Read the graphs only: cache bytes and sequences predicted.")
+def bench_serve(export_dirs, contexts, concurrent, budget_gb, new_tokens, backend, threads, out, plot_out,
+                predict_only) -> None:
     """Sequences each export serves at once within a memory budget, and their aggregate tokens/s."""
     from pathlib import Path
 
@@ -660,7 +662,7 @@ def bench_serve(export_dirs, contexts, concurrent, budget_gb, new_tokens, backen
 
     dirs = dict(d.split("=", 1) if "=" in d else (Path(d).name, d) for d in export_dirs)
     rows = run_capacity(dirs, contexts=contexts, concurrent=concurrent, budget_bytes=int(budget_gb * 2**30),
-                        new_tokens=new_tokens, backend=backend, threads=threads, out=out)
+                        new_tokens=new_tokens, backend=backend, threads=threads, out=out, predict_only=predict_only)
     for r in rows:
         click.echo(f"{r.name} @{r.context}: {r.cache_bytes_per_sequence / 2**20:.1f} MiB/seq, "
                    f"{r.predicted_sequences} seqs predicted, {r.measured_sequences} by RSS, "

@@ -88,6 +88,10 @@ def test_failed_measurement_keeps_the_prediction(exports, tmp_path):
     rows = run_capacity({"int4": exports["ort-int4"]}, contexts=(32, 64), concurrent=1, budget_bytes=1 << 20,
                         new_tokens=2, out=tmp_path / "rows.jsonl", measure_fn=measure_fn)
     assert [r.status for r in rows] == ["failed: no memory"] * 2
+    predicted = run_capacity({"int4": exports["ort-int4"]}, contexts=(32, 64), concurrent=1, budget_bytes=1 << 20,
+                             new_tokens=2, measure_fn=measure_fn, predict_only=True)
+    assert [r.status for r in predicted] == ["predicted"] * 2
+    assert [r.predicted_sequences for r in predicted] == [r.predicted_sequences for r in rows]
     assert [r.predicted_sequences for r in rows] == [r.sequences(1 << 20, c) for r, c in
                                                      ((footprint(exports["ort-int4"]), 32),
                                                       (footprint(exports["ort-int4"]), 64))]
