@@ -664,9 +664,10 @@ def bench_serve(export_dirs, contexts, concurrent, budget_gb, new_tokens, backen
     rows = run_capacity(dirs, contexts=contexts, concurrent=concurrent, budget_bytes=int(budget_gb * 2**30),
                         new_tokens=new_tokens, backend=backend, threads=threads, out=out, predict_only=predict_only)
     for r in rows:
+        speed = "-" if r.tokens_per_s is None else f"{r.tokens_per_s:.1f}"
         click.echo(f"{r.name} @{r.context}: {r.cache_bytes_per_sequence / 2**20:.1f} MiB/seq, "
-                   f"{r.predicted_sequences} seqs predicted, {r.measured_sequences} by RSS, "
-                   f"{r.tokens_per_s or 0:.1f} tok/s x{r.concurrent} ({r.status})")
+                   f"{r.predicted_sequences} seqs predicted, {r.measured_sequences or '-'} by RSS, "
+                   f"{speed} tok/s x{r.concurrent} ({r.status})")
     if plot_out:
         plot_capacity(rows, plot_out)
 
