@@ -523,10 +523,12 @@ class KvqEngine:
         return self.session.cache_nbytes(state[0])
 
 
-def kvq_gqa_export(model: str, scheme: str, out: Path, static, weights: str = "fp32") -> Path:
+def kvq_gqa_export(model: str, scheme: str, out: Path, static, weights: str = "fp32",
+                   accuracy_level: int | None = None) -> Path:
     """``kvq export --flavor ort-gqa`` with the given static scales (reused if built with the same ones).
 
-    ``weights`` other than fp32: a copy beside it (``OUT-w-int4``) with its weights in that format.
+    ``weights`` other than fp32: a copy beside it (``OUT-w-int4``, ``-a4`` for an ``accuracy_level``) with its
+    weights in that format.
     """
     from export_weights import with_weights
 
@@ -538,7 +540,11 @@ def kvq_gqa_export(model: str, scheme: str, out: Path, static, weights: str = "f
     if not _reuse(out, stamp):
         export(model, scheme, out, flavor="ort-gqa", static=static, force=True)
         _stamp(out, stamp)
-    return out if weights == "fp32" else with_weights(out, out.with_name(f"{out.name}-w-{weights}"), weights)
+    if weights == "fp32":
+        return out
+    level = {} if accuracy_level is None else {"accuracy_level": accuracy_level}
+    suffix = "" if accuracy_level is None else f"-a{accuracy_level}"
+    return with_weights(out, out.with_name(f"{out.name}-w-{weights}{suffix}"), weights, **level)
 
 
 def dir_bytes(directory: Path) -> int:
@@ -551,7 +557,8 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
               ppl: bool = True, int4_percentile: float | None = 99.9, ppl_engines: Sequence[str] | None = None,
               timed_engines: Sequence[str] | None = None, precision: str = "fp32", kvq_weights: str = "fp32",
               schemes: Sequence[str] = tuple(GENAI_SCHEMES), own_scales: bool = True,
-              batches: Sequence[int] = (1,), batch_max_context: int | None = None) -> list[Row]:
+              batches: Sequence[int] = (1,), batch_max_context: int | None = None,
+              kvq_accuracy_level: int | None = None) -> list[Row]:
     """Run kvq ort-gqa (kvq's loop) vs onnxruntime-genai's builder (og's loop) on the same fp32 weights.
 
     Perplexity on ``p_windows`` (strict decode); kvq's static scales come from 4096 held-out britannica tokens
@@ -563,7 +570,8 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
     machine can split the work.
 
     ``precision`` is the builder's ``-p`` (its CPU default is int4), ``kvq_weights`` the format kvq's exports'
-    weights are converted to (:mod:`kvq_export.export.weights`); ``schemes`` picks the builder cache schemes
+    weights are converted to (:mod:`kvq_export.export.weights`, with MatMulNBits' ``kvq_accuracy_level`` when
+    given: 4 is the builder's int8 activations); ``schemes`` picks the builder cache schemes
     (keys of GENAI_SCHEMES), ``own_scales=False`` skips the builder's own calibrator. Each context is timed at
     every batch size in ``batches`` (a batch of copies of one prompt: og prefills it in one call, kvq copies
     its one-row cache), batches over one only up to ``batch_max_context``; prefill tok/s is batch 1's.
@@ -601,12 +609,13 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
     tag = "" if precision == "fp32" else f"-p{precision}"
 
     def kvq_row(cache: str, preset: str, directory: Path) -> Row:
-        return Row("kvq ort-gqa", cache, preset, weights=kvq_weights, dir_bytes=dir_bytes(directory))
+        weights = kvq_weights if kvq_accuracy_level is None else f"{kvq_weights} (accuracy_level {kvq_accuracy_level})"
+        return Row("kvq ort-gqa", cache, preset, weights=weights, dir_bytes=dir_bytes(directory))
 
     def builder_row(cache: str, preset: str, directory: Path) -> Row:
         return Row("genai builder", cache, preset, weights=precision, dir_bytes=dir_bytes(directory))
 
-    fp32_dir = kvq_gqa_export(model, str(FP32_CACHE), work / "kvq-fp32", None, kvq_weights)
+    fp32_dir = kvq_gqa_export(model, str(FP32_CACHE), work / "kvq-fp32", None, kvq_weights, kvq_accuracy_level)
     add("kvq fp32", kvq_row("fp32 buffer", "fp32-cache", fp32_dir), lambda: KvqEngine(fp32_dir))
     base_dir = build_with_builder(hf, work / f"builder-fp32{tag}", precision=precision)
     add("builder fp32", builder_row("fp32 (no kv quant)", "fp32-cache", base_dir), lambda: GenaiEngine(base_dir))
@@ -623,7 +632,8 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
             else:
                 static = calibrate_static_scales(hf_model, scheme, calib, method=method, percentile=pct)
                 save_calibration(static, saved)
-            kvq_dir = kvq_gqa_export(model, preset, work / f"kvq-{preset}-{label}", static, kvq_weights)
+            kvq_dir = kvq_gqa_export(model, preset, work / f"kvq-{preset}-{label}", static, kvq_weights,
+                                     kvq_accuracy_level)
             add(f"kvq {preset} {label}", kvq_row(f"{preset} (kvq {label} scales)", preset, kvq_dir),
                 lambda d=kvq_dir: KvqEngine(d))
             add(f"kvq {preset} {label} spin", kvq_row(f"{preset} (kvq {label} scales, spinning)", preset, kvq_dir),
@@ -778,6 +788,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="genai peer: the builder's -p (its CPU default is int4)")
     parser.add_argument("--kvq-weights", choices=("fp32", "fp16", "int8", "int4"), default="fp32",
                         help="genai peer: kvq exports' weight format (kvq_export.export.weights)")
+    parser.add_argument("--kvq-accuracy-level", type=int, choices=(1, 2, 3, 4), default=None,
+                        help="genai peer: MatMulNBits accuracy_level of kvq's int weights (4: int8 activations, the "
+                             "builder's CPU default; kvq's default is 1)")
     parser.add_argument("--genai-schemes", default=",".join(GENAI_SCHEMES),
                         help="genai peer: comma list of builder cache schemes to build")
     parser.add_argument("--genai-no-own-scales", action="store_true",
@@ -827,7 +840,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                precision=args.genai_precision, kvq_weights=args.kvq_weights,
                                schemes=names(args.genai_schemes), own_scales=not args.genai_no_own_scales,
                                batches=[int(b) for b in args.genai_batches.split(",") if b],
-                               batch_max_context=args.genai_batch_max_context)
+                               batch_max_context=args.genai_batch_max_context,
+                               kvq_accuracy_level=args.kvq_accuracy_level)
 
     from rich.console import Console
     from rich.table import Table
