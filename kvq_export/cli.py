@@ -637,6 +637,39 @@ def serve(export_dir, host, port, model_name, backend, shutdown_timeout, no_veri
                verify_weights=not no_verify, shutdown_timeout=shutdown_timeout)
 
 
+@cli.command("bench-serve")
+@click.argument("export_dirs", nargs=-1, required=True, metavar="[NAME=]DIR...")
+@click.option("--context", "contexts", type=click.IntRange(2), multiple=True, default=(2048, 8000), show_default=True)
+@click.option("--concurrent", type=click.IntRange(1), default=4, show_default=True, help="Sequences decoded together.")
+@click.option("--budget-gb", type=click.FloatRange(0, min_open=True), default=8.0, show_default=True,
+              help="Memory budget (GiB) the sequences must fit beside the weights.")
+@click.option("--new-tokens", type=click.IntRange(1), default=8, show_default=True, help="Timed decode steps.")
+@click.option("--backend", type=click.Choice(["auto", "og", "session"]), default="auto", show_default=True,
+              help="og: og.Model with a batch prefilled for real; session: KVQSession on a synthetic cache (kvq "
+                   "exports); auto: session for kvq exports, og for others.")
+@click.option("--threads", type=click.IntRange(1), default=None)
+@click.option("--out", "out", default="capacity.jsonl", show_default=True, help="Rows appended as measured.")
+@click.option("--plot", "plot_out", default=None, help="Write a PNG of the rows here.")
+@click.option("--predict-only", is_flag=True, help="Read the graphs only: cache bytes and sequences predicted.")
+def bench_serve(export_dirs, contexts, concurrent, budget_gb, new_tokens, backend, threads, out, plot_out,
+                predict_only) -> None:
+    """Sequences each export serves at once within a memory budget, and their aggregate tokens/s."""
+    from pathlib import Path
+
+    from kvq_export.capacity import plot_capacity, run_capacity
+
+    dirs = dict(d.split("=", 1) if "=" in d else (Path(d).name, d) for d in export_dirs)
+    rows = run_capacity(dirs, contexts=contexts, concurrent=concurrent, budget_bytes=int(budget_gb * 2**30),
+                        new_tokens=new_tokens, backend=backend, threads=threads, out=out, predict_only=predict_only)
+    for r in rows:
+        speed = "-" if r.tokens_per_s is None else f"{r.tokens_per_s:.1f}"
+        click.echo(f"{r.name} @{r.context}: {r.cache_bytes_per_sequence / 2**20:.1f} MiB/seq, "
+                   f"{r.predicted_sequences} seqs predicted, {r.measured_sequences or '-'} by RSS, "
+                   f"{speed} tok/s x{r.concurrent} ({r.status})")
+    if plot_out:
+        plot_capacity(rows, plot_out)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     cli.main(args=argv, prog_name="kvq", standalone_mode=True)
