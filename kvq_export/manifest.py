@@ -76,6 +76,16 @@ class Manifest:
     #: other runtimes that can serve the export: name -> {"supported": bool, their files, or "reason"}
     runtimes: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def source_digest(self) -> str | None:
+        """Content digest of the model this export was made from (:func:`kvq_export.model_digest.model_digest`).
+
+        None for an in-memory model or an export made before kvq recorded it.
+        """
+        request = (self.build or {}).get("request")
+        digest = request.get("source_digest") if isinstance(request, dict) else None
+        return digest if isinstance(digest, str) else None
+
     # -- the cache ------------------------------------------------------------------------------------
     @property
     def num_layers(self) -> int:

@@ -171,7 +171,7 @@ def _export_locked(model, scheme: KVQuantScheme, out: Path, *, dtype: str, opset
     if isinstance(model, (str, os.PathLike)):
         from kvq_export.model_source import load_model
 
-        source = str(model)
+        source = request["source"]  # absolute: the same model from any working directory
         model, tokenizer = load_model(model)
     config = model.config
     arch = get_arch(config)
@@ -269,8 +269,16 @@ def _source_digest() -> str:
 
 def _request(model, scheme: KVQuantScheme, *, flavor: str, dtype: str, opset: int, static, calib_corpus,
              calib_tokens: int, calib_method: str, calib_percentile: float, calib_offset: int) -> dict[str, Any]:
-    """Everything that shapes an export, as JSON: two equal requests from one kvq source give one export."""
-    request: dict[str, Any] = {"source": str(model) if isinstance(model, (str, os.PathLike)) else None,
+    """Everything that shapes an export, as JSON: two equal requests from one kvq source give one export.
+
+    A model given by spec is named absolutely and identified by its content (``source_digest``): an edited or
+    another model of the same name is another request.
+    """
+    from kvq_export.model_digest import canonical_spec, model_digest
+
+    spec = isinstance(model, (str, os.PathLike))
+    request: dict[str, Any] = {"source": canonical_spec(model) if spec else None,
+                               "source_digest": model_digest(model) if spec else None,
                                "scheme": {**scheme.to_dict(), "name": None}, "flavor": flavor, "dtype": dtype,
                                "opset": opset}
     if scheme.needs_calibration:

@@ -85,21 +85,47 @@ class _Accumulator:
 
 
 def resolve_baseline(manifest, baseline: str | os.PathLike[str] | None) -> Path:
-    """The fp16 baseline directory: given, or the manifest's model source exported in kvq's cache directory.
+    """The baseline directory: given, or the export's own model source exported with an unquantized fp16 cache.
 
-    The automatic baseline is reused only while it is current (same kvq source digest and request, intact
-    weights; see :func:`kvq_export.export.exporter.ensure_export`), never written into the export validated.
+    The automatic baseline is the same model by content (the source's digest must equal the one the export
+    recorded: a source that is gone or changed is refused, never guessed at), in the same flavour and compute
+    dtype (a latency ratio then compares caches, not graph flavours), kept under kvq's cache directory by that
+    digest and reused only while current (:func:`kvq_export.export.exporter.ensure_export`); nothing is written
+    into the export validated.
     """
     if baseline is not None:
         return Path(baseline)
     source = manifest.model.source
     if not source:
         raise KVQError("this export does not record its model source; pass --baseline DIR (an fp16 export)")
-    from kvq_export.demo import baseline_dir
+    want = manifest.source_digest
+    if want is None:
+        raise KVQError(f"this export does not record the content digest of its model source {source} (exported by "
+                       "an older kvq): export it again, or pass --baseline DIR (an fp16 export of the same model)")
+    from kvq_export.errors import ModelError
     from kvq_export.export.exporter import ensure_export
+    from kvq_export.model_digest import model_digest
     from kvq_export.model_source import cache_root
 
-    return ensure_export(source, "fp16", baseline_dir(source, "fp16", cache_root() / "exports"))
+    try:
+        got = model_digest(source)
+    except ModelError as err:
+        raise KVQError(f"the model source of this export is gone ({err}); pass --baseline DIR (an fp16 export of "
+                       "the same model)") from None
+    if got != want:
+        raise KVQError(f"the model at {source} changed since this export was made (content digest {got}, the export "
+                       f"recorded {want}): export it again, or pass --baseline DIR (an fp16 export of the model it "
+                       "was made from)")
+    out = baseline_export_dir(cache_root() / "exports", source, want, "fp16", manifest.flavor, manifest.dtype)
+    return ensure_export(source, "fp16", out, flavor=manifest.flavor, dtype=manifest.dtype)
+
+
+def baseline_export_dir(root: Path, source: str, digest: str, scheme: str, flavor: str, dtype: str) -> Path:
+    """``root/<model name>-<digest>-<scheme>[-<flavor>][-<dtype>]``: one directory per model content and request."""
+    parts = [Path(source).name, digest, scheme]
+    parts += [flavor] if flavor != "reference" else []
+    parts += [dtype] if dtype != "fp32" else []
+    return root / "-".join(parts)
 
 
 def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike[str] | None = None,
@@ -114,9 +140,7 @@ def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike
     quant = probed_session(export_dir, verify_weights=verify_weights)
     base_dir = resolve_baseline(quant.manifest, baseline_dir)
     base = KVQSession(base_dir, verify_weights=verify_weights)
-    if base.manifest.model.vocab_size != quant.manifest.model.vocab_size or \
-            base.manifest.num_layers != quant.manifest.num_layers:
-        raise KVQError(f"baseline {base_dir} is not the same model as {export_dir}")
+    _check_same_model(quant.manifest, base.manifest, export_dir, base_dir)
     tokens = np.asarray(token_windows(quant.tokenizer, load_corpus(config.corpus), config.windows,
                                       config.window_len, offset=config.offset), dtype=np.int64)
     start = time.perf_counter()
@@ -140,6 +164,18 @@ def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike
         "seconds": round(time.perf_counter() - start, 1),
     }
     return result
+
+
+def _check_same_model(quant, base, export_dir, base_dir) -> None:
+    """The baseline must be the export's model: the same facts, and the same content where both record it."""
+    from dataclasses import replace
+
+    if replace(base.model, source=None) != replace(quant.model, source=None):
+        raise KVQError(f"baseline {base_dir} is not the same model as {export_dir} (their kvq.json 'model' sections "
+                       "differ)")
+    if base.source_digest and quant.source_digest and base.source_digest != quant.source_digest:
+        raise KVQError(f"baseline {base_dir} was exported from other weights than {export_dir} (model content "
+                       f"{base.source_digest} vs {quant.source_digest}); pass an fp16 export of the same model")
 
 
 def _calibration_section(manifest, config: ValidateConfig) -> dict[str, Any] | None:
