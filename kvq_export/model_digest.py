@@ -68,6 +68,33 @@ def model_digest(spec: str | os.PathLike[str]) -> str:
     return h.hexdigest()[:DIGEST_CHARS]
 
 
+def recorded_source(manifest) -> tuple[str, str]:
+    """(source spec, digest) of the model an export was made from, refused unless that model is still there as it was.
+
+    Whatever re-exports "the same model" for an export (validation's baseline, TensorRT's reference) must read
+    the weights the export was made from: a source that is gone, was edited in place, or is recorded without its
+    digest (an older kvq) is a one-line :class:`KVQError`, never a guess.
+    """
+    from kvq_export.errors import KVQError
+
+    source, want = manifest.model.source, manifest.source_digest
+    if not source:
+        raise KVQError("this export does not record its model source; pass the other export directory "
+                       "(--baseline DIR for validation)")
+    if want is None:
+        raise KVQError(f"this export does not record the content digest of its model source {source} (exported by "
+                       "an older kvq): export it again, or pass the other export directory (--baseline DIR)")
+    try:
+        got = model_digest(source)
+    except ModelError as err:
+        raise KVQError(f"the model source of this export is gone ({err}); pass the other export directory "
+                       "(--baseline DIR)") from None
+    if got != want:
+        raise KVQError(f"the model at {source} changed since this export was made (content digest {got}, the export "
+                       f"recorded {want}): export it again, or pass the other export directory (--baseline DIR)")
+    return source, want
+
+
 class _DigestCache:
     """sha256 of files, remembered across processes by (resolved path, size, mtime): a model is hashed once."""
 

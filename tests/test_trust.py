@@ -357,3 +357,268 @@ def test_genai_config_pointing_into_a_subfolder_of_another_model_is_refused(root
     _rechecksum(directory)
     with pytest.raises(RuntimeInputError, match=r"genai_config.json is not the one kvq wrote .*model.decoder.filename"):
         GenaiSession(directory)
+
+
+# -- a comparison that never leaves the fp16 window says so (and the defaults leave it) ----------------------
+@pytest.fixture(scope="module")
+def pair(root, model_dir):
+    return export(str(model_dir), "fp16", root / "pair-fp16"), export(str(model_dir), "kivi-2", root / "pair-kivi2")
+
+
+def test_kvq_compare_defaults_reach_past_the_window(pair, caplog):
+    fp16, kivi2 = pair
+    code, out, err = kvq("compare", fp16, kivi2)  # before: a 48-token prompt, all in fp16, "match"
+    assert code == 1 and "differ beyond tolerance" in err, out + err
+    with caplog.at_level("WARNING"):
+        code, out, err = kvq("compare", fp16, kivi2, "--prompt-len", "48")
+    assert code == 0 and "match within tolerance" in out
+    assert "keeps its first 128 tokens in high precision" in caplog.text and "not compared" in caplog.text
+
+
+def test_the_sized_prompt_puts_quantized_tokens_in_the_longest_rows():
+    import dataclasses
+
+    from hypothesis import given, seed, settings
+    from hypothesis import strategies as st
+
+    from kvq_export.errors import KVQError
+    from kvq_export.presets import PRESETS
+    from kvq_export.validate.compare import comparison_prompt_len, high_precision_window
+
+    class _Manifest:  # what the two functions read
+        def __init__(self, scheme):
+            self.scheme = scheme
+            self.model = type("M", (), {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64,
+                                        "max_position_embeddings": 4096})()
+
+    names = sorted(n for n, (s, _) in PRESETS.items() if s.quantized)
+
+    @seed(SEED)
+    @settings(max_examples=80, deadline=None, database=None)
+    @given(name=st.sampled_from(names), residual=st.sampled_from([None, 0, 16, 64, 128, 300]), batch=st.integers(1, 8))
+    def check(name, residual, batch):
+        scheme = PRESETS[name][0]
+        try:
+            if residual is not None and not scheme.needs_calibration:
+                scheme = dataclasses.replace(scheme, residual_length=residual)
+            manifest = _Manifest(scheme)
+            window = high_precision_window(manifest)
+        except KVQError:  # a window this scheme's groups cannot have, or a preset this geometry cannot hold
+            return
+        length = comparison_prompt_len([manifest], batch=batch)
+        rows = [length - min(r * (length // 4), length - 1) for r in range(min(batch, 2))]  # as prompt_batch pads
+        assert min(rows) > window and length >= 48
+
+    check()
+
+
+def test_validate_says_when_nothing_left_the_window(root, pair, tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    fp16, kivi2 = pair
+    code, out, err = _validate(kivi2, root, "--baseline", fp16, "--gen-tokens", "4", "--json", tmp_path / "r.json",
+                               "--report", tmp_path / "r.html")
+    assert code == 0, err
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["window"] == {"tokens": 128, "windows_exceed": False, "greedy_prompts_exceeding": 0}
+    assert "WARNING" in out and "never leave the 128-token high-precision window" in " ".join(out.split())
+    lines = []
+    draw = matplotlib.axes.Axes.axvline
+    monkeypatch.setattr(matplotlib.axes.Axes, "axvline",
+                        lambda self, x, **kw: (lines.append((x, kw["label"])), draw(self, x, **kw))[1])
+    from kvq_export.validate.report import write_html
+
+    write_html({**result, "token": {**result["token"], "kl_by_position": [0.0] * 200}}, tmp_path / "long.html")
+    assert lines == [(128.5, "high-precision window ends (128 tokens)")]
+
+
+# -- ranks with ties --------------------------------------------------------------------------------------
+def test_rank_agreement_is_spearman_with_average_ranks_for_ties():
+    import numpy as np
+    from hypothesis import given, seed, settings
+    from hypothesis import strategies as st
+
+    from kvq_export.validate.attention import average_ranks, rank_agreement
+
+    def reference(a, b):  # the definition: Pearson correlation of average ranks, ranks by counting
+        def ranks(x):
+            return np.array([(x < v).sum() + ((x == v).sum() + 1) / 2 for v in x])
+
+        ra, rb = ranks(a) - ranks(a).mean(), ranks(b) - ranks(b).mean()
+        denom = np.sqrt((ra**2).sum() * (rb**2).sum())
+        return (ra * rb).sum() / denom if denom else float("nan")
+
+    values = st.lists(st.integers(0, 4), min_size=2, max_size=30)  # few distinct values: ties everywhere
+
+    @seed(SEED)
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(pair=values.flatmap(lambda a: st.tuples(st.just(a), st.lists(st.integers(0, 4), min_size=len(a),
+                                                                        max_size=len(a)))),
+           perm_seed=st.integers(0, 2**32 - 1))
+    def check(pair, perm_seed):
+        a, b = (np.array(x, dtype=float) for x in pair)
+        want = reference(a, b)
+        got = rank_agreement(a, b)
+        assert (np.isnan(got) and np.isnan(want)) or got == pytest.approx(want, abs=1e-12)
+        perm = np.random.default_rng(perm_seed).permutation(a.size)  # the heads' order does not matter
+        again = rank_agreement(a[perm], b[perm])
+        assert (np.isnan(got) and np.isnan(again)) or again == pytest.approx(got, abs=1e-12)
+        assert sorted(average_ranks(a)) == pytest.approx(sorted(reference_ranks(a)))
+
+    def reference_ranks(x):
+        return [(x < v).sum() + ((x == v).sum() + 1) / 2 for v in x]
+
+    check()
+    # heads sharing a KV head: equal key error; the order inside each pair says nothing
+    mse = np.array([1, 1, 2, 2, 3, 3.0])
+    up, swapped = np.array([5, 6, 7, 8, 9, 10.0]), np.array([6, 5, 8, 7, 10, 9.0])
+    assert rank_agreement(mse, up) == rank_agreement(mse, swapped) == pytest.approx(16 / np.sqrt(16 * 17.5))
+    assert rank_agreement(mse, mse * 10) == pytest.approx(1.0)
+    assert np.isnan(rank_agreement(np.zeros(4), np.arange(4.0)))  # no order: no agreement claimed
+
+
+# -- tolerances and thresholds are finite and non-negative; validate can be a gate -------------------------
+FLOAT_OPTIONS = [  # (command line before the option, option)
+    (["compare", "{e}", "{e}"], "--logits-atol"), (["compare", "{e}", "{e}"], "--logits-rtol"),
+    (["compare", "{e}", "{e}"], "--cache-atol"), (["compare", "{e}", "{e}"], "--cache-rtol"),
+    (["validate", "{e}"], "--max-ppl-delta"), (["validate", "{e}"], "--min-top1"), (["validate", "{e}"], "--max-kl"),
+    (["generate", "{e}", "--prompt", "w1"], "--temperature"), (["generate", "{e}", "--prompt", "w1"], "--top-p"),
+    (["generate", "{e}", "--prompt", "w1"], "--repetition-penalty"), (["demo"], "--repetition-penalty"),
+    (["export", "--scheme", "fp16", "--out", "{e}/x"], "--percentile"),
+    (["calibrate", "--out", "{e}/x.json"], "--percentile"),
+    (["plan", "--out", "{e}/x.json"], "--budget"), (["plan", "--out", "{e}/x.json", "--budget", "4"], "--percentile"),
+    (["serve", "{e}"], "--shutdown-timeout"),
+]
+INT_OPTIONS = [(["compare", "{e}", "{e}"], "--seed"), (["generate", "{e}", "--prompt", "w1"], "--seed")]
+
+
+def _bad_floats():
+    from hypothesis import strategies as st
+
+    return st.one_of(st.sampled_from(["nan", "NaN", "inf", "-inf", "+inf", "1e999", "-1e-300", "abc", ""]),
+                     st.floats(max_value=-1e-12, allow_nan=False, allow_infinity=False).map(repr))
+
+
+def test_every_float_option_refuses_non_finite_and_negative_values(tmp_path):
+    from hypothesis import given, seed, settings
+    from hypothesis import strategies as st
+
+    @seed(SEED)
+    @settings(max_examples=120, deadline=None, database=None)
+    @given(case=st.sampled_from(FLOAT_OPTIONS), value=_bad_floats())
+    def check(case, value):
+        args, option = case
+        code, out, err = kvq(*[a.format(e=tmp_path) for a in args], f"{option}={value}")
+        assert code == 2, (args, option, value, out)
+        assert "allowed: a finite number" in err and option in err, err
+
+    check()
+
+
+@pytest.mark.parametrize(("args", "option"), INT_OPTIONS)
+def test_seeds_are_non_negative(tmp_path, args, option):
+    code, _, err = kvq(*[a.format(e=tmp_path) for a in args], option, "-1")
+    assert code == 2 and "-1 is not in the range x>=0" in err
+
+
+def test_finite_float_accepts_its_range_and_nothing_else():
+    import math
+
+    import click
+    from hypothesis import given, seed, settings
+    from hypothesis import strategies as st
+
+    from kvq_export.cli_types import FiniteFloat
+
+    @seed(SEED)
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(low=st.floats(-10, 10), span=st.floats(0, 10), min_open=st.booleans(), max_open=st.booleans(),
+           value=st.one_of(st.floats(), st.floats(-30, 30)))
+    def check(low, span, min_open, max_open, value):
+        kind = FiniteFloat(low, low + span, min_open=min_open, max_open=max_open)
+        inside = math.isfinite(value) and (low < value if min_open else low <= value) and (
+            value < low + span if max_open else value <= low + span)
+        try:
+            assert kind.convert(repr(value), None, None) == value and inside
+        except click.BadParameter:
+            assert not inside
+
+    check()
+
+
+def test_validate_gates_exit_1_with_one_line_after_writing_every_number(root, model_dir, tmp_path):
+    directory = export(str(model_dir), "int4-sym-g32", tmp_path / "int4")
+    base = export(str(model_dir), "fp16", tmp_path / "fp16")
+    common = ["--baseline", base, "--window-len", "48", "--json", tmp_path / "r.json"]
+    code, _, err = _validate(directory, root, *common, "--max-ppl-delta", "0", "--min-top1", "1", "--max-kl", "0")
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["token"]["kl"]["mean"] > 0  # the run itself completed and was written
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "validation gate missed" in err
+    assert "--max-kl 0" in err and "--min-top1 1" in err
+    code, _, err = _validate(directory, root, *common, "--max-ppl-delta", "10", "--min-top1", "0", "--max-kl", "100")
+    assert code == 0, err
+
+
+# -- no command writes inside an export directory -----------------------------------------------------------
+OUTPUTS = [  # (command line with {out} for the path, whether the path is a directory)
+    (["validate", "{e}", "--json", "{out}"], False), (["validate", "{e}", "--report", "{out}"], False),
+    (["plan", "--out", "{out}", "--budget", "4"], False), (["plan", "--report", "{out}", "--out", "x.json",
+                                                            "--budget", "4"], False),
+    (["calibrate", "--out", "{out}"], False), (["bench", "--json", "{out}", "--schemes", "fp16"], False),
+    (["bench", "--plot", "{out}", "--schemes", "fp16"], False), (["bench", "--work-dir", "{out}", "--schemes", "fp16"],
+                                                                 True),
+    (["demo", "--workdir", "{out}"], True), (["build", "{e}", "--output", "{out}"], False),
+    (["export", "--out", "{out}", "--scheme", "fp16"], True),
+]
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_no_command_writes_inside_an_export(kivi, tmp_path):
+    from hypothesis import given, seed, settings
+    from hypothesis import strategies as st
+
+    before = _snapshot(kivi)
+    targets = st.sampled_from(["kvq.json", "model.onnx", "model.onnx.data", "tokenizer.json", "new.json", "sub/x.json",
+                               "sub/deeper/x"])
+
+    @seed(SEED)
+    @settings(max_examples=60, deadline=None, database=None)
+    @given(case=st.sampled_from(OUTPUTS), name=targets, via_link=st.booleans())
+    def check(case, name, via_link):
+        args, is_dir = case
+        base = kivi
+        if via_link:  # a symlink outside the export that leads into it: resolved, still inside
+            link = tmp_path / "link"
+            if not link.exists():
+                link.symlink_to(kivi)
+            base = link
+        out = base / name
+        code, _, err = kvq(*[a.format(e=kivi, out=out) for a in args])
+        if code == 2:  # click's own path check refuses a file given for a directory first
+            assert is_dir and (kivi / name).is_file() and "is a file" in err, err
+            return
+        assert code == 1, (args, name, err)
+        assert len(err.strip().splitlines()) == 1 and "lies inside the kvq export" in err, err
+
+    check()
+    assert _snapshot(kivi) == before
+
+
+def test_library_report_writers_refuse_an_export_path(kivi):
+    from kvq_export.errors import OutputPathError
+    from kvq_export.validate.report import write_html, write_json
+
+    for write in (write_json, write_html):
+        with pytest.raises(OutputPathError, match="lies inside the kvq export"):
+            write({}, kivi / "kvq.json")
+
+
+def test_the_default_engine_path_lies_beside_the_export(kivi):
+    from kvq_export.manifest import export_containing
+    from kvq_export.trt.engine import default_engine_path
+
+    assert export_containing(default_engine_path(kivi)) is None
+    assert default_engine_path(kivi).parent == kivi.resolve().parent
