@@ -231,8 +231,8 @@ def test_a_session_keeps_its_tokenizer_when_the_export_is_replaced(root, model_d
     from kvq_export.runtime.session import KVQSession
 
     directory = export(str(model_dir), "kivi-2", tmp_path / "e")
-    session = KVQSession(directory)
-    before = session.generate(["w1 w2 w3"], 3)[0]
+    before = KVQSession(directory).generate(["w1 w2 w3"], 3)[0]  # what this export answers
+    session = KVQSession(directory)  # opened; nothing generated yet
     export(str(_reversed_tokenizer_model(tmp_path / "rev")), "kivi-2", directory, force=True)
     assert KVQSession(directory).generate(["w1 w2 w3"], 1)[0].prompt_tokens != before.prompt_tokens  # new export
     after = session.generate(["w1 w2 w3"], 3)[0]  # the open session: its own graph and its own tokenizer
