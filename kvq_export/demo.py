@@ -14,7 +14,8 @@ Each generates from the same prompt with the same decoding settings (:data:`DEMO
 repetition penalty, so a 135M model does not repeat one clause) and reports its continuation, how many leading
 tokens agree with the baseline, the cache bytes held, the median decode time per token and its ratio to the
 baseline, and how to serve the export with onnxruntime-genai (or why that export cannot be). Exports are cached
-under ``$KVQ_CACHE_DIR/exports`` and reused while the same kvq source made them from the same request.
+under ``$KVQ_CACHE_DIR/exports``, keyed by the model's content digest, and reused while the same kvq source made
+them from the same request.
 """
 
 from __future__ import annotations
@@ -86,10 +87,15 @@ class DemoRow:
 
 
 def baseline_dir(model_spec: str, scheme_spec: str, workdir: Path, flavor: str = "reference") -> Path:
-    """Where the demo and validation keep ``model_spec`` exported with ``scheme_spec`` (and ``flavor``)."""
+    """Where the demo keeps ``model_spec`` exported with ``scheme_spec`` (and ``flavor``).
+
+    Keyed by the model's content digest, so two models of one name, or a model edited in place, never share one.
+    """
+    from kvq_export.model_digest import model_digest
+
     scheme = resolve_scheme(scheme_spec)
     suffix = "" if flavor == "reference" else f"-{flavor}"
-    return workdir / f"{Path(model_spec).name}-{scheme.name or 'custom'}{suffix}"
+    return workdir / f"{Path(model_spec).name}-{model_digest(model_spec)}-{scheme.name or 'custom'}{suffix}"
 
 
 def ensure_export(model_spec: str, scheme_spec: str, workdir: Path, *, flavor: str = "reference",

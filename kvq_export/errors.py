@@ -45,3 +45,11 @@ class QuantizationError(KVQError, ValueError):
 
 class DependencyError(KVQError, ImportError):
     """An optional dependency (TensorRT, Triton, a GPU stack) is not installed."""
+
+
+class GateError(KVQError):
+    """A run finished but missed a threshold the user set (``kvq validate --max-ppl-delta`` ...)."""
+
+
+class OutputPathError(KVQError):
+    """An output path is refused (it lies inside an export directory, whose files are checksummed)."""

@@ -158,3 +158,22 @@ def check_positions(lengths: Sequence[int], max_positions: int, what: str, advic
     beyond = sorted({n for n in lengths if n > max_positions})
     if beyond:
         raise KVQError(f"{what} {beyond[0]} is beyond the model's {max_positions} positions; {advice}")
+
+
+def high_precision_tokens(scheme: KVQuantScheme, model: CacheGeometry, limit: int) -> int:
+    """Tokens a row holds before the first one is stored quantized (its sink / recent-window / partial-group span).
+
+    0 for a scheme that quantizes from the first token; ``limit`` when nothing up to ``limit`` tokens is
+    quantized (an unquantized scheme). A comparison or validation whose rows never exceed this number never
+    reads a quantized token: it can only report a perfect match.
+    """
+    if not scheme.quantized or predict(scheme, model, limit).breakdown["payload"] == 0:
+        return limit
+    low, high = 0, limit  # payload(low) == 0, payload(high) > 0; payload only grows with length
+    while high - low > 1:
+        mid = (low + high) // 2
+        if predict(scheme, model, mid).breakdown["payload"] > 0:
+            high = mid
+        else:
+            low = mid
+    return low

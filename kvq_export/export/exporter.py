@@ -36,10 +36,10 @@ from kvq_export.errors import ExportError
 from kvq_export.manifest import (
     CALIBRATION_NAME,
     COMPUTE_DTYPES,
-    GRAPH_SCHEME_KEY,
     MANIFEST_NAME,
     MODEL_NAME,
     Manifest,
+    graph_metadata,
     verify_weights,
     weight_checksums,
 )
@@ -257,8 +257,16 @@ def _export_locked(model, scheme: KVQuantScheme, out: Path, *, dtype: str, opset
                             head_dim=arch.head_dim, static=static)
     graph = build_decoder(model, arch, cache, dtype=dtype, opset=opset)
     logger.info("built the %s graph in %.1f s", flavor, time.perf_counter() - start)
-    # the graph carries its own scheme: a loader compares it with the manifest (an edited kvq.json is refused)
-    graph.metadata_props[GRAPH_SCHEME_KEY] = scheme.to_json(indent=None)
+    facts = ModelFacts.from_config(config, arch, source=source)
+    calibration_digest = None
+    if static is not None and scheme.needs_calibration:
+        from kvq_export.calibrate import calibration_digest as digest_of
+
+        calibration_digest = digest_of(static)
+    # the graph carries what it fixes (scheme, model facts, flavour, layout, dtype, embedded scales): a loader
+    # compares it with the manifest, so an edited kvq.json or calibration file is refused
+    graph.metadata_props.update(graph_metadata(scheme, facts, flavor=flavor, layout=cache.layout.name, dtype=dtype,
+                                               calibration_digest=calibration_digest))
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{aside_name(out.name)}.tmp-", dir=out.parent))
     try:
@@ -266,13 +274,13 @@ def _export_locked(model, scheme: KVQuantScheme, out: Path, *, dtype: str, opset
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         calibration = None
-        if static is not None and scheme.needs_calibration:
-            from kvq_export.calibrate import calibration_digest, save_calibration
+        if calibration_digest is not None:
+            from kvq_export.calibrate import save_calibration
 
             save_calibration(static, tmp / CALIBRATION_NAME)
-            calibration = {"file": CALIBRATION_NAME, "digest": calibration_digest(static), **provenance}
+            calibration = {"file": CALIBRATION_NAME, "digest": calibration_digest, **provenance}
         manifest = Manifest(
-            scheme=scheme, model=ModelFacts.from_config(config, arch, source=source), flavor=flavor, opset=opset,
+            scheme=scheme, model=facts, flavor=flavor, opset=opset,
             dtype=dtype, layout=cache.layout.name,
             kvq_version=kvq_export.__version__,
             inputs=[{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]},
@@ -338,11 +346,15 @@ def _request(model, scheme: KVQuantScheme, *, flavor: str, dtype: str, opset: in
     """Everything that shapes an export, as JSON: two equal requests from one kvq source give one export.
 
     The model is named by its content (:func:`~kvq_export.model_source.model_identity`), so a reused export is
-    never one of another model that had the same name or path.
+    never one of another model that had the same name or path; ``source_digest`` is what validation's automatic
+    baseline checks the source against later (:func:`~kvq_export.model_digest.recorded_source`).
     """
+    from kvq_export.model_digest import model_digest
     from kvq_export.model_source import model_identity
 
+    spec = isinstance(model, (str, os.PathLike))
     request: dict[str, Any] = {"source": model_identity(model),
+                               "source_digest": model_digest(model) if spec else None,
                                "scheme": {**scheme.to_dict(), "name": None}, "flavor": flavor, "dtype": dtype,
                                "opset": opset}
     if scheme.needs_calibration:

@@ -24,20 +24,20 @@ import numpy as np
 
 from kvq_export._read import TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes
 from kvq_export.dtypes import DType
-from kvq_export.errors import KVQError, RuntimeInputError
+from kvq_export.errors import RuntimeInputError
 from kvq_export.manifest import (
-    GRAPH_SCHEME_KEY,
-    MANIFEST_NAME,
     MODEL_NAME,
     Manifest,
     check_export_files,
+    check_graph_metadata,
+    check_same_export,
+    export_identity,
     load_static,
     resolve_inside,
 )
 from kvq_export.manifest import verify_weights as check_weights
 from kvq_export.naming import CacheTensor, present_name, tensor_name
 from kvq_export.runtime.sampling import Sampler, SamplingConfig
-from kvq_export.scheme import KVQuantScheme
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +153,7 @@ class KVQSession:
                  threads: int | None = None, capacity: int | None = None, verify_weights: bool = True,
                  spinning: bool = False) -> None:
         self.directory = Path(directory)
+        opened = export_identity(self.directory) if self.directory.is_dir() else None
         self.manifest = Manifest.load(self.directory)
         model_path = resolve_inside(self.directory, MODEL_NAME)
         if not model_path.is_file():
@@ -170,7 +171,10 @@ class KVQSession:
         #: extra graph outputs fetched by every step (validation probes), values left in ``last_extra``
         self.extra_outputs: tuple[str, ...] = ()
         self.last_extra: dict[str, np.ndarray] = {}
-        self._tokenizer = None
+        # everything the session reads is read now: an export replaced later (--force) cannot mix into it
+        self._tokenizer, self._tokenizer_error = self._load_tokenizer()
+        self._opened = opened
+        check_same_export(self.directory, opened, "while this session opened it")
 
     # -- contract checks ----------------------------------------------------------------------------------
     def _check_graph(self) -> None:
@@ -190,16 +194,8 @@ class KVQSession:
                 if graph[name].type != DType.get(dtype).ort_type:
                     raise RuntimeInputError(
                         f"graph {kind} {name}: manifest says {DType.get(dtype).ort_type}, graph has {graph[name].type}")
-        carried = self.session.get_modelmeta().custom_metadata_map.get(GRAPH_SCHEME_KEY)
-        if carried is not None:
-            try:
-                built = KVQuantScheme.from_json(carried)
-            except KVQError as err:
-                raise RuntimeInputError(f"{self.directory}: the graph's scheme is unreadable: {err}") from None
-            if built != self.manifest.scheme:
-                raise RuntimeInputError(
-                    f"{self.directory}: {MANIFEST_NAME} describes a scheme the graph was not built for (graph: "
-                    f"{built.describe()}; manifest: {self.manifest.scheme.describe()}); the manifest was edited")
+        check_graph_metadata(self.directory, self.manifest, self.session.get_modelmeta().custom_metadata_map,
+                             self.static)
         fixed = {t.name: t.shape for t in self.past}
         for value in self.session.get_inputs():
             want = fixed.get(value.name)
@@ -418,10 +414,19 @@ class KVQSession:
     # -- text ---------------------------------------------------------------------------------------------
     @property
     def tokenizer(self):
-        """The tokenizer saved in the export directory."""
+        """The tokenizer saved in the export directory (read when the session opened)."""
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.directory, self.manifest)
+            raise RuntimeInputError(self._tokenizer_error)
         return self._tokenizer
+
+    def _load_tokenizer(self):
+        """(tokenizer, None), or (None, why there is none): the error is raised when text is used."""
+        if not self.manifest.tokenizer.get("files", True):
+            return None, f"{self.directory} has no tokenizer (exported without one): pass token ids"
+        try:
+            return load_tokenizer(self.directory, self.manifest), None
+        except RuntimeInputError as err:
+            return None, str(err)
 
     def _encode(self, text: str) -> list[int]:
         """Token ids of a prompt; text that is not valid Unicode (undecodable bytes) is refused."""

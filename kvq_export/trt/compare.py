@@ -98,11 +98,10 @@ def _reference_export(export_dir: Path, workdir: Path) -> Path:
     """Export the reference flavour of the same model, scheme, dtype and calibration into ``workdir``."""
     from kvq_export.export.exporter import export
     from kvq_export.manifest import Manifest, load_static
+    from kvq_export.model_digest import recorded_source
 
     manifest = Manifest.load(export_dir)
-    source = manifest.model.source
-    if not source:
-        raise ExportError(f"{export_dir} does not record its model source; pass the reference export directory")
+    source, _ = recorded_source(manifest)  # the weights the export was made from, or a one-line refusal
     return export(source, manifest.scheme, workdir / "reference", dtype=manifest.dtype, opset=manifest.opset,
                   flavor="reference", static=load_static(export_dir, manifest))
 
@@ -120,18 +119,18 @@ def compare_with_onnxruntime(
 ) -> bool:
     """Run the engine of ``export_dir`` and ONNX Runtime on the reference flavour; True when all outputs match.
 
-    ``engine`` defaults to ``export_dir/model.engine`` (see :func:`kvq_export.trt.build_engine`);
+    ``engine`` defaults to ``DIR.engine`` beside the export (see :func:`kvq_export.trt.build_engine`);
     ``tolerances`` is a :class:`kvq_export.validate.compare.Tolerances`.
     """
     require("tensorrt")
     from polygraphy.comparator import Comparator
 
     from kvq_export.manifest import Manifest
-    from kvq_export.trt.engine import ENGINE_NAME
+    from kvq_export.trt.engine import default_engine_path
     from kvq_export.validate.compare import Tolerances, compare_feeds, kvq_runner_class
 
     export_dir = Path(export_dir)
-    engine = Path(engine) if engine else export_dir / ENGINE_NAME
+    engine = Path(engine) if engine else default_engine_path(export_dir)
     if not engine.is_file():
         raise ExportError(f"no engine at {engine}; build it first (kvq build {export_dir})")
     if manifest_flavor(export_dir) == "trt":

@@ -26,7 +26,7 @@ import re
 import numpy as np
 
 from kvq_export.errors import RuntimeInputError
-from kvq_export.manifest import MODEL_NAME
+from kvq_export.manifest import MODEL_NAME, check_same_export
 from kvq_export.naming import PROBES, packed_probe_name, probe_name
 from kvq_export.runtime.session import CacheState, KVQSession
 
@@ -133,6 +133,7 @@ class ProbedSession(KVQSession):
         self.session = ort.InferenceSession(model.SerializeToString(), options,
                                             providers=choose_providers(kwargs.get("providers")))
         self.extra_outputs = tuple(names)
+        check_same_export(self.directory, self._opened, "while this session opened it")  # the graph was read again
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None,
              cache: CacheState | None = None) -> tuple[np.ndarray, CacheState]:
