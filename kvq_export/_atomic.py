@@ -39,6 +39,20 @@ def dir_mode() -> int:
     return 0o777 & ~_umask()
 
 
+#: longest name whose companions (``.<name>.tmp-XXXXXXXX``, ``.<name>.old-<pid>``, ``.<name>.lock``) fit in
+#: the 255 bytes a file name may have
+_ASIDE_MAX = 255 - len("..tmp-XXXXXXXX")
+
+
+def aside_name(name: str) -> str:
+    """The stem of the hidden files kept beside ``name``: ``name`` itself, or a short digest of a long one."""
+    if len(os.fsencode(name)) <= _ASIDE_MAX:
+        return name
+    import hashlib
+
+    return "kvq-" + hashlib.sha256(os.fsencode(name)).hexdigest()[:16]
+
+
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 
@@ -87,7 +101,7 @@ def atomic_writer(path: str | os.PathLike[str], mode: str = "w") -> Iterator[IO]
         raise ValueError(f"mode must be 'w' or 'wb', got {mode!r}")
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{aside_name(target.name)}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, mode) as handle:
             yield handle
@@ -110,7 +124,7 @@ def temp_dir_beside(target: str | os.PathLike[str]) -> Path:
     """A new hidden directory ``.<name>.tmp-XXXX`` beside ``target``, to fill and then move into place."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    return Path(tempfile.mkdtemp(prefix=f".{aside_name(target.name)}.tmp-", dir=target.parent))
 
 
 def seal_dir(directory: str | os.PathLike[str]) -> None:
@@ -135,7 +149,7 @@ def move_dir_into_place(new: Path, target: Path, *, replaceable: Callable[[Path]
         if exchange(new, target):
             shutil.rmtree(new, ignore_errors=True)  # ``new`` now names the old directory
             return
-        trash = target.with_name(f".{target.name}.old-{os.getpid()}")
+        trash = target.with_name(f".{aside_name(target.name)}.old-{os.getpid()}")
         os.replace(target, trash)
         os.replace(new, target)
         shutil.rmtree(trash, ignore_errors=True)
@@ -151,7 +165,7 @@ def clean_leftovers(target: Path, *, complete: Callable[[Path], bool]) -> None:
     A directory swapped aside (``.<name>.old-*``) while ``target`` is missing is put back first when
     ``complete(it)``: a crash between the two renames of the fallback swap then costs nothing.
     """
-    name = glob.escape(target.name)  # a name like "run[1]" is not a pattern
+    name = glob.escape(aside_name(target.name))  # a name like "run[1]" is not a pattern
     for old in sorted(target.parent.glob(f".{name}.old-*")):
         if not os.path.lexists(target) and complete(old):
             logger.warning("restoring %s from %s (it was interrupted while being replaced)", target, old.name)
@@ -172,7 +186,7 @@ def write_dir_atomically(target: Path, write: Callable[[Path], None], *, stale_a
     killed writer; no lock tells a live one apart) are removed first.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
-    for stale in target.parent.glob(f".{glob.escape(target.name)}.tmp-*"):
+    for stale in target.parent.glob(f".{glob.escape(aside_name(target.name))}.tmp-*"):
         with contextlib.suppress(OSError):
             if time.time() - stale.stat().st_mtime > stale_after_s:
                 shutil.rmtree(stale, ignore_errors=True)

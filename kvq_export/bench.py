@@ -54,7 +54,7 @@ from kvq_export.corpus import load_corpus, token_windows
 from kvq_export.errors import DependencyError, KVQError
 from kvq_export.export.exporter import ensure_export
 from kvq_export.memory import predict
-from kvq_export.model_source import cache_root, load_model, model_facts
+from kvq_export.model_source import cache_dir, load_config, load_model, model_facts
 from kvq_export.presets import resolve_scheme
 from kvq_export.progress import task
 from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec, ExportRequest
@@ -297,8 +297,9 @@ def run_bench(
     for spec in [baseline, *schemes]:
         scheme = resolve_scheme(spec)
         resolved.setdefault(scheme.name or str(spec), scheme)
+    _check_bench_size(model_facts(load_config(model)), list(resolved.values()), contexts, batches, prefill_tokens)
     base_name = resolve_scheme(baseline).name or baseline
-    root = Path(work_dir) if work_dir else cache_root() / "bench"
+    root = Path(work_dir) if work_dir else cache_dir("bench")
     tag = Path(str(model)).stem if os.sep in str(model) else str(model)
     hf_model, tokenizer = load_model(model)
     facts = model_facts(hf_model.config)
@@ -379,6 +380,23 @@ def run_bench(
     report.complete = True
     save()
     return report
+
+
+def _check_bench_size(facts, schemes: Sequence[Any], contexts: Sequence[int], batches: Sequence[int],
+                      prefill_tokens: int) -> None:
+    """Refuse, before any export, contexts past the model's positions and runs that cannot fit in memory.
+
+    Every scheme's cache of one (context, batch) is held at once (the memory model's bytes), with the logits
+    of a prefill and of a decode step.
+    """
+    from kvq_export.memory import check_fits, check_positions, predict
+
+    check_positions(contexts, facts.max_position_embeddings, "context", "bench shorter contexts")
+    context, batch = max(contexts), max(batches)
+    caches = sum(predict(scheme, facts, context, batch).total_bytes for scheme in schemes)
+    logits = 4 * batch * facts.vocab_size * (min(context, prefill_tokens) + 1)
+    check_fits(caches + logits, f"bench at context {context} and batch {batch}",
+               "bench shorter contexts or smaller batches")
 
 
 def _check_positive(**lists: Sequence[int]) -> None:

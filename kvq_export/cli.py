@@ -14,6 +14,7 @@ import sys
 
 import click
 
+from kvq_export.cli_types import FRACTION, NON_NEGATIVE, POSITIVE, FiniteFloat, outside_exports
 from kvq_export.errors import KVQError
 from kvq_export.export.flavors import FLAVORS, flavor_names
 from kvq_export.request import DEFAULT_OPSET, MIN_OPSET, CalibrationMethod, CalibrationSpec
@@ -28,7 +29,7 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except KVQError as err:
-            click.echo(f"error: {err}", err=True)
+            click.echo(f"error: {err.for_cli()}", err=True)
             ctx.exit(1)
 
 
@@ -71,7 +72,7 @@ def calibration_options(*, optional: bool = False, short_names: bool = False):
         click.option("--calib-method", "calib_method", type=click.Choice([str(m) for m in CalibrationMethod]),
                      default=str(default.method), show_default=True,
                      help="absmax, a percentile, or per-channel clipping chosen by its effect on attention."),
-        click.option("--percentile", "percentile", type=click.FloatRange(50, 100, min_open=True),
+        click.option("--percentile", "percentile", type=FiniteFloat(50, 100, min_open=True),
                      default=default.percentile, show_default=True, help="For --calib-method percentile."),
     ]
 
@@ -215,7 +216,7 @@ def memory(model_spec: str, scheme_spec: str, seq_len: int, batch: int, as_json:
 @click.option("--model", "model_spec", default="smollm2", show_default=True,
               help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
 @click.option("--scheme", "scheme_spec", required=True, help="Preset name or scheme .json file.")
-@click.option("--out", "out_dir", required=True, help="Export directory.")
+@click.option("--out", "out_dir", required=True, callback=outside_exports, help="Export directory.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
               help="Compute dtype of the graph.")
 @click.option("--opset", type=click.IntRange(MIN_OPSET), default=DEFAULT_OPSET, show_default=True)
@@ -242,7 +243,7 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, ca
 @click.option("--model", "model_spec", default="smollm2", show_default=True,
               help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
 @calibration_options(short_names=True)
-@click.option("--budget", type=click.FloatRange(0, min_open=True), required=True,
+@click.option("--budget", type=POSITIVE, required=True,
               help="Most bits per cached element at --context (memory model: metadata and windows count).")
 @click.option("--context", type=click.IntRange(1), default=4096, show_default=True,
               help="Cache length the budget is stated at.")
@@ -257,8 +258,9 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, ca
 @click.option("--value-window", type=click.IntRange(0), default=None,
               help="Every value candidate keeps its N newest tokens exact (measured, and counted in the budget).")
 @click.option("--name", default=None, help="Name of the planned scheme (default plan-<budget>b).")
-@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Scheme JSON to write.")
-@click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), callback=outside_exports,
+              help="Scheme JSON to write.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None, callback=outside_exports,
               help="Also write the measured damage per layer and candidate, and the uniform choices, as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
 def plan(model_spec, calibration, budget, context, candidates, metric, sink_tokens, value_window, name, out_path,
@@ -266,6 +268,7 @@ def plan(model_spec, calibration, budget, context, candidates, metric, sink_toke
     """Choose per-layer key/value formats under a bit budget by measured attention damage; write a scheme."""
     from pathlib import Path
 
+    from kvq_export._atomic import atomic_write
     from kvq_export.calibrate import calibration_windows
     from kvq_export.model_source import load_model
     from kvq_export.plan import plan_scheme
@@ -283,7 +286,7 @@ def plan(model_spec, calibration, budget, context, candidates, metric, sink_toke
                              calibration=calibration, sink_tokens=sink_tokens, value_window=value_window,
                              name=name or Path(out_path).stem)
     result.settings.update(model=model_spec, corpus=calibration.corpus, offset=calibration.offset)
-    Path(out_path).write_text(result.scheme.to_json() + "\n")
+    atomic_write(out_path, result.scheme.to_json() + "\n")
     if report_path:
         from kvq_export.validate.report import write_json
 
@@ -299,11 +302,11 @@ def plan(model_spec, calibration, budget, context, candidates, metric, sink_toke
 @click.argument("export_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text (repeat for a batch).")
 @click.option("--max-new-tokens", type=click.IntRange(0), default=64, show_default=True)
-@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--temperature", type=NON_NEGATIVE, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=click.IntRange(1), default=None)
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None)
-@click.option("--seed", type=int, default=None)
-@click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+@click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=None)
+@click.option("--seed", type=click.IntRange(0), default=None)
+@click.option("--repetition-penalty", type=FiniteFloat(0.01, 100), default=1.0, show_default=True,
               help="> 1 discourages tokens the row already holds (prompt included); 1 = off.")
 @click.option("--runtime", type=click.Choice(["kvq", "genai"]), default="kvq", show_default=True,
               help="kvq: kvq's loop on ONNX Runtime; genai: onnxruntime-genai's C++ loop (ort-gqa exports).")
@@ -358,7 +361,8 @@ def generate(export_dir, prompts, max_new_tokens, temperature, top_k, top_p, see
               show_default=True, help="genai-scales: onnxruntime-genai builder's kv_cache_scale_file; npz: kvq's.")
 @click.option("--granularity", type=click.Choice(["per_channel", "per_tensor"]), default="per_channel",
               show_default=True, help="genai-scales: the builder's kv_cache_quant_scheme granularity.")
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="File to write.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), callback=outside_exports,
+              help="File to write.")
 @click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
 def calibrate(model_spec, scheme_spec, calibration, file_format, granularity, out, quiet) -> None:
     """Calibrate static K/V scales and write them for kvq or for onnxruntime-genai's model builder."""
@@ -408,18 +412,30 @@ class _TextStream:
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Greedy-agreement prompts, one per line (default: a built-in set of 8).")
 @click.option("--gen-tokens", type=click.IntRange(0), default=64, show_default=True)
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write every number here.")
-@click.option("--report", "report_out", type=click.Path(dir_okay=False), default=None,
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=outside_exports,
+              help="Write every number here.")
+@click.option("--report", "report_out", type=click.Path(dir_okay=False), default=None, callback=outside_exports,
               help="Write a self-contained HTML report here.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--no-verify", "no_verify", is_flag=True,
               help="Skip checking the weight files against the checksums in kvq.json (faster on trusted storage).")
+@click.option("--max-ppl-delta", type=NON_NEGATIVE, default=None,
+              help="Exit 1 when perplexity exceeds the baseline's by more than this fraction (0.02 = +2%).")
+@click.option("--min-top1", type=FRACTION, default=None,
+              help="Exit 1 when top-1 agreement with the baseline is below this (0..1).")
+@click.option("--max-kl", type=NON_NEGATIVE, default=None,
+              help="Exit 1 when the mean per-token KL(baseline || export) exceeds this (nats).")
 def validate(export_dir, baseline, corpus, windows, window_len, offset, chunk, prompts_file, gen_tokens, json_out,
-             report_out, quiet, no_verify) -> None:
-    """Compare an export with its fp16 baseline: tokens, attention (key vs value error), memory, latency."""
+             report_out, quiet, no_verify, max_ppl_delta, min_top1, max_kl) -> None:
+    """Compare an export with its fp16 baseline: tokens, attention (key vs value error), memory, latency.
+
+    With --max-ppl-delta / --min-top1 / --max-kl the command is a gate: every number is still reported and
+    written, then it exits 1 with one line naming each threshold missed.
+    """
     from rich.table import Table
 
     from kvq_export.validate import report
+    from kvq_export.validate.gates import Gates
     from kvq_export.validate.runner import DEFAULT_PROMPTS, ValidateConfig
     from kvq_export.validate.runner import validate as run_validation
 
@@ -428,6 +444,7 @@ def validate(export_dir, baseline, corpus, windows, window_len, offset, chunk, p
         prompts = tuple(line for line in _utf8_text(prompts_file, "prompts file").splitlines() if line.strip())
     config = ValidateConfig(corpus=corpus, windows=windows, window_len=window_len, offset=offset, chunk=chunk,
                             prompts=prompts, gen_tokens=gen_tokens)
+    gates = Gates(max_ppl_delta=max_ppl_delta, min_top1=min_top1, max_kl=max_kl)
     result = run_validation(export_dir, baseline, config, progress=not quiet, verify_weights=not no_verify)
     if json_out:
         report.write_json(result, json_out)
@@ -439,6 +456,7 @@ def validate(export_dir, baseline, corpus, windows, window_len, offset, chunk, p
     for label, value in report.summary_rows(result):
         table.add_row(label, value)
     _console().print(table)
+    gates.check(result)  # a missed threshold: one line and exit 1, after every number was shown and written
 
 
 @cli.command()
@@ -448,15 +466,17 @@ def validate(export_dir, baseline, corpus, windows, window_len, offset, chunk, p
               help="onnxrt: DIR_A vs DIR_B on ONNX Runtime. trt: the TensorRT engine of DIR_A (a --flavor trt "
                    "export) vs its reference flavor on ONNX Runtime (DIR_B, or re-exported from the model source).")
 @click.option("--engine", type=click.Path(dir_okay=False), default=None, help="--backend trt: engine file.")
-@click.option("--logits-atol", type=float, default=1e-3, show_default=True)
-@click.option("--logits-rtol", type=float, default=1e-3, show_default=True)
-@click.option("--cache-atol", type=float, default=1e-3, show_default=True,
+@click.option("--logits-atol", type=NON_NEGATIVE, default=1e-3, show_default=True)
+@click.option("--logits-rtol", type=NON_NEGATIVE, default=1e-3, show_default=True)
+@click.option("--cache-atol", type=NON_NEGATIVE, default=1e-3, show_default=True,
               help="For the cache each export holds, decoded with its manifest.")
-@click.option("--cache-rtol", type=float, default=1e-3, show_default=True)
+@click.option("--cache-rtol", type=NON_NEGATIVE, default=1e-3, show_default=True)
 @click.option("--steps", type=click.IntRange(0), default=4, show_default=True, help="Decode steps after prefill.")
-@click.option("--prompt-len", type=click.IntRange(1), default=48, show_default=True)
+@click.option("--prompt-len", type=click.IntRange(1), default=None,
+              help="Prompt tokens [default: past both exports' high-precision windows, at least 48; a shorter "
+                   "one that never leaves a window is compared with a warning].")
 @click.option("--batch", type=click.IntRange(1), default=2, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
 @click.option("--no-verify", "no_verify", is_flag=True,
               help="Skip checking the weight files against the checksums in kvq.json (faster on trusted storage).")
 def compare(dir_a, dir_b, backend, engine, logits_atol, logits_rtol, cache_atol, cache_rtol, steps, prompt_len, batch,
@@ -467,7 +487,13 @@ def compare(dir_a, dir_b, backend, engine, logits_atol, logits_rtol, cache_atol,
     tol = Tolerances(logits_atol, logits_rtol, cache_atol, cache_rtol)
     run = dict(prompt_len=prompt_len, batch=batch, steps=steps, seed=seed)
     if backend == "trt":
+        from kvq_export.manifest import Manifest
         from kvq_export.trt import compare_with_onnxruntime
+        from kvq_export.validate.compare import comparison_prompt_len, warn_unexercised
+
+        manifests = [Manifest.load(dir_a)]
+        run["prompt_len"] = prompt_len or comparison_prompt_len(manifests, batch=batch)
+        warn_unexercised(manifests, [dir_a], prompt_len=run["prompt_len"], steps=steps)
 
         ok = compare_with_onnxruntime(dir_a, reference_dir=dir_b, engine=engine, tolerances=tol, **run)
         other = dir_b or "its reference flavor"
@@ -488,7 +514,8 @@ def compare(dir_a, dir_b, backend, engine, logits_atol, logits_rtol, cache_atol,
 @click.option("--max-batch", type=click.IntRange(1), default=8, show_default=True)
 @click.option("--max-context", type=click.IntRange(1), default=4096, show_default=True)
 @click.option("--max-prefill", type=click.IntRange(1), default=None, help="Longest prefill (default: max context).")
-@click.option("--output", type=click.Path(dir_okay=False), default=None, help="Engine path (default DIR/model.engine).")
+@click.option("--output", type=click.Path(dir_okay=False), default=None, callback=outside_exports,
+              help="Engine path (default: DIR.engine beside the export; never inside it).")
 def build(export_dir, fp16, max_batch, max_context, max_prefill, output) -> None:
     """Build a TensorRT engine from a --flavor trt export (plugin loaded; prefill and decode profiles)."""
     from kvq_export.trt import build_engine
@@ -499,12 +526,10 @@ def build(export_dir, fp16, max_batch, max_context, max_prefill, output) -> None
 
 
 def _utf8_text(path: str, what: str) -> str:
-    """A text file's content; bytes that are not UTF-8 are a one-line error, not a traceback."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read()
-    except UnicodeDecodeError as err:
-        raise KVQError(f"{what} {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    """A text file's content, capped (``/dev/zero`` is refused); bytes that are not UTF-8 are a one-line error."""
+    from kvq_export._read import read_text
+
+    return read_text(path, what)
 
 
 def _utf8_arg(text: str, option: str) -> str:
@@ -544,10 +569,10 @@ def _ints(text: str) -> list[int]:
               help="Also report strict-decode perplexity on this many windows of the calibration corpus.")
 @click.option("--ppl-tokens", type=click.IntRange(2), default=512, show_default=True, help="Tokens per window.")
 @calibration_options()
-@click.option("--work-dir", type=click.Path(file_okay=False), default=None,
+@click.option("--work-dir", type=click.Path(file_okay=False), default=None, callback=outside_exports,
               help="Where the exports are kept and reused (default: the kvq cache directory).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
-@click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=outside_exports)
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None, callback=outside_exports,
               help="PNG of decode latency and cache bytes against context length.")
 @click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
 def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warmup, prefill_tokens, fill, dtype,
@@ -588,9 +613,9 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
 @click.option("--model", "model_spec", default="smollm2", show_default=True)
 @click.option("--prompt", default=None, help="Prompt text (default: a built-in ~130-token story opening).")
 @click.option("--max-new-tokens", type=click.IntRange(2), default=64, show_default=True)
-@click.option("--repetition-penalty", type=float, default=None,
+@click.option("--repetition-penalty", type=FiniteFloat(0.01, 100), default=None,
               help="Greedy decoding's repetition penalty (default: the demo's, 1.3).")
-@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+@click.option("--workdir", type=click.Path(file_okay=False), default=None, callback=outside_exports,
               help="Where the exports live (default: the kvq cache directory).")
 @calibration_options()
 def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir, calibration) -> None:
@@ -636,7 +661,7 @@ def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir, calibr
 @click.option("--backend", type=click.Choice(["auto", "engine", "session"]), default="auto", show_default=True,
               help="engine: onnxruntime-genai's og.Engine, requests batched (ort-gqa exports); session: kvq's loop, "
                    "one request at a time; auto: engine where onnxruntime-genai can serve the export.")
-@click.option("--shutdown-timeout", type=click.FloatRange(0), default=10.0, show_default=True,
+@click.option("--shutdown-timeout", type=NON_NEGATIVE, default=10.0, show_default=True,
               help="Seconds in-flight requests may finish after SIGINT/SIGTERM before they are cancelled.")
 @click.option("--no-verify", "no_verify", is_flag=True,
               help="Skip checking the weight files against the checksums in kvq.json (faster on trusted storage).")
@@ -647,6 +672,39 @@ def serve(export_dir, host, port, model_name, backend, shutdown_timeout, no_veri
     logging.getLogger("kvq_export.serve").setLevel(min(logging.getLogger().getEffectiveLevel(), logging.INFO))
     run_server(export_dir, host=host, port=port, model_name=model_name, backend=backend,
                verify_weights=not no_verify, shutdown_timeout=shutdown_timeout)
+
+
+@cli.command("bench-serve")
+@click.argument("export_dirs", nargs=-1, required=True, metavar="[NAME=]DIR...")
+@click.option("--context", "contexts", type=click.IntRange(2), multiple=True, default=(2048, 8000), show_default=True)
+@click.option("--concurrent", type=click.IntRange(1), default=4, show_default=True, help="Sequences decoded together.")
+@click.option("--budget-gb", type=click.FloatRange(0, min_open=True), default=8.0, show_default=True,
+              help="Memory budget (GiB) the sequences must fit beside the weights.")
+@click.option("--new-tokens", type=click.IntRange(1), default=8, show_default=True, help="Timed decode steps.")
+@click.option("--backend", type=click.Choice(["auto", "og", "session"]), default="auto", show_default=True,
+              help="og: og.Model with a batch prefilled for real; session: KVQSession on a synthetic cache (kvq "
+                   "exports); auto: session for kvq exports, og for others.")
+@click.option("--threads", type=click.IntRange(1), default=None)
+@click.option("--out", "out", default="capacity.jsonl", show_default=True, help="Rows appended as measured.")
+@click.option("--plot", "plot_out", default=None, help="Write a PNG of the rows here.")
+@click.option("--predict-only", is_flag=True, help="Read the graphs only: cache bytes and sequences predicted.")
+def bench_serve(export_dirs, contexts, concurrent, budget_gb, new_tokens, backend, threads, out, plot_out,
+                predict_only) -> None:
+    """Sequences each export serves at once within a memory budget, and their aggregate tokens/s."""
+    from pathlib import Path
+
+    from kvq_export.capacity import plot_capacity, run_capacity
+
+    dirs = dict(d.split("=", 1) if "=" in d else (Path(d).name, d) for d in export_dirs)
+    rows = run_capacity(dirs, contexts=contexts, concurrent=concurrent, budget_bytes=int(budget_gb * 2**30),
+                        new_tokens=new_tokens, backend=backend, threads=threads, out=out, predict_only=predict_only)
+    for r in rows:
+        speed = "-" if r.tokens_per_s is None else f"{r.tokens_per_s:.1f}"
+        click.echo(f"{r.name} @{r.context}: {r.cache_bytes_per_sequence / 2**20:.1f} MiB/seq, "
+                   f"{r.predicted_sequences} seqs predicted, {r.measured_sequences or '-'} by RSS, "
+                   f"{speed} tok/s x{r.concurrent} ({r.status})")
+    if plot_out:
+        plot_capacity(rows, plot_out)
 
 
 def main(argv: list[str] | None = None) -> None:

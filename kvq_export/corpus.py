@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvq_export._read import CORPUS_LIMIT, read_text
 from kvq_export.errors import KVQError
 
 logger = logging.getLogger(__name__)
@@ -105,14 +106,7 @@ def _data_root(name: str) -> Path:
 
 
 def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise KVQError(
-            f"corpus file {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start})"
-        ) from None
-    except OSError as err:
-        raise KVQError(f"cannot read corpus file {str(path)!r}: {err.strerror or err}") from None
+    return read_text(path, "corpus file", limit=CORPUS_LIMIT)
 
 
 def token_windows(

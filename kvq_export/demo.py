@@ -14,7 +14,8 @@ Each generates from the same prompt with the same decoding settings (:data:`DEMO
 repetition penalty, so a 135M model does not repeat one clause) and reports its continuation, how many leading
 tokens agree with the baseline, the cache bytes held, the median decode time per token and its ratio to the
 baseline, and how to serve the export with onnxruntime-genai (or why that export cannot be). Exports are cached
-under ``$KVQ_CACHE_DIR/exports`` and reused while the same kvq source made them from the same request.
+under ``$KVQ_CACHE_DIR/exports``, keyed by the model's content digest, and reused while the same kvq source made
+them from the same request.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from kvq_export.export.exporter import cached_export_dir, ensure_export
 from kvq_export.memory import predict
-from kvq_export.model_source import cache_root
+from kvq_export.model_source import cache_dir
 from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec, ExportRequest
 from kvq_export.runtime.genai import RUNTIME, serve_command
 from kvq_export.runtime.sampling import SamplingConfig
@@ -104,7 +105,7 @@ def run_demo(model_spec: str, prompt: str, max_new_tokens: int, workdir: str | o
 
     Static-scale runs are calibrated as ``calibration`` says (``kvq export``'s defaults: held-out britannica text).
     """
-    root = Path(workdir) if workdir else cache_root() / "exports"
+    root = Path(workdir) if workdir else cache_dir("exports")
     rows: list[DemoRow] = []
     for run in runs:
         request = ExportRequest(model=model_spec, scheme=run.scheme, flavor=run.flavor, calibration=calibration)

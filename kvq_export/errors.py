@@ -8,7 +8,19 @@ from __future__ import annotations
 
 
 class KVQError(Exception):
-    """Base of every error kvq raises on purpose (bad input, missing dependency, bad file)."""
+    """Base of every error kvq raises on purpose (bad input, missing dependency, bad file).
+
+    ``cli`` is the same message in the command line's words (``--force`` where the API says ``force=True``);
+    the CLI prints :meth:`for_cli`, a Python caller sees the message itself.
+    """
+
+    def __init__(self, *args: object, cli: str | None = None) -> None:
+        super().__init__(*args)
+        self.cli = cli
+
+    def for_cli(self) -> str:
+        """The message as the command line says it."""
+        return self.cli or str(self)
 
 
 class SchemeError(KVQError, ValueError):
@@ -33,3 +45,11 @@ class QuantizationError(KVQError, ValueError):
 
 class DependencyError(KVQError, ImportError):
     """An optional dependency (TensorRT, Triton, a GPU stack) is not installed."""
+
+
+class GateError(KVQError):
+    """A run finished but missed a threshold the user set (``kvq validate --max-ppl-delta`` ...)."""
+
+
+class OutputPathError(KVQError):
+    """An output path is refused (it lies inside an export directory, whose files are checksummed)."""

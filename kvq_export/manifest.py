@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvq_export._atomic import atomic_write
+from kvq_export._read import file_sha256, parse_json, read_text
 from kvq_export.cache_layout import REGIONS, CacheLayout, layout_named
 from kvq_export.dtypes import COMPUTE_DTYPES
 from kvq_export.errors import KVQError, RuntimeInputError
@@ -32,12 +33,18 @@ MANIFEST_NAME = "kvq.json"
 MODEL_NAME = "model.onnx"
 CALIBRATION_NAME = "calibration.npz"
 FORMAT_VERSION = 1
-#: The files whose sha256 the manifest records at export and a loader verifies (the graph and its weights).
-#: Graphs and weights checksummed at export and verified on load (those present; ``model.genai.onnx`` is the
-#: onnxruntime-genai entry graph of an ort-gqa export).
+#: The graph and weight files of an export (``model.genai.onnx``: the onnxruntime-genai entry graph of an ort-gqa
+#: export). The manifest checksums these and every other file of the export (tokenizer, calibration, the
+#: onnxruntime-genai config), in subfolders too; only ``kvq.json`` itself is not listed.
 WEIGHT_FILES = (MODEL_NAME, MODEL_NAME + ".data", "model.genai.onnx")
 #: ONNX metadata key under which the graph carries the scheme it was built for (compared with the manifest's).
 GRAPH_SCHEME_KEY = "kvq.scheme"
+#: ONNX metadata keys of the other facts the graph fixes (see :func:`graph_metadata`): the model facts (JSON of
+#: the ``model`` section without ``source``), the graph's build (flavour, cache layout, compute dtype) and the
+#: digest of the static scales / high channels embedded in it.
+GRAPH_MODEL_KEY = "kvq.model"
+GRAPH_BUILD_KEY = "kvq.graph"
+GRAPH_CALIBRATION_KEY = "kvq.calibration"
 #: Compute dtypes an export can have.
 
 #: How a rotated stream (``rotation`` of a scheme stream) is stored and decoded; repeated in every manifest.
@@ -75,6 +82,16 @@ class Manifest:
     build: dict[str, Any] | None = None  # {"kvq_code": source digest, "request": what shaped the export}
     #: other runtimes that can serve the export: name -> {"supported": bool, their files, or "reason"}
     runtimes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def source_digest(self) -> str | None:
+        """Content digest of the model this export was made from (:func:`kvq_export.model_digest.model_digest`).
+
+        None for an in-memory model or an export made before kvq recorded it.
+        """
+        request = (self.build or {}).get("request")
+        digest = request.get("source_digest") if isinstance(request, dict) else None
+        return digest if isinstance(digest, str) else None
 
     # -- the cache ------------------------------------------------------------------------------------
     @property
@@ -198,17 +215,98 @@ class Manifest:
         path = Path(directory) / MANIFEST_NAME
         if not path.is_file():
             raise RuntimeInputError(f"{directory} is not a kvq export directory: {MANIFEST_NAME} is missing")
-        try:
-            data = json.loads(path.read_bytes().decode("utf-8"))
-        except UnicodeDecodeError as err:
-            raise RuntimeInputError(f"{path} is not UTF-8 text: {err}") from None
-        except json.JSONDecodeError as err:
-            raise RuntimeInputError(f"{path} is not valid JSON: {err}") from None
-        except RecursionError:
-            raise RuntimeInputError(f"{path} is not valid JSON: nested too deeply") from None
+        # capped: a sparse or endless kvq.json is refused before it is read
+        data = parse_json(read_text(path, "manifest", error=RuntimeInputError), str(path), error=RuntimeInputError)
         manifest = cls.from_dict(data)
         check_export_files(directory, manifest)
         return manifest
+
+
+# -- the graph is the source of truth for what it fixes ---------------------------------------------------------
+def graph_metadata(scheme: KVQuantScheme, model: ModelFacts, *, flavor: str, layout: str, dtype: str,
+                   calibration_digest: str | None) -> dict[str, str]:
+    """The ONNX metadata an exporter writes into the graph: everything the graph fixes, as the manifest spells it.
+
+    A loader compares it with ``kvq.json`` (:func:`check_graph_metadata`): an edited manifest (a scheme, a model
+    fact, the flavour) or a replaced calibration file is refused instead of giving wrong numbers.
+    """
+    facts = {k: v for k, v in model.to_dict().items() if k != "source"}
+    out = {GRAPH_SCHEME_KEY: scheme.to_json(indent=None), GRAPH_MODEL_KEY: json.dumps(facts, sort_keys=True),
+           GRAPH_BUILD_KEY: json.dumps({"flavor": flavor, "layout": layout, "dtype": dtype}, sort_keys=True)}
+    if calibration_digest is not None:
+        out[GRAPH_CALIBRATION_KEY] = calibration_digest
+    return out
+
+
+def check_graph_metadata(directory: str | os.PathLike[str], manifest: Manifest, carried: Mapping[str, str],
+                         static: Mapping | None) -> None:
+    """Refuse a manifest (or calibration file) that disagrees with what the graph ``carried`` in its metadata.
+
+    ``static``: the calibration file's arrays (:func:`load_static`). A graph from before kvq wrote a key is not
+    checked for that key.
+    """
+    edited = f"{directory}: {MANIFEST_NAME} describes"
+    if GRAPH_SCHEME_KEY in carried:
+        try:
+            built = KVQuantScheme.from_json(carried[GRAPH_SCHEME_KEY])
+        except KVQError as err:
+            raise RuntimeInputError(f"{directory}: the graph's scheme is unreadable: {err}") from None
+        if built != manifest.scheme:
+            raise RuntimeInputError(
+                f"{edited} a scheme the graph was not built for (graph: {built.describe()}; manifest: "
+                f"{manifest.scheme.describe()}); the manifest was edited")
+    if GRAPH_MODEL_KEY in carried:
+        want = _json_object(directory, carried[GRAPH_MODEL_KEY], GRAPH_MODEL_KEY)
+        have = {k: v for k, v in manifest.model.to_dict().items() if k != "source"}
+        differ = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+        if differ:
+            name = differ[0]
+            raise RuntimeInputError(f"{edited} another model than the graph was built for: model.{name} is "
+                                    f"{have.get(name)!r}, the graph's is {want.get(name)!r}; the manifest was edited")
+    if GRAPH_BUILD_KEY in carried:
+        want = _json_object(directory, carried[GRAPH_BUILD_KEY], GRAPH_BUILD_KEY)
+        have = {"flavor": manifest.flavor, "layout": manifest.layout, "dtype": manifest.dtype}
+        for name in sorted(have):
+            if want.get(name) != have[name]:
+                field = "cache.layout_name" if name == "layout" else name
+                raise RuntimeInputError(f"{edited} {field} {have[name]!r}, the graph was built as "
+                                        f"{want.get(name)!r}; the manifest was edited")
+    if GRAPH_MODEL_KEY in carried:  # a graph that records its facts also records whether it embeds scales
+        built = carried.get(GRAPH_CALIBRATION_KEY)
+        if (built is None) != (static is None):
+            raise RuntimeInputError(f"{edited} {'no' if static is None else 'a'} calibration file, the graph was "
+                                    f"built {'with' if built else 'without'} calibrated constants; the manifest "
+                                    "was edited")
+        if built is not None:
+            from kvq_export.calibrate import calibration_digest
+
+            got = calibration_digest(static, len(built))
+            if got != built:
+                raise RuntimeInputError(f"{directory}: {manifest.calibration['file']} holds other scales than the "
+                                        f"graph embeds (digest {got}, graph {built}): the calibration file was "
+                                        "replaced; export again")
+
+
+def _json_object(directory, text: str, key: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise RuntimeInputError(f"{directory}: the graph's {key} metadata is not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise RuntimeInputError(f"{directory}: the graph's {key} metadata is not a JSON object")
+    return value
+
+
+def read_graph_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The metadata of an ONNX file (its weights are not read)."""
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as err:  # noqa: BLE001 - onnx raises its own untyped errors for unreadable files
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RuntimeInputError(f"cannot read the ONNX file {path}: {first}") from None
+    return {entry.key: entry.value for entry in model.metadata_props}
 
 
 def _list_of_objects(data: Mapping[str, Any], name: str, where: str = "") -> list[dict[str, Any]]:
@@ -231,23 +329,95 @@ def resolve_inside(directory: str | os.PathLike[str], name: str) -> Path:
     return path
 
 
+def export_identity(directory: str | os.PathLike[str]) -> tuple[int, int, str]:
+    """What tells two exports at one path apart: the directory's (device, inode) and the manifest's sha256.
+
+    An export replaced in place (``--force``) is a new directory swapped in, and its manifest records other
+    checksums or another build; a session compares this before and after it reads anything lazily.
+    """
+    st = os.stat(directory)
+    try:
+        manifest = (Path(directory) / MANIFEST_NAME).read_bytes()
+    except OSError:
+        manifest = b""
+    return st.st_dev, st.st_ino, hashlib.sha256(manifest).hexdigest()
+
+
+def check_same_export(directory: str | os.PathLike[str], opened: tuple[int, int, str], when: str) -> None:
+    """Refuse to go on when the export at ``directory`` is no longer the one :func:`export_identity` saw."""
+    try:
+        now = export_identity(directory)
+    except OSError:
+        now = None
+    if now != opened:
+        raise RuntimeInputError(f"{directory} was replaced or changed {when}: its graph and its manifest, tokenizer "
+                                "or calibration would come from two exports; open it again")
+
+
+def export_containing(path: str | os.PathLike[str]) -> Path | None:
+    """The export directory ``path`` lies inside (a ``kvq.json`` in one of its resolved parents), or None."""
+    resolved = Path(path).expanduser().resolve()
+    return next((parent for parent in resolved.parents if (parent / MANIFEST_NAME).is_file()), None)
+
+
+def check_output_path(path: str | os.PathLike[str], what: str = "output") -> Path:
+    """Refuse an output path inside any export directory; return it.
+
+    An export's files are checksummed and run as they are: a report, an engine or a JSON written over
+    ``kvq.json``, ``model.onnx`` or beside them would corrupt or change what the export is.
+    """
+    inside = export_containing(path)
+    if inside is not None:
+        from kvq_export.errors import OutputPathError
+
+        raise OutputPathError(f"{what} {path} lies inside the kvq export {inside}: kvq never writes into an export "
+                              "directory; choose a path outside it")
+    return Path(path)
+
+
 def check_export_files(directory: str | os.PathLike[str], manifest: Manifest) -> None:
-    """Every file the manifest names, and every entry of the directory (tokenizer files), lies inside it."""
+    """Every file the manifest names, and every entry of the directory, subfolders included, lies inside it.
+
+    An export holds directories and regular files only: a symbolic link (even one that stays inside, which could
+    make a runtime read another model's files under a checksummed name) or a device, socket or FIFO is refused.
+    """
     for name in [*(manifest.weights or {}), *([manifest.calibration["file"]] if manifest.calibration else [])]:
         resolve_inside(directory, name)
-    for entry in Path(directory).iterdir():
-        resolve_inside(directory, entry.name)
+    export_files(directory)
+
+
+def export_files(directory: str | os.PathLike[str]) -> list[str]:
+    """Relative names (``/``-separated) of every file of an export but ``kvq.json``; refuses links and specials."""
+    root = Path(directory)
+    names = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        for name in sorted(dirnames) + sorted(filenames):
+            path = here / name
+            relative = path.relative_to(root).as_posix()
+            resolve_inside(root, relative)  # a link out of the export: named as such
+            if path.is_symlink():
+                raise RuntimeInputError(f"{directory}: {relative} is a symbolic link; an export holds its own "
+                                        "regular files only (copy the file in, or export again)")
+            if name in dirnames:
+                continue
+            if not path.is_file():
+                raise RuntimeInputError(f"{directory}: {relative} is not a regular file; an export holds regular "
+                                        "files only")
+            if relative != MANIFEST_NAME:
+                names.append(relative)
+    return sorted(names)
 
 
 def weight_checksums(directory: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
-    """``{file: {"sha256", "bytes"}}`` of the graph and its weights (what a loader verifies)."""
+    """``{file: {"sha256", "bytes"}}`` of every file of the export but ``kvq.json`` (what a loader verifies)."""
     directory = Path(directory)
     return {name: {"sha256": _sha256(directory / name), "bytes": (directory / name).stat().st_size}
-            for name in WEIGHT_FILES if (directory / name).is_file()}
+            for name in export_files(directory)}
 
 
 def verify_weights(directory: str | os.PathLike[str], manifest: Manifest) -> None:
-    """Raise unless every weight file matches the checksum the manifest recorded at export."""
+    """Raise unless every file of the export matches the checksum the manifest recorded, and has one."""
     if not manifest.weights:
         raise RuntimeInputError(f"{directory}: the manifest records no weight checksums (exported by an older "
                                 "kvq?): export it again, or skip the check (verify_weights=False / --no-verify)")
@@ -262,19 +432,16 @@ def verify_weights(directory: str | os.PathLike[str], manifest: Manifest) -> Non
         if _sha256(path) != want["sha256"]:
             raise RuntimeInputError(f"{path} does not match its sha256 in {MANIFEST_NAME}: corrupted or edited; "
                                     "export again (or skip the check: verify_weights=False / --no-verify)")
+    unlisted = [name for name in export_files(directory) if name not in manifest.weights]
+    if unlisted:
+        raise RuntimeInputError(f"{directory}: {unlisted[0]} has no checksum in {MANIFEST_NAME} (added after the "
+                                "export, or exported by an older kvq); an export runs only files it recorded: "
+                                "remove it or export again (or skip the check: verify_weights=False / --no-verify)")
 
 
 def _sha256(path: Path) -> str:
-    """sha256 of a file, remembered per (path, inode, size, mtime): a process hashes an unchanged file once."""
-    st = path.stat()
-    key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
-    if key not in _DIGESTS:
-        with open(path, "rb") as handle:
-            _DIGESTS[key] = hashlib.file_digest(handle, "sha256").hexdigest()
-    return _DIGESTS[key]
-
-
-_DIGESTS: dict[tuple, str] = {}
+    """sha256 of a file, hashed once per file version (a rewrite with the old size and mtime is hashed again)."""
+    return file_sha256(path)
 
 
 def load_static(directory: str | os.PathLike[str], manifest: Manifest) -> dict | None:

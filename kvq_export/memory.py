@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from kvq_export.cache_layout import split_lengths
 from kvq_export.dtypes import DType
-from kvq_export.errors import SchemeError
+from kvq_export.errors import KVQError, SchemeError
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
 BREAKDOWN_KEYS = ("payload", "scales", "zero_points", "high_precision", "padding")
@@ -124,3 +124,56 @@ def curve(
 ) -> list[MemoryReport]:
     """:func:`predict` over several lengths (for tables and plots)."""
     return [predict(scheme, model, n, batch) for n in lengths]
+
+
+# -- what a run may allocate ------------------------------------------------------------------------------------
+def available_bytes() -> int | None:
+    """Memory this machine can give a new allocation: Linux's ``MemAvailable``, else physical memory, else None."""
+    import os
+
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(needed: int, what: str, advice: str) -> None:
+    """Refuse up front a run whose estimated allocation (``needed`` bytes) exceeds the memory available."""
+    available = available_bytes()
+    if available is not None and needed > available:
+        gib = 1 << 30
+        raise KVQError(f"{what} needs at least {needed / gib:.1f} GiB, more than the {available / gib:.1f} GiB "
+                       f"of memory available; {advice}")
+
+
+def check_positions(lengths: Sequence[int], max_positions: int, what: str, advice: str) -> None:
+    """Refuse lengths past the model's positions (its RoPE table and its config state no more)."""
+    beyond = sorted({n for n in lengths if n > max_positions})
+    if beyond:
+        raise KVQError(f"{what} {beyond[0]} is beyond the model's {max_positions} positions; {advice}")
+
+
+def high_precision_tokens(scheme: KVQuantScheme, model: CacheGeometry, limit: int) -> int:
+    """Tokens a row holds before the first one is stored quantized (its sink / recent-window / partial-group span).
+
+    0 for a scheme that quantizes from the first token; ``limit`` when nothing up to ``limit`` tokens is
+    quantized (an unquantized scheme). A comparison or validation whose rows never exceed this number never
+    reads a quantized token: it can only report a perfect match.
+    """
+    if not scheme.quantized or predict(scheme, model, limit).breakdown["payload"] == 0:
+        return limit
+    low, high = 0, limit  # payload(low) == 0, payload(high) > 0; payload only grows with length
+    while high - low > 1:
+        mid = (low + high) // 2
+        if predict(scheme, model, mid).breakdown["payload"] > 0:
+            high = mid
+        else:
+            low = mid
+    return low

@@ -17,15 +17,19 @@ into the config (:func:`restore_gguf_config`), or the file is refused where it c
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import logging
+import math
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvq_export._atomic import write_dir_atomically
+from kvq_export._read import TEXT_LIMIT, TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes, file_sha256
 from kvq_export.errors import ModelError
 from kvq_export.export.arch import get_arch
 from kvq_export.model_facts import ModelFacts
@@ -95,7 +99,9 @@ def resolve_spec(spec: str | os.PathLike[str]) -> ModelSource:
     text = os.fspath(spec)
     if text in BUILTIN_MODELS:
         return ModelSource("gguf", _builtin_path(text))
-    path = Path(text).expanduser()
+    # Absolute once, here: every later reader (transformers' GGUF loader resolves a bare file name against the
+    # current directory) then sees the one file the user named.
+    path = Path(text).expanduser().resolve()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelError(
@@ -137,10 +143,80 @@ def cache_root() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvq"
 
 
+def cache_dir(*parts: str) -> Path:
+    """``cache_root()/parts``, created; a one-line :class:`ModelError` where it cannot be (a file, no permission)."""
+    path = cache_root().joinpath(*parts)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable")
+    except OSError as err:
+        raise ModelError(f"kvq's cache directory {path} cannot be used ({err.strerror or err}); set KVQ_CACHE_DIR "
+                         "to a writable directory") from None
+    return path
+
+
 def gguf_cache_dir(gguf_path: Path) -> Path:
-    """Return the fp32 cache folder of a GGUF file, keyed by name, size and mtime (changed file: new one)."""
-    st = gguf_path.stat()
-    return cache_root() / f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}"
+    """Return the fp32 cache folder of a GGUF file, keyed by its content: size, mtime and sha256.
+
+    The name is only there for a reader: two files of one name (or one file changed) never share a folder.
+    """
+    size, mtime_ns, digest = file_fingerprint(gguf_path)
+    return cache_root() / f"{gguf_path.stem[:100]}-{size}-{mtime_ns}-{digest[:16]}"
+
+
+def file_fingerprint(path: Path) -> tuple[int, int, str]:
+    """``(size, mtime_ns, sha256)`` of a file's content (the digest hashed once per file version)."""
+    digest = file_sha256(path)
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, digest
+
+
+#: files of a Hugging Face directory that shape the loaded model or its tokenizer
+_HF_FILE_PATTERNS = ("*.json", "*.safetensors", "*.bin", "*.model", "*.txt")
+
+
+def canonical_spec(spec: str | os.PathLike[str]) -> str:
+    """The spec as recorded: a built-in name as is, a path as the absolute path :func:`resolve_spec` loads."""
+    text = os.fspath(spec)
+    return text if text in BUILTIN_MODELS else str(resolve_spec(text).path)
+
+
+def model_identity(model: str | os.PathLike[str] | Any) -> dict[str, Any]:
+    """What a cached result derived from ``model`` is keyed by: its content, never its name.
+
+    A spec gives its absolute path and the size, mtime and sha256 of every file it loads from; a loaded
+    model the sha256 of its config and weights (:func:`weights_digest`).
+    """
+    if not isinstance(model, (str, os.PathLike)):
+        return {"weights": weights_digest(model)}
+    source = resolve_spec(model)
+    files = [source.path] if source.kind == "gguf" else sorted(
+        {f for pattern in _HF_FILE_PATTERNS for f in source.path.glob(pattern) if f.is_file()})
+    return {"spec": canonical_spec(model),
+            "files": {f.name: list(file_fingerprint(f)) for f in files}}
+
+
+_WEIGHT_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def weights_digest(model: PreTrainedModel) -> str:
+    """sha256 of a loaded model's config and tensors; kept while no tensor is replaced or changed in place."""
+    import hashlib
+
+    import torch
+
+    tensors = model.state_dict()
+    version = tuple((name, t.data_ptr(), t._version) for name, t in tensors.items())
+    cached = _WEIGHT_DIGESTS.get(model)
+    if cached is not None and cached[0] == version:
+        return cached[1]
+    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    for name, tensor in sorted(tensors.items()):
+        h.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    _WEIGHT_DIGESTS[model] = (version, h.hexdigest())
+    return _WEIGHT_DIGESTS[model][1]
 
 
 def load_config(spec: str | os.PathLike[str]) -> PretrainedConfig:
@@ -154,7 +230,15 @@ def load_config(spec: str | os.PathLike[str]) -> PretrainedConfig:
             if (cached / "config.json").is_file():
                 return AutoConfig.from_pretrained(cached, local_files_only=True, trust_remote_code=False)
             return _gguf_config(source.path, check_gguf_header(source.path))
+        _check_small_files(source.path)
         return AutoConfig.from_pretrained(source.path, local_files_only=True, trust_remote_code=False)
+
+
+def _check_small_files(model_dir: Path) -> None:
+    """Refuse a config or tokenizer file of a Hugging Face directory that transformers would read whole."""
+    check_sizes(model_dir, ("config.json", "generation_config.json"), "model file", limit=TEXT_LIMIT,
+                error=ModelError)
+    check_sizes(model_dir, TOKENIZER_FILES, "tokenizer file", limit=TOKENIZER_LIMIT, error=ModelError)
 
 
 @contextlib.contextmanager
@@ -165,12 +249,22 @@ def _unreadable_as_model_error(path: Path):
     ``IndexError`` on a short tensor) for bad bytes; those are bad input here, not bugs. transformers' GGUF
     loader raises ``NotImplementedError`` for files it cannot map (e.g. a ``llama`` GGUF named ``mistral``).
     """
+    import pickle
     import struct
+
+    from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassFieldValidationError
 
     try:
         yield
     except ModelError:
         raise
+    except (StrictDataclassClassValidationError, StrictDataclassFieldValidationError) as err:
+        cause = err.__cause__ or err  # the config's own reason ("hidden size (1) is not a multiple ..."), in one line
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise ModelError(f"cannot read the model at {path}: its config is invalid: {first}") from None
+    except pickle.UnpicklingError:  # torch.load(weights_only=True) met a pickle that runs code
+        raise ModelError(f"cannot read the model at {path}: its pickled weights (pytorch_model.bin) need code to "
+                         "load, which kvq never runs; convert them to safetensors") from None
     except (ValueError, OSError, EOFError, KeyError, IndexError, struct.error, UnicodeDecodeError,
             NotImplementedError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -206,19 +300,45 @@ class GgufHeader:
         return self.metadata.get(f"{self.architecture}.{name}")
 
 
+#: deepest array-of-arrays a GGUF header may hold (llama.cpp writes flat arrays)
+GGUF_MAX_ARRAY_DEPTH = 4
+#: most dimensions of a GGUF tensor (ggml's GGML_MAX_DIMS)
+GGUF_MAX_DIMS = 4
+
+
 def read_gguf_header(path: Path) -> GgufHeader:
     """Read a GGUF file's header: scalar metadata and tensor names, no tensor data.
 
     Streams the header with the gguf package's type codes: ``gguf.GGUFReader`` would also decode every
-    vocabulary entry, seconds on a real model (this takes about 0.1 s). Bad or short bytes raise
-    ``ValueError``/``EOFError``.
+    vocabulary entry, seconds on a real model (this takes about 0.1 s). Every length, count and tensor size
+    the header states is checked against the bytes the file holds before anything is read or allocated, and
+    arrays nest at most :data:`GGUF_MAX_ARRAY_DEPTH` deep, so a hostile header costs no memory and no
+    recursion. Bad or short bytes raise ``ValueError``/``EOFError``; a header that passes describes a file
+    every later reader (transformers' GGUF loader) can read within its size.
     """
     import struct
 
     import numpy as np
-    from gguf import GGUF_MAGIC, GGUFReader, GGUFValueType
+    from gguf import (
+        GGML_QUANT_SIZES,
+        GGUF_DEFAULT_ALIGNMENT,
+        GGUF_MAGIC,
+        GGMLQuantizationType,
+        GGUFReader,
+        GGUFValueType,
+    )
 
     with open(path, "rb") as handle:
+        file_size = os.fstat(handle.fileno()).st_size
+
+        def left() -> int:
+            return file_size - handle.tell()
+
+        def claim(size: int, what: str) -> int:
+            if size > left():
+                raise ValueError(f"the GGUF header states {what} of {size} bytes at offset {handle.tell()}, "
+                                 f"but the file has {left()} bytes left")
+            return size
 
         def read(size: int) -> bytes:
             data = handle.read(size)
@@ -238,36 +358,68 @@ def read_gguf_header(path: Path) -> GgufHeader:
         def number(fmt: str) -> int:
             return struct.unpack(order + fmt, read(struct.calcsize(fmt)))[0]
 
-        def string() -> str:
-            return read(number("Q")).decode("utf-8")
+        def string(what: str) -> str:
+            return read(claim(number("Q"), what)).decode("utf-8")
 
-        def skip(kind: GGUFValueType, count: int) -> None:
-            if kind == GGUFValueType.STRING:
-                for _ in range(count):
-                    handle.seek(number("Q"), os.SEEK_CUR)
-            elif kind == GGUFValueType.ARRAY:
-                for _ in range(count):
-                    inner = GGUFValueType(number("I"))
-                    skip(inner, number("Q"))
-            else:
-                handle.seek(count * scalars[kind].itemsize, os.SEEK_CUR)
+        def skip_array() -> None:
+            """Skip an array value (item type, count, items), nested arrays included, without recursion."""
+            pending = [1]  # arrays still to skip, per nesting level
+            while pending:
+                if not pending[-1]:
+                    pending.pop()
+                    continue
+                pending[-1] -= 1
+                kind, count = GGUFValueType(number("I")), number("Q")
+                if kind == GGUFValueType.ARRAY:
+                    if len(pending) >= GGUF_MAX_ARRAY_DEPTH:
+                        raise ValueError(f"the GGUF header nests arrays deeper than {GGUF_MAX_ARRAY_DEPTH} levels")
+                    claim(count * 12, f"an array of {count} arrays")  # each at least a type and a count
+                    pending.append(count)
+                elif kind == GGUFValueType.STRING:
+                    claim(count * 8, f"an array of {count} strings")  # each at least its length
+                    for _ in range(count):
+                        handle.seek(claim(number("Q"), "a string"), os.SEEK_CUR)
+                else:
+                    handle.seek(claim(count * scalars[kind].itemsize, f"an array of {count} numbers"), os.SEEK_CUR)
 
         tensor_count, kv_count = number("Q"), number("Q")
+        claim(kv_count * 12, f"{kv_count} metadata entries")  # each at least a key length and a type
+        claim(tensor_count * 24, f"{tensor_count} tensors")  # name length, dims count, type, offset
         metadata: dict[str, str | int | float | bool] = {}
         for _ in range(kv_count):
-            key = string()
+            key = string("a metadata key")
             kind = GGUFValueType(number("I"))
             if kind == GGUFValueType.STRING:
-                metadata[key] = string()
+                metadata[key] = string(f"the value of {key}")
             elif kind == GGUFValueType.ARRAY:
-                inner = GGUFValueType(number("I"))
-                skip(inner, number("Q"))
+                skip_array()
             else:
                 metadata[key] = np.frombuffer(read(scalars[kind].itemsize), scalars[kind])[0].item()
-        names = []
+        names, extents = [], []
         for _ in range(tensor_count):  # name, n_dims, dims, ggml type, offset
-            names.append(string())
-            handle.seek(8 * number("I") + 4 + 8, os.SEEK_CUR)
+            name = string("a tensor name")
+            n_dims = number("I")
+            if n_dims > GGUF_MAX_DIMS:
+                raise ValueError(f"GGUF tensor {name!r} has {n_dims} dimensions; at most {GGUF_MAX_DIMS}")
+            dims = [number("Q") for _ in range(n_dims)]
+            kind, offset = GGMLQuantizationType(number("I")), number("Q")
+            if kind not in GGML_QUANT_SIZES:
+                raise ValueError(f"GGUF tensor {name!r} has ggml type {kind.name}, which has no known size")
+            block, block_bytes = GGML_QUANT_SIZES[kind]
+            elements = math.prod(dims)
+            if dims and dims[0] % block:
+                raise ValueError(f"GGUF tensor {name!r}: its first dimension {dims[0]} is not a multiple of "
+                                 f"{kind.name}'s block of {block}")
+            names.append(name)
+            extents.append((name, offset, elements // block * block_bytes))
+        alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"GGUF general.alignment {alignment!r} is not a power of two")
+        data_start = -(-handle.tell() // alignment) * alignment
+        for name, offset, size in extents:
+            if data_start + offset + size > file_size:
+                raise ValueError(f"GGUF tensor {name!r} claims {size} bytes at offset {offset} of its data, "
+                                 f"beyond the file's {file_size} bytes")
         return GgufHeader(metadata, tuple(names))
 
 
@@ -332,14 +484,15 @@ def restore_gguf_config(config: PretrainedConfig, header: GgufHeader) -> Pretrai
 
 def _load_hf_dir(model_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # library code: no progress bars on stderr for a sub-second load
+    _check_small_files(model_dir)
     start = time.perf_counter()
     # a model is data: code it ships (auto_map) is never run, and never asked about
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True,
-                                                 trust_remote_code=False)
+    model = _complete_model(model_dir, model_dir, dtype=torch.float32, local_files_only=True,
+                            trust_remote_code=False)
     model.eval()
     tokenizer = None
     if any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
@@ -350,15 +503,58 @@ def _load_hf_dir(model_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerB
     return model, tokenizer
 
 
+def _complete_model(path: Path, *args, **kwargs) -> PreTrainedModel:
+    """``AutoModelForCausalLM.from_pretrained(*args, **kwargs)``, refused unless every weight came from ``path``.
+
+    transformers fills a missing or wrongly shaped tensor with random values and only logs it; an export of
+    such a model would run and be wrong. Missing, unexpected and mismatched tensors are one ModelError here.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report is a table on stderr; the error below says it in one line
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(*args, output_loading_info=True,
+                                                           ignore_mismatched_sizes=True, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    problems = []
+    for label, names in (("missing", info.get("missing_keys")), ("unexpected", info.get("unexpected_keys"))):
+        if names:
+            problems.append(f"{label} {_some(sorted(names))}")
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        problems.append("shapes differ from the config: " + _some(
+            [f"{name} {list(have)} in the weights, {list(want)} by the config" for name, have, want in mismatched]))
+    problems += [str(msg).strip().splitlines()[0] for msg in info.get("error_msgs") or () if str(msg).strip()]
+    if problems:
+        raise ModelError(f"cannot load {path}: its weights do not match its config ({'; '.join(problems)}); "
+                         "kvq exports only complete checkpoints")
+    return model
+
+
+def _some(items: list[str], shown: int = 4) -> str:
+    """The first ``shown`` items, comma-separated, with how many more there are."""
+    more = f" (+{len(items) - shown} more)" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
+
+
 def _ensure_fp32_cache(gguf_path: Path) -> Path:
     """Return the fp32 Hugging Face directory of a GGUF file, converting it on the first call."""
     target = gguf_cache_dir(gguf_path)
     if (target / "config.json").is_file():
         return target
     header = check_gguf_header(gguf_path)
+    cache_dir()
     logger.info("converting %s to fp32 (once) into %s", gguf_path, target)
     start = time.perf_counter()
-    write_dir_atomically(target, lambda tmp: _convert_gguf(gguf_path, header, tmp))
+    try:
+        write_dir_atomically(target, lambda tmp: _convert_gguf(gguf_path, header, tmp))
+    except OSError as err:  # the cache's file system, not the model: say so (the temporary copy is gone)
+        reason = "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err))
+        raise ModelError(f"cannot cache the fp32 conversion of {gguf_path} in {target.parent}: {reason}; "
+                         "free space there or set KVQ_CACHE_DIR to another directory") from None
     logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
     return target
 
@@ -369,7 +565,7 @@ def _gguf_config(gguf_path: Path, header: GgufHeader) -> PretrainedConfig:
 
     # Parses the GGUF metadata (a few seconds: the tokenizer arrays dominate), no tensors.
     config = AutoConfig.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True, trust_remote_code=False
+        gguf_path.parent, gguf_file=str(gguf_path.absolute()), local_files_only=True, trust_remote_code=False
     )
     return restore_gguf_config(config, header)
 
@@ -377,13 +573,14 @@ def _gguf_config(gguf_path: Path, header: GgufHeader) -> PretrainedConfig:
 def _convert_gguf(gguf_path: Path, header: GgufHeader, out_dir: Path) -> None:
     """Dequantize a GGUF model to fp32 and save it, with its tokenizer, as a Hugging Face directory."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoTokenizer, GgufConfig
 
-    kwargs = {"gguf_file": gguf_path.name, "local_files_only": True, "trust_remote_code": False}
+    # an absolute gguf_file: transformers takes a bare name that exists in the current directory over the folder's
+    kwargs = {"gguf_file": str(gguf_path.absolute()), "local_files_only": True, "trust_remote_code": False}
     # dequantize=True loads a plain fp32 model (no GGUF quantizer attached, so save_pretrained works)
     # and never keeps packed GGUF blocks, even where a GGUF matmul kernel is installed.
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, config=_gguf_config(gguf_path, header), dtype=torch.float32,
+    model = _complete_model(
+        gguf_path, gguf_path.parent, config=_gguf_config(gguf_path, header), dtype=torch.float32,
         quantization_config=GgufConfig(dequantize=True), **kwargs
     )
     model.save_pretrained(out_dir)

@@ -10,6 +10,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from kvq_export._read import read_text
 from kvq_export.errors import SchemeError
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
@@ -159,11 +160,7 @@ def resolve_scheme(spec: str | KVQuantScheme) -> KVQuantScheme:
     if path.suffix == ".json" or path.is_file():
         if not path.is_file():
             raise SchemeError(f"scheme file {spec} does not exist")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as err:
-            raise SchemeError(f"scheme file {spec} is not UTF-8 text ({err.reason} at byte {err.start})") from None
-        scheme = KVQuantScheme.from_json(text)
+        scheme = KVQuantScheme.from_json(read_text(path, "scheme file", error=SchemeError))
         return scheme if scheme.name else scheme.with_name(path.stem)
     raise SchemeError(f"unknown scheme {spec!r}; allowed: a preset ({', '.join(PRESETS)}) or a scheme .json file")
 

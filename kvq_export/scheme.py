@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvq_export._read import parse_json
 from kvq_export.dtypes import DType
 from kvq_export.errors import SchemeError
 from kvq_export.rotation import ROTATIONS, check_rotation
@@ -528,11 +529,7 @@ class KVQuantScheme:
     @classmethod
     def from_json(cls, text: str) -> KVQuantScheme:
         """Parse JSON text (see :meth:`to_json`)."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise SchemeError(f"scheme is not valid JSON: {err}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text, "scheme", error=SchemeError))  # bounded integers and nesting
 
     def with_name(self, name: str | None) -> KVQuantScheme:
         """Same scheme, another label."""

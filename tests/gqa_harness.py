@@ -110,8 +110,12 @@ class Comparison:
 
 
 def compare(session: KVQSession, arch: str, scheme, static, prompts, *, steps: int = STEPS,
-            capacity: int = 16) -> Comparison:
-    """Teacher-force prompts + random tokens through ``session`` and the PyTorch reference cache."""
+            capacity: int = 16, exact_prefill: bool = True) -> Comparison:
+    """Teacher-force prompts + random tokens through ``session`` and the PyTorch reference cache.
+
+    ``exact_prefill``: the reference's prompt attends over its exact K/V (the ort-gqa export's prefill rule);
+    False: over its codes (an export with ``fast_prefill=False``).
+    """
     model = tiny_model(arch)
     stream = token_stream(prompts, steps)
     ids, mask = left_pad(prompts)
@@ -122,7 +126,7 @@ def compare(session: KVQSession, arch: str, scheme, static, prompts, *, steps: i
     width = ids.shape[1]
     for row, prompt in enumerate(prompts):
         cache_hf, ref = reference_hf_cache(scheme, model.config.num_hidden_layers,
-                                           static_to_torch(static) if static else None)
+                                           static_to_torch(static) if static else None, exact_prefill=exact_prefill)
         with torch.no_grad():
             want = [model(torch.tensor([prompt]), cache=cache_hf).logits[0].numpy()]
             for token in stream[:, row]:
@@ -157,3 +161,18 @@ def compare(session: KVQSession, arch: str, scheme, static, prompts, *, steps: i
                 want_kv = stream_ref.dequantized(basis="stored")[0].numpy()  # decode_cache's default basis
                 out.decoded = max(out.decoded, float(np.abs(k_or_v - want_kv).max()))
     return out
+
+
+def step_nodes(graph) -> list:
+    """Each layer's GroupQueryAttention node of a decode step, in order.
+
+    A quantized layer's is in its If's step branch, beside the prefill branch's unquantized node.
+    """
+    nodes = []
+    for node in graph.node:
+        if node.op_type == "If":
+            step = next(a.g for a in node.attribute if a.name == "else_branch")
+            nodes += [n for n in step.node if n.op_type == "GroupQueryAttention"]
+        elif node.op_type == "GroupQueryAttention":
+            nodes.append(node)
+    return nodes

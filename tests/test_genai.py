@@ -428,14 +428,25 @@ def test_cli_generate_genai_json_equals_kvq(byte_export):
 def test_cli_generate_genai_errors_are_one_line(exports, byte_export, tmp_path, monkeypatch):
     line = _one_line_error(_generate(byte_export, "--prompt", "Hi", "--max-new-tokens", "5000", "--runtime", "genai"))
     assert "exceeds the export's context_length 1024; allowed: max_new_tokens <= 1022" in line
-    # onnxruntime-genai refusing the directory (here a config naming a graph that is not there)
+    # a config kvq did not write (here one naming a graph that is not there) is refused before og reads it:
+    # by its checksum, and without the check because it is not the config of this manifest
     broken = tmp_path / "broken"
     shutil.copytree(byte_export, broken)
     config = json.loads((broken / GENAI_CONFIG).read_text())
     config["model"]["decoder"]["filename"] = "missing.onnx"
     (broken / GENAI_CONFIG).write_text(json.dumps(config))
-    line = _one_line_error(_generate(broken, "--prompt", "Hi", "--runtime", "genai"))
-    assert line.startswith(f"error: onnxruntime-genai cannot load {broken}: ") and "missing.onnx" in line
+    assert "genai_config.json" in _one_line_error(_generate(broken, "--prompt", "Hi", "--runtime", "genai"))
+    line = _one_line_error(_generate(broken, "--prompt", "Hi", "--runtime", "genai", "--no-verify"))
+    assert "is not the one kvq wrote" in line and "model.decoder.filename" in line
+    # onnxruntime-genai refusing the directory itself: its own error, on one line
+    og = pytest.importorskip("onnxruntime_genai")
+    with monkeypatch.context() as patch:
+        def refuse(*args, **kwargs):
+            raise RuntimeError("Load model from missing.onnx failed:\n File doesn't exist")
+
+        patch.setattr(og, "Model", refuse)
+        line = _one_line_error(_generate(byte_export, "--prompt", "Hi", "--runtime", "genai"))
+    assert line.startswith(f"error: onnxruntime-genai cannot load {byte_export}: ") and "missing.onnx" in line
     # the tiny models' word-level tokenizer is not one onnxruntime-genai reads
     line = _one_line_error(_generate(exports["fp32"], "--prompt", "w1", "--runtime", "genai"))
     assert line.startswith("error: onnxruntime-genai cannot read the tokenizer")

@@ -3,7 +3,9 @@
 Each case teacher-forces a prompt (alone, or a left-padded batch of two) and 50 single-token steps through
 the export on ONNX Runtime and, one prompt at a time, through the PyTorch model running kvq's reference
 cache with the same static scales (``tests/gqa_harness.py``). The runtime starts with a 16-token buffer,
-so every case also grows it.
+so every case also grows it. The reference runs the export's prefill rule (``exact_prefill``): the prompt
+attends over its exact K/V and stores their codes, the steps attend over the codes. The prefill itself is
+checked at the end of the file: the node's bytes bit for bit, the unquantized export's logits, a mixed batch.
 
 Tolerances, measured on the four tiny architectures (see the ``measured`` notes):
 
@@ -34,7 +36,7 @@ import json
 
 import numpy as np
 import pytest
-from gqa_harness import PROMPTS, SCHEMES, calibration, compare, left_pad, sequences
+from gqa_harness import PROMPTS, SCHEMES, calibration, compare, left_pad, sequences, step_nodes
 from tiny_models import ARCHS, VOCAB, tiny_model
 
 from kvq_export.errors import ExportError, RuntimeInputError
@@ -199,8 +201,9 @@ def test_unfused_rotary_path_matches_and_names_probes(tmp_path_factory, monkeypa
     named = {o for n in graph.node for o in n.output}
     assert {"probe.0.qkv", "probe.1.qkv"} <= named  # the body's RoPE on the packed q|k|v: one probe per layer
     assert "probe.1.key" not in named and not any(n.op_type == "Transpose" and "gqa" in n.name for n in graph.node)
-    rotary = {a.i for n in graph.node if n.op_type == "GroupQueryAttention" for a in n.attribute
-              if a.name == "do_rotary"}
+    nodes = [*graph.node, *(n for node in graph.node if node.op_type == "If" for a in node.attribute
+                            for n in a.g.node)]  # a quantized layer's nodes: the prefill and step branches
+    rotary = {a.i for n in nodes if n.op_type == "GroupQueryAttention" for a in n.attribute if a.name == "do_rotary"}
     assert rotary == {0}
     fused_names = {o for n in onnx.load(fused.directory / "model.onnx", load_external_data=False).graph.node
                    for o in n.output}
@@ -247,8 +250,7 @@ def _gqa_attrs(session) -> list[dict]:
     import onnx
 
     graph = onnx.load(session.directory / "model.onnx", load_external_data=False).graph
-    return [{a.name: (a.s.decode() if a.s else a.i) for a in n.attribute} for n in graph.node
-            if n.op_type == "GroupQueryAttention"]
+    return [{a.name: (a.s.decode() if a.s else a.i) for a in n.attribute} for n in step_nodes(graph)]
 
 
 def test_token_axis_scales_and_a_fp16_layer_among_int8(tmp_path_factory):
@@ -370,3 +372,96 @@ def test_fp16_buffer_with_fp32_compute_warns_about_cpu_casts(tmp_path, caplog):
     ort.InferenceSession(str(out / "model.onnx"), options, providers=["CPUExecutionProvider"])
     assert not [n for n in onnx.load(tmp_path / "optimized.onnx", load_external_data=False).graph.node
                 if n.op_type == "Cast" and any("buffer" in name for name in n.input)]
+
+
+# -- prefill: exact attention among the prompt's tokens, the node's codes written once --------------------------
+
+PREFILL_SCHEMES = ["ort-int8", "ort-int4", "ort-int4-asymk", "int8-asymv/hp-fp32", "int4-high/hp-fp32"]
+
+
+def _every_call_quantized(tmp_path_factory, monkeypatch, arch, scheme, static):
+    """The same export with ``fast_prefill=False``: the quantized node runs on every call, prefills too."""
+    from kvq_export.export.exporter import export_model
+    from kvq_export.export.gqa_flavor import rope_in_body
+
+    def for_model(cls, scheme, facts, *, static=None):
+        return cls(scheme, fast_prefill=False, fuse_rotary=not rope_in_body(scheme, facts.num_layers),
+                   num_layers=facts.num_layers, kv_heads=facts.num_kv_heads, head_dim=facts.head_dim, static=static)
+
+    monkeypatch.setattr(GQACacheGraph, "for_model", classmethod(for_model))
+    out = tmp_path_factory.mktemp("every-call") / f"{arch}-{(scheme.name or 'custom').replace('/', '_')}"
+    return KVQSession(export_model(tiny_model(arch), scheme, out, static=static, flavor="ort-gqa"))
+
+
+def _buffers(session, cache) -> dict[str, list[np.ndarray]]:
+    """Each buffer's stored positions ``[0, seq_lengths[b])`` per row."""
+    lengths = session.seq_lengths(cache)
+    return {name: [value.numpy()[row, :, :n] for row, n in enumerate(lengths)]
+            for name, value in cache.items() if name.endswith(".buffer")}
+
+
+@pytest.mark.parametrize("name", PREFILL_SCHEMES)
+def test_prefill_writes_the_codes_the_node_writes(tmp_path_factory, monkeypatch, name):
+    """Layer 0 sees the same K/V either way: its buffers hold the quantized node's bytes, bit for bit.
+
+    (Deeper layers' K/V follow from the exact attention below them, so they are checked against the reference
+    cache instead: ``test_codes_and_logits_equal_the_reference_cache``.) Decode steps from one cache then give
+    the same logits and bytes in both graphs: the decode branch is the node as before.
+    """
+    scheme = SCHEMES[name]
+    static = calibration("llama", scheme)
+    fast = _export(tmp_path_factory, "llama", scheme, static)
+    every = _every_call_quantized(tmp_path_factory, monkeypatch, "llama", scheme, static)
+    ids, mask = left_pad(PROMPTS["padded"])
+    _, cache_fast = fast.step(ids, mask, fast.empty_cache(2, capacity=16))
+    _, cache_every = every.step(ids, mask, every.empty_cache(2, capacity=16))
+    got, want = _buffers(fast, cache_fast), _buffers(every, cache_every)
+    layer0 = [n for n in got if n.startswith("past.0.")]
+    assert len(layer0) == 2
+    for buffer in layer0:
+        for a, b in zip(got[buffer], want[buffer]):
+            assert a.dtype == b.dtype and np.array_equal(a, b), buffer
+    _, cache_copy = fast.step(ids, mask, fast.empty_cache(2, capacity=16))  # the same prefill again
+    for a, b in zip(_buffers(fast, cache_copy).values(), got.values()):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    for token in (7, 3, 11):
+        a, cache_fast = fast.step(np.full((2, 1), token), None, cache_fast)
+        b, cache_copy = every.step(np.full((2, 1), token), None, cache_copy)
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    for a, b in zip(_buffers(fast, cache_fast).values(), _buffers(every, cache_copy).values()):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name", PREFILL_SCHEMES)
+def test_prefill_logits_are_the_unquantized_exports(tmp_path_factory, name):
+    """A prompt attends over its own exact K/V: its logits are the fp32-buffer export's (left-padded batch)."""
+    scheme = SCHEMES[name]
+    quantized = _export(tmp_path_factory, "qwen2", scheme, calibration("qwen2", scheme))
+    plain = _export(tmp_path_factory, "qwen2", SCHEMES["fp32"], None)
+    ids, mask = left_pad(PROMPTS["padded"])
+    a, _ = quantized.step(ids, mask)
+    b, _ = plain.step(ids, mask)
+    real = mask.astype(bool)
+    assert np.abs(a - b)[real].max() <= 1e-5 * max(1.0, np.abs(b).max())
+
+
+def test_mixed_batch_runs_the_quantized_node(tmp_path_factory, monkeypatch):
+    """A call where some row already holds tokens is no prefill: every row attends over its codes, as before.
+
+    Row 0 has a prompt, row 1 joins with its own (left-padded); both graphs then agree bit for bit.
+    """
+    scheme = SCHEMES["ort-int4"]
+    static = calibration("llama", scheme)
+    fast = _export(tmp_path_factory, "llama", scheme, static)
+    every = _every_call_quantized(tmp_path_factory, monkeypatch, "llama", scheme, static)
+    first = (np.array([[0, 0, 4, 5, 6], [0, 0, 0, 0, 0]]), np.array([[0, 0, 1, 1, 1], [0, 0, 0, 0, 0]]))
+    caches = [fast.step(*first, fast.empty_cache(2, capacity=16))[1] for _ in range(2)]  # row 1 idle
+    assert fast.seq_lengths(caches[0]).tolist() == [3, 0]
+    joined = (np.array([[0, 0, 0, 8, 9], [1, 2, 3, 4, 5]]), np.array([[0, 0, 0, 1, 1], [1, 1, 1, 1, 1]]))
+    a, cache_fast = fast.step(*joined, caches[0])
+    b, cache_every = every.step(*joined, caches[1])
+    assert np.array_equal(a, b)
+    for x, y in zip(_buffers(fast, cache_fast).values(), _buffers(every, cache_every).values()):
+        assert all(np.array_equal(p, q) for p, q in zip(x, y))
+    alone, _ = fast.step(np.array([[1, 2, 3, 4, 5]]))  # a prefill: exact, so not the joined row's logits
+    assert np.abs(alone[0] - a[1]).max() > 0

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from gqa_harness import compare, sequences
+from gqa_harness import compare, sequences, step_nodes
 from tiny_models import VOCAB, save_tiny_model_dir, tiny_model
 
 from kvq_export.calibrate import calibrate_static_scales
@@ -319,8 +319,7 @@ def test_mixed_bit_widths_export_per_layer_on_ort_gqa(tmp_path):
               for layer, parts in static.items()}
     session = KVQSession(export_model(tiny_model("llama"), scheme, tmp_path / "x", static=static, flavor="ort-gqa"))
     graph = onnx.load(session.directory / "model.onnx", load_external_data=False).graph
-    widths = [next(a.i for a in n.attribute if a.name == "kv_cache_bit_width") for n in graph.node
-              if n.op_type == "GroupQueryAttention"]
+    widths = [next(a.i for a in n.attribute if a.name == "kv_cache_bit_width") for n in step_nodes(graph)]
     assert widths == [8, 4]
     c = compare(session, "llama", scheme, static, prompts)
     assert c.logits <= 1e-4 and c.worse == 0 and c.off_by_one <= c.codes // 500, c

@@ -127,4 +127,5 @@ def test_force_on_a_non_export_is_one_line(model_dir, tmp_path):
 def test_runtime_limits_are_one_line(exported):
     assert_one_line(*run("generate", exported, "--prompt", " ".join(["w5"] * 1100), "--max-new-tokens", "2"),
                     "beyond the 1024 positions")
-    assert_one_line(*run("generate", exported, "--prompt", "w1", "--temperature", "nan"), "invalid temperature=nan")
+    code, stderr = run("generate", exported, "--prompt", "w1", "--temperature", "nan")  # refused by its click type
+    assert code == 2 and "'--temperature': 'nan' is not allowed; allowed: a finite number >= 0" in stderr, stderr

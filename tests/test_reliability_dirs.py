@@ -41,7 +41,7 @@ def test_force_refuses_a_directory_that_is_not_an_export(tmp_path, contents):
     for name, text in contents.items():
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(text)
-    with pytest.raises(ExportError, match="not a kvq export directory.*--force replaces only a kvq export"):
+    with pytest.raises(ExportError, match="not a kvq export directory.*force=True replaces only a kvq export"):
         export_model("/nonexistent-model", "fp16", out, force=True)  # refused before the model is even looked at
     assert all((out / name).read_text() == text for name, text in contents.items())
 
@@ -62,7 +62,7 @@ def test_force_refuses_a_file_and_a_symlink(tmp_path):
 
 def test_an_existing_export_needs_force(tmp_path):
     out = _fake_export(tmp_path / "exp", "old")
-    with pytest.raises(ExportError, match="already exists; pass --force"):
+    with pytest.raises(ExportError, match="already exists; pass force=True to replace it"):
         export_model("/nonexistent-model", "fp16", out)
 
 

@@ -83,11 +83,12 @@ def test_the_calibration_digest_is_checked(static, tmp_path):
     scales = load_static(directory, manifest)
     np.savez(directory / "calibration.npz", **{f"{layer}.{part}.{role}": array * 2 for layer, parts in scales.items()
                                                for part, roles in parts.items() for role, array in roles.items()})
+    # the file's checksum would refuse it first: these check the calibration digest behind it
     with pytest.raises(RuntimeInputError, match="does not match the calibration digest"):
-        KVQSession(directory)
+        KVQSession(directory, verify_weights=False)
     (directory / "calibration.npz").write_bytes(b"not a zip")
     with pytest.raises(RuntimeInputError, match="not a readable calibration file"):
-        KVQSession(directory)
+        KVQSession(directory, verify_weights=False)
 
 
 @pytest.mark.parametrize("change", [

@@ -144,7 +144,7 @@ def test_the_tokenizer_never_runs_code_shipped_in_an_export(exports, tmp_path):
     marker = tmp_path / "ran"
     (export_dir / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n"
                                         "from transformers import PreTrainedTokenizerFast as EvilTokenizer\n")
-    session = KVQSession(export_dir)
+    session = KVQSession(export_dir, verify_weights=False)  # the checksums would refuse the edit: test the loader
     try:
         session.tokenizer("w1 w2")
     except RuntimeInputError:

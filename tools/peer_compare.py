@@ -99,6 +99,10 @@ class Row:
     decode_ms_at: dict[int, float] | None = None  # genai peer: median step per context
     prefill_tok_s: float | None = None  # genai peer: chunked prefill of the longest context
     cache_bytes: int | None = None  # genai peer: cache buffers held at the longest context
+    weights: str = ""  # genai peer: how the weights are stored (fp32, int4)
+    decode_ms_batch: dict[int, dict[int, float]] | None = None  # genai peer: batch -> context -> median step
+    prefill_tok_s_at: dict[int, float] | None = None  # genai peer: context -> prefill tok/s (batch 1)
+    dir_bytes: int | None = None  # genai peer: bytes of the export directory's files
 
 
 def _has(module: str | None) -> bool:
@@ -381,16 +385,19 @@ def _stamp(out: Path, stamp: dict) -> None:
     (out / "peer_stamp.json").write_text(json.dumps(stamp))
 
 
-def build_with_builder(hf: Path, out: Path, quant: str | None = None, scale_file: Path | None = None) -> Path:
-    """``python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp32 -e cpu`` (+ a quantized cache)."""
+def build_with_builder(hf: Path, out: Path, quant: str | None = None, scale_file: Path | None = None,
+                       precision: str = "fp32") -> Path:
+    """``python -m onnxruntime_genai.models.builder -i HF -o OUT -p PRECISION -e cpu`` (+ a quantized cache)."""
     import shutil
     import subprocess
 
     stamp = {"quant": quant, "scales": scale_file.read_text() if scale_file else None}
+    if precision != "fp32":  # (builds made before the precision was a choice are fp32 and keep their stamp)
+        stamp["precision"] = precision
     if _reuse(out, stamp):
         return out
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p", "fp32",
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p", precision,
            "-e", "cpu", "-c", str(out.parent / "builder-cache")]
     if quant:
         cmd += ["--extra_options", f"kv_cache_quant_scheme={quant}", f"kv_cache_scale_file={scale_file}"]
@@ -444,13 +451,18 @@ class GenaiEngine:
                 total += _nll(np.asarray(generator.get_logits()).reshape(-1), int(row[i + 1]))
         return math.exp(total / (ids.shape[0] * (ids.shape[1] - 1)))
 
-    def prefill(self, tokens: list[int], max_length: int):
-        """A generator holding ``tokens`` (appended in chunks of PREFILL_CHUNK); returns (state, seconds)."""
+    def prefill(self, tokens: list[int], max_length: int, batch: int = 1):
+        """A generator holding ``tokens`` (appended in chunks of PREFILL_CHUNK); returns (state, seconds).
+
+        ``batch`` > 1: that many copies of ``tokens`` in one call (og appends a batch's prompt only once).
+        """
         params = self.og.GeneratorParams(self.model)
-        params.set_search_options(max_length=max_length, do_sample=False)
+        params.set_search_options(max_length=max_length, do_sample=False, batch_size=batch)
         generator = self.og.Generator(self.model, params)
         start = time.perf_counter()
-        for i in range(0, len(tokens), PREFILL_CHUNK):
+        if batch > 1:
+            generator.append_tokens(np.tile(np.asarray(tokens, dtype=np.int32), (batch, 1)))
+        for i in range(0, len(tokens), PREFILL_CHUNK) if batch == 1 else ():
             generator.append_tokens(np.asarray(tokens[i:i + PREFILL_CHUNK], dtype=np.int32))
         return generator, time.perf_counter() - start
 
@@ -486,26 +498,40 @@ class KvqEngine:
 
         return perplexity(self.session, windows)["ppl"]
 
-    def prefill(self, tokens: list[int], max_length: int):
-        """A cache holding ``tokens`` (chunks of PREFILL_CHUNK); returns ([cache, next token], seconds)."""
+    def prefill(self, tokens: list[int], max_length: int, batch: int = 1):
+        """A cache holding ``tokens`` (chunks of PREFILL_CHUNK); returns ([cache, next tokens], seconds).
+
+        ``batch`` > 1: the one row's cache copied to ``batch`` rows (the same state og's batch of copies reaches).
+        """
         cache = self.session.empty_cache(1, capacity=max_length)
         start = time.perf_counter()
         for i in range(0, len(tokens), PREFILL_CHUNK):
             logits, cache = self.session.step(np.asarray([tokens[i:i + PREFILL_CHUNK]], dtype=np.int64), None, cache)
-        return [cache, int(logits[0, -1].argmax())], time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if batch > 1:
+            cache = self.session.cache_from_arrays({name: np.repeat(array, batch, axis=0) for name, array
+                                                    in self.session.cache_arrays(cache).items()})
+        return [cache, np.repeat(logits[:, -1:].argmax(-1), batch, axis=0)], seconds
 
     def step(self, state) -> None:
-        """One decode step: run the last token, pick the next greedily (kvq's Python loop)."""
-        logits, state[0] = self.session.step(np.asarray([[state[1]]], dtype=np.int64), None, state[0])
-        state[1] = int(logits[0, -1].argmax())
+        """One decode step: run the last tokens, pick the next greedily (kvq's Python loop)."""
+        logits, state[0] = self.session.step(state[1], None, state[0])
+        state[1] = logits[:, -1:].argmax(-1)
 
     def cache_bytes(self, state) -> int:
         """Bytes of the cache buffers kvq holds."""
         return self.session.cache_nbytes(state[0])
 
 
-def kvq_gqa_export(model: str, scheme: str, out: Path, static) -> Path:
-    """``kvq export --flavor ort-gqa`` with the given static scales (reused if built with the same ones)."""
+def kvq_gqa_export(model: str, scheme: str, out: Path, static, weights: str = "fp32",
+                   accuracy_level: int | None = None) -> Path:
+    """``kvq export --flavor ort-gqa`` with the given static scales (reused if built with the same ones).
+
+    ``weights`` other than fp32: a copy beside it (``OUT-w-int4``, ``-a4`` for an ``accuracy_level``) with its
+    weights in that format.
+    """
+    from export_weights import with_weights
+
     from kvq_export.calibrate import calibration_digest
     from kvq_export.export.exporter import export_model, source_digest
 
@@ -514,12 +540,26 @@ def kvq_gqa_export(model: str, scheme: str, out: Path, static) -> Path:
     if not _reuse(out, stamp):
         export_model(model, scheme, out, flavor="ort-gqa", static=static, force=True)
         _stamp(out, stamp)
-    return out
+    if weights == "fp32":
+        return out
+    level = {} if accuracy_level is None else {"accuracy_level": accuracy_level}
+    suffix = "" if accuracy_level is None else f"-a{accuracy_level}"
+    return with_weights(out, out.with_name(f"{out.name}-w-{weights}{suffix}"), weights, **level)
+
+
+def dir_bytes(directory: Path) -> int:
+    """Bytes of the files a directory holds (what a deployer ships)."""
+    stamps = ("peer_stamp.json", "weights_stamp.json")
+    return sum(f.stat().st_size for f in directory.iterdir() if f.is_file() and f.name not in stamps)
 
 
 def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], steps: int, work: Path,
               ppl: bool = True, int4_percentile: float | None = DEFAULT_PERCENTILE,
-              ppl_engines: Sequence[str] | None = None, timed_engines: Sequence[str] | None = None) -> list[Row]:
+              ppl_engines: Sequence[str] | None = None, timed_engines: Sequence[str] | None = None,
+              precision: str = "fp32", kvq_weights: str = "fp32",
+              schemes: Sequence[str] = tuple(GENAI_SCHEMES), own_scales: bool = True,
+              batches: Sequence[int] = (1,), batch_max_context: int | None = None,
+              kvq_accuracy_level: int | None = None) -> list[Row]:
     """Run kvq ort-gqa (kvq's loop) vs onnxruntime-genai's builder (og's loop) on the same fp32 weights.
 
     Perplexity on ``p_windows`` (strict decode); kvq's static scales come from ``kvq export``'s default calibration
@@ -530,6 +570,13 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
     ``ppl_engines`` / ``timed_engines`` pick engines by name (``kvq ort-int8 absmax``, ``builder int8_per_channel
     own``, ...; default: every engine but the spinning twins / one per runtime, scheme and spinning) so a loaded
     machine can split the work.
+
+    ``precision`` is the builder's ``-p`` (its CPU default is int4), ``kvq_weights`` the format kvq's exports'
+    weights are converted to (:mod:`kvq_export.export.weights`, with MatMulNBits' ``kvq_accuracy_level`` when
+    given: 4 is the builder's int8 activations); ``schemes`` picks the builder cache schemes
+    (keys of GENAI_SCHEMES), ``own_scales=False`` skips the builder's own calibrator. Each context is timed at
+    every batch size in ``batches`` (a batch of copies of one prompt: og prefills it in one call, kvq copies
+    its one-row cache), batches over one only up to ``batch_max_context``; prefill tok/s is batch 1's.
     """
     import json
 
@@ -563,11 +610,25 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
             engines[name] = row, engine()
         return engines[name][1]
 
-    fp32_dir = kvq_gqa_export(model, str(FP32_CACHE), work / "kvq-fp32", None)
-    add("kvq fp32", Row("kvq ort-gqa", "fp32 buffer", "fp32-cache"), lambda: KvqEngine(fp32_dir))
-    base_dir = build_with_builder(hf, work / "builder-fp32")
-    add("builder fp32", Row("genai builder", "fp32 (no kv quant)", "fp32-cache"), lambda: GenaiEngine(base_dir))
-    for quant, preset in GENAI_SCHEMES.items():
+    unknown = sorted(set(schemes) - set(GENAI_SCHEMES))
+    if unknown:
+        raise SystemExit(f"unknown builder scheme(s) {unknown}; allowed: {list(GENAI_SCHEMES)}")
+    # the default fp32 builds keep their old folder names (and their stamps)
+    tag = "" if precision == "fp32" else f"-p{precision}"
+
+    def kvq_row(cache: str, preset: str, directory: Path) -> Row:
+        weights = kvq_weights if kvq_accuracy_level is None else f"{kvq_weights} (accuracy_level {kvq_accuracy_level})"
+        return Row("kvq ort-gqa", cache, preset, weights=weights, dir_bytes=dir_bytes(directory))
+
+    def builder_row(cache: str, preset: str, directory: Path) -> Row:
+        return Row("genai builder", cache, preset, weights=precision, dir_bytes=dir_bytes(directory))
+
+    fp32_dir = kvq_gqa_export(model, str(FP32_CACHE), work / "kvq-fp32", None, kvq_weights, kvq_accuracy_level)
+    add("kvq fp32", kvq_row("fp32 buffer", "fp32-cache", fp32_dir), lambda: KvqEngine(fp32_dir))
+    base_dir = build_with_builder(hf, work / f"builder-fp32{tag}", precision=precision)
+    add("builder fp32", builder_row("fp32 (no kv quant)", "fp32-cache", base_dir), lambda: GenaiEngine(base_dir))
+    for quant in schemes:
+        preset = GENAI_SCHEMES[quant]
         scheme = resolve_scheme(preset)
         methods = [(str(spec.method), spec.percentile)] + (
             [("percentile", int4_percentile)] if "int4" in quant and int4_percentile else [])
@@ -579,20 +640,25 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
             else:
                 static = calibrate_static_scales(hf_model, scheme, calib, method=method, percentile=pct)
                 save_calibration(static, saved)
-            kvq_dir = kvq_gqa_export(model, preset, work / f"kvq-{preset}-{label}", static)
-            add(f"kvq {preset} {label}", Row("kvq ort-gqa", f"{preset} (kvq {label} scales)", preset),
+            kvq_dir = kvq_gqa_export(model, preset, work / f"kvq-{preset}-{label}", static, kvq_weights,
+                                     kvq_accuracy_level)
+            add(f"kvq {preset} {label}", kvq_row(f"{preset} (kvq {label} scales)", preset, kvq_dir),
                 lambda d=kvq_dir: KvqEngine(d))
-            add(f"kvq {preset} {label} spin", Row("kvq ort-gqa", f"{preset} (kvq {label} scales, spinning)",
-                                                  preset), lambda d=kvq_dir: KvqEngine(d, spinning=True))
+            add(f"kvq {preset} {label} spin", kvq_row(f"{preset} (kvq {label} scales, spinning)", preset, kvq_dir),
+                lambda d=kvq_dir: KvqEngine(d, spinning=True))
             scales = work / f"kvq-scales-{quant}-{label}.json"
             scales.write_text(json.dumps(builder_scale_file(static, scheme, num_layers=facts.num_layers,
                                                             kv_heads=facts.num_kv_heads, head_dim=facts.head_dim)))
-            built = build_with_builder(hf, work / f"builder-{quant}-kvq-{label}", quant, scales)
-            add(f"builder {quant} kvq-{label}", Row("genai builder", f"{quant} (kvq {label} scales)", preset),
+            built = build_with_builder(hf, work / f"builder-{quant}-kvq-{label}{tag}", quant, scales, precision)
+            add(f"builder {quant} kvq-{label}", builder_row(f"{quant} (kvq {label} scales)", preset, built),
                 lambda d=built: GenaiEngine(d))
-        own = builder_calibration(base_dir, hf, work / f"builder-scales-{quant}.json", quant)
-        built = build_with_builder(hf, work / f"builder-{quant}-own", quant, own)
-        add(f"builder {quant} own", Row("genai builder", f"{quant} (builder calibrator)", preset),
+        if not own_scales:
+            continue
+        # the builder's calibrator runs the fp32 build (its own scales do not depend on the weights' format)
+        fp32_base = base_dir if precision == "fp32" else build_with_builder(hf, work / "builder-fp32")
+        own = builder_calibration(fp32_base, hf, work / f"builder-scales-{quant}.json", quant)
+        built = build_with_builder(hf, work / f"builder-{quant}-own{tag}", quant, own, precision)
+        add(f"builder {quant} own", builder_row(f"{quant} (builder calibrator)", preset, built),
             lambda d=built: GenaiEngine(d))
     del hf_model
 
@@ -614,19 +680,25 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
     warmup = 4
     for _, engine in timed.values():  # first runs allocate and prepack: keep them out of the prefill timing
         engine.prefill(text[:PREFILL_CHUNK], PREFILL_CHUNK + 1)
-    for context in contexts if timed else ():
+    runs = [(c, b) for c in contexts for b in batches if b == 1 or batch_max_context is None or c <= batch_max_context]
+    for context, batch in runs if timed else ():
         states, prefill_s = {}, {}
         for name, (_, engine) in timed.items():
-            states[name], prefill_s[name] = engine.prefill(text[:context - warmup - steps - 1], context)
+            states[name], prefill_s[name] = engine.prefill(text[:context - warmup - steps - 1], context, batch)
         ms = _interleaved({name: (lambda i, e=engine, st=states[name]: e.step(st))
                            for name, (_, engine) in timed.items()}, steps, warmup)
         for name, (row, engine) in timed.items():
-            row.decode_ms_at = {**(row.decode_ms_at or {}), context: ms[name]}
-            row.decode_ms = ms[name]
-            row.prefill_tok_s = (context - warmup - steps - 1) / prefill_s[name]
+            row.decode_ms_batch = row.decode_ms_batch or {}
+            row.decode_ms_batch.setdefault(batch, {})[context] = ms[name]
             row.cache_bytes = engine.cache_bytes(states[name])
-            logger.info("%s ctx %d: step %.2f ms, prefill %.0f tok/s, cache %d B", name, context, ms[name],
-                        row.prefill_tok_s, row.cache_bytes)
+            if batch == 1:
+                row.decode_ms_at = {**(row.decode_ms_at or {}), context: ms[name]}
+                row.decode_ms = ms[name]
+                row.prefill_tok_s = (context - warmup - steps - 1) / prefill_s[name]
+                row.prefill_tok_s_at = {**(row.prefill_tok_s_at or {}), context: row.prefill_tok_s}
+            logger.info("%s ctx %d batch %d: step %.2f ms, prefill %.0f tok/s (%.0f s), cache %d B", name, context,
+                        batch, ms[name], (context - warmup - steps - 1) * batch / prefill_s[name], prefill_s[name],
+                        row.cache_bytes)
         del states
     rows = [row for row, _ in engines.values()]
     for engine_name, baseline in (("kvq ort-gqa", "fp32 buffer"), ("genai builder", "fp32 (no kv quant)")):
@@ -665,12 +737,14 @@ def genai_table(rows: list[Row], args: argparse.Namespace):
     """The kvq ort-gqa vs onnxruntime-genai builder table: protocol P ppl, step ms per context, prefill, bytes."""
     from rich.table import Table
 
-    contexts = sorted({c for r in rows for c in (r.decode_ms_at or {})})
+    runs = sorted({(b, c) for r in rows for b, at in (r.decode_ms_batch or {}).items() for c in at})
+    prefills = sorted({c for r in rows for c in (r.prefill_tok_s_at or {})})
     table = Table(title=f"kvq ort-gqa vs onnxruntime-genai builder on {args.model}: strict-decode perplexity on "
                         f"{args.genai_ppl_windows}x{args.genai_ppl_tokens} britannica tokens from 0; decode step "
-                        f"median of {args.steps} interleaved, batch 1")
-    columns = ["engine", "cache", "ppl", "Δppl vs own fp32", *[f"step ms @{c}" for c in contexts],
-               "prefill tok/s", f"cache bytes @{max(contexts) if contexts else '-'}"]
+                        f"median of {args.steps} interleaved (bN: batch N)")
+    columns = ["engine", "cache", "weights", "dir MB", "ppl", "Δppl vs own fp32",
+               *[f"step ms @{c} b{b}" for b, c in runs], *[f"prefill tok/s @{c}" for c in prefills],
+               "cache bytes (last run)"]
     for col in columns:
         table.add_column(col, justify="left" if col in ("engine", "cache") else "right")
 
@@ -680,9 +754,10 @@ def genai_table(rows: list[Row], args: argparse.Namespace):
     for r in rows:
         base = None if r.ppl_delta is None else r.ppl - r.ppl_delta
         delta = "-" if base is None else f"{r.ppl_delta:+.3f} ({100 * r.ppl_delta / base:+.2f}%)"
-        table.add_row(r.engine, r.cache, fmt(r.ppl, ".4f"), delta,
-                      *[fmt((r.decode_ms_at or {}).get(c), ".2f") for c in contexts], fmt(r.prefill_tok_s, ".0f"),
-                      fmt(r.cache_bytes, "d"))
+        table.add_row(r.engine, r.cache, r.weights, fmt(r.dir_bytes and r.dir_bytes / 1e6, ".1f"),
+                      fmt(r.ppl, ".4f"), delta,
+                      *[fmt((r.decode_ms_batch or {}).get(b, {}).get(c), ".2f") for b, c in runs],
+                      *[fmt((r.prefill_tok_s_at or {}).get(c), ".0f") for c in prefills], fmt(r.cache_bytes, "d"))
     return table
 
 
@@ -717,6 +792,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--genai-timed-engines", default=None, help="genai peer: comma list of engines to time")
     parser.add_argument("--genai-int4-percentile", type=float, default=DEFAULT_PERCENTILE,
                         help="genai peer: also int4 with kvq percentile scales (0: skip)")
+    parser.add_argument("--genai-precision", choices=("fp32", "int4"), default="fp32",
+                        help="genai peer: the builder's -p (its CPU default is int4)")
+    parser.add_argument("--kvq-weights", choices=("fp32", "fp16", "int8", "int4"), default="fp32",
+                        help="genai peer: kvq exports' weight format (kvq_export.export.weights)")
+    parser.add_argument("--kvq-accuracy-level", type=int, choices=(1, 2, 3, 4), default=None,
+                        help="genai peer: MatMulNBits accuracy_level of kvq's int weights (4: int8 activations, the "
+                             "builder's CPU default; kvq's default is 1)")
+    parser.add_argument("--genai-schemes", default=",".join(GENAI_SCHEMES),
+                        help="genai peer: comma list of builder cache schemes to build")
+    parser.add_argument("--genai-no-own-scales", action="store_true",
+                        help="genai peer: skip the builder's own calibrator (builds with kvq's scales only)")
+    parser.add_argument("--genai-batches", default="1", help="genai peer: comma list of decode batch sizes")
+    parser.add_argument("--genai-batch-max-context", type=int, default=2048,
+                        help="genai peer: batches over one only up to this context (og prefills a batch in one call, "
+                             "and its attention scores at 4 x 8000 tokens take about 9 GB)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
@@ -754,7 +844,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         genai_rows = run_genai(args.model, p_windows, [int(c) for c in args.genai_contexts.split(",") if c],
                                args.steps, Path(args.work_dir), not args.no_ppl, args.genai_int4_percentile or None,
-                               names(args.genai_ppl_engines), names(args.genai_timed_engines))
+                               names(args.genai_ppl_engines), names(args.genai_timed_engines),
+                               precision=args.genai_precision, kvq_weights=args.kvq_weights,
+                               schemes=names(args.genai_schemes), own_scales=not args.genai_no_own_scales,
+                               batches=[int(b) for b in args.genai_batches.split(",") if b],
+                               batch_max_context=args.genai_batch_max_context,
+                               kvq_accuracy_level=args.kvq_accuracy_level)
 
     from rich.console import Console
     from rich.table import Table

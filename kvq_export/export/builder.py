@@ -19,7 +19,7 @@ import contextlib
 import logging
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +106,23 @@ class GraphBuilder:
             yield
         finally:
             self._scope.pop()
+
+    def subgraph(self, name: str, build: Callable[[], Sequence[ir.Value]]) -> ir.Graph:
+        """A subgraph (an ``If`` branch) of the nodes ``build()`` makes; its outputs are what it returns.
+
+        Weights and constants made inside still go to the graph, whose values a subgraph reads from its outer
+        scope.
+        """
+        main, sub = self._tape, Tape()
+        sub.initializer = main.initializer  # type: ignore[method-assign]  # weights stay in the graph
+        self._tape = sub
+        try:
+            outputs = list(build())
+        finally:
+            self._tape = main
+        for index, value in enumerate(v for node in sub.nodes for v in node.outputs if v.name is None):
+            value.name = f"{name}/{index}"  # the graph's own values are named val_<n> when saved: no shadowing
+        return ir.Graph((), outputs, nodes=sub.nodes, name=name)
 
     def use_domain(self, domain: str, version: int = 1) -> None:
         """Import a custom domain at ``version`` (ops in an unseen domain import it at version 1)."""

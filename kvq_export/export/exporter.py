@@ -19,7 +19,9 @@ Flavours are declared in :mod:`kvq_export.export.flavors`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
 import logging
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import kvq_export
 from kvq_export._atomic import (
+    aside_name,
     clean_leftovers,
     file_mode,
     move_dir_into_place,
@@ -47,15 +50,16 @@ from kvq_export.export.flavors import Flavor, FlavorName, flavor_names, get_flav
 from kvq_export.export.genai_package import RUNTIME, write_genai_files
 from kvq_export.manifest import (
     CALIBRATION_NAME,
-    GRAPH_SCHEME_KEY,
     MANIFEST_NAME,
     MODEL_NAME,
     Manifest,
+    graph_metadata,
     verify_weights,
     weight_checksums,
 )
+from kvq_export.model_digest import model_digest
 from kvq_export.model_facts import ModelFacts
-from kvq_export.model_source import load_model
+from kvq_export.model_source import canonical_spec, load_model, model_identity
 from kvq_export.request import DEFAULT_OPSET, CalibrationSpec, ExportRequest, WeightFormat, WeightSpec
 from kvq_export.scheme import KVQuantScheme
 
@@ -73,6 +77,43 @@ StaticArrays = Mapping[int, Mapping[str, Mapping[str, Any]]]
 #: Weight formats :func:`_quantize_weights` can write (the others are refused by :func:`plan_export`).
 QUANTIZABLE_WEIGHTS = (WeightFormat.FP32,)
 
+MIN_OPSET = 18
+
+
+def check_opset(opset: int) -> None:
+    """Refuse an opset the installed onnx or ONNX Runtime cannot load (the export would be written and fail)."""
+    low, high = supported_opsets()
+    if isinstance(opset, bool) or not isinstance(opset, int) or not low <= opset <= high:
+        import onnx
+        import onnxruntime
+
+        raise ExportError(f"opset {opset!r} is not supported: allowed {low}..{high} (the range both onnx "
+                          f"{onnx.__version__} and ONNX Runtime {onnxruntime.__version__} load)")
+
+
+@functools.cache
+def supported_opsets() -> tuple[int, int]:
+    """(lowest, highest) default-domain opset kvq exports: its own minimum, the newest both onnx and ONNX Runtime load.
+
+    ONNX Runtime states no maximum in Python: the newest opset it loads is found by loading a one-node model,
+    newest first (a few milliseconds each).
+    """
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    value = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [value],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    for opset in range(onnx.defs.onnx_opset_version(), MIN_OPSET - 1, -1):
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        try:
+            ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        except Exception:  # noqa: BLE001 - any refusal means "not this opset"
+            continue
+        return MIN_OPSET, opset
+    return MIN_OPSET, MIN_OPSET - 1  # loads nothing: every opset is refused, with the range stated
+
 
 # -- the stages --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -89,8 +130,10 @@ def load_source(request: ExportRequest, model: Any = None, tokenizer: Any = None
     if model is None:
         if request.model is None:
             raise ExportError("the request names no model (model=None): pass the loaded model to export()")
-        model, tokenizer = load_model(request.model)
-    return Source(model, tokenizer, request.model)
+        spec = canonical_spec(request.model)  # absolute: the manifest names the same model from any directory
+        model, tokenizer = load_model(spec)
+        return Source(model, tokenizer, spec)
+    return Source(model, tokenizer, None)
 
 
 def read_facts(source: Source) -> tuple[Arch, ModelFacts]:
@@ -122,6 +165,7 @@ def plan_export(request: ExportRequest, source: Source, *, static: StaticArrays 
     static-scale scheme with neither scales nor calibration text (kvq never guesses a scale or a channel) and a
     weight format kvq cannot write.
     """
+    check_opset(request.opset)
     arch, facts = read_facts(source)
     scheme = request.scheme
     scheme.check_model(facts.num_layers, facts.head_dim)
@@ -169,7 +213,12 @@ def build_graph(plan: ExportPlan, source: Source, static: StaticArrays | None) -
     request = plan.request
     cache = plan.flavor.build(request.scheme, plan.facts, static=static)
     graph = build_decoder(source.model, plan.arch, cache, dtype=request.dtype, opset=request.opset)
-    graph.metadata_props[GRAPH_SCHEME_KEY] = request.scheme.to_json(indent=None)
+    # the graph carries what it fixes (scheme, model facts, flavor, layout, dtype, embedded scales): a loader
+    # compares it with the manifest, so an edited kvq.json or calibration file is refused
+    digest = calibration_digest(static) if static is not None and request.scheme.needs_calibration else None
+    graph.metadata_props.update(graph_metadata(request.scheme, plan.facts, flavor=str(plan.flavor.name),
+                                               layout=plan.flavor.layout.name, dtype=request.dtype,
+                                               calibration_digest=digest))
     return graph, cache
 
 
@@ -202,7 +251,7 @@ def package(directory: Path, plan: ExportPlan, source: Source, graph: ir.Model, 
                  "meaning": "1 = real token, 0 = left padding of this call's tokens"}],
         outputs=[{"name": "logits", "dtype": "float32", "shape": ["batch", "seq", facts.vocab_size]}],
         tokenizer=_tokenizer_facts(source.tokenizer, source.model.config), calibration=written,
-        build=_build_record(request, plan.static),
+        build=_build_record(request, plan.static, model=None if source.spec else source.model),
     )
     manifest = _write_runtime_files(directory, manifest)
     # checksums last, once: they cover the graphs the runtime files add (hashing the weights is the slow part)
@@ -251,7 +300,7 @@ def ensure_export(request: ExportRequest, out_dir: str | os.PathLike[str], *, mo
     metadata), and its weights must match their checksums.
     """
     out = Path(out_dir)
-    wanted = _build_record(request, static)
+    wanted = _build_record(request, static, model=model)
 
     def current() -> bool:
         try:
@@ -272,21 +321,54 @@ def ensure_export(request: ExportRequest, out_dir: str | os.PathLike[str], *, mo
 
 
 def cached_export_dir(request: ExportRequest, root: str | os.PathLike[str]) -> Path:
-    """Where the demo and validation keep the export of ``request``: ``root/<model>-<scheme>[-<flavor>]``."""
-    suffix = "" if request.flavor is FlavorName.REFERENCE else f"-{request.flavor}"
-    return Path(root) / f"{Path(request.model or 'model').name}-{request.scheme.name or 'custom'}{suffix}"
+    """Where the demo and validation keep ``request``'s export: ``root/<model>-<digest>-<scheme>[-<flavor>][-<dtype>]``.
+
+    Keyed by the model's content digest, so two models of one name, or a model edited in place, never share one.
+    """
+    parts = [Path(request.model or "model").name]
+    parts += [model_digest(request.model)] if request.model else []
+    parts += [request.scheme.name or "custom"]
+    parts += [str(request.flavor)] if request.flavor is not FlavorName.REFERENCE else []
+    parts += [str(request.dtype)] if str(request.dtype) != "fp32" else []
+    return Path(root) / "-".join(parts)
 
 
 def _export_to(request: ExportRequest, out: Path, *, force: bool, wait: bool, reuse, model: Any, tokenizer: Any,
                static: StaticArrays | None) -> Manifest:
-    """Check ``out``, take its lock (or wait for it), then export unless ``reuse()`` says the result is there."""
-    _check_target(out, force)
-    with _target_lock(out, wait=wait):
-        if reuse is not None and reuse():  # another process made it while we waited
-            return Manifest.load(out)
-        _clean_leftovers(out)
-        _check_target(out, force)  # again, now that no other export can be changing it
-        return _run(request, out, model=model, tokenizer=tokenizer, static=static)
+    """Check ``out``, take its lock (or wait for it), then export unless ``reuse()`` says the result is there.
+
+    A file system that refuses a write (full, read-only, ``/proc``) is one ExportError; the temporary
+    directory and the lock are gone by then, and an existing export is untouched.
+    """
+    check_opset(request.opset)
+    out = _output_dir(out)
+    try:
+        _check_target(out, force)
+        with _target_lock(out, wait=wait):
+            if reuse is not None and reuse():  # another process made it while we waited
+                return Manifest.load(out)
+            _clean_leftovers(out)
+            _check_target(out, force)  # again, now that no other export can be changing it
+            return _run(request, out, model=model, tokenizer=tokenizer, static=static)
+    except OSError as err:
+        reason = "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err))
+        where = f" ({err.filename})" if err.filename and err.errno != errno.ENOSPC else ""
+        raise ExportError(f"cannot write the export {out}: {reason}{where}; nothing was written or replaced"
+                          ) from None
+
+
+def _output_dir(out: Path) -> Path:
+    """``out`` as an absolute path (``.``, ``..`` resolved); the current directory and its parents are refused.
+
+    An export replaces its target directory as a whole, which the directory a process runs in must never be.
+    """
+    path = Path(os.path.abspath(out))
+    with contextlib.suppress(OSError):  # a deleted current directory has no parents to protect
+        here = Path.cwd()
+        if path == here or path in here.parents:
+            raise ExportError(f"export directory {out} is the current directory or one of its parents; "
+                              "give a directory of its own for the export")
+    return path
 
 
 def _run(request: ExportRequest, out: Path, *, model: Any, tokenizer: Any, static: StaticArrays | None) -> Manifest:
@@ -311,9 +393,19 @@ def _run(request: ExportRequest, out: Path, *, model: Any, tokenizer: Any, stati
     return manifest
 
 
-def _build_record(request: ExportRequest, static: StaticArrays | None) -> dict[str, Any]:
-    """The manifest's ``build`` section: the source digest and the request (and given static metadata's digest)."""
-    record: dict[str, Any] = {"kvq_code": source_digest(), "request": request.to_dict()}
+def _build_record(request: ExportRequest, static: StaticArrays | None, *, model: Any = None) -> dict[str, Any]:
+    """The manifest's ``build`` section: the source digest and the request (and given static metadata's digest).
+
+    The model is named by its content (:func:`~kvq_export.model_source.model_identity`: a loaded ``model``, else
+    the request's spec), so a reused export is never one of another model that had the same name or path;
+    ``source_digest`` is what validation's automatic baseline checks the source against later
+    (:func:`~kvq_export.model_digest.recorded_source`).
+    """
+    named = request.model is not None and model is None
+    identity = model_identity(request.model if named else model) if (named or model is not None) else None
+    described = {**request.to_dict(), "source": identity,
+                 "source_digest": model_digest(request.model) if named else None}
+    record: dict[str, Any] = {"kvq_code": source_digest(), "request": described}
     if static is not None and request.scheme.needs_calibration:
         record["static"] = calibration_digest(static)
     return record
@@ -347,30 +439,52 @@ def _source_digest() -> str:
 def _check_target(out: Path, force: bool) -> None:
     """Refuse every ``out`` that is not ours to (re)place: only an export directory is replaced, with force."""
     if out.is_symlink():
-        raise ExportError(f"{out} is a symbolic link; give the directory it points to, or another --out")
+        raise ExportError(f"{out} is a symbolic link; give the directory it points to, or another out_dir",
+                          cli=f"{out} is a symbolic link; give the directory it points to, or another --out")
     if out.exists() and not out.is_dir():
-        raise ExportError(f"{out} exists and is not a directory; choose another --out")
+        raise ExportError(f"{out} exists and is not a directory; choose another out_dir",
+                          cli=f"{out} exists and is not a directory; choose another --out")
     if not out.is_dir() or not any(out.iterdir()):
         return  # nothing there, or an empty directory: nothing to lose
     if not (out / MANIFEST_NAME).is_file():
-        raise ExportError(f"{out} is not a kvq export directory (no {MANIFEST_NAME}) and is not empty; "
-                          "--force replaces only a kvq export: choose another --out")
+        not_ours = f"{out} is not a kvq export directory (no {MANIFEST_NAME}) and is not empty"
+        raise ExportError(f"{not_ours}; force=True replaces only a kvq export: choose another out_dir",
+                          cli=f"{not_ours}; --force replaces only a kvq export: choose another --out")
     if not force:
-        raise ExportError(f"{out} already exists; pass --force (force=True) to replace it")
+        raise ExportError(f"{out} already exists; pass force=True to replace it",
+                          cli=f"{out} already exists; pass --force to replace it")
 
 
 @contextmanager
 def _target_lock(out: Path, *, wait: bool = False) -> Iterator[None]:
     """Hold ``.<name>.lock`` beside ``out`` for the whole export.
 
-    A second export of ``out`` fails at once, or with ``wait`` blocks until the first has finished.
+    A second export of ``out`` fails at once, or with ``wait`` blocks until the first has finished. The lock is
+    never a symbolic link (opening one would create or lock the file it points to) and never anything but a
+    plain file of one link; a directory that cannot hold it is one ExportError.
     """
     import fcntl
+    import stat
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    lock = out.parent / f".{out.name}.lock"
+    lock = out.parent / f".{aside_name(out.name)}.lock"
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, file_mode())
+        try:  # O_NONBLOCK: a FIFO or a device put there must not hang the open
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, file_mode())
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise ExportError(f"the lock file {lock} is a symbolic link; kvq never follows one: remove it "
+                                  "if no kvq export is running") from None
+            if err.errno == errno.EISDIR:
+                raise ExportError(f"the lock file {lock} is a directory; remove it if no kvq export is running"
+                                  ) from None
+            raise ExportError(f"cannot create the lock file {lock} ({err.strerror}): the directory that holds "
+                              "the export must be writable") from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            os.close(fd)
+            raise ExportError(f"the lock file {lock} is not a plain file of its own; remove it if no kvq export "
+                              "is running")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
@@ -378,7 +492,7 @@ def _target_lock(out: Path, *, wait: bool = False) -> Iterator[None]:
             raise ExportError(f"another kvq export is writing {out} right now; run again when it has finished"
                               ) from None
         try:  # the holder before us may have removed the file after we opened it: lock the current one
-            if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+            if info.st_ino == os.lstat(lock).st_ino:
                 break
         except FileNotFoundError:
             pass

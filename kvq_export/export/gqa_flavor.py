@@ -19,11 +19,29 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   (``PER_CHANNEL``); kvq's per-(head, channel) static scales map to ``PER_CHANNEL`` exactly, per-head or
   per-group token-axis static scales by repeating them along head_dim, and a stream whose scales are all
   equal maps to ``PER_TENSOR`` (the CPU kernel needs ``k_quant_type == v_quant_type``, so a layer with one
-  ``PER_TENSOR`` and one ``PER_CHANNEL`` stream uses ``PER_CHANNEL`` for both). New tokens are quantized
-  *before* attention, in prefill too (like kvq's reference cache with no high-precision window), but from
-  the compute-dtype values: kvq's reference rounds them to ``hp_dtype`` (fp16) first, so with the fp16
-  presets about 0.02-3% of codes differ by one (with ``hp_dtype=fp32`` they are identical). fp8 caches
-  are not implemented on CPU.
+  ``PER_TENSOR`` and one ``PER_CHANNEL`` stream uses ``PER_CHANNEL`` for both). A decode step's new tokens
+  are quantized *before* attention (like kvq's reference cache with no high-precision window), from the
+  compute-dtype values: kvq's reference rounds them to ``hp_dtype`` (fp16) first, so with the fp16 presets
+  about 0.02-3% of codes differ by one (with ``hp_dtype=fp32`` they are identical). fp8 caches are not
+  implemented on CPU.
+* **Prefill**: the quantized kernel dequantizes the cache for every query, so a prompt attending over its own
+  codes runs 3-5x slower than over an unquantized buffer (one node, 9 query and 3 kv heads of 64, two threads:
+  int8 3.1x / 3.7x, int4 3.6x / 4.7x at 512 / 2048 tokens; the quantization itself is cheap). So a quantized
+  layer runs its node under an ``If`` on the *prefill* condition, every row starting from an empty cache
+  (``max(past.seq_lengths) == 0``; idle rows included, any number of new tokens). Then an unquantized node
+  with a past of no tokens attends over the new tokens' exact keys and values (after its RoPE and the
+  offsets below; with high channels, over the body's exact projections), and the graph writes the buffers
+  once: ``clip(round_half_even(x / scale), ..)`` of what the quantized node would have quantized (its
+  present: the rotated keys, the offset values; with high channels the widened rows), packed to the node's
+  bytes and padded to the buffer's capacity (:meth:`GQACacheGraph._codes`). Any other call (a decode step, a
+  second chunk, a batch where some row holds tokens already) runs the quantized node on the shared buffers
+  as before, in place. **The rule**: a prompt's tokens see each other's exact K/V (as a high-precision window
+  would during prefill); from the first decode step on, every token attends over the stored codes. The codes
+  are the node's: the same K/V give the same bytes (bit for bit, checked per scheme), but the K/V of layer
+  ``l > 0`` follow from the exact attention below, so they are the codes of the unquantized model's prompt
+  K/V (kvq's reference cache with ``exact_prefill``). A prompt prefilled in one call next to a row that
+  already holds tokens attends over its codes (the old rule) and gives other logits than alone.
+  ``fast_prefill=False`` keeps the quantized node on every call.
 * **Padding**: the kernel takes *right*-padded chunks through ``query_seqlens`` (ragged batched prefill and
   multi-token steps work, and an idle row has ``query_seqlens = 0``); positions follow from
   ``seqlens_k + 1 - query_seqlens``. kvq's inputs are *left*-padded, so the graph moves each row's tokens
@@ -269,6 +287,8 @@ class GQACacheGraph(LaidOutCache):
             one for gate/up, RMSNorm as ``RMSNormalization`` and residual + norm as
             ``com.microsoft.SkipSimplifiedLayerNormalization`` (see :class:`kvq_export.export.decoder._Body`).
             The graph needs ONNX Runtime anyway; False gives the portable body of the reference flavour.
+        fast_prefill: a quantized layer attends exactly during a prefill and writes its codes once (default;
+            see the module notes); False runs the quantized node on every call.
     """
 
     layout = BUFFER
@@ -278,7 +298,7 @@ class GQACacheGraph(LaidOutCache):
     attends_packed = True
 
     def __init__(self, scheme: KVQuantScheme, *, fuse_rotary: bool = True, fuse_body: bool = True,
-                 **geometry) -> None:
+                 fast_prefill: bool = True, **geometry) -> None:
         super().__init__(scheme, **geometry)
         reasons = unsupported(scheme, self.num_layers, self.head_dim)
         if reasons:
@@ -288,6 +308,7 @@ class GQACacheGraph(LaidOutCache):
                               "after RoPE, so RoPE cannot be fused into GroupQueryAttention (use fuse_rotary=False)")
         self.fuses_rotary = fuse_rotary
         self.fuses_body = fuse_body
+        self.fast_prefill = fast_prefill
         self.plans = [self._plan(layer, key, value, self.static)
                       for layer, (key, value) in enumerate(scheme.streams(self.num_layers))]
 
@@ -355,6 +376,10 @@ class GQACacheGraph(LaidOutCache):
         int32 = ir.DataType.INT32
         self.seqlens_k = b.op("Cast", b.op("Max", b.op("Sub", self.n1, b.const(1)), b.const(0)), to=int32)
         self.query_seqlens = b.op("Cast", m, to=int32)
+        # a prefill: every row starts from an empty cache (the quantized layers' If takes the exact branch)
+        self.prefill = b.op("Equal", b.op("ReduceMax", n0, keepdims=0), b.const(0))
+        # the prefill's node has a past of no tokens, so an idle row takes one (padding) token: never read
+        self.prefill_seqlens = b.op("Cast", b.op("Max", m, b.const(1)), to=int32)
         longest = b.op("ReduceMax", self.n1, b.const([0]), keepdims=1)
         self.total = b.op("Cast", b.op("Squeeze", b.op("Max", longest, t), b.const([0])), to=int32)
         # row b holds its m_b tokens contiguously from `first` (t - m_b when left-padded as kvq feeds them,
@@ -445,44 +470,135 @@ class GQACacheGraph(LaidOutCache):
 
     def _gqa(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value | None, v: ir.Value | None, *,
              rotary: bool) -> ir.Value:
-        """Realign to right padding, run the node on the shared buffers, realign back (k = v = None: packed q)."""
-        f, plan = self.facts, self.plans[layer]
+        """Realign to right padding, run the node on the shared buffers, realign back (k = v = None: packed q).
+
+        A quantized layer runs it under an ``If`` on :attr:`prefill`: a prefill attends exactly and writes the
+        codes once (:meth:`_prefill`), any other call runs the quantized node on the buffers.
+        """
+        plan = self.plans[layer]
+        exact = q  # the packed projections as they came (high channels: the node's row is not the keys)
         if plan.k_high is not None:  # the body's RoPE: always packed
             q = self._widen(b, layer, q)  # the offsets subtracted too
         else:
             q, k, v = self._offset_inputs(b, layer, q, k, v)
-        qr, kr, vr = (None if x is None else b.op("GatherND", x, self.to_right, batch_dims=1) for x in (q, k, v))
-        past = [self.past[self.layout.buffer_name("past", layer, part)] for part in PARTS]
-        scales: list[ir.Value | None] = [None, None]
-        attrs = {}
+        node_in = tuple(None if x is None else b.op("GatherND", x, self.to_right, batch_dims=1) for x in (q, k, v))
+        scales: tuple[ir.Value | None, ir.Value | None] = (None, None)
         if plan.bits is not None:
-            scales = [b.initializer(static_name(layer, part, "scales"), array)
-                      for part, array in zip(PARTS, (plan.k_scale, plan.v_scale))]
+            scales = tuple(b.initializer(static_name(layer, part, "scales"), array)
+                           for part, array in zip(PARTS, (plan.k_scale, plan.v_scale)))
+        offset = self._value_offset(b, layer)
+
+        def step() -> list[ir.Value]:
+            past = [self.past[self.layout.buffer_name("past", layer, part)] for part in PARTS]
+            out, present_k, present_v = self._node(b, layer, *node_in, past, scales, rotary=rotary)
+            if plan.v_high is not None:
+                out = self._fold(b, layer, out, plan.v_high)
+            return [out if offset is None else b.op("Add", out, offset), present_k, present_v]
+
+        if plan.bits is None or not self.fast_prefill:
+            out, present_k, present_v = step()
+        else:
+            branches = {"then_branch": b.subgraph(f"gqa{layer}_prefill",
+                                                  lambda: self._prefill(b, layer, exact, node_in, scales, offset,
+                                                                               rotary)),
+                        "else_branch": b.subgraph(f"gqa{layer}_step", step)}
+            out, present_k, present_v = b.op_multi("If", self.prefill, num_outputs=3, **branches)
+        for part, value in zip(PARTS, (present_k, present_v)):
+            self.present[self.layout.buffer_name("present", layer, part)] = value
+        return b.op("Where", self.valid, b.op("GatherND", out, self.to_left, batch_dims=1), self.zero)
+
+    def _node(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value | None, v: ir.Value | None,
+              past: list[ir.Value | None], scales: tuple[ir.Value | None, ir.Value | None], *,
+              rotary: bool, query_seqlens: ir.Value | None = None) -> list[ir.Value]:
+        """One GroupQueryAttention node: (output, present key, present value); no ``scales``: unquantized."""
+        f, plan = self.facts, self.plans[layer]
+        attrs = {}
+        if scales[0] is not None:
             attrs = {"k_quant_type": plan.k_quant, "v_quant_type": plan.v_quant, "kv_cache_bit_width": plan.bits}
         window = f.window(layer)
         cos, sin = self.tables[id(f.rope_for(layer))] if rotary else (None, None)
         if f.attn_softcap:
             attrs["softcap"] = float(f.attn_softcap)
-        out, present_k, present_v = b.op_multi(
-            "GroupQueryAttention", qr, kr, vr, past[0], past[1], self.seqlens_k, self.total,
+        return b.op_multi(
+            "GroupQueryAttention", q, k, v, past[0], past[1], self.seqlens_k, self.total,
             cos, sin,
             None, None, None,  # position_ids (implied by query_seqlens), attention_bias, head_sink
             scales[0], scales[1],
             None, None,  # q_norm_weight, k_norm_weight
-            self.query_seqlens,
+            self.query_seqlens if query_seqlens is None else query_seqlens,
             num_outputs=3, domain=GQA_DOMAIN,
             num_heads=f.num_heads, kv_num_heads=f.num_kv_heads, scale=float(f.scaling),
             do_rotary=int(rotary), rotary_interleaved=0, local_window_size=int(window) if window else -1,
             **attrs,
         )
-        for part, value in zip(PARTS, (present_k, present_v)):
-            self.present[self.layout.buffer_name("present", layer, part)] = value
-        if plan.v_high is not None:
-            out = self._fold(b, layer, out, plan.v_high)
-        if plan.out_offset is not None:  # sum_j a_j (v_j - c) + c = sum_j a_j v_j: each query head's kv head's c
-            per_query_head = np.repeat(plan.out_offset.reshape(f.num_kv_heads, -1), f.num_heads // f.num_kv_heads, 0)
-            out = b.op("Add", out, self._offset(b, layer, "value.output", per_query_head.reshape(-1)))
-        return b.op("Where", self.valid, b.op("GatherND", out, self.to_left, batch_dims=1), self.zero)
+
+    def _value_offset(self, b: GraphBuilder, layer: int) -> ir.Value | None:
+        """What the attention output gets back for value offsets (None: no offset).
+
+        sum_j a_j (v_j - c) + c = sum_j a_j v_j: each query head's kv head's offset c.
+        """
+        plan, f = self.plans[layer], self.facts
+        if plan.out_offset is None:
+            return None
+        per_query_head = np.repeat(plan.out_offset.reshape(f.num_kv_heads, -1), f.num_heads // f.num_kv_heads, 0)
+        return self._offset(b, layer, "value.output", per_query_head.reshape(-1))
+
+    def _prefill(self, b: GraphBuilder, layer: int, exact: ir.Value, node_in: tuple[ir.Value | None, ...],
+                 scales: tuple[ir.Value | None, ir.Value | None], offset: ir.Value | None,
+                 rotary: bool) -> list[ir.Value]:
+        """A prefill's attention and buffers: exact attention among the new tokens, then the node's codes.
+
+        An unquantized node with no past attends over the new tokens (ONNX Runtime's quantized kernel
+        dequantizes the cache per query, several times slower at prompt length); the buffers get the codes
+        the quantized node would have stored: :meth:`_codes` of the keys/values it would have quantized
+        (the unquantized node's present: after its RoPE and the offsets; with high channels the node's
+        widened key and value rows), padded to the buffer's capacity.
+        """
+        plan, f = self.plans[layer], self.facts
+        # a past that holds no token (the node takes query_seqlens only with a past)
+        batch = b.op("Gather", b.op("Shape", node_in[0]), b.const([0]), axis=0)
+        shape = b.op("Concat", batch, b.const([f.num_kv_heads, 0, self.head_dim]), axis=0)
+        empty = b.op("ConstantOfShape", shape, value=ir.tensor(np.zeros(1, self.np_type)))
+        none = [empty, empty]
+        if plan.k_high is None:  # the node's own input: keys and values offset (the output gets c back)
+            out, present_k, present_v = self._node(b, layer, *node_in, none, (None, None), rotary=rotary,
+                                                   query_seqlens=self.prefill_seqlens)
+            out = out if offset is None else b.op("Add", out, offset)
+            stored = (present_k, present_v)
+        else:  # the exact projections attend; the widened row holds what the node would store
+            packed = b.op("GatherND", exact, self.to_right, batch_dims=1)
+            out = self._node(b, layer, packed, None, None, none, (None, None), rotary=rotary,
+                             query_seqlens=self.prefill_seqlens)[0]
+            node_size = self.head_dim + plan.k_high.channels.shape[1]
+            q_node, row = f.num_heads * node_size, f.num_kv_heads * node_size
+            stored = tuple(
+                b.op("Transpose", b.op("Reshape", b.op("Slice", node_in[0], b.const([start]), b.const([start + row]),
+                                                       b.const([2])),
+                                       b.const([0, 0, f.num_kv_heads, node_size])), perm=[0, 2, 1, 3])
+                for start in (q_node, q_node + row))
+        capacity = b.op("Gather", b.op("Shape", self.past[self.layout.buffer_name("past", layer, "key")]),
+                        b.const([2]), axis=0)
+        return [out] + [self._codes(b, x, scale, plan.bits, capacity) for x, scale in zip(stored, scales)]
+
+    def _codes(self, b: GraphBuilder, x: ir.Value, scale: ir.Value, bits: int, capacity: ir.Value) -> ir.Value:
+        """The node's cache codes of ``x`` [B, kv_heads, t, node head], padded to ``capacity`` positions.
+
+        ``clip(round_half_even(x / scale), -2^(b-1), 2^(b-1) - 1)`` as int8, or at 4 bits ``q + 8`` two to a
+        uint8, low nibble first: the bytes GroupQueryAttention writes.
+        """
+        if self.compute_type != ir.DataType.FLOAT:
+            x = b.op("Cast", x, to=ir.DataType.FLOAT)
+        half = float(1 << (bits - 1))
+        q = b.op("Clip", b.op("Round", b.op("Div", x, scale)), b.const(-half), b.const(half - 1))
+        if bits == 8:
+            codes = b.op("Cast", q, to=ir.DataType.INT8)
+        else:  # (q0 + 8) + 16 (q1 + 8) per pair of channels
+            pairs = b.op("Reshape", b.op("Add", q, b.const(half)), b.const([0, 0, 0, -1, 2]))
+            packed = b.op("ReduceSum", b.op("Mul", pairs, b.const([1.0, 16.0])), b.const([-1]), keepdims=0)
+            codes = b.op("Cast", packed, to=ir.DataType.UINT8)
+        t = b.op("Gather", b.op("Shape", x), b.const([2]), axis=0)
+        pads = b.op("Concat", b.const([0, 0, 0, 0, 0, 0]), b.op("Sub", capacity, t), b.const([0]), axis=0)
+        return b.op("Pad", codes, pads)
 
     def _widen(self, b: GraphBuilder, layer: int, qkv: ir.Value) -> ir.Value:
         """Packed q|k|v rows with the node's head of ``head_dim + n`` channels (see :class:`HighSplit`).

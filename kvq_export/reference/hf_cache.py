@@ -9,6 +9,10 @@ Rotated streams (``rotation`` of the scheme): Hugging Face attention keeps its u
 layer stores ``x @ R`` and hands attention the dequantized K/V rotated back (``@ R.T``); scores and outputs
 equal the exported graphs' rotated-basis attention up to float32 rounding, and the stored tensors equal
 the graphs' present cache.
+
+``exact_prefill=True`` models ``--flavor ort-gqa``'s prefill (see :mod:`kvq_export.export.gqa_flavor`): the
+first update stores the prompt's K/V as usual but hands attention the K/V themselves, so the prompt's tokens
+attend exactly among themselves; later updates attend over the stored cache.
 """
 
 from __future__ import annotations
@@ -23,21 +27,28 @@ from kvq_export.scheme import KVQuantScheme
 class ReferenceLayer(DynamicLayer):
     """A DynamicLayer whose storage is a reference quantized LayerCache."""
 
-    def __init__(self, layer: LayerCache) -> None:
+    def __init__(self, layer: LayerCache, *, exact_prefill: bool = False) -> None:
         super().__init__()
         self.kvq = layer
+        self.exact_prefill = exact_prefill
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store the new K/V and return what attention sees (dequantized, in the model dtype)."""
-        if not self.is_initialized:
+        """Store the new K/V and return what attention sees (dequantized, in the model dtype).
+
+        With ``exact_prefill`` the first update returns the new K/V unchanged (they are stored all the same).
+        """
+        first = not self.is_initialized
+        if first:
             self.lazy_initialization(key_states, value_states)
         self.keys, self.values = self.kvq.update(key_states, value_states, key_states.dtype)
+        if first and self.exact_prefill:
+            return key_states, value_states
         return self.keys, self.values
 
 
 def reference_hf_cache(
-    scheme: KVQuantScheme, num_layers: int, static: StaticScales | None = None
+    scheme: KVQuantScheme, num_layers: int, static: StaticScales | None = None, *, exact_prefill: bool = False
 ) -> tuple[Cache, ReferenceCache]:
     """A transformers Cache backed by a new ReferenceCache (returned too, to inspect its state)."""
     ref = ReferenceCache(scheme, num_layers, static)
-    return Cache(layers=[ReferenceLayer(layer) for layer in ref.layers]), ref
+    return Cache(layers=[ReferenceLayer(layer, exact_prefill=exact_prefill) for layer in ref.layers]), ref

@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 
 from kvq_export._lazy import require
+from kvq_export._read import TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes, read_json
 from kvq_export.errors import ExportError, RuntimeInputError
-from kvq_export.export.genai_package import GENAI_CONFIG, RUNTIME, unsupported_reason
-from kvq_export.manifest import Manifest
+from kvq_export.export.genai_package import GENAI_CONFIG, GENAI_MODEL, RUNTIME, genai_config, unsupported_reason
+from kvq_export.manifest import Manifest, check_same_export, export_identity
 from kvq_export.naming import PARTS
 from kvq_export.runtime.sampling import SamplingConfig
 from kvq_export.runtime.session import Generation, default_threads
@@ -131,6 +132,30 @@ def calibrate_to_file(model_spec: str, scheme, out: str | os.PathLike[str], *, c
 
 
 # -- running it --------------------------------------------------------------------------------------------------
+def _written_config(directory: Path, manifest: Manifest) -> dict[str, Any]:
+    """The export's ``genai_config.json``, refused unless it is exactly what kvq writes for its manifest.
+
+    og reads the decoder graph, head counts and context length from this file: one pointing at another graph
+    (a subfolder holding another model) or stating other facts would run something else than the manifest says.
+    """
+    written = read_json(directory / GENAI_CONFIG, GENAI_CONFIG, error=RuntimeInputError)  # bounded read
+    expected = genai_config(manifest)
+    if written != expected:
+        where = _first_difference(written, expected)
+        raise RuntimeInputError(f"{directory}: {GENAI_CONFIG} is not the one kvq wrote for this export ({where} "
+                                "differs); export again")
+    return written
+
+
+def _first_difference(got: Any, want: Any, where: str = "") -> str:
+    """The dotted path of the first value that differs between two JSON values."""
+    if isinstance(got, dict) and isinstance(want, dict):
+        for key in sorted(set(got) | set(want)):
+            if got.get(key) != want.get(key):
+                return _first_difference(got.get(key), want.get(key), f"{where}.{key}" if where else key)
+    return where or "the whole file"
+
+
 class GenaiSession:
     """An export directory on onnxruntime-genai (its C++ loop; kvq only prepares prompts and reads results).
 
@@ -144,10 +169,17 @@ class GenaiSession:
 
     def __init__(self, directory: str | os.PathLike[str], *, threads: int | None = None,
                  verify_weights: bool = True) -> None:
-        from kvq_export.manifest import check_export_files
+        from kvq_export.manifest import (
+            check_export_files,
+            check_graph_metadata,
+            load_static,
+            read_graph_metadata,
+            resolve_inside,
+        )
         from kvq_export.manifest import verify_weights as check_weights
 
         self.directory = Path(directory)
+        opened = export_identity(self.directory) if self.directory.is_dir() else None
         self.manifest = Manifest.load(self.directory)
         check_export_files(self.directory, self.manifest)  # an export is data: nothing it names leaves it
         if verify_weights:
@@ -157,13 +189,21 @@ class GenaiSession:
             reason = entry.get("reason") or unsupported_reason(self.manifest) or \
                 "it was exported before kvq wrote onnxruntime-genai files: re-export it"
             raise RuntimeInputError(f"{self.directory} has no {GENAI_CONFIG}: {reason}")
+        # the graph og runs is the source of truth: the manifest (and calibration file) must describe it
+        static = load_static(self.directory, self.manifest)
+        check_graph_metadata(self.directory, self.manifest,
+                             read_graph_metadata(resolve_inside(self.directory, GENAI_MODEL)), static)
         self.og = require("onnxruntime_genai")
         self.threads = threads or default_threads()
+        # onnxruntime-genai reads these whole: a sparse or endless one is refused first
+        check_sizes(self.directory, TOKENIZER_FILES, "tokenizer file", limit=TOKENIZER_LIMIT, error=RuntimeInputError)
+        self.config = _written_config(self.directory, self.manifest)
         with self._og_call("load"):
             self.model = self.og.Model(self._config())
-        self.config = json.loads((self.directory / GENAI_CONFIG).read_text())
-        self._tokenizer = None
+        self._tokenizer, self._tokenizer_error = self._load_tokenizer()
         self._no_eos_model = None
+        self._opened = opened
+        check_same_export(self.directory, opened, "while this session opened it")
 
     @contextmanager
     def _og_call(self, what: str) -> Iterator[None]:
@@ -185,14 +225,18 @@ class GenaiSession:
 
     @property
     def tokenizer(self):
-        """onnxruntime-genai's tokenizer of the export (reads ``tokenizer.json``)."""
+        """onnxruntime-genai's tokenizer of the export (read from ``tokenizer.json`` when the session opened)."""
         if self._tokenizer is None:
-            try:
-                self._tokenizer = self.og.Tokenizer(self.model)
-            except RuntimeError as err:
-                raise RuntimeInputError(f"onnxruntime-genai cannot read the tokenizer of {self.directory}: {err} "
-                                        "(pass token ids instead)") from None
+            raise RuntimeInputError(self._tokenizer_error)
         return self._tokenizer
+
+    def _load_tokenizer(self):
+        """(tokenizer, None), or (None, why og cannot read it): the error is raised when text is used."""
+        try:
+            return self.og.Tokenizer(self.model), None
+        except RuntimeError as err:
+            return None, (f"onnxruntime-genai cannot read the tokenizer of {self.directory}: {err} (pass token ids "
+                          "instead)")
 
     @property
     def pad_token_id(self) -> int:
@@ -235,8 +279,11 @@ class GenaiSession:
             raise RuntimeInputError(f"a prompt of {width} tokens + max_new_tokens={max_new_tokens} exceeds the "
                                     f"export's context_length {context}; allowed: {allowed}")
         if not stop_at_eos and self._no_eos_model is None:  # og always stops at EOS: load a copy without one
+            # read now from the directory: only while it still holds the export this session opened
+            check_same_export(self.directory, self._opened, "since this session opened it")
             with self._og_call("load"):
                 self._no_eos_model = self.og.Model(self._config(eos_token_id=[]))
+            check_same_export(self.directory, self._opened, "since this session opened it")
         model = self.model if stop_at_eos else self._no_eos_model
         params = self.og.GeneratorParams(model)
         options: dict[str, Any] = {"max_length": width + max_new_tokens, "batch_size": len(token_lists),

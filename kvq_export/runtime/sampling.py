@@ -14,6 +14,10 @@ import numpy as np
 
 from kvq_export.errors import KVQError
 
+#: repetition penalties kvq applies: beyond them float32 logits overflow to inf or collapse to 0 (1e308 or 1e-308
+#: become inf and 0 in float32), far past any useful setting (Hugging Face's examples use 1.1-1.5)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -34,10 +38,10 @@ class SamplingConfig:
             raise KVQError(f"invalid top_p={self.top_p!r}: allowed: a probability in (0, 1]")
         if self.seed is not None and (not _integer(self.seed) or self.seed < 0):
             raise KVQError(f"invalid seed={self.seed!r}: allowed: an integer >= 0")
-        if not _real(self.repetition_penalty) or not math.isfinite(self.repetition_penalty) \
-                or self.repetition_penalty <= 0:
-            raise KVQError(f"invalid repetition_penalty={self.repetition_penalty!r}: allowed: a finite number > 0 "
-                           "(1 = off, > 1 discourages repeats)")
+        low, high = REPETITION_PENALTY_RANGE
+        if not _real(self.repetition_penalty) or not low <= self.repetition_penalty <= high:  # NaN fails too
+            raise KVQError(f"invalid repetition_penalty={self.repetition_penalty!r}: allowed: a number from {low:g} "
+                           f"to {high:g} (1 = off, > 1 discourages repeats)")
 
     @property
     def greedy(self) -> bool:

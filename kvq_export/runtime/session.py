@@ -22,21 +22,22 @@ from pathlib import Path
 
 import numpy as np
 
+from kvq_export._read import TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes
 from kvq_export.dtypes import DType
-from kvq_export.errors import KVQError, RuntimeInputError
+from kvq_export.errors import RuntimeInputError
 from kvq_export.manifest import (
-    GRAPH_SCHEME_KEY,
-    MANIFEST_NAME,
     MODEL_NAME,
     Manifest,
     check_export_files,
+    check_graph_metadata,
+    check_same_export,
+    export_identity,
     load_static,
     resolve_inside,
 )
 from kvq_export.manifest import verify_weights as check_weights
 from kvq_export.naming import CacheTensor, present_name, tensor_name
 from kvq_export.runtime.sampling import Sampler, SamplingConfig
-from kvq_export.scheme import KVQuantScheme
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,7 @@ class KVQSession:
                  threads: int | None = None, capacity: int | None = None, verify_weights: bool = True,
                  spinning: bool = False) -> None:
         self.directory = Path(directory)
+        opened = export_identity(self.directory) if self.directory.is_dir() else None
         self.manifest = Manifest.load(self.directory)
         model_path = resolve_inside(self.directory, MODEL_NAME)
         if not model_path.is_file():
@@ -169,7 +171,10 @@ class KVQSession:
         #: extra graph outputs fetched by every step (validation probes), values left in ``last_extra``
         self.extra_outputs: tuple[str, ...] = ()
         self.last_extra: dict[str, np.ndarray] = {}
-        self._tokenizer = None
+        # everything the session reads is read now: an export replaced later (--force) cannot mix into it
+        self._tokenizer, self._tokenizer_error = self._load_tokenizer()
+        self._opened = opened
+        check_same_export(self.directory, opened, "while this session opened it")
 
     # -- contract checks ----------------------------------------------------------------------------------
     def _check_graph(self) -> None:
@@ -189,16 +194,8 @@ class KVQSession:
                 if graph[name].type != DType.get(dtype).ort_type:
                     raise RuntimeInputError(
                         f"graph {kind} {name}: manifest says {DType.get(dtype).ort_type}, graph has {graph[name].type}")
-        carried = self.session.get_modelmeta().custom_metadata_map.get(GRAPH_SCHEME_KEY)
-        if carried is not None:
-            try:
-                built = KVQuantScheme.from_json(carried)
-            except KVQError as err:
-                raise RuntimeInputError(f"{self.directory}: the graph's scheme is unreadable: {err}") from None
-            if built != self.manifest.scheme:
-                raise RuntimeInputError(
-                    f"{self.directory}: {MANIFEST_NAME} describes a scheme the graph was not built for (graph: "
-                    f"{built.describe()}; manifest: {self.manifest.scheme.describe()}); the manifest was edited")
+        check_graph_metadata(self.directory, self.manifest, self.session.get_modelmeta().custom_metadata_map,
+                             self.static)
         fixed = {t.name: t.shape for t in self.past}
         for value in self.session.get_inputs():
             want = fixed.get(value.name)
@@ -306,7 +303,7 @@ class KVQSession:
         cache = self._grow(cache, int(lengths.max(initial=0)) + input_ids.shape[1])
         self._check_positions(lengths + mask.sum(axis=1))
         logits, new = self._run(input_ids, mask, cache)
-        self._check_finite(logits, mask, cache)
+        self._check_finite(logits, mask, cache, new)
         return logits, new
 
     # -- input checks (before any work) ----------------------------------------------------------------------
@@ -356,20 +353,39 @@ class KVQSession:
             raise RuntimeInputError(f"{what} would put {int(totals[row])} tokens in row {row}, beyond the {top} "
                                     "positions this export supports (max_position_embeddings)")
 
-    def _check_finite(self, logits: np.ndarray, mask: np.ndarray, fed: CacheState) -> None:
-        """NaN/Inf logits of a real token: name the fed cache tensor that holds non-finite values, else the logits."""
+    def _check_finite(self, logits: np.ndarray, mask: np.ndarray, fed: CacheState,
+                      written: CacheState | None = None) -> None:
+        """NaN/Inf logits of a real token: name the cache tensor (fed, or written this step) that holds them.
+
+        A float16 cache tensor holding Inf means the model's keys or values exceeded float16's range when
+        they were stored: that is said, with the tensor, instead of blaming the weights.
+        """
         if np.isfinite(logits[:, -1]).all():  # the usual case: one pass over [batch, vocab]
             return
         real = mask[:, -1] == 1
         if np.isfinite(logits[real, -1]).all():  # only padding rows (finished in generate) are not finite
             return
-        for spec in self.past:
-            if spec.dtype in ("float16", "float32") and spec.role != "seq_lengths":
-                values = fed[spec.name].numpy()
-                if values.size and not np.isfinite(values).all():
-                    raise RuntimeInputError(f"cache tensor {spec.name} holds NaN or Inf; the logits are not finite")
-        raise RuntimeInputError("the graph produced NaN or Inf logits (input and cache are finite): the weights or "
-                                "the calibration scales are broken")
+        for when, cache in (("fed to this step", fed), ("written by this step", written or {})):
+            for spec in self.past:
+                if spec.dtype not in ("float16", "float32") or spec.role == "seq_lengths" or spec.name not in cache:
+                    continue
+                if cache is fed and written is not None and self.layout.shared(spec):
+                    continue  # updated in place: it now holds what this step wrote
+                values = cache[spec.name].numpy()
+                if not values.size or np.isfinite(values).all():
+                    continue
+                if spec.dtype == "float16" and np.isinf(values).any():
+                    what = f"layer {spec.layer} {spec.part} {spec.role}" if spec.layer is not None else spec.role
+                    raise RuntimeInputError(
+                        f"cache tensor {spec.name} holds values beyond float16's range (±65504) ({what}, {when}): "
+                        "the model's keys or values exceed what this float16 cache stores; use a scheme whose cache "
+                        "keeps them in float32 (or one that quantizes them with scales)")
+                raise RuntimeInputError(f"cache tensor {spec.name} holds NaN or Inf ({when}); the logits are not "
+                                        "finite")
+        computed = " computed in float16 (its activations may exceed float16's range)" \
+            if self.manifest.dtype == "fp16" else ""
+        raise RuntimeInputError(f"the graph{computed} produced NaN or Inf logits (input and cache are finite): the "
+                                "weights or the calibration scales are broken")
 
     def _run(self, input_ids: np.ndarray, mask: np.ndarray, cache: CacheState) -> tuple[np.ndarray, CacheState]:
         """One graph run through IO binding; tensors the layout shares are bound as past input and present output."""
@@ -398,10 +414,19 @@ class KVQSession:
     # -- text ---------------------------------------------------------------------------------------------
     @property
     def tokenizer(self):
-        """The tokenizer saved in the export directory."""
+        """The tokenizer saved in the export directory (read when the session opened)."""
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.directory, self.manifest)
+            raise RuntimeInputError(self._tokenizer_error)
         return self._tokenizer
+
+    def _load_tokenizer(self):
+        """(tokenizer, None), or (None, why there is none): the error is raised when text is used."""
+        if not self.manifest.tokenizer.get("files", True):
+            return None, f"{self.directory} has no tokenizer (exported without one): pass token ids"
+        try:
+            return load_tokenizer(self.directory, self.manifest), None
+        except RuntimeInputError as err:
+            return None, str(err)
 
     def _encode(self, text: str) -> list[int]:
         """Token ids of a prompt; text that is not valid Unicode (undecodable bytes) is refused."""
@@ -500,6 +525,8 @@ def load_tokenizer(directory: str | Path, manifest: Manifest):
     from transformers import AutoTokenizer
 
     check_export_files(Path(directory), manifest)
+    check_sizes(directory, TOKENIZER_FILES, "tokenizer file", limit=TOKENIZER_LIMIT,
+                error=RuntimeInputError)  # transformers reads them whole
     try:  # an export is data: never run code it ships (auto_map), never ask about it
         return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, TypeError, KeyError) as err:

@@ -25,9 +25,9 @@ from kvq_export.errors import ExportError
 from kvq_export.export.exporter import export
 from kvq_export.export.flavors import FlavorName, get_flavor
 from kvq_export.manifest import Manifest, load_static
+from kvq_export.model_digest import recorded_source
 from kvq_export.naming import present_name
 from kvq_export.request import ExportRequest
-from kvq_export.trt.engine import ENGINE_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +100,7 @@ def empty_cache(manifest, batch: int) -> dict[str, np.ndarray]:
 def _reference_export(export_dir: Path, workdir: Path) -> Path:
     """Export the reference flavour of the same model, scheme, dtype and calibration into ``workdir``."""
     manifest = Manifest.load(export_dir)
-    source = manifest.model.source
-    if not source:
-        raise ExportError(f"{export_dir} does not record its model source; pass the reference export directory")
+    source, _ = recorded_source(manifest)  # the weights the export was made from, or a one-line refusal
     request = ExportRequest(model=source, scheme=manifest.scheme, flavor=FlavorName.REFERENCE, dtype=manifest.dtype,
                             opset=manifest.opset)
     export(request, workdir / "reference", static=load_static(export_dir, manifest))
@@ -122,16 +120,17 @@ def compare_with_onnxruntime(
 ) -> bool:
     """Run the engine of ``export_dir`` and ONNX Runtime on the reference flavour; True when all outputs match.
 
-    ``engine`` defaults to ``export_dir/model.engine`` (see :func:`kvq_export.trt.build_engine`);
+    ``engine`` defaults to ``DIR.engine`` beside the export (see :func:`kvq_export.trt.build_engine`);
     ``tolerances`` is a :class:`kvq_export.validate.compare.Tolerances`.
     """
     require("tensorrt")
     from polygraphy.comparator import Comparator
 
+    from kvq_export.trt.engine import default_engine_path
     from kvq_export.validate.compare import Tolerances, compare_feeds, kvq_runner_class
 
     export_dir = Path(export_dir)
-    engine = Path(engine) if engine else export_dir / ENGINE_NAME
+    engine = Path(engine) if engine else default_engine_path(export_dir)
     if not engine.is_file():
         raise ExportError(f"no engine at {engine}; build it first (kvq build {export_dir})")
     if get_flavor(manifest_flavor(export_dir)).needs_plugins:

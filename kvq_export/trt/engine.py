@@ -28,11 +28,18 @@ from kvq_export._lazy import require
 from kvq_export.cache_layout import RegionSplit
 from kvq_export.errors import ExportError
 from kvq_export.export.flavors import Runtime, get_flavor
-from kvq_export.manifest import MODEL_NAME, Manifest
+from kvq_export.manifest import MODEL_NAME, Manifest, check_output_path
 
 logger = logging.getLogger(__name__)
 
 ENGINE_NAME = "model.engine"
+
+
+def default_engine_path(export_dir: str | os.PathLike[str]) -> Path:
+    """``DIR.engine`` beside the export: an export directory holds only its checksummed files."""
+    directory = Path(export_dir).resolve()
+    return directory.with_name(f"{directory.name}.engine")
+
 Shape = tuple[int, ...]
 ProfileShapes = dict[str, tuple[Shape, Shape, Shape]]  # input name -> (min, opt, max)
 
@@ -104,7 +111,7 @@ def build_engine(
     workspace_gib: float | None = None,
     optimization_level: int | None = None,
 ) -> Path:
-    """Build a TensorRT engine for an export directory; return the engine file (default ``DIR/model.engine``).
+    """Build a TensorRT engine for an export directory; return the engine file (default: :func:`default_engine_path`).
 
     The network is strongly typed (types come from the export; ``kvq export --dtype fp16`` for an fp16
     engine). ``fp16=True`` on an fp32 export builds a weakly typed network with TensorRT's FP16 flag
@@ -143,7 +150,7 @@ def build_engine(
     engine = EngineBytesFromNetwork(network, config=config)()
     if engine is None:
         raise ExportError(f"TensorRT could not build an engine for {export_dir} (see the TensorRT log above)")
-    target = Path(output) if output else Path(export_dir) / ENGINE_NAME
+    target = check_output_path(output, "the engine") if output else default_engine_path(export_dir)
     atomic_write(target, bytes(engine))
     logger.info("built %s in %.1f s", target, time.perf_counter() - start)
     return target

@@ -106,11 +106,30 @@ def attention_metrics(sample: AttentionSample, *, top_k: int = 8) -> dict[str, n
     }
 
 
+def average_ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks 1..n of ``x`` ascending, tied values sharing the mean of their ranks (scipy's ``rankdata``)."""
+    x = np.asarray(x, dtype=np.float64).ravel()
+    order = np.argsort(x, kind="stable")
+    values = x[order]
+    # runs of equal values: each gets the mean of the positions it occupies
+    starts = np.flatnonzero(np.r_[True, values[1:] != values[:-1]])
+    ends = np.r_[starts[1:], values.size]
+    mean_rank = (starts + ends + 1) / 2.0  # positions start+1 .. end, averaged
+    ranks = np.empty(x.size)
+    ranks[order] = np.repeat(mean_rank, ends - starts)
+    return ranks
+
+
 def rank_agreement(a: np.ndarray, b: np.ndarray) -> float:
-    """Spearman rank correlation of two equally long score vectors (1 = same order)."""
-    ra = np.argsort(np.argsort(a)).astype(np.float64)
-    rb = np.argsort(np.argsort(b)).astype(np.float64)
+    """Spearman rank correlation of two equally long score vectors (1 = same order), ties at average ranks.
+
+    Heads that share a KV head have equal key error, so ties are common: ranking them arbitrarily would make
+    the answer depend on the heads' order. NaN when either vector is constant (no order to agree with).
+    """
+    ra, rb = average_ranks(a), average_ranks(b)
+    if ra.size != rb.size:
+        raise ValueError(f"rank_agreement: {ra.size} vs {rb.size} scores")
     ra -= ra.mean()
     rb -= rb.mean()
     denom = np.sqrt((ra**2).sum() * (rb**2).sum())
-    return float((ra * rb).sum() / denom) if denom else 1.0
+    return float((ra * rb).sum() / denom) if denom else float("nan")

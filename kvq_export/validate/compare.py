@@ -109,12 +109,72 @@ def compare_feeds(vocab_size: int, *, prompt_len: int = 48, batch: int = 2, step
     return feeds
 
 
+def _check_compare_size(manifests, *, prompt_len: int, batch: int, steps: int) -> None:
+    """Refuse, before any session starts, runs past the model's positions or beyond the memory available.
+
+    The Comparator keeps every step's outputs of both runs: the logits, and the cache after each step.
+    """
+    from kvq_export.memory import check_fits, check_positions, predict
+
+    length = prompt_len + steps
+    for manifest in manifests:
+        check_positions([length], manifest.model.max_position_embeddings, "prompt length + steps",
+                        "compare shorter runs")
+    needed = sum(4 * batch * m.model.vocab_size * length + (steps + 1) * predict(m.scheme, m.model, length,
+                                                                                   batch).total_bytes
+                 for m in manifests)
+    check_fits(needed, f"compare at batch {batch}", "compare a smaller batch or shorter runs")
+
+
+#: Prompt length of a comparison when neither export keeps a high-precision window (and the least otherwise).
+DEFAULT_PROMPT_LEN = 48
+
+
+def high_precision_window(manifest) -> int:
+    """Tokens a row of this export holds before the first quantized one (0: quantized from the first token)."""
+    from kvq_export.memory import high_precision_tokens
+
+    limit = manifest.model.max_position_embeddings
+    window = high_precision_tokens(manifest.scheme, manifest.model, limit)
+    return 0 if window >= limit else window  # an unquantized export has no window to leave
+
+
+def comparison_prompt_len(manifests, *, batch: int) -> int:
+    """A prompt length at which the two longest rows hold quantized tokens in every export compared.
+
+    Row ``r`` of :func:`kvq_export.validate.feeds.prompt_batch` is ``prompt_len - r * (prompt_len // 4)`` tokens
+    long (rows from the fifth on hold one token whatever the length), so the second row (the only other one at
+    the default batch of 2) must exceed the longest high-precision window too.
+    """
+    window = max((high_precision_window(m) for m in manifests), default=0)
+    length = max(DEFAULT_PROMPT_LEN, window + 16)
+    while length - (min(batch, 2) - 1) * (length // 4) <= window:  # grows with length: ends
+        length += 16
+    return length
+
+
+def warn_unexercised(manifests, names, *, prompt_len: int, steps: int) -> list[str]:
+    """One warning per export whose high-precision window the longest row never leaves (logged and returned)."""
+    out = []
+    for manifest, name in zip(manifests, names):
+        window = high_precision_window(manifest)
+        if window and prompt_len + steps <= window:
+            out.append(f"{name} ({manifest.scheme.name or 'custom'}) keeps its first {window} tokens in high "
+                       f"precision and the longest row holds {prompt_len + steps}: its quantized cache is not "
+                       f"compared (raise --prompt-len above {window})")
+            logger.warning("%s", out[-1])
+    return out
+
+
 def compare_exports(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str],
-                    tolerances: Tolerances | None = None, *, prompt_len: int = 48, batch: int = 2, steps: int = 4,
-                    seed: int = 0, verify_weights: bool = True) -> bool:
+                    tolerances: Tolerances | None = None, *, prompt_len: int | None = None, batch: int = 2,
+                    steps: int = 4, seed: int = 0, verify_weights: bool = True) -> bool:
     """Run both exports through Polygraphy's Comparator; True when every output is within tolerance.
 
-    ``verify_weights``: first check both exports' weight files against their manifests' checksums.
+    ``prompt_len``: None sizes the prompt past both exports' high-precision windows
+    (:func:`comparison_prompt_len`); a length that stays inside one logs a warning, as a match there says
+    nothing about the quantized cache. ``verify_weights``: first check both exports' files against their
+    manifests' checksums.
     """
     from polygraphy.comparator import Comparator
 
@@ -131,6 +191,10 @@ def compare_exports(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str]
         a, b = getattr(ma.model, field), getattr(mb.model, field)
         if a != b:
             raise KVQError(f"{dir_a} and {dir_b} are different models ({field}: {a} vs {b})")
+    if prompt_len is None:
+        prompt_len = comparison_prompt_len((ma, mb), batch=batch)
+    warn_unexercised((ma, mb), (str(dir_a), str(dir_b)), prompt_len=prompt_len, steps=steps)
+    _check_compare_size((ma, mb), prompt_len=prompt_len, batch=batch, steps=steps)
     runner = kvq_runner_class()
     feeds = compare_feeds(ma.model.vocab_size, prompt_len=prompt_len, batch=batch, steps=steps, seed=seed)
     results = Comparator.run([runner(dir_a), runner(dir_b)], data_loader=feeds)

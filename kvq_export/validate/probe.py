@@ -26,7 +26,7 @@ import re
 import numpy as np
 
 from kvq_export.errors import RuntimeInputError
-from kvq_export.manifest import MODEL_NAME
+from kvq_export.manifest import MODEL_NAME, check_same_export
 from kvq_export.naming import PROBES, packed_probe_name, probe_name
 from kvq_export.runtime.session import CacheState, KVQSession
 
@@ -60,14 +60,15 @@ def layer_rotary_tables(graph, directory) -> dict[int, tuple[np.ndarray, np.ndar
     """Per layer, the cos/sin tables its fused attention node reads (layers may differ: Gemma3's local RoPE).
 
     Read from the graph's own wiring: each layer's ``GroupQueryAttention`` node (named in the ``gqa<layer>``
-    scope) takes the tables as its cos_cache/sin_cache inputs.
+    scope, in the graph or in an ``If`` branch: a quantized layer's prefill and step) takes the tables as its
+    cos_cache/sin_cache inputs.
     """
     from onnx import numpy_helper
 
     initializers = {t.name: t for t in graph.initializer}
     arrays: dict[str, np.ndarray] = {}
     out = {}
-    for node in graph.node:
+    for node in _nodes(graph):
         match = re.search(r"(?:^|/)gqa(\d+)/", node.name)
         if node.op_type != "GroupQueryAttention" or match is None or len(node.input) < 9:
             continue
@@ -79,6 +80,15 @@ def layer_rotary_tables(graph, directory) -> dict[int, tuple[np.ndarray, np.ndar
                 arrays[n] = numpy_helper.to_array(initializers[n], base_dir=str(directory))
         out[int(match.group(1))] = (arrays[names[0]], arrays[names[1]])
     return out
+
+
+def _nodes(graph):
+    """The graph's nodes and those of its subgraphs (``If`` branches), depth first."""
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                yield from _nodes(sub)
 
 
 def _probe_names(layers: int, packed: bool, projected: bool) -> list[str]:
@@ -123,6 +133,7 @@ class ProbedSession(KVQSession):
         self.session = ort.InferenceSession(model.SerializeToString(), options,
                                             providers=choose_providers(kwargs.get("providers")))
         self.extra_outputs = tuple(names)
+        check_same_export(self.directory, self._opened, "while this session opened it")  # the graph was read again
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None,
              cache: CacheState | None = None) -> tuple[np.ndarray, CacheState]:

@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from kvq_export._atomic import atomic_write
+from kvq_export.manifest import check_output_path
 
 
 def write_json(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Every number, as JSON (written atomically)."""
+    """Every number, as JSON (written atomically; never inside an export directory)."""
+    check_output_path(path, "the JSON report")
     return atomic_write(path, json.dumps(result, indent=2))
 
 
@@ -52,7 +54,11 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     if greedy.get("prompts"):
         rows.append(("greedy", f"{greedy['mean_tokens_to_divergence']:.1f} tokens to divergence (mean), "
                                f"{100 * greedy['identical_fraction']:.0f}% of {greedy['prompts']} prompts "
-                               f"identical over {greedy['tokens']}"))
+                               f"identical over {greedy['tokens']}{_greedy_window_note(result)}"))
+    window = result.get("window") or {}
+    if window.get("tokens") and not window.get("windows_exceed"):
+        rows.append(("WARNING", f"the scored windows never leave the {window['tokens']}-token high-precision "
+                                "window: the token numbers above never read a quantized token"))
     if att.get("samples"):
         s = att["summary"]
         rows += [
@@ -76,6 +82,26 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
                            f"median per step (batch {lat['batch']}), ratio {lat['ratio']:.2f}"),
     ]
     return rows
+
+
+def _greedy_window_note(result: dict[str, Any]) -> str:
+    """Why a perfect greedy match may mean nothing: how many prompts reached past the high-precision window."""
+    window, greedy = result.get("window") or {}, result["token"]["greedy"]
+    exceeding = greedy.get("prompts_exceeding_window")
+    if not window.get("tokens") or exceeding is None:
+        return ""
+    if exceeding == 0:
+        return f" (WARNING: no prompt leaves the {window['tokens']}-token high-precision window: not tested)"
+    return f" ({exceeding} of {greedy['prompts']} prompts leave the {window['tokens']}-token high-precision window)"
+
+
+def _mark_window(ax, result: dict[str, Any], last: float) -> None:
+    """A dashed line where the high-precision window ends (tokens after it are read quantized)."""
+    tokens = (result.get("window") or {}).get("tokens")
+    if tokens and tokens < last:
+        ax.axvline(tokens + 0.5, color="grey", linestyle="--", linewidth=1,
+                   label=f"high-precision window ends ({tokens} tokens)")
+        ax.legend()
 
 
 def _png(fig) -> str:
@@ -111,6 +137,7 @@ def _plots(result: dict[str, Any]) -> list[tuple[str, str]]:
             ax.plot(positions, [att["by_position"][str(p)][metric] for p in positions], marker="o", label=label)
         ax.set(xlabel="decode position", ylabel="attention output rel. error", title="Error vs position")
         ax.legend()
+        _mark_window(ax, result, positions[-1] if positions else 0)
         out.append(("Attention output error vs position", _png(fig)))
         plt.close(fig)
     kl = result["token"].get("kl_by_position")
@@ -118,6 +145,7 @@ def _plots(result: dict[str, Any]) -> list[tuple[str, str]]:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(range(1, len(kl) + 1), kl)
         ax.set(xlabel="position in window", ylabel="mean KL(baseline || quantized)", title="Logit KL vs position")
+        _mark_window(ax, result, len(kl))
         out.append(("Logit KL vs position", _png(fig)))
         plt.close(fig)
     curve = result["memory"]["curve"]
@@ -144,7 +172,8 @@ def _fmt(value: Any) -> str:
 
 
 def write_html(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """One self-contained HTML file (plots embedded as PNG data URIs)."""
+    """One self-contained HTML file (plots embedded as PNG data URIs; never inside an export directory)."""
+    check_output_path(path, "the HTML report")
     att, lat, mem = result["attention"], result["latency"], result["memory"]
     parts = [
         "<!doctype html><meta charset='utf-8'><title>kvq validation</title>",

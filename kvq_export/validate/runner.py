@@ -24,7 +24,8 @@ import numpy as np
 from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError
 from kvq_export.export.exporter import cached_export_dir, ensure_export
-from kvq_export.model_source import cache_root
+from kvq_export.model_digest import recorded_source
+from kvq_export.model_source import cache_dir
 from kvq_export.request import ExportRequest
 from kvq_export.validate.attention import METRICS, AttentionSample, attention_metrics, rank_agreement
 
@@ -88,19 +89,19 @@ class _Accumulator:
 
 
 def resolve_baseline(manifest, baseline: str | os.PathLike[str] | None) -> Path:
-    """The fp16 baseline directory: given, or the manifest's model source exported in kvq's cache directory.
+    """The baseline directory: given, or the export's own model source exported with an unquantized fp16 cache.
 
-    The automatic baseline is reused only while it is current (same kvq source digest and request, intact
-    weights; see :func:`kvq_export.export.exporter.ensure_export`), never written into the export validated.
+    The automatic baseline is the same model by content (the source's digest must equal the one the export
+    recorded: a source that is gone or changed is refused, never guessed at), in the same flavour and compute
+    dtype (a latency ratio then compares caches, not graph flavours), kept under kvq's cache directory by that
+    digest and reused only while current (:func:`kvq_export.export.exporter.ensure_export`); nothing is written
+    into the export validated.
     """
     if baseline is not None:
         return Path(baseline)
-    source = manifest.model.source
-    if not source:
-        raise KVQError("this export does not record its model source; pass --baseline DIR (an fp16 export)")
-
-    request = ExportRequest(model=source, scheme="fp16")
-    return ensure_export(request, cached_export_dir(request, cache_root() / "exports"))
+    source, _ = recorded_source(manifest)  # the weights the export was made from, or a one-line refusal
+    request = ExportRequest(model=source, scheme="fp16", flavor=manifest.flavor, dtype=manifest.dtype)
+    return ensure_export(request, cached_export_dir(request, cache_dir("exports")))
 
 
 def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike[str] | None = None,
@@ -115,14 +116,13 @@ def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike
     quant = probed_session(export_dir, verify_weights=verify_weights)
     base_dir = resolve_baseline(quant.manifest, baseline_dir)
     base = KVQSession(base_dir, verify_weights=verify_weights)
-    if base.manifest.model.vocab_size != quant.manifest.model.vocab_size or \
-            base.manifest.num_layers != quant.manifest.num_layers:
-        raise KVQError(f"baseline {base_dir} is not the same model as {export_dir}")
+    _check_same_model(quant.manifest, base.manifest, export_dir, base_dir)
     tokens = np.asarray(token_windows(quant.tokenizer, load_corpus(config.corpus), config.windows,
                                       config.window_len, offset=config.offset), dtype=np.int64)
     start = time.perf_counter()
+    window = _window(quant.manifest)
     acc, quant_cache = _lockstep(quant, base, tokens, config, progress)
-    greedy = _greedy(quant, base, config)
+    greedy = _greedy(quant, base, config, window)
     result = {
         "export": str(export_dir),
         "baseline": str(base_dir),
@@ -135,12 +135,25 @@ def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike
         "config": {**asdict(config), "prompts": list(config.prompts)},
         "calibration": _calibration_section(quant.manifest, config),
         "token": _token_section(acc, greedy),
+        "window": _window_section(window, config, greedy),
         "attention": _attention_section(acc, quant.manifest),
         "memory": _memory_section(quant, base, quant_cache, tokens.shape),
         "latency": _latency_section(acc, config),
         "seconds": round(time.perf_counter() - start, 1),
     }
     return result
+
+
+def _check_same_model(quant, base, export_dir, base_dir) -> None:
+    """The baseline must be the export's model: the same facts, and the same content where both record it."""
+    from dataclasses import replace
+
+    if replace(base.model, source=None) != replace(quant.model, source=None):
+        raise KVQError(f"baseline {base_dir} is not the same model as {export_dir} (their kvq.json 'model' sections "
+                       "differ)")
+    if base.source_digest and quant.source_digest and base.source_digest != quant.source_digest:
+        raise KVQError(f"baseline {base_dir} was exported from other weights than {export_dir} (model content "
+                       f"{base.source_digest} vs {quant.source_digest}); pass an fp16 export of the same model")
 
 
 def _calibration_section(manifest, config: ValidateConfig) -> dict[str, Any] | None:
@@ -233,16 +246,45 @@ def _sample_attention(acc, quant, cache, exact, position, scaling, config, stati
             acc.attention.append((layer, position, attention_metrics(sample, top_k=config.top_k)))
 
 
-def _greedy(quant, base, config: ValidateConfig) -> dict[str, Any]:
+def _window(manifest) -> int:
+    """Tokens a row of this export holds in high precision before the first quantized one (see the memory model)."""
+    from kvq_export.memory import high_precision_tokens
+
+    return high_precision_tokens(manifest.scheme, manifest.model, manifest.model.max_position_embeddings)
+
+
+def _window_section(window: int, config: ValidateConfig, greedy: dict[str, Any]) -> dict[str, Any]:
+    """Whether the scored windows and the greedy prompts reach past the high-precision span, with warnings.
+
+    A row that never holds more than ``window`` tokens never reads a quantized token: its numbers match the
+    baseline whatever the quantizer does, and must not read as a clean bill of health.
+    """
+    section = {"tokens": window, "windows_exceed": config.window_len > window,
+               "greedy_prompts_exceeding": greedy.get("prompts_exceeding_window")}
+    if window and not section["windows_exceed"]:
+        logger.warning("every scored window (%d tokens) stays within the export's %d-token high-precision window: "
+                       "perplexity, KL and top-1 never read a quantized token (raise --window-len above %d)",
+                       config.window_len, window, window)
+    if window and greedy.get("prompts") and not greedy.get("prompts_exceeding_window"):
+        logger.warning("no greedy prompt plus its %d generated tokens leaves the export's %d-token high-precision "
+                       "window: greedy agreement never reads a quantized token (raise --gen-tokens)",
+                       config.gen_tokens, window)
+    return section
+
+
+def _greedy(quant, base, config: ValidateConfig, window: int = 0) -> dict[str, Any]:
     if not config.prompts or not config.gen_tokens:
         return {"prompts": 0}
     got = quant.generate(list(config.prompts), config.gen_tokens, stop_at_eos=False)
     ref = base.generate(list(config.prompts), config.gen_tokens, stop_at_eos=False)
     agree = [next((i for i, (a, b) in enumerate(zip(g.tokens, r.tokens)) if a != b), len(r.tokens))
              for g, r in zip(got, ref)]
+    # a row stores its prompt and every generated token but the last: only past the window is one quantized
+    exceeding = sum(len(g.prompt_tokens) + config.gen_tokens - 1 > window for g in got)
     return {"prompts": len(agree), "tokens": config.gen_tokens, "tokens_to_divergence": agree,
             "mean_tokens_to_divergence": float(np.mean(agree)),
-            "identical_fraction": float(np.mean([a == config.gen_tokens for a in agree]))}
+            "identical_fraction": float(np.mean([a == config.gen_tokens for a in agree])),
+            "prompts_exceeding_window": int(exceeding)}
 
 
 def _token_section(acc: _Accumulator, greedy: dict) -> dict[str, Any]:
@@ -280,7 +322,7 @@ def _attention_section(acc: _Accumulator, manifest) -> dict[str, Any]:
     hurt = grid["key_induced"].ravel()
     mse = grid["key_mse"].ravel()
     order = np.argsort(-hurt)
-    mse_rank = np.argsort(np.argsort(-mse))
+    mse_rank = (mse[None, :] > mse[:, None]).sum(axis=1)  # heads with a larger MSE: tied heads share a rank
     top = [{"layer": int(i // heads), "head": int(i % heads), "key_induced": float(hurt[i]),
             "out_rel_keys": float(grid["out_rel_keys"].ravel()[i]), "kl_keys": float(grid["kl_keys"].ravel()[i]),
             "key_mse": float(mse[i]), "mse_rank": int(mse_rank[i]) + 1} for i in order[:10]]

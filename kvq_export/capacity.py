@@ -1,0 +1,342 @@
+"""Capacity: how many sequences an export serves at once within a memory budget, and how fast together.
+
+A quantized cache is worth its accuracy cost when it lets one machine hold more sequences. For each export
+directory onnxruntime-genai loads (a ``kvq export --flavor ort-gqa`` directory, or one its model builder wrote)
+this module
+
+* predicts, from the decoder graph alone, the cache bytes one sequence holds at a fixed context (og allocates
+  every layer's key and value buffer as ``[batch, kv_heads, max_length, head_dim]`` of the graph's cache input
+  type, once when past and present share a buffer) and, with the weights' bytes, how many sequences fit a budget;
+* measures, in a child process of its own (so resident memory is that export's alone), the resident set after
+  loading, after ``concurrent`` sequences decoded together at that context, and their aggregate tokens/s.
+
+Rows are appended to a JSON-lines file as each is measured, so a stopped run keeps what it measured::
+
+    rows = run_capacity({"int8": "exports/int8", "builder": "exports/builder-int4"}, contexts=(2048, 8000),
+                        concurrent=4, budget_bytes=8 << 30, out="capacity.jsonl")
+    plot_capacity(rows, "capacity.png")
+
+Backends: ``og`` runs ``og.Model`` / ``og.Generator`` with a batch of ``concurrent`` prompts of synthetic token ids
+(prefilled together, then ``new_tokens`` decode steps); ``session`` (kvq exports only) runs ``KVQSession`` on a
+cache of random valid codes already holding the context, so long contexts cost no prefill.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvq_export.errors import KVQError
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("og", "session")
+CONTEXTS = (2048, 8000)
+GENAI_CONFIG = "genai_config.json"
+#: bytes per element of the cache types og allocates
+_ITEMSIZE = {1: 4, 10: 2, 16: 2, 2: 1, 3: 1}  # FLOAT, FLOAT16, BFLOAT16, UINT8, INT8
+
+
+class CapacityError(KVQError):
+    """A directory or option the capacity measurement cannot use."""
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one export needs in memory: its weights once, its cache per sequence."""
+
+    name: str
+    directory: str
+    weight_bytes: int
+    #: one sequence's cache bytes per token of context, every layer's keys and values
+    cache_bytes_per_token: int
+    #: 1 when past and present share one buffer (``past_present_share_buffer``), 2 when og holds both
+    copies: int = 1
+
+    def cache_bytes(self, context: int) -> int:
+        """One sequence's cache at ``context`` tokens (og allocates the whole context up front)."""
+        return self.copies * context * self.cache_bytes_per_token
+
+    def sequences(self, budget_bytes: int, context: int, overhead_bytes: int = 0) -> int:
+        """Sequences of ``context`` tokens that fit ``budget_bytes`` beside the weights and ``overhead_bytes``."""
+        free = budget_bytes - self.weight_bytes - overhead_bytes
+        return max(0, free // self.cache_bytes(context))
+
+
+def footprint(directory: str | os.PathLike[str], name: str | None = None) -> Footprint:
+    """:class:`Footprint` of an onnxruntime-genai directory, read from its ``genai_config.json`` and decoder graph."""
+    import onnx
+
+    directory = Path(directory)
+    config_path = directory / GENAI_CONFIG
+    if not config_path.is_file():
+        raise CapacityError(f"{directory} has no {GENAI_CONFIG}: export with --flavor ort-gqa or use the builder")
+    config = json.loads(config_path.read_text())
+    decoder = config["model"]["decoder"]
+    graph = onnx.load(str(directory / decoder["filename"]), load_external_data=False).graph
+    inputs = {value.name: value.type.tensor_type for value in graph.input}
+    per_token = 0
+    for layer in range(int(decoder["num_hidden_layers"])):
+        for template in (decoder["inputs"]["past_key_names"], decoder["inputs"]["past_value_names"]):
+            tensor = inputs.get(template % layer)
+            if tensor is None:
+                raise CapacityError(f"{directory}: the decoder graph has no cache input {template % layer}")
+            dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+            # the builder leaves a quantized cache's dims symbolic: og allocates the config's heads and head size
+            # then (a 4-bit cache packed two to a byte would be half that, so it is refused rather than guessed)
+            if dims[1:2] == [None] or dims[3:4] == [None]:
+                packed = tensor.elem_type == 2  # uint8: 4-bit codes
+                dims = [None, int(decoder["num_key_value_heads"]), None, None if packed else int(decoder["head_size"])]
+            if len(dims) != 4 or dims[1] is None or dims[3] is None or tensor.elem_type not in _ITEMSIZE:
+                raise CapacityError(f"{directory}: cache input {template % layer} is not [batch, kv_heads, tokens, "
+                                    f"head_dim] of a float or 8-bit type whose widths the graph or config give: {dims}")
+            per_token += dims[1] * dims[3] * _ITEMSIZE[tensor.elem_type]
+    shared = config.get("search", {}).get("past_present_share_buffer", False)
+    return Footprint(name or directory.name, str(directory), _weight_bytes(directory, graph), per_token,
+                     1 if shared else 2)
+
+
+def _weight_bytes(directory: Path, graph) -> int:
+    """Initializer bytes the decoder holds (kvq's entry graph reads model.onnx's, which :func:`weight_bytes` reads)."""
+    from kvq_export.export.weights import weight_bytes
+    from kvq_export.manifest import MODEL_NAME
+
+    if (directory / MODEL_NAME).is_file():
+        return weight_bytes(directory).total
+    return sum(math.prod(t.dims) * _ITEMSIZE.get(t.data_type, 1) for t in graph.initializer)
+
+
+@dataclass
+class CapacityRow:
+    """One export at one context: prediction and measurement side by side."""
+
+    name: str
+    directory: str
+    context: int
+    concurrent: int
+    budget_bytes: int
+    weight_bytes: int
+    cache_bytes_per_sequence: int
+    #: sequences that fit the budget beside the weights (and the measured runtime overhead, when measured)
+    predicted_sequences: int
+    backend: str = ""
+    status: str = "ok"
+    rss_loaded_bytes: int | None = None  # resident set after loading the export
+    rss_bytes: int | None = None  # ... after ``concurrent`` sequences decoded at ``context``
+    predicted_rss_bytes: int | None = None  # rss_loaded + concurrent * cache_bytes_per_sequence
+    measured_cache_bytes_per_sequence: int | None = None  # (rss - rss_loaded) / concurrent
+    measured_sequences: int | None = None  # the budget divided by what the resident set says
+    tokens_per_s: float | None = None  # aggregate decode tokens/s of the concurrent sequences
+    decode_step_ms: float | None = None  # median step of the whole batch
+    prefill_tokens_per_s: float | None = None  # og backend: the batch's prefill
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# -- measuring (in a child process) -------------------------------------------------------------------------------
+def _rss() -> int:
+    """Resident bytes of this process now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _measure_og(directory: str, context: int, concurrent: int, new_tokens: int, threads: int | None,
+                seed: int) -> dict[str, Any]:
+    import onnxruntime_genai as og
+
+    config = og.Config(directory)
+    overlay: dict[str, Any] = {"model": {"eos_token_id": []}}  # synthetic prompts: no row may stop early
+    if threads:
+        overlay["model"]["decoder"] = {"session_options": {"intra_op_num_threads": int(threads)}}
+    config.overlay(json.dumps(overlay))
+    model = og.Model(config)
+    loaded = _rss()
+    vocab = json.loads((Path(directory) / GENAI_CONFIG).read_text())["model"]["vocab_size"]
+    prompt = np.random.default_rng(seed).integers(1, vocab, (concurrent, context - new_tokens), dtype=np.int32)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=context, do_sample=False, batch_size=concurrent)
+    generator = og.Generator(model, params)
+    start = time.perf_counter()
+    generator.append_tokens(prompt)  # og takes a batch's prompt in one call
+    prefill_s = time.perf_counter() - start
+    steps = []
+    for _ in range(new_tokens):
+        start = time.perf_counter()
+        generator.generate_next_token()
+        steps.append(time.perf_counter() - start)
+    return {"rss_loaded": loaded, "rss": _rss(), "steps": steps,
+            "prefill_tokens_per_s": prompt.size / prefill_s}
+
+
+def _measure_session(directory: str, context: int, concurrent: int, new_tokens: int, threads: int | None,
+                     seed: int) -> dict[str, Any]:
+    from kvq_export.runtime.session import KVQSession
+
+    session = KVQSession(directory, threads=threads, verify_weights=False)
+    loaded = _rss()
+    manifest = session.manifest
+    rng = np.random.default_rng(seed)
+    cache = session.cache_from_arrays(session.layout.arrays(
+        session.past, manifest.scheme, manifest.num_layers, concurrent, context - new_tokens, capacity=context,
+        rng=rng))
+    token = rng.integers(1, manifest.model.vocab_size, (concurrent, 1))
+    steps = []
+    for _ in range(new_tokens):
+        start = time.perf_counter()
+        logits, cache = session.step(token, None, cache)
+        token = logits[:, -1:].argmax(-1)
+        steps.append(time.perf_counter() - start)
+    return {"rss_loaded": loaded, "rss": _rss(), "steps": steps}
+
+
+_MEASURE = {"og": _measure_og, "session": _measure_session}
+
+
+def _child(queue, backend: str, *args: Any) -> None:
+    try:
+        queue.put(("ok", _MEASURE[backend](*args)))
+    except Exception as err:  # noqa: BLE001 - reported as the row's status, the run goes on
+        queue.put(("failed", f"{type(err).__name__}: {err}"))
+
+
+def measure(backend: str, directory: str, context: int, concurrent: int, new_tokens: int,
+            threads: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """Run one measurement in a fresh process: ``rss_loaded``, ``rss``, per-step ``steps`` seconds (, prefill)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    process = ctx.Process(target=_child, args=(queue, backend, directory, context, concurrent, new_tokens, threads,
+                                               seed))
+    process.start()
+    try:
+        status, result = queue.get()
+    finally:
+        process.join()
+    if status != "ok":
+        raise CapacityError(f"{directory} at {context} tokens x {concurrent}: {result}")
+    return result
+
+
+# -- the run -----------------------------------------------------------------------------------------------------
+def choose_backend(directory: str | os.PathLike[str], backend: str) -> str:
+    """``og`` or ``session`` (``auto``: ``session`` for a kvq export, which needs no prefill, else ``og``)."""
+    from kvq_export.manifest import MANIFEST_NAME
+
+    if backend not in (*BACKENDS, "auto"):
+        raise CapacityError(f"unknown backend {backend!r}; allowed: auto, {', '.join(BACKENDS)}")
+    is_kvq = (Path(directory) / MANIFEST_NAME).is_file()
+    if backend == "session" and not is_kvq:
+        raise CapacityError(f"{directory} is not a kvq export: the session backend needs one (use og)")
+    return backend if backend != "auto" else "session" if is_kvq else "og"
+
+
+def capacity_row(print_: Footprint, context: int, concurrent: int, budget_bytes: int, backend: str,
+                 measured: Mapping[str, Any] | None) -> CapacityRow:
+    """A row from a footprint and (optionally) a measurement: the arithmetic, in one place."""
+    per_seq = print_.cache_bytes(context)
+    row = CapacityRow(print_.name, print_.directory, context, concurrent, budget_bytes, print_.weight_bytes, per_seq,
+                      print_.sequences(budget_bytes, context), backend)
+    if measured is None:
+        return row
+    steps = sorted(measured["steps"])
+    median = steps[len(steps) // 2]
+    loaded, rss = int(measured["rss_loaded"]), int(measured["rss"])
+    overhead = max(0, loaded - print_.weight_bytes)  # the runtime's own memory beside the weights
+    row.predicted_sequences = print_.sequences(budget_bytes, context, overhead)
+    row.rss_loaded_bytes, row.rss_bytes = loaded, rss
+    row.predicted_rss_bytes = loaded + concurrent * per_seq
+    row.measured_cache_bytes_per_sequence = max(0, rss - loaded) // concurrent
+    grown = max(row.measured_cache_bytes_per_sequence, 1)
+    row.measured_sequences = max(0, (budget_bytes - loaded) // grown)
+    row.decode_step_ms = 1e3 * median
+    row.tokens_per_s = concurrent / median
+    if "prefill_tokens_per_s" in measured:
+        row.prefill_tokens_per_s = float(measured["prefill_tokens_per_s"])
+    return row
+
+
+def run_capacity(directories: Mapping[str, str | os.PathLike[str]], *, contexts: Sequence[int] = CONTEXTS,
+                 concurrent: int = 4, budget_bytes: int = 8 << 30, new_tokens: int = 8, backend: str = "auto",
+                 threads: int | None = None, out: str | os.PathLike[str] | None = None,
+                 measure_fn: Callable[..., dict[str, Any]] | None = None, predict_only: bool = False
+                 ) -> list[CapacityRow]:
+    """Predict and measure every directory at every context; each row is appended to ``out`` once measured.
+
+    ``measure_fn`` (default :func:`measure`) takes ``(backend, directory, context, concurrent, new_tokens,
+    threads)``; a measurement that fails leaves a row with its prediction and the failure as ``status``;
+    ``predict_only`` measures nothing (rows with status ``predicted``).
+    """
+    if concurrent < 1 or new_tokens < 1 or budget_bytes < 1:
+        raise CapacityError(f"invalid concurrent={concurrent}/new_tokens={new_tokens}/budget_bytes={budget_bytes}: "
+                            "each must be >= 1")
+    bad = [c for c in contexts if c <= new_tokens]
+    if bad:
+        raise CapacityError(f"context {bad[0]} leaves no prompt before {new_tokens} new tokens: allowed: > new_tokens")
+    prints = {name: footprint(path, name) for name, path in directories.items()}
+    backends = {name: choose_backend(path, backend) for name, path in directories.items()}
+    measure_fn = measure_fn or measure
+    rows = []
+    for context in contexts:
+        for name, print_ in prints.items():
+            measured, status = None, "predicted"
+            try:
+                if not predict_only:
+                    measured = measure_fn(backends[name], print_.directory, context, concurrent, new_tokens, threads)
+                    status = "ok"
+            except CapacityError as err:
+                status = f"failed: {err}"
+            row = capacity_row(print_, context, concurrent, budget_bytes, backends[name], measured)
+            row.status = status
+            logger.info("%s @%d x%d: %s", name, context, concurrent, json.dumps(asdict(row)))
+            if out is not None:
+                with open(out, "a") as f:
+                    f.write(json.dumps(asdict(row)) + "\n")
+            rows.append(row)
+    return rows
+
+
+def read_rows(path: str | os.PathLike[str]) -> list[CapacityRow]:
+    """The rows a run wrote (one JSON object a line)."""
+    return [CapacityRow(**json.loads(line)) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_capacity(rows: Sequence[CapacityRow], path: str | os.PathLike[str]) -> Path:
+    """A PNG: sequences within the budget (predicted and as resident memory says) and aggregate tokens/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r.name for r in rows))
+    contexts = sorted({r.context for r in rows})
+    by = {(r.name, r.context): r for r in rows}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    width = 0.8 / max(1, len(contexts))
+    panels = (("predicted_sequences", "sequences within budget (predicted)"),
+              ("measured_sequences", "sequences within budget (from RSS)"),
+              ("tokens_per_s", "aggregate decode tokens/s"))
+    x = np.arange(len(names))
+    for ax, (key, title) in zip(axes, panels):
+        for i, context in enumerate(contexts):
+            values = [getattr(by[(n, context)], key) if (n, context) in by else None for n in names]
+            ax.bar(x + i * width, [v or 0 for v in values], width, label=f"{context} tokens")
+        ax.set_xticks(x + width * (len(contexts) - 1) / 2, names, rotation=20, ha="right")
+        ax.set_title(title)
+        ax.legend()
+    budget = rows[0].budget_bytes / 2**30 if rows else 0
+    concurrent = rows[0].concurrent if rows else 0
+    fig.suptitle(f"budget {budget:g} GiB; throughput with {concurrent} concurrent sequences")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,142 @@
+"""Which model an export came from, by content: a digest of the model's files, not of its name.
+
+Two models both called ``tiny``, a model edited in place, and one path read from two working directories
+are told apart by :func:`model_digest`: the sha256 of every file of the source (a Hugging Face directory's
+config, weights and tokenizer files; a GGUF file), each file hashed once and remembered by path, size and
+modification time in ``$KVQ_CACHE_DIR/model-digests.json``. The exporter records it (``build.request.source_digest``
+of ``kvq.json``), and the automatic baselines of validation and the demo are keyed and checked by it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from kvq_export.errors import ModelError
+
+logger = logging.getLogger(__name__)
+
+#: Hex digits of a model digest (64 bits: collisions among one user's models are not a concern).
+DIGEST_CHARS = 16
+_CACHE_NAME = "model-digests.json"
+
+
+def canonical_spec(spec: str | os.PathLike[str]) -> str:
+    """A model spec that means the same model from any working directory.
+
+    Built-in names stay as they are; paths are made absolute (symlinks resolved).
+    """
+    from kvq_export.model_source import BUILTIN_MODELS
+
+    text = os.fspath(spec)
+    if text in BUILTIN_MODELS:
+        return text
+    return str(Path(text).expanduser().resolve())
+
+
+def source_files(spec: str | os.PathLike[str]) -> list[Path]:
+    """The files whose content is the model: a GGUF file, or every regular file of a model directory."""
+    from kvq_export.model_source import resolve_spec
+
+    source = resolve_spec(spec)  # a missing or unusable source is a one-line ModelError
+    if source.kind == "gguf":
+        return [source.path]
+    files = []
+    for dirpath, dirnames, filenames in os.walk(source.path):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # .cache/.git: not the model
+        files += [Path(dirpath) / name for name in sorted(filenames) if not name.startswith(".")]
+    return [path for path in files if path.is_file()]
+
+
+def model_digest(spec: str | os.PathLike[str]) -> str:
+    """Digest of the model ``spec`` names (its files' relative names and contents).
+
+    Raises :class:`ModelError` when the spec names no usable model (gone, or not a model).
+    """
+    from kvq_export.model_source import resolve_spec
+
+    root = resolve_spec(spec).path
+    cache = _DigestCache.open()
+    h = hashlib.sha256()
+    for path in source_files(spec):
+        name = path.name if path == root else str(path.relative_to(root))
+        h.update(name.encode() + b"\0" + cache.file_sha256(path).encode() + b"\n")
+    cache.save()
+    return h.hexdigest()[:DIGEST_CHARS]
+
+
+def recorded_source(manifest) -> tuple[str, str]:
+    """(source spec, digest) of the model an export was made from, refused unless that model is still there as it was.
+
+    Whatever re-exports "the same model" for an export (validation's baseline, TensorRT's reference) must read
+    the weights the export was made from: a source that is gone, was edited in place, or is recorded without its
+    digest (an older kvq) is a one-line :class:`KVQError`, never a guess.
+    """
+    from kvq_export.errors import KVQError
+
+    source, want = manifest.model.source, manifest.source_digest
+    if not source:
+        raise KVQError("this export does not record its model source; pass the other export directory "
+                       "(--baseline DIR for validation)")
+    if want is None:
+        raise KVQError(f"this export does not record the content digest of its model source {source} (exported by "
+                       "an older kvq): export it again, or pass the other export directory (--baseline DIR)")
+    try:
+        got = model_digest(source)
+    except ModelError as err:
+        raise KVQError(f"the model source of this export is gone ({err}); pass the other export directory "
+                       "(--baseline DIR)") from None
+    if got != want:
+        raise KVQError(f"the model at {source} changed since this export was made (content digest {got}, the export "
+                       f"recorded {want}): export it again, or pass the other export directory (--baseline DIR)")
+    return source, want
+
+
+class _DigestCache:
+    """sha256 of files, remembered across processes by (resolved path, size, mtime): a model is hashed once."""
+
+    def __init__(self, path: Path, entries: dict[str, dict]) -> None:
+        self.path, self.entries, self.changed = path, entries, False
+
+    @classmethod
+    def open(cls) -> _DigestCache:
+        from kvq_export.model_source import cache_root
+
+        path = cache_root() / _CACHE_NAME
+        try:
+            entries = json.loads(path.read_text())
+            if not isinstance(entries, dict):
+                entries = {}
+        except (OSError, ValueError):
+            entries = {}  # none yet, or unreadable: hashing again is always correct
+        return cls(path, entries)
+
+    def file_sha256(self, path: Path) -> str:
+        st = path.stat()
+        key = str(path.resolve())
+        stamp = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+        entry = self.entries.get(key)
+        if isinstance(entry, dict) and {k: entry.get(k) for k in stamp} == stamp and isinstance(
+                entry.get("sha256"), str):
+            return entry["sha256"]
+        try:
+            with open(path, "rb") as handle:
+                digest = hashlib.file_digest(handle, "sha256").hexdigest()
+        except OSError as err:
+            raise ModelError(f"cannot read the model file {path}: {err.strerror or err}") from None
+        self.entries[key] = {**stamp, "sha256": digest}
+        self.changed = True
+        return digest
+
+    def save(self) -> None:
+        if not self.changed:
+            return
+        from kvq_export._atomic import atomic_write
+
+        try:
+            atomic_write(self.path, json.dumps(self.entries))
+        except OSError as err:  # a read-only cache only costs hashing again next time
+            logger.info("cannot remember model digests in %s: %s", self.path, err)
