@@ -79,7 +79,9 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     layout: str = REGIONS.name  # the cache layout's name (the exporter records its flavour's)
     weights: dict[str, Any] | None = None  # {file: {"sha256", "bytes"}} recorded at export
-    build: dict[str, Any] | None = None  # {"kvq_code": source digest, "request": what shaped the export}
+    #: {"kvq_code": source digest, "request": what shaped the export, "source": the model's content identity,
+    #: "source_digest": its digest when it was named by a spec}
+    build: dict[str, Any] | None = None
     #: other runtimes that can serve the export: name -> {"supported": bool, their files, or "reason"}
     runtimes: dict[str, Any] = field(default_factory=dict)
 
@@ -89,8 +91,7 @@ class Manifest:
 
         None for an in-memory model or an export made before kvq recorded it.
         """
-        request = (self.build or {}).get("request")
-        digest = request.get("source_digest") if isinstance(request, dict) else None
+        digest = (self.build or {}).get("source_digest")
         return digest if isinstance(digest, str) else None
 
     # -- the cache ------------------------------------------------------------------------------------

@@ -403,9 +403,8 @@ def _build_record(request: ExportRequest, static: StaticArrays | None, *, model:
     """
     named = request.model is not None and model is None
     identity = model_identity(request.model if named else model) if (named or model is not None) else None
-    described = {**request.to_dict(), "source": identity,
-                 "source_digest": model_digest(request.model) if named else None}
-    record: dict[str, Any] = {"kvq_code": source_digest(), "request": described}
+    record: dict[str, Any] = {"kvq_code": source_digest(), "request": request.to_dict(), "source": identity,
+                              "source_digest": model_digest(request.model) if named else None}
     if static is not None and request.scheme.needs_calibration:
         record["static"] = calibration_digest(static)
     return record
