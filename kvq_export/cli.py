@@ -17,7 +17,14 @@ import click
 from kvq_export.cli_types import FRACTION, NON_NEGATIVE, POSITIVE, FiniteFloat, outside_exports
 from kvq_export.errors import KVQError
 from kvq_export.export.flavors import FLAVORS, flavor_names
-from kvq_export.request import DEFAULT_OPSET, MIN_OPSET, CalibrationMethod, CalibrationSpec
+from kvq_export.request import (
+    DEFAULT_OPSET,
+    MIN_OPSET,
+    WEIGHT_BLOCK_SIZES,
+    CalibrationMethod,
+    CalibrationSpec,
+    WeightFormat,
+)
 
 DEFAULT_CURVE = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -223,15 +230,28 @@ def memory(model_spec: str, scheme_spec: str, seq_len: int, batch: int, as_json:
 @click.option("--flavor", type=click.Choice(flavor_names()), default=flavor_names()[0], show_default=True,
               help="Graph flavor: " + "; ".join(f"{f.name} ({f.about})" for f in FLAVORS.values()) + ".")
 @click.option("--force", is_flag=True, help="Replace an existing export directory (only a kvq export is replaced).")
+@click.option("--weights", "weight_format", type=click.Choice([str(f) for f in WeightFormat]),
+              default=str(WeightFormat.FP32), show_default=True,
+              help="How the linear weights and the embedding are stored: as computed, fp16, or int8/int4 blocks "
+                   "(ONNX Runtime's MatMulNBits and GatherBlockQuantized; a tied embedding is stored once).")
+@click.option("--weight-block-size", type=click.Choice([str(b) for b in WEIGHT_BLOCK_SIZES]), default="32",
+              show_default=True, help="int8/int4 weights: input channels per scale.")
+@click.option("--weight-asymmetric", is_flag=True, help="int8/int4 weights: a zero point per block as well.")
+@click.option("--weight-accuracy-level", type=click.IntRange(1, 4), default=1, show_default=True,
+              help="int8/int4 weights: MatMulNBits' activation type (1 fp32 .. 4 int8). 4 is faster on CPU, but "
+                   "greedy tokens may then depend on what else is in the batch.")
 @calibration_options(optional=True)
-def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, calibration) -> None:
+def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, weight_format, weight_block_size,
+               weight_asymmetric, weight_accuracy_level, calibration) -> None:
     """Export MODEL with a quantized KV cache to an ONNX directory (model.onnx + kvq.json)."""
     from kvq_export.export.exporter import export
-    from kvq_export.request import ExportRequest
+    from kvq_export.request import ExportRequest, WeightSpec
     from kvq_export.runtime.genai import RUNTIME
 
-    request = ExportRequest(model=model_spec, scheme=scheme_spec, flavor=flavor, dtype=dtype, opset=opset,
-                            calibration=calibration)
+    weights = WeightSpec(format=weight_format, block_size=int(weight_block_size), symmetric=not weight_asymmetric,
+                         accuracy_level=weight_accuracy_level)
+    request = ExportRequest(model=model_spec, scheme=scheme_spec, flavor=flavor, weights=weights, dtype=dtype,
+                            opset=opset, calibration=calibration)
     manifest = export(request, out_dir, force=force)
     click.echo(f"exported to {out_dir}")
     genai = manifest.runtimes.get(RUNTIME) or {}

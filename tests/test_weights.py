@@ -286,3 +286,40 @@ def test_converting_twice_is_refused(exports):
     for once in (quantize_weights(onnx.load(str(path)), format="fp16"), quantize_weights(ir.load(path), format="int4")):
         with pytest.raises(ExportError, match=r"weights are stored as (fp16|int4) already; convert the graph as built"):
             quantize_weights(once, format="int8")
+
+
+@pytest.mark.parametrize("flavor", ["reference", "ort-gqa"])
+def test_export_writes_the_weight_format_it_is_asked_for(tmp_path, flavor):
+    """``export(weights=...)`` runs the quantizer between building and saving, and records the format."""
+    from kvq_export.request import WeightSpec
+
+    fp32 = export_model(tiny_model("llama-tied"), "fp16", tmp_path / "fp32", flavor=flavor)
+    int4 = export_model(tiny_model("llama-tied"), "fp16", tmp_path / "int4", flavor=flavor,
+                        weights=WeightSpec(format="int4"))
+    assert weight_bytes(int4).format == "int4" and weight_bytes(fp32).format == "fp32"
+    assert Manifest.load(int4).build["request"]["weights"]["format"] == "int4"
+    assert {"MatMulNBits", "GatherBlockQuantized"} <= {n.op_type for n in nodes(int4)}
+    assert rel_error(logits(int4), logits(fp32)) < 0.35  # the tolerance test_format_runs_close_to_fp32 uses
+    assert sum(f.stat().st_size for f in int4.iterdir()) < 0.5 * sum(f.stat().st_size for f in fp32.iterdir())
+
+
+def test_the_trt_flavor_refuses_int_weights_in_one_line(tmp_path):
+    from kvq_export.request import WeightSpec
+
+    with pytest.raises(ExportError, match="trt flavor's runtimes cannot run; allowed there: fp32, fp16"):
+        export_model(tiny_model("llama"), "fp16", tmp_path / "trt", flavor="trt", weights=WeightSpec(format="int4"))
+    assert not (tmp_path / "trt").exists()
+
+
+def test_cli_export_takes_weights(tmp_path):
+    from click.testing import CliRunner
+    from tiny_models import save_tiny_model_dir
+
+    from kvq_export.cli import cli
+
+    model_dir = save_tiny_model_dir(tmp_path / "m")
+    result = CliRunner().invoke(cli, ["export", "--model", str(model_dir), "--scheme", "fp16", "--out",
+                                      str(tmp_path / "e"), "--weights", "int8", "--weight-accuracy-level", "4"])
+    assert result.exit_code == 0, result.output
+    assert weight_bytes(tmp_path / "e").format == "int8"
+    assert Manifest.load(tmp_path / "e").build["request"]["weights"]["accuracy_level"] == 4

@@ -4,7 +4,7 @@ The directory holds ``model.onnx`` (+ ``model.onnx.data``), the tokenizer files,
 for static-scale schemes, and ``kvq.json`` (the manifest). The export is a pipeline of small stages, each a
 plain function a test or a tool can run alone::
 
-    load_source -> read_facts -> plan_export -> calibrate -> build_graph -> _quantize_weights -> package
+    load_source -> read_facts -> plan_export -> calibrate -> build_graph -> quantize_weights -> package
 
 :func:`plan_export` checks everything (the scheme against the model and the flavor, calibration, weights)
 before anything is written; the rest carry the plan out. The directory is written into a hidden temporary
@@ -46,7 +46,7 @@ from kvq_export._atomic import (
 from kvq_export.calibrate import calibrate_static_scales, calibration_digest, calibration_windows, save_calibration
 from kvq_export.errors import ExportError, KVQError
 from kvq_export.export.arch import Arch, get_arch
-from kvq_export.export.flavors import Flavor, FlavorName, flavor_names, get_flavor
+from kvq_export.export.flavors import Flavor, FlavorName, Runtime, flavor_names, get_flavor
 from kvq_export.export.genai_package import RUNTIME, write_genai_files
 from kvq_export.manifest import (
     CALIBRATION_NAME,
@@ -60,7 +60,7 @@ from kvq_export.manifest import (
 from kvq_export.model_digest import model_digest
 from kvq_export.model_facts import ModelFacts
 from kvq_export.model_source import canonical_spec, load_model, model_identity
-from kvq_export.request import DEFAULT_OPSET, CalibrationSpec, ExportRequest, WeightFormat, WeightSpec
+from kvq_export.request import DEFAULT_OPSET, MIN_OPSET, CalibrationSpec, ExportRequest, WeightFormat, WeightSpec
 from kvq_export.scheme import KVQuantScheme
 
 if TYPE_CHECKING:
@@ -71,13 +71,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_OPSET", "ExportPlan", "Source", "build_graph", "calibrate", "ensure_export", "export",
-           "export_model", "flavor_names", "get_flavor", "load_source", "package", "plan_export", "read_facts"]
+           "export_model", "flavor_names", "get_flavor", "load_source", "package", "plan_export", "quantize_weights",
+           "read_facts"]
 
 StaticArrays = Mapping[int, Mapping[str, Mapping[str, Any]]]
-#: Weight formats :func:`_quantize_weights` can write (the others are refused by :func:`plan_export`).
-QUANTIZABLE_WEIGHTS = (WeightFormat.FP32,)
 
-MIN_OPSET = 18
 
 
 def check_opset(opset: int) -> None:
@@ -178,9 +176,10 @@ def plan_export(request: ExportRequest, source: Source, *, static: StaticArrays 
                               "kvq never guesses a scale or a channel)")
         if source.tokenizer is None:
             raise ExportError("calibrating from a corpus needs the model's tokenizer")
-    if request.weights.format not in QUANTIZABLE_WEIGHTS:
-        raise ExportError(f"weights.format={request.weights.format} cannot be written yet; allowed: "
-                          f"{', '.join(QUANTIZABLE_WEIGHTS)}")
+    if request.weights.quantized and Runtime.ONNXRUNTIME not in flavor.runtimes:
+        raise ExportError(f"weights.format={request.weights.format} stores ONNX Runtime's MatMulNBits and "
+                          f"GatherBlockQuantized, which the {flavor.name} flavor's runtimes cannot run; allowed "
+                          f"there: {WeightFormat.FP32}, {WeightFormat.FP16}")
     return ExportPlan(request, flavor, arch, facts, static)
 
 
@@ -222,12 +221,12 @@ def build_graph(plan: ExportPlan, source: Source, static: StaticArrays | None) -
     return graph, cache
 
 
-def _quantize_weights(graph: ir.Model, spec: WeightSpec) -> ir.Model:
-    """The built graph with its weights stored as ``spec`` says (fp32: as built)."""
-    if spec.format not in QUANTIZABLE_WEIGHTS:  # plan_export refused it already
-        raise ExportError(f"weights.format={spec.format} cannot be written yet; allowed: "
-                          f"{', '.join(QUANTIZABLE_WEIGHTS)}")
-    return graph
+def quantize_weights(graph: ir.Model, spec: WeightSpec) -> ir.Model:
+    """The built graph with its weights stored as ``spec`` says (fp32: as built; see :mod:`.weights`)."""
+    from kvq_export.export import weights
+
+    return weights.quantize_weights(graph, format=str(spec.format), block_size=spec.block_size,
+                                    symmetric=spec.symmetric, accuracy_level=spec.accuracy_level)
 
 
 def package(directory: Path, plan: ExportPlan, source: Source, graph: ir.Model, calibration: Calibration) -> Manifest:
@@ -378,7 +377,7 @@ def _run(request: ExportRequest, out: Path, *, model: Any, tokenizer: Any, stati
     plan = plan_export(request, source, static=static)
     calibration = calibrate(plan, source)
     graph, _ = build_graph(plan, source, calibration.static)
-    graph = _quantize_weights(graph, request.weights)
+    graph = quantize_weights(graph, request.weights)
     logger.info("built the %s graph in %.1f s", plan.flavor.name, time.perf_counter() - start)
     tmp = temp_dir_beside(out)
     try:
