@@ -27,8 +27,8 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize(("request_", "message"), [
     (ExportRequest(model=None, scheme="ort-int8"), "uses static scales: calibrate first"),
     (ExportRequest(model=None, scheme="kivi-4", flavor="ort-gqa"), "flavor ort-gqa cannot hold scheme kivi-4"),
-    (ExportRequest(model=None, scheme="fp16", weights=WeightSpec(format="int4")),
-     r"weights\.format=int4 cannot be written yet; allowed: fp32"),
+    (ExportRequest(model=None, scheme="fp16", flavor="trt", weights=WeightSpec(format="int4")),
+     r"weights\.format=int4 .* the trt flavor's runtimes cannot run; allowed there: fp32, fp16"),
 ], ids=["no-calibration", "flavor", "weights"])
 def test_a_refused_request_writes_nothing(tmp_path, request_, message):
     out = tmp_path / "exports" / "x"
