@@ -3,7 +3,7 @@
 Two models both called ``tiny``, a model edited in place, and one path read from two working directories
 are told apart by :func:`model_digest`: the sha256 of every file of the source (a Hugging Face directory's
 config, weights and tokenizer files; a GGUF file), each file hashed once and remembered by path, size and
-modification time in ``$KVQ_CACHE_DIR/model-digests.json``. The exporter records it (``build.request.source_digest``
+modification time in ``$KVQ_CACHE_DIR/model-digests.json``. The exporter records it (``build.source_digest``
 of ``kvq.json``), and the automatic baselines of validation and the demo are keyed and checked by it.
 """
 
@@ -22,19 +22,6 @@ logger = logging.getLogger(__name__)
 #: Hex digits of a model digest (64 bits: collisions among one user's models are not a concern).
 DIGEST_CHARS = 16
 _CACHE_NAME = "model-digests.json"
-
-
-def canonical_spec(spec: str | os.PathLike[str]) -> str:
-    """A model spec that means the same model from any working directory.
-
-    Built-in names stay as they are; paths are made absolute (symlinks resolved).
-    """
-    from kvq_export.model_source import BUILTIN_MODELS
-
-    text = os.fspath(spec)
-    if text in BUILTIN_MODELS:
-        return text
-    return str(Path(text).expanduser().resolve())
 
 
 def source_files(spec: str | os.PathLike[str]) -> list[Path]:
