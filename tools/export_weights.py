@@ -1,6 +1,7 @@
 """A kvq export's copy with its weights stored in another format (``kvq_export.export.weights``).
 
-Used by the tools that time int4-weight exports: the copy's ``model.onnx`` goes through
+``kvq export --weights`` writes such an export directly; this converts an export that exists already (the tools
+that time int4-weight exports reuse their fp32 exports this way): the copy's ``model.onnx`` goes through
 :func:`~kvq_export.export.weights.quantize_weights`, onnxruntime-genai's entry graph is rebuilt from it and the
 manifest's weight checksums are refreshed, so ``KVQSession`` and ``og.Model`` both load the copy.
 """
@@ -24,7 +25,7 @@ def with_weights(src: str | Path, dst: str | Path, weights: str = "int4", **opti
 
     src, dst = Path(src), Path(dst)
     stamp = {"source": json.loads((src / MANIFEST_NAME).read_text()).get("weights"), "weights": weights, **options}
-    stamp_file = dst / "weights_stamp.json"
+    stamp_file = dst.with_name(f".{dst.name}.weights-stamp.json")  # beside it: an export holds only listed files
     if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
         return dst
     shutil.rmtree(dst, ignore_errors=True)
