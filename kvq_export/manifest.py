@@ -413,7 +413,7 @@ def export_files(directory: str | os.PathLike[str]) -> list[str]:
 def weight_checksums(directory: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
     """``{file: {"sha256", "bytes"}}`` of every file of the export but ``kvq.json`` (what a loader verifies)."""
     directory = Path(directory)
-    return {name: {"sha256": _sha256(directory / name), "bytes": (directory / name).stat().st_size}
+    return {name: {"sha256": file_sha256(directory / name), "bytes": (directory / name).stat().st_size}
             for name in export_files(directory)}
 
 
@@ -430,7 +430,7 @@ def verify_weights(directory: str | os.PathLike[str], manifest: Manifest) -> Non
         if size != want["bytes"]:
             raise RuntimeInputError(f"{path} has {size} bytes, the export wrote {want['bytes']}: truncated or "
                                     "replaced; export again (or skip the check: verify_weights=False / --no-verify)")
-        if _sha256(path) != want["sha256"]:
+        if file_sha256(path) != want["sha256"]:
             raise RuntimeInputError(f"{path} does not match its sha256 in {MANIFEST_NAME}: corrupted or edited; "
                                     "export again (or skip the check: verify_weights=False / --no-verify)")
     unlisted = [name for name in export_files(directory) if name not in manifest.weights]
@@ -438,11 +438,6 @@ def verify_weights(directory: str | os.PathLike[str], manifest: Manifest) -> Non
         raise RuntimeInputError(f"{directory}: {unlisted[0]} has no checksum in {MANIFEST_NAME} (added after the "
                                 "export, or exported by an older kvq); an export runs only files it recorded: "
                                 "remove it or export again (or skip the check: verify_weights=False / --no-verify)")
-
-
-def _sha256(path: Path) -> str:
-    """sha256 of a file, hashed once per file version (a rewrite with the old size and mtime is hashed again)."""
-    return file_sha256(path)
 
 
 def load_static(directory: str | os.PathLike[str], manifest: Manifest) -> dict | None:

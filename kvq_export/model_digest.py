@@ -2,26 +2,23 @@
 
 Two models both called ``tiny``, a model edited in place, and one path read from two working directories
 are told apart by :func:`model_digest`: the sha256 of every file of the source (a Hugging Face directory's
-config, weights and tokenizer files; a GGUF file), each file hashed once and remembered by path, size and
-modification time in ``$KVQ_CACHE_DIR/model-digests.json``. The exporter records it (``build.source_digest``
-of ``kvq.json``), and the automatic baselines of validation and the demo are keyed and checked by it.
+config, weights and tokenizer files; a GGUF file), each file hashed once per process and file version by
+:func:`kvq_export._read.file_sha256`, the memo every content check of kvq shares. The exporter records it
+(``build.source_digest`` of ``kvq.json``), and the automatic baselines of validation and the demo are keyed and
+checked by it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import logging
 import os
 from pathlib import Path
 
+from kvq_export._read import file_sha256
 from kvq_export.errors import ModelError
-
-logger = logging.getLogger(__name__)
 
 #: Hex digits of a model digest (64 bits: collisions among one user's models are not a concern).
 DIGEST_CHARS = 16
-_CACHE_NAME = "model-digests.json"
 
 
 def source_files(spec: str | os.PathLike[str]) -> list[Path]:
@@ -46,12 +43,10 @@ def model_digest(spec: str | os.PathLike[str]) -> str:
     from kvq_export.model_source import resolve_spec
 
     root = resolve_spec(spec).path
-    cache = _DigestCache.open()
     h = hashlib.sha256()
     for path in source_files(spec):
         name = path.name if path == root else str(path.relative_to(root))
-        h.update(name.encode() + b"\0" + cache.file_sha256(path).encode() + b"\n")
-    cache.save()
+        h.update(name.encode() + b"\0" + _file_sha256(path).encode() + b"\n")
     return h.hexdigest()[:DIGEST_CHARS]
 
 
@@ -82,48 +77,8 @@ def recorded_source(manifest) -> tuple[str, str]:
     return source, want
 
 
-class _DigestCache:
-    """sha256 of files, remembered across processes by (resolved path, size, mtime): a model is hashed once."""
-
-    def __init__(self, path: Path, entries: dict[str, dict]) -> None:
-        self.path, self.entries, self.changed = path, entries, False
-
-    @classmethod
-    def open(cls) -> _DigestCache:
-        from kvq_export.model_source import cache_root
-
-        path = cache_root() / _CACHE_NAME
-        try:
-            entries = json.loads(path.read_text())
-            if not isinstance(entries, dict):
-                entries = {}
-        except (OSError, ValueError):
-            entries = {}  # none yet, or unreadable: hashing again is always correct
-        return cls(path, entries)
-
-    def file_sha256(self, path: Path) -> str:
-        st = path.stat()
-        key = str(path.resolve())
-        stamp = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
-        entry = self.entries.get(key)
-        if isinstance(entry, dict) and {k: entry.get(k) for k in stamp} == stamp and isinstance(
-                entry.get("sha256"), str):
-            return entry["sha256"]
-        try:
-            with open(path, "rb") as handle:
-                digest = hashlib.file_digest(handle, "sha256").hexdigest()
-        except OSError as err:
-            raise ModelError(f"cannot read the model file {path}: {err.strerror or err}") from None
-        self.entries[key] = {**stamp, "sha256": digest}
-        self.changed = True
-        return digest
-
-    def save(self) -> None:
-        if not self.changed:
-            return
-        from kvq_export._atomic import atomic_write
-
-        try:
-            atomic_write(self.path, json.dumps(self.entries))
-        except OSError as err:  # a read-only cache only costs hashing again next time
-            logger.info("cannot remember model digests in %s: %s", self.path, err)
+def _file_sha256(path: Path) -> str:
+    try:
+        return file_sha256(path)
+    except OSError as err:
+        raise ModelError(f"cannot read the model file {path}: {err.strerror or err}") from None

@@ -339,7 +339,6 @@ def _export_to(request: ExportRequest, out: Path, *, force: bool, wait: bool, re
     A file system that refuses a write (full, read-only, ``/proc``) is one ExportError; the temporary
     directory and the lock are gone by then, and an existing export is untouched.
     """
-    check_opset(request.opset)
     out = _output_dir(out)
     try:
         _check_target(out, force)
