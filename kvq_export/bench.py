@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from kvq_export._atomic import atomic_write
+from kvq_export.capacity import resident_bytes
 from kvq_export.corpus import load_corpus, token_windows
 from kvq_export.errors import DependencyError, KVQError
 from kvq_export.export.exporter import ensure_export
@@ -174,8 +175,7 @@ def _rss() -> tuple[int, int]:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     try:
-        with open("/proc/self/statm") as handle:
-            current = int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        current = resident_bytes()
     except OSError:
         current = 0
     return peak, current

@@ -142,8 +142,8 @@ class CapacityRow:
 
 
 # -- measuring (in a child process) -------------------------------------------------------------------------------
-def _rss() -> int:
-    """Resident bytes of this process now."""
+def resident_bytes() -> int:
+    """Resident bytes of this process now (Linux ``/proc/self/statm``)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -158,7 +158,7 @@ def _measure_og(directory: str, context: int, concurrent: int, new_tokens: int, 
         overlay["model"]["decoder"] = {"session_options": {"intra_op_num_threads": int(threads)}}
     config.overlay(json.dumps(overlay))
     model = og.Model(config)
-    loaded = _rss()
+    loaded = resident_bytes()
     vocab = json.loads((Path(directory) / GENAI_CONFIG).read_text())["model"]["vocab_size"]
     prompt = np.random.default_rng(seed).integers(1, vocab, (concurrent, context - new_tokens), dtype=np.int32)
     params = og.GeneratorParams(model)
@@ -172,7 +172,7 @@ def _measure_og(directory: str, context: int, concurrent: int, new_tokens: int, 
         start = time.perf_counter()
         generator.generate_next_token()
         steps.append(time.perf_counter() - start)
-    return {"rss_loaded": loaded, "rss": _rss(), "steps": steps,
+    return {"rss_loaded": loaded, "rss": resident_bytes(), "steps": steps,
             "prefill_tokens_per_s": prompt.size / prefill_s}
 
 
@@ -181,7 +181,7 @@ def _measure_session(directory: str, context: int, concurrent: int, new_tokens: 
     from kvq_export.runtime.session import KVQSession
 
     session = KVQSession(directory, threads=threads, verify_weights=False)
-    loaded = _rss()
+    loaded = resident_bytes()
     manifest = session.manifest
     rng = np.random.default_rng(seed)
     cache = session.cache_from_arrays(session.layout.arrays(
@@ -194,7 +194,7 @@ def _measure_session(directory: str, context: int, concurrent: int, new_tokens: 
         logits, cache = session.step(token, None, cache)
         token = logits[:, -1:].argmax(-1)
         steps.append(time.perf_counter() - start)
-    return {"rss_loaded": loaded, "rss": _rss(), "steps": steps}
+    return {"rss_loaded": loaded, "rss": resident_bytes(), "steps": steps}
 
 
 _MEASURE = {"og": _measure_og, "session": _measure_session}
