@@ -1,0 +1,104 @@
+"""``kvq bench`` and ``kvq bench-serve``: latency, throughput, bytes and capacity, as ratios measured in one run."""
+
+from __future__ import annotations
+
+import click
+
+from kvq_export.cli._base import calibration_options, cli, int_list, make_console
+from kvq_export.cli_types import outside_exports
+from kvq_export.export.flavors import flavor_names
+
+
+@cli.command()
+@click.option("--model", "model_spec", default="smollm2", show_default=True)
+@click.option("--schemes", required=True, help="Comma-separated presets or scheme files (the baseline is added).")
+@click.option("--flavors", default="ort-gqa", show_default=True,
+              help=f"Comma-separated flavors ({', '.join(flavor_names())}).")
+@click.option("--contexts", default="512,2048,8192", show_default=True)
+@click.option("--batch", "batches", default="1,4", show_default=True)
+@click.option("--baseline", default="fp16", show_default=True, help="Scheme every result is a ratio to.")
+@click.option("--steps", type=click.IntRange(1), default=32, show_default=True, help="Timed decode steps.")
+@click.option("--warmup", type=click.IntRange(0), default=4, show_default=True, help="Untimed decode steps first.")
+@click.option("--prefill-tokens", type=click.IntRange(1), default=512, show_default=True,
+              help="Prefill length cap (and chunk size of --fill prefill).")
+@click.option("--fill", type=click.Choice(["synthetic", "prefill"]), default="synthetic", show_default=True,
+              help="How the cache reaches the context: random data in the stored layout, or a real prefill.")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+              help="Compute dtype of the exports.")
+@click.option("--threads", type=click.IntRange(1), default=None,
+              help="ONNX Runtime intra-op threads [default: OMP_NUM_THREADS when set, else ONNX Runtime's choice].")
+@click.option("--ppl-windows", type=click.IntRange(0), default=0, show_default=True,
+              help="Also report strict-decode perplexity on this many windows of the calibration corpus.")
+@click.option("--ppl-tokens", type=click.IntRange(2), default=512, show_default=True, help="Tokens per window.")
+@calibration_options()
+@click.option("--work-dir", type=click.Path(file_okay=False), default=None, callback=outside_exports,
+              help="Where the exports are kept and reused (default: the kvq cache directory).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=outside_exports)
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None, callback=outside_exports,
+              help="PNG of decode latency and cache bytes against context length.")
+@click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
+def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warmup, prefill_tokens, fill, dtype,
+          threads, ppl_windows, ppl_tokens, calibration, work_dir, json_out, plot_out, quiet) -> None:
+    """Decode latency, prefill throughput, cache bytes and RSS per scheme, as ratios to the baseline."""
+    from rich.console import Console
+
+    from kvq_export import bench as kvq_bench
+    from kvq_export.progress import tqdm_bars
+
+    progress = Console(stderr=True, highlight=False, soft_wrap=True)
+
+    def show(r) -> None:  # a long run reports each result as it is measured
+        progress.print(f"{r.flavor} {r.scheme} ctx {r.context} batch {r.batch}: decode {r.decode_ms_median:.2f} ms "
+                       f"(x{r.ratio['decode_ms_paired']:.2f}, 90% {r.ratio['decode_ms_paired_low']:.2f}-"
+                       f"{r.ratio['decode_ms_paired_high']:.2f}), cache {r.ratio['cache_reduction']:.2f}x smaller")
+
+    try:
+        with tqdm_bars(not quiet):
+            report = kvq_bench.run_bench(
+                model_spec, [s for s in schemes.split(",") if s], flavors=[f for f in flavors.split(",") if f],
+                contexts=int_list(contexts), batches=int_list(batches), baseline=baseline, steps=steps, warmup=warmup,
+                prefill_tokens=prefill_tokens, fill=fill, dtype=dtype, threads=threads, ppl_windows=ppl_windows,
+                ppl_tokens=ppl_tokens, calibration=calibration, work_dir=work_dir, on_result=show, json_out=json_out)
+    except KeyboardInterrupt:
+        if json_out:
+            click.echo(f"interrupted: {json_out} keeps every result measured so far", err=True)
+        raise
+    console = make_console()
+    console.print(kvq_bench.report_table(report))
+    if ppl_windows:
+        console.print(kvq_bench.perplexity_table(report))
+    if plot_out:
+        kvq_bench.plot(report, plot_out)
+
+
+@cli.command("bench-serve")
+@click.argument("export_dirs", nargs=-1, required=True, metavar="[NAME=]DIR...")
+@click.option("--context", "contexts", type=click.IntRange(2), multiple=True, default=(2048, 8000), show_default=True)
+@click.option("--concurrent", type=click.IntRange(1), default=4, show_default=True, help="Sequences decoded together.")
+@click.option("--budget-gb", type=click.FloatRange(0, min_open=True), default=8.0, show_default=True,
+              help="Memory budget (GiB) the sequences must fit beside the weights.")
+@click.option("--new-tokens", type=click.IntRange(1), default=8, show_default=True, help="Timed decode steps.")
+@click.option("--backend", type=click.Choice(["auto", "og", "session"]), default="auto", show_default=True,
+              help="og: og.Model with a batch prefilled for real; session: KVQSession on a synthetic cache (kvq "
+                   "exports); auto: session for kvq exports, og for others.")
+@click.option("--threads", type=click.IntRange(1), default=None)
+@click.option("--out", "out", default="capacity.jsonl", show_default=True, help="Rows appended as measured.")
+@click.option("--plot", "plot_out", default=None, help="Write a PNG of the rows here.")
+@click.option("--predict-only", is_flag=True, help="Read the graphs only: cache bytes and sequences predicted.")
+def bench_serve(export_dirs, contexts, concurrent, budget_gb, new_tokens, backend, threads, out, plot_out,
+                predict_only) -> None:
+    """Sequences each export serves at once within a memory budget, and their aggregate tokens/s."""
+    from pathlib import Path
+
+    from kvq_export.capacity import plot_capacity, run_capacity
+
+    dirs = dict(d.split("=", 1) if "=" in d else (Path(d).name, d) for d in export_dirs)
+    rows = run_capacity(dirs, contexts=contexts, concurrent=concurrent, budget_bytes=int(budget_gb * 2**30),
+                        new_tokens=new_tokens, backend=backend, threads=threads, out=out, predict_only=predict_only)
+    for r in rows:
+        speed = "-" if r.tokens_per_s is None else f"{r.tokens_per_s:.1f}"
+        click.echo(f"{r.name} @{r.context}: {r.cache_bytes_per_sequence / 2**20:.1f} MiB/seq, "
+                   f"{r.predicted_sequences} seqs predicted, {r.measured_sequences or '-'} by RSS, "
+                   f"{speed} tok/s x{r.concurrent} ({r.status})")
+    if plot_out:
+        plot_capacity(rows, plot_out)

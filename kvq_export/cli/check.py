@@ -1,0 +1,118 @@
+"""``kvq validate`` and ``kvq compare``: an export against its baseline."""
+
+from __future__ import annotations
+
+import click
+
+from kvq_export.cli._base import cli, make_console, utf8_text
+from kvq_export.cli_types import FRACTION, NON_NEGATIVE, outside_exports
+
+
+@cli.command()
+@click.argument("export_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--baseline", type=click.Path(exists=True, file_okay=False), default=None,
+              help="fp16 export of the same model (default: exported on the fly from the manifest's source).")
+@click.option("--corpus", default="britannica", show_default=True, help="Corpus name or text file.")
+@click.option("--windows", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--window-len", type=click.IntRange(2), default=512, show_default=True)
+@click.option("--offset", type=click.IntRange(0), default=0, show_default=True,
+              help="Corpus tokens skipped before the first window (e.g. past a static scheme's calibration text).")
+@click.option("--chunk", type=click.IntRange(1), default=None,
+              help="Feed C tokens per step instead of strict one-token decode (faster, less strict).")
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Greedy-agreement prompts, one per line (default: a built-in set of 8).")
+@click.option("--gen-tokens", type=click.IntRange(0), default=64, show_default=True)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=outside_exports,
+              help="Write every number here.")
+@click.option("--report", "report_out", type=click.Path(dir_okay=False), default=None, callback=outside_exports,
+              help="Write a self-contained HTML report here.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--no-verify", "no_verify", is_flag=True,
+              help="Skip checking the weight files against the checksums in kvq.json (faster on trusted storage).")
+@click.option("--max-ppl-delta", type=NON_NEGATIVE, default=None,
+              help="Exit 1 when perplexity exceeds the baseline's by more than this fraction (0.02 = +2%).")
+@click.option("--min-top1", type=FRACTION, default=None,
+              help="Exit 1 when top-1 agreement with the baseline is below this (0..1).")
+@click.option("--max-kl", type=NON_NEGATIVE, default=None,
+              help="Exit 1 when the mean per-token KL(baseline || export) exceeds this (nats).")
+def validate(export_dir, baseline, corpus, windows, window_len, offset, chunk, prompts_file, gen_tokens, json_out,
+             report_out, quiet, no_verify, max_ppl_delta, min_top1, max_kl) -> None:
+    """Compare an export with its fp16 baseline: tokens, attention (key vs value error), memory, latency.
+
+    With --max-ppl-delta / --min-top1 / --max-kl the command is a gate: every number is still reported and
+    written, then it exits 1 with one line naming each threshold missed.
+    """
+    from rich.table import Table
+
+    from kvq_export.validate import report
+    from kvq_export.validate.gates import Gates
+    from kvq_export.validate.runner import DEFAULT_PROMPTS, ValidateConfig
+    from kvq_export.validate.runner import validate as run_validation
+
+    prompts = DEFAULT_PROMPTS
+    if prompts_file:
+        prompts = tuple(line for line in utf8_text(prompts_file, "prompts file").splitlines() if line.strip())
+    config = ValidateConfig(corpus=corpus, windows=windows, window_len=window_len, offset=offset, chunk=chunk,
+                            prompts=prompts, gen_tokens=gen_tokens)
+    gates = Gates(max_ppl_delta=max_ppl_delta, min_top1=min_top1, max_kl=max_kl)
+    result = run_validation(export_dir, baseline, config, progress=not quiet, verify_weights=not no_verify)
+    if json_out:
+        report.write_json(result, json_out)
+    if report_out:
+        report.write_html(result, report_out)
+    table = Table(title=f"kvq validate {export_dir} ({result['seconds']} s)", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for label, value in report.summary_rows(result):
+        table.add_row(label, value)
+    make_console().print(table)
+    gates.check(result)  # a missed threshold: one line and exit 1, after every number was shown and written
+
+
+@cli.command()
+@click.argument("dir_a", type=click.Path(exists=True, file_okay=False))
+@click.argument("dir_b", type=click.Path(exists=True, file_okay=False), required=False)
+@click.option("--backend", type=click.Choice(["onnxrt", "trt"]), default="onnxrt", show_default=True,
+              help="onnxrt: DIR_A vs DIR_B on ONNX Runtime. trt: the TensorRT engine of DIR_A (a --flavor trt "
+                   "export) vs its reference flavor on ONNX Runtime (DIR_B, or re-exported from the model source).")
+@click.option("--engine", type=click.Path(dir_okay=False), default=None, help="--backend trt: engine file.")
+@click.option("--logits-atol", type=NON_NEGATIVE, default=1e-3, show_default=True)
+@click.option("--logits-rtol", type=NON_NEGATIVE, default=1e-3, show_default=True)
+@click.option("--cache-atol", type=NON_NEGATIVE, default=1e-3, show_default=True,
+              help="For the cache each export holds, decoded with its manifest.")
+@click.option("--cache-rtol", type=NON_NEGATIVE, default=1e-3, show_default=True)
+@click.option("--steps", type=click.IntRange(0), default=4, show_default=True, help="Decode steps after prefill.")
+@click.option("--prompt-len", type=click.IntRange(1), default=None,
+              help="Prompt tokens [default: past both exports' high-precision windows, at least 48; a shorter "
+                   "one that never leaves a window is compared with a warning].")
+@click.option("--batch", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--no-verify", "no_verify", is_flag=True,
+              help="Skip checking the weight files against the checksums in kvq.json (faster on trusted storage).")
+def compare(dir_a, dir_b, backend, engine, logits_atol, logits_rtol, cache_atol, cache_rtol, steps, prompt_len, batch,
+            seed, no_verify) -> None:
+    """Run two exports (or an engine and its ONNX reference) through Polygraphy's Comparator; exit 1 on mismatch."""
+    from kvq_export.validate.compare import Tolerances, compare_exports
+
+    tol = Tolerances(logits_atol, logits_rtol, cache_atol, cache_rtol)
+    run = dict(prompt_len=prompt_len, batch=batch, steps=steps, seed=seed)
+    if backend == "trt":
+        from kvq_export.manifest import Manifest
+        from kvq_export.trt import compare_with_onnxruntime
+        from kvq_export.validate.compare import comparison_prompt_len, warn_unexercised
+
+        manifests = [Manifest.load(dir_a)]
+        run["prompt_len"] = prompt_len or comparison_prompt_len(manifests, batch=batch)
+        warn_unexercised(manifests, [dir_a], prompt_len=run["prompt_len"], steps=steps)
+
+        ok = compare_with_onnxruntime(dir_a, reference_dir=dir_b, engine=engine, tolerances=tol, **run)
+        other = dir_b or "its reference flavor"
+    else:
+        if dir_b is None:
+            raise click.UsageError("--backend onnxrt compares two export directories: give DIR_B")
+        ok = compare_exports(dir_a, dir_b, tol, verify_weights=not no_verify, **run)
+        other = dir_b
+    if not ok:
+        click.echo(f"error: {dir_a} and {other} differ beyond tolerance", err=True)
+        raise SystemExit(1)
+    click.echo(f"{dir_a} and {other} match within tolerance")

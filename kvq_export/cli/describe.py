@@ -1,0 +1,130 @@
+"""``kvq schemes`` and ``kvq memory``: what a scheme costs, before anything is exported."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from kvq_export.cli._base import cli, make_console
+
+DEFAULT_CURVE = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def _windows(scheme) -> list[tuple[str, int]]:
+    """The scheme's high-precision windows as (label, tokens): ``R`` (``R_K``/``R_V`` when they differ), ``S``."""
+    key, value = (scheme.residual_for(tq) for tq in (scheme.key, scheme.value))
+    recent = [("R", key)] if key == value else [("R_K", key), ("R_V", value)]
+    return [(label, count) for label, count in (*recent, ("S", scheme.sink_tokens)) if count]
+
+
+@cli.command()
+@click.option("--head-dim", type=click.IntRange(1), default=64, show_default=True,
+              help="head_dim of the bits/element columns (SmolLM2's: 64).")
+@click.option("--json", "as_json", is_flag=True, help="Print every preset as scheme JSON.")
+def schemes(head_dim: int, as_json: bool) -> None:
+    """List the named scheme presets with their bits per element.
+
+    ``bits/elem`` ignores windows; the ``@512`` / ``@4096`` columns are the memory model's bits per cached
+    element for a SmolLM2-shaped cache (30 layers, 3 kv heads) holding that many tokens, metadata, sinks,
+    recent windows and partial channel groups included.
+    """
+    from kvq_export.memory import Geometry, predict
+    from kvq_export.presets import PRESETS, presets_json
+    from kvq_export.scheme import bits_label
+
+    if as_json:
+        click.echo(presets_json())
+        return
+    from rich.table import Table
+
+    geometry = Geometry(num_layers=30, num_kv_heads=3, head_dim=head_dim)
+    lengths = (512, 4096)
+    table = Table(title=f"kvq scheme presets (bits/element at head_dim={head_dim}; @N: SmolLM2-shaped cache "
+                        "of N tokens, everything stored included)")
+    for col in ("preset", "bits/elem", *(f"@{n}" for n in lengths), "keys", "values", "window", "about"):
+        table.add_column(col)
+    for name, (scheme, about) in PRESETS.items():
+        window = " ".join(f"{label}={count}" for label, count in _windows(scheme)) or "-"
+        at = [f"{predict(scheme, geometry, n).bits_per_element:.3f}" for n in lengths]
+        table.add_row(name, bits_label(scheme.effective_bits(head_dim)), *at, scheme.key.describe(),
+                      scheme.value.describe(), window, about)
+    make_console().print(table)
+
+
+_SHORT = {"payload": "payload", "scales": "scales", "zero_points": "zeros", "high_precision": "hp window",
+          "padding": "padding"}
+
+
+def _memory_table(title: str, reports, *, show_breakdown: bool):
+    """One row per report; with ``show_breakdown`` also a column per breakdown key."""
+    from rich.table import Table
+
+    from kvq_export.memory import BREAKDOWN_KEYS
+
+    table = Table(title=title)
+    table.add_column("scheme")
+    for col in ("seq_len", "total", *(_SHORT[k] for k in BREAKDOWN_KEYS if show_breakdown), "fp16", "ratio",
+                "bits/elem"):
+        table.add_column(col, justify="right")
+    for r in reports:
+        parts = [_fmt_bytes(r.breakdown[k]) for k in BREAKDOWN_KEYS] if show_breakdown else []
+        table.add_row(r.scheme, str(r.seq_len), _fmt_bytes(r.total_bytes), *parts, _fmt_bytes(r.fp16_bytes),
+                      f"{r.ratio:.2f}x", f"{r.bits_per_element:.3f}")
+    return table
+
+
+def _breakdown_table(title: str, report):
+    """One report, one row per breakdown key with exact bytes and share."""
+    from rich.table import Table
+
+    from kvq_export.memory import BREAKDOWN_KEYS
+
+    table = Table(title=title)
+    for col in ("part", "bytes", "", "share"):
+        table.add_column(col, justify="left" if col == "part" else "right")
+    for key in BREAKDOWN_KEYS:
+        n = report.breakdown[key]
+        share = f"{100 * n / report.total_bytes:.1f}%" if report.total_bytes else "-"
+        table.add_row(key, str(n), _fmt_bytes(n), share)
+    table.add_row("total", str(report.total_bytes), _fmt_bytes(report.total_bytes), "100%", end_section=True)
+    table.add_row("fp16 cache", str(report.fp16_bytes), _fmt_bytes(report.fp16_bytes), "")
+    table.add_row("ratio", f"{report.ratio:.3f}x", "", "")
+    table.add_row("bits/element", f"{report.bits_per_element:.4g}", "", "")
+    return table
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@cli.command()
+@click.option("--model", "model_spec", default="smollm2", show_default=True,
+              help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
+@click.option("--scheme", "scheme_spec", required=True, help="Preset name or scheme .json file.")
+@click.option("--seq-len", type=click.IntRange(0), required=True, help="Tokens in the cache.")
+@click.option("--batch", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (exact byte counts).")
+def memory(model_spec: str, scheme_spec: str, seq_len: int, batch: int, as_json: bool) -> None:
+    """Predict the cache's bytes: payload, scales, zero points, high precision, padding."""
+    from kvq_export import memory as mem
+    from kvq_export.model_source import load_config, model_facts
+    from kvq_export.presets import resolve_scheme
+
+    scheme = resolve_scheme(scheme_spec)
+    facts = model_facts(load_config(model_spec))
+    report = mem.predict(scheme, facts, seq_len, batch)
+    if as_json:
+        click.echo(json.dumps({"model": model_spec, **report.to_dict()}, indent=2))
+        return
+    console = make_console()
+    console.print(_breakdown_table(
+        f"{report.scheme} on {model_spec} ({facts.num_layers} layers x {facts.num_kv_heads} kv heads x "
+        f"head_dim {facts.head_dim}), {seq_len} tokens, batch {batch}", report))
+    lengths = sorted({n for n in DEFAULT_CURVE if n <= max(seq_len, 1) * 4} | {seq_len})
+    console.print(_memory_table("over sequence length", mem.curve(scheme, facts, lengths, batch),
+                                show_breakdown=False))

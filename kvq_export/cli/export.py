@@ -1,0 +1,158 @@
+"""``kvq export``, ``kvq plan``, ``kvq calibrate`` and ``kvq build``: from a model to a deployable artifact."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from kvq_export.cli._base import calibration_options, cli
+from kvq_export.cli_types import POSITIVE, outside_exports
+from kvq_export.errors import KVQError
+from kvq_export.export.flavors import FLAVORS, flavor_names
+from kvq_export.request import DEFAULT_OPSET, MIN_OPSET, WEIGHT_BLOCK_SIZES, WeightFormat
+
+
+@cli.command("export")
+@click.option("--model", "model_spec", default="smollm2", show_default=True,
+              help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
+@click.option("--scheme", "scheme_spec", required=True, help="Preset name or scheme .json file.")
+@click.option("--out", "out_dir", required=True, callback=outside_exports, help="Export directory.")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+              help="Compute dtype of the graph.")
+@click.option("--opset", type=click.IntRange(MIN_OPSET), default=DEFAULT_OPSET, show_default=True)
+@click.option("--flavor", type=click.Choice(flavor_names()), default=flavor_names()[0], show_default=True,
+              help="Graph flavor: " + "; ".join(f"{f.name} ({f.about})" for f in FLAVORS.values()) + ".")
+@click.option("--force", is_flag=True, help="Replace an existing export directory (only a kvq export is replaced).")
+@click.option("--weights", "weight_format", type=click.Choice([str(f) for f in WeightFormat]),
+              default=str(WeightFormat.FP32), show_default=True,
+              help="How the linear weights and the embedding are stored: as computed, fp16, or int8/int4 blocks "
+                   "(ONNX Runtime's MatMulNBits and GatherBlockQuantized; a tied embedding is stored once).")
+@click.option("--weight-block-size", type=click.Choice([str(b) for b in WEIGHT_BLOCK_SIZES]), default="32",
+              show_default=True, help="int8/int4 weights: input channels per scale.")
+@click.option("--weight-asymmetric", is_flag=True, help="int8/int4 weights: a zero point per block as well.")
+@click.option("--weight-accuracy-level", type=click.IntRange(1, 4), default=1, show_default=True,
+              help="int8/int4 weights: MatMulNBits' activation type (1 fp32 .. 4 int8). 4 is faster on CPU, but "
+                   "greedy tokens may then depend on what else is in the batch.")
+@calibration_options(optional=True)
+def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, weight_format, weight_block_size,
+               weight_asymmetric, weight_accuracy_level, calibration) -> None:
+    """Export MODEL with a quantized KV cache to an ONNX directory (model.onnx + kvq.json)."""
+    from kvq_export.export.exporter import export
+    from kvq_export.request import ExportRequest, WeightSpec
+    from kvq_export.runtime.genai import RUNTIME
+
+    weights = WeightSpec(format=weight_format, block_size=int(weight_block_size), symmetric=not weight_asymmetric,
+                         accuracy_level=weight_accuracy_level)
+    request = ExportRequest(model=model_spec, scheme=scheme_spec, flavor=flavor, weights=weights, dtype=dtype,
+                            opset=opset, calibration=calibration)
+    manifest = export(request, out_dir, force=force)
+    click.echo(f"exported to {out_dir}")
+    genai = manifest.runtimes.get(RUNTIME) or {}
+    click.echo(f"{RUNTIME}: " + (f"serve with og.Model({str(out_dir)!r}) ({genai['config']})" if genai.get("supported")
+                                 else f"not servable: {genai.get('reason', 'no entry')}"))
+
+
+@cli.command()
+@click.option("--model", "model_spec", default="smollm2", show_default=True,
+              help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
+@calibration_options(short_names=True)
+@click.option("--budget", type=POSITIVE, required=True,
+              help="Most bits per cached element at --context (memory model: metadata and windows count).")
+@click.option("--context", type=click.IntRange(1), default=4096, show_default=True,
+              help="Cache length the budget is stated at.")
+@click.option("--candidates", default="ort-gqa", show_default=True,
+              help="Built-in set (ort-gqa, kivi, accuracy, accuracy-recent) or comma-separated presets / scheme files "
+                   "(one layer option each).")
+@click.option("--metric", type=click.Choice(["attention", "kl"]), default="attention", show_default=True,
+              help="attention: output error through o_proj relative to the residual stream (one model pass); "
+                   "kl: logit KL with one layer's stream quantized (a forward per layer and candidate).")
+@click.option("--sink-tokens", type=click.IntRange(0), default=0, show_default=True,
+              help="First tokens kept in high precision in every layer (measured, and counted in the budget).")
+@click.option("--value-window", type=click.IntRange(0), default=None,
+              help="Every value candidate keeps its N newest tokens exact (measured, and counted in the budget).")
+@click.option("--name", default=None, help="Name of the planned scheme (default plan-<budget>b).")
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), callback=outside_exports,
+              help="Scheme JSON to write.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None, callback=outside_exports,
+              help="Also write the measured damage per layer and candidate, and the uniform choices, as JSON.")
+@click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
+def plan(model_spec, calibration, budget, context, candidates, metric, sink_tokens, value_window, name, out_path,
+         report_path, quiet) -> None:
+    """Choose per-layer key/value formats under a bit budget by measured attention damage; write a scheme."""
+    from pathlib import Path
+
+    from kvq_export._atomic import atomic_write
+    from kvq_export.calibrate import calibration_windows
+    from kvq_export.model_source import load_model
+    from kvq_export.plan import plan_scheme
+    from kvq_export.progress import tqdm_bars
+
+    for path in (out_path, report_path):  # a plan takes minutes: refuse a file it could not write before planning
+        if path and not Path(path).resolve().parent.is_dir():
+            raise KVQError(f"cannot write {path}: its directory does not exist")
+    model, tokenizer = load_model(model_spec)
+    if tokenizer is None:
+        raise KVQError(f"model {model_spec} has no tokenizer: kvq plan reads calibration text")
+    windows = calibration_windows(tokenizer, calibration.corpus, calibration.tokens, offset=calibration.offset)
+    with tqdm_bars(not quiet):
+        result = plan_scheme(model, windows, budget=budget, context=context, candidates=candidates, metric=metric,
+                             calibration=calibration, sink_tokens=sink_tokens, value_window=value_window,
+                             name=name or Path(out_path).stem)
+    result.settings.update(model=model_spec, corpus=calibration.corpus, offset=calibration.offset)
+    atomic_write(out_path, result.scheme.to_json() + "\n")
+    if report_path:
+        from kvq_export.validate.report import write_json
+
+        write_json(result.to_dict(), report_path)
+    click.echo(f"{out_path}: {result.bits_per_element:.3f} bits/element at {context} tokens (budget {budget:g}), "
+               f"predicted damage {result.damage:.4g} ({metric}); {result.scheme.describe()}")
+    for row in result.uniform:
+        click.echo(f"  uniform K {row['key']} / V {row['value']}: {row['bits_per_element']:.3f} bits/element, "
+                   f"damage {row['damage']:.4g}")
+
+
+@cli.command()
+@click.option("--model", "model_spec", default="smollm2", show_default=True,
+              help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
+@click.option("--scheme", "scheme_spec", default="ort-int8", show_default=True,
+              help="Preset or scheme .json file with static scales (what is calibrated).")
+@calibration_options()
+@click.option("--format", "file_format", type=click.Choice(["genai-scales", "npz"]), default="genai-scales",
+              show_default=True, help="genai-scales: onnxruntime-genai builder's kv_cache_scale_file; npz: kvq's.")
+@click.option("--granularity", type=click.Choice(["per_channel", "per_tensor"]), default="per_channel",
+              show_default=True, help="genai-scales: the builder's kv_cache_quant_scheme granularity.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), callback=outside_exports,
+              help="File to write.")
+@click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
+def calibrate(model_spec, scheme_spec, calibration, file_format, granularity, out, quiet) -> None:
+    """Calibrate static K/V scales and write them for kvq or for onnxruntime-genai's model builder."""
+    from kvq_export.progress import tqdm_bars
+    from kvq_export.runtime.genai import calibrate_to_file
+
+    with tqdm_bars(not quiet):
+        path = calibrate_to_file(model_spec, scheme_spec, out, corpus=calibration.corpus, tokens=calibration.tokens,
+                                 method=str(calibration.method), percentile=calibration.percentile,
+                                 offset=calibration.offset, file_format=file_format, granularity=granularity)
+    click.echo(f"wrote {path}")
+    if file_format == "genai-scales":
+        data = json.loads(path.read_text())
+        click.echo("build: python -m onnxruntime_genai.models.builder -i HF_DIR -o OUT -p fp32 -e cpu --extra_options "
+                   f"{data['kvq']['builder_option']} kv_cache_scale_file={path}")
+
+
+@cli.command()
+@click.argument("export_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--fp16", is_flag=True, help="Allow fp16 kernels.")
+@click.option("--max-batch", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--max-context", type=click.IntRange(1), default=4096, show_default=True)
+@click.option("--max-prefill", type=click.IntRange(1), default=None, help="Longest prefill (default: max context).")
+@click.option("--output", type=click.Path(dir_okay=False), default=None, callback=outside_exports,
+              help="Engine path (default: DIR.engine beside the export; never inside it).")
+def build(export_dir, fp16, max_batch, max_context, max_prefill, output) -> None:
+    """Build a TensorRT engine from a --flavor trt export (plugin loaded; prefill and decode profiles)."""
+    from kvq_export.trt import build_engine
+
+    path = build_engine(export_dir, fp16=fp16, max_batch=max_batch, max_context=max_context,
+                        max_prefill=max_prefill, output=output)
+    click.echo(f"engine written to {path}")

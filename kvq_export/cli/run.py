@@ -1,0 +1,147 @@
+"""``kvq generate``, ``kvq serve`` and ``kvq demo``: running exports."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import click
+
+from kvq_export.cli._base import calibration_options, cli, make_console, utf8_arg
+from kvq_export.cli_types import NON_NEGATIVE, FiniteFloat, outside_exports
+
+
+@cli.command()
+@click.argument("export_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text (repeat for a batch).")
+@click.option("--max-new-tokens", type=click.IntRange(0), default=64, show_default=True)
+@click.option("--temperature", type=NON_NEGATIVE, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=click.IntRange(1), default=None)
+@click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=None)
+@click.option("--seed", type=click.IntRange(0), default=None)
+@click.option("--repetition-penalty", type=FiniteFloat(0.01, 100), default=1.0, show_default=True,
+              help="> 1 discourages tokens the row already holds (prompt included); 1 = off.")
+@click.option("--runtime", type=click.Choice(["kvq", "genai"]), default="kvq", show_default=True,
+              help="kvq: kvq's loop on ONNX Runtime; genai: onnxruntime-genai's C++ loop (ort-gqa exports).")
+@click.option("--json", "as_json", is_flag=True, help="Print tokens, text and cache bytes as JSON.")
+@click.option("--no-verify", "no_verify", is_flag=True,
+              help="Skip checking the weight files against the checksums in kvq.json (faster on trusted storage).")
+def generate(export_dir, prompts, max_new_tokens, temperature, top_k, top_p, seed, repetition_penalty, runtime,
+             as_json, no_verify) -> None:
+    """Generate text from an export directory on ONNX Runtime (quantized cache between steps)."""
+    from kvq_export.runtime.sampling import SamplingConfig
+
+    for prompt in prompts:  # bytes that are not UTF-8 arrive as lone surrogates: refuse them before any work
+        utf8_arg(prompt, "--prompt")
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                              repetition_penalty=repetition_penalty)
+    if runtime == "genai":
+        from kvq_export.runtime.genai import GenaiSession
+
+        session = GenaiSession(export_dir, verify_weights=not no_verify)
+        results = session.generate(list(prompts), max_new_tokens, sampling)
+        scheme = session.manifest.scheme.name
+    else:
+        from kvq_export.runtime.session import KVQSession
+
+        session = KVQSession(export_dir, verify_weights=not no_verify)
+        scheme = session.manifest.scheme.name
+        results = None
+    stream = None
+    if results is None and len(prompts) == 1 and not as_json:
+        stream = _TextStream(session.tokenizer, prompts[0])
+    if results is None:
+        results = session.generate(list(prompts), max_new_tokens, sampling, on_token=stream)
+    if as_json:
+        click.echo(json.dumps({"export": str(export_dir), "scheme": scheme, "runtime": runtime,
+                               "results": [r.to_dict() for r in results]}, indent=2))
+        return
+    if stream is not None:
+        click.echo("")
+    else:
+        for r in results:
+            click.echo(f"{r.prompt}{r.text}")
+    click.echo(f"[cache: {results[0].cache_bytes} bytes]", err=True)
+
+
+class _TextStream:
+    """Prints a single prompt's continuation as tokens arrive (re-decoding the tail keeps spacing right)."""
+
+    def __init__(self, tokenizer, prompt: str) -> None:
+        self.tokenizer, self.prompt_tokens = tokenizer, tokenizer(prompt)["input_ids"]
+        self.tokens: list[int] = []
+        self.shown = ""
+        click.echo(prompt, nl=False)
+
+    def __call__(self, row: int, token: int) -> None:
+        from kvq_export.runtime.session import continuation_text
+
+        self.tokens.append(token)
+        text = continuation_text(self.tokenizer, self.prompt_tokens, self.tokens)
+        click.echo(text[len(self.shown):], nl=False)
+        self.shown = text
+
+
+@cli.command()
+@click.option("--model", "model_spec", default="smollm2", show_default=True)
+@click.option("--prompt", default=None, help="Prompt text (default: a built-in ~130-token story opening).")
+@click.option("--max-new-tokens", type=click.IntRange(2), default=64, show_default=True)
+@click.option("--repetition-penalty", type=FiniteFloat(0.01, 100), default=None,
+              help="Greedy decoding's repetition penalty (default: the demo's, 1.3).")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None, callback=outside_exports,
+              help="Where the exports live (default: the kvq cache directory).")
+@calibration_options()
+def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir, calibration) -> None:
+    """fp16 baseline, the most accurate <= 5-bit scheme and the ort-gqa fast path: text, bytes, speed, serving."""
+    import dataclasses
+
+    from rich.table import Table
+
+    from kvq_export.demo import DEMO_PROMPT, DEMO_SAMPLING, run_demo
+
+    console = make_console()
+    prompt = prompt or DEMO_PROMPT
+    sampling = DEMO_SAMPLING if repetition_penalty is None else dataclasses.replace(
+        DEMO_SAMPLING, repetition_penalty=repetition_penalty)
+    rows = run_demo(model_spec, prompt, max_new_tokens, workdir, sampling, calibration=calibration)
+    from rich.markup import escape
+
+    console.print(f"[bold]prompt[/bold] ({rows[0].prompt_tokens} tokens): {escape(prompt)}")
+    console.print(f"greedy, repetition penalty {sampling.repetition_penalty:g}, {max_new_tokens} new tokens, "
+                  "ONNX Runtime on this machine's CPU\n")
+    base = rows[0]
+    for r in rows:
+        console.print(f"[bold]{escape(r.role)}[/bold] — {escape(r.scheme)} ({r.flavor}): {escape(r.text.strip())}\n")
+    table = Table(title=f"{model_spec}: one prompt, three caches")
+    for col in ("", "scheme (flavor)", "tokens = base", "cache bytes", "vs base", "bits/elem", "ms/token",
+                "x base"):
+        table.add_column(col, justify="left" if col in ("", "scheme (flavor)") else "right")
+    for r in rows:
+        table.add_row(escape(r.role), escape(f"{r.scheme} ({r.flavor})"), f"{r.agree_with_baseline}/{len(r.tokens)}",
+                      str(r.cache_bytes), f"{base.cache_bytes / r.cache_bytes:.2f}x smaller" if r.cache_bytes else "-",
+                      f"{r.bits_per_element:.2f}", f"{r.decode_ms:.1f}", f"{r.decode_ratio:.2f}")
+    console.print(table)
+    for r in rows:
+        console.print(f"[bold]serve {escape(r.scheme)} with onnxruntime-genai[/bold]: {escape(r.serve)}",
+                      soft_wrap=True)
+
+
+@cli.command()
+@click.argument("export_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (127.0.0.1: this machine).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0 picks a free port.")
+@click.option("--model-name", default=None, help="The `model` clients name (default: the export directory's name).")
+@click.option("--backend", type=click.Choice(["auto", "engine", "session"]), default="auto", show_default=True,
+              help="engine: onnxruntime-genai's og.Engine, requests batched (ort-gqa exports); session: kvq's loop, "
+                   "one request at a time; auto: engine where onnxruntime-genai can serve the export.")
+@click.option("--shutdown-timeout", type=NON_NEGATIVE, default=10.0, show_default=True,
+              help="Seconds in-flight requests may finish after SIGINT/SIGTERM before they are cancelled.")
+@click.option("--no-verify", "no_verify", is_flag=True,
+              help="Skip checking the weight files against the checksums in kvq.json (faster on trusted storage).")
+def serve(export_dir, host, port, model_name, backend, shutdown_timeout, no_verify) -> None:
+    """Serve an export over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    from kvq_export.serve import serve as run_server
+
+    logging.getLogger("kvq_export.serve").setLevel(min(logging.getLogger().getEffectiveLevel(), logging.INFO))
+    run_server(export_dir, host=host, port=port, model_name=model_name, backend=backend,
+               verify_weights=not no_verify, shutdown_timeout=shutdown_timeout)
