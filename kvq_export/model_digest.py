@@ -50,6 +50,19 @@ def model_digest(spec: str | os.PathLike[str]) -> str:
     return h.hexdigest()[:DIGEST_CHARS]
 
 
+def model_identity(model) -> dict[str, str]:
+    """What a result derived from ``model`` is keyed and recorded by: its content, never its name.
+
+    A spec gives its absolute path and :func:`model_digest` (every file of the source); a loaded model the
+    sha256 of its config and tensors.
+    """
+    from kvq_export.model_source import canonical_spec, weights_digest
+
+    if not isinstance(model, (str, os.PathLike)):
+        return {"weights": weights_digest(model)}
+    return {"spec": canonical_spec(model), "digest": model_digest(model)}
+
+
 def recorded_source(manifest) -> tuple[str, str]:
     """(source spec, digest) of the model an export was made from, refused unless that model is still there as it was.
 

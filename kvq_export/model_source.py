@@ -26,7 +26,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from kvq_export._atomic import write_dir_atomically
 from kvq_export._read import TEXT_LIMIT, TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes, file_sha256
@@ -172,29 +172,10 @@ def file_fingerprint(path: Path) -> tuple[int, int, str]:
     return st.st_size, st.st_mtime_ns, digest
 
 
-#: files of a Hugging Face directory that shape the loaded model or its tokenizer
-_HF_FILE_PATTERNS = ("*.json", "*.safetensors", "*.bin", "*.model", "*.txt")
-
-
 def canonical_spec(spec: str | os.PathLike[str]) -> str:
     """The spec as recorded: a built-in name as is, a path as the absolute path :func:`resolve_spec` loads."""
     text = os.fspath(spec)
     return text if text in BUILTIN_MODELS else str(resolve_spec(text).path)
-
-
-def model_identity(model: str | os.PathLike[str] | Any) -> dict[str, Any]:
-    """What a cached result derived from ``model`` is keyed by: its content, never its name.
-
-    A spec gives its absolute path and the size, mtime and sha256 of every file it loads from; a loaded
-    model the sha256 of its config and weights (:func:`weights_digest`).
-    """
-    if not isinstance(model, (str, os.PathLike)):
-        return {"weights": weights_digest(model)}
-    source = resolve_spec(model)
-    files = [source.path] if source.kind == "gguf" else sorted(
-        {f for pattern in _HF_FILE_PATTERNS for f in source.path.glob(pattern) if f.is_file()})
-    return {"spec": canonical_spec(model),
-            "files": {f.name: list(file_fingerprint(f)) for f in files}}
 
 
 _WEIGHT_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -70,7 +70,7 @@ def test_gguf_caches_are_keyed_by_content_not_by_name(two_ggufs, tmp_path, monke
     for folder in ("a", "b"):
         loaded, _ = load_model(models[folder][1])
         assert torch.equal(loaded.model.embed_tokens.weight, models[folder][0].model.embed_tokens.weight)
-    from kvq_export.model_source import model_identity
+    from kvq_export.model_digest import model_identity
 
     ident_a, ident_b = model_identity(a), model_identity(b)
     assert ident_a != ident_b and ident_a["spec"] == str(a.resolve())

@@ -57,9 +57,9 @@ from kvq_export.manifest import (
     verify_weights,
     weight_checksums,
 )
-from kvq_export.model_digest import model_digest
+from kvq_export.model_digest import model_digest, model_identity
 from kvq_export.model_facts import ModelFacts
-from kvq_export.model_source import canonical_spec, load_model, model_identity
+from kvq_export.model_source import canonical_spec, load_model
 from kvq_export.request import DEFAULT_OPSET, MIN_OPSET, CalibrationSpec, ExportRequest, WeightFormat, WeightSpec
 from kvq_export.scheme import KVQuantScheme
 
@@ -394,7 +394,7 @@ def _run(request: ExportRequest, out: Path, *, model: Any, tokenizer: Any, stati
 def _build_record(request: ExportRequest, static: StaticArrays | None, *, model: Any = None) -> dict[str, Any]:
     """The manifest's ``build`` section: the source digest and the request (and given static metadata's digest).
 
-    The model is named by its content (:func:`~kvq_export.model_source.model_identity`: a loaded ``model``, else
+    The model is named by its content (:func:`~kvq_export.model_digest.model_identity`: a loaded ``model``, else
     the request's spec), so a reused export is never one of another model that had the same name or path;
     ``source_digest`` is what validation's automatic baseline checks the source against later
     (:func:`~kvq_export.model_digest.recorded_source`).
@@ -402,7 +402,7 @@ def _build_record(request: ExportRequest, static: StaticArrays | None, *, model:
     named = request.model is not None and model is None
     identity = model_identity(request.model if named else model) if (named or model is not None) else None
     record: dict[str, Any] = {"kvq_code": source_digest(), "request": request.to_dict(), "source": identity,
-                              "source_digest": model_digest(request.model) if named else None}
+                              "source_digest": identity["digest"] if named else None}
     if static is not None and request.scheme.needs_calibration:
         record["static"] = calibration_digest(static)
     return record
