@@ -17,7 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import WORDS, save_tiny_model_dir, tiny_model
 
+from kvq_export.errors import KVQError
 from kvq_export.export.exporter import export_model
+from kvq_export.manifest import Manifest
 from kvq_export.request import CalibrationSpec
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 from kvq_export.validate.attention import METRICS, AttentionSample, attention_metrics, rank_agreement
@@ -179,6 +181,12 @@ def test_strict_decode_perplexity_equals_pytorch_full_forward(tiny):
         logits = model(torch.tensor(windows)).logits.double()
     nll = -torch.log_softmax(logits[:, :-1], -1).gather(-1, torch.tensor(windows)[:, 1:, None]).mean()
     assert r["token"]["perplexity_baseline"] == pytest.approx(float(torch.exp(nll)), rel=1e-4)
+
+
+def test_a_window_longer_than_the_positions_is_refused_before_anything_runs(tiny):
+    top = Manifest.load(tiny["kivi-2"]).model.max_position_embeddings
+    with pytest.raises(KVQError, match=rf"window length {top + 1} \(--window-len\) exceeds the {top} positions"):
+        validate(tiny["kivi-2"], tiny["fp16"], _config(tiny, window_len=top + 1), progress=False)
 
 
 def test_quantized_validation_reports_every_section(tiny, tmp_path):

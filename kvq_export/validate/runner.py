@@ -114,6 +114,9 @@ def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike
 
     config = config or ValidateConfig()
     quant = probed_session(export_dir, verify_weights=verify_weights)
+    if config.window_len > quant.max_positions:  # refused before any baseline is exported or corpus read
+        raise KVQError(f"window length {config.window_len} (--window-len) exceeds the {quant.max_positions} "
+                       f"positions this export supports (max_position_embeddings): use at most {quant.max_positions}")
     base_dir = resolve_baseline(quant.manifest, baseline_dir)
     base = KVQSession(base_dir, verify_weights=verify_weights)
     _check_same_model(quant.manifest, base.manifest, export_dir, base_dir)
