@@ -5,13 +5,22 @@ four busy threads and spend the difference switching. ``-n auto`` starts one wor
 4: each holds a model and its exports in memory), and each worker gets ``cores // workers`` threads through
 ``OMP_NUM_THREADS``, which torch, the BLAS libraries and kvq's sessions honour, and which the CLI subprocesses
 the tests start inherit. A value the caller set is kept.
+
+Randomised tests draw from one seed (:mod:`seeds`: 0 unless ``KVQ_TEST_SEED`` is set): Python's, NumPy's and
+torch's global generators are seeded with it before each test, and Hypothesis replays the same examples every
+run (``derandomize``), or the seed's under ``KVQ_TEST_SEED``.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import sys
 from pathlib import Path
+
+import numpy as np
+import pytest
+from seeds import ENV, base_seed
 
 MAX_WORKERS = 4
 
@@ -43,3 +52,25 @@ def _share_cores() -> None:
 
 
 _share_cores()
+
+
+@pytest.hookimpl(tryfirst=True)  # before Hypothesis's own plugin reads --hypothesis-seed
+def pytest_configure(config) -> None:
+    from hypothesis import settings
+
+    if ENV in os.environ:
+        if config.getoption("hypothesis_seed", None) is None:
+            config.option.hypothesis_seed = base_seed()
+    else:
+        settings.register_profile("kvq-fixed-seed", derandomize=True)
+        settings.load_profile("kvq-fixed-seed")
+
+
+@pytest.fixture(autouse=True)
+def _seeded_generators() -> None:
+    """Every test starts from the suite's seed, whatever ran before it on this worker."""
+    seed = base_seed()
+    random.seed(seed)
+    np.random.seed(seed)
+    if "torch" in sys.modules:  # imported by the test's module: seed it without importing it for everyone
+        sys.modules["torch"].manual_seed(seed)

@@ -17,9 +17,15 @@ import onnx
 import pytest
 import torch
 from gqa_harness import PROMPTS, SCHEMES, calibration, compare, sequences
-from state_harness import stored_roles, teacher_force, teacher_forced_logits
-from test_export_runtime import _compare_state, _reference_run, _static
-from test_kv_graph import SMALL, run_schedule
+from kvgraph_harness import SMALL, run_schedule
+from state_harness import (
+    calibrated_static,
+    compare_state,
+    reference_run,
+    stored_roles,
+    teacher_force,
+    teacher_forced_logits,
+)
 from tiny_models import NEW_ARCHS, VOCAB, loud_model, tiny_model
 from transformers import AutoConfig
 
@@ -139,7 +145,7 @@ def test_reference_flavour_equals_the_reference_cache(tmp_path, arch, name):
     layer inherits) <= 1e-3 of the largest logit.
     """
     model, scheme = tiny_model(arch), REFERENCE_SCHEMES[name]
-    directory = export_model(model, scheme, tmp_path / "export", static=_static(model, scheme))
+    directory = export_model(model, scheme, tmp_path / "export", static=calibrated_static(model, scheme))
     session = KVQSession(directory)
     static = load_static(directory, session.manifest)
     prompts = [[11, 12, 13, 14, 15], [60, 61, 2, 9, 100, 4, 4, 7, 1]]
@@ -150,13 +156,13 @@ def test_reference_flavour_equals_the_reference_cache(tmp_path, arch, name):
     decoded = decode_cache(session.manifest, arrays, direction="past", static=static)
     worst, scale, identical = 0.0, 0.0, True
     for row, prompt in enumerate(prompts):
-        want, ref = _reference_run(model, scheme, static, prompt, stream[:, row])
+        want, ref = reference_run(model, scheme, static, prompt, stream[:, row])
         worst = max(worst, float(np.abs(got[0][row, width - len(prompt):] - want[0]).max()))
         worst = max([worst] + [float(np.abs(g[row] - w).max()) for g, w in zip(got[1:], want[1:])])
         if name == "fp8":
             _compare_fp8_codes(arrays, row, ref)
         else:
-            _compare_state(arrays, row, ref, scheme, static)
+            compare_state(arrays, row, ref, scheme, static)
         identical = identical and _state_identical(arrays, row, ref)
         scale = max(scale, max(float(np.abs(w).max()) for w in want))
         for layer, (k, v) in enumerate(decoded[row]):  # the manifest alone decodes the cache

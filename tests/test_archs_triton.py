@@ -1,8 +1,8 @@
 """The Triton kernels at the geometry of Gemma/Gemma3: one KV head shared by every query head, head_dim 256.
 
-Same checks as tests/test_triton_kernels.py (CPU interpreter without CUDA; the module builds the kernels):
-fused decode attention against float64 attention over the reference cache, and quantize-and-append bit-exact
-with the reference cache.
+Same checks as tests/test_triton_kernels.py (CPU interpreter without CUDA; tests/triton_kernel_harness.py
+builds the kernels): fused decode attention against float64 attention over the reference cache, and
+quantize-and-append bit-exact with the reference cache.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ if find_spec("triton") is None:
 
 from kvq_plugins import get_kernel  # noqa: E402
 from kvq_plugins.synthetic import random_layer_cache  # noqa: E402
-from test_triton_kernels import DEVICE, TOLERANCE, run_attention  # noqa: E402
-from test_triton_layout import ALL, check_append, rel_err, row_lengths, seeded  # noqa: E402
+from triton_harness import ALL, check_append, rel_err, row_lengths, seeded  # noqa: E402
+from triton_kernel_harness import DEVICE, TOLERANCE, run_attention  # noqa: E402
 
 HEAD_DIM, HEADS = 256, 4  # MQA: 4 query heads on 1 KV head
 

@@ -17,16 +17,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from schedules import crossing_steps
-from state_harness import stored_roles, teacher_force
+from state_harness import (
+    REFERENCE_PROMPTS,
+    calibrated_static,
+    check_against_reference,
+)
 from tiny_models import ARCHS, VOCAB, fit_head_dim, tiny_model
 
-from kvq_export.calibrate import calibrate_static_scales, static_to_torch
 from kvq_export.errors import ExportError, ModelError, RuntimeInputError
 from kvq_export.export.exporter import export_model
-from kvq_export.manifest import Manifest, decode_cache, load_static
+from kvq_export.manifest import Manifest
 from kvq_export.presets import PRESETS
-from kvq_export.reference.hf_cache import reference_hf_cache
 from kvq_export.runtime.session import KVQSession
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
@@ -55,17 +56,6 @@ def _case(name: str):
     return EXTRA[name] if name in EXTRA else PRESETS[name][0]
 
 
-PROMPTS = {"solo": [[5, 17, 99, 3, 42, 8, 77]], "padded": [[11, 12, 13, 14, 15], [60, 61, 2, 9, 100, 4, 4, 7, 1]]}
-
-
-def _static(model, scheme):
-    if not scheme.needs_calibration:
-        return None
-    rng = np.random.default_rng(3)
-    windows = [list(rng.integers(0, VOCAB, 64)) for _ in range(4)]
-    return calibrate_static_scales(model, scheme, windows)
-
-
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
     made = {}
@@ -74,96 +64,16 @@ def exports(tmp_path_factory):
         if (arch, preset) not in made:
             model, scheme = tiny_model(arch), fit_head_dim(_case(preset), 32)
             out = tmp_path_factory.mktemp("exports") / f"{arch}-{preset}"
-            made[arch, preset] = export_model(model, scheme, out, static=_static(model, scheme))
+            made[arch, preset] = export_model(model, scheme, out, static=calibrated_static(model, scheme))
         return made[arch, preset]
 
     return get
 
 
-def _reference_run(model, scheme, static, prompt, stream):
-    """Logits per call (prefill, then one per streamed token) and the final reference cache."""
-    cache, ref = reference_hf_cache(scheme, model.config.num_hidden_layers,
-                                    static_to_torch(static) if static else None)
-    logits = []
-    with torch.no_grad():
-        logits.append(model(torch.tensor([prompt]), cache=cache).logits[0].numpy())
-        for token in stream:
-            logits.append(model(torch.tensor([[token]]), cache=cache).logits[0].numpy())
-    return logits, ref
-
-
-def _compare_state(arrays, row, ref, scheme, static):
-    """Row's right-aligned valid entries vs the reference cache (tolerances in the module docstring)."""
-    code_mismatch = code_total = 0
-    for layer, part, stream, role, want, got in stored_roles(arrays, row, ref):
-        if role == "codes" and stream.tq.is_int:
-            from kvq_export.reference.codec import unpack_stream
-
-            high = (static or {}).get(layer, {}).get(part, {}).get("high_channels")
-            high = None if high is None else torch.as_tensor(high)
-            a = unpack_stream(torch.from_numpy(got)[None], stream.tq, high)[0].numpy().astype(int)
-            b = unpack_stream(want[None], stream.tq, high)[0].numpy().astype(int)
-            assert np.abs(a - b).max(initial=0) <= 1, (layer, part)
-            code_mismatch += int((a != b).sum())
-            code_total += a.size
-        else:
-            w = (want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want)
-            w = w.numpy()
-            if got.dtype == np.uint8:  # fp8 codes: compare as values, one e4m3 step apart at most
-                import ml_dtypes
-
-                g32 = got.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-                w32 = w.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-                assert np.allclose(g32, w32, rtol=2**-3, atol=2**-9), (layer, part, role)
-            else:
-                w32 = w.astype(np.float32)
-                atol = 2**-12 * float(np.abs(w32).max(initial=0))  # upstream fp32 noise, absolute
-                assert np.allclose(got.astype(np.float32), w32, rtol=2**-10, atol=atol), (layer, part, role)
-    assert code_mismatch <= max(1, code_total // 1000), (code_mismatch, code_total)
-    return code_mismatch
-
-
 def _check_case(exports, arch, preset, batch):
     model, scheme = tiny_model(arch), fit_head_dim(_case(preset), 32)
-    directory = exports(arch, preset)
-    session = KVQSession(directory)
-    static = load_static(directory, session.manifest)
-    prompts = PROMPTS[batch]
-    rng = np.random.default_rng(len(prompts))
-    stream = rng.integers(0, VOCAB, (crossing_steps(scheme, least_unit=4), len(prompts)))
-
-    width = max(map(len, prompts))
-    onnx_logits, cache = teacher_force(session, prompts, stream)
-    arrays = session.cache_arrays(cache)
-    decoded = decode_cache(session.manifest, arrays, direction="past", static=static)
-    worst, scale, flipped = 0.0, 0.0, 0
-    for row, prompt in enumerate(prompts):
-        ref_logits, ref = _reference_run(model, scheme, static, prompt, stream[:, row])
-        worst = max(worst, float(np.abs(onnx_logits[0][row, width - len(prompt):] - ref_logits[0]).max()))
-        for step, want in enumerate(ref_logits[1:], start=1):
-            worst = max(worst, float(np.abs(onnx_logits[step][row] - want).max()))
-        scale = max(scale, float(np.abs(ref_logits[-1]).max()))
-        row_flips = _compare_state(arrays, row, ref, scheme, static)
-        flipped += row_flips
-        for layer, (k, v) in enumerate(decoded[row]):  # the manifest alone decodes the cache
-            # decode_cache returns the stored basis (rotated for a rotated stream), as the graph holds it; a code
-            # that float noise moved by one step (counted above) moves its one element by a step, which for a
-            # 4-bit channel can exceed the tolerance
-            for got, part in ((k, ref[layer].key), (v, ref[layer].value)):
-                want = part.dequantized(basis="stored")[0].numpy()
-                off = int((~np.isclose(got, want, atol=0.05, rtol=0.05)).sum())
-                assert off <= row_flips, (layer, off, row_flips)
-    if not flipped:  # the graph stored exactly the reference's codes
-        assert worst <= 1e-4, f"{arch}/{preset}/{batch}: max |Δlogits| {worst:.2e}"
-    else:  # float noise upstream moved a few codes by one step (bounded above): their effect, not a bug's
-        assert worst <= 1e-3 * scale, f"{arch}/{preset}/{batch}: max |Δlogits| {worst:.2e}, {flipped} codes moved"
-    if len(prompts) == 1:  # measured bytes held == the memory model's prediction (static scales live in the graph)
-        from kvq_export.memory import Geometry, predict
-
-        geo = Geometry(model.config.num_hidden_layers, model.config.num_key_value_heads, 32)
-        report = predict(scheme, geo, len(prompts[0]) + len(stream))
-        static_bytes = report.breakdown["scales"] + report.breakdown["zero_points"] if scheme.has_static_scales else 0
-        assert session.cache_nbytes(cache) == report.total_bytes - static_bytes
+    check_against_reference(exports(arch, preset), model, scheme, REFERENCE_PROMPTS[batch],
+                            label=f"{arch}/{preset}/{batch}")
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))

@@ -292,7 +292,7 @@ def test_graph_mixed_key_value_formats():
 
 def test_export_with_per_layer_mixed_formats_matches_torch_reference(tmp_path, monkeypatch):
     """A tiny 2-layer model exported with per-layer ggml / kvq formats: logits and cache vs the torch reference."""
-    import test_export_runtime as ter
+    from state_harness import REFERENCE_PROMPTS, check_against_reference
     from tiny_models import tiny_model
 
     from kvq_export.export.exporter import export_model
@@ -307,7 +307,7 @@ def test_export_with_per_layer_mixed_formats_matches_torch_reference(tmp_path, m
     monkeypatch.setitem(PRESETS, "mixed-layers", (scheme, "test"))
     directory = export_model(model, scheme, tmp_path / "mixed")
 
-    ter._check_case(lambda arch, preset: directory, "llama", "mixed-layers", "padded")
+    check_against_reference(directory, model, scheme, REFERENCE_PROMPTS["padded"], label="llama/mixed-layers/padded")
 
 
 def test_schemes_command_prints_bits_at_512_and_4096():

@@ -36,12 +36,12 @@ def _one_line_error(result) -> str:
 @pytest.fixture(scope="module")
 def two_ggufs(tmp_path_factory):
     """Two different tiny Llama GGUFs of one name, size and mtime, in two folders."""
-    from test_gguf import LOADS, _source_model, write_gguf
+    from gguf_harness import LOADS, source_model, write_gguf
 
     root = tmp_path_factory.mktemp("two")
     models = {}
     for folder, shift in (("a", 0.0), ("b", 1.0)):
-        model = _source_model("llama")
+        model = source_model("llama")
         with torch.no_grad():
             model.model.embed_tokens.weight.add_(shift)
         (root / folder).mkdir()

@@ -20,7 +20,7 @@ import pytest
 import torch
 from gqa_harness import PROMPTS, calibration, compare, sequences
 from kvgraph_harness import CacheOnly
-from test_export_runtime import _compare_state, _reference_run
+from state_harness import compare_state, reference_run
 from tiny_models import COMMON, VOCAB, tiny_model
 
 from kvq_export.errors import ExportError, SchemeError
@@ -249,10 +249,10 @@ def test_quantized_rotated_export_tracks_the_reference_cache(tmp_path, scheme):
     for token in stream:
         logits, cache = session.step(np.array([[token]]), None, cache)
         got.append(logits[0])
-    want, ref = _reference_run(model, scheme, None, prompt, stream)
+    want, ref = reference_run(model, scheme, None, prompt, stream)
     assert max(float(np.abs(a - b).max()) for a, b in zip(got, want)) <= 1e-4
     arrays = session.cache_arrays(cache)
-    _compare_state(arrays, 0, ref, scheme, None)
+    compare_state(arrays, 0, ref, scheme, None)
     stored = decode_cache(session.manifest, arrays, direction="past")
     model_basis = decode_cache(session.manifest, arrays, direction="past", basis="model")
     for layer, layer_cache in enumerate(ref.layers):

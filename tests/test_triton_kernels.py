@@ -19,45 +19,19 @@ if find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install 'kvq[triton]')", allow_module_level=True)
 
 from kvq_plugins import get_kernel, get_reference  # noqa: E402
-from kvq_plugins import triton_kernels as tk  # noqa: E402
 from kvq_plugins.synthetic import random_layer_cache  # noqa: E402
-from test_triton_layout import ALL, SMALL, check_append, float64_attention, rel_err, row_lengths, seeded  # noqa: E402
+from triton_harness import ALL, SMALL, check_append, float64_attention, rel_err, row_lengths, seeded  # noqa: E402
+from triton_kernel_harness import (  # noqa: E402
+    DEVICE,
+    INTERPRET_BEFORE,
+    PRESETS,
+    TOLERANCE,
+    gpu,
+    needs_cuda,
+    run_attention,
+)
 
 from kvq_export.errors import QuantizationError  # noqa: E402
-
-CUDA = torch.cuda.is_available()
-_saved = os.environ.get("TRITON_INTERPRET")
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    tk.build()
-finally:
-    if _saved is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
-DEVICE = tk.device_type()
-if DEVICE == "cuda" and not CUDA:
-    pytest.skip("the kernels were already built for CUDA in this process, and there is no CUDA device",
-                allow_module_level=True)
-
-TOLERANCE = 2e-3  # ‖out − ref‖ / ‖ref‖
-PRESETS = sorted(name for name in ALL if name not in SMALL)
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(
-    DEVICE != "cuda", reason="needs a CUDA GPU (torch.cuda.is_available() is False); on CPU the same kernels "
-    "run in the Triton interpreter at small sizes in the other tests of this module")
-
-
-def run_attention(case, q, *, scale, window=None, num_splits=None):
-    """The kernel into a NaN-poisoned output (every element must be written) and the float64 reference."""
-    out = torch.full_like(q, float("nan"))
-    got = get_kernel("decode_attention")(q, case.seq_lengths, case.key, case.value, case.key_layout,
-                                         case.value_layout, scale=scale, window=window, num_splits=num_splits,
-                                         out=out)
-    assert got is out
-    assert bool(torch.isfinite(out).all()), "an output element was not written"
-    return out, float64_attention(q.cpu(), case, scale, window)
 
 
 @pytest.mark.parametrize("gqa", [1, 3, 8])
@@ -193,4 +167,4 @@ def test_gpu_append_real_sizes(name):
 
 def test_interpreter_setting_does_not_leak():
     """TRITON_INTERPRET is set only around interpreted launches, never left for other tests or subprocesses."""
-    assert os.environ.get("TRITON_INTERPRET") == _saved
+    assert os.environ.get("TRITON_INTERPRET") == INTERPRET_BEFORE
