@@ -328,7 +328,7 @@ def test_cli_export_takes_weights(tmp_path):
 # -- predicted weight bytes (kvq memory --weights) --------------------------------------------------------------
 @pytest.mark.parametrize(("arch", "flavor", "dtype", "spec"), [
     ("llama-tied", "ort-gqa", "fp32", {"format": "int4"}),  # tied embedding: one table for both readers
-    ("llama", "reference", "fp32", {"format": "int8", "block_size": 64, "symmetric": False}),  # untied head, zero points
+    ("llama", "reference", "fp32", {"format": "int8", "block_size": 64, "symmetric": False}),  # untied head, zeros
     ("qwen2", "ort-gqa", "fp32", {"format": "int4", "block_size": 256, "symmetric": False}),  # biases, padded blocks
     ("phi3", "reference", "fp32", {"format": "fp16"}),  # fused projections read as row slices
     ("gemma2", "reference", "fp32", {"format": "fp32"}),
