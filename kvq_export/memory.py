@@ -156,15 +156,10 @@ class WeightReport:
     as_built_bytes: int
     breakdown: dict[str, int] = field(default_factory=dict)
 
-    @property
-    def ratio(self) -> float:
-        """as-built bytes / stored bytes (how many times smaller)."""
-        return self.as_built_bytes / self.total_bytes if self.total_bytes else 1.0
-
     def to_dict(self) -> dict[str, Any]:
         """JSON form (the ``weights`` keys of ``kvq memory --json``)."""
         return {"format": self.format, "dtype": self.dtype, "parameters": self.parameters,
-                "total_bytes": self.total_bytes, "as_built_bytes": self.as_built_bytes, "ratio": self.ratio,
+                "total_bytes": self.total_bytes, "as_built_bytes": self.as_built_bytes,
                 "breakdown": dict(self.breakdown)}
 
 

@@ -75,20 +75,24 @@ def _memory_table(title: str, reports, *, show_breakdown: bool):
     return table
 
 
-def _breakdown_table(title: str, report):
-    """One report, one row per breakdown key with exact bytes and share."""
+def _parts_table(title: str, parts: dict[str, int], total_label: str, total: int):
+    """One row per part with exact bytes and share, then the total (further rows go below it)."""
     from rich.table import Table
-
-    from kvq_export.memory import BREAKDOWN_KEYS
 
     table = Table(title=title)
     for col in ("part", "bytes", "", "share"):
         table.add_column(col, justify="left" if col == "part" else "right")
-    for key in BREAKDOWN_KEYS:
-        n = report.breakdown[key]
-        share = f"{100 * n / report.total_bytes:.1f}%" if report.total_bytes else "-"
-        table.add_row(key, str(n), _fmt_bytes(n), share)
-    table.add_row("total", str(report.total_bytes), _fmt_bytes(report.total_bytes), "100%", end_section=True)
+    for key, n in parts.items():
+        table.add_row(key, str(n), _fmt_bytes(n), f"{100 * n / total:.1f}%" if total else "-")
+    table.add_row(total_label, str(total), _fmt_bytes(total), "100%", end_section=True)
+    return table
+
+
+def _breakdown_table(title: str, report):
+    """One report, one row per breakdown key with exact bytes and share."""
+    from kvq_export.memory import BREAKDOWN_KEYS
+
+    table = _parts_table(title, {key: report.breakdown[key] for key in BREAKDOWN_KEYS}, "total", report.total_bytes)
     table.add_row("fp16 cache", str(report.fp16_bytes), _fmt_bytes(report.fp16_bytes), "")
     table.add_row("ratio", f"{report.ratio:.3f}x", "", "")
     table.add_row("bits/element", f"{report.bits_per_element:.4g}", "", "")
@@ -103,23 +107,15 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-def _weights_table(title: str, weights, cache) -> object:
+def _weights_table(title: str, weights, cache):
     """The predicted weight bytes by part, and the cache's bytes beside them."""
-    from rich.table import Table
-
     from kvq_export.memory import WEIGHT_BREAKDOWN_KEYS
 
-    table = Table(title=title)
-    for col in ("part", "bytes", "", "share"):
-        table.add_column(col, justify="left" if col == "part" else "right")
-    for key in WEIGHT_BREAKDOWN_KEYS:
-        n = weights.breakdown[key]
-        share = f"{100 * n / weights.total_bytes:.1f}%" if weights.total_bytes else "-"
-        table.add_row(key, str(n), _fmt_bytes(n), share)
-    table.add_row(f"{weights.format} weights", str(weights.total_bytes), _fmt_bytes(weights.total_bytes), "100%",
-                  end_section=True)
+    table = _parts_table(title, {key: weights.breakdown[key] for key in WEIGHT_BREAKDOWN_KEYS},
+                         f"{weights.format} weights", weights.total_bytes)
+    smaller = weights.as_built_bytes / weights.total_bytes if weights.total_bytes else 1.0
     table.add_row(f"as built ({weights.dtype})", str(weights.as_built_bytes), _fmt_bytes(weights.as_built_bytes),
-                  f"{weights.ratio:.2f}x")
+                  f"{smaller:.2f}x")
     table.add_row(f"cache ({cache.scheme}, {cache.seq_len} tokens x {cache.batch})", str(cache.total_bytes),
                   _fmt_bytes(cache.total_bytes), "")
     both = weights.total_bytes + cache.total_bytes
