@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import WORDS, save_tiny_model_dir, tiny_model
+from tiny_models import WORDS, save_tiny_model_dir, tiny_model, tiny_tokenizer
 
 from kvq_export.errors import KVQError
 from kvq_export.export.exporter import export_model
@@ -347,3 +347,23 @@ def test_cli_validate_reports_weight_bytes_and_the_weight_only_line(tiny, int4_w
     refused = CliRunner().invoke(cli, ["validate", str(int4_weights), "--baseline", str(tiny["fp16"]), "--quiet"])
     assert refused.exit_code == 1 and "stores fp32 weights, the export" in refused.output
     assert len(refused.output.strip().splitlines()) == 1
+
+
+def test_a_given_baseline_with_the_same_weights_gets_its_weight_only_line(tiny, int4_weights, monkeypatch, tmp_path):
+    """A given int4 baseline: its fp32-weight twin comes from the export's source; without a source, a noted skip."""
+    from kvq_export.request import WeightSpec
+
+    monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
+    int4 = WeightSpec(format="int4")
+    given = export_model(str(tiny["model_dir"]), "fp16", tmp_path / "given", weights=int4)
+    config = _config(tiny, attention_samples=0, gen_tokens=0)
+    r = validate(int4_weights, given, config, progress=False)
+    assert r["baseline"] == str(given) and r["weight_only"]["reference_weights"] == "fp32"
+    assert r["weight_only"]["perplexity"] == r["token"]["perplexity_baseline"]
+    assert Path(r["weight_only"]["reference"]).parent == tmp_path / "cache" / "exports"
+    # exports of a loaded model record no source to export the fp32-weight twin from: the cache numbers stand
+    loaded = {name: export_model(tiny_model("llama"), scheme, tmp_path / name, weights=int4, tokenizer=tiny_tokenizer())
+              for name, scheme in (("quant", "kivi-2"), ("base", "fp16"))}
+    r = validate(loaded["quant"], loaded["base"], config, progress=False)
+    assert r["weight_only"]["skipped"].startswith("no fp32-weight reference could be exported: ")
+    assert r["token"]["perplexity"] > 0 and "reference" not in r["weight_only"]
