@@ -1,12 +1,14 @@
-"""The memory model: exact bytes a scheme's cache holds after N tokens.
+"""The memory model: exact bytes a scheme's cache holds after N tokens, and the bytes the weights beside it hold.
 
-The prediction is derived from the scheme alone (no tensors are made) and must equal the ``nbytes`` of
-the reference cache's stored tensors; the tests check that for many scheme x length cases.
+The cache prediction is derived from the scheme alone (no tensors are made) and must equal the ``nbytes`` of
+the reference cache's stored tensors; the tests check that for many scheme x length cases. The weight prediction
+(:func:`predict_weights`) is derived from the model's parameter shapes and the weight format alone, and must equal
+the initializer bytes an export with those weights holds (:func:`kvq_export.export.weights.weight_bytes`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -124,6 +126,79 @@ def curve(
 ) -> list[MemoryReport]:
     """:func:`predict` over several lengths (for tables and plots)."""
     return [predict(scheme, model, n, batch) for n in lengths]
+
+
+# -- the weights beside the cache -------------------------------------------------------------------------------
+WEIGHT_BREAKDOWN_KEYS = ("quantized", "scales", "zero_points", "unquantized")
+_WEIGHT_BITS = {"int8": 8, "int4": 4}
+
+
+class WeightStorage(Protocol):
+    """How an export stores its weights (:class:`kvq_export.request.WeightSpec` satisfies it)."""
+
+    format: str
+    block_size: int
+    symmetric: bool
+
+
+@dataclass(frozen=True)
+class WeightReport:
+    """Predicted bytes of a model's weights stored as ``format`` in a graph computing in ``dtype``.
+
+    ``breakdown``: ``quantized`` (MatMulNBits / GatherBlockQuantized codes), ``scales``, ``zero_points`` and
+    ``unquantized`` (float weights, norms and biases); ``as_built_bytes``: every weight in ``dtype``.
+    """
+
+    format: str
+    dtype: str
+    parameters: int
+    total_bytes: int
+    as_built_bytes: int
+    breakdown: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (the ``weights`` keys of ``kvq memory --json``)."""
+        return {"format": self.format, "dtype": self.dtype, "parameters": self.parameters,
+                "total_bytes": self.total_bytes, "as_built_bytes": self.as_built_bytes,
+                "breakdown": dict(self.breakdown)}
+
+
+def predict_weights(shapes: Mapping[str, Sequence[int]], weights: WeightStorage, dtype: str = "fp32") -> WeightReport:
+    """Bytes an export's weights hold: ``shapes`` are the model's parameters (a tied one once), Hugging Face layout.
+
+    Every 2-D parameter is a linear weight ``[out, in]`` or the embedding ``[vocab, hidden]``; both are stored as
+    ``weights.format`` says, the rest (norms, biases) in the compute ``dtype``:
+
+    * ``fp32``: as built, in ``dtype``; ``fp16``: float16;
+    * ``int8`` / ``int4``: ONNX Runtime's MatMulNBits / GatherBlockQuantized layout: ``in`` is cut into
+      ``ceil(in / block_size)`` blocks (the last one padded) of ``block_size * bits / 8`` bytes per output row,
+      one ``dtype`` scale per block, and when not symmetric one zero point per block, packed ``8 / bits`` to a byte
+      and padded to whole bytes per row.
+    """
+    fmt = str(weights.format)
+    item = DType.get(dtype).itemsize
+    parts = dict.fromkeys(WEIGHT_BREAKDOWN_KEYS, 0)
+    count = 0
+    for name, shape in shapes.items():
+        elements = 1
+        for size in shape:
+            elements *= int(size)
+        count += elements
+        if len(shape) != 2 or fmt == "fp32":
+            parts["unquantized"] += elements * item
+        elif fmt == "fp16":
+            parts["unquantized"] += elements * 2
+        elif fmt in _WEIGHT_BITS:
+            bits, (rows, cols) = _WEIGHT_BITS[fmt], shape
+            blocks = -(-int(cols) // weights.block_size)
+            parts["quantized"] += rows * blocks * weights.block_size * bits // 8
+            parts["scales"] += rows * blocks * item
+            if not weights.symmetric:
+                per_byte = 8 // bits
+                parts["zero_points"] += rows * -(-blocks // per_byte)
+        else:
+            raise KVQError(f"unknown weight format {fmt!r} for {name}; allowed: fp32, fp16, int8, int4")
+    return WeightReport(fmt, dtype, count, sum(parts.values()), count * item, parts)
 
 
 # -- what a run may allocate ------------------------------------------------------------------------------------

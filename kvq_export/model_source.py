@@ -568,6 +568,20 @@ def _convert_gguf(gguf_path: Path, header: GgufHeader, out_dir: Path) -> None:
     AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs).save_pretrained(out_dir)
 
 
+def parameter_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape (a tied one once), from the model built on torch's meta device.
+
+    No weight is read or allocated: a weight prediction (:func:`kvq_export.memory.predict_weights`) needs only the
+    config.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: tuple(parameter.shape) for name, parameter in model.named_parameters()}
+
+
 def model_facts(config: PretrainedConfig) -> ModelFacts:
     """The facts kvq reads from ``config`` (see :meth:`ModelFacts.from_config`; the same object as ``kvq.json``'s)."""
     return ModelFacts.from_config(config, get_arch(config))

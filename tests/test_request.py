@@ -113,3 +113,21 @@ def test_every_calibrating_command_shares_the_options_and_their_defaults():
     assert defaults("export") == {**want, "calib_corpus": None}  # export calibrates only when given a corpus
     flavor = next(p for p in cli.commands["export"].params if p.name == "flavor")
     assert list(flavor.type.choices) == ["reference", "ort-gqa", "trt"]
+
+
+def test_cached_exports_are_keyed_by_their_weights(tmp_path):
+    """Exports of one model and cache scheme with other weights keep separate directories.
+
+    (A validation baseline and its fp32-weight reference would otherwise replace each other on every run.)
+    """
+    from kvq_export.export.exporter import cached_export_dir
+
+    def where(**weights):
+        return cached_export_dir(ExportRequest(model=None, scheme="fp16", weights=WeightSpec(**weights)), tmp_path).name
+
+    assert where() == "model-fp16"  # the default keeps the name it always had
+    assert where(format="int4") == "model-fp16-wint4"
+    assert where(format="int4", block_size=64, symmetric=False, accuracy_level=4) == "model-fp16-wint4-b64-asym-acc4"
+    names = {where(format=f, block_size=b, symmetric=s) for f in ("fp16", "int8", "int4") for b in (32, 128)
+             for s in (True, False)}
+    assert len(names) == 12 and where() not in names

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import WORDS, save_tiny_model_dir, tiny_model
+from tiny_models import WORDS, save_tiny_model_dir, tiny_model, tiny_tokenizer
 
 from kvq_export.errors import KVQError
 from kvq_export.export.exporter import export_model
@@ -271,3 +271,99 @@ def test_readme_polygraphy_commands(tiny, tmp_path):
     tight = run(tiny["int4-sym-g32"], "--load-outputs", "fp16.json", "--atol", "1e-4", "--rtol", "0",
                 "--check-error-stat", "max")
     assert tight.returncode == 1
+
+
+# -- weights beside the cache ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def int4_weights(tiny):
+    from kvq_export.request import WeightSpec
+
+    return export_model(str(tiny["model_dir"]), "kivi-2", tiny["root"] / "kivi-2-int4-weights",
+                        weights=WeightSpec(format="int4"))
+
+
+def test_automatic_baseline_carries_the_exports_weights_and_the_weight_error_is_its_own_line(
+        tiny, int4_weights, monkeypatch, tmp_path):
+    """int4 weights: the cache is compared with an fp16 cache on int4 weights; int4 vs fp32 weights is apart."""
+    from kvq_export.export.weights import weight_bytes
+
+    monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path))
+    config = _config(tiny, window_len=200, attention_samples=0, gen_tokens=0)
+    r = validate(int4_weights, None, config, progress=False)
+    baseline = weight_bytes(r["baseline"])
+    assert baseline.format == "int4" and baseline.settings == weight_bytes(int4_weights).settings
+    assert r["weights"]["format"] == "int4" and r["baseline_scheme"]["name"] == "fp16"
+    mem = r["memory"]
+    assert mem["weight_format"] == mem["baseline_weight_format"] == "int4"
+    assert mem["weights"]["parameters"] == mem["baseline_weights"]["parameters"] == baseline.parameters
+    assert mem["weight_bytes"] == weight_bytes(int4_weights).total and mem["prediction_matches"]
+    only = r["weight_only"]
+    assert "skipped" not in only and only["weights"].startswith("int4 (blocks of 32")
+    assert only["reference_weights"] == "fp32"
+    # the weight-only line scores the very baseline the cache was compared with, on the same windows ...
+    assert only["perplexity"] == r["token"]["perplexity_baseline"] and only["predictions"] == r["token"]["predictions"]
+    assert only["kl"]["mean"] > 0 and only["perplexity_reference"] != only["perplexity"]
+    assert only["reference_weight_bytes"] > 3 * mem["baseline_weight_bytes"]
+    # ... against the fp32-weight baseline an fp32-weight export of the same cache is validated against
+    fp32 = validate(tiny["kivi-2"], None, config, progress=False)
+    assert Path(only["reference"]) == Path(fp32["baseline"]) != Path(r["baseline"])
+    assert only["perplexity_reference"] == pytest.approx(fp32["token"]["perplexity_baseline"], rel=1e-12)
+    assert fp32["weight_only"]["skipped"].startswith("the export's weights are fp32")
+    assert fp32["memory"]["weight_format"] == fp32["memory"]["baseline_weight_format"] == "fp32"
+
+
+def test_a_baseline_with_other_weights_is_refused_in_one_line(tiny, int4_weights):
+    from kvq_export.errors import KVQError
+
+    with pytest.raises(KVQError, match=r"baseline .* stores fp32 weights, the export .* int4 \(blocks of 32") as err:
+        validate(int4_weights, tiny["fp16"], _config(tiny), progress=False)
+    assert "\n" not in str(err.value)
+    with pytest.raises(KVQError, match=r"stores int4 \(blocks of 32, symmetric, accuracy_level 1\) weights, the "
+                                       r"export .* fp32: the cache comparison needs the same weights"):
+        validate(tiny["kivi-2"], int4_weights, _config(tiny), progress=False)
+
+
+def test_cli_validate_reports_weight_bytes_and_the_weight_only_line(tiny, int4_weights, monkeypatch, tmp_path):
+    """Table, JSON and HTML all carry the weight bytes beside the cache's and the labelled weight-only line."""
+    from click.testing import CliRunner
+
+    from kvq_export.cli import cli
+    from kvq_export.validate.report import summary_rows
+
+    monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
+    args = ["validate", str(int4_weights), "--corpus", str(tiny["corpus"]), "--windows", "2", "--window-len", "140",
+            "--gen-tokens", "0", "--quiet", "--json", str(tmp_path / "r.json"), "--report", str(tmp_path / "r.html")]
+    result = CliRunner().invoke(cli, args, terminal_width=400)
+    assert result.exit_code == 0, result.output
+    assert "weight bytes" in result.output and "weight-only error" in result.output
+    data = json.loads((tmp_path / "r.json").read_text())
+    rows = dict(summary_rows(data))
+    assert rows["scheme"].endswith("baseline, both with int4 (blocks of 32, symmetric, accuracy_level 1) weights")
+    assert rows["weight bytes"].startswith("export int4 ") and ", baseline int4 " in rows["weight bytes"]
+    assert rows["weight-only error"].startswith("int4 (blocks of 32, symmetric, accuracy_level 1) vs fp32 weights")
+    assert data["weight_only"]["reference_weights"] == "fp32" and data["memory"]["baseline_weight_format"] == "int4"
+    page = (tmp_path / "r.html").read_text()
+    assert "Weight-only error" in page and "weights: export (int4)" in page and "weights: baseline (int4)" in page
+    refused = CliRunner().invoke(cli, ["validate", str(int4_weights), "--baseline", str(tiny["fp16"]), "--quiet"])
+    assert refused.exit_code == 1 and "stores fp32 weights, the export" in refused.output
+    assert len(refused.output.strip().splitlines()) == 1
+
+
+def test_a_given_baseline_with_the_same_weights_gets_its_weight_only_line(tiny, int4_weights, monkeypatch, tmp_path):
+    """A given int4 baseline: its fp32-weight twin comes from the export's source; without a source, a noted skip."""
+    from kvq_export.request import WeightSpec
+
+    monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
+    int4 = WeightSpec(format="int4")
+    given = export_model(str(tiny["model_dir"]), "fp16", tmp_path / "given", weights=int4)
+    config = _config(tiny, attention_samples=0, gen_tokens=0)
+    r = validate(int4_weights, given, config, progress=False)
+    assert r["baseline"] == str(given) and r["weight_only"]["reference_weights"] == "fp32"
+    assert r["weight_only"]["perplexity"] == r["token"]["perplexity_baseline"]
+    assert Path(r["weight_only"]["reference"]).parent == tmp_path / "cache" / "exports"
+    # exports of a loaded model record no source to export the fp32-weight twin from: the cache numbers stand
+    loaded = {name: export_model(tiny_model("llama"), scheme, tmp_path / name, weights=int4, tokenizer=tiny_tokenizer())
+              for name, scheme in (("quant", "kivi-2"), ("base", "fp16"))}
+    r = validate(loaded["quant"], loaded["base"], config, progress=False)
+    assert r["weight_only"]["skipped"].startswith("no fp32-weight reference could be exported: ")
+    assert r["token"]["perplexity"] > 0 and "reference" not in r["weight_only"]

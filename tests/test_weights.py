@@ -323,3 +323,61 @@ def test_cli_export_takes_weights(tmp_path):
     assert result.exit_code == 0, result.output
     assert weight_bytes(tmp_path / "e").format == "int8"
     assert Manifest.load(tmp_path / "e").build["request"]["weights"]["accuracy_level"] == 4
+
+
+# -- predicted weight bytes (kvq memory --weights) --------------------------------------------------------------
+@pytest.mark.parametrize(("arch", "flavor", "dtype", "spec"), [
+    ("llama-tied", "ort-gqa", "fp32", {"format": "int4"}),  # tied embedding: one table for both readers
+    ("llama", "reference", "fp32", {"format": "int8", "block_size": 64, "symmetric": False}),  # untied head, zeros
+    ("qwen2", "ort-gqa", "fp32", {"format": "int4", "block_size": 256, "symmetric": False}),  # biases, padded blocks
+    ("phi3", "reference", "fp32", {"format": "fp16"}),  # fused projections read as row slices
+    ("gemma2", "reference", "fp32", {"format": "fp32"}),
+    ("llama-tied", "reference", "fp16", {"format": "int4"}),  # fp16 compute: fp16 scales and norms
+])
+def test_predicted_weight_bytes_equal_the_exported_ones(tmp_path, arch, flavor, dtype, spec):
+    """The prediction from parameter shapes alone equals the initializer bytes an export with those weights holds."""
+    from kvq_export.memory import predict_weights
+    from kvq_export.model_source import parameter_shapes
+    from kvq_export.request import WeightSpec
+
+    weights = WeightSpec(**spec)
+    model = tiny_model(arch)
+    predicted = predict_weights(parameter_shapes(model.config), weights, dtype)
+    measured = weight_bytes(export_model(model, "fp16", tmp_path / "e", flavor=flavor, dtype=dtype, weights=weights))
+    assert measured.format == spec["format"] or (spec["format"] == "fp32" and measured.format == dtype)
+    assert predicted.breakdown["quantized"] == measured.quantized
+    assert predicted.breakdown["scales"] + predicted.breakdown["zero_points"] == measured.scales
+    assert predicted.total_bytes == measured.parameters == measured.total - measured.constants
+    assert (predicted.breakdown["zero_points"] > 0) == (weights.quantized and not weights.symmetric)
+    # the shapes are the model's own, a tied embedding once
+    assert predicted.parameters == sum(p.numel() for p in model.parameters())
+    assert predicted.as_built_bytes == predicted.parameters * {"fp32": 4, "fp16": 2}[dtype]
+
+
+def test_cli_memory_reports_weights_beside_the_cache(tmp_path):
+    """``kvq memory --weights int4`` predicts what ``kvq export --weights int4`` writes, next to the cache's bytes."""
+    import json
+
+    from click.testing import CliRunner
+    from tiny_models import save_tiny_model_dir
+
+    from kvq_export.cli import cli
+
+    model_dir = save_tiny_model_dir(tmp_path / "m", "llama-tied")
+    args = ["--model", str(model_dir), "--scheme", "int4-sym-g32"]
+    runner = CliRunner()
+    result = runner.invoke(cli, ["memory", *args, "--seq-len", "256", "--weights", "int4", "--weight-block-size",
+                                 "64", "--weight-asymmetric", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    exported = runner.invoke(cli, ["export", *args, "--out", str(tmp_path / "e"), "--weights", "int4",
+                                   "--weight-block-size", "64", "--weight-asymmetric"])
+    assert exported.exit_code == 0, exported.output
+    measured = weight_bytes(tmp_path / "e")
+    assert data["weights"]["total_bytes"] == measured.parameters and data["weights"]["format"] == "int4"
+    assert data["weights"]["breakdown"]["zero_points"] > 0
+    assert data["weights_and_cache_bytes"] == measured.parameters + data["total_bytes"]
+    table = runner.invoke(cli, ["memory", *args, "--seq-len", "256", "--weights", "int4"])
+    assert table.exit_code == 0 and "int4 weights" in table.output and "weights + cache" in table.output
+    plain = runner.invoke(cli, ["memory", *args, "--seq-len", "256", "--json"])
+    assert "weights" not in json.loads(plain.output)  # only when asked: no model is built otherwise

@@ -7,6 +7,7 @@ import json
 import click
 
 from kvq_export.cli._base import cli, make_console
+from kvq_export.request import WEIGHT_BLOCK_SIZES, WeightFormat
 
 DEFAULT_CURVE = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -74,20 +75,24 @@ def _memory_table(title: str, reports, *, show_breakdown: bool):
     return table
 
 
-def _breakdown_table(title: str, report):
-    """One report, one row per breakdown key with exact bytes and share."""
+def _parts_table(title: str, parts: dict[str, int], total_label: str, total: int):
+    """One row per part with exact bytes and share, then the total (further rows go below it)."""
     from rich.table import Table
-
-    from kvq_export.memory import BREAKDOWN_KEYS
 
     table = Table(title=title)
     for col in ("part", "bytes", "", "share"):
         table.add_column(col, justify="left" if col == "part" else "right")
-    for key in BREAKDOWN_KEYS:
-        n = report.breakdown[key]
-        share = f"{100 * n / report.total_bytes:.1f}%" if report.total_bytes else "-"
-        table.add_row(key, str(n), _fmt_bytes(n), share)
-    table.add_row("total", str(report.total_bytes), _fmt_bytes(report.total_bytes), "100%", end_section=True)
+    for key, n in parts.items():
+        table.add_row(key, str(n), _fmt_bytes(n), f"{100 * n / total:.1f}%" if total else "-")
+    table.add_row(total_label, str(total), _fmt_bytes(total), "100%", end_section=True)
+    return table
+
+
+def _breakdown_table(title: str, report):
+    """One report, one row per breakdown key with exact bytes and share."""
+    from kvq_export.memory import BREAKDOWN_KEYS
+
+    table = _parts_table(title, {key: report.breakdown[key] for key in BREAKDOWN_KEYS}, "total", report.total_bytes)
     table.add_row("fp16 cache", str(report.fp16_bytes), _fmt_bytes(report.fp16_bytes), "")
     table.add_row("ratio", f"{report.ratio:.3f}x", "", "")
     table.add_row("bits/element", f"{report.bits_per_element:.4g}", "", "")
@@ -102,29 +107,67 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
+def _weights_table(title: str, weights, cache):
+    """The predicted weight bytes by part, and the cache's bytes beside them."""
+    from kvq_export.memory import WEIGHT_BREAKDOWN_KEYS
+
+    table = _parts_table(title, {key: weights.breakdown[key] for key in WEIGHT_BREAKDOWN_KEYS},
+                         f"{weights.format} weights", weights.total_bytes)
+    smaller = weights.as_built_bytes / weights.total_bytes if weights.total_bytes else 1.0
+    table.add_row(f"as built ({weights.dtype})", str(weights.as_built_bytes), _fmt_bytes(weights.as_built_bytes),
+                  f"{smaller:.2f}x")
+    table.add_row(f"cache ({cache.scheme}, {cache.seq_len} tokens x {cache.batch})", str(cache.total_bytes),
+                  _fmt_bytes(cache.total_bytes), "")
+    both = weights.total_bytes + cache.total_bytes
+    table.add_row("weights + cache", str(both), _fmt_bytes(both), "")
+    return table
+
+
 @cli.command()
 @click.option("--model", "model_spec", default="smollm2", show_default=True,
               help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
 @click.option("--scheme", "scheme_spec", required=True, help="Preset name or scheme .json file.")
 @click.option("--seq-len", type=click.IntRange(0), required=True, help="Tokens in the cache.")
 @click.option("--batch", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--weights", "weight_format", type=click.Choice([str(f) for f in WeightFormat]), default=None,
+              help="Also predict the weights' bytes, stored as ``kvq export --weights`` would store them.")
+@click.option("--weight-block-size", type=click.Choice([str(b) for b in WEIGHT_BLOCK_SIZES]), default="32",
+              show_default=True, help="int8/int4 weights: input channels per scale.")
+@click.option("--weight-asymmetric", is_flag=True, help="int8/int4 weights: a zero point per block as well.")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+              help="Compute dtype of the graph (what unquantized weights and scales are stored in).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (exact byte counts).")
-def memory(model_spec: str, scheme_spec: str, seq_len: int, batch: int, as_json: bool) -> None:
-    """Predict the cache's bytes: payload, scales, zero points, high precision, padding."""
+def memory(model_spec: str, scheme_spec: str, seq_len: int, batch: int, weight_format: str | None,
+           weight_block_size: str, weight_asymmetric: bool, dtype: str, as_json: bool) -> None:
+    """Predict the cache's bytes: payload, scales, zero points, high precision, padding.
+
+    With --weights, also the weights' bytes (codes, scales, zero points, unquantized) beside the cache's.
+    """
     from kvq_export import memory as mem
-    from kvq_export.model_source import load_config, model_facts
+    from kvq_export.model_source import load_config, model_facts, parameter_shapes
     from kvq_export.presets import resolve_scheme
+    from kvq_export.request import WeightSpec
 
     scheme = resolve_scheme(scheme_spec)
-    facts = model_facts(load_config(model_spec))
+    config = load_config(model_spec)
+    facts = model_facts(config)
     report = mem.predict(scheme, facts, seq_len, batch)
+    weights = None
+    if weight_format is not None:
+        spec = WeightSpec(format=weight_format, block_size=int(weight_block_size), symmetric=not weight_asymmetric)
+        weights = mem.predict_weights(parameter_shapes(config), spec, dtype)
     if as_json:
-        click.echo(json.dumps({"model": model_spec, **report.to_dict()}, indent=2))
+        extra = {} if weights is None else {"weights": weights.to_dict(),
+                                            "weights_and_cache_bytes": weights.total_bytes + report.total_bytes}
+        click.echo(json.dumps({"model": model_spec, **report.to_dict(), **extra}, indent=2))
         return
     console = make_console()
     console.print(_breakdown_table(
         f"{report.scheme} on {model_spec} ({facts.num_layers} layers x {facts.num_kv_heads} kv heads x "
         f"head_dim {facts.head_dim}), {seq_len} tokens, batch {batch}", report))
+    if weights is not None:
+        console.print(_weights_table(f"{weights.format} weights of {model_spec} ({weights.parameters} parameters, "
+                                     f"{dtype} compute)", weights, report))
     lengths = sorted({n for n in DEFAULT_CURVE if n <= max(seq_len, 1) * 4} | {seq_len})
     console.print(_memory_table("over sequence length", mem.curve(scheme, facts, lengths, batch),
                                 show_breakdown=False))

@@ -320,16 +320,30 @@ def ensure_export(request: ExportRequest, out_dir: str | os.PathLike[str], *, mo
 
 
 def cached_export_dir(request: ExportRequest, root: str | os.PathLike[str]) -> Path:
-    """Where the demo and validation keep ``request``'s export: ``root/<model>-<digest>-<scheme>[-<flavor>][-<dtype>]``.
+    """Where the demo and validation keep ``request``'s export.
 
-    Keyed by the model's content digest, so two models of one name, or a model edited in place, never share one.
+    ``root/<model>-<digest>-<scheme>[-<flavor>][-<dtype>][-w<weights>]``: keyed by the model's content digest, so two
+    models of one name, or a model edited in place, never share one, and by every weight setting that differs from
+    the default, so exports of one model and scheme with other weights (a validation baseline with the export's
+    int4 weights, its fp32-weight reference) live side by side instead of replacing each other.
     """
     parts = [Path(request.model or "model").name]
     parts += [model_digest(request.model)] if request.model else []
     parts += [request.scheme.name or "custom"]
     parts += [str(request.flavor)] if request.flavor is not FlavorName.REFERENCE else []
     parts += [str(request.dtype)] if str(request.dtype) != "fp32" else []
+    parts += [_weights_key(request.weights)] if request.weights != WeightSpec() else []
     return Path(root) / "-".join(parts)
+
+
+def _weights_key(weights: WeightSpec) -> str:
+    """``w<format>`` plus each setting that differs from the default: ``wint4-b64-asym-acc4``."""
+    default = WeightSpec()
+    parts = [f"w{weights.format}"]
+    parts += [f"b{weights.block_size}"] if weights.block_size != default.block_size else []
+    parts += ["asym"] if weights.symmetric != default.symmetric else []
+    parts += [f"acc{weights.accuracy_level}"] if weights.accuracy_level != default.accuracy_level else []
+    return "-".join(parts)
 
 
 def _export_to(request: ExportRequest, out: Path, *, force: bool, wait: bool, reuse, model: Any, tokenizer: Any,

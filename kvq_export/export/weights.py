@@ -154,6 +154,12 @@ def _is_weight(name: str) -> bool:
     return base.endswith(".weight")
 
 
+def _is_parameter(name: str) -> bool:
+    """Whether initializer ``name`` holds a model parameter: a weight (``<name>.fp16`` once stored as fp16), a bias."""
+    base = name.removesuffix(".fp16")
+    return _is_weight(base) or (base.rsplit("[", 1)[0] if base.endswith("]") else base).endswith(".bias")
+
+
 class _Graph:
     """Lookups over one GraphProto that the rewrites below keep current."""
 
@@ -387,8 +393,9 @@ class WeightBytes:
 
     ``quantized``: the integer payload of MatMulNBits / GatherBlockQuantized; ``scales``: their scales and zero
     points; ``unquantized``: every other initializer by dtype (``fp32``, ``fp16``, ``int64``, ...): float weights,
-    norms, small constants. ``settings``: what :func:`quantize_weights` recorded in the graph (empty if nothing).
-    ``files``: bytes of ``model.onnx`` and its external data on disk.
+    norms, small constants. ``constants``: the part of ``unquantized`` that is the graph's own (rope tables,
+    rotations, shape constants), not the model's weights. ``settings``: what :func:`quantize_weights` recorded in the
+    graph (empty if nothing). ``files``: bytes of ``model.onnx`` and its external data on disk.
     """
 
     format: str
@@ -397,17 +404,23 @@ class WeightBytes:
     unquantized: dict[str, int]
     files: int
     settings: dict[str, Any] = field(default_factory=dict)
+    constants: int = 0
 
     @property
     def total(self) -> int:
         """All initializer bytes."""
         return self.quantized + self.scales + sum(self.unquantized.values())
 
+    @property
+    def parameters(self) -> int:
+        """Bytes of the model's weights (what :func:`kvq_export.memory.predict_weights` predicts)."""
+        return self.total - self.constants
+
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
         return {"format": self.format, "quantized": self.quantized, "scales": self.scales,
-                "unquantized": dict(self.unquantized), "total": self.total, "files": self.files,
-                "settings": dict(self.settings)}
+                "unquantized": dict(self.unquantized), "total": self.total, "parameters": self.parameters,
+                "constants": self.constants, "files": self.files, "settings": dict(self.settings)}
 
     def describe(self) -> str:
         """One line: ``int4 weights 77.9 MB: 62.1 MB quantized + 15.5 MB scales/zero points + 0.3 MB unquantized``."""
@@ -444,7 +457,7 @@ def weight_bytes(directory: str | os.PathLike[str]) -> WeightBytes:
             payload.add(source(node.input[0] if node.op_type == "GatherBlockQuantized" else node.input[1]))
             scales.update(x for x in node.input[2:4] if x)
             bits.add(_attr(node, "bits", 4))
-    quantized = scale_bytes = 0
+    quantized = scale_bytes = constants = 0
     unquantized: dict[str, int] = {}
     for tensor in graph.initializer:
         size = _tensor_bytes(tensor)
@@ -455,6 +468,7 @@ def weight_bytes(directory: str | os.PathLike[str]) -> WeightBytes:
         else:
             dtype = _DTYPE_NAMES.get(tensor.data_type) or onnx.TensorProto.DataType.Name(tensor.data_type).lower()
             unquantized[dtype] = unquantized.get(dtype, 0) + size
+            constants += 0 if _is_parameter(tensor.name) else size
     settings = {}
     for prop in proto.metadata_props:
         if prop.key == WEIGHTS_KEY:
@@ -468,7 +482,7 @@ def weight_bytes(directory: str | os.PathLike[str]) -> WeightBytes:
         fmt = max(floats, key=floats.get) if floats else "none"
     data = path.with_name(path.name + EXTERNAL_DATA_SUFFIX)
     files = path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
-    return WeightBytes(fmt, quantized, scale_bytes, unquantized, files, settings)
+    return WeightBytes(fmt, quantized, scale_bytes, unquantized, files, settings, constants)
 
 
 def _tensor_bytes(tensor: onnx.TensorProto) -> int:

@@ -33,12 +33,41 @@ def _baseline(result: dict[str, Any]) -> str:
     return f"{_label(scheme, result.get('baseline_flavor'))} baseline"
 
 
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.3g} MB"
+
+
+def _weight_bytes_row(mem: dict[str, Any]) -> str:
+    """The export's and the baseline's weight bytes (what the graphs' initializers hold), beside the cache's."""
+    def one(weights: dict[str, Any]) -> str:
+        rest = sum(weights["unquantized"].values())
+        parts = f"{_mb(weights['quantized'])} codes + {_mb(weights['scales'])} scales + {_mb(rest)} unquantized"
+        return f"{weights['format']} {_mb(weights['total'])} ({parts})" if weights["quantized"] else (
+            f"{weights['format']} {_mb(weights['total'])}")
+
+    return (f"export {one(mem['weights'])}, baseline {one(mem['baseline_weights'])}; cache "
+            f"{_mb(mem['measured_bytes'])} held at {mem['seq_len']} tokens x {mem['batch']}")
+
+
+def _weight_only_row(section: dict[str, Any]) -> str:
+    """The weights' own error: the baseline against the same cache with fp32 weights, or why it was skipped."""
+    if section.get("skipped"):
+        return f"skipped: {section['skipped']}"
+    return (f"{section['weights']} vs {section['reference_weights']} weights, same cache: perplexity "
+            f"{section['perplexity']:.4f} vs {section['perplexity_reference']:.4f} "
+            f"({100 * section['perplexity_delta_rel']:+.3f}%), KL mean {section['kl']['mean']:.3g} / p99 "
+            f"{section['kl']['p99']:.3g}, top-1 {100 * section['top1_agreement']:.2f}% "
+            f"({section['predictions']} predictions)")
+
+
 def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     """(label, value) pairs of the one-screen summary."""
     tok, att, mem, lat = result["token"], result["attention"], result["memory"], result["latency"]
     greedy = tok["greedy"]
+    label = result.get("weights_label")
+    both = f", both with {label} weights" if label and label != "fp32" else ""
     rows = [
-        ("scheme", f"{_label(result['scheme'], result['flavor'])} vs {_baseline(result)}"),
+        ("scheme", f"{_label(result['scheme'], result['flavor'])} vs {_baseline(result)}{both}"),
         ("perplexity", f"{tok['perplexity']:.4f} vs {tok['perplexity_baseline']:.4f} "
                        f"({100 * tok['perplexity_delta_rel']:+.3f}%, {tok['predictions']} predictions)"),
         ("logit KL", f"mean {tok['kl']['mean']:.3g}, p99 {tok['kl']['p99']:.3g}, max {tok['kl']['max']:.3g}"),
@@ -74,13 +103,15 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
             ("MSE vs attention rank", f"Spearman {att['rank_agreement_mse_vs_key_induced']:.2f} (key-induced), "
                                       f"{att['rank_agreement_mse_vs_kl']:.2f} (KL)"),
         ]
-    rows += [
-        ("memory", f"{mem['measured_bytes']} B held (predicted {mem['predicted_cache_state_bytes']}: "
-                   f"{'match' if mem['prediction_matches'] else 'MISMATCH'}), fp16 {mem['fp16_bytes']} B, "
-                   f"{mem['ratio']:.2f}x smaller, {mem['bits_per_element']:.3f} bits/element"),
-        ("decode latency", f"{lat['quantized']['median_ms']:.2f} ms vs {lat['baseline']['median_ms']:.2f} ms "
-                           f"median per step (batch {lat['batch']}), ratio {lat['ratio']:.2f}"),
-    ]
+    rows.append(("memory", f"{mem['measured_bytes']} B held (predicted {mem['predicted_cache_state_bytes']}: "
+                           f"{'match' if mem['prediction_matches'] else 'MISMATCH'}), fp16 {mem['fp16_bytes']} B, "
+                           f"{mem['ratio']:.2f}x smaller, {mem['bits_per_element']:.3f} bits/element"))
+    if mem.get("weights"):
+        rows.append(("weight bytes", _weight_bytes_row(mem)))
+    if result.get("weight_only"):
+        rows.append(("weight-only error", _weight_only_row(result["weight_only"])))
+    rows.append(("decode latency", f"{lat['quantized']['median_ms']:.2f} ms vs {lat['baseline']['median_ms']:.2f} "
+                                   f"ms median per step (batch {lat['batch']}), ratio {lat['ratio']:.2f}"))
     return rows
 
 
@@ -197,7 +228,23 @@ def write_html(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
               "<h2>Memory</h2>",
               _table(["part", "bytes"], [[k, v] for k, v in mem["breakdown"].items()]
                      + [["total (predicted)", mem["predicted_bytes"]], ["measured cache state", mem["measured_bytes"]],
-                        ["fp16", mem["fp16_bytes"]]])]
+                        ["fp16", mem["fp16_bytes"]]]
+                     + ([[f"weights: export ({mem['weight_format']})", mem["weight_bytes"]],
+                         [f"weights: baseline ({mem['baseline_weight_format']})", mem["baseline_weight_bytes"]]]
+                        if "weight_bytes" in mem else []))]
+    weight_only = result.get("weight_only")
+    if weight_only:
+        parts.append("<h2>Weight-only error (the baseline's cache, the export's weights vs fp32 weights)</h2>")
+        if weight_only.get("skipped"):
+            parts.append(f"<p>Skipped: {html.escape(weight_only['skipped'])}</p>")
+        else:
+            parts.append(_table(
+                ["weights", "perplexity", "reference weights", "perplexity", "delta", "KL mean", "KL p99", "top-1",
+                 "predictions"],
+                [[weight_only["weights"], weight_only["perplexity"], weight_only["reference_weights"],
+                  weight_only["perplexity_reference"], f"{100 * weight_only['perplexity_delta_rel']:+.3f}%",
+                  weight_only["kl"]["mean"], weight_only["kl"]["p99"], f"{100 * weight_only['top1_agreement']:.2f}%",
+                  weight_only["predictions"]]]))
     for title, png in _plots(result):
         parts.append(f"<h2>{html.escape(title)}</h2><img src='data:image/png;base64,{png}'>")
     return atomic_write(path, "\n".join(parts))

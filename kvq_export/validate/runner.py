@@ -7,6 +7,10 @@ cache), per-position logit KL and top-1 agreement, attention behaviour at sample
 decoded with only the manifest), the cache bytes held vs the memory model, and decode-step latency of
 both graphs measured alternately. Free-running greedy generation on a prompt set adds
 tokens-to-divergence.
+
+The baseline stores its weights as the export does (int4 against int4), so every number above is the cache's
+error alone. The weights' own error is a line of its own: the baseline against the same cache with fp32 weights,
+scored on the same windows in the same pass (skipped when the export's weights are fp32 already).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from kvq_export.errors import KVQError
 from kvq_export.export.exporter import cached_export_dir, ensure_export
 from kvq_export.model_digest import recorded_source
 from kvq_export.model_source import cache_dir
-from kvq_export.request import ExportRequest
+from kvq_export.request import ExportRequest, WeightFormat, WeightSpec
 from kvq_export.validate.attention import METRICS, AttentionSample, attention_metrics, rank_agreement
 
 logger = logging.getLogger(__name__)
@@ -79,29 +83,88 @@ def _timing(ms: list[float]) -> dict[str, float]:
 
 
 @dataclass
-class _Accumulator:
+class _Scores:
+    """Two graphs' predictions of the same targets: each one's NLL, KL(reference || scored) and top-1 agreement."""
+
     nll: list[np.ndarray] = field(default_factory=list)
-    nll_base: list[np.ndarray] = field(default_factory=list)
+    nll_ref: list[np.ndarray] = field(default_factory=list)
     kl: list[np.ndarray] = field(default_factory=list)
     top1: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, logits: np.ndarray, ref_logits: np.ndarray, targets: np.ndarray) -> None:
+        """Score one step: ``targets`` [rows, n] are the tokens after the first n positions of the logits."""
+        usable = targets.shape[1]
+        lq, lb = _logsoftmax(logits[:, :usable]), _logsoftmax(ref_logits[:, :usable])
+        rows = np.arange(targets.shape[0])[:, None]
+        cols = np.arange(usable)[None, :]
+        self.nll.append(-lq[rows, cols, targets])
+        self.nll_ref.append(-lb[rows, cols, targets])
+        self.kl.append(np.sum(np.exp(lb) * (lb - lq), axis=-1))
+        self.top1.append(lq.argmax(-1) == lb.argmax(-1))
+
+    def summary(self, reference: str) -> dict[str, Any]:
+        """Perplexity of both (the reference's as ``perplexity_<reference>``), KL and top-1 agreement."""
+        nll, nll_ref = np.concatenate(self.nll, axis=1), np.concatenate(self.nll_ref, axis=1)
+        kl = np.concatenate(self.kl, axis=1)
+        ppl, ppl_ref = float(np.exp(nll.mean())), float(np.exp(nll_ref.mean()))
+        return {"perplexity": ppl, f"perplexity_{reference}": ppl_ref, "perplexity_delta_rel": ppl / ppl_ref - 1.0,
+                "predictions": int(nll.size), "kl": _stats(kl.ravel()), "kl_by_position": kl.mean(axis=0).tolist(),
+                "top1_agreement": float(np.concatenate(self.top1, axis=1).mean())}
+
+
+@dataclass
+class _Accumulator:
+    tokens: _Scores = field(default_factory=_Scores)  # the export against the baseline
+    weights: _Scores = field(default_factory=_Scores)  # the baseline against its fp32-weight twin
     times: dict[str, list[tuple[int, float]]] = field(default_factory=lambda: defaultdict(list))
     attention: list[tuple[int, int, dict[str, np.ndarray]]] = field(default_factory=list)  # (layer, pos, metrics)
 
 
-def resolve_baseline(manifest, baseline: str | os.PathLike[str] | None) -> Path:
+def export_weights(directory: str | os.PathLike[str]) -> WeightSpec:
+    """How an export's graph stores its weights, as the graph records it (a graph as built: ``fp32``)."""
+    from kvq_export.export.weights import weight_bytes
+
+    return WeightSpec.from_dict(weight_bytes(directory).settings)
+
+
+def weights_label(spec: WeightSpec) -> str:
+    """``int4 (blocks of 32, symmetric, accuracy_level 1)``; ``fp32`` / ``fp16`` alone (they have no settings).
+
+    Two exports store the same weights exactly when their labels are equal.
+    """
+    if not spec.quantized:
+        return str(spec.format)
+    return (f"{spec.format} (blocks of {spec.block_size}, {'symmetric' if spec.symmetric else 'asymmetric'}, "
+            f"accuracy_level {spec.accuracy_level})")
+
+
+def _cached_export(manifest, scheme: Any, weights: WeightSpec, *, flavor: str | None = None,
+                   dtype: str | None = None) -> Path:
+    """The export's own model source (by content) with ``scheme`` and ``weights``, kept under kvq's cache."""
+    source, _ = recorded_source(manifest)  # the weights the export was made from, or a one-line refusal
+    request = ExportRequest(model=source, scheme=scheme, flavor=flavor or manifest.flavor, weights=weights,
+                            dtype=dtype or manifest.dtype)
+    return ensure_export(request, cached_export_dir(request, cache_dir("exports")))
+
+
+def resolve_baseline(manifest, baseline: str | os.PathLike[str] | None, weights: WeightSpec | None = None) -> Path:
     """The baseline directory: given, or the export's own model source exported with an unquantized fp16 cache.
 
     The automatic baseline is the same model by content (the source's digest must equal the one the export
     recorded: a source that is gone or changed is refused, never guessed at), in the same flavour and compute
-    dtype (a latency ratio then compares caches, not graph flavours), kept under kvq's cache directory by that
+    dtype (a latency ratio then compares caches, not graph flavours) and with the export's ``weights`` (the
+    comparison then measures the cache's error, not the weights'), kept under kvq's cache directory by that
     digest and reused only while current (:func:`kvq_export.export.exporter.ensure_export`); nothing is written
     into the export validated.
     """
     if baseline is not None:
         return Path(baseline)
-    source, _ = recorded_source(manifest)  # the weights the export was made from, or a one-line refusal
-    request = ExportRequest(model=source, scheme="fp16", flavor=manifest.flavor, dtype=manifest.dtype)
-    return ensure_export(request, cached_export_dir(request, cache_dir("exports")))
+    return _cached_export(manifest, "fp16", weights or WeightSpec())
+
+
+def weight_reference(manifest, baseline) -> Path:
+    """The baseline's twin with fp32 weights: its cache scheme, flavour and dtype, the export's model source."""
+    return _cached_export(manifest, baseline.scheme, WeightSpec(), flavor=baseline.flavor, dtype=baseline.dtype)
 
 
 def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike[str] | None = None,
@@ -117,20 +180,25 @@ def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike
     if config.window_len > quant.max_positions:  # refused before any baseline is exported or corpus read
         raise KVQError(f"window length {config.window_len} (--window-len) exceeds the {quant.max_positions} "
                        f"positions this export supports (max_position_embeddings): use at most {quant.max_positions}")
-    base_dir = resolve_baseline(quant.manifest, baseline_dir)
+    weights = export_weights(export_dir)
+    base_dir = resolve_baseline(quant.manifest, baseline_dir, weights)
     base = KVQSession(base_dir, verify_weights=verify_weights)
     _check_same_model(quant.manifest, base.manifest, export_dir, base_dir)
+    _check_same_weights(weights, export_weights(base_dir), export_dir, base_dir)
+    reference, skipped = _weight_reference(quant.manifest, base.manifest, weights, verify_weights)
     tokens = np.asarray(token_windows(quant.tokenizer, load_corpus(config.corpus), config.windows,
                                       config.window_len, offset=config.offset), dtype=np.int64)
     start = time.perf_counter()
     window = _window(quant.manifest)
-    acc, quant_cache = _lockstep(quant, base, tokens, config, progress)
+    acc, quant_cache = _lockstep(quant, base, tokens, config, progress, reference)
     greedy = _greedy(quant, base, config, window)
     result = {
         "export": str(export_dir),
         "baseline": str(base_dir),
         "baseline_scheme": base.manifest.scheme.to_dict(),
         "baseline_flavor": base.manifest.flavor,
+        "weights": weights.to_dict(),
+        "weights_label": weights_label(weights),
         "scheme": quant.manifest.scheme.to_dict(),
         "model": {k: getattr(quant.manifest.model, k) for k in ("source", "model_type", "num_layers", "num_heads",
                                                                   "num_kv_heads", "head_dim")},
@@ -141,10 +209,33 @@ def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike
         "window": _window_section(window, config, greedy),
         "attention": _attention_section(acc, quant.manifest),
         "memory": _memory_section(quant, base, quant_cache, tokens.shape),
+        "weight_only": _weight_only_section(acc, weights, reference, skipped),
         "latency": _latency_section(acc, config),
         "seconds": round(time.perf_counter() - start, 1),
     }
     return result
+
+
+def _check_same_weights(export: WeightSpec, base: WeightSpec, export_dir, base_dir) -> None:
+    """A baseline with other weights would fold the weights' error into the cache's: refuse it in one line."""
+    if weights_label(export) != weights_label(base):
+        raise KVQError(f"baseline {base_dir} stores {weights_label(base)} weights, the export {export_dir} "
+                       f"{weights_label(export)}: the cache comparison needs the same weights on both sides; pass an "
+                       "fp16-cache export with the export's --weights, or no --baseline (kvq exports one)")
+
+
+def _weight_reference(quant, base, weights: WeightSpec, verify_weights: bool):
+    """The fp32-weight twin of the baseline as a session, or None and why the weight-only line is skipped."""
+    from kvq_export.runtime.session import KVQSession
+
+    if weights.format == WeightFormat.FP32:
+        return None, "the export's weights are fp32 (as built): there is no weight error to separate"
+    try:
+        directory = weight_reference(quant, base)
+    except KVQError as err:  # a given baseline, and the export's source is gone: the cache numbers still stand
+        logger.warning("no weight-only line: %s", err)
+        return None, f"no fp32-weight reference could be exported: {err}"
+    return KVQSession(directory, verify_weights=verify_weights), None
 
 
 def _check_same_model(quant, base, export_dir, base_dir) -> None:
@@ -174,8 +265,12 @@ def _calibration_section(manifest, config: ValidateConfig) -> dict[str, Any] | N
     return {**cal, "windows_overlap_calibration": overlap}
 
 
-def _lockstep(quant, base, tokens: np.ndarray, config: ValidateConfig, progress: bool):
-    """Feed the windows through both graphs; collect token metrics, attention samples and timings."""
+def _lockstep(quant, base, tokens: np.ndarray, config: ValidateConfig, progress: bool, reference=None):
+    """Feed the windows through both graphs; collect token metrics, attention samples and timings.
+
+    A ``reference`` (the baseline with fp32 weights) is fed the same windows, untimed, and scored against the
+    baseline: the weight-only error.
+    """
     from kvq_export.manifest import load_static
 
     n_rows, length = tokens.shape
@@ -191,6 +286,7 @@ def _lockstep(quant, base, tokens: np.ndarray, config: ValidateConfig, progress:
     acc = _Accumulator()
     # a ``buffer``-layout cache is preallocated: sized to the window, it holds exactly what the model predicts
     q_cache, b_cache = quant.empty_cache(n_rows, capacity=length), base.empty_cache(n_rows, capacity=length)
+    r_cache = reference.empty_cache(n_rows, capacity=length) if reference is not None else None
     bar = _progress(progress, total=length, desc=f"validate {manifest.scheme.name or 'custom'}")
     for begin in range(0, length, step):
         chunk = tokens[:, begin:begin + step]
@@ -212,14 +308,10 @@ def _lockstep(quant, base, tokens: np.ndarray, config: ValidateConfig, progress:
                 exact[layer, part].append(quant.last_extra[f"probe.{layer}.{part}"].astype(hp).astype(np.float32))
         # predictions for positions begin+1 .. end (the last of the window has no target)
         targets = tokens[:, begin + 1:end + 1]
-        usable = targets.shape[1]
-        lq, lb = _logsoftmax(out["quant"][:, :usable]), _logsoftmax(out["base"][:, :usable])
-        rows = np.arange(n_rows)[:, None]
-        cols = np.arange(usable)[None, :]
-        acc.nll.append(-lq[rows, cols, targets])
-        acc.nll_base.append(-lb[rows, cols, targets])
-        acc.kl.append(np.sum(np.exp(lb) * (lb - lq), axis=-1))
-        acc.top1.append(lq.argmax(-1) == lb.argmax(-1))
+        acc.tokens.add(out["quant"], out["base"], targets)
+        if reference is not None:
+            ref_logits, r_cache = reference.step(chunk, None, r_cache)
+            acc.weights.add(out["base"], ref_logits, targets)
         if sample_at & set(range(begin, end)):
             _sample_attention(acc, quant, q_cache, exact, end - 1, scaling, config, static)
         bar.update(chunk.shape[1])
@@ -291,20 +383,20 @@ def _greedy(quant, base, config: ValidateConfig, window: int = 0) -> dict[str, A
 
 
 def _token_section(acc: _Accumulator, greedy: dict) -> dict[str, Any]:
-    nll = np.concatenate(acc.nll, axis=1)
-    nll_base = np.concatenate(acc.nll_base, axis=1)
-    kl = np.concatenate(acc.kl, axis=1)
-    ppl, ppl_base = float(np.exp(nll.mean())), float(np.exp(nll_base.mean()))
-    return {
-        "perplexity": ppl,
-        "perplexity_baseline": ppl_base,
-        "perplexity_delta_rel": ppl / ppl_base - 1.0,
-        "predictions": int(nll.size),
-        "kl": _stats(kl.ravel()),
-        "kl_by_position": kl.mean(axis=0).tolist(),
-        "top1_agreement": float(np.concatenate(acc.top1, axis=1).mean()),
-        "greedy": greedy,
-    }
+    return {**acc.tokens.summary("baseline"), "greedy": greedy}
+
+
+def _weight_only_section(acc: _Accumulator, weights: WeightSpec, reference, skipped: str | None) -> dict[str, Any]:
+    """The baseline (the export's weights) against its fp32-weight twin, both with the baseline's cache."""
+    from kvq_export.export.weights import weight_bytes
+
+    if reference is None:
+        return {"weights": weights_label(weights), "skipped": skipped}
+    section = acc.weights.summary("reference")
+    section.pop("kl_by_position")
+    return {"weights": weights_label(weights), "reference_weights": weights_label(WeightSpec()),
+            "reference": str(reference.directory), "reference_weight_bytes": weight_bytes(reference.directory).total,
+            **section}
 
 
 def _attention_section(acc: _Accumulator, manifest) -> dict[str, Any]:
@@ -342,6 +434,8 @@ def _attention_section(acc: _Accumulator, manifest) -> dict[str, Any]:
 
 
 def _memory_section(quant, base, cache, shape) -> dict[str, Any]:
+    """The cache bytes held vs the memory model's, with both graphs' weight bytes beside them."""
+    from kvq_export.export.weights import weight_bytes
     from kvq_export.memory import curve, predict
 
     rows, length = shape
@@ -351,7 +445,11 @@ def _memory_section(quant, base, cache, shape) -> dict[str, Any]:
     static = (report.breakdown["scales"] + report.breakdown["zero_points"]) if scheme.has_static_scales else 0
     measured = quant.cache_nbytes(cache)
     lengths = sorted({64, 128, 256, 512, 1024, 2048, 4096, 8192, length})
+    exported, baseline = weight_bytes(quant.directory), weight_bytes(base.directory)
     return {
+        "weight_bytes": exported.total, "weight_format": exported.format, "weights": exported.to_dict(),
+        "baseline_weight_bytes": baseline.total, "baseline_weight_format": baseline.format,
+        "baseline_weights": baseline.to_dict(),
         "seq_len": length, "batch": rows,
         "predicted_bytes": report.total_bytes,
         "predicted_cache_state_bytes": report.total_bytes - static,  # static scales live in the graph
