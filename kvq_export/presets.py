@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvq_export._read import read_text
 from kvq_export.errors import SchemeError
-from kvq_export.scheme import KVQuantScheme, TensorQuant
+from kvq_export.scheme import INT_BITS, KVQuantScheme, TensorQuant
 
 _FP16 = TensorQuant.fp16()
 
@@ -163,6 +163,45 @@ def resolve_scheme(spec: str | KVQuantScheme) -> KVQuantScheme:
         scheme = KVQuantScheme.from_json(read_text(path, "scheme file", error=SchemeError))
         return scheme if scheme.name else scheme.with_name(path.stem)
     raise SchemeError(f"unknown scheme {spec!r}; allowed: a preset ({', '.join(PRESETS)}) or a scheme .json file")
+
+
+def _tensor_formats() -> dict[str, TensorQuant]:
+    """Named per-tensor formats: every preset that stores keys and values alike, and nothing more, lends its name
+    to that format (``q8_0``, ``int8``, ``fp8``, ``q4_0-rot`` ...); plain asymmetric integers at every width
+    complete the set, token-wise (``int2-g32``) and channel-wise like KIVI's keys (``int2-ch-g32``)."""
+    formats = {name: scheme.key for name, (scheme, _) in PRESETS.items()
+               if scheme.key == scheme.value and scheme.residual_length == 0 and scheme.sink_tokens == 0
+               and not scheme.layer_overrides}
+    for bits in INT_BITS:
+        formats.setdefault(f"int{bits}-g32", _int(bits, 32, sym=False))
+        formats.setdefault(f"int{bits}-ch-g32", _int(bits, 32, sym=False, axis="channel"))
+    return formats
+
+
+#: name -> one stream's format: what ``kvq --key`` / ``--value`` accept (llama.cpp's ``-ctk`` / ``-ctv``).
+TENSOR_FORMATS: dict[str, TensorQuant] = _tensor_formats()
+
+
+def tensor_format_names() -> list[str]:
+    """Names ``--key`` / ``--value`` accept, in table order."""
+    return list(TENSOR_FORMATS)
+
+
+def tensor_format(name: str) -> TensorQuant:
+    """The per-tensor format called ``name``; an unknown name lists the allowed ones."""
+    try:
+        return TENSOR_FORMATS[name]
+    except KeyError:
+        raise SchemeError(f"unknown key/value format {name!r}; allowed: {', '.join(TENSOR_FORMATS)}") from None
+
+
+def scheme_from_formats(key: str, value: str, *, name: str | None = None) -> KVQuantScheme:
+    """The scheme storing keys as format ``key`` and values as format ``value`` (no window, no sinks).
+
+    Named ``name``, else after the formats: ``q8_0`` when both are ``q8_0``, ``k-q8_0-v-q4_0`` when they differ.
+    """
+    scheme = KVQuantScheme(key=tensor_format(key), value=tensor_format(value))
+    return scheme.with_name(name or (key if key == value else f"k-{key}-v-{value}"))
 
 
 def presets_json() -> str:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
+from typing import Any
 
 import click
 
-from kvq_export.cli_types import FiniteFloat
-from kvq_export.errors import KVQError
+from kvq_export.cli_types import FiniteFloat, outside_exports
+from kvq_export.errors import KVQError, OutputPathError, SchemeError
 from kvq_export.request import CalibrationMethod, CalibrationSpec
 
 
@@ -23,12 +25,134 @@ class KVQGroup(click.Group):
             ctx.exit(1)
 
 
-def make_console():
+def make_console(*, json_out: str | None = None):
+    """The console tables go to: stdout, or stderr when ``--json -`` keeps stdout for the JSON alone."""
     from rich.console import Console
 
+    stderr = json_out == STDOUT
     # Wide enough for the breakdown columns when output is piped (rich assumes 80 columns then).
-    console = Console(highlight=False)
-    return console if console.is_terminal else Console(highlight=False, width=140)
+    console = Console(highlight=False, stderr=stderr)
+    return console if console.is_terminal else Console(highlight=False, width=140, stderr=stderr)
+
+
+# -- the options every command spells the same way ----------------------------------------------------------
+#: ``--json -``: the JSON goes to stdout (and nothing else does).
+STDOUT = "-"
+
+
+def _json_target(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    return value if value == STDOUT else outside_exports(ctx, param, value)
+
+
+def json_option(what: str):
+    """``--json FILE``: write ``what`` as JSON to FILE (atomically; never inside an export), ``-`` (or a bare
+    ``--json``) to stdout. The command receives ``json_out`` and writes with :func:`write_json_output`."""
+    return click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+                        is_flag=False, flag_value=STDOUT, callback=_json_target, metavar="FILE",
+                        help=f"Write {what} as JSON to FILE ('-' or a bare --json: stdout, and only the JSON).")
+
+
+def write_json_output(target: str, payload: Any) -> None:
+    """``payload`` (a JSON-able object, or JSON text) to stdout for ``-``, else atomically to the file ``target``."""
+    text = payload if isinstance(payload, str) else json.dumps(payload, indent=2)
+    if target == STDOUT:
+        click.echo(text)
+        return
+    from kvq_export._atomic import atomic_write
+    from kvq_export.manifest import check_output_path
+
+    atomic_write(check_output_path(target, "--json"), text.rstrip("\n") + "\n")
+
+
+def _html_target(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and not value.lower().endswith((".html", ".htm")):
+        raise OutputPathError(f"--report {value}: the report is HTML; give a .html path (numbers as JSON: --json)")
+    return outside_exports(ctx, param, value)
+
+
+def report_option(what: str):
+    """``--report FILE.html``: a self-contained HTML report (any other suffix is a one-line error)."""
+    return click.option("--report", "report_out", type=click.Path(dir_okay=False), default=None,
+                        callback=_html_target, metavar="FILE.html", help=f"Write {what} as one self-contained "
+                        "HTML file here (a .html path).")
+
+
+def out_option(help: str, *, required: bool = False, file: bool = True, param: str = "out", **kwargs):
+    """``--out``: where the command writes (never inside an export directory)."""
+    return click.option("--out", param, required=required, callback=outside_exports,
+                        type=click.Path(dir_okay=not file, file_okay=file), help=help, **kwargs)
+
+
+def deprecated_alias(old: str, new: str, param: str, **kwargs):
+    """A hidden ``old`` spelling of option ``new`` (the command's parameter ``param``): it still works, and warns."""
+    def apply(func):
+        @functools.wraps(func)
+        def command(*args, **params):
+            value = params.pop(f"deprecated_{param}")
+            if value is not None:
+                click.echo(f"warning: {old} is deprecated; use {new}", err=True)
+                if params[param] not in (None, value):
+                    raise KVQError(f"give {new} only, not both {new} and {old}")
+                params[param] = value
+            return func(*args, **params)
+
+        return click.option(old, f"deprecated_{param}", hidden=True, default=None, callback=outside_exports,
+                            help=f"Deprecated spelling of {new}.", **kwargs)(command)
+
+    return apply
+
+
+def device_option():
+    """``--device auto|cpu|cuda``, given to the command as ``providers`` (ONNX Runtime execution providers)."""
+    def to_providers(ctx: click.Context, param: click.Parameter, value: str):
+        from kvq_export.runtime.device import providers_for
+
+        return providers_for(value)
+
+    from kvq_export.runtime.device import DEVICES
+
+    return click.option("--device", "providers", type=click.Choice(DEVICES), default="auto", show_default=True,
+                        callback=to_providers, help="Where ONNX Runtime runs the graphs: cpu, cuda "
+                        "(CUDAExecutionProvider: onnxruntime-gpu), or auto (cuda when ONNX Runtime has it, else cpu).")
+
+
+def scheme_options(*, required: bool = True, default: str | None = None):
+    """``--scheme PRESET|FILE`` or ``--key FORMAT --value FORMAT`` (llama.cpp's ``-ctk`` / ``-ctv``), given to the
+    command as one ``scheme_spec``: the preset name / file, or the scheme built from the two formats."""
+    from kvq_export.presets import tensor_format_names
+
+    formats = ", ".join(tensor_format_names())
+
+    def apply(func):
+        @functools.wraps(func)
+        def command(*args, scheme_spec, key_format, value_format, **kwargs):
+            if (key_format is None) != (value_format is None):
+                raise SchemeError("give both --key and --value (a format each; allowed: " + formats + ")")
+            if key_format is not None:
+                if scheme_spec is not None:
+                    raise SchemeError("give either --scheme or --key/--value, not both")
+                from kvq_export.presets import scheme_from_formats
+
+                scheme_spec = scheme_from_formats(key_format, value_format)
+            elif scheme_spec is None:
+                if default is None and required:
+                    raise SchemeError("give a cache scheme: --scheme PRESET|FILE, or --key FORMAT --value FORMAT")
+                scheme_spec = default
+            return func(*args, scheme_spec=scheme_spec, **kwargs)
+
+        about = f" [default: {default}]" if default else ""
+        for option in reversed([
+            click.option("--scheme", "scheme_spec", default=None, metavar="PRESET|FILE",
+                         help=f"Preset name (kvq schemes) or scheme .json file{about}; or give --key and --value."),
+            click.option("--key", "key_format", default=None, metavar="FORMAT",
+                         help=f"Keys' format, with --value instead of --scheme: {formats}."),
+            click.option("--value", "value_format", default=None, metavar="FORMAT",
+                         help="Values' format, with --key instead of --scheme (the same formats)."),
+        ]):
+            command = option(command)
+        return command
+
+    return apply
 
 
 def calibration_options(*, optional: bool = False, short_names: bool = False):

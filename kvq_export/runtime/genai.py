@@ -23,6 +23,7 @@ from kvq_export.errors import ExportError, RuntimeInputError
 from kvq_export.export.genai_package import GENAI_CONFIG, GENAI_MODEL, RUNTIME, genai_config, unsupported_reason
 from kvq_export.manifest import Manifest, check_same_export, export_identity
 from kvq_export.naming import PARTS
+from kvq_export.runtime.device import genai_providers
 from kvq_export.runtime.sampling import SamplingConfig
 from kvq_export.runtime.session import Generation, default_threads
 
@@ -165,10 +166,12 @@ class GenaiSession:
             see :func:`~kvq_export.runtime.session.default_threads`).
         verify_weights: check the graphs and weights against the checksums in ``kvq.json`` (as
             :class:`~kvq_export.runtime.session.KVQSession` does).
+        providers: ONNX Runtime providers (:func:`~kvq_export.runtime.device.providers_for`); None: the ones
+            ``genai_config.json`` names (CPU as kvq writes it).
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, threads: int | None = None,
-                 verify_weights: bool = True) -> None:
+                 verify_weights: bool = True, providers: Sequence[str] | None = None) -> None:
         from kvq_export.manifest import (
             check_export_files,
             check_graph_metadata,
@@ -195,6 +198,7 @@ class GenaiSession:
                              read_graph_metadata(resolve_inside(self.directory, GENAI_MODEL)), static)
         self.og = require("onnxruntime_genai")
         self.threads = threads or default_threads()
+        self.providers = genai_providers(list(providers) if providers is not None else None)
         # onnxruntime-genai reads these whole: a sparse or endless one is refused first
         check_sizes(self.directory, TOKENIZER_FILES, "tokenizer file", limit=TOKENIZER_LIMIT, error=RuntimeInputError)
         self.config = _written_config(self.directory, self.manifest)
@@ -216,6 +220,10 @@ class GenaiSession:
 
     def _config(self, **model_overlay: Any):
         config = self.og.Config(str(self.directory))
+        if self.providers is not None:  # a device was asked for: it replaces the config's own providers
+            config.clear_providers()
+            for provider in self.providers:
+                config.append_provider(provider)
         overlay: dict[str, Any] = {"model": dict(model_overlay)} if model_overlay else {}
         if self.threads:
             overlay.setdefault("model", {})["decoder"] = {"session_options": {"intra_op_num_threads": self.threads}}

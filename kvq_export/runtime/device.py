@@ -1,0 +1,46 @@
+"""``device`` -> ONNX Runtime execution providers: what ``kvq ... --device`` and the library's ``providers`` mean."""
+
+from __future__ import annotations
+
+from kvq_export.errors import RuntimeInputError
+
+#: The devices kvq can be asked for; ``auto`` leaves the choice to :func:`~kvq_export.runtime.session.choose_providers`.
+DEVICES = ("auto", "cpu", "cuda")
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+
+
+def providers_for(device: str | None) -> list[str] | None:
+    """The providers a session on ``device`` opens with (None for ``auto``: CUDA when ONNX Runtime has it, else CPU).
+
+    ``cuda`` needs an ONNX Runtime built with CUDA (``onnxruntime-gpu``); without one this is a one-line error
+    naming the providers the installed ONNX Runtime has.
+    """
+    if device in (None, "auto"):
+        return None
+    if device == "cpu":
+        return [CPU]
+    if device != "cuda":
+        raise RuntimeInputError(f"unknown device {device!r}; allowed: {', '.join(DEVICES)}")
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if CUDA not in available:
+        raise RuntimeInputError(f"device cuda needs onnxruntime with {CUDA} (onnxruntime-gpu); this onnxruntime has "
+                                f"{', '.join(available)}", cli=f"--device cuda needs onnxruntime with {CUDA} "
+                                f"(onnxruntime-gpu); this onnxruntime has {', '.join(available)}")
+    return [CUDA, CPU]
+
+
+def genai_providers(providers: list[str] | None) -> list[str] | None:
+    """The onnxruntime-genai provider names (``cuda``; CPU is its default and has none) for ONNX Runtime ``providers``.
+
+    None leaves the export's ``genai_config.json`` as written.
+    """
+    if providers is None:
+        return None
+    names = {CUDA: "cuda", CPU: None}
+    unknown = [p for p in providers if p not in names]
+    if unknown:
+        raise RuntimeInputError(f"onnxruntime-genai cannot run on {', '.join(unknown)}; allowed: {', '.join(names)}")
+    return [names[p] for p in providers if names[p]]
