@@ -255,6 +255,7 @@ def run_bench(
     fill: str = "synthetic",
     on_result: Callable[[BenchResult], None] | None = None,
     json_out: str | os.PathLike[str] | None = None,
+    providers: Sequence[str] | None = None,
 ) -> BenchReport:
     """Benchmark ``schemes`` (and ``baseline``) for every flavour, context and batch; see the module docstring.
 
@@ -282,6 +283,7 @@ def run_bench(
         on_result: called with each result as soon as it is measured (progress output).
         json_out: the report's JSON file, rewritten (atomically) after every result, so a run that is stopped
             keeps every row measured so far (``"complete": false`` until the run ends).
+        providers: ONNX Runtime providers of the timed sessions (None: the runtime's default choice).
     """
     _check_positive(contexts=contexts, batches=batches, steps=[steps], prefill_tokens=[prefill_tokens],
                     prefill_repeats=[prefill_repeats])
@@ -326,7 +328,7 @@ def run_bench(
     del hf_model, tokenizer  # the PyTorch model is not needed while measuring
     gc.collect()
     for flavor in flavors:
-        sessions = {name: KVQSession(d, threads=threads) for name, d in exports[flavor].items()}
+        sessions = {name: KVQSession(d, threads=threads, providers=providers) for name, d in exports[flavor].items()}
         prefills: dict[tuple[int, int], dict[str, float]] = {}
         for batch in batches:
             for context in contexts:

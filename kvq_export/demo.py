@@ -24,6 +24,7 @@ import logging
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,17 +101,19 @@ def _timed_generate(session, prompt: str, max_new_tokens: int, sampling: Samplin
 
 def run_demo(model_spec: str, prompt: str, max_new_tokens: int, workdir: str | os.PathLike[str] | None = None,
              sampling: SamplingConfig = DEMO_SAMPLING, runs: tuple[DemoRun, ...] = DEMO_RUNS,
-             calibration: CalibrationSpec = DEFAULT_CALIBRATION) -> list[DemoRow]:
+             calibration: CalibrationSpec = DEFAULT_CALIBRATION,
+             providers: Sequence[str] | None = None) -> list[DemoRow]:
     """Export (or reuse) each of ``runs`` and generate from ``prompt``; the first run is the baseline.
 
     Static-scale runs are calibrated as ``calibration`` says (``kvq export``'s defaults: held-out britannica text).
+    ``providers``: ONNX Runtime providers of the sessions (None: the runtime's default choice).
     """
     root = Path(workdir) if workdir else cache_dir("exports")
     rows: list[DemoRow] = []
     for run in runs:
         request = ExportRequest(model=model_spec, scheme=run.scheme, flavor=run.flavor, calibration=calibration)
         directory = ensure_export(request, cached_export_dir(request, root))
-        session = KVQSession(directory)
+        session = KVQSession(directory, providers=providers)
         result, decode_ms = _timed_generate(session, prompt, max_new_tokens, sampling)
         base = rows[0] if rows else None
         tokens = base.tokens if base else result.tokens

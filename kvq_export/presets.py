@@ -166,9 +166,12 @@ def resolve_scheme(spec: str | KVQuantScheme) -> KVQuantScheme:
 
 
 def _tensor_formats() -> dict[str, TensorQuant]:
-    """Named per-tensor formats: every preset that stores keys and values alike, and nothing more, lends its name
-    to that format (``q8_0``, ``int8``, ``fp8``, ``q4_0-rot`` ...); plain asymmetric integers at every width
-    complete the set, token-wise (``int2-g32``) and channel-wise like KIVI's keys (``int2-ch-g32``)."""
+    """Named per-tensor formats, derived from the preset table.
+
+    Every preset that stores keys and values alike, and nothing more, lends its name to that format (``q8_0``,
+    ``int8``, ``fp8``, ``q4_0-rot`` ...); plain asymmetric integers at every width complete the set, token-wise
+    (``int2-g32``) and channel-wise like KIVI's keys (``int2-ch-g32``).
+    """
     formats = {name: scheme.key for name, (scheme, _) in PRESETS.items()
                if scheme.key == scheme.value and scheme.residual_length == 0 and scheme.sink_tokens == 0
                and not scheme.layer_overrides}

@@ -333,7 +333,7 @@ def test_cli_plan_writes_a_scheme(tmp_path):
     out, report = tmp_path / "planned.json", tmp_path / "report.json"
     result = CliRunner().invoke(cli, ["plan", "--model", str(model_dir), "--corpus", str(corpus), "--tokens", "128",
                                       "--offset", "100", "--budget", "6", "--context", "1024", "--calib-method",
-                                      "absmax", "--out", str(out), "--report", str(report)])
+                                      "absmax", "--out", str(out), "--json", str(report)])
     assert result.exit_code == 0, result.output
     scheme = KVQuantScheme.from_json(out.read_text())
     assert scheme.name == "planned" and "bits/element at 1024 tokens" in result.output

@@ -568,13 +568,13 @@ def test_validate_gates_exit_1_with_one_line_after_writing_every_number(root, mo
 
 # -- no command writes inside an export directory -----------------------------------------------------------
 OUTPUTS = [  # (command line with {out} for the path, whether the path is a directory)
-    (["validate", "{e}", "--json", "{out}"], False), (["validate", "{e}", "--report", "{out}"], False),
-    (["plan", "--out", "{out}", "--budget", "4"], False), (["plan", "--report", "{out}", "--out", "x.json",
+    (["validate", "{e}", "--json", "{out}"], False), (["validate", "{e}", "--report", "{out}.html"], False),
+    (["plan", "--out", "{out}", "--budget", "4"], False), (["plan", "--json", "{out}", "--out", "x.json",
                                                             "--budget", "4"], False),
     (["calibrate", "--out", "{out}"], False), (["bench", "--json", "{out}", "--schemes", "fp16"], False),
     (["bench", "--plot", "{out}", "--schemes", "fp16"], False), (["bench", "--work-dir", "{out}", "--schemes", "fp16"],
                                                                  True),
-    (["demo", "--workdir", "{out}"], True), (["build", "{e}", "--output", "{out}"], False),
+    (["demo", "--work-dir", "{out}"], True), (["build", "{e}", "--out", "{out}"], False),
     (["export", "--out", "{out}", "--scheme", "fp16"], True),
 ]
 

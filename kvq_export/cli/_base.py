@@ -45,8 +45,10 @@ def _json_target(ctx: click.Context, param: click.Parameter, value: str | None) 
 
 
 def json_option(what: str):
-    """``--json FILE``: write ``what`` as JSON to FILE (atomically; never inside an export), ``-`` (or a bare
-    ``--json``) to stdout. The command receives ``json_out`` and writes with :func:`write_json_output`."""
+    """``--json FILE``: write ``what`` as JSON to FILE (atomically; never inside an export), ``-`` to stdout.
+
+    A bare ``--json`` means ``-``. The command receives ``json_out`` and writes with :func:`write_json_output`.
+    """
     return click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True), default=None,
                         is_flag=False, flag_value=STDOUT, callback=_json_target, metavar="FILE",
                         help=f"Write {what} as JSON to FILE ('-' or a bare --json: stdout, and only the JSON).")
@@ -90,9 +92,9 @@ def deprecated_alias(old: str, new: str, param: str, **kwargs):
         def command(*args, **params):
             value = params.pop(f"deprecated_{param}")
             if value is not None:
-                click.echo(f"warning: {old} is deprecated; use {new}", err=True)
                 if params[param] not in (None, value):
                     raise KVQError(f"give {new} only, not both {new} and {old}")
+                click.echo(f"warning: {old} is deprecated; use {new}", err=True)
                 params[param] = value
             return func(*args, **params)
 
@@ -117,8 +119,10 @@ def device_option():
 
 
 def scheme_options(*, required: bool = True, default: str | None = None):
-    """``--scheme PRESET|FILE`` or ``--key FORMAT --value FORMAT`` (llama.cpp's ``-ctk`` / ``-ctv``), given to the
-    command as one ``scheme_spec``: the preset name / file, or the scheme built from the two formats."""
+    """``--scheme PRESET|FILE`` or ``--key FORMAT --value FORMAT`` (llama.cpp's ``-ctk`` / ``-ctv``).
+
+    The command receives one ``scheme_spec``: the preset name / file, or the scheme built from the two formats.
+    """
     from kvq_export.presets import tensor_format_names
 
     formats = ", ".join(tensor_format_names())
@@ -126,11 +130,11 @@ def scheme_options(*, required: bool = True, default: str | None = None):
     def apply(func):
         @functools.wraps(func)
         def command(*args, scheme_spec, key_format, value_format, **kwargs):
+            if scheme_spec is not None and (key_format or value_format):
+                raise SchemeError("give either --scheme or --key/--value, not both")
             if (key_format is None) != (value_format is None):
                 raise SchemeError("give both --key and --value (a format each; allowed: " + formats + ")")
             if key_format is not None:
-                if scheme_spec is not None:
-                    raise SchemeError("give either --scheme or --key/--value, not both")
                 from kvq_export.presets import scheme_from_formats
 
                 scheme_spec = scheme_from_formats(key_format, value_format)

@@ -4,18 +4,39 @@ from __future__ import annotations
 
 import click
 
-from kvq_export.cli._base import calibration_options, cli, int_list, make_console
+from kvq_export.cli._base import (
+    STDOUT,
+    calibration_options,
+    cli,
+    device_option,
+    int_list,
+    json_option,
+    make_console,
+    write_json_output,
+)
 from kvq_export.cli_types import outside_exports
 from kvq_export.export.flavors import flavor_names
 
 
+def _flavor_list(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
+    """``--flavors a,b``: each a known flavor (an unknown one is a one-line error naming the allowed ones)."""
+    from kvq_export.export.flavors import get_flavor
+
+    names = [f.strip() for f in value.split(",") if f.strip()]
+    if not names:
+        raise click.BadParameter(f"give at least one flavor ({', '.join(flavor_names())})")
+    return [str(get_flavor(name).name) for name in names]
+
+
 @cli.command()
-@click.option("--model", "model_spec", default="smollm2", show_default=True)
+@click.option("--model", "model_spec", default="smollm2", show_default=True,
+              help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
 @click.option("--schemes", required=True, help="Comma-separated presets or scheme files (the baseline is added).")
-@click.option("--flavors", default="ort-gqa", show_default=True,
-              help=f"Comma-separated flavors ({', '.join(flavor_names())}).")
-@click.option("--contexts", default="512,2048,8192", show_default=True)
-@click.option("--batch", "batches", default="1,4", show_default=True)
+@click.option("--flavors", default="ort-gqa", show_default=True, callback=_flavor_list,
+              help=f"Comma-separated flavors, each one of: {', '.join(flavor_names())}.")
+@click.option("--contexts", default="512,2048,8192", show_default=True,
+              help="Comma-separated cache lengths (tokens per row) decoding is timed at.")
+@click.option("--batch", "batches", default="1,4", show_default=True, help="Comma-separated batch sizes.")
 @click.option("--baseline", default="fp16", show_default=True, help="Scheme every result is a ratio to.")
 @click.option("--steps", type=click.IntRange(1), default=32, show_default=True, help="Timed decode steps.")
 @click.option("--warmup", type=click.IntRange(0), default=4, show_default=True, help="Untimed decode steps first.")
@@ -33,12 +54,13 @@ from kvq_export.export.flavors import flavor_names
 @calibration_options()
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None, callback=outside_exports,
               help="Where the exports are kept and reused (default: the kvq cache directory).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=outside_exports)
+@json_option("every result (a file is rewritten after each one)")
+@device_option()
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None, callback=outside_exports,
               help="PNG of decode latency and cache bytes against context length.")
 @click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
 def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warmup, prefill_tokens, fill, dtype,
-          threads, ppl_windows, ppl_tokens, calibration, work_dir, json_out, plot_out, quiet) -> None:
+          threads, ppl_windows, ppl_tokens, calibration, work_dir, json_out, providers, plot_out, quiet) -> None:
     """Decode latency, prefill throughput, cache bytes and RSS per scheme, as ratios to the baseline."""
     from rich.console import Console
 
@@ -55,15 +77,18 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
     try:
         with tqdm_bars(not quiet):
             report = kvq_bench.run_bench(
-                model_spec, [s for s in schemes.split(",") if s], flavors=[f for f in flavors.split(",") if f],
+                model_spec, [s for s in schemes.split(",") if s], flavors=flavors,
                 contexts=int_list(contexts), batches=int_list(batches), baseline=baseline, steps=steps, warmup=warmup,
                 prefill_tokens=prefill_tokens, fill=fill, dtype=dtype, threads=threads, ppl_windows=ppl_windows,
-                ppl_tokens=ppl_tokens, calibration=calibration, work_dir=work_dir, on_result=show, json_out=json_out)
+                ppl_tokens=ppl_tokens, calibration=calibration, work_dir=work_dir, on_result=show,
+                json_out=None if json_out == STDOUT else json_out, providers=providers)
     except KeyboardInterrupt:
-        if json_out:
+        if json_out and json_out != STDOUT:
             click.echo(f"interrupted: {json_out} keeps every result measured so far", err=True)
         raise
-    console = make_console()
+    if json_out == STDOUT:
+        write_json_output(json_out, report.to_json())
+    console = make_console(json_out=json_out)
     console.print(kvq_bench.report_table(report))
     if ppl_windows:
         console.print(kvq_bench.perplexity_table(report))
@@ -73,7 +98,8 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
 
 @cli.command("bench-serve")
 @click.argument("export_dirs", nargs=-1, required=True, metavar="[NAME=]DIR...")
-@click.option("--context", "contexts", type=click.IntRange(2), multiple=True, default=(2048, 8000), show_default=True)
+@click.option("--context", "contexts", type=click.IntRange(2), multiple=True, default=(2048, 8000), show_default=True,
+              help="Cache length measured at (repeat for several).")
 @click.option("--concurrent", type=click.IntRange(1), default=4, show_default=True, help="Sequences decoded together.")
 @click.option("--budget-gb", type=click.FloatRange(0, min_open=True), default=8.0, show_default=True,
               help="Memory budget (GiB) the sequences must fit beside the weights.")
@@ -81,13 +107,18 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
 @click.option("--backend", type=click.Choice(["auto", "og", "session"]), default="auto", show_default=True,
               help="og: og.Model with a batch prefilled for real; session: KVQSession on a synthetic cache (kvq "
                    "exports); auto: session for kvq exports, og for others.")
-@click.option("--threads", type=click.IntRange(1), default=None)
-@click.option("--out", "out", default="capacity.jsonl", show_default=True, help="Rows appended as measured.")
-@click.option("--plot", "plot_out", default=None, help="Write a PNG of the rows here.")
+@click.option("--threads", type=click.IntRange(1), default=None,
+              help="ONNX Runtime intra-op threads [default: OMP_NUM_THREADS when set, else ONNX Runtime's choice].")
+@click.option("--out", "out", default="capacity.jsonl", show_default=True, callback=outside_exports,
+              help="Rows appended (JSON lines) as measured.")
+@click.option("--plot", "plot_out", default=None, callback=outside_exports, help="Write a PNG of the rows here.")
 @click.option("--predict-only", is_flag=True, help="Read the graphs only: cache bytes and sequences predicted.")
 def bench_serve(export_dirs, contexts, concurrent, budget_gb, new_tokens, backend, threads, out, plot_out,
                 predict_only) -> None:
-    """Sequences each export serves at once within a memory budget, and their aggregate tokens/s."""
+    """Sequences each export serves at once within a memory budget, and their aggregate tokens/s.
+
+    EXPORT_DIRS: export directories (kvq's or onnxruntime-genai's), each optionally named NAME=DIR.
+    """
     from pathlib import Path
 
     from kvq_export.capacity import plot_capacity, run_capacity

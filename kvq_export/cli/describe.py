@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
-from kvq_export.cli._base import cli, make_console
+from kvq_export.cli._base import STDOUT, cli, json_option, make_console, scheme_options, write_json_output
 from kvq_export.request import WEIGHT_BLOCK_SIZES, WeightFormat
 
 DEFAULT_CURVE = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -22,8 +20,8 @@ def _windows(scheme) -> list[tuple[str, int]]:
 @cli.command()
 @click.option("--head-dim", type=click.IntRange(1), default=64, show_default=True,
               help="head_dim of the bits/element columns (SmolLM2's: 64).")
-@click.option("--json", "as_json", is_flag=True, help="Print every preset as scheme JSON.")
-def schemes(head_dim: int, as_json: bool) -> None:
+@json_option("every preset's scheme")
+def schemes(head_dim: int, json_out: str | None) -> None:
     """List the named scheme presets with their bits per element.
 
     ``bits/elem`` ignores windows; the ``@512`` / ``@4096`` columns are the memory model's bits per cached
@@ -34,9 +32,10 @@ def schemes(head_dim: int, as_json: bool) -> None:
     from kvq_export.presets import PRESETS, presets_json
     from kvq_export.scheme import bits_label
 
-    if as_json:
-        click.echo(presets_json())
-        return
+    if json_out:
+        write_json_output(json_out, presets_json())
+        if json_out == STDOUT:
+            return
     from rich.table import Table
 
     geometry = Geometry(num_layers=30, num_kv_heads=3, head_dim=head_dim)
@@ -126,9 +125,9 @@ def _weights_table(title: str, weights, cache):
 @cli.command()
 @click.option("--model", "model_spec", default="smollm2", show_default=True,
               help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
-@click.option("--scheme", "scheme_spec", required=True, help="Preset name or scheme .json file.")
+@scheme_options()
 @click.option("--seq-len", type=click.IntRange(0), required=True, help="Tokens in the cache.")
-@click.option("--batch", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--batch", type=click.IntRange(1), default=1, show_default=True, help="Sequences in the cache.")
 @click.option("--weights", "weight_format", type=click.Choice([str(f) for f in WeightFormat]), default=None,
               help="Also predict the weights' bytes, stored as ``kvq export --weights`` would store them.")
 @click.option("--weight-block-size", type=click.Choice([str(b) for b in WEIGHT_BLOCK_SIZES]), default="32",
@@ -136,9 +135,9 @@ def _weights_table(title: str, weights, cache):
 @click.option("--weight-asymmetric", is_flag=True, help="int8/int4 weights: a zero point per block as well.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
               help="Compute dtype of the graph (what unquantized weights and scales are stored in).")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (exact byte counts).")
-def memory(model_spec: str, scheme_spec: str, seq_len: int, batch: int, weight_format: str | None,
-           weight_block_size: str, weight_asymmetric: bool, dtype: str, as_json: bool) -> None:
+@json_option("the report (exact byte counts)")
+def memory(model_spec: str, scheme_spec, seq_len: int, batch: int, weight_format: str | None,
+           weight_block_size: str, weight_asymmetric: bool, dtype: str, json_out: str | None) -> None:
     """Predict the cache's bytes: payload, scales, zero points, high precision, padding.
 
     With --weights, also the weights' bytes (codes, scales, zero points, unquantized) beside the cache's.
@@ -156,11 +155,12 @@ def memory(model_spec: str, scheme_spec: str, seq_len: int, batch: int, weight_f
     if weight_format is not None:
         spec = WeightSpec(format=weight_format, block_size=int(weight_block_size), symmetric=not weight_asymmetric)
         weights = mem.predict_weights(parameter_shapes(config), spec, dtype)
-    if as_json:
+    if json_out:
         extra = {} if weights is None else {"weights": weights.to_dict(),
                                             "weights_and_cache_bytes": weights.total_bytes + report.total_bytes}
-        click.echo(json.dumps({"model": model_spec, **report.to_dict(), **extra}, indent=2))
-        return
+        write_json_output(json_out, {"model": model_spec, **report.to_dict(), **extra})
+        if json_out == STDOUT:
+            return
     console = make_console()
     console.print(_breakdown_table(
         f"{report.scheme} on {model_spec} ({facts.num_layers} layers x {facts.num_kv_heads} kv heads x "

@@ -6,7 +6,16 @@ import json
 
 import click
 
-from kvq_export.cli._base import calibration_options, cli
+from kvq_export.cli._base import (
+    STDOUT,
+    calibration_options,
+    cli,
+    deprecated_alias,
+    json_option,
+    out_option,
+    scheme_options,
+    write_json_output,
+)
 from kvq_export.cli_types import POSITIVE, outside_exports
 from kvq_export.errors import KVQError
 from kvq_export.export.flavors import FLAVORS, flavor_names
@@ -16,11 +25,12 @@ from kvq_export.request import DEFAULT_OPSET, MIN_OPSET, WEIGHT_BLOCK_SIZES, Wei
 @cli.command("export")
 @click.option("--model", "model_spec", default="smollm2", show_default=True,
               help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
-@click.option("--scheme", "scheme_spec", required=True, help="Preset name or scheme .json file.")
+@scheme_options()
 @click.option("--out", "out_dir", required=True, callback=outside_exports, help="Export directory.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
               help="Compute dtype of the graph.")
-@click.option("--opset", type=click.IntRange(MIN_OPSET), default=DEFAULT_OPSET, show_default=True)
+@click.option("--opset", type=click.IntRange(MIN_OPSET), default=DEFAULT_OPSET, show_default=True,
+              help="ONNX opset of the graph.")
 @click.option("--flavor", type=click.Choice(flavor_names()), default=flavor_names()[0], show_default=True,
               help="Graph flavor: " + "; ".join(f"{f.name} ({f.about})" for f in FLAVORS.values()) + ".")
 @click.option("--force", is_flag=True, help="Replace an existing export directory (only a kvq export is replaced).")
@@ -72,13 +82,12 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, we
 @click.option("--value-window", type=click.IntRange(0), default=None,
               help="Every value candidate keeps its N newest tokens exact (measured, and counted in the budget).")
 @click.option("--name", default=None, help="Name of the planned scheme (default plan-<budget>b).")
-@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), callback=outside_exports,
-              help="Scheme JSON to write.")
-@click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None, callback=outside_exports,
-              help="Also write the measured damage per layer and candidate, and the uniform choices, as JSON.")
+@out_option("Scheme JSON to write.", required=True, param="out_path")
+@json_option("the measured damage per layer and candidate, and the uniform choices,")
+@deprecated_alias("--report", "--json", "json_out", type=click.Path(dir_okay=False))
 @click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
 def plan(model_spec, calibration, budget, context, candidates, metric, sink_tokens, value_window, name, out_path,
-         report_path, quiet) -> None:
+         json_out, quiet) -> None:
     """Choose per-layer key/value formats under a bit budget by measured attention damage; write a scheme."""
     from pathlib import Path
 
@@ -88,8 +97,8 @@ def plan(model_spec, calibration, budget, context, candidates, metric, sink_toke
     from kvq_export.plan import plan_scheme
     from kvq_export.progress import tqdm_bars
 
-    for path in (out_path, report_path):  # a plan takes minutes: refuse a file it could not write before planning
-        if path and not Path(path).resolve().parent.is_dir():
+    for path in (out_path, json_out):  # a plan takes minutes: refuse a file it could not write before planning
+        if path and path != STDOUT and not Path(path).resolve().parent.is_dir():
             raise KVQError(f"cannot write {path}: its directory does not exist")
     model, tokenizer = load_model(model_spec)
     if tokenizer is None:
@@ -101,29 +110,26 @@ def plan(model_spec, calibration, budget, context, candidates, metric, sink_toke
                              name=name or Path(out_path).stem)
     result.settings.update(model=model_spec, corpus=calibration.corpus, offset=calibration.offset)
     atomic_write(out_path, result.scheme.to_json() + "\n")
-    if report_path:
-        from kvq_export.validate.report import write_json
-
-        write_json(result.to_dict(), report_path)
+    if json_out:
+        write_json_output(json_out, result.to_dict())
+    to_stderr = json_out == STDOUT  # stdout then holds the JSON alone
     click.echo(f"{out_path}: {result.bits_per_element:.3f} bits/element at {context} tokens (budget {budget:g}), "
-               f"predicted damage {result.damage:.4g} ({metric}); {result.scheme.describe()}")
+               f"predicted damage {result.damage:.4g} ({metric}); {result.scheme.describe()}", err=to_stderr)
     for row in result.uniform:
         click.echo(f"  uniform K {row['key']} / V {row['value']}: {row['bits_per_element']:.3f} bits/element, "
-                   f"damage {row['damage']:.4g}")
+                   f"damage {row['damage']:.4g}", err=to_stderr)
 
 
 @cli.command()
 @click.option("--model", "model_spec", default="smollm2", show_default=True,
               help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
-@click.option("--scheme", "scheme_spec", default="ort-int8", show_default=True,
-              help="Preset or scheme .json file with static scales (what is calibrated).")
+@scheme_options(default="ort-int8")
 @calibration_options()
 @click.option("--format", "file_format", type=click.Choice(["genai-scales", "npz"]), default="genai-scales",
               show_default=True, help="genai-scales: onnxruntime-genai builder's kv_cache_scale_file; npz: kvq's.")
 @click.option("--granularity", type=click.Choice(["per_channel", "per_tensor"]), default="per_channel",
               show_default=True, help="genai-scales: the builder's kv_cache_quant_scheme granularity.")
-@click.option("--out", required=True, type=click.Path(dir_okay=False), callback=outside_exports,
-              help="File to write.")
+@out_option("Scale file to write.", required=True)
 @click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
 def calibrate(model_spec, scheme_spec, calibration, file_format, granularity, out, quiet) -> None:
     """Calibrate static K/V scales and write them for kvq or for onnxruntime-genai's model builder."""
@@ -144,15 +150,20 @@ def calibrate(model_spec, scheme_spec, calibration, file_format, granularity, ou
 @cli.command()
 @click.argument("export_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--fp16", is_flag=True, help="Allow fp16 kernels.")
-@click.option("--max-batch", type=click.IntRange(1), default=8, show_default=True)
-@click.option("--max-context", type=click.IntRange(1), default=4096, show_default=True)
+@click.option("--max-batch", type=click.IntRange(1), default=8, show_default=True,
+              help="Largest batch of the engine's profiles.")
+@click.option("--max-context", type=click.IntRange(1), default=4096, show_default=True,
+              help="Longest cache (tokens) of the engine's profiles.")
 @click.option("--max-prefill", type=click.IntRange(1), default=None, help="Longest prefill (default: max context).")
-@click.option("--output", type=click.Path(dir_okay=False), default=None, callback=outside_exports,
-              help="Engine path (default: DIR.engine beside the export; never inside it).")
-def build(export_dir, fp16, max_batch, max_context, max_prefill, output) -> None:
-    """Build a TensorRT engine from a --flavor trt export (plugin loaded; prefill and decode profiles)."""
+@out_option("Engine path (default: DIR.engine beside the export; never inside it).")
+@deprecated_alias("--output", "--out", "out", type=click.Path(dir_okay=False))
+def build(export_dir, fp16, max_batch, max_context, max_prefill, out) -> None:
+    """Build a TensorRT engine from a --flavor trt export (plugin loaded; prefill and decode profiles).
+
+    EXPORT_DIR: a kvq export directory made with --flavor trt.
+    """
     from kvq_export.trt import build_engine
 
     path = build_engine(export_dir, fp16=fp16, max_batch=max_batch, max_context=max_context,
-                        max_prefill=max_prefill, output=output)
+                        max_prefill=max_prefill, output=out)
     click.echo(f"engine written to {path}")

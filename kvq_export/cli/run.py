@@ -2,33 +2,48 @@
 
 from __future__ import annotations
 
-import json
 import logging
 
 import click
 
-from kvq_export.cli._base import calibration_options, cli, make_console, utf8_arg
+from kvq_export.cli._base import (
+    STDOUT,
+    calibration_options,
+    cli,
+    deprecated_alias,
+    device_option,
+    json_option,
+    make_console,
+    utf8_arg,
+    write_json_output,
+)
 from kvq_export.cli_types import NON_NEGATIVE, FiniteFloat, outside_exports
 
 
 @cli.command()
 @click.argument("export_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text (repeat for a batch).")
-@click.option("--max-new-tokens", type=click.IntRange(0), default=64, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(0), default=64, show_default=True,
+              help="Tokens generated per prompt.")
 @click.option("--temperature", type=NON_NEGATIVE, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=click.IntRange(1), default=None)
-@click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=None)
-@click.option("--seed", type=click.IntRange(0), default=None)
+@click.option("--top-k", type=click.IntRange(1), default=None, help="Sample from the K most likely tokens only.")
+@click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=None,
+              help="Sample from the smallest set of tokens whose probability reaches P (0 < P <= 1).")
+@click.option("--seed", type=click.IntRange(0), default=None, help="Random seed of sampling (reproducible runs).")
 @click.option("--repetition-penalty", type=FiniteFloat(0.01, 100), default=1.0, show_default=True,
               help="> 1 discourages tokens the row already holds (prompt included); 1 = off.")
 @click.option("--runtime", type=click.Choice(["kvq", "genai"]), default="kvq", show_default=True,
               help="kvq: kvq's loop on ONNX Runtime; genai: onnxruntime-genai's C++ loop (ort-gqa exports).")
-@click.option("--json", "as_json", is_flag=True, help="Print tokens, text and cache bytes as JSON.")
+@json_option("tokens, text and cache bytes")
+@device_option()
 @click.option("--no-verify", "no_verify", is_flag=True,
               help="Skip checking the weight files against the checksums in kvq.json (faster on trusted storage).")
 def generate(export_dir, prompts, max_new_tokens, temperature, top_k, top_p, seed, repetition_penalty, runtime,
-             as_json, no_verify) -> None:
-    """Generate text from an export directory on ONNX Runtime (quantized cache between steps)."""
+             json_out, providers, no_verify) -> None:
+    """Generate text from an export directory on ONNX Runtime (quantized cache between steps).
+
+    EXPORT_DIR: a kvq export directory.
+    """
     from kvq_export.runtime.sampling import SamplingConfig
 
     for prompt in prompts:  # bytes that are not UTF-8 arrive as lone surrogates: refuse them before any work
@@ -38,24 +53,25 @@ def generate(export_dir, prompts, max_new_tokens, temperature, top_k, top_p, see
     if runtime == "genai":
         from kvq_export.runtime.genai import GenaiSession
 
-        session = GenaiSession(export_dir, verify_weights=not no_verify)
+        session = GenaiSession(export_dir, verify_weights=not no_verify, providers=providers)
         results = session.generate(list(prompts), max_new_tokens, sampling)
         scheme = session.manifest.scheme.name
     else:
         from kvq_export.runtime.session import KVQSession
 
-        session = KVQSession(export_dir, verify_weights=not no_verify)
+        session = KVQSession(export_dir, verify_weights=not no_verify, providers=providers)
         scheme = session.manifest.scheme.name
         results = None
     stream = None
-    if results is None and len(prompts) == 1 and not as_json:
+    if results is None and len(prompts) == 1 and json_out != STDOUT:
         stream = _TextStream(session.tokenizer, prompts[0])
     if results is None:
         results = session.generate(list(prompts), max_new_tokens, sampling, on_token=stream)
-    if as_json:
-        click.echo(json.dumps({"export": str(export_dir), "scheme": scheme, "runtime": runtime,
-                               "results": [r.to_dict() for r in results]}, indent=2))
-        return
+    if json_out:
+        write_json_output(json_out, {"export": str(export_dir), "scheme": scheme, "runtime": runtime,
+                                     "results": [r.to_dict() for r in results]})
+        if json_out == STDOUT:
+            return
     if stream is not None:
         click.echo("")
     else:
@@ -83,32 +99,38 @@ class _TextStream:
 
 
 @cli.command()
-@click.option("--model", "model_spec", default="smollm2", show_default=True)
+@click.option("--model", "model_spec", default="smollm2", show_default=True,
+              help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
 @click.option("--prompt", default=None, help="Prompt text (default: a built-in ~130-token story opening).")
-@click.option("--max-new-tokens", type=click.IntRange(2), default=64, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(2), default=64, show_default=True,
+              help="Tokens generated per scheme.")
 @click.option("--repetition-penalty", type=FiniteFloat(0.01, 100), default=None,
               help="Greedy decoding's repetition penalty (default: the demo's, 1.3).")
-@click.option("--workdir", type=click.Path(file_okay=False), default=None, callback=outside_exports,
+@click.option("--work-dir", "workdir", type=click.Path(file_okay=False), default=None, callback=outside_exports,
               help="Where the exports live (default: the kvq cache directory).")
+@deprecated_alias("--workdir", "--work-dir", "workdir", type=click.Path(file_okay=False))
+@device_option()
 @calibration_options()
-def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir, calibration) -> None:
+def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir, providers, calibration) -> None:
     """fp16 baseline, the most accurate <= 5-bit scheme and the ort-gqa fast path: text, bytes, speed, serving."""
     import dataclasses
 
     from rich.table import Table
 
     from kvq_export.demo import DEMO_PROMPT, DEMO_SAMPLING, run_demo
+    from kvq_export.runtime.session import choose_providers
 
     console = make_console()
     prompt = prompt or DEMO_PROMPT
     sampling = DEMO_SAMPLING if repetition_penalty is None else dataclasses.replace(
         DEMO_SAMPLING, repetition_penalty=repetition_penalty)
-    rows = run_demo(model_spec, prompt, max_new_tokens, workdir, sampling, calibration=calibration)
+    rows = run_demo(model_spec, prompt, max_new_tokens, workdir, sampling, calibration=calibration, providers=providers)
+    where = choose_providers(providers)[0].removesuffix("ExecutionProvider")
     from rich.markup import escape
 
     console.print(f"[bold]prompt[/bold] ({rows[0].prompt_tokens} tokens): {escape(prompt)}")
     console.print(f"greedy, repetition penalty {sampling.repetition_penalty:g}, {max_new_tokens} new tokens, "
-                  "ONNX Runtime on this machine's CPU\n")
+                  f"ONNX Runtime on this machine's {where}\n")
     base = rows[0]
     for r in rows:
         console.print(f"[bold]{escape(r.role)}[/bold] — {escape(r.scheme)} ({r.flavor}): {escape(r.text.strip())}\n")
@@ -136,12 +158,16 @@ def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir, calibr
                    "one request at a time; auto: engine where onnxruntime-genai can serve the export.")
 @click.option("--shutdown-timeout", type=NON_NEGATIVE, default=10.0, show_default=True,
               help="Seconds in-flight requests may finish after SIGINT/SIGTERM before they are cancelled.")
+@device_option()
 @click.option("--no-verify", "no_verify", is_flag=True,
               help="Skip checking the weight files against the checksums in kvq.json (faster on trusted storage).")
-def serve(export_dir, host, port, model_name, backend, shutdown_timeout, no_verify) -> None:
-    """Serve an export over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+def serve(export_dir, host, port, model_name, backend, shutdown_timeout, providers, no_verify) -> None:
+    """Serve an export over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).
+
+    EXPORT_DIR: a kvq export directory.
+    """
     from kvq_export.serve import serve as run_server
 
     logging.getLogger("kvq_export.serve").setLevel(min(logging.getLogger().getEffectiveLevel(), logging.INFO))
     run_server(export_dir, host=host, port=port, model_name=model_name, backend=backend,
-               verify_weights=not no_verify, shutdown_timeout=shutdown_timeout)
+               verify_weights=not no_verify, shutdown_timeout=shutdown_timeout, providers=providers)

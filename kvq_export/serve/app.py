@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -204,7 +204,7 @@ async def _events(backend: Backend, job: Job, tracker: TextTracker, reply: Reply
 
 def serve(export_dir: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int = 8000,
           model_name: str | None = None, backend: str = "auto", verify_weights: bool = True,
-          threads: int | None = None, shutdown_timeout: float = 10.0) -> None:
+          threads: int | None = None, shutdown_timeout: float = 10.0, providers: Sequence[str] | None = None) -> None:
     """Serve an export over HTTP until SIGINT/SIGTERM (``kvq serve``).
 
     The port is bound before the model loads, so a taken port is a one-line :class:`KVQError`; ``port=0`` picks a
@@ -214,7 +214,8 @@ def serve(export_dir: str | os.PathLike[str], *, host: str = "127.0.0.1", port: 
 
     sock = bind(host, port)
     try:
-        runner = open_backend(export_dir, kind=backend, verify_weights=verify_weights, threads=threads)
+        runner = open_backend(export_dir, kind=backend, verify_weights=verify_weights, threads=threads,
+                              providers=providers)
         runner.start()
     except BaseException:
         sock.close()

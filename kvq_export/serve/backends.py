@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -119,13 +119,14 @@ class Backend(ABC):
     supports_seed: ClassVar[bool] = True
 
     def __init__(self, directory: str | Path, *, verify_weights: bool = True, threads: int | None = None,
-                 reason: str | None = None) -> None:
+                 reason: str | None = None, providers: Sequence[str] | None = None) -> None:
         from kvq_export.runtime.session import load_tokenizer
 
         self.directory = Path(directory)
         self.manifest = Manifest.load(self.directory)
         self.verify_weights = verify_weights
         self.threads = threads
+        self.providers = providers  # ONNX Runtime providers (None: the runtime's default choice)
         self.reason = reason  # why this backend serves the export (shown in /health)
         self.tokenizer = load_tokenizer(self.directory, self.manifest)
         self._streams: set[TokenStream] = set()
@@ -258,7 +259,8 @@ class SessionBackend(Backend):
     def _load(self):
         from kvq_export.runtime.session import KVQSession
 
-        return KVQSession(self.directory, threads=self.threads, verify_weights=self.verify_weights)
+        return KVQSession(self.directory, threads=self.threads, verify_weights=self.verify_weights,
+                          providers=self.providers)
 
     def _enqueue(self, stream: TokenStream | None) -> None:
         self._jobs.put(stream)
@@ -337,7 +339,8 @@ class EngineBackend(Backend):
     def _load(self):
         from kvq_export.runtime.genai import GenaiSession
 
-        session = GenaiSession(self.directory, threads=self.threads, verify_weights=self.verify_weights)
+        session = GenaiSession(self.directory, threads=self.threads, verify_weights=self.verify_weights,
+                               providers=self.providers)
         engine = session.og.Engine(session.model)
         self.max_batch_size = int(engine.get_capabilities().configured_max_batch_size)
         return session, engine
@@ -461,7 +464,7 @@ _FINISH = {"EOS": "stop", "STOP_STRING": "stop", "MAX_GENERATED_TOKENS": "length
 
 
 def open_backend(directory: str | Path, *, kind: str = "auto", verify_weights: bool = True,
-                 threads: int | None = None) -> Backend:
+                 threads: int | None = None, providers: Sequence[str] | None = None) -> Backend:
     """The backend for an export: ``engine`` where onnxruntime-genai can serve it (``auto``), else ``session``."""
     from kvq_export.runtime.genai import GENAI_CONFIG, RUNTIME, unsupported_reason
 
@@ -476,6 +479,7 @@ def open_backend(directory: str | Path, *, kind: str = "auto", verify_weights: b
     if kind == "engine" and not servable:
         raise KVQError(f"onnxruntime-genai cannot serve {directory}: {why_not}")
     if kind == "engine" or kind == "auto" and servable:
-        return EngineBackend(directory, verify_weights=verify_weights, threads=threads)
+        return EngineBackend(directory, verify_weights=verify_weights, threads=threads, providers=providers)
     reason = f"onnxruntime-genai cannot serve this export: {why_not}" if why_not else "chosen with --backend session"
-    return SessionBackend(directory, verify_weights=verify_weights, threads=threads, reason=reason)
+    return SessionBackend(directory, verify_weights=verify_weights, threads=threads, reason=reason,
+                          providers=providers)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +30,9 @@ from kvq_export.manifest import Manifest, load_static
 from kvq_export.model_digest import recorded_source
 from kvq_export.naming import present_name
 from kvq_export.request import ExportRequest
+
+if TYPE_CHECKING:
+    from kvq_export.validate.compare import Comparison
 
 logger = logging.getLogger(__name__)
 
@@ -117,17 +122,19 @@ def compare_with_onnxruntime(
     batch: int = 2,
     steps: int = 4,
     seed: int = 0,
-) -> bool:
-    """Run the engine of ``export_dir`` and ONNX Runtime on the reference flavour; True when all outputs match.
+    providers: Sequence[str] | None = None,
+    verbose: bool = True,
+) -> Comparison:
+    """Run the engine of ``export_dir`` and ONNX Runtime on the reference flavor; true when all outputs match.
 
+    Returns a :class:`~kvq_export.validate.compare.Comparison` (each output's largest errors).
     ``engine`` defaults to ``DIR.engine`` beside the export (see :func:`kvq_export.trt.build_engine`);
-    ``tolerances`` is a :class:`kvq_export.validate.compare.Tolerances`.
+    ``tolerances`` is a :class:`kvq_export.validate.compare.Tolerances`; ``providers``: the ONNX Runtime side's;
+    ``verbose``: Polygraphy's per-output log.
     """
     require("tensorrt")
-    from polygraphy.comparator import Comparator
-
     from kvq_export.trt.engine import default_engine_path
-    from kvq_export.validate.compare import Tolerances, compare_feeds, kvq_runner_class
+    from kvq_export.validate.compare import Tolerances, compare_feeds, kvq_runner_class, run_comparison
 
     export_dir = Path(export_dir)
     engine = Path(engine) if engine else default_engine_path(export_dir)
@@ -143,10 +150,9 @@ def compare_with_onnxruntime(
     with tempfile.TemporaryDirectory(prefix="kvq-compare-") as work:
         reference = Path(reference_dir) if reference_dir else _reference_export(export_dir, Path(work))
         feeds = compare_feeds(manifest.model.vocab_size, prompt_len=prompt_len, batch=batch, steps=steps, seed=seed)
-        runners = [kvq_runner_class()(reference, name=f"onnxrt:{reference.name}"),
+        runners = [kvq_runner_class()(reference, name=f"onnxrt:{reference.name}", providers=providers),
                    _trt_runner_class()(export_dir, engine)]
-        results = Comparator.run(runners, data_loader=feeds)
-        return bool(Comparator.compare_accuracy(results, compare_func=tol.compare_func()))
+        return run_comparison(runners, feeds, tol, verbose=verbose)
 
 
 def manifest_flavor(export_dir: str | os.PathLike[str]) -> str:

@@ -6,14 +6,20 @@ and then single-token decode steps. Outputs compared per iteration: ``logits`` a
 cache each export holds decoded with only its manifest (``cache.<layer>.key`` / ``.value``, float32
 ``[batch, kv_heads, tokens, head_dim]``, right-aligned), so exports of different schemes are
 comparable. Tolerances are per output: one pair for logits, one for the cache.
+
+The verdict comes back as a :class:`Comparison`: true when everything matched, with each output's largest
+absolute and relative error over the iterations. Polygraphy's own per-output log is shown with ``verbose``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +43,92 @@ class Tolerances:
                                  rtol={"logits": self.logits_rtol, "": self.cache_rtol}, check_error_stat="max")
 
 
+@dataclass(frozen=True)
+class OutputError:
+    """One compared output's largest errors over every iteration, its tolerances, and whether it matched."""
+
+    name: str
+    max_abs: float
+    max_rel: float
+    atol: float
+    rtol: float
+    passed: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "max_abs": self.max_abs, "max_rel": self.max_rel, "atol": self.atol,
+                "rtol": self.rtol, "passed": self.passed}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """What a comparison found: Polygraphy's verdict and every output's errors (true when it matched)."""
+
+    passed: bool
+    outputs: tuple[OutputError, ...]
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def summary(self) -> list[OutputError]:
+        """A short list: ``logits``, the worst cache key and value layer (named), then every other output missed."""
+        rows = [o for o in self.outputs if not o.name.startswith("cache.")]
+        for part in ("key", "value"):
+            streams = [o for o in self.outputs if o.name.startswith("cache.") and o.name.endswith(f".{part}")]
+            if streams:
+                rows.append(max(streams, key=lambda o: (not o.passed, o.max_abs)))
+        return rows + [o for o in self.outputs if not o.passed and o not in rows]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "outputs": [o.to_dict() for o in self.outputs]}
+
+
+def summarize(accuracy, tolerances: Tolerances) -> Comparison:
+    """A :class:`Comparison` from Polygraphy's ``compare_accuracy`` result (per output: the worst iteration).
+
+    ``accuracy``: one ``AccuracyResult`` (runner pair -> iterations), or a list of them (newer Polygraphy: one per
+    comparison function).
+    """
+    worst: dict[str, list[float]] = {}
+    passed: dict[str, bool] = {}
+    per_function = [accuracy] if hasattr(accuracy, "values") else list(accuracy)
+    for iterations in (its for result in per_function for its in result.values()):
+        for iteration in iterations:
+            for name, result in iteration.items():
+                errors = worst.setdefault(name, [0.0, 0.0])
+                errors[0] = max(errors[0], result.max_absdiff or 0.0)
+                errors[1] = max(errors[1], result.max_reldiff or 0.0)
+                passed[name] = passed.get(name, True) and bool(result)
+    outputs = []
+    for name, (max_abs, max_rel) in worst.items():
+        logits = name == "logits"
+        outputs.append(OutputError(
+            name, max_abs, max_rel, tolerances.logits_atol if logits else tolerances.cache_atol,
+            tolerances.logits_rtol if logits else tolerances.cache_rtol, passed[name]))
+    return Comparison(bool(accuracy), tuple(outputs))
+
+
+@contextmanager
+def _polygraphy_log(verbose: bool):
+    """Polygraphy's per-output log when ``verbose``; otherwise only its critical messages."""
+    if verbose:
+        yield
+        return
+    from polygraphy.logger import G_LOGGER
+
+    with G_LOGGER.verbosity(G_LOGGER.CRITICAL):
+        yield
+
+
+def run_comparison(runners, feeds, tolerances: Tolerances, *, verbose: bool = True) -> Comparison:
+    """Run ``runners`` on ``feeds`` through Polygraphy's Comparator and compare them with ``tolerances``."""
+    from polygraphy.comparator import Comparator
+
+    with _polygraphy_log(verbose):
+        results = Comparator.run(runners, data_loader=feeds)
+        accuracy = Comparator.compare_accuracy(results, compare_func=tolerances.compare_func())
+    return summarize(accuracy, tolerances)
+
+
 def kvq_runner_class():
     """The Polygraphy runner class over a KVQSession (made on first use: Polygraphy is imported lazily)."""
     from polygraphy.backend.base import BaseRunner
@@ -45,15 +137,18 @@ def kvq_runner_class():
     class KVQRunner(BaseRunner):
         """A Polygraphy runner over :class:`~kvq_export.runtime.session.KVQSession`."""
 
-        def __init__(self, directory: str | os.PathLike[str], name: str | None = None) -> None:
+        def __init__(self, directory: str | os.PathLike[str], name: str | None = None,
+                     providers: Sequence[str] | None = None) -> None:
             super().__init__(name=name or Path(directory).name, prefix="kvq-onnxrt-runner")
             self.directory = Path(directory)
+            self.providers = providers
 
         def activate_impl(self) -> None:
             from kvq_export.manifest import load_static
             from kvq_export.runtime.session import KVQSession
 
-            self.session = KVQSession(self.directory, verify_weights=False)  # compare_exports verified them
+            # compare_exports verified the weights
+            self.session = KVQSession(self.directory, verify_weights=False, providers=self.providers)
             self.static = load_static(self.directory, self.session.manifest)
             self.cache = None
 
@@ -168,16 +263,16 @@ def warn_unexercised(manifests, names, *, prompt_len: int, steps: int) -> list[s
 
 def compare_exports(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str],
                     tolerances: Tolerances | None = None, *, prompt_len: int | None = None, batch: int = 2,
-                    steps: int = 4, seed: int = 0, verify_weights: bool = True) -> bool:
-    """Run both exports through Polygraphy's Comparator; True when every output is within tolerance.
+                    steps: int = 4, seed: int = 0, verify_weights: bool = True,
+                    providers: Sequence[str] | None = None, verbose: bool = True) -> Comparison:
+    """Run both exports through Polygraphy's Comparator; a :class:`Comparison`, true when every output matched.
 
     ``prompt_len``: None sizes the prompt past both exports' high-precision windows
     (:func:`comparison_prompt_len`); a length that stays inside one logs a warning, as a match there says
     nothing about the quantized cache. ``verify_weights``: first check both exports' files against their
-    manifests' checksums.
+    manifests' checksums. ``providers``: ONNX Runtime providers of both sessions. ``verbose``: Polygraphy's
+    per-output log.
     """
-    from polygraphy.comparator import Comparator
-
     from kvq_export.errors import KVQError
     from kvq_export.manifest import Manifest
     from kvq_export.manifest import verify_weights as check_weights
@@ -197,5 +292,5 @@ def compare_exports(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str]
     _check_compare_size((ma, mb), prompt_len=prompt_len, batch=batch, steps=steps)
     runner = kvq_runner_class()
     feeds = compare_feeds(ma.model.vocab_size, prompt_len=prompt_len, batch=batch, steps=steps, seed=seed)
-    results = Comparator.run([runner(dir_a), runner(dir_b)], data_loader=feeds)
-    return bool(Comparator.compare_accuracy(results, compare_func=tol.compare_func()))
+    return run_comparison([runner(dir_a, providers=providers), runner(dir_b, providers=providers)], feeds, tol,
+                          verbose=verbose)

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,23 +170,26 @@ def weight_reference(manifest, baseline) -> Path:
 
 def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike[str] | None = None,
              config: ValidateConfig | None = None, *, progress: bool = True,
-             verify_weights: bool = True) -> dict[str, Any]:
-    """Run the whole validation; return every number as a JSON-ready dict (nothing is written into an export)."""
+             verify_weights: bool = True, providers: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the whole validation; return every number as a JSON-ready dict (nothing is written into an export).
+
+    ``providers``: ONNX Runtime providers of both sessions (None: the runtime's default choice).
+    """
     from kvq_export.corpus import load_corpus, token_windows
     from kvq_export.runtime.session import KVQSession
     from kvq_export.validate.probe import probed_session
 
     config = config or ValidateConfig()
-    quant = probed_session(export_dir, verify_weights=verify_weights)
+    quant = probed_session(export_dir, verify_weights=verify_weights, providers=providers)
     if config.window_len > quant.max_positions:  # refused before any baseline is exported or corpus read
         raise KVQError(f"window length {config.window_len} (--window-len) exceeds the {quant.max_positions} "
                        f"positions this export supports (max_position_embeddings): use at most {quant.max_positions}")
     weights = export_weights(export_dir)
     base_dir = resolve_baseline(quant.manifest, baseline_dir, weights)
-    base = KVQSession(base_dir, verify_weights=verify_weights)
+    base = KVQSession(base_dir, verify_weights=verify_weights, providers=providers)
     _check_same_model(quant.manifest, base.manifest, export_dir, base_dir)
     _check_same_weights(weights, export_weights(base_dir), export_dir, base_dir)
-    reference, skipped = _weight_reference(quant.manifest, base.manifest, weights, verify_weights)
+    reference, skipped = _weight_reference(quant.manifest, base.manifest, weights, verify_weights, providers)
     tokens = np.asarray(token_windows(quant.tokenizer, load_corpus(config.corpus), config.windows,
                                       config.window_len, offset=config.offset), dtype=np.int64)
     start = time.perf_counter()
@@ -224,7 +228,8 @@ def _check_same_weights(export: WeightSpec, base: WeightSpec, export_dir, base_d
                        "fp16-cache export with the export's --weights, or no --baseline (kvq exports one)")
 
 
-def _weight_reference(quant, base, weights: WeightSpec, verify_weights: bool):
+def _weight_reference(quant, base, weights: WeightSpec, verify_weights: bool,
+                      providers: Sequence[str] | None = None):
     """The fp32-weight twin of the baseline as a session, or None and why the weight-only line is skipped."""
     from kvq_export.runtime.session import KVQSession
 
@@ -235,7 +240,7 @@ def _weight_reference(quant, base, weights: WeightSpec, verify_weights: bool):
     except KVQError as err:  # a given baseline, and the export's source is gone: the cache numbers still stand
         logger.warning("no weight-only line: %s", err)
         return None, f"no fp32-weight reference could be exported: {err}"
-    return KVQSession(directory, verify_weights=verify_weights), None
+    return KVQSession(directory, verify_weights=verify_weights, providers=providers), None
 
 
 def _check_same_model(quant, base, export_dir, base_dir) -> None:

@@ -1,0 +1,197 @@
+"""One CLI convention across commands: --json FILE|-, --report FILE.html, --out, --device, --scheme or --key/--value.
+
+Everything runs in-process through click's CliRunner.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+import pytest
+from click.testing import CliRunner
+from tiny_models import save_tiny_model_dir
+
+from kvq_export.cli import cli
+from kvq_export.errors import SchemeError
+from kvq_export.presets import PRESETS, TENSOR_FORMATS, scheme_from_formats, tensor_format_names
+
+
+def invoke(*args):
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), \
+        f"{type(result.exception).__name__}: {result.exception}"
+    return result
+
+
+def one_line_error(result) -> str:
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory):
+    from kvq_export.export.exporter import export_model
+
+    model_dir = save_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+    return export_model(model_dir, "int4-sym-g32", tmp_path_factory.mktemp("exp") / "int4")
+
+
+# -- help everywhere ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(cli.commands))
+def test_every_option_and_argument_is_described(name):
+    command = cli.commands[name]
+    for param in command.params:
+        if isinstance(param, click.Option):
+            assert param.hidden or param.help, f"kvq {name} {'/'.join(param.opts)} has no help"
+        else:  # click shows no help for an argument: the command's docstring names it
+            assert param.name.upper() in (command.help or ""), f"kvq {name}: the docstring does not name {param.name}"
+    text = invoke(name, "--help").output
+    assert "flavour" not in text  # one spelling
+
+
+def test_the_shared_options_are_spelled_alike():
+    spelled: dict[str, set[str]] = {}
+    for name, command in cli.commands.items():
+        for param in command.params:
+            if isinstance(param, click.Option) and not param.hidden:
+                spelled.setdefault(param.opts[0], set()).add(name)
+    assert not {"--output", "--workdir"} & set(spelled)  # hidden, deprecated spellings only
+    assert {"generate", "validate", "compare", "serve", "bench", "demo"} <= spelled["--device"]
+    assert {"generate", "memory", "schemes", "validate", "plan", "bench", "compare"} <= spelled["--json"]
+    assert spelled["--report"] == {"validate"}
+    for name in ("--json", "--report", "--device", "--flavor"):  # one type and one check per spelling
+        kinds = {(json.dumps(p.type.to_info_dict(), sort_keys=True), getattr(p.callback, "__qualname__", None))
+                 for c in cli.commands.values() for p in c.params
+                 if name in getattr(p, "opts", ()) and not getattr(p, "hidden", False)}
+        assert len(kinds) == 1, (name, kinds)
+
+
+# -- --json FILE, '-' for stdout ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("stdout", [["--json", "-"], ["--json"]])  # a bare --json is '-'
+def test_json_dash_is_stdout_and_nothing_else(stdout):
+    result = invoke("memory", "--scheme", "q4_0", "--seq-len", "64", *stdout)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["scheme"] == "q4_0"
+    assert json.loads(invoke("schemes", *stdout).stdout)["kivi-2"]["residual_length"] == 128
+
+
+def test_json_file_is_written_and_the_table_still_shown(tmp_path):
+    out = tmp_path / "sub" / "memory.json"
+    result = invoke("memory", "--scheme", "q4_0", "--seq-len", "64", "--json", out)
+    assert result.exit_code == 0, result.output
+    assert "over sequence length" in result.stdout
+    assert json.loads(out.read_text())["seq_len"] == 64
+    assert not [p for p in out.parent.iterdir() if p.name != "memory.json"]  # written aside, then renamed
+
+
+def test_json_and_report_are_refused_inside_an_export(tiny_export):
+    line = one_line_error(invoke("memory", "--scheme", "q4_0", "--seq-len", "8", "--json", tiny_export / "x.json"))
+    assert "inside the kvq export" in line
+    line = one_line_error(invoke("validate", tiny_export, "--report", tiny_export / "r.html"))
+    assert "inside the kvq export" in line
+
+
+@pytest.mark.parametrize("path", ["report.json", "report", "report.html.txt"])
+def test_report_is_html_only(tiny_export, tmp_path, path):
+    line = one_line_error(invoke("validate", tiny_export, "--report", tmp_path / path))
+    assert "--report" in line and ".html" in line and "--json" in line
+    assert not (tmp_path / path).exists()
+
+
+# -- --out, with the old spellings hidden and warning -------------------------------------------------------------
+def test_build_output_is_a_deprecated_spelling_of_out(tiny_export, tmp_path):
+    result = invoke("build", tiny_export, "--output", tmp_path / "e.engine")
+    assert "--output is deprecated; use --out" in result.stderr
+    assert "--output" not in invoke("build", "--help").output
+    line = one_line_error(invoke("build", tiny_export, "--out", tmp_path / "a", "--output", tmp_path / "b"))
+    assert "not both --out and --output" in line
+    line = one_line_error(invoke("build", tiny_export, "--output", tiny_export / "e.engine"))
+    assert "inside the kvq export" in line  # the alias is checked like --out
+
+
+def test_plan_report_became_json(tmp_path):
+    help_text = invoke("plan", "--help").output
+    assert "--json FILE" in help_text and "--report" not in help_text
+
+
+# -- --flavor(s) -------------------------------------------------------------------------------------------------
+def test_unknown_bench_flavor_is_one_line(tmp_path):
+    line = one_line_error(invoke("bench", "--schemes", "q4_0", "--flavors", "ort-gqa,nope"))
+    assert "unknown flavor 'nope'" in line and "reference" in line
+
+
+# -- --device ----------------------------------------------------------------------------------------------------
+def test_device_maps_to_providers():
+    from kvq_export.runtime.device import providers_for
+
+    assert providers_for("auto") is None and providers_for("cpu") == ["CPUExecutionProvider"]
+
+
+def test_cuda_without_cuda_is_one_line_naming_the_providers(tiny_export):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has CUDA")
+    line = one_line_error(invoke("generate", tiny_export, "--prompt", "w1", "--device", "cuda"))
+    assert "--device cuda" in line and "CPUExecutionProvider" in line
+
+
+def test_generate_on_cpu_writes_json(tiny_export, tmp_path):
+    result = invoke("generate", tiny_export, "--prompt", "w1 w2", "--max-new-tokens", "2", "--device", "cpu",
+                    "--json", tmp_path / "g.json")
+    assert result.exit_code == 0, result.output
+    assert len(json.loads((tmp_path / "g.json").read_text())["results"][0]["tokens"]) == 2
+
+
+# -- --key/--value -----------------------------------------------------------------------------------------------
+def test_tensor_formats_come_from_the_presets():
+    assert {"fp16", "int8", "q8_0", "q4_0", "q4_0-rot", "fp8", "int2-g32", "int2-ch-g32"} <= set(TENSOR_FORMATS)
+    assert TENSOR_FORMATS["q4_0"] == PRESETS["q4_0"][0].key
+    assert "kivi-2" not in TENSOR_FORMATS  # a window is not a tensor format
+    for name in tensor_format_names():  # each builds a valid scheme, on either side
+        assert scheme_from_formats(name, "fp16").key == TENSOR_FORMATS[name]
+    mixed = scheme_from_formats("q8_0", "q4_0")
+    assert mixed.name == "k-q8_0-v-q4_0" and mixed.to_dict() == {**PRESETS["k-q8_0-v-q4_0"][0].to_dict(),
+                                                                "name": "k-q8_0-v-q4_0"}
+    with pytest.raises(SchemeError, match="allowed: fp16, int8"):
+        scheme_from_formats("q3", "fp16")
+
+
+def test_key_value_give_the_same_bytes_as_the_preset():
+    by_formats = json.loads(invoke("memory", "--key", "q8_0", "--value", "q4_0", "--seq-len", "512", "--json").stdout)
+    by_preset = json.loads(invoke("memory", "--scheme", "k-q8_0-v-q4_0", "--seq-len", "512", "--json").stdout)
+    assert by_formats["total_bytes"] == by_preset["total_bytes"] and by_formats["scheme"] == "k-q8_0-v-q4_0"
+    assert "q4_0-rot" in invoke("memory", "--help").output  # the accepted formats are named in help
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--scheme", "q4_0", "--key", "q8_0", "--value", "q4_0"], "either --scheme or --key/--value"),
+    (["--key", "q8_0"], "give both --key and --value"),
+    (["--key", "q8_0", "--value", "q3"], "unknown key/value format 'q3'; allowed: fp16"),
+    ([], "give a cache scheme"),
+])
+def test_key_value_errors_are_one_line(args, needle):
+    assert needle in one_line_error(invoke("memory", "--seq-len", "8", *args))
+
+
+# -- kvq compare: a summary, the full log behind --verbose --------------------------------------------------------
+def test_compare_prints_a_short_summary(tiny_export):
+    result = invoke("compare", tiny_export, tiny_export)
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.stdout.splitlines() if line.rstrip().endswith("pass │")]
+    assert len(rows) == 3 and "logits" in rows[0]  # logits, the worst key layer, the worst value layer
+    assert "match within tolerance" in result.stdout
+    verbose = invoke("compare", tiny_export, tiny_export, "--verbose")
+    assert verbose.exit_code == 0
+    assert sum(line.rstrip().endswith("pass │") for line in verbose.stdout.splitlines()) > len(rows)
+
+
+def test_compare_json_holds_every_output(tiny_export):
+    result = invoke("compare", tiny_export, tiny_export, "--json", "-", "--logits-atol", "0", "--logits-rtol", "0")
+    data = json.loads(result.stdout)
+    logits = next(o for o in data["outputs"] if o["name"] == "logits")
+    assert data["passed"] is True and logits["max_abs"] == 0 and logits["passed"]
+    assert {o["name"] for o in data["outputs"]} >= {"cache.0.key", "cache.0.value"}
