@@ -1,6 +1,6 @@
 """``kvq bench``: prefill throughput, decode-step latency, cache bytes and memory, each next to a baseline.
 
-For every flavour, the baseline scheme (``fp16`` by default) and the benchmarked schemes are exported once
+For every flavor, the baseline scheme (``fp16`` by default) and the benchmarked schemes are exported once
 (reused from ``$KVQ_CACHE_DIR/bench`` while their export parameters and kvq's source are unchanged) and
 opened side by side in this process. For each (context, batch):
 
@@ -14,14 +14,14 @@ opened side by side in this process. For each (context, batch):
   :meth:`KVQSession.step` (binding, run, logits to numpy), what a caller of the runtime pays.
 * **prefill**: ``min(context, prefill_tokens)`` real tokens per row from an empty cache, one untimed
   warm-up then ``prefill_repeats`` timed runs (median), interleaved the same way; measured once per
-  (flavour, scheme, batch, length) and repeated for every context that shares the length.
+  (flavor, scheme, batch, length) and repeated for every context that shares the length.
 * **cache bytes**: what the session holds after the decode steps (:meth:`KVQSession.cache_nbytes`; for the
   ``buffer`` layout that is the whole preallocated capacity, here exactly ``context``), beside the memory
   model's prediction for ``context`` tokens.
 * **memory**: the process's peak RSS so far (``ru_maxrss``, a high-water mark over everything measured
   before, including other sessions) and its current RSS.
 
-Every result is also a ratio to the baseline of the same flavour, context and batch: ``decode_ms`` (< 1: faster;
+Every result is also a ratio to the baseline of the same flavor, context and batch: ``decode_ms`` (< 1: faster;
 the ratio of the medians), ``decode_ms_paired`` with ``decode_ms_paired_low``/``_high`` (the median of the
 per-step ratios -- step ``i`` of a scheme against step ``i`` of the baseline, taken in the same round seconds
 apart, so a change in machine load between rounds cancels -- and its 90% bootstrap interval: on a shared machine
@@ -74,7 +74,7 @@ PPL_OFFSET = 0
 
 @dataclass
 class BenchResult:
-    """One (flavour, scheme, context, batch) measurement; ``ratio`` compares it with the baseline."""
+    """One (flavor, scheme, context, batch) measurement; ``ratio`` compares it with the baseline."""
 
     flavor: str
     scheme: str
@@ -257,15 +257,15 @@ def run_bench(
     json_out: str | os.PathLike[str] | None = None,
     providers: Sequence[str] | None = None,
 ) -> BenchReport:
-    """Benchmark ``schemes`` (and ``baseline``) for every flavour, context and batch; see the module docstring.
+    """Benchmark ``schemes`` (and ``baseline``) for every flavor, context and batch; see the module docstring.
 
     Args:
         model: a model spec (``smollm2``, a Hugging Face directory or a ``.gguf`` file).
         schemes: preset names or scheme JSON files; the baseline is added (and reported) automatically.
-        flavors: export flavours to compare (each against its own baseline).
+        flavors: export flavors to compare (each against its own baseline).
         contexts: tokens held per row while decoding (steps end exactly at ``context``).
         batches: batch sizes.
-        baseline: the scheme every result is compared with (same flavour, context and batch).
+        baseline: the scheme every result is compared with (same flavor, context and batch).
         steps: timed decode steps per session.
         warmup: untimed decode steps before them.
         prefill_tokens: prefill length cap (a prefill is ``min(context, prefill_tokens)`` tokens per row).
@@ -448,7 +448,7 @@ def report_table(report: BenchReport):
     from rich.table import Table
 
     table = Table(title=f"kvq bench on {report.model} ({report.fill} cache fill; ratios vs {report.baseline} "
-                        "of the same flavour)")
+                        "of the same flavor)")
     for col in ("flavor", "scheme", "ctx", "batch", "decode ms (p10-p90)", "x base (paired, 90%)", "tok/s",
                 "prefill tok/s", "x base", "cache", "x less", "peak RSS"):
         table.add_column(col, justify="left" if col in ("flavor", "scheme") else "right")
@@ -483,7 +483,7 @@ def _mib(n: int) -> str:
 def plot(report: BenchReport, path: str | os.PathLike[str]) -> Path:
     """Decode latency and cache bytes against context, saved as PNG.
 
-    One column per flavour (each against its own baseline); a scheme keeps its colour everywhere, batch
+    One column per flavor (each against its own baseline); a scheme keeps its colour everywhere, batch
     sizes differ by line style, the baseline is drawn thicker.
     """
     try:
@@ -512,7 +512,7 @@ def plot(report: BenchReport, path: str | os.PathLike[str]) -> Path:
                           linewidth=2.5 if scheme == report.baseline else 1.5, label=f"{scheme} batch {batch}")
                 ax_t.plot(xs, [r.decode_ms_median for r in rows], **kw)
                 ax_m.plot(xs, [r.cache_bytes / 2**20 for r in rows], **kw)
-        ax_t.set_title(f"flavour {flavor}")
+        ax_t.set_title(f"flavor {flavor}")
         for ax, ylabel in ((ax_t, "decode step, median ms"), (ax_m, "cache held, MiB")):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")

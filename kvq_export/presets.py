@@ -47,7 +47,7 @@ def _rotated(tq: TensorQuant) -> TensorQuant:
 def _ort(bits: int, *, key_zero_points: bool = False, high_channels: int = 0) -> KVQuantScheme:
     # GroupQueryAttention's quantized cache: static float32 scales per (kv head, channel); keys with zero
     # points reach the node as symmetric codes through a post-RoPE offset, 8-bit high channels as two
-    # nibbles of a wider node head (see the ort-gqa flavour).
+    # nibbles of a wider node head (see the ort-gqa flavor).
     tq = _int(bits, None, sym=True, axis="channel", scales="static", scale_dtype="fp32", high_channels=high_channels)
     key = _int(bits, None, sym=False, axis="channel", scales="static", scale_dtype="fp32",
                high_channels=high_channels) if key_zero_points else tq

@@ -45,7 +45,7 @@ def test_three_runs_tell_the_story(model_dir, tmp_path):
     assert base.bits_per_element == 16.0 and low.bits_per_element < 16 and 8 < fast.bits_per_element < 16
     assert all(r.decode_ms > 0 for r in rows)
     assert fast.flavor == "ort-gqa" and "og.Model(" in fast.serve and "kvq" not in fast.serve.split("og.Model(")[0]
-    assert base.serve.startswith("not servable (flavour reference") and "'runtimes'" in low.serve
+    assert base.serve.startswith("not servable (flavor reference") and "'runtimes'" in low.serve
     # a second run reuses every export
     stamps = {r.directory: (tmp_path / r.directory).joinpath("kvq.json").stat().st_mtime_ns for r in rows}
     again = run_demo(str(model_dir), PROMPT, 6, tmp_path)

@@ -321,7 +321,7 @@ def test_regions_layout_exports_say_why(tmp_path):
     assert entry["supported"] is False and "regions" in entry["reason"] and "kivi-4" in entry["reason"]
     assert engine_reason(Manifest.load(directory)) == entry["reason"]
     assert not (directory / GENAI_CONFIG).exists() and not (directory / GENAI_MODEL).exists()
-    with pytest.raises(RuntimeInputError, match="has no genai_config.json: flavour reference"):
+    with pytest.raises(RuntimeInputError, match="has no genai_config.json: flavor reference"):
         GenaiSession(directory)
     # a scheme GQA can hold, exported with the reference flavour: the fix is the flavour
     directory = export_model(tiny_model("llama"), SCHEMES["ort-int8"], tmp_path / "ref8",

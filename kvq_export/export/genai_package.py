@@ -37,7 +37,7 @@ its static batch holds more than one request (alone, a second turn continues the
 The GroupQueryAttention graph accepts rows padded on either side (kvq feeds left padding, og right padding), so
 nothing else changes and ``kvq generate`` keeps running ``model.onnx`` of the same directory.
 
-What og cannot hold: the reference and trt flavours' ``regions`` layout (sinks / quantized codes with dynamic
+What og cannot hold: the reference and trt flavors' ``regions`` layout (sinks / quantized codes with dynamic
 per-token or per-group scales and zero points / a high-precision recent window, each region sized per call),
 and a ``buffer`` layout whose layers differ in element type (8-bit and 4-bit layers: :func:`mixed_types_reason`).
 An export of those writes no og files; its manifest's ``runtimes`` entry and one log line say why.
@@ -107,7 +107,7 @@ def unsupported_reason(manifest: Manifest) -> str | None:
     """Why og cannot serve this export (None when it can)."""
     if manifest.cache_layout.shares_buffers:
         return mixed_types_reason(manifest.cache("past"), manifest.num_layers)
-    why = (f"flavour {manifest.flavor} keeps the cache in the {manifest.cache_layout.name!r} layout (sinks / codes "
+    why = (f"flavor {manifest.flavor} keeps the cache in the {manifest.cache_layout.name!r} layout (sinks / codes "
            "with per-call metadata / a high-precision window, each sized per call), but onnxruntime-genai allocates "
            "one [batch, kv_heads, max_length, head_dim] buffer per layer and stream")
     reasons = unsupported(manifest.scheme, manifest.num_layers)

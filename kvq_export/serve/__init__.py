@@ -7,7 +7,7 @@ Three lines of Python do what the command does::
 
 :mod:`~kvq_export.serve.protocol` checks requests and shapes replies, :mod:`~kvq_export.serve.backends` runs them
 (onnxruntime-genai's continuous-batching engine for ort-gqa exports, one ``KVQSession`` request at a time for
-the other flavours), :mod:`~kvq_export.serve.text` turns tokens into streamed text and :mod:`~kvq_export.serve.app`
+the other flavors), :mod:`~kvq_export.serve.text` turns tokens into streamed text and :mod:`~kvq_export.serve.app`
 is the FastAPI app and its uvicorn runner. Nothing else in kvq imports this package (fastapi loads with it).
 """
 

@@ -7,7 +7,7 @@ the asyncio handler reads; neither ever blocks the event loop.
   must come from the thread that created it, so one thread owns the model and the engine. It takes new requests
   and cancellations from a queue, steps the engine while any request is pending and routes each token event to
   its request's stream. Concurrent requests decode as one batch.
-- :class:`SessionBackend` (every other flavour): a worker thread runs :meth:`KVQSession.generate` for one request
+- :class:`SessionBackend` (every other flavor): a worker thread runs :meth:`KVQSession.generate` for one request
   at a time, in arrival order; a cancelled request stops at its next token.
 """
 

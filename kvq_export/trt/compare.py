@@ -1,9 +1,9 @@
-"""``compare_with_onnxruntime()``: a TensorRT engine against ONNX Runtime running the reference flavour.
+"""``compare_with_onnxruntime()``: a TensorRT engine against ONNX Runtime running the reference flavor.
 
 Both sides go through Polygraphy's ``Comparator`` exactly like ``kvq compare`` (same feeds: a left-padded
 prefill then single-token decode steps, the cache carried from one step to the next as a serving runtime
 would; same outputs: ``logits`` and each layer's held cache decoded with only the manifest; same
-per-output tolerances). The ONNX Runtime side is the reference flavour of the same model and scheme:
+per-output tolerances). The ONNX Runtime side is the reference flavor of the same model and scheme:
 ``reference_dir``, or re-exported from the manifest's model source when not given.
 
 Without TensorRT this raises a one-line :class:`~kvq_export.errors.DependencyError`. Not run on these
@@ -103,7 +103,7 @@ def empty_cache(manifest, batch: int) -> dict[str, np.ndarray]:
 
 
 def _reference_export(export_dir: Path, workdir: Path) -> Path:
-    """Export the reference flavour of the same model, scheme, dtype and calibration into ``workdir``."""
+    """Export the reference flavor of the same model, scheme, dtype and calibration into ``workdir``."""
     manifest = Manifest.load(export_dir)
     source, _ = recorded_source(manifest)  # the weights the export was made from, or a one-line refusal
     request = ExportRequest(model=source, scheme=manifest.scheme, flavor=FlavorName.REFERENCE, dtype=manifest.dtype,
@@ -156,5 +156,5 @@ def compare_with_onnxruntime(
 
 
 def manifest_flavor(export_dir: str | os.PathLike[str]) -> str:
-    """The flavour an export directory was made with."""
+    """The flavor an export directory was made with."""
     return Manifest.load(export_dir).flavor

@@ -21,12 +21,12 @@ def write_json(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
 
 
 def _label(scheme: dict[str, Any], flavor: str | None) -> str:
-    """``name (flavour)`` of a recorded scheme."""
+    """``name (flavor)`` of a recorded scheme."""
     return f"{scheme.get('name') or 'custom'} ({flavor})"
 
 
 def _baseline(result: dict[str, Any]) -> str:
-    """The baseline's scheme and flavour (results written before they were recorded: the default fp16)."""
+    """The baseline's scheme and flavor (results written before they were recorded: the default fp16)."""
     scheme = result.get("baseline_scheme")
     if scheme is None:
         return "fp16 baseline"
