@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from cli_run import kvq
 from click.testing import CliRunner
 
 from kvq_export.cli import cli
@@ -58,7 +57,7 @@ def test_memory_table_shows_breakdown_and_curve():
     (["memory", "--scheme", '{"key": {"bits": 7}}', "--seq-len", "8"], "bits=7"),
 ])
 def test_bad_input_is_one_line_exit_1(args, message):
-    proc = subprocess.run([sys.executable, "-m", "kvq_export.cli", *args], capture_output=True, text=True)
+    proc = kvq(*args)
     assert proc.returncode == 1
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
@@ -68,6 +67,5 @@ def test_invalid_scheme_file_is_one_line(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"key": {"format": "int", "bits": 4, "axis": "channel", "group_size": 32},
                                "residual_length": 100}))
-    proc = subprocess.run([sys.executable, "-m", "kvq_export.cli", "memory", "--scheme", str(bad), "--seq-len", "8"],
-                          capture_output=True, text=True)
+    proc = kvq("memory", "--scheme", bad, "--seq-len", "8")
     assert proc.returncode == 1 and "residual_length=100" in proc.stderr and "Traceback" not in proc.stderr

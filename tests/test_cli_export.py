@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from cli_run import kvq
 from tiny_models import WORDS, save_tiny_model_dir
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return save_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "tiny-llama")
-
-
-def kvq(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvq_export.cli", *args], capture_output=True, text=True)
 
 
 def test_export_then_generate_json(model_dir, tmp_path):

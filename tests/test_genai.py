@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from cli_run import kvq
 from gqa_harness import SCHEMES, calibration
 from tiny_models import VOCAB, WORDS, byte_model, byte_tokenizer, layered_model, save_tiny_model_dir, tiny_model
 
@@ -354,10 +355,6 @@ def test_builder_scale_file_holds_kvq_scales():
         builder_scale_file(static, SCHEMES["ort-int8"], num_layers=2, kv_heads=2, head_dim=32, granularity="x")
 
 
-def _kvq(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvq_export.cli", *args], capture_output=True, text=True)
-
-
 def test_cli_calibrate_feeds_the_builder(tmp_path):
     """``kvq calibrate --format genai-scales`` is a file the onnxruntime-genai builder accepts as it is."""
     model_dir = save_tiny_model_dir(tmp_path / "tiny")
@@ -366,7 +363,7 @@ def test_cli_calibrate_feeds_the_builder(tmp_path):
     corpus = tmp_path / "text.txt"
     corpus.write_text(" ".join(WORDS[i % len(WORDS)] for i in range(0, 600, 7)))
     scales = tmp_path / "scales.json"
-    proc = _kvq("calibrate", "--model", str(model_dir), "--scheme", "ort-int8", "--calib-corpus", str(corpus),
+    proc = kvq("calibrate", "--model", str(model_dir), "--scheme", "ort-int8", "--calib-corpus", str(corpus),
                 "--calib-tokens", "64", "--calib-offset", "0", "--out", str(scales))
     assert proc.returncode == 0, proc.stderr
     assert "kv_cache_quant_scheme=int8_per_channel" in proc.stdout

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli_run import kvq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import WORDS, save_tiny_model_dir, tiny_model, tiny_tokenizer
@@ -230,15 +231,11 @@ def test_ort_gqa_export_validates_like_the_reference_flavour(tiny):
 
 
 # -- kvq compare and the plain Polygraphy commands ----------------------------------------------------------
-def _kvq(*args):
-    return subprocess.run([sys.executable, "-m", "kvq_export.cli", *args], capture_output=True, text=True)
-
-
 def test_kvq_compare_passes_on_itself_and_fails_on_a_perturbed_export(tiny, tmp_path):
     import onnx
     from onnx import numpy_helper
 
-    assert _kvq("compare", str(tiny["int4-sym-g32"]), str(tiny["int4-sym-g32"])).returncode == 0
+    assert kvq("compare", str(tiny["int4-sym-g32"]), str(tiny["int4-sym-g32"])).returncode == 0
     perturbed = tmp_path / "perturbed"
     shutil.copytree(tiny["int4-sym-g32"], perturbed)
     model = onnx.load(str(perturbed / "model.onnx"))
@@ -247,9 +244,9 @@ def test_kvq_compare_passes_on_itself_and_fails_on_a_perturbed_export(tiny, tmp_
     array[:, :3] *= 1.05  # a 5% error in three output channels of one projection
     weight.CopyFrom(numpy_helper.from_array(array, weight.name))
     onnx.save(model, str(perturbed / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
-    proc = _kvq("compare", str(tiny["int4-sym-g32"]), str(perturbed))
+    proc = kvq("compare", str(tiny["int4-sym-g32"]), str(perturbed))
     assert proc.returncode == 1 and "export again (or skip the check" in proc.stderr  # edited weights: refused ...
-    proc = _kvq("compare", str(tiny["int4-sym-g32"]), str(perturbed), "--no-verify")  # ... unless the check is skipped
+    proc = kvq("compare", str(tiny["int4-sym-g32"]), str(perturbed), "--no-verify")  # ... unless the check is skipped
     assert proc.returncode == 1 and "differ beyond tolerance" in proc.stderr
 
 
