@@ -115,6 +115,10 @@ def test_build_output_is_a_deprecated_spelling_of_out(tiny_export, tmp_path):
 def test_plan_report_became_json(tmp_path):
     help_text = invoke("plan", "--help").output
     assert "--json FILE" in help_text and "--report" not in help_text
+    # the old spelling is a hidden alias of --json, never beside it
+    line = one_line_error(invoke("plan", "--budget", "4", "--out", tmp_path / "p.json", "--json", tmp_path / "a.json",
+                                 "--report", tmp_path / "b.json"))
+    assert "not both --json and --report" in line
 
 
 # -- --flavor(s) -------------------------------------------------------------------------------------------------
