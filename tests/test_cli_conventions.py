@@ -129,9 +129,14 @@ def test_unknown_bench_flavor_is_one_line(tmp_path):
 
 # -- --device ----------------------------------------------------------------------------------------------------
 def test_device_maps_to_providers():
-    from kvq_export.runtime.device import providers_for
+    from kvq_export.errors import RuntimeInputError
+    from kvq_export.runtime.device import genai_providers, providers_for
 
     assert providers_for("auto") is None and providers_for("cpu") == ["CPUExecutionProvider"]
+    assert genai_providers(None) is None and genai_providers(["CPUExecutionProvider"]) == []
+    assert genai_providers(["CUDAExecutionProvider", "CPUExecutionProvider"]) == ["cuda"]
+    with pytest.raises(RuntimeInputError, match="allowed: CUDAExecutionProvider, CPUExecutionProvider"):
+        genai_providers(["TensorrtExecutionProvider"])
 
 
 def test_cuda_without_cuda_is_one_line_naming_the_providers(tiny_export):

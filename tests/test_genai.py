@@ -412,8 +412,12 @@ def test_cli_generate_genai_json_equals_kvq(byte_export):
     prompts = ["--prompt", "Once upon a time", "--prompt", "The capital"]
     runs = {runtime: _generate(byte_export, *prompts, "--max-new-tokens", "6", "--runtime", runtime, "--json")
             for runtime in ("genai", "kvq")}
+    # --device cpu replaces the config's providers with onnxruntime-genai's default, the CPU: the same tokens
+    runs["genai-cpu"] = _generate(byte_export, *prompts, "--max-new-tokens", "6", "--runtime", "genai", "--device",
+                                  "cpu", "--json", "-")
     assert all(run.exit_code == 0 for run in runs.values()), {k: repr(r.exception) for k, r in runs.items()}
-    genai, ours = (json.loads(runs[runtime].stdout) for runtime in ("genai", "kvq"))
+    genai, ours, on_cpu = (json.loads(runs[runtime].stdout) for runtime in ("genai", "kvq", "genai-cpu"))
+    assert [r["tokens"] for r in on_cpu["results"]] == [r["tokens"] for r in genai["results"]]
     assert genai["runtime"] == "genai" and [r["prompt"] for r in genai["results"]] == prompts[1::2]
     # a random model's bytes are seldom UTF-8, and the two tokenizers replace broken bytes differently: the text
     # is compared on SmolLM2 (test_smollm2_text_prompts_through_genai)
