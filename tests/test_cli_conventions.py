@@ -32,10 +32,14 @@ def one_line_error(result) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny_export(tmp_path_factory):
+def model_dir(tmp_path_factory):
+    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def tiny_export(model_dir, tmp_path_factory):
     from kvq_export.export.exporter import export_model
 
-    model_dir = save_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "tiny-llama")
     return export_model(model_dir, "int4-sym-g32", tmp_path_factory.mktemp("exp") / "int4")
 
 
@@ -204,3 +208,15 @@ def test_compare_json_holds_every_output(tiny_export):
     logits = next(o for o in data["outputs"] if o["name"] == "logits")
     assert data["passed"] is True and logits["max_abs"] == 0 and logits["passed"]
     assert {o["name"] for o in data["outputs"]} >= {"cache.0.key", "cache.0.value"}
+
+
+def test_compare_summary_stays_short_when_every_output_misses(model_dir, tiny_export, tmp_path):
+    from kvq_export.export.exporter import export_model
+
+    fp16 = export_model(model_dir, "fp16", tmp_path / "fp16")
+    result = invoke("compare", fp16, tiny_export, "--cache-atol", "0", "--cache-rtol", "0")
+    assert result.exit_code == 1 and "differ beyond tolerance" in result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.rstrip().endswith(("pass │", "FAIL │"))]
+    assert len(rows) == 3 and all(row.rstrip().endswith("FAIL │") for row in rows[1:])
+    layers = json.loads((fp16 / "kvq.json").read_text())["model"]["num_layers"]
+    assert f"of {1 + 2 * layers} outputs beyond tolerance" in result.stdout

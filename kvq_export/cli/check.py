@@ -113,9 +113,9 @@ def compare(dir_a, dir_b, backend, engine, logits_atol, logits_rtol, cache_atol,
     """Run two exports (or an engine and its ONNX reference) through Polygraphy's Comparator; exit 1 on mismatch.
 
     DIR_A and DIR_B: export directories (--backend trt: DIR_A's engine against DIR_B, or DIR_A's reference
-    flavor re-exported). Prints each output's largest absolute / relative error against its tolerances: logits,
-    the worst cache key and value layer and every output that missed (--verbose: every output, and
-    Polygraphy's own log).
+    flavor re-exported). Prints the largest absolute / relative errors against their tolerances of the logits and
+    the worst cache key and value layer, and how many outputs missed (--verbose: every output, and Polygraphy's
+    own log).
     """
     from kvq_export.validate.compare import Tolerances, compare_exports
 
@@ -150,8 +150,10 @@ def _comparison_table(comparison, *, full: bool):
     """Each output's largest errors against its tolerances (``full``: every output; else the summary rows)."""
     from rich.table import Table
 
-    shown = "every output" if full else "logits, the worst cache layer and every miss; --verbose: every output"
-    table = Table(title=f"largest error over every step ({shown})")
+    shown = "every output" if full else "logits and the worst cache layer; --verbose: every output"
+    missed = len(comparison.missed)
+    table = Table(title=f"largest error over every step ({shown})",
+                  caption=f"{missed} of {len(comparison.outputs)} outputs beyond tolerance" if missed else None)
     for col in ("output", "max abs", "atol", "max rel", "rtol", ""):
         table.add_column(col, justify="left" if col == "output" else "right")
     for o in comparison.outputs if full else comparison.summary():

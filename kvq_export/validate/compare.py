@@ -69,14 +69,19 @@ class Comparison:
     def __bool__(self) -> bool:
         return self.passed
 
+    @property
+    def missed(self) -> list[OutputError]:
+        """The outputs beyond tolerance."""
+        return [o for o in self.outputs if not o.passed]
+
     def summary(self) -> list[OutputError]:
-        """A short list: ``logits``, the worst cache key and value layer (named), then every other output missed."""
+        """A short list whatever the model's depth: ``logits``, then the worst cache key and value layer (named)."""
         rows = [o for o in self.outputs if not o.name.startswith("cache.")]
         for part in ("key", "value"):
             streams = [o for o in self.outputs if o.name.startswith("cache.") and o.name.endswith(f".{part}")]
             if streams:
                 rows.append(max(streams, key=lambda o: (not o.passed, o.max_abs)))
-        return rows + [o for o in self.outputs if not o.passed and o not in rows]
+        return rows
 
     def to_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "outputs": [o.to_dict() for o in self.outputs]}
