@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+from cli_run import kvq
 from tiny_models import COMMON, WORDS
 
 from kvq_export.demo import DEMO_RUNS, DemoRun, run_demo
@@ -61,8 +59,7 @@ def test_repetition_penalty_changes_greedy_text(model_dir, tmp_path):
 
 
 def test_cli_demo(model_dir, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "kvq_export.cli", "demo", "--model", str(model_dir), "--prompt",
-                           PROMPT, "--max-new-tokens", "4", "--workdir", str(tmp_path)], capture_output=True, text=True)
+    proc = kvq("demo", "--model", model_dir, "--prompt", PROMPT, "--max-new-tokens", "4", "--work-dir", tmp_path)
     assert proc.returncode == 0, proc.stderr
     for text in ("fp16 baseline", "most accurate <= 5 bits", "ort-gqa fast path", "ms/token",
                  "serve ort-int8 with onnxruntime-genai: python -c \"import onnxruntime_genai as og"):
