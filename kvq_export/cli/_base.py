@@ -12,6 +12,7 @@ import click
 from kvq_export.cli_types import FiniteFloat, outside_exports
 from kvq_export.errors import KVQError, OutputPathError, SchemeError
 from kvq_export.request import CalibrationMethod, CalibrationSpec
+from kvq_export.runtime.device import DEVICES, providers_for
 
 
 class KVQGroup(click.Group):
@@ -79,10 +80,10 @@ def report_option(what: str):
                         "HTML file here (a .html path).")
 
 
-def out_option(help: str, *, required: bool = False, file: bool = True, param: str = "out", **kwargs):
-    """``--out``: where the command writes (never inside an export directory)."""
-    return click.option("--out", param, required=required, callback=outside_exports,
-                        type=click.Path(dir_okay=not file, file_okay=file), help=help, **kwargs)
+def out_option(help: str, *, required: bool = False, param: str = "out"):
+    """``--out FILE``: the file the command writes (never inside an export directory)."""
+    return click.option("--out", param, required=required, callback=outside_exports, type=click.Path(dir_okay=False),
+                        help=help)
 
 
 def deprecated_alias(old: str, new: str, param: str, **kwargs):
@@ -106,19 +107,15 @@ def deprecated_alias(old: str, new: str, param: str, **kwargs):
 
 def device_option():
     """``--device auto|cpu|cuda``, given to the command as ``providers`` (ONNX Runtime execution providers)."""
-    def to_providers(ctx: click.Context, param: click.Parameter, value: str):
-        from kvq_export.runtime.device import providers_for
-
+    def to_providers(ctx: click.Context, param: click.Parameter, value: str) -> list[str] | None:
         return providers_for(value)
-
-    from kvq_export.runtime.device import DEVICES
 
     return click.option("--device", "providers", type=click.Choice(DEVICES), default="auto", show_default=True,
                         callback=to_providers, help="Where ONNX Runtime runs the graphs: cpu, cuda "
                         "(CUDAExecutionProvider: onnxruntime-gpu), or auto (cuda when ONNX Runtime has it, else cpu).")
 
 
-def scheme_options(*, required: bool = True, default: str | None = None):
+def scheme_options(*, default: str | None = None):
     """``--scheme PRESET|FILE`` or ``--key FORMAT --value FORMAT`` (llama.cpp's ``-ctk`` / ``-ctv``).
 
     The command receives one ``scheme_spec``: the preset name / file, or the scheme built from the two formats.
@@ -139,7 +136,7 @@ def scheme_options(*, required: bool = True, default: str | None = None):
 
                 scheme_spec = scheme_from_formats(key_format, value_format)
             elif scheme_spec is None:
-                if default is None and required:
+                if default is None:
                     raise SchemeError("give a cache scheme: --scheme PRESET|FILE, or --key FORMAT --value FORMAT")
                 scheme_spec = default
             return func(*args, scheme_spec=scheme_spec, **kwargs)
