@@ -9,7 +9,7 @@ import json
 
 import click
 import pytest
-from click.testing import CliRunner
+from cli_run import kvq
 from tiny_models import save_tiny_model_dir
 
 from kvq_export.cli import cli
@@ -17,30 +17,20 @@ from kvq_export.errors import SchemeError
 from kvq_export.presets import PRESETS, TENSOR_FORMATS, scheme_from_formats, tensor_format_names
 
 
-def invoke(*args):
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), \
-        f"{type(result.exception).__name__}: {result.exception}"
-    return result
-
-
-def one_line_error(result) -> str:
-    assert result.exit_code == 1, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+def one_line_error(proc) -> str:
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     return lines[0]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def tiny_export(model_dir, tmp_path_factory):
+def tiny_export(tmp_path_factory):
+    """An int4 export of a tiny model saved beside it (``tiny-llama``)."""
     from kvq_export.export.exporter import export_model
 
-    return export_model(model_dir, "int4-sym-g32", tmp_path_factory.mktemp("exp") / "int4")
+    root = tmp_path_factory.mktemp("tiny")
+    return export_model(save_tiny_model_dir(root / "tiny-llama"), "int4-sym-g32", root / "int4")
 
 
 # -- help everywhere ---------------------------------------------------------------------------------------------
@@ -52,7 +42,7 @@ def test_every_option_and_argument_is_described(name):
             assert param.hidden or param.help, f"kvq {name} {'/'.join(param.opts)} has no help"
         else:  # click shows no help for an argument: the command's docstring names it
             assert param.name.upper() in (command.help or ""), f"kvq {name}: the docstring does not name {param.name}"
-    text = invoke(name, "--help").output
+    text = kvq(name, "--help").stdout
     assert "flavour" not in text  # one spelling
 
 
@@ -76,58 +66,58 @@ def test_the_shared_options_are_spelled_alike():
 # -- --json FILE, '-' for stdout ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("stdout", [["--json", "-"], ["--json"]])  # a bare --json is '-'
 def test_json_dash_is_stdout_and_nothing_else(stdout):
-    result = invoke("memory", "--scheme", "q4_0", "--seq-len", "64", *stdout)
-    assert result.exit_code == 0, result.output
+    result = kvq("memory", "--scheme", "q4_0", "--seq-len", "64", *stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
     assert json.loads(result.stdout)["scheme"] == "q4_0"
-    assert json.loads(invoke("schemes", *stdout).stdout)["kivi-2"]["residual_length"] == 128
+    assert json.loads(kvq("schemes", *stdout).stdout)["kivi-2"]["residual_length"] == 128
 
 
 def test_json_file_is_written_and_the_table_still_shown(tmp_path):
     out = tmp_path / "sub" / "memory.json"
-    result = invoke("memory", "--scheme", "q4_0", "--seq-len", "64", "--json", out)
-    assert result.exit_code == 0, result.output
+    result = kvq("memory", "--scheme", "q4_0", "--seq-len", "64", "--json", out)
+    assert result.returncode == 0, result.stdout + result.stderr
     assert "over sequence length" in result.stdout
     assert json.loads(out.read_text())["seq_len"] == 64
     assert not [p for p in out.parent.iterdir() if p.name != "memory.json"]  # written aside, then renamed
 
 
 def test_json_and_report_are_refused_inside_an_export(tiny_export):
-    line = one_line_error(invoke("memory", "--scheme", "q4_0", "--seq-len", "8", "--json", tiny_export / "x.json"))
+    line = one_line_error(kvq("memory", "--scheme", "q4_0", "--seq-len", "8", "--json", tiny_export / "x.json"))
     assert "inside the kvq export" in line
-    line = one_line_error(invoke("validate", tiny_export, "--report", tiny_export / "r.html"))
+    line = one_line_error(kvq("validate", tiny_export, "--report", tiny_export / "r.html"))
     assert "inside the kvq export" in line
 
 
 @pytest.mark.parametrize("path", ["report.json", "report", "report.html.txt"])
 def test_report_is_html_only(tiny_export, tmp_path, path):
-    line = one_line_error(invoke("validate", tiny_export, "--report", tmp_path / path))
+    line = one_line_error(kvq("validate", tiny_export, "--report", tmp_path / path))
     assert "--report" in line and ".html" in line and "--json" in line
     assert not (tmp_path / path).exists()
 
 
 # -- --out, with the old spellings hidden and warning -------------------------------------------------------------
 def test_build_output_is_a_deprecated_spelling_of_out(tiny_export, tmp_path):
-    result = invoke("build", tiny_export, "--output", tmp_path / "e.engine")
+    result = kvq("build", tiny_export, "--output", tmp_path / "e.engine")
     assert "--output is deprecated; use --out" in result.stderr
-    assert "--output" not in invoke("build", "--help").output
-    line = one_line_error(invoke("build", tiny_export, "--out", tmp_path / "a", "--output", tmp_path / "b"))
+    assert "--output" not in kvq("build", "--help").stdout
+    line = one_line_error(kvq("build", tiny_export, "--out", tmp_path / "a", "--output", tmp_path / "b"))
     assert "not both --out and --output" in line
-    line = one_line_error(invoke("build", tiny_export, "--output", tiny_export / "e.engine"))
+    line = one_line_error(kvq("build", tiny_export, "--output", tiny_export / "e.engine"))
     assert "inside the kvq export" in line  # the alias is checked like --out
 
 
 def test_plan_report_became_json(tmp_path):
-    help_text = invoke("plan", "--help").output
+    help_text = kvq("plan", "--help").stdout
     assert "--json FILE" in help_text and "--report" not in help_text
     # the old spelling is a hidden alias of --json, never beside it
-    line = one_line_error(invoke("plan", "--budget", "4", "--out", tmp_path / "p.json", "--json", tmp_path / "a.json",
+    line = one_line_error(kvq("plan", "--budget", "4", "--out", tmp_path / "p.json", "--json", tmp_path / "a.json",
                                  "--report", tmp_path / "b.json"))
     assert "not both --json and --report" in line
 
 
 # -- --flavor(s) -------------------------------------------------------------------------------------------------
 def test_unknown_bench_flavor_is_one_line(tmp_path):
-    line = one_line_error(invoke("bench", "--schemes", "q4_0", "--flavors", "ort-gqa,nope"))
+    line = one_line_error(kvq("bench", "--schemes", "q4_0", "--flavors", "ort-gqa,nope"))
     assert "unknown flavor 'nope'" in line and "reference" in line
 
 
@@ -148,14 +138,14 @@ def test_cuda_without_cuda_is_one_line_naming_the_providers(tiny_export):
 
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("this onnxruntime has CUDA")
-    line = one_line_error(invoke("generate", tiny_export, "--prompt", "w1", "--device", "cuda"))
+    line = one_line_error(kvq("generate", tiny_export, "--prompt", "w1", "--device", "cuda"))
     assert "--device cuda" in line and "CPUExecutionProvider" in line
 
 
 def test_generate_on_cpu_writes_json(tiny_export, tmp_path):
-    result = invoke("generate", tiny_export, "--prompt", "w1 w2", "--max-new-tokens", "2", "--device", "cpu",
+    result = kvq("generate", tiny_export, "--prompt", "w1 w2", "--max-new-tokens", "2", "--device", "cpu",
                     "--json", tmp_path / "g.json")
-    assert result.exit_code == 0, result.output
+    assert result.returncode == 0, result.stdout + result.stderr
     assert len(json.loads((tmp_path / "g.json").read_text())["results"][0]["tokens"]) == 2
 
 
@@ -174,10 +164,10 @@ def test_tensor_formats_come_from_the_presets():
 
 
 def test_key_value_give_the_same_bytes_as_the_preset():
-    by_formats = json.loads(invoke("memory", "--key", "q8_0", "--value", "q4_0", "--seq-len", "512", "--json").stdout)
-    by_preset = json.loads(invoke("memory", "--scheme", "k-q8_0-v-q4_0", "--seq-len", "512", "--json").stdout)
+    by_formats = json.loads(kvq("memory", "--key", "q8_0", "--value", "q4_0", "--seq-len", "512", "--json").stdout)
+    by_preset = json.loads(kvq("memory", "--scheme", "k-q8_0-v-q4_0", "--seq-len", "512", "--json").stdout)
     assert by_formats["total_bytes"] == by_preset["total_bytes"] and by_formats["scheme"] == "k-q8_0-v-q4_0"
-    assert "q4_0-rot" in invoke("memory", "--help").output  # the accepted formats are named in help
+    assert "q4_0-rot" in kvq("memory", "--help").stdout  # the accepted formats are named in help
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -187,35 +177,35 @@ def test_key_value_give_the_same_bytes_as_the_preset():
     ([], "give a cache scheme"),
 ])
 def test_key_value_errors_are_one_line(args, needle):
-    assert needle in one_line_error(invoke("memory", "--seq-len", "8", *args))
+    assert needle in one_line_error(kvq("memory", "--seq-len", "8", *args))
 
 
 # -- kvq compare: a summary, the full log behind --verbose --------------------------------------------------------
 def test_compare_prints_a_short_summary(tiny_export):
-    result = invoke("compare", tiny_export, tiny_export)
-    assert result.exit_code == 0, result.output
+    result = kvq("compare", tiny_export, tiny_export)
+    assert result.returncode == 0, result.stdout + result.stderr
     rows = [line for line in result.stdout.splitlines() if line.rstrip().endswith("pass │")]
     assert len(rows) == 3 and "logits" in rows[0]  # logits, the worst key layer, the worst value layer
     assert "match within tolerance" in result.stdout
-    verbose = invoke("compare", tiny_export, tiny_export, "--verbose")
-    assert verbose.exit_code == 0
+    verbose = kvq("compare", tiny_export, tiny_export, "--verbose")
+    assert verbose.returncode == 0
     assert sum(line.rstrip().endswith("pass │") for line in verbose.stdout.splitlines()) > len(rows)
 
 
 def test_compare_json_holds_every_output(tiny_export):
-    result = invoke("compare", tiny_export, tiny_export, "--json", "-", "--logits-atol", "0", "--logits-rtol", "0")
+    result = kvq("compare", tiny_export, tiny_export, "--json", "-", "--logits-atol", "0", "--logits-rtol", "0")
     data = json.loads(result.stdout)
     logits = next(o for o in data["outputs"] if o["name"] == "logits")
     assert data["passed"] is True and logits["max_abs"] == 0 and logits["passed"]
     assert {o["name"] for o in data["outputs"]} >= {"cache.0.key", "cache.0.value"}
 
 
-def test_compare_summary_stays_short_when_every_output_misses(model_dir, tiny_export, tmp_path):
+def test_compare_summary_stays_short_when_every_output_misses(tiny_export, tmp_path):
     from kvq_export.export.exporter import export_model
 
-    fp16 = export_model(model_dir, "fp16", tmp_path / "fp16")
-    result = invoke("compare", fp16, tiny_export, "--cache-atol", "0", "--cache-rtol", "0")
-    assert result.exit_code == 1 and "differ beyond tolerance" in result.stderr
+    fp16 = export_model(tiny_export.parent / "tiny-llama", "fp16", tmp_path / "fp16")
+    result = kvq("compare", fp16, tiny_export, "--cache-atol", "0", "--cache-rtol", "0")
+    assert result.returncode == 1 and "differ beyond tolerance" in result.stderr
     rows = [line for line in result.stdout.splitlines() if line.rstrip().endswith(("pass │", "FAIL │"))]
     assert len(rows) == 3 and all(row.rstrip().endswith("FAIL │") for row in rows[1:])
     layers = json.loads((fp16 / "kvq.json").read_text())["model"]["num_layers"]
