@@ -149,10 +149,13 @@ def resident_bytes() -> int:
 
 
 def _measure_og(directory: str, context: int, concurrent: int, new_tokens: int, threads: int | None,
-                seed: int) -> dict[str, Any]:
+                seed: int, providers: Sequence[str] | None = None) -> dict[str, Any]:
     import onnxruntime_genai as og
 
+    from kvq_export.runtime.device import set_genai_providers
+
     config = og.Config(directory)
+    set_genai_providers(config, providers)
     overlay: dict[str, Any] = {"model": {"eos_token_id": []}}  # synthetic prompts: no row may stop early
     if threads:
         overlay["model"]["decoder"] = {"session_options": {"intra_op_num_threads": int(threads)}}
@@ -177,10 +180,10 @@ def _measure_og(directory: str, context: int, concurrent: int, new_tokens: int, 
 
 
 def _measure_session(directory: str, context: int, concurrent: int, new_tokens: int, threads: int | None,
-                     seed: int) -> dict[str, Any]:
+                     seed: int, providers: Sequence[str] | None = None) -> dict[str, Any]:
     from kvq_export.runtime.session import KVQSession
 
-    session = KVQSession(directory, threads=threads, verify_weights=False)
+    session = KVQSession(directory, threads=threads, verify_weights=False, providers=providers)
     loaded = resident_bytes()
     manifest = session.manifest
     rng = np.random.default_rng(seed)
@@ -208,14 +211,14 @@ def _child(queue, backend: str, *args: Any) -> None:
 
 
 def measure(backend: str, directory: str, context: int, concurrent: int, new_tokens: int,
-            threads: int | None = None, seed: int = 0) -> dict[str, Any]:
+            threads: int | None = None, seed: int = 0, providers: Sequence[str] | None = None) -> dict[str, Any]:
     """Run one measurement in a fresh process: ``rss_loaded``, ``rss``, per-step ``steps`` seconds (, prefill)."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     process = ctx.Process(target=_child, args=(queue, backend, directory, context, concurrent, new_tokens, threads,
-                                               seed))
+                                               seed, None if providers is None else list(providers)))
     process.start()
     try:
         status, result = queue.get()
@@ -267,12 +270,12 @@ def capacity_row(print_: Footprint, context: int, concurrent: int, budget_bytes:
 def run_capacity(directories: Mapping[str, str | os.PathLike[str]], *, contexts: Sequence[int] = CONTEXTS,
                  concurrent: int = 4, budget_bytes: int = 8 << 30, new_tokens: int = 8, backend: str = "auto",
                  threads: int | None = None, out: str | os.PathLike[str] | None = None,
-                 measure_fn: Callable[..., dict[str, Any]] | None = None, predict_only: bool = False
-                 ) -> list[CapacityRow]:
+                 measure_fn: Callable[..., dict[str, Any]] | None = None, predict_only: bool = False,
+                 providers: Sequence[str] | None = None) -> list[CapacityRow]:
     """Predict and measure every directory at every context; each row is appended to ``out`` once measured.
 
-    ``measure_fn`` (default :func:`measure`) takes ``(backend, directory, context, concurrent, new_tokens,
-    threads)``; a measurement that fails leaves a row with its prediction and the failure as ``status``;
+    ``measure_fn`` (default :func:`measure` on ``providers``) takes ``(backend, directory, context, concurrent,
+    new_tokens, threads)``; a measurement that fails leaves a row with its prediction and the failure as ``status``;
     ``predict_only`` measures nothing (rows with status ``predicted``).
     """
     if concurrent < 1 or new_tokens < 1 or budget_bytes < 1:
@@ -283,7 +286,10 @@ def run_capacity(directories: Mapping[str, str | os.PathLike[str]], *, contexts:
         raise CapacityError(f"context {bad[0]} leaves no prompt before {new_tokens} new tokens: allowed: > new_tokens")
     prints = {name: footprint(path, name) for name, path in directories.items()}
     backends = {name: choose_backend(path, backend) for name, path in directories.items()}
-    measure_fn = measure_fn or measure
+    if measure_fn is None:
+        import functools
+
+        measure_fn = functools.partial(measure, providers=providers)
     rows = []
     for context in contexts:
         for name, print_ in prints.items():

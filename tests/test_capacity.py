@@ -103,7 +103,8 @@ def test_real_measurement_and_plot(exports, tmp_path, backend):
         pytest.importorskip("onnxruntime_genai")
     out = tmp_path / "rows.jsonl"
     rows = run_capacity({"int8": exports["ort-int8"], "fp32": exports["fp32"]}, contexts=(48,), concurrent=2,
-                        budget_bytes=1 << 30, new_tokens=3, backend=backend, threads=1, out=out)
+                        budget_bytes=1 << 30, new_tokens=3, backend=backend, threads=1, out=out,
+                        providers=["CPUExecutionProvider"])  # --device cpu, carried into the measuring process
     assert [r.status for r in rows] == ["ok", "ok"]
     for row in rows:
         assert row.backend == backend

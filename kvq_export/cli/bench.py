@@ -113,11 +113,13 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
               help="Rows appended (JSON lines) as measured.")
 @click.option("--plot", "plot_out", default=None, callback=outside_exports, help="Write a PNG of the rows here.")
 @click.option("--predict-only", is_flag=True, help="Read the graphs only: cache bytes and sequences predicted.")
+@device_option()
 def bench_serve(export_dirs, contexts, concurrent, budget_gb, new_tokens, backend, threads, out, plot_out,
-                predict_only) -> None:
+                predict_only, providers) -> None:
     """Sequences each export serves at once within a memory budget, and their aggregate tokens/s.
 
     EXPORT_DIRS: export directories (kvq's or onnxruntime-genai's), each optionally named NAME=DIR.
+    The memory columns are the host's resident set (with --device cuda the cache lives on the GPU).
     """
     from pathlib import Path
 
@@ -125,7 +127,8 @@ def bench_serve(export_dirs, contexts, concurrent, budget_gb, new_tokens, backen
 
     dirs = dict(d.split("=", 1) if "=" in d else (Path(d).name, d) for d in export_dirs)
     rows = run_capacity(dirs, contexts=contexts, concurrent=concurrent, budget_bytes=int(budget_gb * 2**30),
-                        new_tokens=new_tokens, backend=backend, threads=threads, out=out, predict_only=predict_only)
+                        new_tokens=new_tokens, backend=backend, threads=threads, out=out, predict_only=predict_only,
+                        providers=providers)
     for r in rows:
         speed = "-" if r.tokens_per_s is None else f"{r.tokens_per_s:.1f}"
         click.echo(f"{r.name} @{r.context}: {r.cache_bytes_per_sequence / 2**20:.1f} MiB/seq, "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvq_export.errors import RuntimeInputError
 
 #: The devices kvq can be asked for; ``auto`` leaves the choice to :func:`~kvq_export.runtime.session.choose_providers`.
@@ -44,3 +46,12 @@ def genai_providers(providers: list[str] | None) -> list[str] | None:
     if unknown:
         raise RuntimeInputError(f"onnxruntime-genai cannot run on {', '.join(unknown)}; allowed: {', '.join(names)}")
     return [names[p] for p in providers if names[p]]
+
+
+def set_genai_providers(config, providers: Sequence[str] | None) -> None:
+    """Make an ``og.Config`` run on ONNX Runtime ``providers`` (None: as its ``genai_config.json`` says)."""
+    named = genai_providers(None if providers is None else list(providers))
+    if named is not None:  # a device was asked for: it replaces the config's own providers
+        config.clear_providers()
+        for provider in named:
+            config.append_provider(provider)

@@ -23,7 +23,7 @@ from kvq_export.errors import ExportError, RuntimeInputError
 from kvq_export.export.genai_package import GENAI_CONFIG, GENAI_MODEL, RUNTIME, genai_config, unsupported_reason
 from kvq_export.manifest import Manifest, check_same_export, export_identity
 from kvq_export.naming import PARTS
-from kvq_export.runtime.device import genai_providers
+from kvq_export.runtime.device import genai_providers, set_genai_providers
 from kvq_export.runtime.sampling import SamplingConfig
 from kvq_export.runtime.session import Generation, default_threads
 
@@ -198,7 +198,8 @@ class GenaiSession:
                              read_graph_metadata(resolve_inside(self.directory, GENAI_MODEL)), static)
         self.og = require("onnxruntime_genai")
         self.threads = threads or default_threads()
-        self.providers = genai_providers(list(providers) if providers is not None else None)
+        self.providers = None if providers is None else list(providers)
+        genai_providers(self.providers)  # one the C++ runtime cannot take is refused before any load
         # onnxruntime-genai reads these whole: a sparse or endless one is refused first
         check_sizes(self.directory, TOKENIZER_FILES, "tokenizer file", limit=TOKENIZER_LIMIT, error=RuntimeInputError)
         self.config = _written_config(self.directory, self.manifest)
@@ -220,10 +221,7 @@ class GenaiSession:
 
     def _config(self, **model_overlay: Any):
         config = self.og.Config(str(self.directory))
-        if self.providers is not None:  # a device was asked for: it replaces the config's own providers
-            config.clear_providers()
-            for provider in self.providers:
-                config.append_provider(provider)
+        set_genai_providers(config, self.providers)
         overlay: dict[str, Any] = {"model": dict(model_overlay)} if model_overlay else {}
         if self.threads:
             overlay.setdefault("model", {})["decoder"] = {"session_options": {"intra_op_num_threads": self.threads}}
