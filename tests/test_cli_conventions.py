@@ -9,7 +9,7 @@ import json
 
 import click
 import pytest
-from cli_run import kvq
+from cli_harness import kvq
 from tiny_models import save_tiny_model_dir
 
 from kvq_export.cli import cli

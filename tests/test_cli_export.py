@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_run import kvq
+from cli_harness import kvq
 from tiny_models import WORDS, save_tiny_model_dir
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from cli_run import kvq
+from cli_harness import kvq
 from tiny_models import COMMON, WORDS
 
 from kvq_export.demo import DEMO_RUNS, DemoRun, run_demo

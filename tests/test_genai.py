@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from cli_run import kvq
+from cli_harness import kvq
 from gqa_harness import SCHEMES, calibration
 from tiny_models import VOCAB, WORDS, byte_model, byte_tokenizer, layered_model, save_tiny_model_dir, tiny_model
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli_run import kvq
+from cli_harness import kvq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import WORDS, save_tiny_model_dir, tiny_model, tiny_tokenizer
