@@ -32,9 +32,10 @@ from kvq_export.export.exporter import cached_export_dir, ensure_export
 from kvq_export.memory import predict
 from kvq_export.model_source import cache_dir
 from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec, ExportRequest
+from kvq_export.runtime import open_session
+from kvq_export.runtime.base import Generation, Session
 from kvq_export.runtime.genai import RUNTIME, serve_command
 from kvq_export.runtime.sampling import SamplingConfig
-from kvq_export.runtime.session import KVQSession
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,8 @@ class DemoRow:
     serve: str = ""  # one shell line serving the export with onnxruntime-genai, or why it cannot
 
 
-def _timed_generate(session, prompt: str, max_new_tokens: int, sampling: SamplingConfig):
+def _timed_generate(session: Session, prompt: str, max_new_tokens: int,
+                    sampling: SamplingConfig) -> tuple[Generation, float]:
     """Generate and return (result, median ms between consecutive tokens)."""
     stamps: list[float] = []
     result = session.generate([prompt], max_new_tokens, sampling, on_token=lambda row, token: stamps.append(
@@ -113,7 +115,7 @@ def run_demo(model_spec: str, prompt: str, max_new_tokens: int, workdir: str | o
     for run in runs:
         request = ExportRequest(model=model_spec, scheme=run.scheme, flavor=run.flavor, calibration=calibration)
         directory = ensure_export(request, cached_export_dir(request, root))
-        session = KVQSession(directory, providers=providers)
+        session = open_session(directory, providers=providers)  # kvq's loop: every flavor, timed per token
         result, decode_ms = _timed_generate(session, prompt, max_new_tokens, sampling)
         base = rows[0] if rows else None
         tokens = base.tokens if base else result.tokens

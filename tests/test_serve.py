@@ -28,8 +28,9 @@ from tiny_models import WORDS, tiny_model, tiny_tokenizer
 
 from kvq_export.errors import KVQError
 from kvq_export.export.exporter import export_model
+from kvq_export.runtime.base import continuation_text
 from kvq_export.runtime.sampling import SamplingConfig
-from kvq_export.runtime.session import KVQSession, continuation_text
+from kvq_export.runtime.session import KVQSession
 from kvq_export.serve import create_app, open_backend
 from kvq_export.serve.app import bind
 from kvq_export.serve.protocol import RequestError, parse_chat, parse_completion
@@ -108,7 +109,7 @@ def client(url: str):
 def alone(session: KVQSession, prompt, max_tokens: int) -> str:
     """``kvq generate``'s greedy text for one prompt (text, or token ids decoded after the prompt)."""
     result = session.generate([prompt], max_tokens)[0]
-    return result.text if isinstance(prompt, str) else continuation_text(session.tokenizer, prompt, result.tokens)
+    return result.text if isinstance(prompt, str) else continuation_text(session.decode, prompt, result.tokens)
 
 
 def chat_ids(session: KVQSession, messages) -> list[int]:

@@ -44,36 +44,23 @@ def generate(export_dir, prompts, max_new_tokens, temperature, top_k, top_p, see
 
     EXPORT_DIR: a kvq export directory.
     """
+    from kvq_export.runtime import open_session
     from kvq_export.runtime.sampling import SamplingConfig
 
     for prompt in prompts:  # bytes that are not UTF-8 arrive as lone surrogates: refuse them before any work
         utf8_arg(prompt, "--prompt")
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                               repetition_penalty=repetition_penalty)
-    if runtime == "genai":
-        from kvq_export.runtime.genai import GenaiSession
-
-        session = GenaiSession(export_dir, verify_weights=not no_verify, providers=providers)
-        results = session.generate(list(prompts), max_new_tokens, sampling)
-        scheme = session.manifest.scheme.name
-    else:
-        from kvq_export.runtime.session import KVQSession
-
-        session = KVQSession(export_dir, verify_weights=not no_verify, providers=providers)
-        scheme = session.manifest.scheme.name
-        results = None
-    stream = None
-    if results is None and len(prompts) == 1 and json_out != STDOUT:
-        stream = _TextStream(session.tokenizer, prompts[0])
-    if results is None:
-        results = session.generate(list(prompts), max_new_tokens, sampling, on_token=stream)
+    session = open_session(export_dir, runtime, verify_weights=not no_verify, providers=providers)
+    stream = _TextStream(session, prompts[0]) if len(prompts) == 1 and json_out != STDOUT else None
+    results = session.generate(list(prompts), max_new_tokens, sampling, on_token=stream)
     if json_out:
-        write_json_output(json_out, {"export": str(export_dir), "scheme": scheme, "runtime": runtime,
-                                     "results": [r.to_dict() for r in results]})
+        write_json_output(json_out, {"export": str(export_dir), "scheme": session.manifest.scheme.name,
+                                     "runtime": runtime, "results": [r.to_dict() for r in results]})
         if json_out == STDOUT:
             return
     if stream is not None:
-        click.echo("")
+        stream.close()
     else:
         for r in results:
             click.echo(f"{r.prompt}{r.text}")
@@ -81,21 +68,31 @@ def generate(export_dir, prompts, max_new_tokens, temperature, top_k, top_p, see
 
 
 class _TextStream:
-    """Prints a single prompt's continuation as tokens arrive (re-decoding the tail keeps spacing right)."""
+    """Prints a single prompt's continuation as tokens arrive (re-decoding the tail keeps spacing right).
 
-    def __init__(self, tokenizer, prompt: str) -> None:
-        self.tokenizer, self.prompt_tokens = tokenizer, tokenizer(prompt)["input_ids"]
+    Nothing is printed before the first token, so a prompt the session refuses leaves stdout empty.
+    """
+
+    def __init__(self, session, prompt: str) -> None:
+        self.session, self.prompt = session, prompt
+        self.prompt_tokens: list[int] | None = None
         self.tokens: list[int] = []
         self.shown = ""
-        click.echo(prompt, nl=False)
 
     def __call__(self, row: int, token: int) -> None:
-        from kvq_export.runtime.session import continuation_text
+        from kvq_export.runtime.base import continuation_text
 
+        if self.prompt_tokens is None:
+            self.prompt_tokens = self.session.encode(self.prompt)
+            click.echo(self.prompt, nl=False)
         self.tokens.append(token)
-        text = continuation_text(self.tokenizer, self.prompt_tokens, self.tokens)
+        text = continuation_text(self.session.decode, self.prompt_tokens, self.tokens)
         click.echo(text[len(self.shown):], nl=False)
         self.shown = text
+
+    def close(self) -> None:
+        """End the line (the prompt alone when no token came)."""
+        click.echo(self.prompt if self.prompt_tokens is None else "")
 
 
 @cli.command()

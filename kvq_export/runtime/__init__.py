@@ -1,1 +1,42 @@
-"""Drive an export directory on ONNX Runtime: quantized cache kept between steps, prefill + decode."""
+"""Drive an export directory on ONNX Runtime: quantized cache kept between steps, prefill + decode.
+
+:func:`open_session` opens one as a :class:`~kvq_export.runtime.base.Session`: kvq's own loop (``kvq``,
+:class:`~kvq_export.runtime.session.KVQSession`) or onnxruntime-genai's (``genai``,
+:class:`~kvq_export.runtime.genai.GenaiSession`, ``--flavor ort-gqa`` exports).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvq_export.errors import RuntimeInputError
+
+if TYPE_CHECKING:  # the package stays light: a session's module is imported when one opens
+    from kvq_export.runtime.base import Session
+
+#: the runtimes :func:`open_session` knows
+RUNTIMES = ("kvq", "genai")
+
+
+def open_session(directory: str | os.PathLike[str], runtime: str = "kvq", *, threads: int | None = None,
+                 verify_weights: bool = True, providers: Sequence[str] | None = None, **options: Any) -> Session:
+    """An export directory opened on ``runtime`` (one of :data:`RUNTIMES`).
+
+    ``providers``: ONNX Runtime providers (:func:`~kvq_export.runtime.device.providers_for`; None: the runtime's
+    default). ``options`` (capacity, spinning) go to :class:`~kvq_export.runtime.session.KVQSession`, which alone
+    takes them.
+    """
+    if runtime == "kvq":
+        from kvq_export.runtime.session import KVQSession
+
+        return KVQSession(directory, threads=threads, verify_weights=verify_weights, providers=providers, **options)
+    if runtime == "genai":
+        if options:
+            raise RuntimeInputError(f"runtime genai takes no {', '.join(sorted(options))}; allowed: threads, "
+                                    "verify_weights, providers")
+        from kvq_export.runtime.genai import GenaiSession
+
+        return GenaiSession(directory, threads=threads, verify_weights=verify_weights, providers=providers)
+    raise RuntimeInputError(f"unknown runtime {runtime!r}; allowed: {', '.join(RUNTIMES)}")

@@ -13,7 +13,7 @@ import shlex
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -23,9 +23,10 @@ from kvq_export.errors import ExportError, RuntimeInputError
 from kvq_export.export.genai_package import GENAI_CONFIG, GENAI_MODEL, RUNTIME, genai_config, unsupported_reason
 from kvq_export.manifest import Manifest, check_same_export, export_identity
 from kvq_export.naming import PARTS
+from kvq_export.runtime.base import Generation, PromptBatch, Rows, TokenCallback, check_prompts
 from kvq_export.runtime.device import genai_providers, set_genai_providers
 from kvq_export.runtime.sampling import SamplingConfig
-from kvq_export.runtime.session import Generation, default_threads
+from kvq_export.runtime.session import default_threads
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,9 @@ class GenaiSession:
             ``genai_config.json`` names (CPU as kvq writes it).
     """
 
+    runtime: ClassVar[str] = "genai"
+    holds_last_token: ClassVar[bool] = True  # og's sequence (and max_length) counts the last sampled token
+
     def __init__(self, directory: str | os.PathLike[str], *, threads: int | None = None,
                  verify_weights: bool = True, providers: Sequence[str] | None = None) -> None:
         from kvq_export.manifest import (
@@ -254,6 +258,14 @@ class GenaiSession:
         """The ids that end a row."""
         return list(self.config["model"]["eos_token_id"])
 
+    def encode(self, text: str) -> list[int]:
+        """A prompt's token ids, as onnxruntime-genai's tokenizer reads it."""
+        return [int(t) for t in self.tokenizer.encode(text)]
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """Text of token ids, as onnxruntime-genai's tokenizer writes it."""
+        return self.tokenizer.decode(np.asarray(tokens, dtype=np.int32))
+
     def generate(
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
@@ -261,29 +273,32 @@ class GenaiSession:
         sampling: SamplingConfig | None = None,
         *,
         stop_at_eos: bool = True,
+        on_token: TokenCallback | None = None,
     ) -> list[Generation]:
         """Generate like :meth:`KVQSession.generate`, in onnxruntime-genai's loop (one batch, right-padded).
 
         Greedy results equal ``kvq generate`` on the same export; sampled ones use og's own random generator.
         ``cache_bytes`` is what og's shared buffers hold (capacity = longest prompt + ``max_new_tokens``).
         """
-        if max_new_tokens < 1:
-            raise RuntimeInputError(f"invalid max_new_tokens={max_new_tokens}: onnxruntime-genai needs >= 1")
-        sampling = sampling or SamplingConfig()
-        texts = [p if isinstance(p, str) else None for p in prompts]
-        token_lists = [[int(t) for t in (self.tokenizer.encode(p) if isinstance(p, str) else p)] for p in prompts]
-        if not token_lists or any(len(t) == 0 for t in token_lists):
-            raise RuntimeInputError("every prompt needs at least one token")
+        batch = check_prompts(prompts, max_new_tokens, encode=self.encode, manifest=self.manifest,
+                              holds_last_token=self.holds_last_token)
         pad = self.pad_token_id
-        if len(token_lists) > 1 and any(t[-1] == pad for t in token_lists):
+        if len(batch) > 1 and any(t[-1] == pad for t in batch.tokens):
             raise RuntimeInputError(f"a batched prompt ends with pad_token_id {pad}, which onnxruntime-genai reads "
                                     "as padding: run that prompt alone")
-        width = max(len(t) for t in token_lists)
-        context = int(self.config["model"]["context_length"])
-        if width + max_new_tokens > context:
-            allowed = f"max_new_tokens <= {context - width}" if width < context else f"prompts under {context} tokens"
-            raise RuntimeInputError(f"a prompt of {width} tokens + max_new_tokens={max_new_tokens} exceeds the "
-                                    f"export's context_length {context}; allowed: {allowed}")
+        generator = self._prefill(batch, max_new_tokens, sampling or SamplingConfig(), stop_at_eos=stop_at_eos)
+        rows = Rows(batch, self.eos_token_ids if stop_at_eos else (), on_token)
+        for _ in range(max_new_tokens):
+            with self._og_call("run"):
+                if generator.is_done():  # every row ended with EOS
+                    break
+                generator.generate_next_token()
+                tokens = generator.get_next_tokens()  # [B]
+            rows.add(tokens)
+        return rows.finish(self.cache_nbytes(generator), self.decode if self._tokenizer is not None else None)
+
+    def _prefill(self, batch: PromptBatch, max_new_tokens: int, sampling: SamplingConfig, *, stop_at_eos: bool):
+        """An og generator holding the right-padded prompts, its buffers sized for ``max_new_tokens`` more."""
         if not stop_at_eos and self._no_eos_model is None:  # og always stops at EOS: load a copy without one
             # read now from the directory: only while it still holds the export this session opened
             check_same_export(self.directory, self._opened, "since this session opened it")
@@ -291,8 +306,7 @@ class GenaiSession:
                 self._no_eos_model = self.og.Model(self._config(eos_token_id=[]))
             check_same_export(self.directory, self._opened, "since this session opened it")
         model = self.model if stop_at_eos else self._no_eos_model
-        params = self.og.GeneratorParams(model)
-        options: dict[str, Any] = {"max_length": width + max_new_tokens, "batch_size": len(token_lists),
+        options: dict[str, Any] = {"max_length": batch.width + max_new_tokens, "batch_size": len(batch),
                                    "do_sample": not sampling.greedy,
                                    "repetition_penalty": float(sampling.repetition_penalty)}
         if not sampling.greedy:
@@ -301,36 +315,13 @@ class GenaiSession:
                            top_p=float(sampling.top_p or 1.0))
             if sampling.seed is not None:
                 options["random_seed"] = int(sampling.seed)
-        ids = np.full((len(token_lists), width), pad, dtype=np.int32)
-        for row, toks in enumerate(token_lists):
-            ids[row, :len(toks)] = toks
+        ids, _ = batch.padded(left=False, pad=self.pad_token_id)  # og reads trailing pad ids as padding
         with self._og_call("run"):
+            params = self.og.GeneratorParams(model)
             params.set_search_options(**options)
             generator = self.og.Generator(model, params)
-            generator.append_tokens(ids)
-            while not generator.is_done():
-                generator.generate_next_token()
-        nbytes = self.cache_nbytes(generator)
-        eos = set(self.eos_token_ids) if stop_at_eos else set()
-        results = []
-        for row, (text, toks) in enumerate(zip(texts, token_lists)):
-            generated = [int(t) for t in generator.get_sequence(row)[width:]]
-            result = Generation(text, toks, cache_bytes=nbytes)
-            for token in generated[:max_new_tokens]:
-                result.tokens.append(token)
-                if token in eos:
-                    result.finish_reason = "eos"
-                    break
-            if text is not None:
-                result.text = self._continuation(toks, result.tokens)
-            results.append(result)
-        return results
-
-    def _continuation(self, prompt_tokens: list[int], tokens: list[int]) -> str:
-        prompt = self.tokenizer.decode(np.asarray(prompt_tokens, dtype=np.int32))
-        full = self.tokenizer.decode(np.asarray(prompt_tokens + tokens, dtype=np.int32))
-        return full[len(prompt):] if full.startswith(prompt) else self.tokenizer.decode(
-            np.asarray(tokens, dtype=np.int32))
+            generator.append_tokens(ids.astype(np.int32))
+        return generator
 
     def cache_nbytes(self, generator) -> int:
         """Bytes of the cache buffers ``generator`` holds (every layer's key and value buffer)."""

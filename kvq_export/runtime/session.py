@@ -10,15 +10,19 @@ for empty caches, capacities and which tensors to bind in place. Exports in the 
 the *same* buffers, updated; an older cache dict of that session shares them (do not branch from it). A step
 that would overflow the capacity first copies the rows into buffers of twice the size (or of the capacity
 needed).
+
+``generate`` is :meth:`KVQSession.prefill` (the left-padded prompts, one run), then
+:meth:`KVQSession.decode_n_tokens`, which samples a token per row and feeds it back through
+:meth:`KVQSession.decode_one_token`; each is one :meth:`KVQSession.step` away from the graph.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -37,6 +41,14 @@ from kvq_export.manifest import (
 )
 from kvq_export.manifest import verify_weights as check_weights
 from kvq_export.naming import CacheTensor, present_name, tensor_name
+from kvq_export.runtime.base import (
+    Generation,
+    PromptBatch,
+    Rows,
+    TokenCallback,
+    check_prompts,
+    eos_token_ids,
+)
 from kvq_export.runtime.sampling import Sampler, SamplingConfig
 
 logger = logging.getLogger(__name__)
@@ -113,23 +125,6 @@ def _ort_value(array: np.ndarray, dtype: str):
     return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype=DType.get(dtype).bits_numpy))
 
 
-@dataclass
-class Generation:
-    """One prompt's result."""
-
-    prompt: str | None
-    prompt_tokens: list[int]
-    tokens: list[int] = field(default_factory=list)
-    text: str | None = None
-    finish_reason: str = "length"  # "eos" or "length"
-    cache_bytes: int = 0  # bytes held by this batch's whole cache at the end
-
-    def to_dict(self) -> dict:
-        """JSON form for ``kvq generate --json``."""
-        return {"prompt": self.prompt, "prompt_tokens": self.prompt_tokens, "tokens": self.tokens,
-                "text": self.text, "finish_reason": self.finish_reason, "cache_bytes": self.cache_bytes}
-
-
 class KVQSession:
     """An export directory on ONNX Runtime.
 
@@ -148,6 +143,9 @@ class KVQSession:
     with remote code disabled, the calibration file must match its digest and the graph must carry the
     manifest's scheme.
     """
+
+    runtime: ClassVar[str] = "kvq"
+    holds_last_token: ClassVar[bool] = False  # the last sampled token is never fed
 
     def __init__(self, directory: str | Path, *, providers: Sequence[str] | None = None,
                  threads: int | None = None, capacity: int | None = None, verify_weights: bool = True,
@@ -428,13 +426,40 @@ class KVQSession:
         except RuntimeInputError as err:
             return None, str(err)
 
-    def _encode(self, text: str) -> list[int]:
-        """Token ids of a prompt; text that is not valid Unicode (undecodable bytes) is refused."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise RuntimeInputError(f"prompt {text[:40]!r} is not valid UTF-8 text") from None
+    def encode(self, text: str) -> list[int]:
+        """A prompt's token ids (the tokenizer's special tokens included, as it adds them)."""
         return list(self.tokenizer(text)["input_ids"])
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """Text of token ids, special tokens left out."""
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    # -- generation: prefill, then decode one token at a time -----------------------------------------------
+    def prefill(self, batch: PromptBatch, max_new_tokens: int) -> tuple[np.ndarray, CacheState]:
+        """Run the left-padded prompts into a new cache sized for the whole generation; last logits ``[B, V]``."""
+        ids, mask = batch.padded(left=True)  # [B, W]
+        capacity = self.capacity or self.layout.capacity_for(batch.width + max_new_tokens)
+        if capacity is not None and self.max_capacity is not None:
+            capacity = min(capacity, self.max_capacity)
+        logits, cache = self.step(ids, mask, self.empty_cache(len(batch), capacity=capacity))
+        return logits[:, -1], cache
+
+    def decode_one_token(self, tokens: np.ndarray, active: np.ndarray,
+                         cache: CacheState) -> tuple[np.ndarray, CacheState]:
+        """Feed one token per row ``[B]`` (rows not ``active`` feed padding: nothing is stored); logits ``[B, V]``."""
+        logits, cache = self.step(tokens[:, None], active[:, None].astype(np.int64), cache)
+        return logits[:, -1], cache
+
+    def decode_n_tokens(self, logits: np.ndarray, cache: CacheState, n: int, sampler: Sampler,
+                        rows: Rows) -> CacheState:
+        """Sample up to ``n`` tokens per row into ``rows``, feeding each back, until every row ended; the cache."""
+        for i in range(n):
+            tokens = sampler(np.where(rows.active[:, None], logits, 0.0))  # [B]; ended rows: their padding's logits
+            rows.add(tokens)
+            if rows.done or i == n - 1:  # the last token is never fed
+                break
+            logits, cache = self.decode_one_token(tokens, rows.active, cache)
+        return cache
 
     def generate(
         self,
@@ -443,70 +468,21 @@ class KVQSession:
         sampling: SamplingConfig | None = None,
         *,
         stop_at_eos: bool = True,
-        on_token: Callable[[int, int], None] | None = None,
+        on_token: TokenCallback | None = None,
     ) -> list[Generation]:
         """Prefill a left-padded batch, then decode until EOS or ``max_new_tokens``.
 
         ``prompts`` are strings (tokenized with the export's tokenizer) or token-id lists.
         ``on_token(row, token)`` is called for every generated token (for streaming).
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-            raise RuntimeInputError(f"invalid max_new_tokens={max_new_tokens!r}: allowed: an integer >= 0")
-        if isinstance(prompts, (str, bytes)):
-            raise RuntimeInputError("prompts: expected a list of strings or token-id lists, got one string")
-        texts = [p if isinstance(p, str) else None for p in prompts]
-        token_lists = [self._encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        if not token_lists or any(len(t) == 0 for t in token_lists):
-            raise RuntimeInputError("every prompt needs at least one token")
-        for row, toks in enumerate(token_lists):
-            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in toks):
-                raise RuntimeInputError(f"prompt {row}: expected text or a list of integer token ids")
-        try:
-            flat = np.array([t for toks in token_lists for t in toks], dtype=np.int64)
-        except OverflowError:
-            raise RuntimeInputError("a prompt token id does not fit in int64 (outside the vocabulary)") from None
-        self._check_ids(flat[None])
-        width = max(len(t) for t in token_lists)
-        # the last sampled token is never fed: a row holds at most width + max_new_tokens - 1 tokens
-        self._check_positions(np.array([width + max(max_new_tokens - 1, 0)]),
-                              what=f"a {width}-token prompt with max_new_tokens={max_new_tokens}")
-        eos = self.manifest.tokenizer.get("eos_token_id")
-        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        results = [Generation(text, toks) for text, toks in zip(texts, token_lists)]
+        batch = check_prompts(prompts, max_new_tokens, encode=self.encode, manifest=self.manifest,
+                              holds_last_token=self.holds_last_token)
+        rows = Rows(batch, eos_token_ids(self.manifest) if stop_at_eos else (), on_token)
         sampler = Sampler(sampling or SamplingConfig())
-        sampler.prime(token_lists)
-
-        ids = np.zeros((len(token_lists), width), dtype=np.int64)
-        mask = np.zeros_like(ids)
-        for row, toks in enumerate(token_lists):
-            ids[row, width - len(toks):] = toks
-            mask[row, width - len(toks):] = 1
-        capacity = self.capacity or self.layout.capacity_for(width + max_new_tokens)
-        if capacity is not None and self.max_capacity is not None:
-            capacity = min(capacity, self.max_capacity)
-        logits, cache = self.step(ids, mask, self.empty_cache(len(token_lists), capacity=capacity))
-        active = np.ones(len(results), dtype=bool)
-        for _ in range(max_new_tokens):
-            nxt = sampler(np.where(active[:, None], logits[:, -1], 0.0))  # finished rows: their padding's logits
-            for row in np.flatnonzero(active):
-                token = int(nxt[row])
-                results[row].tokens.append(token)
-                if on_token is not None:
-                    on_token(int(row), token)
-                if stop_at_eos and token in eos_ids:
-                    active[row] = False
-                    results[row].finish_reason = "eos"
-            if not active.any() or len(results[0].tokens) >= max_new_tokens and all(
-                    len(r.tokens) >= max_new_tokens for r, a in zip(results, active) if a):
-                break
-            # finished rows feed padding: nothing is stored for them
-            logits, cache = self.step(nxt[:, None], active[:, None].astype(np.int64), cache)
-        nbytes = self.cache_nbytes(cache)
-        for result in results:
-            result.cache_bytes = nbytes
-            if self._tokenizer is not None or result.prompt is not None:
-                result.text = continuation_text(self.tokenizer, result.prompt_tokens, result.tokens)
-        return results
+        sampler.prime(batch.tokens)
+        logits, cache = self.prefill(batch, max_new_tokens)
+        cache = self.decode_n_tokens(logits, cache, max_new_tokens, sampler, rows)
+        return rows.finish(self.cache_nbytes(cache), self.decode if self._tokenizer is not None else None)
 
 
 def open_onnx(path: Path, options, providers: Sequence[str]):
@@ -531,17 +507,6 @@ def load_tokenizer(directory: str | Path, manifest: Manifest):
         return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, TypeError, KeyError) as err:
         raise RuntimeInputError(f"{directory} has no usable tokenizer: {err}") from None
-
-
-def continuation_text(tokenizer, prompt_tokens: Sequence[int], tokens: Sequence[int], *,
-                      prompt_text: str | None = None) -> str:
-    """Text of ``tokens`` as it reads after the prompt (keeps the leading space tokenizers fold in).
-
-    ``prompt_text``: the prompt's decoded text when the caller already holds it (a streaming loop decodes it once).
-    """
-    prompt = tokenizer.decode(list(prompt_tokens), skip_special_tokens=True) if prompt_text is None else prompt_text
-    full = tokenizer.decode([*prompt_tokens, *tokens], skip_special_tokens=True)
-    return full[len(prompt):] if full.startswith(prompt) else tokenizer.decode(list(tokens), skip_special_tokens=True)
 
 
 def _show(shape, batch: int) -> list:

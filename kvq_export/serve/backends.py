@@ -7,8 +7,8 @@ the asyncio handler reads; neither ever blocks the event loop.
   must come from the thread that created it, so one thread owns the model and the engine. It takes new requests
   and cancellations from a queue, steps the engine while any request is pending and routes each token event to
   its request's stream. Concurrent requests decode as one batch.
-- :class:`SessionBackend` (every other flavor): a worker thread runs :meth:`KVQSession.generate` for one request
-  at a time, in arrival order; a cancelled request stops at its next token.
+- :class:`SessionBackend` (every other flavor): a worker thread runs a :class:`~kvq_export.runtime.base.Session`
+  (kvq's loop) for one request at a time, in arrival order; a cancelled request stops at its next token.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from typing import Any, ClassVar
 
 from kvq_export.errors import KVQError
 from kvq_export.manifest import Manifest
+from kvq_export.runtime import open_session
+from kvq_export.runtime.base import Session
 from kvq_export.runtime.sampling import SamplingConfig
 
 logger = logging.getLogger(__name__)
@@ -257,10 +259,8 @@ class SessionBackend(Backend):
         self._jobs: queue.SimpleQueue[TokenStream | None] = queue.SimpleQueue()
 
     def _load(self):
-        from kvq_export.runtime.session import KVQSession
-
-        return KVQSession(self.directory, threads=self.threads, verify_weights=self.verify_weights,
-                          providers=self.providers)
+        return open_session(self.directory, "kvq", threads=self.threads, verify_weights=self.verify_weights,
+                            providers=self.providers)
 
     def _enqueue(self, stream: TokenStream | None) -> None:
         self._jobs.put(stream)
@@ -268,7 +268,7 @@ class SessionBackend(Backend):
     def _cancel(self, stream: TokenStream) -> None:
         pass  # the worker checks stream.cancelled before starting and at every token
 
-    def _serve(self, session) -> None:
+    def _serve(self, session: Session) -> None:
         while (stream := self._jobs.get()) is not None:
             if stream.cancelled.is_set():
                 stream.end("cancelled")
@@ -282,7 +282,7 @@ class SessionBackend(Backend):
             if left is not None:
                 left.end("cancelled")
 
-    def _generate(self, session, stream: TokenStream) -> None:
+    def _generate(self, session: Session, stream: TokenStream) -> None:
         def on_token(row: int, token: int) -> None:
             if stream.cancelled.is_set():
                 raise _Cancelled
@@ -337,7 +337,7 @@ class EngineBackend(Backend):
         return {**super().describe(), "max_batch_size": self.max_batch_size}
 
     def _load(self):
-        from kvq_export.runtime.genai import GenaiSession
+        from kvq_export.runtime.genai import GenaiSession  # its og model, not only the Session protocol
 
         session = GenaiSession(self.directory, threads=self.threads, verify_weights=self.verify_weights,
                                providers=self.providers)

@@ -1,6 +1,6 @@
 """Generated tokens to text, one token at a time: stop strings, and deltas safe to stream.
 
-The text of a generation is :func:`~kvq_export.runtime.session.continuation_text` of all its tokens, exactly what
+The text of a generation is :func:`~kvq_export.runtime.base.continuation_text` of all its tokens, exactly what
 ``kvq generate`` prints, so a streamed answer (the deltas joined) equals the non-streamed one. A delta is held back
 while the text ends in an incomplete character (U+FFFD from a split UTF-8 sequence) or in what could be the start
 of a stop string, since either may still change.
@@ -9,8 +9,9 @@ of a stop string, since either may still change.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
-from kvq_export.runtime.session import continuation_text
+from kvq_export.runtime.base import continuation_text
 
 _INCOMPLETE = "\ufffd"
 
@@ -19,9 +20,9 @@ class TextTracker:
     """Follows one request's tokens: its text so far, the part already sent, and whether a stop string matched."""
 
     def __init__(self, tokenizer, prompt_tokens: Sequence[int], stop: Sequence[str] = ()) -> None:
-        self.tokenizer = tokenizer
+        self.decode = partial(tokenizer.decode, skip_special_tokens=True)  # as KVQSession.decode
         self.prompt_tokens = list(prompt_tokens)
-        self.prompt_text = tokenizer.decode(self.prompt_tokens, skip_special_tokens=True)
+        self.prompt_text = self.decode(self.prompt_tokens)
         self.stop = tuple(stop)
         self.tokens: list[int] = []
         self.sent = ""
@@ -36,7 +37,7 @@ class TextTracker:
         return self._text
 
     def _decode(self) -> str:
-        return continuation_text(self.tokenizer, self.prompt_tokens, self.tokens, prompt_text=self.prompt_text)
+        return continuation_text(self.decode, self.prompt_tokens, self.tokens, prompt_text=self.prompt_text)
 
     def add(self, token: int, *, stream: bool) -> str:
         """Record a token; return the text that can be sent now ("" when not streaming or nothing is safe yet)."""
