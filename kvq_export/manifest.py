@@ -84,6 +84,9 @@ class Manifest:
     build: dict[str, Any] | None = None
     #: other runtimes that can serve the export: name -> {"supported": bool, their files, or "reason"}
     runtimes: dict[str, Any] = field(default_factory=dict)
+    #: how a scheme planned under a bit budget was chosen (budget, bits achieved, per-layer choices, the kvq plan
+    #: command that writes it again); None when the request named its scheme
+    plan: dict[str, Any] | None = None
 
     @property
     def source_digest(self) -> str | None:
@@ -128,6 +131,7 @@ class Manifest:
             "weights": self.weights,
             "build": self.build,
             "runtimes": self.runtimes,
+            **({"plan": self.plan} if self.plan is not None else {}),
             "cache": {
                 "layout": self.cache_layout.rules,
                 "layout_name": self.layout,
@@ -197,6 +201,7 @@ class Manifest:
             layout=_get(cache, "layout_name", str, optional=True, where="cache.") or REGIONS.name, weights=weights,
             build=_get(data, "build", dict, optional=True),
             runtimes=dict(_get(data, "runtimes", dict, optional=True) or {}),
+            plan=_get(data, "plan", dict, optional=True),
         )
         manifest.cache_layout  # noqa: B018 - refuses an unknown layout name now, not at first use
         if scheme.needs_calibration and calibration is None:

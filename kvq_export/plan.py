@@ -56,7 +56,7 @@ from kvq_export.errors import KVQError, SchemeError
 from kvq_export.memory import predict, stream_bytes
 from kvq_export.model_source import model_facts
 from kvq_export.presets import resolve_scheme
-from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec
+from kvq_export.request import DEFAULT_CALIBRATION, DEFAULT_PLAN_CANDIDATES, CalibrationSpec, PlanMetric
 from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-METRICS = ("attention", "kl")
+METRICS = tuple(str(metric) for metric in PlanMetric)
 #: budget grid of the allocation (the knapsack's byte unit is ``budget / RESOLUTION``)
 RESOLUTION = 4000
 
@@ -311,14 +311,20 @@ def _static_for(model: PreTrainedModel, cset: CandidateSet, samples, num_layers:
         top_channels,
     )
     from kvq_export.progress import task
+    from kvq_export.rotation import rotation_matrix
 
     wanted = _calibrated_parts(cset)
     out: dict[TensorQuant, dict[int, dict[str, dict]]] = {tq: {} for tq in wanted}
     with task("plan: calibrating candidates", total=num_layers) as advance:
         for layer in range(num_layers):
             rankings: dict[tuple[str, int | None], torch.Tensor] = {}
-            streams: dict[str, torch.Tensor] = {}
+            streams: dict[tuple[str, str], torch.Tensor] = {}
+            # a rotated stream stores x @ R: its static scales belong to that basis (as kvq export calibrates them)
+            bases: dict[str, list] = {"none": samples[layer]}
             for tq, parts in wanted.items():
+                if tq.scales == "static" and tq.rotation not in bases:
+                    matrix = rotation_matrix(tq.rotation, samples[layer][0].keys.shape[-1])
+                    bases[tq.rotation] = [s.rotated(matrix) for s in samples[layer]]
                 for part in parts:
                     high = None
                     if tq.high_channels:
@@ -328,11 +334,11 @@ def _static_for(model: PreTrainedModel, cset: CandidateSet, samples, num_layers:
                                 samples[layer], part, tq, _o_proj(model, layer) if part == "value" else None)
                         high = top_channels(rankings[ranking], tq.high_channels)
                     if tq.scales == "static":
-                        if part not in streams and method != "attention":
-                            streams[part] = torch.cat([s.keys if part == "key" else s.values
-                                                       for s in samples[layer]], dim=1)
-                        meta = stream_from_samples(samples[layer], part, tq, method=method, percentile=percentile,
-                                                   high_channels=high, stream=streams.get(part))
+                        basis, stream = bases[tq.rotation], (part, tq.rotation)
+                        if stream not in streams and method != "attention":
+                            streams[stream] = torch.cat([s.keys if part == "key" else s.values for s in basis], dim=1)
+                        meta = stream_from_samples(basis, part, tq, method=method, percentile=percentile,
+                                                   high_channels=high, stream=streams.get(stream))
                     else:
                         meta = {HIGH_CHANNELS: high}
                     out[tq].setdefault(layer, {})[part] = meta
@@ -687,6 +693,8 @@ class Plan:
     genai: dict[str, Any] | None = None
     #: that nearest plan's scheme (None when the plan itself is served, or no plan of one cache type fits)
     genai_nearest: KVQuantScheme | None = None
+    #: each calibrated candidate's metadata, ``{tq: {layer: {"key"|"value": {...}}}}``, as the damages were measured
+    candidate_static: Mapping[TensorQuant, Mapping[int, Mapping[str, Any]]] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (the ``--report`` file)."""
@@ -694,6 +702,47 @@ class Plan:
                 "predicted_damage": self.damage, "budget": self.budget, "context": self.context,
                 "metric": self.metric, "uniform": self.uniform, "settings": self.settings,
                 "onnxruntime_genai": self.genai, "damages": [d.to_dict() for d in self.damages]}
+
+    def static_for(self, scheme: KVQuantScheme, num_layers: int) -> dict[int, dict[str, dict[str, Any]]]:
+        """The static metadata of ``scheme`` (made of this plan's candidates) from the candidates' calibration.
+
+        The same arrays :func:`kvq_export.calibrate.calibrate_static_scales` gives for ``scheme`` on the plan's
+        windows with the plan's method (the same samples and arithmetic), so an export of the plan needs no second
+        calibration pass. Streams that need no calibration are left out, as there.
+        """
+        static: dict[int, dict[str, dict[str, Any]]] = {}
+        for layer, streams in enumerate(scheme.streams(num_layers)):
+            for part, tq in zip(PARTS, streams):
+                if tq.quantized and (tq.scales == "static" or tq.high_channels):
+                    meta = self.candidate_static.get(tq, {}).get(layer, {}).get(part)
+                    if meta is None:
+                        raise KVQError(f"layer {layer} {part}: {tq.describe()} is not a calibrated {part} candidate "
+                                       "of this plan")
+                    static.setdefault(layer, {})[part] = dict(meta)
+        return static
+
+    def servable(self) -> Plan:
+        """The plan onnxruntime-genai serves: this one, or its nearest such plan (:func:`genai_view`) under its name.
+
+        The nearest plan is what ``kvq plan --candidates`` of its one-cache-type candidates writes (the report's
+        ``onnxruntime_genai.nearest.candidates``); the measured damages stay those of every candidate.
+
+        Raises:
+            KVQError: no plan of one cache type fits the budget.
+
+        """
+        if self.genai is None or self.genai["servable"]:
+            return self
+        near = self.genai["nearest"]
+        if near is None or self.genai_nearest is None:
+            raise KVQError(f"no plan onnxruntime-genai serves fits the budget of {self.budget:g} bits/element "
+                           f"({self.genai['reason']}); give candidates explicitly to plan one it does not serve")
+        scheme = dataclasses.replace(self.genai_nearest, name=self.scheme.name)
+        named = CANDIDATE_SETS.get(near["candidates"])
+        settings = {**self.settings, "candidates": named.about if named else near["candidates"]}
+        return dataclasses.replace(self, scheme=scheme, bits_per_element=near["bits_per_element"],
+                                   damage=near["predicted_damage"], settings=settings, genai={"servable": True},
+                                   genai_nearest=None)
 
 
 def genai_view(scheme: KVQuantScheme, options: Sequence[Sequence[Option]], budget_bytes: int, facts: ModelFacts,
@@ -756,7 +805,7 @@ def plan_scheme(
     *,
     budget: float,
     context: int,
-    candidates: CandidateSet | str = "ort-gqa",
+    candidates: CandidateSet | str = DEFAULT_PLAN_CANDIDATES,
     metric: str = "attention",
     calibration: CalibrationSpec = DEFAULT_CALIBRATION,
     name: str | None = None,
@@ -843,4 +892,4 @@ def plan_scheme(
     return Plan(scheme, bits, total, budget, context, metric, damages, uniform,
                 {"candidates": cset.about, "calib_method": str(calibration.method), "sink_tokens": sink_tokens,
                  "value_window": value_window, "windows": len(windows),
-                 "tokens": sum(len(w) for w in windows)}, genai, nearest)
+                 "tokens": sum(len(w) for w in windows)}, genai, nearest, static_by)

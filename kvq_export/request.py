@@ -1,10 +1,11 @@
 """What an export is asked to be: typed, frozen, checked on construction.
 
-Three small records describe a request, each with one default per setting that every command shares:
+Four small records describe a request, each with one default per setting that every command shares:
 
 * :class:`CalibrationSpec` -- where static scales come from (corpus, tokens, offset, method, percentile);
 * :class:`WeightSpec` -- how the graph's weights are stored (fp32, or quantized blocks);
-* :class:`ExportRequest` -- model, scheme, flavor, weights, compute dtype, opset and calibration.
+* :class:`PlanSpec` -- a bit budget and how to plan a scheme under it (``kvq plan``'s settings);
+* :class:`ExportRequest` -- model, scheme (or a plan), flavor, weights, compute dtype, opset and calibration.
 
 Each normalizes loose input (a preset name, a plain string for an enum, a path) when it is built and refuses
 anything else with a one-line error naming the field and the allowed values, so a request that exists is a
@@ -16,6 +17,7 @@ enums stay plain strings there.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -43,6 +45,10 @@ MIN_OPSET = 18
 #: Block sizes of quantized weights (MatMulNBits and GatherBlockQuantized on CPU) and MatMulNBits' activation types.
 WEIGHT_BLOCK_SIZES = (16, 32, 64, 128, 256)
 ACCURACY_LEVELS = (1, 2, 3, 4)
+#: The cache length a plan's bit budget is stated at when none is given.
+DEFAULT_PLAN_CONTEXT = 4096
+#: The candidate set ``kvq plan`` chooses from when none is named (:data:`kvq_export.plan.CANDIDATE_SETS`).
+DEFAULT_PLAN_CANDIDATES = "ort-gqa"
 
 
 class CalibrationMethod(StrEnum):
@@ -51,6 +57,13 @@ class CalibrationMethod(StrEnum):
     ABSMAX = "absmax"
     PERCENTILE = "percentile"
     ATTENTION = "attention"
+
+
+class PlanMetric(StrEnum):
+    """How a plan measures a candidate's damage (see :mod:`kvq_export.plan`)."""
+
+    ATTENTION = "attention"
+    KL = "kl"
 
 
 class WeightFormat(StrEnum):
@@ -172,28 +185,81 @@ class WeightSpec:
 
 
 @dataclass(frozen=True)
+class PlanSpec:
+    """A bit budget and how ``kvq plan`` chooses per-layer formats under it (see :func:`kvq_export.plan.plan_scheme`).
+
+    ``budget`` bits per cached element at ``context`` tokens; ``candidates`` a built-in set name or comma-separated
+    presets / scheme files (None: the export flavor's default, :func:`kvq_export.export.budget.plan_candidates`);
+    ``metric`` how damage is measured; ``sink_tokens`` / ``value_window`` high-precision tokens every layer keeps
+    (first ones / newest values); ``name`` the planned scheme's name (None: ``plan-<budget>b``).
+    """
+
+    budget: float
+    context: int = DEFAULT_PLAN_CONTEXT
+    candidates: str | None = None
+    metric: PlanMetric = PlanMetric.ATTENTION
+    sink_tokens: int = 0
+    value_window: int | None = None
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        budget = self.budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
+            raise KVQError(f"invalid plan.budget={budget!r}: allowed: a positive number of bits per cached element")
+        object.__setattr__(self, "budget", float(budget))
+        _int(self.context, "plan.context", 1, KVQError)
+        if self.candidates is not None and (not isinstance(self.candidates, str) or not self.candidates.strip()):
+            raise KVQError(f"invalid plan.candidates={self.candidates!r}: allowed: a candidate set name, "
+                           "comma-separated presets / scheme files, or None (the flavor's default)")
+        object.__setattr__(self, "metric", _enum(PlanMetric, self.metric, "plan.metric", KVQError))
+        _int(self.sink_tokens, "plan.sink_tokens", 0, KVQError)
+        if self.value_window is not None:
+            _int(self.value_window, "plan.value_window", 0, KVQError)
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise KVQError(f"invalid plan.name={self.name!r}: allowed: a non-empty string, or None")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (the metric as a plain string)."""
+        return {"budget": self.budget, "context": self.context, "candidates": self.candidates,
+                "metric": str(self.metric), "sink_tokens": self.sink_tokens, "value_window": self.value_window,
+                "name": self.name}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PlanSpec:
+        """Parse :meth:`to_dict`'s form; missing fields but ``budget`` take the defaults."""
+        values = _known(data, cls, "plan", KVQError)
+        if "budget" not in values:
+            raise KVQError("missing plan field 'budget'")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
 class ExportRequest:
     """Everything that shapes one export; two equal requests built by one kvq source give one export.
 
     Args:
         model: a model spec (built-in name, Hugging Face directory or ``.gguf`` file); None when the caller hands
             :func:`~kvq_export.export.exporter.export` an already loaded model.
-        scheme: the cache scheme, or a preset name / scheme JSON file.
+        scheme: the cache scheme, or a preset name / scheme JSON file; None when ``plan`` is given.
         flavor: the graph flavor (:mod:`kvq_export.export.flavors`).
         weights: how the weights are stored.
         dtype: compute dtype of the graph (``fp32``, ``fp16``).
         opset: ONNX opset of the graph.
         calibration: where static scales come from; None for a scheme that needs none, or when the caller gives
             the scales themselves (a scheme that needs them is then refused without them: kvq never guesses one).
+            A plan always reads calibration text: None means :data:`DEFAULT_CALIBRATION` (held-out text).
+        plan: a bit budget to plan the scheme under instead of giving one (``kvq export --budget``); the export
+            then runs ``kvq plan``'s planner first (:mod:`kvq_export.export.budget`).
     """
 
     model: str | None
-    scheme: KVQuantScheme
+    scheme: KVQuantScheme | None = None
     flavor: FlavorName = FlavorName.REFERENCE
     weights: WeightSpec = field(default_factory=WeightSpec)
     dtype: str = "fp32"
     opset: int = DEFAULT_OPSET
     calibration: CalibrationSpec | None = None
+    plan: PlanSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -201,10 +267,25 @@ class ExportRequest:
         if self.model is not None and not isinstance(self.model, str):
             raise ExportError(f"invalid model={type(self.model).__name__}: allowed: a model spec (a name, a "
                               "directory or a .gguf file), or None with the loaded model given to export()")
-        scheme = self.scheme
-        if isinstance(scheme, Mapping):
-            scheme = KVQuantScheme.from_dict(scheme)
-        object.__setattr__(self, "scheme", resolve_scheme(scheme))
+        if (self.scheme is None) == (self.plan is None):
+            both = self.plan is not None
+            raise ExportError("give a scheme or a plan (a bit budget), not both" if both else
+                              "the request has no scheme: give a scheme, or a plan (a bit budget) to plan one",
+                              cli="give either a scheme (--scheme, or --key/--value) or --budget, not both" if both
+                              else "give --scheme PRESET|FILE (or --key and --value), or --budget BITS to plan a "
+                              "scheme")
+        if self.plan is not None:
+            plan = PlanSpec.from_dict(self.plan) if isinstance(self.plan, Mapping) else self.plan
+            if not isinstance(plan, PlanSpec):
+                raise ExportError(f"invalid plan={plan!r}: allowed: a PlanSpec or None")
+            object.__setattr__(self, "plan", plan)
+            if self.calibration is None:  # planning calibrates every candidate: on held-out text by default
+                object.__setattr__(self, "calibration", DEFAULT_CALIBRATION)
+        else:
+            scheme = self.scheme
+            if isinstance(scheme, Mapping):
+                scheme = KVQuantScheme.from_dict(scheme)
+            object.__setattr__(self, "scheme", resolve_scheme(scheme))
         object.__setattr__(self, "flavor", get_flavor(self.flavor).name)  # unknown: refused with the allowed ones
         if isinstance(self.weights, Mapping):
             object.__setattr__(self, "weights", WeightSpec.from_dict(self.weights))
@@ -222,8 +303,12 @@ class ExportRequest:
         """JSON form: what ``kvq.json``'s ``build.request`` records and reuse compares.
 
         The scheme's name is left out (a renamed copy of a scheme is the same request), and so is the calibration
-        of a scheme that needs none.
+        of a scheme that needs none; ``plan`` appears only in a request that plans its scheme.
         """
+        if self.plan is not None:
+            return {"model": self.model, "scheme": None, "flavor": str(self.flavor), "weights": self.weights.to_dict(),
+                    "dtype": self.dtype, "opset": self.opset, "calibration": self.calibration.to_dict(),
+                    "plan": self.plan.to_dict()}
         calibration = self.calibration if self.scheme.needs_calibration else None
         return {"model": self.model, "scheme": {**self.scheme.to_dict(), "name": None}, "flavor": str(self.flavor),
                 "weights": self.weights.to_dict(), "dtype": self.dtype, "opset": self.opset,
@@ -233,6 +318,6 @@ class ExportRequest:
     def from_dict(cls, data: Mapping[str, Any]) -> ExportRequest:
         """Parse :meth:`to_dict`'s form."""
         values = _known(data, cls, "request", ExportError)
-        if "scheme" not in values:
-            raise ExportError("missing request field 'scheme'")
+        if values.get("scheme") is None and values.get("plan") is None:
+            raise ExportError("missing request field 'scheme' (or 'plan')")
         return cls(**{"model": None, **values})

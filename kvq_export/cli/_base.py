@@ -115,10 +115,11 @@ def device_option():
                         "(CUDAExecutionProvider: onnxruntime-gpu), or auto (cuda when ONNX Runtime has it, else cpu).")
 
 
-def scheme_options(*, default: str | None = None):
+def scheme_options(*, default: str | None = None, required: bool = True):
     """``--scheme PRESET|FILE`` or ``--key FORMAT --value FORMAT`` (llama.cpp's ``-ctk`` / ``-ctv``).
 
-    The command receives one ``scheme_spec``: the preset name / file, or the scheme built from the two formats.
+    The command receives one ``scheme_spec``: the preset name / file, or the scheme built from the two formats
+    (None when neither is given and the scheme is not ``required``: ``kvq export --budget`` plans one).
     """
     from kvq_export.presets import tensor_format_names
 
@@ -136,7 +137,7 @@ def scheme_options(*, default: str | None = None):
 
                 scheme_spec = scheme_from_formats(key_format, value_format)
             elif scheme_spec is None:
-                if default is None:
+                if default is None and required:
                     raise SchemeError("give a cache scheme: --scheme PRESET|FILE, or --key FORMAT --value FORMAT")
                 scheme_spec = default
             return func(*args, scheme_spec=scheme_spec, **kwargs)
@@ -160,9 +161,10 @@ def calibration_options(*, optional: bool = False, short_names: bool = False):
     """The calibration options every calibrating command shares, given to it as one ``calibration`` argument.
 
     ``--calib-corpus``, ``--calib-tokens``, ``--calib-offset``, ``--calib-method`` and ``--percentile`` take the
-    defaults of :class:`~kvq_export.request.CalibrationSpec`. ``optional``: no corpus unless one is given
-    (``calibration`` is then None: ``kvq export`` calibrates only when asked). ``short_names``: also accept
-    ``--corpus``, ``--tokens`` and ``--offset`` (``kvq plan``'s spellings).
+    defaults of :class:`~kvq_export.request.CalibrationSpec`. ``optional``: no calibration unless a calibration
+    option is given (``calibration`` is then None: ``kvq export`` calibrates only when asked; any of them asks, on
+    the default corpus unless ``--calib-corpus`` names another). ``short_names``: also accept ``--corpus``,
+    ``--tokens`` and ``--offset`` (``kvq plan``'s spellings).
     """
     default = CalibrationSpec()
 
@@ -187,9 +189,13 @@ def calibration_options(*, optional: bool = False, short_names: bool = False):
     def apply(func):
         @functools.wraps(func)
         def command(*args, calib_corpus, calib_tokens, calib_offset, calib_method, percentile, **kwargs):
-            calibration = None if calib_corpus is None else CalibrationSpec(
-                corpus=calib_corpus, tokens=calib_tokens, offset=calib_offset, method=calib_method,
-                percentile=percentile)
+            ctx = click.get_current_context()
+            asked = calib_corpus is not None or any(
+                ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
+                for name in ("calib_tokens", "calib_offset", "calib_method", "percentile"))
+            calibration = CalibrationSpec(
+                corpus=calib_corpus or default.corpus, tokens=calib_tokens, offset=calib_offset, method=calib_method,
+                percentile=percentile) if asked else None
             return func(*args, calibration=calibration, **kwargs)
 
         for option in reversed(options):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import click
@@ -19,13 +20,75 @@ from kvq_export.cli._base import (
 from kvq_export.cli_types import POSITIVE, outside_exports
 from kvq_export.errors import KVQError
 from kvq_export.export.flavors import FLAVORS, flavor_names
-from kvq_export.request import DEFAULT_OPSET, MIN_OPSET, WEIGHT_BLOCK_SIZES, WeightFormat
+from kvq_export.request import (
+    DEFAULT_OPSET,
+    DEFAULT_PLAN_CANDIDATES,
+    DEFAULT_PLAN_CONTEXT,
+    MIN_OPSET,
+    WEIGHT_BLOCK_SIZES,
+    PlanMetric,
+    PlanSpec,
+    WeightFormat,
+)
+
+
+def plan_options(*, for_export: bool = False):
+    """``kvq plan``'s planning options, given to the command as one ``plan`` argument (a :class:`PlanSpec`).
+
+    ``for_export``: ``kvq export``'s spelling: ``--budget`` is optional (``plan`` is None without it, and the other
+    planning options are then refused), and ``--candidates`` defaults to the flavor's (see
+    :func:`kvq_export.export.budget.plan_candidates`).
+    """
+    names = ("budget", "context", "candidates", "metric", "sink_tokens", "value_window", "name")
+    candidates_help = ("Built-in set (ort-gqa, ort-gqa-int4, ort-gqa-int8, kivi, accuracy, accuracy-recent) or "
+                       "comma-separated presets / scheme files (one layer option each)")
+    options = [
+        click.option("--budget", type=POSITIVE, required=not for_export,
+                     help="Most bits per cached element at --context (memory model: metadata and windows count)" +
+                     (": plan the scheme (kvq plan's planner) instead of giving --scheme." if for_export else ".")),
+        click.option("--context", type=click.IntRange(1), default=DEFAULT_PLAN_CONTEXT, show_default=True,
+                     help="Cache length the budget is stated at."),
+        click.option("--candidates", default=None if for_export else DEFAULT_PLAN_CANDIDATES,
+                     show_default=not for_export, help=candidates_help + (
+                         f" [default: {DEFAULT_PLAN_CANDIDATES}; with --flavor ort-gqa the best plan of it that "
+                         "onnxruntime-genai serves (ort-gqa-int4 or ort-gqa-int8)]" if for_export else ".")),
+        click.option("--metric", type=click.Choice([str(m) for m in PlanMetric]), default=str(PlanMetric.ATTENTION),
+                     show_default=True, help="attention: output error through o_proj relative to the residual stream "
+                     "(one model pass); kl: logit KL with one layer's stream quantized (a forward per layer and "
+                     "candidate)."),
+        click.option("--sink-tokens", type=click.IntRange(0), default=0, show_default=True,
+                     help="First tokens kept in high precision in every layer (measured, and counted in the budget)."),
+        click.option("--value-window", type=click.IntRange(0), default=None,
+                     help="Every value candidate keeps its N newest tokens exact (measured, and counted in the "
+                     "budget)."),
+        click.option("--name", default=None, help="Name of the planned scheme (default " +
+                     ("plan-<budget>b)." if for_export else "the --out file's stem).")),
+    ]
+
+    def apply(func):
+        @functools.wraps(func)
+        def command(*args, **kwargs):
+            values = {name: kwargs.pop(name) for name in names}
+            if values["budget"] is None:
+                ctx = click.get_current_context()
+                given = [f"--{name.replace('_', '-')}" for name in names
+                         if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+                if given:
+                    raise KVQError(f"{', '.join(given)} plan a scheme: give them with --budget, not with --scheme")
+            plan = None if values["budget"] is None else PlanSpec(**values)
+            return func(*args, plan=plan, **kwargs)
+
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return apply
 
 
 @cli.command("export")
 @click.option("--model", "model_spec", default="smollm2", show_default=True,
               help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
-@scheme_options()
+@scheme_options(required=False)  # or --budget: plan one
 @click.option("--out", "out_dir", required=True, callback=outside_exports, help="Export directory.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
               help="Compute dtype of the graph.")
@@ -45,19 +108,32 @@ from kvq_export.request import DEFAULT_OPSET, MIN_OPSET, WEIGHT_BLOCK_SIZES, Wei
               help="int8/int4 weights: MatMulNBits' activation type (1 fp32 .. 4 int8). 4 is faster on CPU, but "
                    "greedy tokens may then depend on what else is in the batch.")
 @calibration_options(optional=True)
+@plan_options(for_export=True)
+@click.option("--quiet", is_flag=True, help="--budget: no progress bars (they are also left out when stderr is not a "
+              "terminal).")
 def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, weight_format, weight_block_size,
-               weight_asymmetric, weight_accuracy_level, calibration) -> None:
-    """Export MODEL with a quantized KV cache to an ONNX directory (model.onnx + kvq.json)."""
+               weight_asymmetric, weight_accuracy_level, calibration, plan, quiet) -> None:
+    """Export MODEL with a quantized KV cache to an ONNX directory (model.onnx + kvq.json).
+
+    With --budget instead of --scheme, plan the scheme first as kvq plan does (on held-out calibration text by
+    default) and export it: the same as kvq plan then kvq export --scheme with the plan.
+    """
     from kvq_export.export.exporter import export
+    from kvq_export.progress import tqdm_bars
     from kvq_export.request import ExportRequest, WeightSpec
     from kvq_export.runtime.genai import RUNTIME
 
     weights = WeightSpec(format=weight_format, block_size=int(weight_block_size), symmetric=not weight_asymmetric,
                          accuracy_level=weight_accuracy_level)
     request = ExportRequest(model=model_spec, scheme=scheme_spec, flavor=flavor, weights=weights, dtype=dtype,
-                            opset=opset, calibration=calibration)
-    manifest = export(request, out_dir, force=force)
+                            opset=opset, calibration=calibration, plan=plan)
+    with tqdm_bars(not quiet):
+        manifest = export(request, out_dir, force=force)
     click.echo(f"exported to {out_dir}")
+    if manifest.plan is not None:
+        click.echo(f"planned {manifest.scheme.name}: {manifest.plan['bits_per_element']:.3f} bits/element at "
+                   f"{manifest.plan['context']} tokens (budget {manifest.plan['budget']:g}), predicted damage "
+                   f"{manifest.plan['predicted_damage']:.4g} ({manifest.plan['metric']}); {manifest.scheme.describe()}")
     genai = manifest.runtimes.get(RUNTIME) or {}
     click.echo(f"{RUNTIME}: " + (f"serve with og.Model({str(out_dir)!r}) ({genai['config']})" if genai.get("supported")
                                  else f"not servable: {genai.get('reason', 'no entry')}"))
@@ -67,27 +143,12 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, we
 @click.option("--model", "model_spec", default="smollm2", show_default=True,
               help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
 @calibration_options(short_names=True)
-@click.option("--budget", type=POSITIVE, required=True,
-              help="Most bits per cached element at --context (memory model: metadata and windows count).")
-@click.option("--context", type=click.IntRange(1), default=4096, show_default=True,
-              help="Cache length the budget is stated at.")
-@click.option("--candidates", default="ort-gqa", show_default=True,
-              help="Built-in set (ort-gqa, kivi, accuracy, accuracy-recent) or comma-separated presets / scheme files "
-                   "(one layer option each).")
-@click.option("--metric", type=click.Choice(["attention", "kl"]), default="attention", show_default=True,
-              help="attention: output error through o_proj relative to the residual stream (one model pass); "
-                   "kl: logit KL with one layer's stream quantized (a forward per layer and candidate).")
-@click.option("--sink-tokens", type=click.IntRange(0), default=0, show_default=True,
-              help="First tokens kept in high precision in every layer (measured, and counted in the budget).")
-@click.option("--value-window", type=click.IntRange(0), default=None,
-              help="Every value candidate keeps its N newest tokens exact (measured, and counted in the budget).")
-@click.option("--name", default=None, help="Name of the planned scheme (default plan-<budget>b).")
+@plan_options()
 @out_option("Scheme JSON to write.", required=True, param="out_path")
 @json_option("the measured damage per layer and candidate, and the uniform choices,")
 @deprecated_alias("--report", "--json", "json_out", type=click.Path(dir_okay=False))
 @click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
-def plan(model_spec, calibration, budget, context, candidates, metric, sink_tokens, value_window, name, out_path,
-         json_out, quiet) -> None:
+def plan(model_spec, calibration, plan, out_path, json_out, quiet) -> None:
     """Choose per-layer key/value formats under a bit budget by measured attention damage; write a scheme."""
     from pathlib import Path
 
@@ -105,16 +166,17 @@ def plan(model_spec, calibration, budget, context, candidates, metric, sink_toke
         raise KVQError(f"model {model_spec} has no tokenizer: kvq plan reads calibration text")
     windows = calibration_windows(tokenizer, calibration.corpus, calibration.tokens, offset=calibration.offset)
     with tqdm_bars(not quiet):
-        result = plan_scheme(model, windows, budget=budget, context=context, candidates=candidates, metric=metric,
-                             calibration=calibration, sink_tokens=sink_tokens, value_window=value_window,
-                             name=name or Path(out_path).stem)
+        result = plan_scheme(model, windows, budget=plan.budget, context=plan.context, candidates=plan.candidates,
+                             metric=str(plan.metric), calibration=calibration, sink_tokens=plan.sink_tokens,
+                             value_window=plan.value_window, name=plan.name or Path(out_path).stem)
     result.settings.update(model=model_spec, corpus=calibration.corpus, offset=calibration.offset)
     atomic_write(out_path, result.scheme.to_json() + "\n")
     if json_out:
         write_json_output(json_out, result.to_dict())
     to_stderr = json_out == STDOUT  # stdout then holds the JSON alone
-    click.echo(f"{out_path}: {result.bits_per_element:.3f} bits/element at {context} tokens (budget {budget:g}), "
-               f"predicted damage {result.damage:.4g} ({metric}); {result.scheme.describe()}", err=to_stderr)
+    click.echo(f"{out_path}: {result.bits_per_element:.3f} bits/element at {plan.context} tokens (budget "
+               f"{plan.budget:g}), predicted damage {result.damage:.4g} ({plan.metric}); {result.scheme.describe()}",
+               err=to_stderr)
     for row in result.uniform:
         click.echo(f"  uniform K {row['key']} / V {row['value']}: {row['bits_per_element']:.3f} bits/element, "
                    f"damage {row['damage']:.4g}", err=to_stderr)

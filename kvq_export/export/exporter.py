@@ -4,8 +4,10 @@ The directory holds ``model.onnx`` (+ ``model.onnx.data``), the tokenizer files,
 for static-scale schemes, and ``kvq.json`` (the manifest). The export is a pipeline of small stages, each a
 plain function a test or a tool can run alone::
 
-    load_source -> read_facts -> plan_export -> calibrate -> build_graph -> quantize_weights -> package
+    load_source -> read_facts -> [plan_budget] -> plan_export -> calibrate -> build_graph -> quantize_weights -> package
 
+A request with a bit budget instead of a scheme is planned first (:func:`plan_budget`, ``kvq plan``'s planner; see
+:mod:`kvq_export.export.budget`), and calibrating then reuses the plan's calibration of the chosen candidates.
 :func:`plan_export` checks everything (the scheme against the model and the flavor, calibration, weights)
 before anything is written; the rest carry the plan out. The directory is written into a hidden temporary
 directory beside the target and swapped into place at the end (:mod:`kvq_export._atomic`), so a half-written
@@ -46,6 +48,7 @@ from kvq_export._atomic import (
 from kvq_export.calibrate import calibrate_static_scales, calibration_digest, calibration_windows, save_calibration
 from kvq_export.errors import ExportError, KVQError
 from kvq_export.export.arch import Arch, get_arch
+from kvq_export.export.budget import PlannedScheme, plan_request
 from kvq_export.export.flavors import Flavor, FlavorName, Runtime, flavor_names, get_flavor
 from kvq_export.export.genai_package import RUNTIME, write_genai_files
 from kvq_export.manifest import (
@@ -71,8 +74,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_OPSET", "ExportPlan", "Source", "build_graph", "calibrate", "ensure_export", "export",
-           "export_model", "flavor_names", "get_flavor", "load_source", "package", "plan_export", "quantize_weights",
-           "read_facts"]
+           "export_model", "flavor_names", "get_flavor", "load_source", "package", "plan_budget", "plan_export",
+           "quantize_weights", "read_facts"]
 
 StaticArrays = Mapping[int, Mapping[str, Mapping[str, Any]]]
 
@@ -140,15 +143,34 @@ def read_facts(source: Source) -> tuple[Arch, ModelFacts]:
     return arch, ModelFacts.from_config(source.model.config, arch, source=source.spec)
 
 
+def plan_budget(request: ExportRequest, source: Source, *, static: StaticArrays | None = None) -> PlannedScheme:
+    """Plan the scheme of a request that gives a bit budget instead (``kvq plan``'s planner on its calibration text).
+
+    What can be checked without the scheme (the opset, the weights for the flavor, no ``static`` handed over: a
+    planned export calibrates its own candidates) is checked before the model runs.
+    """
+    if request.plan is None:
+        raise ExportError("the request names its scheme: there is nothing to plan")
+    if static is not None:
+        raise ExportError("a planned export calibrates its own scales on the request's calibration text: give "
+                          "static metadata with a scheme, not with a plan")
+    check_opset(request.opset)
+    flavor = get_flavor(request.flavor)
+    _check_weights(request.weights, flavor)
+    _, facts = read_facts(source)
+    return plan_request(request, source, flavor, facts)
+
+
 @dataclass(frozen=True)
 class ExportPlan:
     """A checked export: every stage after :func:`plan_export` only carries it out."""
 
-    request: ExportRequest
+    request: ExportRequest  # with its scheme (a planned request: the planned one)
     flavor: Flavor
     arch: Arch
     facts: ModelFacts
     static: StaticArrays | None  # calibrated metadata handed over by the caller (None: calibrate, or none needed)
+    planned: PlannedScheme | None = None  # how the scheme was planned (None: the request named it)
 
     @property
     def calibrates(self) -> bool:
@@ -156,13 +178,18 @@ class ExportPlan:
         return self.request.scheme.needs_calibration and self.static is None
 
 
-def plan_export(request: ExportRequest, source: Source, *, static: StaticArrays | None = None) -> ExportPlan:
+def plan_export(request: ExportRequest, source: Source, *, static: StaticArrays | None = None,
+                planned: PlannedScheme | None = None) -> ExportPlan:
     """Check that ``request`` can be carried out on ``source`` before anything is computed or written.
 
-    Raises a one-line :class:`~kvq_export.errors.KVQError` for a scheme the model or the flavor cannot hold, a
-    static-scale scheme with neither scales nor calibration text (kvq never guesses a scale or a channel) and a
-    weight format kvq cannot write.
+    A request with a bit budget is carried out as ``planned`` (:func:`plan_budget`) says. Raises a one-line
+    :class:`~kvq_export.errors.KVQError` for a scheme the model or the flavor cannot hold, a static-scale scheme with
+    neither scales nor calibration text (kvq never guesses a scale or a channel) and a weight format kvq cannot write.
     """
+    if request.plan is not None:
+        if planned is None or planned.asked != request:
+            raise ExportError("the request gives a bit budget, not a scheme: plan it first (plan_budget)")
+        request = planned.request
     check_opset(request.opset)
     arch, facts = read_facts(source)
     scheme = request.scheme
@@ -176,11 +203,15 @@ def plan_export(request: ExportRequest, source: Source, *, static: StaticArrays 
                               "kvq never guesses a scale or a channel)")
         if source.tokenizer is None:
             raise ExportError("calibrating from a corpus needs the model's tokenizer")
-    if request.weights.quantized and Runtime.ONNXRUNTIME not in flavor.runtimes:
-        raise ExportError(f"weights.format={request.weights.format} stores ONNX Runtime's MatMulNBits and "
+    _check_weights(request.weights, flavor)
+    return ExportPlan(request, flavor, arch, facts, static, planned)
+
+
+def _check_weights(weights: WeightSpec, flavor: Flavor) -> None:
+    if weights.quantized and Runtime.ONNXRUNTIME not in flavor.runtimes:
+        raise ExportError(f"weights.format={weights.format} stores ONNX Runtime's MatMulNBits and "
                           f"GatherBlockQuantized, which the {flavor.name} flavor's runtimes cannot run; allowed "
                           f"there: {WeightFormat.FP32}, {WeightFormat.FP16}")
-    return ExportPlan(request, flavor, arch, facts, static)
 
 
 @dataclass(frozen=True)
@@ -192,14 +223,21 @@ class Calibration:
 
 
 def calibrate(plan: ExportPlan, source: Source) -> Calibration:
-    """The static scales (and high channels) of the plan: given, calibrated on the request's text, or none."""
+    """The static scales (and high channels) of the plan: given, calibrated on the request's text, or none.
+
+    A planned scheme's come from the planner, which calibrated every candidate on the same text the same way.
+    """
     if not plan.calibrates:
         return Calibration(plan.static, {"source": "given"})
     spec: CalibrationSpec = plan.request.calibration
-    windows = calibration_windows(source.tokenizer, spec.corpus, spec.tokens, offset=spec.offset)
-    static = calibrate_static_scales(source.model, plan.request.scheme, windows, method=spec.method,
-                                     percentile=spec.percentile)
-    provenance = {"source": "calibrated", "corpus": spec.corpus, "tokens": sum(len(w) for w in windows),
+    if plan.planned is not None:
+        static, tokens = plan.planned.static, plan.planned.tokens
+    else:
+        windows = calibration_windows(source.tokenizer, spec.corpus, spec.tokens, offset=spec.offset)
+        static = calibrate_static_scales(source.model, plan.request.scheme, windows, method=spec.method,
+                                         percentile=spec.percentile)
+        tokens = sum(len(w) for w in windows)
+    provenance = {"source": "calibrated", "corpus": spec.corpus, "tokens": tokens,
                   "offset": spec.offset, "method": str(spec.method),
                   **({"percentile": spec.percentile} if spec.method == "percentile" else {})}
     return Calibration(static, provenance)
@@ -250,7 +288,9 @@ def package(directory: Path, plan: ExportPlan, source: Source, graph: ir.Model, 
                  "meaning": "1 = real token, 0 = left padding of this call's tokens"}],
         outputs=[{"name": "logits", "dtype": "float32", "shape": ["batch", "seq", facts.vocab_size]}],
         tokenizer=_tokenizer_facts(source.tokenizer, source.model.config), calibration=written,
-        build=_build_record(request, plan.static, model=None if source.spec else source.model),
+        build=_build_record(plan.planned.asked if plan.planned else request, plan.static,
+                            model=None if source.spec else source.model),
+        plan=plan.planned.record() if plan.planned else None,
     )
     manifest = _write_runtime_files(directory, manifest)
     # checksums last, once: they cover the graphs the runtime files add (hashing the weights is the slow part)
@@ -329,7 +369,8 @@ def cached_export_dir(request: ExportRequest, root: str | os.PathLike[str]) -> P
     """
     parts = [Path(request.model or "model").name]
     parts += [model_digest(request.model)] if request.model else []
-    parts += [request.scheme.name or "custom"]
+    parts += [(request.scheme.name or "custom") if request.scheme else request.plan.name or
+              f"plan-{request.plan.budget:g}b"]
     parts += [str(request.flavor)] if request.flavor is not FlavorName.REFERENCE else []
     parts += [str(request.dtype)] if str(request.dtype) != "fp32" else []
     parts += [_weights_key(request.weights)] if request.weights != WeightSpec() else []
@@ -387,10 +428,11 @@ def _run(request: ExportRequest, out: Path, *, model: Any, tokenizer: Any, stati
     """The pipeline, run while this process holds ``out``'s lock: plan, then compute, then write aside and swap."""
     start = time.perf_counter()
     source = load_source(request, model, tokenizer)
-    plan = plan_export(request, source, static=static)
+    planned = plan_budget(request, source, static=static) if request.plan is not None else None
+    plan = plan_export(request, source, static=static, planned=planned)
     calibration = calibrate(plan, source)
     graph, _ = build_graph(plan, source, calibration.static)
-    graph = quantize_weights(graph, request.weights)
+    graph = quantize_weights(graph, plan.request.weights)
     logger.info("built the %s graph in %.1f s", plan.flavor.name, time.perf_counter() - start)
     tmp = temp_dir_beside(out)
     try:
@@ -400,7 +442,7 @@ def _run(request: ExportRequest, out: Path, *, model: Any, tokenizer: Any, stati
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("exported %s (%s, %s) to %s in %.1f s", plan.facts.model_type, request.scheme.name or "custom",
+    logger.info("exported %s (%s, %s) to %s in %.1f s", plan.facts.model_type, plan.request.scheme.name or "custom",
                 plan.flavor.name, out, time.perf_counter() - start)
     return manifest
 
