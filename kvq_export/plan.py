@@ -727,6 +727,8 @@ class Plan:
         The nearest plan is what ``kvq plan --candidates`` of its one-cache-type candidates writes (the report's
         ``onnxruntime_genai.nearest.candidates``); the measured damages stay those of every candidate.
 
+        Its ``onnxruntime_genai`` entry names those candidates (``candidates``) when it is the nearest plan.
+
         Raises:
             KVQError: no plan of one cache type fits the budget.
 
@@ -741,8 +743,8 @@ class Plan:
         named = CANDIDATE_SETS.get(near["candidates"])
         settings = {**self.settings, "candidates": named.about if named else near["candidates"]}
         return dataclasses.replace(self, scheme=scheme, bits_per_element=near["bits_per_element"],
-                                   damage=near["predicted_damage"], settings=settings, genai={"servable": True},
-                                   genai_nearest=None)
+                                   damage=near["predicted_damage"], settings=settings, genai_nearest=None,
+                                   genai={"servable": True, "candidates": near["candidates"]})
 
 
 def genai_view(scheme: KVQuantScheme, options: Sequence[Sequence[Option]], budget_bytes: int, facts: ModelFacts,
@@ -812,6 +814,7 @@ def plan_scheme(
     resolution: int = RESOLUTION,
     sink_tokens: int = 0,
     value_window: int | None = None,
+    servable: bool = False,
 ) -> Plan:
     """Plan a per-layer scheme for ``model`` (see the module docstring).
 
@@ -830,6 +833,8 @@ def plan_scheme(
             in the budget like any other stored byte.
         value_window: every value candidate keeps this many newest tokens exact (:func:`with_value_window`;
             measured per query and paid for in the budget); None: the candidates' own windows.
+        servable: keep to a plan onnxruntime-genai serves (:meth:`Plan.servable`) when GroupQueryAttention can hold
+            the plan at all.
 
     Raises:
         KVQError: unknown metric, a non-positive budget/context, or a budget no choice fits.
@@ -883,13 +888,16 @@ def plan_scheme(
                 scheme.name, bits, context, budget, total, metric)
     genai, nearest = genai_view(scheme, options, budget_bytes, facts, context, about=cset.about,
                                 resolution=resolution)
+    plan = Plan(scheme, bits, total, budget, context, metric, damages, uniform,
+                {"candidates": cset.about, "calib_method": str(calibration.method), "sink_tokens": sink_tokens,
+                 "value_window": value_window, "windows": len(windows),
+                 "tokens": sum(len(w) for w in windows)}, genai, nearest, static_by)
+    if servable:
+        return plan.servable()
     if genai is not None and not genai["servable"]:
         near = genai["nearest"]
         offer = "no plan of one cache type fits the budget" if near is None else (
             f"the nearest plan it serves (--candidates {near['candidates']}): {near['bits_per_element']:.3f} "
             f"bits/element, predicted damage {near['predicted_damage']:.4g}: {nearest.describe()}")
         logger.warning("onnxruntime-genai cannot serve %s: %s; %s", scheme.name, genai["reason"], offer)
-    return Plan(scheme, bits, total, budget, context, metric, damages, uniform,
-                {"candidates": cset.about, "calib_method": str(calibration.method), "sink_tokens": sink_tokens,
-                 "value_window": value_window, "windows": len(windows),
-                 "tokens": sum(len(w) for w in windows)}, genai, nearest, static_by)
+    return plan

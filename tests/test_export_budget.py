@@ -95,7 +95,8 @@ def test_ort_gqa_budget_export_is_the_plan_onnxruntime_genai_serves(model_dir, t
     assert "onnxruntime-genai: serve with og.Model(" in output
     manifest = Manifest.load(tmp_path / "one")
     assert {key.bits for key, _ in manifest.scheme.streams(2)} == {4}
-    assert manifest.plan["candidates"] == "ort-gqa-int4" and manifest.plan["onnxruntime_genai"] == {"servable": True}
+    assert manifest.plan["candidates"] == "ort-gqa-int4"
+    assert manifest.plan["onnxruntime_genai"] == {"servable": True, "candidates": "ort-gqa-int4"}
 
     command = shlex.split(manifest.plan["command"])
     assert command[:2] == ["kvq", "plan"] and command[-2:] == ["--out", "plan-6.5b.json"]
@@ -155,6 +156,14 @@ def test_plan_metadata_is_what_export_calibrates(method):
                                                   err_msg=f"{scheme.describe()} {layer}.{part}.{role}")
     with pytest.raises(KVQError, match="layer 0 value: .* is not a calibrated value candidate"):
         plan.static_for(KVQuantScheme(key=high, value=high), 2)
+
+
+def test_a_calibration_option_without_a_corpus_uses_the_default_corpus(model_dir, tmp_path):
+    kvq("export", "--model", model_dir, "--budget", "6", "--context", "1024", "--calib-tokens", "128",
+        "--calib-method", "percentile", "--out", tmp_path / "x")
+    manifest = Manifest.load(tmp_path / "x")
+    assert manifest.calibration["corpus"] == DEFAULT_CALIBRATION.corpus and manifest.calibration["tokens"] == 128
+    assert manifest.calibration["method"] == "percentile" and manifest.plan["settings"]["calib_method"] == "percentile"
 
 
 # -- refusals ------------------------------------------------------------------------------------------------

@@ -134,14 +134,12 @@ def plan_request(request: ExportRequest, source: Any, flavor: Flavor, facts: Mod
     windows = calibration_windows(source.tokenizer, calibration.corpus, calibration.tokens, offset=calibration.offset)
     plan = plan_scheme(source.model, windows, budget=spec.budget, context=spec.context, candidates=cset,
                        metric=str(spec.metric), calibration=calibration, name=spec.name,
-                       sink_tokens=spec.sink_tokens, value_window=None)  # the window is in cset already
+                       sink_tokens=spec.sink_tokens, value_window=None,  # the window is in cset already
+                       servable=servable)
     plan.settings.update(value_window=spec.value_window, model=request.model, corpus=calibration.corpus,
                          offset=calibration.offset)
-    candidates = spec.candidates or DEFAULT_PLAN_CANDIDATES
-    if servable:
-        nearest = (plan.genai or {}).get("nearest")
-        plan = plan.servable()
-        candidates = nearest["candidates"] if nearest else candidates
+    # the kvq plan candidates that plan the same scheme: the one-cache-type set of a nearest servable plan
+    candidates = (plan.genai or {}).get("candidates") or spec.candidates or DEFAULT_PLAN_CANDIDATES
     logger.info("planned %s for the %s flavor: %.3f bits/element at %d tokens (budget %g): %s", plan.scheme.name,
                 flavor.name, plan.bits_per_element, spec.context, spec.budget, plan.scheme.describe())
     resolved = replace(request, scheme=plan.scheme, plan=None, calibration=calibration)
