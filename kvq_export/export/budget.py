@@ -68,14 +68,14 @@ class PlannedScheme:
 
 def plan_command(request: ExportRequest, candidates: str, name: str | None) -> list[str]:
     """The ``kvq plan`` arguments that plan ``request``'s scheme (with ``candidates``) into ``<name>.json``."""
-    spec, calibration = request.plan, request.calibration
+    spec, calibration = request.plan, request.calibration  # numbers as their exact repr (":g" would round them)
     args = ["kvq", "plan"] + (["--model", request.model] if request.model else [])
-    args += ["--budget", f"{spec.budget:g}", "--context", str(spec.context), "--candidates", candidates,
+    args += ["--budget", str(spec.budget), "--context", str(spec.context), "--candidates", candidates,
              "--metric", str(spec.metric), "--calib-corpus", calibration.corpus, "--calib-tokens",
              str(calibration.tokens), "--calib-offset", str(calibration.offset), "--calib-method",
              str(calibration.method)]
     if calibration.method == CalibrationMethod.PERCENTILE:
-        args += ["--percentile", f"{calibration.percentile:g}"]
+        args += ["--percentile", str(calibration.percentile)]
     if spec.sink_tokens:
         args += ["--sink-tokens", str(spec.sink_tokens)]
     if spec.value_window is not None:
