@@ -10,14 +10,17 @@ this module
 * measures, in a child process of its own (so resident memory is that export's alone), the resident set after
   loading, after ``concurrent`` sequences decoded together at that context, and their aggregate tokens/s.
 
-Rows are appended to a JSON-lines file as each is measured, so a stopped run keeps what it measured::
+The exports of one context are measured together: each process sets its export up in turn, then the decode
+steps run in rounds, one step of every export per round in a fresh random order while the others wait, so
+load from other jobs on a shared machine hits every export alike and their tokens/s compare fairly.
+Each context's rows are appended to a JSON-lines file once measured, so a stopped run keeps what it measured::
 
     rows = run_capacity({"int8": "exports/int8", "builder": "exports/builder-int4"}, contexts=(2048, 8000),
                         concurrent=4, budget_bytes=8 << 30, out="capacity.jsonl")
     plot_capacity(rows, "capacity.png")
 
 Backends: ``og`` runs ``og.Model`` / ``og.Generator`` with a batch of ``concurrent`` prompts of synthetic token ids
-(prefilled together, then ``new_tokens`` decode steps); ``session`` (kvq exports only) runs ``KVQSession`` on a
+(prefilled together in one call, then the decode steps); ``session`` (kvq exports only) runs ``KVQSession`` on a
 cache of random valid codes already holding the context, so long contexts cost no prefill.
 """
 
@@ -41,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("og", "session")
 CONTEXTS = (2048, 8000)
+#: untimed decode rounds before the timed ones (ONNX Runtime's first runs allocate and plan)
+WARMUP = 2
 GENAI_CONFIG = "genai_config.json"
 #: bytes per element of the cache types og allocates
 _ITEMSIZE = {1: 4, 10: 2, 16: 2, 2: 1, 3: 1}  # FLOAT, FLOAT16, BFLOAT16, UINT8, INT8
@@ -148,8 +153,9 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _measure_og(directory: str, context: int, concurrent: int, new_tokens: int, threads: int | None,
-                seed: int, providers: Sequence[str] | None = None) -> dict[str, Any]:
+def _setup_og(directory: str, context: int, concurrent: int, steps: int, threads: int | None,
+              seed: int, providers: Sequence[str] | None = None) -> tuple[Callable[[], None], dict[str, Any]]:
+    """og.Model with ``concurrent`` synthetic prompts prefilled together, leaving room for ``steps`` new tokens."""
     import onnxruntime_genai as og
 
     from kvq_export.runtime.device import set_genai_providers
@@ -163,70 +169,116 @@ def _measure_og(directory: str, context: int, concurrent: int, new_tokens: int, 
     model = og.Model(config)
     loaded = resident_bytes()
     vocab = json.loads((Path(directory) / GENAI_CONFIG).read_text())["model"]["vocab_size"]
-    prompt = np.random.default_rng(seed).integers(1, vocab, (concurrent, context - new_tokens), dtype=np.int32)
+    prompt = np.random.default_rng(seed).integers(1, vocab, (concurrent, context - steps), dtype=np.int32)
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=context, do_sample=False, batch_size=concurrent)
     generator = og.Generator(model, params)
     start = time.perf_counter()
-    generator.append_tokens(prompt)  # og takes a batch's prompt in one call
+    generator.append_tokens(prompt)  # og takes a batch's prompt in one call (and only once)
     prefill_s = time.perf_counter() - start
-    steps = []
-    for _ in range(new_tokens):
-        start = time.perf_counter()
-        generator.generate_next_token()
-        steps.append(time.perf_counter() - start)
-    return {"rss_loaded": loaded, "rss": resident_bytes(), "steps": steps,
-            "prefill_tokens_per_s": prompt.size / prefill_s}
+    return generator.generate_next_token, {"rss_loaded": loaded, "prefill_tokens_per_s": prompt.size / prefill_s}
 
 
-def _measure_session(directory: str, context: int, concurrent: int, new_tokens: int, threads: int | None,
-                     seed: int, providers: Sequence[str] | None = None) -> dict[str, Any]:
+def _setup_session(directory: str, context: int, concurrent: int, steps: int, threads: int | None,
+                   seed: int, providers: Sequence[str] | None = None) -> tuple[Callable[[], None], dict[str, Any]]:
+    """KVQSession on a cache of random valid codes holding ``context - steps`` tokens, with room for ``steps``."""
     from kvq_export.runtime.session import KVQSession
 
     session = KVQSession(directory, threads=threads, verify_weights=False, providers=providers)
     loaded = resident_bytes()
     manifest = session.manifest
     rng = np.random.default_rng(seed)
-    cache = session.cache_from_arrays(session.layout.arrays(
-        session.past, manifest.scheme, manifest.num_layers, concurrent, context - new_tokens, capacity=context,
-        rng=rng))
-    token = rng.integers(1, manifest.model.vocab_size, (concurrent, 1))
-    steps = []
-    for _ in range(new_tokens):
-        start = time.perf_counter()
-        logits, cache = session.step(token, None, cache)
-        token = logits[:, -1:].argmax(-1)
-        steps.append(time.perf_counter() - start)
-    return {"rss_loaded": loaded, "rss": resident_bytes(), "steps": steps}
+    state = {"cache": session.cache_from_arrays(session.layout.arrays(
+        session.past, manifest.scheme, manifest.num_layers, concurrent, context - steps, capacity=context, rng=rng)),
+        "token": rng.integers(1, manifest.model.vocab_size, (concurrent, 1))}
+
+    def step() -> None:
+        logits, state["cache"] = session.step(state["token"], None, state["cache"])
+        state["token"] = logits[:, -1:].argmax(-1)
+
+    return step, {"rss_loaded": loaded}
 
 
-_MEASURE = {"og": _measure_og, "session": _measure_session}
+_SETUP = {"og": _setup_og, "session": _setup_session}
 
 
-def _child(queue, backend: str, *args: Any) -> None:
+def _serve(conn, backend: str, directory: str, context: int, concurrent: int, steps: int, threads: int | None,
+           seed: int, providers: list[str] | None) -> None:
+    """Child process: set one export up, then time one decode step per ``"step"`` until ``"done"``."""
     try:
-        queue.put(("ok", _MEASURE[backend](*args)))
-    except Exception as err:  # noqa: BLE001 - reported as the row's status, the run goes on
-        queue.put(("failed", f"{type(err).__name__}: {err}"))
+        step, info = _SETUP[backend](directory, context, concurrent, steps, threads, seed, providers)
+        conn.send(("ready", info))
+        while conn.recv() == "step":
+            start = time.perf_counter()
+            step()
+            conn.send(("step", time.perf_counter() - start))
+        conn.send(("done", {"rss": resident_bytes()}))
+    except Exception as err:  # noqa: BLE001 - reported as the row's status, the other exports go on
+        conn.send(("failed", f"{type(err).__name__}: {err}"))
 
 
-def measure(backend: str, directory: str, context: int, concurrent: int, new_tokens: int,
-            threads: int | None = None, seed: int = 0, providers: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run one measurement in a fresh process: ``rss_loaded``, ``rss``, per-step ``steps`` seconds (, prefill)."""
+def _receive(conn, process) -> tuple[str, Any]:
+    try:
+        return conn.recv()
+    except EOFError:  # killed (out of memory) or crashed in native code
+        process.join(5)
+        return "failed", f"the measuring process died (exit code {process.exitcode})"
+
+
+def measure(jobs: Mapping[str, tuple[str, str]], context: int, concurrent: int, new_tokens: int,
+            threads: int | None = None, seed: int = 0, warmup: int = WARMUP,
+            providers: Sequence[str] | None = None) -> dict[str, dict[str, Any] | str]:
+    """Measure every ``name -> (backend, directory)`` at ``context``, decode steps interleaved across them.
+
+    Each export lives in a process of its own (so its resident memory is its own), set up one after another (a
+    prefill never competes with another); then every round runs one step of each export in a fresh random order
+    while the others wait, so load on a shared machine hits them all alike. ``warmup`` rounds are not timed.
+    Returns per name ``rss_loaded``, ``rss``, per-step ``steps`` seconds (, ``prefill_tokens_per_s``), or the
+    reason it failed.
+    """
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    process = ctx.Process(target=_child, args=(queue, backend, directory, context, concurrent, new_tokens, threads,
-                                               seed, None if providers is None else list(providers)))
-    process.start()
+    results: dict[str, dict[str, Any] | str] = {}
+    live: dict[str, tuple[Any, Any]] = {}
     try:
-        status, result = queue.get()
+        for name, (backend, directory) in jobs.items():
+            conn, child = ctx.Pipe()
+            process = ctx.Process(target=_serve, args=(child, backend, directory, context, concurrent,
+                                                       warmup + new_tokens, threads, seed,
+                                                       None if providers is None else list(providers)), daemon=True)
+            process.start()
+            child.close()
+            status, value = _receive(conn, process)
+            if status == "ready":
+                live[name] = process, conn
+                results[name] = {**value, "steps": []}
+            else:
+                results[name] = f"{directory} at {context} tokens x {concurrent}: {value}"
+        order = np.random.default_rng(seed)
+        for i in range(warmup + new_tokens):
+            for name in order.permutation(list(live)):
+                if not isinstance(results[name], dict):
+                    continue
+                process, conn = live[name]
+                conn.send("step")
+                status, value = _receive(conn, process)
+                if status != "step":
+                    results[name] = f"{jobs[name][1]} at {context} tokens x {concurrent}: {value}"
+                elif i >= warmup:
+                    results[name]["steps"].append(value)
+        for name, (process, conn) in live.items():
+            if isinstance(results[name], dict):
+                conn.send("done")
+                status, value = _receive(conn, process)
+                results[name] = {**results[name], **value} if status == "done" else f"{jobs[name][1]}: {value}"
     finally:
-        process.join()
-    if status != "ok":
-        raise CapacityError(f"{directory} at {context} tokens x {concurrent}: {result}")
-    return result
+        for process, conn in live.values():
+            conn.close()
+            process.join(10)
+            if process.is_alive():
+                process.terminate()
+    return results
 
 
 # -- the run -----------------------------------------------------------------------------------------------------
@@ -270,43 +322,51 @@ def capacity_row(print_: Footprint, context: int, concurrent: int, budget_bytes:
 def run_capacity(directories: Mapping[str, str | os.PathLike[str]], *, contexts: Sequence[int] = CONTEXTS,
                  concurrent: int = 4, budget_bytes: int = 8 << 30, new_tokens: int = 8, backend: str = "auto",
                  threads: int | None = None, out: str | os.PathLike[str] | None = None,
-                 measure_fn: Callable[..., dict[str, Any]] | None = None, predict_only: bool = False,
-                 providers: Sequence[str] | None = None) -> list[CapacityRow]:
-    """Predict and measure every directory at every context; each row is appended to ``out`` once measured.
+                 measure_fn: Callable[..., Mapping[str, dict[str, Any] | str]] | None = None,
+                 predict_only: bool = False, providers: Sequence[str] | None = None) -> list[CapacityRow]:
+    """Predict and measure every directory at every context; each context's rows are appended to ``out`` once measured.
 
-    ``measure_fn`` (default :func:`measure` on ``providers``) takes ``(backend, directory, context, concurrent,
-    new_tokens, threads)``; a measurement that fails leaves a row with its prediction and the failure as ``status``;
-    ``predict_only`` measures nothing (rows with status ``predicted``).
+    ``measure_fn`` (default :func:`measure` on ``providers``, every export of a context interleaved) takes
+    ``(jobs, context, concurrent, new_tokens, threads)`` with ``jobs`` ``name -> (backend, directory)`` and returns
+    per name the measurement or why it failed; a failed measurement leaves a row with its prediction and the failure as
+    ``status``; ``predict_only`` measures nothing (rows with status ``predicted``).
     """
     if concurrent < 1 or new_tokens < 1 or budget_bytes < 1:
         raise CapacityError(f"invalid concurrent={concurrent}/new_tokens={new_tokens}/budget_bytes={budget_bytes}: "
                             "each must be >= 1")
-    bad = [c for c in contexts if c <= new_tokens]
+    bad = [c for c in contexts if c <= new_tokens + WARMUP]
     if bad:
-        raise CapacityError(f"context {bad[0]} leaves no prompt before {new_tokens} new tokens: allowed: > new_tokens")
+        raise CapacityError(f"context {bad[0]} leaves no prompt before {WARMUP} warm-up and {new_tokens} new tokens: "
+                            "allowed: > new_tokens + 2")
     prints = {name: footprint(path, name) for name, path in directories.items()}
-    backends = {name: choose_backend(path, backend) for name, path in directories.items()}
+    jobs = {name: (choose_backend(path, backend), prints[name].directory) for name, path in directories.items()}
     if measure_fn is None:
         import functools
 
         measure_fn = functools.partial(measure, providers=providers)
     rows = []
     for context in contexts:
-        for name, print_ in prints.items():
-            measured, status = None, "predicted"
+        measured: Mapping[str, dict[str, Any] | str] = {}
+        failure = None
+        if not predict_only:
             try:
-                if not predict_only:
-                    measured = measure_fn(backends[name], print_.directory, context, concurrent, new_tokens, threads)
-                    status = "ok"
+                measured = measure_fn(jobs, context, concurrent, new_tokens, threads)
             except CapacityError as err:
-                status = f"failed: {err}"
-            row = capacity_row(print_, context, concurrent, budget_bytes, backends[name], measured)
-            row.status = status
+                failure = str(err)
+        for name, print_ in prints.items():
+            result = measured.get(name, failure)
+            row = capacity_row(print_, context, concurrent, budget_bytes, jobs[name][0],
+                               result if isinstance(result, Mapping) else None)
+            row.status = ("predicted" if predict_only else "ok" if isinstance(result, Mapping) else
+                          f"failed: {result or 'not measured'}")
+            if isinstance(result, Mapping):
+                row.extra["interleaved_with"] = sorted(n for n, r in measured.items()
+                                                       if n != name and isinstance(r, Mapping))
             logger.info("%s @%d x%d: %s", name, context, concurrent, json.dumps(asdict(row)))
-            if out is not None:
-                with open(out, "a") as f:
-                    f.write(json.dumps(asdict(row)) + "\n")
             rows.append(row)
+        if out is not None:
+            with open(out, "a") as f:
+                f.writelines(json.dumps(asdict(row)) + "\n" for row in rows[-len(prints):])
     return rows
 
 

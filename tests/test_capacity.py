@@ -65,20 +65,25 @@ def test_rows_are_written_as_measured(exports, tmp_path):
     out = tmp_path / "rows.jsonl"
     calls = []
 
-    def measure_fn(backend, directory, context, concurrent, new_tokens, threads):
-        calls.append(directory)
-        if len(calls) == 2:  # a run stopped during the second measurement keeps the first row
-            assert len(out.read_text().splitlines()) == 1
+    def measure_fn(jobs, context, concurrent, new_tokens, threads):
+        calls.append((context, dict(jobs)))
+        if len(calls) == 2:  # a run stopped during the second context keeps the first context's rows
+            assert len(out.read_text().splitlines()) == 2
             raise KeyboardInterrupt
-        return {"rss_loaded": 10, "rss": 10 + concurrent * 100, "steps": [0.01]}
+        return {"fp32": {"rss_loaded": 10, "rss": 10 + concurrent * 100, "steps": [0.01]},
+                "int8": "int8 at 64 tokens x 2: out of memory"}
 
     with pytest.raises(KeyboardInterrupt):
-        run_capacity({"fp32": exports["fp32"], "int8": exports["ort-int8"]}, contexts=(64,), concurrent=2,
+        run_capacity({"fp32": exports["fp32"], "int8": exports["ort-int8"]}, contexts=(64, 96), concurrent=2,
                      budget_bytes=1 << 20, new_tokens=4, out=out, measure_fn=measure_fn)
+    assert calls[0] == (64, {"fp32": ("session", str(exports["fp32"])), "int8": ("session", str(exports["ort-int8"]))})
     rows = read_rows(out)
-    assert [(r.name, r.context, r.concurrent, r.backend) for r in rows] == [("fp32", 64, 2, "session")]
+    assert [(r.name, r.context, r.concurrent, r.backend) for r in rows] == [("fp32", 64, 2, "session"),
+                                                                            ("int8", 64, 2, "session")]
     assert rows[0].cache_bytes_per_sequence == footprint(exports["fp32"]).cache_bytes(64)
     assert rows[0].measured_cache_bytes_per_sequence == 100
+    assert rows[1].status == "failed: int8 at 64 tokens x 2: out of memory"
+    assert rows[1].predicted_sequences == footprint(exports["ort-int8"]).sequences(1 << 20, 64)
 
 
 def test_failed_measurement_keeps_the_prediction(exports, tmp_path):
@@ -112,6 +117,7 @@ def test_real_measurement_and_plot(exports, tmp_path, backend):
         assert row.predicted_rss_bytes == row.rss_loaded_bytes + 2 * row.cache_bytes_per_sequence
         assert (row.prefill_tokens_per_s is not None) == (backend == "og")
     assert [json.loads(line)["name"] for line in out.read_text().splitlines()] == ["int8", "fp32"]
+    assert [r.extra["interleaved_with"] for r in rows] == [["fp32"], ["int8"]]
     png = plot_capacity(rows, tmp_path / "capacity.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
