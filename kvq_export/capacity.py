@@ -376,7 +376,10 @@ def read_rows(path: str | os.PathLike[str]) -> list[CapacityRow]:
 
 
 def plot_capacity(rows: Sequence[CapacityRow], path: str | os.PathLike[str]) -> Path:
-    """A PNG: sequences within the budget (predicted and as resident memory says) and aggregate tokens/s."""
+    """A PNG, one bar per export and context: cache MiB per sequence, sequences within the budget, tokens/s.
+
+    Predicted values are the bars (labelled); what resident memory says is a black tick over each bar.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -385,22 +388,35 @@ def plot_capacity(rows: Sequence[CapacityRow], path: str | os.PathLike[str]) -> 
     names = list(dict.fromkeys(r.name for r in rows))
     contexts = sorted({r.context for r in rows})
     by = {(r.name, r.context): r for r in rows}
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    mib = 2.0**-20
+    panels = (  # (title, predicted, measured by resident memory, label format)
+        ("cache MiB per sequence", lambda r: r.cache_bytes_per_sequence * mib,
+         lambda r: None if r.measured_cache_bytes_per_sequence is None else r.measured_cache_bytes_per_sequence * mib,
+         "{:.0f}"),
+        ("sequences within the budget", lambda r: r.predicted_sequences, lambda r: r.measured_sequences, "{:d}"),
+        ("aggregate decode tokens/s", lambda r: r.tokens_per_s, lambda r: None, "{:.0f}"),
+    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.8))
     width = 0.8 / max(1, len(contexts))
-    panels = (("predicted_sequences", "sequences within budget (predicted)"),
-              ("measured_sequences", "sequences within budget (from RSS)"),
-              ("tokens_per_s", "aggregate decode tokens/s"))
     x = np.arange(len(names))
-    for ax, (key, title) in zip(axes, panels):
+    for ax, (title, predicted, measured, label) in zip(axes, panels):
         for i, context in enumerate(contexts):
-            values = [getattr(by[(n, context)], key) if (n, context) in by else None for n in names]
-            ax.bar(x + i * width, [v or 0 for v in values], width, label=f"{context} tokens")
+            cells = [by.get((n, context)) for n in names]
+            values = [None if r is None else predicted(r) for r in cells]
+            bars = ax.bar(x + i * width, [v or 0 for v in values], width, label=f"{context} tokens")
+            ax.bar_label(bars, ["" if v is None else label.format(v) for v in values], fontsize=8)
+            ticks = [(x[j] + i * width, measured(r)) for j, r in enumerate(cells) if r and measured(r) is not None]
+            if ticks:
+                ax.scatter(*zip(*ticks), marker="_", s=300, color="black", zorder=3,
+                           label="from resident memory" if i == 0 else None)
         ax.set_xticks(x + width * (len(contexts) - 1) / 2, names, rotation=20, ha="right")
         ax.set_title(title)
-        ax.legend()
+        ax.margins(y=0.12)
+        ax.legend(fontsize=8)
     budget = rows[0].budget_bytes / 2**30 if rows else 0
     concurrent = rows[0].concurrent if rows else 0
-    fig.suptitle(f"budget {budget:g} GiB; throughput with {concurrent} concurrent sequences")
+    fig.suptitle(f"budget {budget:g} GiB (weights included); tokens/s of {concurrent} sequences decoded together, "
+                 "steps interleaved across exports")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)
