@@ -5,7 +5,7 @@ The model is random-weight with a real config's shapes (by default Qwen2.5-0.5B'
 2 KV heads, head_dim 64, hidden 896, MLP 4864, 32768 positions; the vocabulary is cut to ``--vocab`` so the
 export stays small, which changes only the lm_head's share of a step), saved as a Hugging Face directory with
 ``from_config`` + ``save_pretrained`` in ``--work-dir``, exported with ``--flavor ort-gqa`` for each cache and
-given int4 weights (:mod:`kvq_export.export.weights`, as ``kvq export`` will). Static scales come from random
+with int4 weights (``kvq export --weights int4``). Static scales come from random
 token windows: the weights are random too, so no text would be more realistic.
 
 Each context's cache is random valid codes already holding the context (no prefill: only the step is timed),
@@ -59,29 +59,35 @@ def random_model_dir(work: Path, vocab: int, layers: int) -> Path:
 
 
 def exports(hf: Path, work: Path, weights: str, calib_tokens: int) -> dict[str, Path]:
-    """One ort-gqa export per cache (with ``weights`` weights), reused when already made."""
-    from export_weights import with_weights
+    """One ort-gqa export per cache with ``weights`` weights, reused when this kvq built it from the same request.
+
+    Static scales are calibrated once per model, cache and token count and kept beside the exports, so a rerun
+    neither loads the model nor calibrates again before it can tell an export is current.
+    """
     from transformers import AutoModelForCausalLM
 
-    from kvq_export.calibrate import calibrate_static_scales
-    from kvq_export.export.exporter import export_model
+    from kvq_export.calibrate import calibrate_static_scales, load_calibration, save_calibration
+    from kvq_export.export.exporter import ensure_export
     from kvq_export.presets import resolve_scheme
+    from kvq_export.request import ExportRequest, WeightSpec
 
     model = None
     out = {}
     for name, spec in CACHES.items():
-        directory = work / f"kvq-{name.split()[0]}"
-        if not (directory / "kvq.json").is_file():
-            model = model or AutoModelForCausalLM.from_pretrained(hf)
-            scheme = resolve_scheme(spec)
-            static = None
-            if scheme.needs_calibration:
+        short = name.split()[0]
+        scheme = resolve_scheme(spec)
+        static = None
+        if scheme.needs_calibration:
+            scales = work / f"{hf.name}-{short}-scales-{calib_tokens}.npz"
+            if not scales.is_file():
+                model = model or AutoModelForCausalLM.from_pretrained(hf)
                 rng = np.random.default_rng(0)
                 windows = rng.integers(0, model.config.vocab_size, (max(1, calib_tokens // 512), 512)).tolist()
-                static = calibrate_static_scales(model, scheme, windows)
-            logger.info("exporting %s", name)
-            export_model(model, scheme, directory, flavor="ort-gqa", static=static, force=True)
-        out[name] = with_weights(directory, work / f"{directory.name}-w-{weights}", weights)
+                save_calibration(calibrate_static_scales(model, scheme, windows), scales)
+            static = load_calibration(scales)
+        logger.info("export for %s", name)
+        request = ExportRequest(str(hf), scheme, flavor="ort-gqa", weights=WeightSpec(weights))
+        out[name] = ensure_export(request, work / f"kvq-{short}-w-{weights}", static=static)
     return out
 
 

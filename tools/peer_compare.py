@@ -525,26 +525,19 @@ class KvqEngine:
 
 def kvq_gqa_export(model: str, scheme: str, out: Path, static, weights: str = "fp32",
                    accuracy_level: int | None = None) -> Path:
-    """``kvq export --flavor ort-gqa`` with the given static scales (reused if built with the same ones).
+    """``kvq export --flavor ort-gqa`` with the given static scales (reused if built by this kvq from the same request).
 
-    ``weights`` other than fp32: a copy beside it (``OUT-w-int4``, ``-a4`` for an ``accuracy_level``) with its
-    weights in that format.
+    ``weights`` other than fp32: the request carries them, and the export goes to ``OUT-w-int4`` (``-a4`` for an
+    ``accuracy_level``) beside it; :func:`~kvq_export.export.exporter.ensure_export` decides the reuse.
     """
-    from export_weights import with_weights
+    from kvq_export.export.exporter import ensure_export
+    from kvq_export.request import ExportRequest, WeightSpec
 
-    from kvq_export.calibrate import calibration_digest
-    from kvq_export.export.exporter import export_model, source_digest
-
-    # the exporting code is part of the stamp: a graph change must not time a stale export
-    stamp = {"scheme": scheme, "scales": calibration_digest(static) if static else None, "kvq_code": source_digest()}
-    if not _reuse(out, stamp):
-        export_model(model, scheme, out, flavor="ort-gqa", static=static, force=True)
-        _stamp(out, stamp)
-    if weights == "fp32":
-        return out
     level = {} if accuracy_level is None else {"accuracy_level": accuracy_level}
-    suffix = "" if accuracy_level is None else f"-a{accuracy_level}"
-    return with_weights(out, out.with_name(f"{out.name}-w-{weights}{suffix}"), weights, **level)
+    if weights != "fp32":
+        out = out.with_name(f"{out.name}-w-{weights}{'' if accuracy_level is None else f'-a{accuracy_level}'}")
+    request = ExportRequest(model, scheme, flavor="ort-gqa", weights=WeightSpec(weights, **level))
+    return ensure_export(request, out, static=static)
 
 
 def dir_bytes(directory: Path) -> int:
