@@ -21,7 +21,9 @@ Each context's rows are appended to a JSON-lines file once measured, so a stoppe
 
 Backends: ``og`` runs ``og.Model`` / ``og.Generator`` with a batch of ``concurrent`` prompts of synthetic token ids
 (prefilled together in one call, then the decode steps); ``session`` (kvq exports only) runs ``KVQSession`` on a
-cache of random valid codes already holding the context, so long contexts cost no prefill.
+cache of random valid codes already holding the context, so long contexts cost no prefill; ``ort`` (other og
+directories whose past and present are separate tensors, as the builder's quantized caches) runs the decoder
+graph in ONNX Runtime on random codes the same way, stepping as og's loop does.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from kvq_export.errors import KVQError
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("og", "session")
+BACKENDS = ("og", "session", "ort")
 CONTEXTS = (2048, 8000)
 #: untimed decode rounds before the timed ones (ONNX Runtime's first runs allocate and plan)
 WARMUP = 2
@@ -199,7 +201,65 @@ def _setup_session(directory: str, context: int, concurrent: int, steps: int, th
     return step, {"rss_loaded": loaded}
 
 
-_SETUP = {"og": _setup_og, "session": _setup_session}
+#: numpy types of the cache element types :func:`_setup_ort` fills (FLOAT, FLOAT16, UINT8, INT8)
+_NUMPY = {1: np.float32, 10: np.float16, 2: np.uint8, 3: np.int8}
+
+
+def _setup_ort(directory: str, context: int, concurrent: int, steps: int, threads: int | None,
+               seed: int, providers: Sequence[str] | None = None) -> tuple[Callable[[], None], dict[str, Any]]:
+    """ONNX Runtime on the decoder graph og loads, fed a cache of random codes holding ``context - steps`` tokens.
+
+    What og's loop does for a graph whose past and present are separate tensors (the builder's quantized caches):
+    feed the past, keep the present as the next past, pick the next token greedily; with no prefill, so long
+    contexts cost only their steps. A shared-buffer graph (og writes present into past's buffer) is refused.
+    """
+    import onnxruntime as ort
+
+    config = json.loads((Path(directory) / GENAI_CONFIG).read_text())
+    decoder = config["model"]["decoder"]
+    if config.get("search", {}).get("past_present_share_buffer", False):
+        raise CapacityError(f"{directory}: past_present_share_buffer is on; the ort backend feeds separate past "
+                            "and present tensors only (allowed: og, or session for a kvq export)")
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as og runs its sessions
+    if threads:
+        options.intra_op_num_threads = int(threads)
+    session = ort.InferenceSession(str(Path(directory) / decoder["filename"]), options,
+                                   providers=list(providers or ["CPUExecutionProvider"]))
+    loaded = resident_bytes()
+    names, outputs = decoder["inputs"], decoder["outputs"]
+    types = {value.name: value.type for value in session.get_inputs()}
+    rng = np.random.default_rng(seed)
+    past_len = context - steps
+    shape = (concurrent, int(decoder["num_key_value_heads"]), past_len, int(decoder["head_size"]))
+    cache, present = {}, []
+    for layer in range(int(decoder["num_hidden_layers"])):
+        for kind in ("key", "value"):
+            name = names[f"past_{kind}_names"] % layer
+            elem = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(uint8)": 2, "tensor(int8)": 3}.get(types[name])
+            if elem is None:
+                raise CapacityError(f"{directory}: cache input {name} is {types[name]}; allowed: float, float16, "
+                                    "uint8, int8")
+            dtype = _NUMPY[elem]
+            codes = (rng.standard_normal(shape) if elem in (1, 10) else
+                     rng.integers(np.iinfo(dtype).min, np.iinfo(dtype).max, shape, endpoint=True))
+            cache[name] = codes.astype(dtype)
+            present.append(outputs[f"present_{kind}_names"] % layer)
+    state = {"cache": cache, "length": past_len,
+             "token": rng.integers(1, int(config["model"]["vocab_size"]), (concurrent, 1)).astype(np.int64)}
+
+    def step() -> None:
+        feed = {names["input_ids"]: state["token"],
+                names["attention_mask"]: np.ones((concurrent, state["length"] + 1), np.int64), **state["cache"]}
+        logits, *new = session.run([outputs["logits"], *present], feed)
+        state["cache"] = dict(zip(state["cache"], new))
+        state["length"] += 1
+        state["token"] = logits[:, -1:].argmax(-1).astype(np.int64)
+
+    return step, {"rss_loaded": loaded}
+
+
+_SETUP = {"og": _setup_og, "session": _setup_session, "ort": _setup_ort}
 
 
 def _serve(conn, backend: str, directory: str, context: int, concurrent: int, steps: int, threads: int | None,
@@ -283,15 +343,21 @@ def measure(jobs: Mapping[str, tuple[str, str]], context: int, concurrent: int, 
 
 # -- the run -----------------------------------------------------------------------------------------------------
 def choose_backend(directory: str | os.PathLike[str], backend: str) -> str:
-    """``og`` or ``session`` (``auto``: ``session`` for a kvq export, which needs no prefill, else ``og``)."""
+    """``og``, ``session`` or ``ort`` for ``directory``.
+
+    ``auto``: ``session`` for a kvq export (no prefill), else ``og``; ``synthetic``: every export on a cache
+    already holding the context, ``session`` for a kvq export, else ``ort``.
+    """
     from kvq_export.manifest import MANIFEST_NAME
 
-    if backend not in (*BACKENDS, "auto"):
-        raise CapacityError(f"unknown backend {backend!r}; allowed: auto, {', '.join(BACKENDS)}")
+    if backend not in (*BACKENDS, "auto", "synthetic"):
+        raise CapacityError(f"unknown backend {backend!r}; allowed: auto, synthetic, {', '.join(BACKENDS)}")
     is_kvq = (Path(directory) / MANIFEST_NAME).is_file()
     if backend == "session" and not is_kvq:
-        raise CapacityError(f"{directory} is not a kvq export: the session backend needs one (use og)")
-    return backend if backend != "auto" else "session" if is_kvq else "og"
+        raise CapacityError(f"{directory} is not a kvq export: the session backend needs one (use og or ort)")
+    if backend in ("auto", "synthetic"):
+        return "session" if is_kvq else "og" if backend == "auto" else "ort"
+    return backend
 
 
 def capacity_row(print_: Footprint, context: int, concurrent: int, budget_bytes: int, backend: str,

@@ -10,12 +10,13 @@ import json
 
 import pytest
 from gqa_harness import SCHEMES, calibration
-from tiny_models import tiny_model
+from tiny_models import save_tiny_model_dir, tiny_model
 
 from kvq_export.capacity import (
     CapacityError,
     Footprint,
     capacity_row,
+    choose_backend,
     footprint,
     plot_capacity,
     read_rows,
@@ -167,3 +168,45 @@ def test_symbolic_cache_widths_come_from_the_config(exports, tmp_path, name):
     else:  # two 4-bit codes a byte: the config's head size would count twice the bytes
         with pytest.raises(CapacityError, match="whose widths the graph or config give"):
             footprint(copy)
+
+
+@pytest.fixture(scope="module")
+def builder_int8(tmp_path_factory):
+    """onnxruntime-genai's builder on the tiny model with an int8 per-channel cache (separate past and present)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("onnxruntime_genai")
+    root = tmp_path_factory.mktemp("builder")
+    model_dir = save_tiny_model_dir(root / "tiny")
+    config = json.loads((model_dir / "config.json").read_text())  # the builder needs an end-of-text token
+    (model_dir / "config.json").write_text(json.dumps({**config, "eos_token_id": 1, "bos_token_id": 1}))
+    scales = root / "scales.json"
+    per_layer = [[0.05] * (KV_HEADS * HEAD_DIM)] * LAYERS
+    scales.write_text(json.dumps({"qmax": 128.0, "scales": {"k_scales": per_layer, "v_scales": per_layer}}))
+    out = root / "built"
+    build = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(model_dir), "-o",
+                            str(out), "-p", "fp32", "-e", "cpu", "-c", str(root / "cache"), "--extra_options",
+                            "kv_cache_quant_scheme=int8_per_channel", f"kv_cache_scale_file={scales}"],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
+    return out
+
+
+def test_ort_backend_steps_a_builder_graph_on_a_synthetic_cache(builder_int8, exports, tmp_path):
+    assert choose_backend(builder_int8, "synthetic") == "ort" and choose_backend(builder_int8, "auto") == "og"
+    assert choose_backend(exports["fp32"], "synthetic") == "session"
+    print_ = footprint(builder_int8)
+    assert print_.copies == 2 and print_.cache_bytes_per_token == 2 * LAYERS * KV_HEADS * HEAD_DIM
+    rows = run_capacity({"builder": builder_int8, "int8": exports["ort-int8"]}, contexts=(40,), concurrent=2,
+                        budget_bytes=1 << 30, new_tokens=3, backend="synthetic", threads=1,
+                        out=tmp_path / "rows.jsonl")
+    assert [(r.name, r.backend, r.status) for r in rows] == [("builder", "ort", "ok"), ("int8", "session", "ok")]
+    assert rows[0].tokens_per_s > 0 and rows[0].prefill_tokens_per_s is None
+
+
+def test_ort_backend_refuses_a_shared_buffer(exports):
+    from kvq_export.capacity import measure
+
+    result = measure({"x": ("ort", str(exports["fp32"]))}, 40, 1, 2, threads=1)
+    assert "past_present_share_buffer is on" in result["x"]

@@ -104,9 +104,12 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
 @click.option("--budget-gb", type=click.FloatRange(0, min_open=True), default=8.0, show_default=True,
               help="Memory budget (GiB) the sequences must fit beside the weights.")
 @click.option("--new-tokens", type=click.IntRange(1), default=8, show_default=True, help="Timed decode steps.")
-@click.option("--backend", type=click.Choice(["auto", "og", "session"]), default="auto", show_default=True,
+@click.option("--backend", type=click.Choice(["auto", "synthetic", "og", "session", "ort"]), default="auto",
+              show_default=True,
               help="og: og.Model with a batch prefilled for real; session: KVQSession on a synthetic cache (kvq "
-                   "exports); auto: session for kvq exports, og for others.")
+                   "exports); ort: ONNX Runtime on the decoder graph og loads, on a synthetic cache (separate past "
+                   "and present, as the builder's quantized caches); auto: session for kvq exports, og for others; "
+                   "synthetic: session for kvq exports, ort for others.")
 @click.option("--threads", type=click.IntRange(1), default=None,
               help="ONNX Runtime intra-op threads [default: OMP_NUM_THREADS when set, else ONNX Runtime's choice].")
 @click.option("--out", "out", default="capacity.jsonl", show_default=True, callback=outside_exports,
