@@ -126,7 +126,7 @@ def test_real_measurement_and_plot(exports, tmp_path, backend):
 def test_bad_options_are_one_line_errors(exports, tmp_path):
     with pytest.raises(CapacityError, match="no genai_config.json"):
         footprint(tmp_path)
-    with pytest.raises(CapacityError, match="allowed: auto, og, session"):
+    with pytest.raises(CapacityError, match="allowed: auto, synthetic, og, session, ort"):
         run_capacity({"x": exports["fp32"]}, backend="gpu")
     with pytest.raises(CapacityError, match="allowed: > new_tokens"):
         run_capacity({"x": exports["fp32"]}, contexts=(4,), new_tokens=8)
