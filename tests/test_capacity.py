@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from genai_harness import builder_model_dir, run_builder
 from gqa_harness import SCHEMES, calibration
-from tiny_models import save_tiny_model_dir, tiny_model
+from tiny_models import tiny_model
 
 from kvq_export.capacity import (
     CapacityError,
@@ -173,22 +174,14 @@ def test_symbolic_cache_widths_come_from_the_config(exports, tmp_path, name):
 @pytest.fixture(scope="module")
 def builder_int8(tmp_path_factory):
     """onnxruntime-genai's builder on the tiny model with an int8 per-channel cache (separate past and present)."""
-    import subprocess
-    import sys
-
     pytest.importorskip("onnxruntime_genai")
     root = tmp_path_factory.mktemp("builder")
-    model_dir = save_tiny_model_dir(root / "tiny")
-    config = json.loads((model_dir / "config.json").read_text())  # the builder needs an end-of-text token
-    (model_dir / "config.json").write_text(json.dumps({**config, "eos_token_id": 1, "bos_token_id": 1}))
+    model_dir = builder_model_dir(root / "tiny")
     scales = root / "scales.json"
     per_layer = [[0.05] * (KV_HEADS * HEAD_DIM)] * LAYERS
     scales.write_text(json.dumps({"qmax": 128.0, "scales": {"k_scales": per_layer, "v_scales": per_layer}}))
     out = root / "built"
-    build = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(model_dir), "-o",
-                            str(out), "-p", "fp32", "-e", "cpu", "-c", str(root / "cache"), "--extra_options",
-                            "kv_cache_quant_scheme=int8_per_channel", f"kv_cache_scale_file={scales}"],
-                           capture_output=True, text=True)
+    build = run_builder(model_dir, out, scales)
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
     return out
 

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import logging
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,8 +18,9 @@ import numpy as np
 import onnx
 import pytest
 from cli_harness import kvq
+from genai_harness import builder_model_dir, run_builder
 from gqa_harness import SCHEMES, calibration
-from tiny_models import VOCAB, WORDS, byte_model, byte_tokenizer, layered_model, save_tiny_model_dir, tiny_model
+from tiny_models import VOCAB, WORDS, byte_model, byte_tokenizer, layered_model, tiny_model
 
 from kvq_export.calibrate import calibrate_static_scales
 from kvq_export.errors import ExportError, KVQError, RuntimeInputError
@@ -357,9 +357,7 @@ def test_builder_scale_file_holds_kvq_scales():
 
 def test_cli_calibrate_feeds_the_builder(tmp_path):
     """``kvq calibrate --format genai-scales`` is a file the onnxruntime-genai builder accepts as it is."""
-    model_dir = save_tiny_model_dir(tmp_path / "tiny")
-    config = json.loads((model_dir / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps({**config, "eos_token_id": 1, "bos_token_id": 1}))
+    model_dir = builder_model_dir(tmp_path / "tiny")
     corpus = tmp_path / "text.txt"
     corpus.write_text(" ".join(WORDS[i % len(WORDS)] for i in range(0, 600, 7)))
     scales = tmp_path / "scales.json"
@@ -371,10 +369,7 @@ def test_cli_calibrate_feeds_the_builder(tmp_path):
     assert len(data["scales"]["k_scales"]) == 2 and len(data["scales"]["v_scales"][0]) == 2 * 32
     assert data["kvq"]["tokens"] == 64 and data["kvq"]["method"] == "absmax"
     out = tmp_path / "built"
-    build = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(model_dir), "-o",
-                            str(out), "-p", "fp32", "-e", "cpu", "-c", str(tmp_path / "cache"), "--extra_options",
-                            "kv_cache_quant_scheme=int8_per_channel", f"kv_cache_scale_file={scales}"],
-                           capture_output=True, text=True)
+    build = run_builder(model_dir, out, scales)
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
     graph = onnx.load(str(out / "model.onnx")).graph
     built = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer if t.name.endswith("_scale")}
