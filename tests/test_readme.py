@@ -71,11 +71,20 @@ def tiny_argv(command: str, model_dir: Path) -> list[str]:
     return argv
 
 
+def python_blocks(text: str) -> list[str]:
+    return [body for lang, body in fenced_blocks(text) if lang == "python"]
+
+
+def github_anchor(heading: str) -> str:
+    """The fragment GitHub gives a Markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
 def python_api_snippet(text: str) -> str:
     """The ```python block of the README's "Python API" section."""
     section = text[text.index("\n## Python API"):]
     section = section[:section.index("\n## ", 1)]
-    blocks = [body for lang, body in fenced_blocks(section) if lang == "python"]
+    blocks = python_blocks(section)
     assert len(blocks) == 1, "the Python API section holds one python snippet"
     return blocks[0]
 
@@ -122,6 +131,27 @@ def test_readme_commands_and_python_api_run_in_order(tiny_world):
     snippet = python_api_snippet(text).replace('"smollm2"', repr(str(tiny_world)))
     exec(compile(snippet, "README.md (Python API)", "exec"), {})
     assert (Path("out/kivi4") / "kvq.json").is_file()
+
+
+def test_every_python_snippet_runs_or_is_the_api_one():
+    text = README.read_text()
+    api = python_api_snippet(text)
+    others = [block for block in python_blocks(text) if block != api]
+    assert others, "the README's scheme snippet"
+    for block in others:  # self-contained: they export nothing and read no model
+        exec(compile(block, "README.md", "exec"), {})
+
+
+def test_links_into_models_smollm2_md_name_its_headings():
+    card = (MODELS / "smollm2.md").read_text()
+    anchors = {github_anchor(h) for h in re.findall(r"^#+ (.*)$", card, re.M)}
+    for source in (README, MODELS / "smollm2.md", MODELS / "README.md"):
+        for link in re.findall(r"\]\((?:models/)?smollm2\.md#([^)]+)\)|\]\(#([^)]+)\)", source.read_text()):
+            fragment = link[0] or link[1]
+            if source != MODELS / "smollm2.md" and link[1]:
+                continue  # a fragment of the linking page itself
+            assert fragment in anchors, f"{source.name}: no heading for #{fragment}"
+    assert "protocol-p" in anchors
 
 
 def test_models_readme_names_every_file_of_models():
