@@ -28,6 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 MODELS = ROOT / "models"
 
+#: a link to a heading of models/smollm2.md (from the root, models/ or tools/), or to one of the page itself
+LINK = r"\]\((?:\.\./models/|models/)?smollm2\.md#([^)]+)\)|\]\(#([^)]+)\)"
+
 #: option values the README keeps at the real model's size, and what the tiny run uses instead
 SHORTER = {("validate", "--windows"): "2", ("validate", "--window-len"): "64"}
 
@@ -145,8 +148,8 @@ def test_every_python_snippet_runs_or_is_the_api_one():
 def test_links_into_models_smollm2_md_name_its_headings():
     card = (MODELS / "smollm2.md").read_text()
     anchors = {github_anchor(h) for h in re.findall(r"^#+ (.*)$", card, re.M)}
-    for source in (README, MODELS / "smollm2.md", MODELS / "README.md"):
-        for link in re.findall(r"\]\((?:models/)?smollm2\.md#([^)]+)\)|\]\(#([^)]+)\)", source.read_text()):
+    for source in (README, MODELS / "smollm2.md", MODELS / "README.md", ROOT / "tools" / "README.md"):
+        for link in re.findall(LINK, source.read_text()):
             fragment = link[0] or link[1]
             if source != MODELS / "smollm2.md" and link[1]:
                 continue  # a fragment of the linking page itself
