@@ -116,6 +116,36 @@ def test_past_and_present_share_one_buffer(tmp_path_factory):
     assert cache["past.0.key.buffer"].shape() == [2, 2, 64, 16]
 
 
+def test_steps_carry_their_binding_and_match_fresh_bindings(tmp_path_factory):
+    """A step's cache carries its IO binding to the next step: the same logits and bytes as binding afresh.
+
+    Two caches stepped alternately on one session each keep their own binding; a plain dict copy of a cache, a
+    grown cache and another batch size bind afresh; logits a step returned are never overwritten by a later one.
+    """
+    scheme = SCHEMES["ort-int8"]
+    session = _export(tmp_path_factory, "llama", scheme, calibration("llama", scheme))
+    ids, mask = left_pad([[1, 2, 3], [9, 8, 7, 6, 5]])
+    carried = [session.step(ids, mask, session.empty_cache(2, capacity=8))[1] for _ in range(2)]
+    fresh = session.step(ids, mask, session.empty_cache(2, capacity=8))[1]
+    kept = []
+    for token in range(12):  # 5 + 12 tokens cross the capacities of 8 and 16: each cache grows twice
+        step = np.array([[token + 3], [token + 4]])
+        outs = []
+        for i in range(2):
+            logits, carried[i] = session.step(step, None, carried[i])
+            outs.append(logits)
+        logits, fresh = session.step(step, None, dict(fresh))
+        assert np.array_equal(outs[0], logits) and np.array_equal(outs[1], logits)
+        kept.append((outs[0], outs[0].copy()))
+    assert all(np.array_equal(a, b) for a, b in kept)
+    assert carried[0]["past.0.key.buffer"].shape()[2] == 32 and session.seq_lengths(carried[0]).tolist() == [15, 17]
+    for name in fresh:
+        a, b = carried[0][name].numpy(), fresh[name].numpy()
+        assert np.array_equal(a[:, :, :15] if a.ndim == 4 else a, b[:, :, :15] if b.ndim == 4 else b), name
+    one, _ = session.step(np.array([[7]]), None, session.step(np.array([[1, 2, 3]]))[1])
+    assert one.shape == (1, 1, VOCAB)
+
+
 def test_capacity_is_bounded_by_the_rotary_table(tmp_path_factory):
     session = _export(tmp_path_factory, "llama", SCHEMES["fp16"], None)
     assert session.max_capacity == 1024  # the tiny config's max_position_embeddings

@@ -221,6 +221,25 @@ def test_greedy_in_a_batch_equals_greedy_alone(exports, tmp_path, case):
     assert together == alone
 
 
+def test_int8_activations_give_each_row_its_logits_alone(exports, tmp_path):
+    """accuracy_level 4 (int8 activations): a row's logits in a left-padded batch are bit for bit its logits alone.
+
+    ONNX Runtime's CPU MatMulNBits at level 4 computes each row alike whatever else the batch holds (level 1 takes
+    another kernel for one row than for several), and so does the rest of the ort-gqa graph.
+    """
+    session = KVQSession(converted(exports("ort-gqa"), tmp_path / "q", format="int4", accuracy_level=4))
+    prompts = [[5, 17, 99], [60, 61, 2, 9, 100, 4, 4, 7, 1], [11, 12, 13, 14, 15, 16, 120, 3, 8, 90, 91, 92, 7, 6]]
+    width = max(map(len, prompts))
+    ids = np.array([[0] * (width - len(p)) + p for p in prompts])
+    mask = np.array([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    together, cache = session.step(ids, mask)
+    step, cache = session.step(np.array([[7], [8], [9]]), None, cache)
+    for row, prompt in enumerate(prompts):
+        alone, own = session.step(np.array([prompt]))
+        assert np.array_equal(together[row, width - len(prompt):], alone[0]), row
+        assert np.array_equal(step[row], session.step(np.array([[7 + row]]), None, own)[0][0]), row
+
+
 @pytest.mark.parametrize(("options", "message"), [
     ({"format": "int3"}, "unknown weight format 'int3'; allowed: fp32, fp16, int8, int4"),
     ({"format": "int4", "block_size": 24}, "invalid weight block size 24; allowed: 16, 32, 64, 128, 256"),

@@ -202,14 +202,14 @@ class KVQSession:
                 raise RuntimeInputError(f"graph input {value.name} has shape {value.shape}, the manifest says "
                                         f"{list(want)} (manifest does not match graph)")
 
-    def check_cache(self, cache: CacheState, batch: int) -> None:
-        """Every past tensor present, with the manifest's dtype, rank, fixed dims and batch size."""
+    def check_cache(self, cache: CacheState, batch: int, specs: Sequence[CacheTensor] | None = None) -> None:
+        """Every past tensor (of ``specs``, default all) present, with the manifest's dtype, rank, dims and batch."""
         from onnxruntime import OrtValue
 
         if not isinstance(cache, dict):
             raise RuntimeInputError(f"cache: expected a dict of OrtValues (from step or empty_cache), got "
                                     f"{type(cache).__name__}")
-        for spec in self.past:
+        for spec in self.past if specs is None else specs:
             value = cache.get(spec.name)
             if value is None:
                 raise RuntimeInputError(f"cache tensor {spec.name} is missing")
@@ -295,12 +295,19 @@ class KVQSession:
         input_ids = self._check_ids(input_ids)
         mask = self._check_mask(attention_mask, input_ids.shape)
         cache = self.empty_cache(input_ids.shape[0]) if cache is None else cache
-        self.check_cache(cache, input_ids.shape[0])
+        batch = input_ids.shape[0]
+        bound = cache.binding if isinstance(cache, _BoundCache) and cache.binding.holds(self, cache, batch) else None
+        # buffers the last step bound are the checked OrtValues themselves: only the rest is checked again
+        self.check_cache(cache, batch, self.past if bound is None else bound.rebound)
         lengths = self.seq_lengths(cache).astype(np.int64)
         # a fixed capacity grows first (and refuses what its graph cannot hold, naming the capacity)
-        cache = self._grow(cache, int(lengths.max(initial=0)) + input_ids.shape[1])
+        need = int(lengths.max(initial=0)) + input_ids.shape[1]
+        if bound is None or bound.capacity is None or need > bound.capacity:
+            grown = self._grow(cache, need)
+            bound = bound if grown is cache else None
+            cache = grown
         self._check_positions(lengths + mask.sum(axis=1))
-        logits, new = self._run(input_ids, mask, cache)
+        logits, new = self._run(input_ids, mask, cache, bound)
         self._check_finite(logits, mask, cache, new)
         return logits, new
 
@@ -385,29 +392,41 @@ class KVQSession:
         raise RuntimeInputError(f"the graph{computed} produced NaN or Inf logits (input and cache are finite): the "
                                 "weights or the calibration scales are broken")
 
-    def _run(self, input_ids: np.ndarray, mask: np.ndarray, cache: CacheState) -> tuple[np.ndarray, CacheState]:
-        """One graph run through IO binding; tensors the layout shares are bound as past input and present output."""
-        binding = self.session.io_binding()
+    def _run(self, input_ids: np.ndarray, mask: np.ndarray, cache: CacheState,
+             bound: _Binding | None = None) -> tuple[np.ndarray, CacheState]:
+        """One graph run through IO binding; tensors the layout shares are bound as past input and present output.
+
+        ``bound``: the binding of the step that returned ``cache`` (its shared buffers are ``cache``'s): only the
+        inputs and outputs that change from step to step are bound again (a decode step of a small model is short
+        enough for binding every buffer to show). The returned cache carries the binding on to the next step.
+        """
+        if bound is None:
+            bound = _Binding(self, cache, input_ids.shape[0])
+        binding = bound.binding
         binding.bind_ortvalue_input("input_ids", _ort_value(input_ids, "int64"))
         binding.bind_ortvalue_input("attention_mask", _ort_value(mask, "int64"))
-        binding.bind_output("logits")
-        names = ["logits"]  # get_outputs() follows the binding order
-        for spec in self.past:
+        # outputs of a known shape go into fresh arrays of ours: nothing to wrap or copy after the run
+        logits = np.empty((*input_ids.shape, self.manifest.model.vocab_size), dtype=np.float32)
+        binding.bind_ortvalue_output("logits", _ort_value(logits, "float32"))
+        values = {}
+        for spec in bound.rebound:
             binding.bind_ortvalue_input(spec.name, cache[spec.name])
-            if self.layout.shared(spec):  # written in place: past and present are one buffer
-                binding.bind_ortvalue_output(present_name(spec.name), cache[spec.name])
-            else:
+            shape = bound.fixed_shape(spec)
+            if shape is None:
                 binding.bind_output(present_name(spec.name))
-            names.append(present_name(spec.name))
-        extra = list(self.extra_outputs)
-        for name in extra:
+            else:
+                values[present_name(spec.name)] = _ort_value(np.empty(shape, DType.get(spec.dtype).bits_numpy),
+                                                             spec.dtype)
+                binding.bind_ortvalue_output(present_name(spec.name), values[present_name(spec.name)])
+        for name in self.extra_outputs:
             binding.bind_output(name)
         self.session.run_with_iobinding(binding)
-        values = dict(zip(names + extra, binding.get_outputs()))
-        self.last_extra = {name: values[name].numpy() for name in extra}
-        new = {spec.name: cache[spec.name] if self.layout.shared(spec) else values[present_name(spec.name)]
-               for spec in self.past}
-        return values["logits"].numpy(), new
+        if bound.reads_outputs:  # (wrapping every output in a Python object costs about 15 us each)
+            values = dict(zip(bound.names, binding.get_outputs()))
+        self.last_extra = {name: values[name].numpy() for name in self.extra_outputs}
+        new = _BoundCache({spec.name: cache[spec.name] if self.layout.shared(spec) else values[present_name(spec.name)]
+                           for spec in self.past}, bound)
+        return logits, new
 
     # -- text ---------------------------------------------------------------------------------------------
     @property
@@ -483,6 +502,52 @@ class KVQSession:
         logits, cache = self.prefill(batch, max_new_tokens)
         cache = self.decode_n_tokens(logits, cache, max_new_tokens, sampler, rows)
         return rows.finish(self.cache_nbytes(cache), self.decode if self._tokenizer is not None else None)
+
+
+class _Binding:
+    """One IO binding kept across steps: the shared cache buffers stay bound as past input and present output.
+
+    The cache a step returns carries it (:class:`_BoundCache`), so it lives exactly as long as that cache. It
+    serves the next step only when that step's cache still holds the very buffers it bound, for the same session
+    object, batch and extra outputs; anything else (a grown cache, a plain dict, another session) binds afresh.
+    """
+
+    def __init__(self, owner: KVQSession, cache: CacheState, batch: int) -> None:
+        self.session, self.batch, self.extra = owner.session, batch, tuple(owner.extra_outputs)
+        self.binding = owner.session.io_binding()
+        self.shared = {spec.name: cache[spec.name] for spec in owner.past if owner.layout.shared(spec)}
+        #: past tensors bound again every step (not shared with the present: a new value each step)
+        self.rebound = [spec for spec in owner.past if spec.name not in self.shared]
+        self.binding.bind_output("logits")
+        for name, value in self.shared.items():
+            self.binding.bind_ortvalue_input(name, value)
+            self.binding.bind_ortvalue_output(present_name(name), value)
+        # get_outputs() follows the order outputs were first bound
+        self.names = ["logits", *(present_name(n) for n in self.shared), *(present_name(s.name) for s in self.rebound),
+                      *self.extra]
+        shapes = {name: value.shape() for name, value in self.shared.items()}
+        #: tokens per row the bound buffers hold (None: a layout without a capacity)
+        self.capacity = owner.layout.capacity_of(shapes) if owner.layout.has_capacity and shapes else None
+        #: whether a run's outputs are read back from the binding (some have no shape known before the run)
+        self.reads_outputs = bool(self.extra) or any(self.fixed_shape(spec) is None for spec in self.rebound)
+
+    def fixed_shape(self, spec: CacheTensor) -> tuple[int, ...] | None:
+        """The shape of ``spec``'s present tensor when the batch alone fixes it (``seq_lengths``), else None."""
+        shape = tuple(self.batch if dim == "batch" else dim for dim in spec.shape)
+        return shape if all(isinstance(dim, int) for dim in shape) else None
+
+    def holds(self, owner: KVQSession, cache: CacheState, batch: int) -> bool:
+        """Whether a step of ``owner`` on ``cache`` with ``batch`` rows can run on this binding."""
+        return (owner.session is self.session and batch == self.batch and tuple(owner.extra_outputs) == self.extra
+                and isinstance(cache, dict) and all(cache.get(name) is value for name, value in self.shared.items()))
+
+
+class _BoundCache(dict):
+    """A cache dict as :meth:`KVQSession.step` returns it: also carries the step's IO binding to the next step."""
+
+    def __init__(self, values: CacheState, binding: _Binding) -> None:
+        super().__init__(values)
+        self.binding = binding
 
 
 def open_onnx(path: Path, options, providers: Sequence[str]):
