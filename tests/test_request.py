@@ -127,7 +127,7 @@ def test_cached_exports_are_keyed_by_their_weights(tmp_path):
 
     assert where() == "model-fp16"  # the default keeps the name it always had
     assert where(format="int4") == "model-fp16-wint4"
-    assert where(format="int4", block_size=64, symmetric=False, accuracy_level=4) == "model-fp16-wint4-b64-asym-acc4"
+    assert where(format="int4", block_size=64, symmetric=False, accuracy_level=1) == "model-fp16-wint4-b64-asym-acc1"
     names = {where(format=f, block_size=b, symmetric=s) for f in ("fp16", "int8", "int4") for b in (32, 128)
              for s in (True, False)}
     assert len(names) == 12 and where() not in names

@@ -315,7 +315,7 @@ def test_a_baseline_with_other_weights_is_refused_in_one_line(tiny, int4_weights
     with pytest.raises(KVQError, match=r"baseline .* stores fp32 weights, the export .* int4 \(blocks of 32") as err:
         validate(int4_weights, tiny["fp16"], _config(tiny), progress=False)
     assert "\n" not in str(err.value)
-    with pytest.raises(KVQError, match=r"stores int4 \(blocks of 32, symmetric, accuracy_level 1\) weights, the "
+    with pytest.raises(KVQError, match=r"stores int4 \(blocks of 32, symmetric, accuracy_level 4\) weights, the "
                                        r"export .* fp32: the cache comparison needs the same weights"):
         validate(tiny["kivi-2"], int4_weights, _config(tiny), progress=False)
 
@@ -335,9 +335,9 @@ def test_cli_validate_reports_weight_bytes_and_the_weight_only_line(tiny, int4_w
     assert "weight bytes" in result.output and "weight-only error" in result.output
     data = json.loads((tmp_path / "r.json").read_text())
     rows = dict(summary_rows(data))
-    assert rows["scheme"].endswith("baseline, both with int4 (blocks of 32, symmetric, accuracy_level 1) weights")
+    assert rows["scheme"].endswith("baseline, both with int4 (blocks of 32, symmetric, accuracy_level 4) weights")
     assert rows["weight bytes"].startswith("export int4 ") and ", baseline int4 " in rows["weight bytes"]
-    assert rows["weight-only error"].startswith("int4 (blocks of 32, symmetric, accuracy_level 1) vs fp32 weights")
+    assert rows["weight-only error"].startswith("int4 (blocks of 32, symmetric, accuracy_level 4) vs fp32 weights")
     assert data["weight_only"]["reference_weights"] == "fp32" and data["memory"]["baseline_weight_format"] == "int4"
     page = (tmp_path / "r.html").read_text()
     assert "Weight-only error" in page and "weights: export (int4)" in page and "weights: baseline (int4)" in page

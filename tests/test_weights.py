@@ -113,7 +113,7 @@ def test_format_runs_close_to_fp32_and_shrinks(exports, tmp_path, case, arch, fm
     bits = {"int8": 8, "int4": 4}[fmt]
     assert after.quantized == sum(n * -(-k // 32) * 32 * bits // 8 for k, n in shapes)
     assert after.scales == sum(n * -(-k // 32) * 4 for k, n in shapes)
-    assert after.settings == {"format": fmt, "block_size": 32, "symmetric": True, "accuracy_level": 1}
+    assert after.settings == {"format": fmt, "block_size": 32, "symmetric": True, "accuracy_level": 4}
 
 
 @pytest.mark.parametrize("case", ["reference", "ort-gqa", "reference-rot"])
@@ -130,7 +130,7 @@ def test_weight_matmuls_and_embedding_are_replaced(exports, tmp_path, case, fmt)
     assert len(nbits) == len(weight_matmuls) + 1  # + the tied lm_head
     assert {onnx.helper.get_attribute_value(a) for n in nbits for a in n.attribute if a.name == "bits"} == {
         {"int8": 8, "int4": 4}[fmt]}
-    assert all(any(a.name == "accuracy_level" and a.i == 1 for a in n.attribute) for n in nbits)
+    assert all(any(a.name == "accuracy_level" and a.i == 4 for a in n.attribute) for n in nbits)
     # no float weight is read any more, neither by a MatMul, a Gemm nor a Gather; the rotations stay float32
     new_inits = initializers(out)
     assert not [n.name for n in new if n.op_type in ("MatMul", "Gemm", "Gather") and any(
@@ -166,7 +166,7 @@ def test_fp32_is_unchanged_and_proto_input_matches_ir_input(exports, tmp_path):
     for a, b in zip(from_proto.graph.initializer, from_ir.graph.initializer, strict=True):
         assert a.name == b.name and onnx.numpy_helper.to_array(a).tobytes() == onnx.numpy_helper.to_array(b).tobytes()
     assert {p.key: p.value for p in from_proto.metadata_props}[WEIGHTS_KEY] == (
-        '{"accuracy_level": 1, "block_size": 32, "format": "int4", "symmetric": true}')
+        '{"accuracy_level": 4, "block_size": 32, "format": "int4", "symmetric": true}')
 
 
 def test_options_reach_the_graph(exports, tmp_path):
@@ -274,9 +274,9 @@ def test_a_graph_without_weights_is_refused():
 def test_int8_weights_without_int8_activations_warn(exports, caplog):
     """ONNX Runtime's CPU kernel for 8-bit weights is fast only with int8 activations: say so."""
     proto = onnx.load(str(exports("reference") / MODEL_NAME))
-    quantize_weights(proto, format="int8", accuracy_level=4)
+    quantize_weights(proto, format="int8")  # the default: level 4
     assert "accuracy_level=4" not in caplog.text
-    quantize_weights(onnx.load(str(exports("reference") / MODEL_NAME)), format="int8")
+    quantize_weights(onnx.load(str(exports("reference") / MODEL_NAME)), format="int8", accuracy_level=1)
     assert "int8 weights with accuracy_level 1" in caplog.text and "accuracy_level=4" in caplog.text
 
 

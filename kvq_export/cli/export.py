@@ -29,6 +29,7 @@ from kvq_export.request import (
     PlanMetric,
     PlanSpec,
     WeightFormat,
+    WeightSpec,
 )
 
 
@@ -104,9 +105,9 @@ def plan_options(*, for_export: bool = False):
 @click.option("--weight-block-size", type=click.Choice([str(b) for b in WEIGHT_BLOCK_SIZES]), default="32",
               show_default=True, help="int8/int4 weights: input channels per scale.")
 @click.option("--weight-asymmetric", is_flag=True, help="int8/int4 weights: a zero point per block as well.")
-@click.option("--weight-accuracy-level", type=click.IntRange(1, 4), default=1, show_default=True,
-              help="int8/int4 weights: MatMulNBits' activation type (1 fp32 .. 4 int8). 4 is faster on CPU, but "
-                   "greedy tokens may then depend on what else is in the batch.")
+@click.option("--weight-accuracy-level", type=click.IntRange(1, 4), default=WeightSpec().accuracy_level,
+              show_default=True, help="int8/int4 weights: MatMulNBits' activation type (1 fp32 .. 4 int8). 4 is the "
+              "fast CPU kernel and computes each row of a batch as it would be alone.")
 @calibration_options(optional=True)
 @plan_options(for_export=True)
 @click.option("--quiet", is_flag=True, help="--budget: no progress bars (they are also left out when stderr is not a "

@@ -378,7 +378,7 @@ def cached_export_dir(request: ExportRequest, root: str | os.PathLike[str]) -> P
 
 
 def _weights_key(weights: WeightSpec) -> str:
-    """``w<format>`` plus each setting that differs from the default: ``wint4-b64-asym-acc4``."""
+    """``w<format>`` plus each setting that differs from the default: ``wint4-b64-asym-acc1``."""
     default = WeightSpec()
     parts = [f"w{weights.format}"]
     parts += [f"b{weights.block_size}"] if weights.block_size != default.block_size else []

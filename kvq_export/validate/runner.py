@@ -129,7 +129,7 @@ def export_weights(directory: str | os.PathLike[str]) -> WeightSpec:
 
 
 def weights_label(spec: WeightSpec) -> str:
-    """``int4 (blocks of 32, symmetric, accuracy_level 1)``; ``fp32`` / ``fp16`` alone (they have no settings).
+    """``int4 (blocks of 32, symmetric, accuracy_level 4)``; ``fp32`` / ``fp16`` alone (they have no settings).
 
     Two exports store the same weights exactly when their labels are equal.
     """
