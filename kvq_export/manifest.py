@@ -28,6 +28,7 @@ from kvq_export.model_facts import ModelFacts
 from kvq_export.model_facts import json_field as _get
 from kvq_export.naming import PARTS, CacheTensor, tensor_name
 from kvq_export.scheme import KVQuantScheme
+from kvq_export.vocab import Rotation
 
 MANIFEST_NAME = "kvq.json"
 MODEL_NAME = "model.onnx"
@@ -149,7 +150,7 @@ class Manifest:
         return [{"layer": layer, "key": describe_rotation(key.rotation, head_dim),
                  "value": describe_rotation(value.rotation, head_dim)}
                 for layer, (key, value) in enumerate(self.scheme.streams(self.num_layers))
-                if key.rotation != "none" or value.rotation != "none"]
+                if key.rotation != Rotation.NONE or value.rotation != Rotation.NONE]
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``kvq.json`` atomically into ``directory``."""

@@ -56,8 +56,15 @@ from kvq_export.errors import KVQError, SchemeError
 from kvq_export.memory import predict, stream_bytes
 from kvq_export.model_source import model_facts
 from kvq_export.presets import resolve_scheme
-from kvq_export.request import DEFAULT_CALIBRATION, DEFAULT_PLAN_CANDIDATES, CalibrationSpec, PlanMetric
+from kvq_export.request import (
+    DEFAULT_CALIBRATION,
+    DEFAULT_PLAN_CANDIDATES,
+    CalibrationMethod,
+    CalibrationSpec,
+    PlanMetric,
+)
 from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
+from kvq_export.vocab import Part, ScaleMode
 
 if TYPE_CHECKING:
     import torch
@@ -289,7 +296,7 @@ def _calibrated_parts(cset: CandidateSet) -> dict[TensorQuant, tuple[str, ...]]:
     parts: dict[TensorQuant, list[str]] = {}
     for pair in cset.options():
         for part, tq in zip(PARTS, pair):
-            if tq.quantized and (tq.scales == "static" or tq.high_channels) and part not in parts.get(tq, ()):
+            if tq.quantized and (tq.scales == ScaleMode.STATIC or tq.high_channels) and part not in parts.get(tq, ()):
                 parts.setdefault(tq, []).append(part)
     return {tq: tuple(p) for tq, p in parts.items()}
 
@@ -331,11 +338,11 @@ def _static_for(model: PreTrainedModel, cset: CandidateSet, samples, num_layers:
                         ranking = (part, ranging_group(tq))
                         if ranking not in rankings:
                             rankings[ranking] = channel_importance(
-                                samples[layer], part, tq, _o_proj(model, layer) if part == "value" else None)
+                                samples[layer], part, tq, _o_proj(model, layer) if part == Part.VALUE else None)
                         high = top_channels(rankings[ranking], tq.high_channels)
-                    if tq.scales == "static":
+                    if tq.scales == ScaleMode.STATIC:
                         basis, stream = bases[tq.rotation], (part, tq.rotation)
-                        if stream not in streams and method != "attention":
+                        if stream not in streams and method != CalibrationMethod.ATTENTION:
                             streams[stream] = torch.cat([s.keys if part == "key" else s.values for s in basis], dim=1)
                         meta = stream_from_samples(basis, part, tq, method=method, percentile=percentile,
                                                    high_channels=high, stream=streams.get(stream))
@@ -445,7 +452,7 @@ class _StoredReads:
     def __call__(self, part: str, tq: TensorQuant, meta: Mapping | None) -> torch.Tensor:
         key = (part, tq, id(meta))
         if key not in self.cache:
-            x = self.sample.keys if part == "key" else self.sample.values
+            x = self.sample.keys if part == Part.KEY else self.sample.values
             self.cache[key] = _reference_dequant(x, tq, meta, self.sink_tokens)
             self.held.append(meta)
         return self.cache[key]

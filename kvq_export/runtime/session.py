@@ -50,6 +50,7 @@ from kvq_export.runtime.base import (
     eos_token_ids,
 )
 from kvq_export.runtime.sampling import Sampler, SamplingConfig
+from kvq_export.vocab import Role
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +276,7 @@ class KVQSession:
         """Bytes of the stored cache regions (the per-row ``seq_lengths`` bookkeeping excluded)."""
         total = 0
         for spec in self.past:
-            if spec.role != "seq_lengths":
+            if spec.role != Role.SEQ_LENGTHS:
                 total += int(np.prod(cache[spec.name].shape())) * DType.get(spec.dtype).itemsize
         return total
 
@@ -372,7 +373,7 @@ class KVQSession:
             return
         for when, cache in (("fed to this step", fed), ("written by this step", written or {})):
             for spec in self.past:
-                if spec.dtype not in ("float16", "float32") or spec.role == "seq_lengths" or spec.name not in cache:
+                if spec.dtype not in ("float16", "float32") or spec.role == Role.SEQ_LENGTHS or spec.name not in cache:
                     continue
                 if cache is fed and written is not None and self.layout.shared(spec):
                     continue  # updated in place: it now holds what this step wrote

@@ -33,6 +33,7 @@ from kvq_export.model_digest import recorded_source
 from kvq_export.model_source import cache_dir
 from kvq_export.request import ExportRequest, WeightFormat, WeightSpec
 from kvq_export.validate.attention import METRICS, AttentionSample, attention_metrics, rank_agreement
+from kvq_export.vocab import Part
 
 logger = logging.getLogger(__name__)
 
@@ -309,7 +310,7 @@ def _lockstep(quant, base, tokens: np.ndarray, config: ValidateConfig, progress:
             else:
                 b_cache = cache
         for layer in range(layers):
-            for part in ("key", "value"):
+            for part in Part:
                 exact[layer, part].append(quant.last_extra[f"probe.{layer}.{part}"].astype(hp).astype(np.float32))
         # predictions for positions begin+1 .. end (the last of the window has no target)
         targets = tokens[:, begin + 1:end + 1]
