@@ -691,7 +691,7 @@ class Plan:
     damage: float
     budget: float
     context: int
-    metric: str
+    metric: PlanMetric
     damages: list[Damage] = field(default_factory=list)
     uniform: list[dict[str, Any]] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
@@ -707,7 +707,7 @@ class Plan:
         """JSON form (the ``--report`` file)."""
         return {"scheme": self.scheme.to_dict(), "bits_per_element": self.bits_per_element,
                 "predicted_damage": self.damage, "budget": self.budget, "context": self.context,
-                "metric": self.metric, "uniform": self.uniform, "settings": self.settings,
+                "metric": str(self.metric), "uniform": self.uniform, "settings": self.settings,
                 "onnxruntime_genai": self.genai, "damages": [d.to_dict() for d in self.damages]}
 
     def static_for(self, scheme: KVQuantScheme, num_layers: int) -> dict[int, dict[str, dict[str, Any]]]:
@@ -815,7 +815,7 @@ def plan_scheme(
     budget: float,
     context: int,
     candidates: CandidateSet | str = DEFAULT_PLAN_CANDIDATES,
-    metric: str = "attention",
+    metric: PlanMetric | str = PlanMetric.ATTENTION,
     calibration: CalibrationSpec = DEFAULT_CALIBRATION,
     name: str | None = None,
     resolution: int = RESOLUTION,
@@ -851,6 +851,7 @@ def plan_scheme(
 
     if metric not in METRICS:
         raise KVQError(f"unknown plan metric {metric!r}; allowed: {', '.join(METRICS)}")
+    metric = PlanMetric(metric)
     if not (isinstance(budget, (int, float)) and budget > 0) or context < 1:
         raise KVQError(f"invalid budget={budget!r} / context={context!r}: need a positive bits/element and >= 1 token")
     if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
@@ -865,9 +866,9 @@ def plan_scheme(
     samples = collect_attention_samples(model, windows, list(range(layers)), layers)
     with _one_thread():
         static_by = _static_for(model, cset, samples, layers, str(calibration.method), calibration.percentile)
-        if metric == "attention":
+        if metric == PlanMetric.ATTENTION:
             damages = measure_attention(model, samples, cset, static_by, layers, sink_tokens)
-    if metric == "kl":  # model forwards: at the caller's threads
+    if metric == PlanMetric.KL:  # model forwards: at the caller's threads
         damages = measure_kl(model, windows, cset, static_by, layers, sink_tokens)
 
     def nbytes(tq: TensorQuant) -> int:

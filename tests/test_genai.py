@@ -41,7 +41,7 @@ from kvq_export.runtime.genai import GenaiSession, builder_scale_file, serve_com
 from kvq_export.runtime.sampling import Sampler, SamplingConfig
 from kvq_export.runtime.session import KVQSession
 from kvq_export.scheme import KVQuantScheme
-from kvq_export.vocab import Role
+from kvq_export.vocab import FinishReason, Role
 
 pytest.importorskip("onnxruntime_genai")
 
@@ -100,7 +100,7 @@ def test_eos_ends_rows_alike(tmp_path):
     assert json.loads((directory / GENAI_CONFIG).read_text())["model"]["eos_token_id"] == [eos]
     ours = KVQSession(directory).generate(prompts, 12)
     theirs = GenaiSession(directory).generate(prompts, 12)
-    assert ours[1].finish_reason == "eos" and len(ours[1].tokens) < 12
+    assert ours[1].finish_reason == FinishReason.EOS and len(ours[1].tokens) < 12
     assert [(r.tokens, r.finish_reason) for r in theirs] == [(r.tokens, r.finish_reason) for r in ours]
     # stop_at_eos=False: og's config is overlaid with no EOS id, rows run to max_new_tokens as in kvq
     ours = KVQSession(directory).generate(prompts, 12, stop_at_eos=False)

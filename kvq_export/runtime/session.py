@@ -119,10 +119,8 @@ def _ort_value(array: np.ndarray, dtype: str):
     import onnxruntime as ort
 
     if dtype == "float8e4m3fn":
-        from onnx import TensorProto
-
         return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(np.ascontiguousarray(array).view(np.uint8),
-                                                               TensorProto.FLOAT8E4M3FN)
+                                                               DType.get(dtype).proto)
     return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype=DType.get(dtype).bits_numpy))
 
 
