@@ -100,6 +100,16 @@ class LayoutName(StrEnum):
     BUFFER = "buffer"
 
 
+# -- an export's weights ------------------------------------------------------------------------------------
+class WeightFormat(StrEnum):
+    """How the graph's linear weights are stored."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+    INT8 = "int8"
+    INT4 = "int4"
+
+
 # -- generation ----------------------------------------------------------------------------------------------
 class FinishReason(StrEnum):
     """Why kvq's generation loop stopped a sequence."""

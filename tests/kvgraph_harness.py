@@ -10,14 +10,13 @@ import onnxruntime as ort
 import torch
 
 from kvq_export.cache_layout import REGIONS
+from kvq_export.dtypes import DType
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.kv_graph import QuantizedCacheGraph
 from kvq_export.naming import present_name
 from kvq_export.presets import PRESETS
 from kvq_export.reference.cache import LayerCache, StreamCache
 from kvq_export.scheme import KVQuantScheme, TensorQuant
-
-NP = {"int64": np.int64, "uint8": np.uint8, "float16": np.float16, "float32": np.float32, "float8e4m3fn": np.uint8}
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,8 @@ class CacheOnly:
         from kvq_export.runtime.session import _ort_value
 
         return {t.name: _ort_value(np.zeros([batch if d == "batch" else (d if isinstance(d, int) else 0)
-                                             for d in t.shape], NP[t.dtype]), t.dtype) for t in self.past}
+                                             for d in t.shape], DType.get(t.dtype).bits_numpy), t.dtype)
+                for t in self.past}
 
     def step(self, q, k, v, mask, cache):
         """Run one call; return (attention output, new cache as OrtValues, cache as numpy)."""
