@@ -87,7 +87,7 @@ def compare_state(arrays, row, ref, scheme, static):
     """Row's right-aligned valid entries vs the reference cache (tolerances in the module docstring)."""
     code_mismatch = code_total = 0
     for layer, part, stream, role, want, got in stored_roles(arrays, row, ref):
-        if role == "codes" and stream.tq.is_int:
+        if role == Role.CODES and stream.tq.is_int:
             from kvq_export.reference.codec import unpack_stream
 
             high = (static or {}).get(layer, {}).get(part, {}).get("high_channels")
