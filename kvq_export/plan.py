@@ -329,7 +329,7 @@ def _static_for(model: PreTrainedModel, cset: CandidateSet, samples, num_layers:
             # a rotated stream stores x @ R: its static scales belong to that basis (as kvq export calibrates them)
             bases: dict[str, list] = {"none": samples[layer]}
             for tq, parts in wanted.items():
-                if tq.scales == "static" and tq.rotation not in bases:
+                if tq.scales == ScaleMode.STATIC and tq.rotation not in bases:
                     matrix = rotation_matrix(tq.rotation, samples[layer][0].keys.shape[-1])
                     bases[tq.rotation] = [s.rotated(matrix) for s in samples[layer]]
                 for part in parts:
@@ -343,7 +343,8 @@ def _static_for(model: PreTrainedModel, cset: CandidateSet, samples, num_layers:
                     if tq.scales == ScaleMode.STATIC:
                         basis, stream = bases[tq.rotation], (part, tq.rotation)
                         if stream not in streams and method != CalibrationMethod.ATTENTION:
-                            streams[stream] = torch.cat([s.keys if part == "key" else s.values for s in basis], dim=1)
+                            streams[stream] = torch.cat([s.keys if part == Part.KEY else s.values for s in basis],
+                                                        dim=1)
                         meta = stream_from_samples(basis, part, tq, method=method, percentile=percentile,
                                                    high_channels=high, stream=streams.get(stream))
                     else:
@@ -720,7 +721,7 @@ class Plan:
         static: dict[int, dict[str, dict[str, Any]]] = {}
         for layer, streams in enumerate(scheme.streams(num_layers)):
             for part, tq in zip(PARTS, streams):
-                if tq.quantized and (tq.scales == "static" or tq.high_channels):
+                if tq.quantized and (tq.scales == ScaleMode.STATIC or tq.high_channels):
                     meta = self.candidate_static.get(tq, {}).get(layer, {}).get(part)
                     if meta is None:
                         raise KVQError(f"layer {layer} {part}: {tq.describe()} is not a calibrated {part} candidate "
