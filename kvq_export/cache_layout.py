@@ -37,9 +37,10 @@ from kvq_export.naming import (
     tensor_name,
 )
 from kvq_export.scheme import KVQuantScheme, TensorQuant
+from kvq_export.vocab import Axis, Direction, Format, LayoutName, Part, Role, ScaleMode
 
 #: Roles of a ``regions`` stream, in token order of the regions they hold (codes and metadata: quantized).
-REGION_ROLES = ("sinks", "codes", "scales", "zero_points", "recent")
+REGION_ROLES = (Role.SINKS, Role.CODES, Role.SCALES, Role.ZERO_POINTS, Role.RECENT)
 REGION_NAMES = ("sinks", "quantized", "recent")
 
 
@@ -134,14 +135,14 @@ def _random_values(spec: CacheTensor, shape: list[int], rng: np.random.Generator
     if spec.dtype in ("int8", "uint8"):
         info = np.iinfo(spec.dtype)
         return rng.integers(info.min, info.max + 1, shape, dtype=spec.dtype)
-    if spec.role == "scales":
+    if spec.role == Role.SCALES:
         return rng.uniform(0.005, 0.02, shape).astype(np.float32)
     return (rng.standard_normal(shape, dtype=np.float32) * 0.5).astype(np.float32)
 
 
 def _quant_facts(tq: TensorQuant, head_dim: int, **extra) -> dict[str, Any]:
     """The quantization fields a quantized stream's tensors carry in the manifest."""
-    group = tq.token_group(head_dim) if tq.axis == "token" else tq.group_size
+    group = tq.token_group(head_dim) if tq.axis == Axis.TOKEN else tq.group_size
     high = {"high_channels": tq.high_channels} if tq.high_channels else {}
     return {"group_axis": tq.axis, "group_size": group, "format": tq.format, "bits": tq.bits, **high, **extra}
 
@@ -150,7 +151,7 @@ def _quant_facts(tq: TensorQuant, head_dim: int, **extra) -> dict[str, Any]:
 class CacheLayout:
     """A way of holding the cache across the graph boundary (see the module docstring)."""
 
-    name: ClassVar[str]
+    name: ClassVar[LayoutName]
     #: The layout's rules, repeated in every manifest.
     rules: ClassVar[str]
     #: One fixed-capacity tensor per stream, shared by past input and present output (written in place).
@@ -162,13 +163,13 @@ class CacheLayout:
         return f"CacheLayout({self.name!r})"
 
     # -- tensors -------------------------------------------------------------------------------------------
-    def stream_tensors(self, direction: str, layer: int, part: str, tq: TensorQuant, scheme: KVQuantScheme, *,
+    def stream_tensors(self, direction: Direction, layer: int, part: Part, tq: TensorQuant, scheme: KVQuantScheme, *,
                        kv_heads: int, head_dim: int) -> list[CacheTensor]:
         """The tensors of one layer's keys or values."""
         raise NotImplementedError
 
     def tensors(self, scheme: KVQuantScheme, *, num_layers: int, kv_heads: int, head_dim: int,
-                direction: str = "past") -> list[CacheTensor]:
+                direction: Direction = Direction.PAST) -> list[CacheTensor]:
         """Every cache tensor crossing the graph boundary in ``direction`` (``past`` or ``present``).
 
         Static scales are model constants, not cache state: they live in the graph and the manifest's
@@ -176,8 +177,9 @@ class CacheLayout:
         """
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-        out = [CacheTensor(tensor_name(direction, None, None, "seq_lengths"), direction, None, None, "seq_lengths",
-                           "int64", ("batch",))]
+        direction = Direction(direction)
+        out = [CacheTensor(tensor_name(direction, None, None, Role.SEQ_LENGTHS), direction, None, None,
+                           Role.SEQ_LENGTHS, "int64", ("batch",))]
         for layer, streams in enumerate(scheme.streams(num_layers)):
             for part, tq in zip(PARTS, streams):
                 out.extend(self.stream_tensors(direction, layer, part, tq, scheme, kv_heads=kv_heads,
@@ -199,7 +201,7 @@ class CacheLayout:
         out = {}
         for spec in specs:
             shape = [batch if d == "batch" else d if isinstance(d, int) else sizes[d] for d in spec.shape]
-            if spec.role == "seq_lengths":
+            if spec.role == Role.SEQ_LENGTHS:
                 out[spec.name] = np.full(shape, length, np.int64)
             elif rng is None:
                 out[spec.name] = np.zeros(shape, dtype=DType.get(spec.dtype).bits_numpy)
@@ -237,7 +239,7 @@ class CacheLayout:
 class RegionsLayout(CacheLayout):
     """Sinks / quantized / recent regions, right-aligned per row (the reference layout)."""
 
-    name = "regions"
+    name = LayoutName.REGIONS
     rules = (
         "Each row b holds seq_lengths[b] real tokens. Per layer and stream, split them as " + RegionSplit.RULE
         + ". Every region tensor is sized to the longest row and each "
@@ -254,23 +256,23 @@ class RegionsLayout(CacheLayout):
             return CacheTensor(tensor_name(direction, layer, part, role), direction, layer, part, role, dtype,
                                tuple(shape), region, **quant)
 
-        recent = tensor("recent", hp, (*rows, region_axis(direction, layer, part, "recent"), head_dim), "recent")
+        recent = tensor(Role.RECENT, hp, (*rows, region_axis(direction, layer, part, "recent"), head_dim), "recent")
         if not tq.quantized:
             return [recent]
-        out = [tensor("sinks", hp, (*rows, region_axis(direction, layer, part, "sinks"), head_dim), "sinks")]
+        out = [tensor(Role.SINKS, hp, (*rows, region_axis(direction, layer, part, "sinks"), head_dim), "sinks")]
         quant = _quant_facts(tq, head_dim, quantizer=tq.quantizer)
         tokens = region_axis(direction, layer, part, "quantized")
-        code_type = "float8e4m3fn" if tq.format == "fp8_e4m3" else "uint8"
+        code_type = "float8e4m3fn" if tq.format == Format.FP8_E4M3 else "uint8"
         packing = None
         if tq.is_int and tq.bits < 8:
             packing = packing_rule(tq.bits, tq.high_channels)
-        out.append(tensor("codes", code_type, (*rows, tokens, tq.packed_dim(head_dim)), "quantized", packing=packing,
+        out.append(tensor(Role.CODES, code_type, (*rows, tokens, tq.packed_dim(head_dim)), "quantized", packing=packing,
                           **quant))
-        if tq.scales == "dynamic":
+        if tq.scales == ScaleMode.DYNAMIC:
             kind, entries = tq.metadata_shape(head_dim)
             length = tokens if kind == "per_token" else region_axis(direction, layer, part, "quantized", "groups")
             meta_type = onnx_name(tq.scale_dtype)
-            roles = ("scales", "zero_points") if tq.has_zero_point else ("scales",)
+            roles = (Role.SCALES, Role.ZERO_POINTS) if tq.has_zero_point else (Role.SCALES,)
             out += [tensor(role, meta_type, (*rows, length, entries), "quantized", **quant) for role in roles]
         return [*out, recent]
 
@@ -280,35 +282,35 @@ class RegionsLayout(CacheLayout):
             for part, tq in zip(PARTS, streams):
                 counts = split_lengths(tq, scheme, length)
                 for region, count in zip(REGION_NAMES, counts):
-                    sizes[region_axis("past", layer, part, region)] = count
-                sizes[region_axis("past", layer, part, "quantized", "groups")] = counts[1] // tq.flush_unit
+                    sizes[region_axis(Direction.PAST, layer, part, region)] = count
+                sizes[region_axis(Direction.PAST, layer, part, "quantized", "groups")] = counts[1] // tq.flush_unit
         return sizes
 
     def decode_stream(self, scheme, tq, arrays, row, n, static_meta):
         import torch
 
-        def last(role: str, count: int) -> torch.Tensor:  # the row's right-aligned valid entries
+        def last(role: Role, count: int) -> torch.Tensor:  # the row's right-aligned valid entries
             array = arrays[role][row]
             return torch.from_numpy(np.ascontiguousarray(array[:, array.shape[1] - count:]))
 
         sinks, quantized, recent = split_lengths(tq, scheme, n)
         pieces = []
         if tq.quantized:
-            pieces.append(last("sinks", sinks).float())
+            pieces.append(last(Role.SINKS, sinks).float())
             if quantized:
                 pieces.append(_dequantize_region(tq, last, quantized, static_meta))
-        pieces.append(last("recent", recent).float())
+        pieces.append(last(Role.RECENT, recent).float())
         return torch.cat(pieces, dim=1).numpy()
 
 
 class BufferLayout(CacheLayout):
     """One fixed-capacity buffer per stream, left-aligned, shared by past and present (ort-gqa)."""
 
-    name = "buffer"
+    name = LayoutName.BUFFER
     shares_buffers = True
     has_capacity = True
     #: The role (last name component) of a stream's one tensor.
-    role = "buffer"
+    role = Role.BUFFER
     #: How a buffer holds int_sym codes (ONNX Runtime GroupQueryAttention's convention), by bits.
     codes = {
         8: "int8 two's complement q (kvq's stored code is q + 128, i.e. the same byte with its top bit flipped)",
@@ -334,7 +336,7 @@ class BufferLayout(CacheLayout):
         "zero_point; int_sym: (c - 128) * scale). An empty cache is seq_lengths = 0 (buffer contents irrelevant)."
     )
 
-    def buffer_name(self, direction: str, layer: int, part: str) -> str:
+    def buffer_name(self, direction: Direction, layer: int, part: Part) -> str:
         """``past.3.key.buffer``."""
         return tensor_name(direction, layer, part, self.role)
 
@@ -422,17 +424,17 @@ def _dequantize_region(tq: TensorQuant, last, count: int, static_meta):
 
     from kvq_export.reference.codec import Quantized, dequantize_packed
 
-    codes = last("codes", count)
-    if tq.format == "fp8_e4m3" and codes.dtype == torch.uint8:  # raw bits as ONNX Runtime returns them
+    codes = last(Role.CODES, count)
+    if tq.format == Format.FP8_E4M3 and codes.dtype == torch.uint8:  # raw bits as ONNX Runtime returns them
         codes = codes.view(torch.float8_e4m3fn)
-    if tq.scales == "static":  # [H, n], shared by every row, stored rounded to scale_dtype
+    if tq.scales == ScaleMode.STATIC:  # [H, n], shared by every row, stored rounded to scale_dtype
         sdtype = DType.get(tq.scale_dtype).torch
-        scales = torch.as_tensor(static_meta["scales"]).to(sdtype)
-        zeros = torch.as_tensor(static_meta["zero_points"]).to(sdtype) if tq.has_zero_point else None
+        scales = torch.as_tensor(static_meta[Role.SCALES]).to(sdtype)
+        zeros = torch.as_tensor(static_meta[Role.ZERO_POINTS]).to(sdtype) if tq.has_zero_point else None
     else:
-        groups = count if tq.axis == "token" else count // tq.group_size
-        scales = last("scales", groups)[None]
-        zeros = last("zero_points", groups)[None] if tq.has_zero_point else None
+        groups = count if tq.axis == Axis.TOKEN else count // tq.group_size
+        scales = last(Role.SCALES, groups)[None]
+        zeros = last(Role.ZERO_POINTS, groups)[None] if tq.has_zero_point else None
     high = torch.as_tensor(static_meta["high_channels"]) if tq.high_channels else None
     return dequantize_packed(Quantized(codes[None], scales, zeros), tq, high_channels=high)[0]
 
@@ -440,7 +442,7 @@ def _dequantize_region(tq: TensorQuant, last, count: int, static_meta):
 REGIONS = RegionsLayout()
 BUFFER = BufferLayout()
 #: Every layout by name (what a manifest's ``layout_name`` may say).
-LAYOUTS: dict[str, CacheLayout] = {layout.name: layout for layout in (REGIONS, BUFFER)}
+LAYOUTS: dict[LayoutName, CacheLayout] = {layout.name: layout for layout in (REGIONS, BUFFER)}
 
 
 def layout_named(name: str) -> CacheLayout:

@@ -8,6 +8,7 @@ the converter that needs them), so no module keeps a private map.
     DType.get("fp16").onnx        -> "float16"
     DType.get("float16").numpy    -> numpy.float16
     DType.get("fp32").ort_type    -> "tensor(float)"
+    DType.of_onnx(10).short       -> "fp16"
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class DType:
         itemsize: bytes per element.
         trt: TensorRT's ``DataType`` member name.
         triton: Triton's pointer type string for a kernel argument of this type.
+        proto: the ONNX ``TensorProto`` element type number (fixed by the ONNX standard; onnx-ir's ``DataType``).
     """
 
     onnx: str
@@ -40,6 +42,7 @@ class DType:
     itemsize: int
     trt: str
     triton: str
+    proto: int
 
     @staticmethod
     def get(name: str) -> DType:
@@ -48,6 +51,16 @@ class DType:
             return _BY_NAME[name]
         except (KeyError, TypeError):
             raise KVQError(f"unknown dtype {name!r}; allowed: {', '.join(sorted(_BY_NAME))}") from None
+
+    @staticmethod
+    def of_onnx(element_type: int) -> DType:
+        """The row for an ONNX element type number (``TensorProto.FLOAT16``, an onnx-ir ``DataType``)."""
+        known = isinstance(element_type, int) and not isinstance(element_type, bool)  # IntEnums are ints
+        row = _BY_PROTO.get(element_type) if known else None
+        if row is None:
+            allowed = ", ".join(f"{r.proto} ({r.onnx})" for r in _ROWS)
+            raise KVQError(f"unknown ONNX element type {element_type!r}; allowed: {allowed}")
+        return row
 
     @property
     def numpy(self) -> np.dtype:
@@ -70,7 +83,7 @@ class DType:
         """The onnx-ir ``DataType``."""
         import onnx_ir as ir
 
-        return ir.DataType[_IR_NAMES[self.onnx]]
+        return ir.DataType(self.proto)
 
     @property
     def ort_type(self) -> str:
@@ -95,19 +108,18 @@ class DType:
 
 
 _ROWS = (
-    DType("float32", "fp32", 4, "float32", "*fp32"),
-    DType("float16", "fp16", 2, "float16", "*fp16"),
-    DType("int64", "int64", 8, "int64", "*i64"),
-    DType("int32", "int32", 4, "int32", "*i32"),
-    DType("int8", "int8", 1, "int8", "*i8"),
-    DType("uint8", "uint8", 1, "uint8", "*u8"),
-    DType("bool", "bool", 1, "bool", "*i1"),
-    DType("float8e4m3fn", "fp8_e4m3", 1, "fp8", "*u8"),
+    DType("float32", "fp32", 4, "float32", "*fp32", 1),
+    DType("float16", "fp16", 2, "float16", "*fp16", 10),
+    DType("int64", "int64", 8, "int64", "*i64", 7),
+    DType("int32", "int32", 4, "int32", "*i32", 6),
+    DType("int8", "int8", 1, "int8", "*i8", 3),
+    DType("uint8", "uint8", 1, "uint8", "*u8", 2),
+    DType("bool", "bool", 1, "bool", "*i1", 9),
+    DType("float8e4m3fn", "fp8_e4m3", 1, "fp8", "*u8", 17),
 )
 _BY_NAME = {name: row for row in _ROWS for name in {row.onnx, row.short}}
+_BY_PROTO = {row.proto: row for row in _ROWS}
 _TORCH_NAMES = {"float8e4m3fn": "float8_e4m3fn"}
-_IR_NAMES = {"float32": "FLOAT", "float16": "FLOAT16", "int64": "INT64", "int32": "INT32", "int8": "INT8",
-             "uint8": "UINT8", "bool": "BOOL", "float8e4m3fn": "FLOAT8E4M3FN"}
 
 
 def onnx_name(name: str) -> str:

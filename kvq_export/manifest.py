@@ -28,6 +28,7 @@ from kvq_export.model_facts import ModelFacts
 from kvq_export.model_facts import json_field as _get
 from kvq_export.naming import PARTS, CacheTensor, tensor_name
 from kvq_export.scheme import KVQuantScheme
+from kvq_export.vocab import LayoutName, Rotation
 
 MANIFEST_NAME = "kvq.json"
 MODEL_NAME = "model.onnx"
@@ -77,7 +78,7 @@ class Manifest:
     tokenizer: dict[str, Any] = field(default_factory=dict)
     calibration: dict[str, Any] | None = None
     format_version: int = FORMAT_VERSION
-    layout: str = REGIONS.name  # the cache layout's name (the exporter records its flavour's)
+    layout: LayoutName = REGIONS.name  # the cache layout's name (the exporter records its flavour's)
     weights: dict[str, Any] | None = None  # {file: {"sha256", "bytes"}} recorded at export
     #: {"kvq_code": source digest, "request": what shaped the export, "source": the model's content identity,
     #: "source_digest": its digest when it was named by a spec}
@@ -134,7 +135,7 @@ class Manifest:
             **({"plan": self.plan} if self.plan is not None else {}),
             "cache": {
                 "layout": self.cache_layout.rules,
-                "layout_name": self.layout,
+                "layout_name": str(self.layout),
                 "rotation": {"rule": ROTATION_RULES, "layers": self._rotations()},
                 "past": [t.to_dict() for t in self.cache("past")],
                 "present": [t.to_dict() for t in self.cache("present")],
@@ -149,7 +150,7 @@ class Manifest:
         return [{"layer": layer, "key": describe_rotation(key.rotation, head_dim),
                  "value": describe_rotation(value.rotation, head_dim)}
                 for layer, (key, value) in enumerate(self.scheme.streams(self.num_layers))
-                if key.rotation != "none" or value.rotation != "none"]
+                if key.rotation != Rotation.NONE or value.rotation != Rotation.NONE]
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``kvq.json`` atomically into ``directory``."""
@@ -198,12 +199,12 @@ class Manifest:
             outputs=_list_of_objects(data, "outputs"), tokenizer=dict(_get(data, "tokenizer", dict, optional=True)
                                                                       or {}),
             calibration=calibration, format_version=version,
-            layout=_get(cache, "layout_name", str, optional=True, where="cache.") or REGIONS.name, weights=weights,
+            layout=layout_named(_get(cache, "layout_name", str, optional=True, where="cache.") or REGIONS.name).name,
+            weights=weights,
             build=_get(data, "build", dict, optional=True),
             runtimes=dict(_get(data, "runtimes", dict, optional=True) or {}),
             plan=_get(data, "plan", dict, optional=True),
         )
-        manifest.cache_layout  # noqa: B018 - refuses an unknown layout name now, not at first use
         if scheme.needs_calibration and calibration is None:
             raise RuntimeInputError("the scheme uses static scales or calibrated high channels but no calibration "
                                     "file is named")

@@ -13,9 +13,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvq_export.scheme import code_planes
+from kvq_export.vocab import Axis, Direction, Format, Part, Quantizer, Role, plain
 
-DIRECTIONS = ("past", "present")
-PARTS = ("key", "value")
+DIRECTIONS = tuple(Direction)
+PARTS = tuple(Part)
 def packing_rule(bits: int, high_channels: int = 0) -> str:
     """The manifest's byte layout of ``bits``-wide integer codes along head_dim ``D`` (see the codec).
 
@@ -54,24 +55,24 @@ class CacheTensor:
     """One cache graph input or output, as the manifest describes it."""
 
     name: str
-    direction: str
+    direction: Direction
     layer: int | None
-    part: str | None  # key | value | None for seq_lengths
-    role: str  # seq_lengths | sinks | codes | scales | zero_points | recent | buffer
+    part: Part | None  # None for seq_lengths
+    role: Role
     dtype: str  # ONNX element type name
     shape: tuple[int | str, ...]  # ints, or symbolic axis names
     region: str | None = None  # sinks | quantized | recent
     packing: str | None = None
-    group_axis: str | None = None  # token | channel (quantized roles)
+    group_axis: Axis | None = None  # quantized roles
     group_size: int | None = None
-    format: str | None = None
+    format: Format | None = None
     bits: int | None = None
-    quantizer: str | None = None  # kvq | ggml: how codes were chosen (decoding is the same)
+    quantizer: Quantizer | None = None  # how codes were chosen (decoding is the same)
     high_channels: int | None = None  # channels per head stored at 8 bits (see packing_rule)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form for the manifest."""
-        out = asdict(self)
+        out = {key: plain(value) for key, value in asdict(self).items()}
         out["shape"] = list(self.shape)
         if self.high_channels is None:  # only streams that have them say so
             del out["high_channels"]
@@ -93,7 +94,7 @@ def region_axis(direction: str, layer: int, part: str, region: str, unit: str = 
 def present_name(past_name: str) -> str:
     """The output that feeds a given past input on the next step."""
     direction, rest = past_name.split(".", 1)
-    if direction != "past":
+    if direction != Direction.PAST:
         raise ValueError(f"not a past cache tensor: {past_name}")
     return f"present.{rest}"
 

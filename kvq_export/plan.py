@@ -56,8 +56,15 @@ from kvq_export.errors import KVQError, SchemeError
 from kvq_export.memory import predict, stream_bytes
 from kvq_export.model_source import model_facts
 from kvq_export.presets import resolve_scheme
-from kvq_export.request import DEFAULT_CALIBRATION, DEFAULT_PLAN_CANDIDATES, CalibrationSpec, PlanMetric
+from kvq_export.request import (
+    DEFAULT_CALIBRATION,
+    DEFAULT_PLAN_CANDIDATES,
+    CalibrationMethod,
+    CalibrationSpec,
+    PlanMetric,
+)
 from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
+from kvq_export.vocab import Part, ScaleMode
 
 if TYPE_CHECKING:
     import torch
@@ -289,7 +296,7 @@ def _calibrated_parts(cset: CandidateSet) -> dict[TensorQuant, tuple[str, ...]]:
     parts: dict[TensorQuant, list[str]] = {}
     for pair in cset.options():
         for part, tq in zip(PARTS, pair):
-            if tq.quantized and (tq.scales == "static" or tq.high_channels) and part not in parts.get(tq, ()):
+            if tq.quantized and (tq.scales == ScaleMode.STATIC or tq.high_channels) and part not in parts.get(tq, ()):
                 parts.setdefault(tq, []).append(part)
     return {tq: tuple(p) for tq, p in parts.items()}
 
@@ -322,7 +329,7 @@ def _static_for(model: PreTrainedModel, cset: CandidateSet, samples, num_layers:
             # a rotated stream stores x @ R: its static scales belong to that basis (as kvq export calibrates them)
             bases: dict[str, list] = {"none": samples[layer]}
             for tq, parts in wanted.items():
-                if tq.scales == "static" and tq.rotation not in bases:
+                if tq.scales == ScaleMode.STATIC and tq.rotation not in bases:
                     matrix = rotation_matrix(tq.rotation, samples[layer][0].keys.shape[-1])
                     bases[tq.rotation] = [s.rotated(matrix) for s in samples[layer]]
                 for part in parts:
@@ -331,12 +338,13 @@ def _static_for(model: PreTrainedModel, cset: CandidateSet, samples, num_layers:
                         ranking = (part, ranging_group(tq))
                         if ranking not in rankings:
                             rankings[ranking] = channel_importance(
-                                samples[layer], part, tq, _o_proj(model, layer) if part == "value" else None)
+                                samples[layer], part, tq, _o_proj(model, layer) if part == Part.VALUE else None)
                         high = top_channels(rankings[ranking], tq.high_channels)
-                    if tq.scales == "static":
+                    if tq.scales == ScaleMode.STATIC:
                         basis, stream = bases[tq.rotation], (part, tq.rotation)
-                        if stream not in streams and method != "attention":
-                            streams[stream] = torch.cat([s.keys if part == "key" else s.values for s in basis], dim=1)
+                        if stream not in streams and method != CalibrationMethod.ATTENTION:
+                            streams[stream] = torch.cat([s.keys if part == Part.KEY else s.values for s in basis],
+                                                        dim=1)
                         meta = stream_from_samples(basis, part, tq, method=method, percentile=percentile,
                                                    high_channels=high, stream=streams.get(stream))
                     else:
@@ -445,7 +453,7 @@ class _StoredReads:
     def __call__(self, part: str, tq: TensorQuant, meta: Mapping | None) -> torch.Tensor:
         key = (part, tq, id(meta))
         if key not in self.cache:
-            x = self.sample.keys if part == "key" else self.sample.values
+            x = self.sample.keys if part == Part.KEY else self.sample.values
             self.cache[key] = _reference_dequant(x, tq, meta, self.sink_tokens)
             self.held.append(meta)
         return self.cache[key]
@@ -684,7 +692,7 @@ class Plan:
     damage: float
     budget: float
     context: int
-    metric: str
+    metric: PlanMetric
     damages: list[Damage] = field(default_factory=list)
     uniform: list[dict[str, Any]] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
@@ -700,7 +708,7 @@ class Plan:
         """JSON form (the ``--report`` file)."""
         return {"scheme": self.scheme.to_dict(), "bits_per_element": self.bits_per_element,
                 "predicted_damage": self.damage, "budget": self.budget, "context": self.context,
-                "metric": self.metric, "uniform": self.uniform, "settings": self.settings,
+                "metric": str(self.metric), "uniform": self.uniform, "settings": self.settings,
                 "onnxruntime_genai": self.genai, "damages": [d.to_dict() for d in self.damages]}
 
     def static_for(self, scheme: KVQuantScheme, num_layers: int) -> dict[int, dict[str, dict[str, Any]]]:
@@ -713,7 +721,7 @@ class Plan:
         static: dict[int, dict[str, dict[str, Any]]] = {}
         for layer, streams in enumerate(scheme.streams(num_layers)):
             for part, tq in zip(PARTS, streams):
-                if tq.quantized and (tq.scales == "static" or tq.high_channels):
+                if tq.quantized and (tq.scales == ScaleMode.STATIC or tq.high_channels):
                     meta = self.candidate_static.get(tq, {}).get(layer, {}).get(part)
                     if meta is None:
                         raise KVQError(f"layer {layer} {part}: {tq.describe()} is not a calibrated {part} candidate "
@@ -808,7 +816,7 @@ def plan_scheme(
     budget: float,
     context: int,
     candidates: CandidateSet | str = DEFAULT_PLAN_CANDIDATES,
-    metric: str = "attention",
+    metric: PlanMetric | str = PlanMetric.ATTENTION,
     calibration: CalibrationSpec = DEFAULT_CALIBRATION,
     name: str | None = None,
     resolution: int = RESOLUTION,
@@ -844,6 +852,7 @@ def plan_scheme(
 
     if metric not in METRICS:
         raise KVQError(f"unknown plan metric {metric!r}; allowed: {', '.join(METRICS)}")
+    metric = PlanMetric(metric)
     if not (isinstance(budget, (int, float)) and budget > 0) or context < 1:
         raise KVQError(f"invalid budget={budget!r} / context={context!r}: need a positive bits/element and >= 1 token")
     if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
@@ -858,9 +867,9 @@ def plan_scheme(
     samples = collect_attention_samples(model, windows, list(range(layers)), layers)
     with _one_thread():
         static_by = _static_for(model, cset, samples, layers, str(calibration.method), calibration.percentile)
-        if metric == "attention":
+        if metric == PlanMetric.ATTENTION:
             damages = measure_attention(model, samples, cset, static_by, layers, sink_tokens)
-    if metric == "kl":  # model forwards: at the caller's threads
+    if metric == PlanMetric.KL:  # model forwards: at the caller's threads
         damages = measure_kl(model, windows, cset, static_by, layers, sink_tokens)
 
     def nbytes(tq: TensorQuant) -> int:

@@ -29,6 +29,7 @@ from kvq_export.errors import ExportError, KVQError
 from kvq_export.export.flavors import FlavorName, get_flavor
 from kvq_export.presets import resolve_scheme
 from kvq_export.scheme import KVQuantScheme
+from kvq_export.vocab import WeightFormat, parse_enum
 
 #: The calibration text every command reads by default (``kvq validate`` scores the same corpus).
 DEFAULT_CORPUS = "britannica"
@@ -64,22 +65,6 @@ class PlanMetric(StrEnum):
 
     ATTENTION = "attention"
     KL = "kl"
-
-
-class WeightFormat(StrEnum):
-    """How the graph's linear weights are stored."""
-
-    FP32 = "fp32"
-    FP16 = "fp16"
-    INT8 = "int8"
-    INT4 = "int4"
-
-
-def _enum(kind: type[StrEnum], value: Any, where: str, error: type[KVQError]) -> Any:
-    try:
-        return kind(value)
-    except ValueError:
-        raise error(f"invalid {where}={value!r}: allowed: {', '.join(kind)}") from None
 
 
 def _int(value: Any, where: str, least: int, error: type[KVQError]) -> int:
@@ -120,7 +105,7 @@ class CalibrationSpec:
             raise KVQError(f"invalid calibration.corpus={self.corpus!r}: allowed: a corpus name or a text file")
         _int(self.tokens, "calibration.tokens", 1, KVQError)
         _int(self.offset, "calibration.offset", 0, KVQError)
-        object.__setattr__(self, "method", _enum(CalibrationMethod, self.method, "calibration.method", KVQError))
+        object.__setattr__(self, "method", parse_enum(CalibrationMethod, self.method, "calibration.method"))
         number = isinstance(self.percentile, (int, float)) and not isinstance(self.percentile, bool)
         if not number or not 50.0 < self.percentile <= 100.0:
             raise KVQError(f"invalid calibration.percentile={self.percentile!r}: allowed: a number in (50, 100]")
@@ -157,7 +142,7 @@ class WeightSpec:
     accuracy_level: int | None = 4  # int8 activations: fast, and each row of a batch computed alone
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "format", _enum(WeightFormat, self.format, "weights.format", ExportError))
+        object.__setattr__(self, "format", parse_enum(WeightFormat, self.format, "weights.format", ExportError))
         if isinstance(self.block_size, bool) or self.block_size not in WEIGHT_BLOCK_SIZES:
             raise ExportError(f"invalid weights.block_size={self.block_size!r}: allowed: "
                               f"{', '.join(map(str, WEIGHT_BLOCK_SIZES))}")
@@ -211,7 +196,7 @@ class PlanSpec:
         if self.candidates is not None and (not isinstance(self.candidates, str) or not self.candidates.strip()):
             raise KVQError(f"invalid plan.candidates={self.candidates!r}: allowed: a candidate set name, "
                            "comma-separated presets / scheme files, or None (the flavor's default)")
-        object.__setattr__(self, "metric", _enum(PlanMetric, self.metric, "plan.metric", KVQError))
+        object.__setattr__(self, "metric", parse_enum(PlanMetric, self.metric, "plan.metric"))
         _int(self.sink_tokens, "plan.sink_tokens", 0, KVQError)
         if self.value_window is not None:
             _int(self.value_window, "plan.value_window", 0, KVQError)

@@ -12,7 +12,7 @@ since it rotates its quantized caches:
 
 Row vectors throughout: a stored row is ``x @ R`` and the inverse is ``y @ R.T``. Code never relies on
 ``R`` being symmetric, so a non-symmetric orthogonal kind (a seeded random rotation) only needs a
-builder in :data:`_BUILDERS` and a name in :data:`ROTATIONS`.
+builder in :data:`_BUILDERS` and a member of :class:`~kvq_export.vocab.Rotation`.
 
 ``hadamard``: the normalized Sylvester Hadamard matrix ``H_n = H_{n/2} (x) [[1, 1], [1, -1]] / sqrt(2)``
 (entries ``+-1/sqrt(n)``, ``H = H.T = H^-1``). A head_dim that is not a power of two gets a
@@ -29,9 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvq_export.errors import SchemeError
-
-#: Rotations of the head dimension applied before a stream is stored (a scheme's ``rotation``; scheme.py reads it).
-ROTATIONS = ("none", "hadamard")
+from kvq_export.vocab import Part, Rotation
 
 if TYPE_CHECKING:
     import torch
@@ -54,9 +52,9 @@ def hadamard_blocks(head_dim: int) -> tuple[int, ...]:
 
 def check_rotation(kind: str, head_dim: int, where: str) -> None:
     """Raise a :class:`SchemeError` when ``kind`` cannot rotate a head of ``head_dim`` channels."""
-    if kind not in ROTATIONS:
-        raise SchemeError(f"invalid {where}.rotation={kind!r}: allowed: {', '.join(ROTATIONS)}")
-    if kind == "hadamard" and head_dim % 2:
+    if kind not in tuple(Rotation):
+        raise SchemeError(f"invalid {where}.rotation={kind!r}: allowed: {', '.join(Rotation)}")
+    if kind == Rotation.HADAMARD and head_dim % 2:
         raise SchemeError(
             f"invalid {where}.rotation='hadamard': head_dim={head_dim} is odd (a block-diagonal Hadamard over "
             "power-of-two blocks needs an even head_dim); allowed here: none"
@@ -72,7 +70,7 @@ def _block_hadamard(head_dim: int) -> np.ndarray:
     return out
 
 
-_BUILDERS = {"hadamard": _block_hadamard}
+_BUILDERS = {Rotation.HADAMARD: _block_hadamard}
 
 
 @lru_cache(maxsize=16)
@@ -85,12 +83,12 @@ def _matrix(kind: str, head_dim: int) -> np.ndarray:
 
 def rotation_matrix(kind: str, head_dim: int) -> np.ndarray | None:
     """``R`` ([D, D] float64, read-only) for ``kind``, or None for ``none`` (the identity, never applied)."""
-    return None if kind == "none" else _matrix(kind, head_dim)
+    return None if kind == Rotation.NONE else _matrix(kind, head_dim)
 
 
 def describe_rotation(kind: str, head_dim: int) -> str:
     """Human text for a manifest: the kind and, for Hadamard, its blocks."""
-    if kind == "none":
+    if kind == Rotation.NONE:
         return "none"
     blocks = hadamard_blocks(head_dim)
     if len(blocks) == 1:
@@ -124,4 +122,4 @@ def rotate_numpy(x: np.ndarray, matrix: np.ndarray | None, *, inverse: bool = Fa
 def stream_rotation(scheme, layer: int, part: str, head_dim: int) -> np.ndarray | None:
     """``R`` of ``layer``'s ``key``/``value`` stream under ``scheme`` (a KVQuantScheme), or None."""
     key, value = scheme.for_layer(layer)
-    return rotation_matrix((key if part == "key" else value).rotation, head_dim)
+    return rotation_matrix((key if part == Part.KEY else value).rotation, head_dim)

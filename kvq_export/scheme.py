@@ -23,30 +23,28 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from kvq_export._read import parse_json
 from kvq_export.dtypes import DType
 from kvq_export.errors import SchemeError
-from kvq_export.rotation import ROTATIONS, check_rotation
+from kvq_export.rotation import check_rotation
+from kvq_export.vocab import Axis, Format, Part, Quantizer, Rotation, ScaleMode, parse_enum, plain
 
-FORMATS = ("fp16", "int", "int_sym", "fp8_e4m3")
-AXES = ("token", "channel")
 SCALE_DTYPES = ("fp16", "fp32")
-SCALE_MODES = ("dynamic", "static")
 HP_DTYPES = ("fp16", "fp32")
 INT_BITS = (2, 3, 4, 6, 8)
-QUANTIZERS = ("kvq", "ggml")
 #: quantizer ggml: (format, bits) -> ggml block type it reproduces bit for bit (blocks of GGML_BLOCK along head_dim)
-GGML_TYPES = {("int_sym", 4): "q4_0", ("int", 4): "q4_1", ("int_sym", 5): "q5_0", ("int", 5): "q5_1",
-              ("int_sym", 8): "q8_0"}
+GGML_TYPES = {(Format.INT_SYM, 4): "q4_0", (Format.INT, 4): "q4_1", (Format.INT_SYM, 5): "q5_0",
+              (Format.INT, 5): "q5_1", (Format.INT_SYM, 8): "q8_0"}
 GGML_BLOCK = 32
 #: Code widths stored as two planes along head_dim: the low bits packed, then the remaining bits packed
 #: (:func:`code_planes`).
 PLANE_BITS = (3, 5, 6)
 #: Code widths of the channels beside a stream's 8-bit high channels, and the formats that can keep them.
 HIGH_CHANNEL_BITS = (2, 3, 4)
-HIGH_CHANNEL_FORMATS = ("int", "int_sym")
+HIGH_CHANNEL_FORMATS = (Format.INT, Format.INT_SYM)
 
 #: Largest finite float8 e4m3fn value.
 FP8_E4M3_MAX = 448.0
@@ -70,7 +68,7 @@ def pack_unit(bits: int) -> int:
 
 
 def _fail(field_name: str, value: Any, allowed: str) -> SchemeError:
-    return SchemeError(f"invalid {field_name}={value!r}: {allowed}")
+    return SchemeError(f"invalid {field_name}={plain(value)!r}: {allowed}")
 
 
 @dataclass(frozen=True)
@@ -113,15 +111,15 @@ class TensorQuant:
             tokens that local heads read most; per-channel keys already keep their partial group).
     """
 
-    format: str = "int"
+    format: Format = Format.INT
     bits: int = 4
-    axis: str = "token"
+    axis: Axis = Axis.TOKEN
     group_size: int | None = None
     scale_dtype: str = "fp16"
     clip: float = 1.0
-    scales: str = "dynamic"
-    quantizer: str = "kvq"
-    rotation: str = "none"
+    scales: ScaleMode = ScaleMode.DYNAMIC
+    quantizer: Quantizer = Quantizer.KVQ
+    rotation: Rotation = Rotation.NONE
     high_channels: int = 0
     residual_length: int | None = None
 
@@ -132,22 +130,22 @@ class TensorQuant:
     @property
     def quantized(self) -> bool:
         """False for the unquantized ``fp16`` format."""
-        return self.format != "fp16"
+        return self.format != Format.FP16
 
     @property
     def has_zero_point(self) -> bool:
         """Asymmetric int stores a per-group minimum beside the scale."""
-        return self.format == "int"
+        return self.format == Format.INT
 
     @property
     def is_int(self) -> bool:
         """Integer codes (packed when bits < 8)."""
-        return self.format in ("int", "int_sym")
+        return self.format in (Format.INT, Format.INT_SYM)
 
     @property
     def streaming(self) -> bool:
         """Whether tokens are quantized one at a time (token axis or static scales)."""
-        return self.axis == "token" or self.scales == "static"
+        return self.axis == Axis.TOKEN or self.scales == ScaleMode.STATIC
 
     @property
     def flush_unit(self) -> int:
@@ -170,7 +168,7 @@ class TensorQuant:
     @property
     def ggml_type(self) -> str | None:
         """The ggml block type this stream reproduces (``q4_0`` ...), None for the kvq quantizer."""
-        return GGML_TYPES.get((self.format, self.bits)) if self.quantizer == "ggml" else None
+        return GGML_TYPES.get((self.format, self.bits)) if self.quantizer == Quantizer.GGML else None
 
     def metadata_shape(self, head_dim: int) -> tuple[str, int]:
         """(``per_token`` | ``per_group_of_tokens`` | ``per_layer``, entries per unit) for scales.
@@ -178,9 +176,9 @@ class TensorQuant:
         ``per_token``: ``head_dim // group`` scales per token; ``per_group_of_tokens``: ``head_dim``
         scales per ``group_size`` tokens; ``per_layer``: static, per kv head, independent of length.
         """
-        if self.scales == "static":
-            return "per_layer", (head_dim // self.token_group(head_dim) if self.axis == "token" else head_dim)
-        if self.axis == "token":
+        if self.scales == ScaleMode.STATIC:
+            return "per_layer", (head_dim // self.token_group(head_dim) if self.axis == Axis.TOKEN else head_dim)
+        if self.axis == Axis.TOKEN:
             return "per_token", head_dim // self.token_group(head_dim)
         return "per_group_of_tokens", head_dim
 
@@ -190,9 +188,9 @@ class TensorQuant:
             return 8.0 * DType.get(hp_dtype).itemsize
         meta_bits = 8 * DType.get(self.scale_dtype).itemsize * (2 if self.has_zero_point else 1)
         code_bits = self.bits + self.high_channels * (8 - self.bits) / head_dim
-        if self.scales == "static":
+        if self.scales == ScaleMode.STATIC:
             return code_bits
-        group = self.token_group(head_dim) if self.axis == "token" else self.group_size
+        group = self.token_group(head_dim) if self.axis == Axis.TOKEN else self.group_size
         return code_bits + meta_bits / group  # type: ignore[operator]
 
     # -- validation ------------------------------------------------------------------------------
@@ -200,17 +198,14 @@ class TensorQuant:
         for name in ("format", "axis", "scale_dtype", "scales", "quantizer", "rotation"):  # not a name: refuse
             if not isinstance(getattr(self, name), str):
                 raise _fail(name, getattr(self, name), "allowed: a string")
-        if self.rotation not in ROTATIONS:
-            raise _fail("rotation", self.rotation, f"allowed: {', '.join(ROTATIONS)}")
-        if self.format not in FORMATS:
-            raise _fail("format", self.format, f"allowed: {', '.join(FORMATS)}")
+        self._parse("rotation", Rotation)
+        self._parse("format", Format)
         if isinstance(self.bits, bool) or not isinstance(self.bits, int):  # 4.0 or "4" is refused everywhere
             raise _fail("bits", self.bits, "allowed: an integer (2, 3, 4, 5, 6, 8, or 16 for fp16)")
-        if self.quantizer not in QUANTIZERS:
-            raise _fail("quantizer", self.quantizer, f"allowed: {', '.join(QUANTIZERS)}")
-        if self.quantizer == "ggml":
+        self._parse("quantizer", Quantizer)
+        if self.quantizer == Quantizer.GGML:
             self._validate_ggml()  # pins format/bits/axis/group/scales; the generic checks below still run
-        if self.format == "fp16":
+        if self.format == Format.FP16:
             if self.bits != 16:
                 raise _fail("bits", self.bits, "allowed for format fp16: 16")
             meaningless = [(name, getattr(self, name)) for name, default in _FP16_DEFAULTS.items()
@@ -218,28 +213,28 @@ class TensorQuant:
             if meaningless:
                 name, value = meaningless[0]
                 raise _fail(name, value, f"format fp16 is not quantized: leave {name} out (it would mean nothing)")
+            self._parse("axis", Axis)  # the defaults: valid
+            self._parse("scales", ScaleMode)
             return
-        if self.format == "fp8_e4m3" and self.bits != 8:
+        if self.format == Format.FP8_E4M3 and self.bits != 8:
             raise _fail("bits", self.bits, "allowed for format fp8_e4m3: 8")
-        if self.is_int and self.bits not in INT_BITS and self.quantizer != "ggml":
+        if self.is_int and self.bits not in INT_BITS and self.quantizer != Quantizer.GGML:
             raise _fail("bits", self.bits, f"allowed for {self.format} with quantizer kvq: 2, 3, 4, 6, 8 "
                         "(5 bits: quantizer ggml)")
-        if self.axis not in AXES:
-            raise _fail("axis", self.axis, f"allowed: {', '.join(AXES)}")
+        self._parse("axis", Axis)
         if self.scale_dtype not in SCALE_DTYPES:
             raise _fail("scale_dtype", self.scale_dtype, f"allowed: {', '.join(SCALE_DTYPES)}")
-        if self.scales not in SCALE_MODES:
-            raise _fail("scales", self.scales, f"allowed: {', '.join(SCALE_MODES)}")
+        self._parse("scales", ScaleMode)
         if self.group_size is not None and (
             isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1
         ):
             raise _fail("group_size", self.group_size, "allowed: a positive integer, or null for the whole axis")
-        if self.axis == "channel" and self.scales == "dynamic" and self.group_size is None:
+        if self.axis == Axis.CHANNEL and self.scales == ScaleMode.DYNAMIC and self.group_size is None:
             raise _fail(
                 "group_size", None, "allowed with axis=channel and dynamic scales: a positive integer "
                 "(a whole-axis channel group needs static scales)"
             )
-        if self.axis == "channel" and self.scales == "static" and self.group_size is not None:
+        if self.axis == Axis.CHANNEL and self.scales == ScaleMode.STATIC and self.group_size is not None:
             raise _fail(
                 "group_size", self.group_size,
                 "allowed with axis=channel and static scales: null (one scale per channel)",
@@ -251,6 +246,10 @@ class TensorQuant:
         if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
             raise _fail("residual_length", r, "allowed: an integer >= 0, or null for the scheme's residual_length")
 
+    def _parse(self, name: str, kind: type[StrEnum]) -> None:
+        """Hold field ``name`` as a member of ``kind`` (a string read from JSON becomes its member)."""
+        object.__setattr__(self, name, parse_enum(kind, getattr(self, name), name, SchemeError))
+
     def _validate_high_channels(self) -> None:
         n = self.high_channels
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -259,11 +258,11 @@ class TensorQuant:
             return
         if self.format not in HIGH_CHANNEL_FORMATS:
             raise _fail("format", self.format, f"allowed with high_channels > 0: {', '.join(HIGH_CHANNEL_FORMATS)}")
-        needs = (("axis", self.axis, "channel"), ("quantizer", self.quantizer, "kvq"),
-                 ("rotation", self.rotation, "none"))
+        needs = (("axis", self.axis, Axis.CHANNEL), ("quantizer", self.quantizer, Quantizer.KVQ),
+                 ("rotation", self.rotation, Rotation.NONE))
         for name, value, required in needs:
             if value != required:
-                raise _fail(name, value, f"allowed with high_channels > 0: {required!r} (8-bit channels are "
+                raise _fail(name, value, f"allowed with high_channels > 0: {plain(required)!r} (8-bit channels are "
                             "chosen per channel of an unrotated, per-channel stream)")
         if self.bits not in HIGH_CHANNEL_BITS:
             raise _fail("bits", self.bits, f"allowed with high_channels > 0: {', '.join(map(str, HIGH_CHANNEL_BITS))} "
@@ -274,22 +273,22 @@ class TensorQuant:
         allowed = ", ".join(f"{fmt} {bits} ({name})" for (fmt, bits), name in GGML_TYPES.items())
         if (self.format, self.bits) not in GGML_TYPES:
             raise _fail("format/bits", f"{self.format} {self.bits}", f"allowed with quantizer ggml: {allowed}")
-        fixed = (("axis", self.axis, "token"), ("group_size", self.group_size, GGML_BLOCK),
-                 ("scale_dtype", self.scale_dtype, "fp16"), ("scales", self.scales, "dynamic"))
+        fixed = (("axis", self.axis, Axis.TOKEN), ("group_size", self.group_size, GGML_BLOCK),
+                 ("scale_dtype", self.scale_dtype, "fp16"), ("scales", self.scales, ScaleMode.DYNAMIC))
         for name, value, required in fixed:
             if value != required:
-                raise _fail(name, value, f"allowed with quantizer ggml: {required!r} (ggml blocks are "
+                raise _fail(name, value, f"allowed with quantizer ggml: {plain(required)!r} (ggml blocks are "
                             f"{GGML_BLOCK} consecutive head_dim elements with an fp16 scale)")
         if self.clip != 1.0:
             raise _fail("clip", self.clip, "allowed with quantizer ggml: 1.0 (ggml never clips)")
 
     def check_head_dim(self, head_dim: int, where: str) -> None:
         """Raise when this stream cannot describe a cache with ``head_dim`` channels."""
-        if self.rotation != "none":
+        if self.rotation != Rotation.NONE:
             check_rotation(self.rotation, head_dim, where)
         if not self.quantized:
             return
-        if self.axis == "token" and self.group_size is not None and head_dim % self.group_size:
+        if self.axis == Axis.TOKEN and self.group_size is not None and head_dim % self.group_size:
             raise _fail(
                 f"{where}.group_size", self.group_size,
                 f"for axis=token it must divide head_dim={head_dim} (allowed: "
@@ -309,7 +308,7 @@ class TensorQuant:
     # -- serialisation ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form (``high_channels``, ``residual_length`` only when set: older schemes read as before)."""
-        data = dataclasses.asdict(self)
+        data = {name: plain(value) for name, value in dataclasses.asdict(self).items()}
         if not self.high_channels:
             del data["high_channels"]
         if self.residual_length is None:
@@ -332,16 +331,17 @@ class TensorQuant:
     @classmethod
     def fp16(cls) -> TensorQuant:
         """The unquantized stream."""
-        return cls(format="fp16", bits=16)
+        return cls(format=Format.FP16, bits=16)
 
     def describe(self) -> str:
         """Short human description, e.g. ``int4 asym token g32 fp16-scale``."""
-        rotation = "" if self.rotation == "none" else f" rot-{self.rotation}"
+        rotation = "" if self.rotation == Rotation.NONE else f" rot-{self.rotation}"
         if not self.quantized:
             return f"fp16{rotation}"
         if self.ggml_type:
             return f"ggml {self.ggml_type}{rotation}"
-        name = {"int": f"int{self.bits}", "int_sym": f"int{self.bits} sym", "fp8_e4m3": "fp8 e4m3"}[self.format]
+        name = {Format.INT: f"int{self.bits}", Format.INT_SYM: f"int{self.bits} sym",
+                Format.FP8_E4M3: "fp8 e4m3"}[self.format]
         group = "whole" if self.group_size is None else f"g{self.group_size}"
         clip = "" if self.clip == 1.0 else f" clip{self.clip:g}"
         high = f" +{self.high_channels}ch-int8" if self.high_channels else ""
@@ -436,13 +436,13 @@ class KVQuantScheme:
     def has_static_scales(self) -> bool:
         """True when any stream's scales are static (fixed per layer, not stored per token)."""
         tqs = [self.key, self.value] + [t for o in self.layer_overrides for t in (o.key, o.value) if t]
-        return any(t.quantized and t.scales == "static" for t in tqs)
+        return any(t.quantized and t.scales == ScaleMode.STATIC for t in tqs)
 
     @property
     def needs_calibration(self) -> bool:
         """True when any stream needs a calibration artifact (static scales, or chosen high channels)."""
         tqs = [self.key, self.value] + [t for o in self.layer_overrides for t in (o.key, o.value) if t]
-        return any(t.quantized and (t.scales == "static" or t.high_channels) for t in tqs)
+        return any(t.quantized and (t.scales == ScaleMode.STATIC or t.high_channels) for t in tqs)
 
     def check_model(self, num_layers: int, head_dim: int) -> None:
         """Raise when the scheme cannot describe this model's cache (group sizes, layer indices)."""
@@ -521,7 +521,7 @@ class KVQuantScheme:
                 value=TensorQuant.from_dict(item["value"], f"layer_overrides[{i}].value") if "value" in item else None,
             ))
         kwargs = {k: data[k] for k in ("residual_length", "sink_tokens", "hp_dtype", "name") if k in data}
-        for part in ("key", "value"):
+        for part in Part:
             if part in data:
                 kwargs[part] = TensorQuant.from_dict(data[part], part)
         return cls(layer_overrides=tuple(overrides), **kwargs)

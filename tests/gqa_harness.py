@@ -18,6 +18,7 @@ from kvq_export.reference.codec import channel_levels, unpack_stream
 from kvq_export.reference.hf_cache import reference_hf_cache
 from kvq_export.runtime.session import KVQSession
 from kvq_export.scheme import KVQuantScheme, TensorQuant
+from kvq_export.vocab import Part
 
 
 def _hp32(name: str):
@@ -69,7 +70,7 @@ def calibration(arch: str, scheme, *, covering: list[list[int]] | None = None):
         windows = [list(rng.integers(0, VOCAB, 64)) for _ in range(4)]
         return calibrate_static_scales(tiny_model(arch), scheme, windows)
     static = calibrate_static_scales(tiny_model(arch), scheme, covering)
-    return {layer: {part: _widened(meta, scheme.for_layer(layer)[0 if part == "key" else 1])
+    return {layer: {part: _widened(meta, scheme.for_layer(layer)[0 if part == Part.KEY else 1])
                     for part, meta in parts.items()}
             for layer, parts in static.items()}
 
@@ -139,7 +140,7 @@ def compare(session: KVQSession, arch: str, scheme, static, prompts, *, steps: i
         n = int(session.seq_lengths(cache)[row])
         assert n == len(prompt) + steps
         for layer, layer_cache in enumerate(ref.layers):
-            for part in ("key", "value"):
+            for part in Part:
                 stream_ref = getattr(layer_cache, part)
                 stored = arrays[f"past.{layer}.{part}.buffer"][row][:, :n]
                 if stream_ref.tq.quantized:
@@ -157,7 +158,7 @@ def compare(session: KVQSession, arch: str, scheme, static, prompts, *, steps: i
                     want_hp = stream_ref.tensors()["recent"][0].float().numpy()
                     scale = max(float(np.abs(want_hp).max()), 1e-30)
                     out.hp = max(out.hp, float(np.abs(stored.astype(np.float32) - want_hp).max()) / scale)
-                k_or_v = decoded[row][layer][0 if part == "key" else 1]
+                k_or_v = decoded[row][layer][0 if part == Part.KEY else 1]
                 want_kv = stream_ref.dequantized(basis="stored")[0].numpy()  # decode_cache's default basis
                 out.decoded = max(out.decoded, float(np.abs(k_or_v - want_kv).max()))
     return out

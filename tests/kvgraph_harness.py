@@ -10,14 +10,14 @@ import onnxruntime as ort
 import torch
 
 from kvq_export.cache_layout import REGIONS
+from kvq_export.dtypes import DType
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.kv_graph import QuantizedCacheGraph
 from kvq_export.naming import present_name
 from kvq_export.presets import PRESETS
 from kvq_export.reference.cache import LayerCache, StreamCache
 from kvq_export.scheme import KVQuantScheme, TensorQuant
-
-NP = {"int64": np.int64, "uint8": np.uint8, "float16": np.float16, "float32": np.float32, "float8e4m3fn": np.uint8}
+from kvq_export.vocab import Axis, Part, Role, ScaleMode
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,8 @@ class CacheOnly:
         from kvq_export.runtime.session import _ort_value
 
         return {t.name: _ort_value(np.zeros([batch if d == "batch" else (d if isinstance(d, int) else 0)
-                                             for d in t.shape], NP[t.dtype]), t.dtype) for t in self.past}
+                                             for d in t.shape], DType.get(t.dtype).bits_numpy), t.dtype)
+                for t in self.past}
 
     def step(self, q, k, v, mask, cache):
         """Run one call; return (attention output, new cache as OrtValues, cache as numpy)."""
@@ -116,8 +117,8 @@ def _static(scheme: KVQuantScheme, heads: int, dim: int):
         if tq.high_channels:  # a different choice per head
             out[part] = {"high_channels": np.sort(np.stack([rng.choice(dim, tq.high_channels, replace=False)
                                                             for _ in range(heads)]), axis=1).astype(np.int32)}
-        if tq.quantized and tq.scales == "static":
-            n = dim // tq.token_group(dim) if tq.axis == "token" else dim
+        if tq.quantized and tq.scales == ScaleMode.STATIC:
+            n = dim // tq.token_group(dim) if tq.axis == Axis.TOKEN else dim
             out.setdefault(part, {}).update(scales=(rng.random((heads, n)) * 0.3 + 0.1).astype(np.float32),
                                             zero_points=(-rng.random((heads, n)) * 3).astype(np.float32))
     return {0: out}
@@ -144,10 +145,10 @@ def _check_state(arrays: dict, refs: list[LayerCache], scheme):
     """Row b's right-aligned valid entries of every present tensor equal the reference exactly."""
     for row, ref in enumerate(refs):
         assert arrays["past.seq_lengths"][row] == ref.key.length
-        for part in ("key", "value"):
+        for part in Part:
             stream = getattr(ref, part)
             for role, tensor in stream.tensors().items():
-                if role in ("scales", "zero_points") and stream.tq.scales == "static":
+                if role in (Role.SCALES, Role.ZERO_POINTS) and stream.tq.scales == ScaleMode.STATIC:
                     continue
                 got = arrays[f"past.0.{part}.{role}"][row]
                 want = _bits(tensor[0])

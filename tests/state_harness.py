@@ -13,6 +13,7 @@ from kvq_export.calibrate import calibrate_static_scales, static_to_torch
 from kvq_export.manifest import decode_cache, load_static
 from kvq_export.reference.hf_cache import reference_hf_cache
 from kvq_export.runtime.session import KVQSession
+from kvq_export.vocab import Part, Role, ScaleMode
 
 
 def left_pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -52,10 +53,10 @@ def stored_roles(arrays: dict, row: int, ref) -> Iterator[tuple[int, str, object
     right-aligned valid entries. Static metadata (model constants, not cache state) is skipped.
     """
     for layer, layer_cache in enumerate(ref.layers):
-        for part in ("key", "value"):
+        for part in Part:
             stream = getattr(layer_cache, part)
             for role, tensor in stream.tensors().items():
-                if role in ("scales", "zero_points") and stream.tq.scales == "static":
+                if role in (Role.SCALES, Role.ZERO_POINTS) and stream.tq.scales == ScaleMode.STATIC:
                     continue
                 want = tensor[0]
                 got = arrays[f"past.{layer}.{part}.{role}"][row]
@@ -86,7 +87,7 @@ def compare_state(arrays, row, ref, scheme, static):
     """Row's right-aligned valid entries vs the reference cache (tolerances in the module docstring)."""
     code_mismatch = code_total = 0
     for layer, part, stream, role, want, got in stored_roles(arrays, row, ref):
-        if role == "codes" and stream.tq.is_int:
+        if role == Role.CODES and stream.tq.is_int:
             from kvq_export.reference.codec import unpack_stream
 
             high = (static or {}).get(layer, {}).get(part, {}).get("high_channels")

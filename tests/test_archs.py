@@ -39,6 +39,7 @@ from kvq_export.presets import PRESETS, resolve_scheme
 from kvq_export.runtime.session import KVQSession
 from kvq_export.scheme import KVQuantScheme
 from kvq_export.trt.signature import PLUGIN_NAMESPACE, manifest_signatures
+from kvq_export.vocab import Axis, Part, Role
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def test_fp16_bodies_stay_close(tmp_path, arch):
 def _small(name: str, scheme) -> KVQuantScheme:
     """A preset with groups of 8 and a window of 8 (and 2 sinks): every region fills within ~20 steps."""
     def shrink(tq):
-        if tq.axis == "channel" and tq.group_size:
+        if tq.axis == Axis.CHANNEL and tq.group_size:
             return dataclasses.replace(tq, group_size=8)
         return tq
     return dataclasses.replace(scheme, key=shrink(scheme.key), value=shrink(scheme.value),
@@ -120,7 +121,7 @@ def _compare_fp8_codes(arrays, row, ref):
     import ml_dtypes
 
     for layer, layer_cache in enumerate(ref.layers):
-        for part in ("key", "value"):
+        for part in Part:
             stream = getattr(layer_cache, part)
             want = stream.tensors()["codes"][0].view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
             got = arrays[f"past.{layer}.{part}.codes"][row].view(ml_dtypes.float8_e4m3fn)
@@ -128,7 +129,7 @@ def _compare_fp8_codes(arrays, row, ref):
             want = want.astype(np.float32)
             assert np.allclose(got, want, rtol=2**-3, atol=448 / 128), (layer, part)
             assert (got != want).mean() <= 5e-3, (layer, part, (got != want).mean())
-            for role in ("scales", "recent", "sinks"):
+            for role in (Role.SCALES, Role.RECENT, Role.SINKS):
                 if role in stream.tensors():
                     w = stream.tensors()[role][0].float().numpy()
                     g = arrays[f"past.{layer}.{part}.{role}"][row].astype(np.float32)

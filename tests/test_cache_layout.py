@@ -15,6 +15,7 @@ from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.kv_graph import _SplitOps
 from kvq_export.naming import CAPACITY_AXIS
 from kvq_export.presets import get_preset
+from kvq_export.vocab import Axis, Direction, Format, LayoutName, Part, Role
 
 splits = st.builds(RegionSplit, sink_tokens=st.integers(0, 6), residual_length=st.integers(0, 40),
                    unit=st.sampled_from([1, 4, 32]), quantized=st.booleans())
@@ -69,6 +70,7 @@ def test_split_rule_in_the_graph_matches_python():
 def test_layouts_are_named_and_an_unknown_name_is_refused():
     assert layout_named("regions") is REGIONS and layout_named("buffer") is BUFFER and set(LAYOUTS) == {
         "regions", "buffer"}
+    assert (REGIONS.name, BUFFER.name) == (LayoutName.REGIONS, LayoutName.BUFFER)
     with pytest.raises(KVQError, match="cache layout 'ring' is not supported; allowed: regions, buffer"):
         layout_named("ring")
 
@@ -100,3 +102,13 @@ def test_a_buffer_grows_with_its_contents_kept():
     new = BUFFER.grown(spec, old, 12)
     assert new.shape == (2, 2, 12, 8) and new.dtype == np.int8
     np.testing.assert_array_equal(new[:, :, :5], old)
+
+
+def test_cache_tensors_hold_members_and_describe_themselves_in_plain_strings():
+    specs = REGIONS.tensors(get_preset("kivi-4"), num_layers=1, kv_heads=2, head_dim=32, direction="present")
+    assert [(s.direction, s.part, s.role) for s in specs[:2]] == [
+        (Direction.PRESENT, None, Role.SEQ_LENGTHS), (Direction.PRESENT, Part.KEY, Role.SINKS)]
+    codes = next(s for s in specs if s.role == Role.CODES)
+    assert (codes.format, codes.group_axis) == (Format.INT, Axis.CHANNEL)
+    described = codes.to_dict()
+    assert all(type(described[k]) is str for k in ("direction", "part", "role", "format", "group_axis", "quantizer"))

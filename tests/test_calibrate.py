@@ -24,6 +24,7 @@ from kvq_export.presets import get_preset
 from kvq_export.reference.cache import ReferenceCache
 from kvq_export.reference.codec import int_levels
 from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
+from kvq_export.vocab import Part
 
 LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 2, 2, 32, 128
 
@@ -78,7 +79,7 @@ def test_ort_presets_absmax_exact(model, windows, kv, preset):
     assert sorted(static) == list(range(LAYERS))
     for layer in range(LAYERS):
         assert sorted(static[layer]) == ["key", "value"]
-        for part in ("key", "value"):
+        for part in Part:
             meta = static[layer][part]
             assert list(meta) == ["scales"]  # symmetric: no zero points
             assert meta["scales"].shape == (KV_HEADS, HEAD_DIM) and meta["scales"].dtype == np.float32
@@ -117,7 +118,7 @@ def test_percentile_below_absmax(model, windows):
         pct = calibrate_static_scales(model, scheme, windows, method="percentile", percentile=99.0)
         full = calibrate_static_scales(model, scheme, windows, method="percentile", percentile=100)
         for layer in range(LAYERS):
-            for part in ("key", "value"):
+            for part in Part:
                 a, p = top[layer][part], pct[layer][part]
                 assert (p["scales"] <= a["scales"]).all()
                 assert (p["scales"] < a["scales"]).any()
@@ -148,7 +149,7 @@ def test_absmax_does_not_clip_calibration_data(model, windows, kv, preset):
     static = calibrate_static_scales(model, scheme, windows)
     qmax = int_levels(scheme.key)[1]
     for layer in range(LAYERS):
-        for part in ("key", "value"):
+        for part in Part:
             hp = kv[(layer, part)].to(torch.float16).float()
             scale = torch.from_numpy(static[layer][part]["scales"])[:, None, :]
             assert (hp.abs() <= qmax * scale * (1 + 2e-3)).all()  # up to the fp16 rounding of x
@@ -378,7 +379,7 @@ def test_attention_method_clips_within_the_grid(model, windows, tq):
     check_calibration(att, scheme, LAYERS, KV_HEADS, HEAD_DIM)
     ratios = []
     for layer in range(LAYERS):
-        for part in ("key", "value"):
+        for part in Part:
             ratio = att[layer][part]["scales"] / top[layer][part]["scales"]
             assert ratio.min() >= min(ATTENTION_CLIP_GRID) - 1e-3 and ratio.max() <= 1 + 1e-3
             ratios.append(ratio)

@@ -50,3 +50,18 @@ def test_short_and_onnx_names_are_one_row():
 def test_unknown_names_list_the_allowed_ones(bad):
     with pytest.raises(KVQError, match="allowed: .*float16"):
         DType.get(bad)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_onnx_element_type_number_finds_its_row(name):
+    from onnx import TensorProto
+
+    d = DType.get(name)
+    assert d.proto == getattr(TensorProto, d.ir.name) == int(d.ir)
+    assert DType.of_onnx(d.proto) is d and DType.of_onnx(d.ir) is d
+
+
+@pytest.mark.parametrize("bad", [16, 0, "10", True, None])
+def test_unknown_onnx_element_types_list_the_known_ones(bad):
+    with pytest.raises(KVQError, match=r"unknown ONNX element type .*allowed: 1 \(float32\), 10 \(float16\)"):
+        DType.of_onnx(bad)

@@ -30,6 +30,7 @@ from kvq_export.manifest import Manifest
 from kvq_export.presets import PRESETS
 from kvq_export.runtime.session import KVQSession
 from kvq_export.scheme import KVQuantScheme, TensorQuant
+from kvq_export.vocab import FinishReason
 
 #: schemes beyond the presets that the export must carry end to end
 EXTRA = {
@@ -155,7 +156,7 @@ def test_generate_stops_at_eos(exports, tmp_path):
     first = session.generate([[1, 2, 3]], 5)[0].tokens
     session.manifest.tokenizer["eos_token_id"] = first[2]
     out = session.generate([[1, 2, 3], [9, 9]], 5)
-    assert out[0].tokens == first[:3] and out[0].finish_reason == "eos"
+    assert out[0].tokens == first[:3] and out[0].finish_reason == FinishReason.EOS
 
 
 def test_runtime_checks_inputs(exports):

@@ -41,6 +41,7 @@ from kvq_export.runtime.genai import GenaiSession, builder_scale_file, serve_com
 from kvq_export.runtime.sampling import Sampler, SamplingConfig
 from kvq_export.runtime.session import KVQSession
 from kvq_export.scheme import KVQuantScheme
+from kvq_export.vocab import FinishReason, Role
 
 pytest.importorskip("onnxruntime_genai")
 
@@ -99,7 +100,7 @@ def test_eos_ends_rows_alike(tmp_path):
     assert json.loads((directory / GENAI_CONFIG).read_text())["model"]["eos_token_id"] == [eos]
     ours = KVQSession(directory).generate(prompts, 12)
     theirs = GenaiSession(directory).generate(prompts, 12)
-    assert ours[1].finish_reason == "eos" and len(ours[1].tokens) < 12
+    assert ours[1].finish_reason == FinishReason.EOS and len(ours[1].tokens) < 12
     assert [(r.tokens, r.finish_reason) for r in theirs] == [(r.tokens, r.finish_reason) for r in ours]
     # stop_at_eos=False: og's config is overlaid with no EOS id, rows run to max_new_tokens as in kvq
     ours = KVQSession(directory).generate(prompts, 12, stop_at_eos=False)
@@ -117,7 +118,7 @@ def test_genai_files_follow_the_manifest(exports):
     assert config["search"]["past_present_share_buffer"] is True and decoder["filename"] == GENAI_MODEL
     assert (decoder["num_hidden_layers"], decoder["num_key_value_heads"], decoder["head_size"],
             decoder["num_attention_heads"]) == (2, 2, 32, 4)
-    buffers = [t.name for t in manifest.cache("past") if t.role == "buffer"]
+    buffers = [t.name for t in manifest.cache("past") if t.role == Role.BUFFER]
     named = [decoder["inputs"][f"past_{part}_names"] % layer for layer in range(2) for part in ("key", "value")]
     assert sorted(named) == sorted(buffers)
     graph = onnx.load(str(directory / GENAI_MODEL), load_external_data=False).graph

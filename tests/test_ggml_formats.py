@@ -24,6 +24,7 @@ from kvq_export.presets import PRESETS, get_preset
 from kvq_export.reference.cache import LayerCache, StreamCache
 from kvq_export.reference.codec import dequantize_packed, pack, quantize, quantize_packed, unpack
 from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
+from kvq_export.vocab import Part
 
 KINDS = {"q4_0": ("int_sym", 4), "q4_1": ("int", 4), "q5_0": ("int_sym", 5), "q5_1": ("int", 5), "q8_0": ("int_sym", 8)}
 F = np.float32
@@ -265,7 +266,7 @@ def _graph_vs_reference(scheme: KVQuantScheme, k_rows: list[np.ndarray], *, kv_h
         q = rng.standard_normal((1, kv_heads * 2, 1, dim)).astype(F)
         _, cache, arrays = graph.step(q, k, v, np.ones((1, 1), np.int64), cache)
         ref.update(torch.from_numpy(k), torch.from_numpy(v))
-    for part in ("key", "value"):
+    for part in Part:
         for role, tensor in getattr(ref, part).tensors().items():
             got, want = arrays[f"past.0.{part}.{role}"][0], tensor[0].numpy()
             assert got.dtype == want.dtype

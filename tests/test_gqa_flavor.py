@@ -45,6 +45,7 @@ from kvq_export.export.gqa_flavor import GQACacheGraph, gqa_scale, unsupported
 from kvq_export.presets import PRESETS
 from kvq_export.runtime.session import KVQSession
 from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
+from kvq_export.vocab import Role
 
 
 def _export(tmp_path_factory, arch, scheme, static, **kw):
@@ -171,7 +172,7 @@ def test_manifest_describes_the_buffer_layout(tmp_path_factory):
     buf = next(t for t in data["cache"]["past"] if t["name"] == "past.1.value.buffer")
     assert buf == {**buf, "dtype": "uint8", "role": "buffer", "bits": 4, "shape": ["batch", 2, "capacity", 16]}
     assert "low nibble" in buf["packing"]
-    int8 = [t for t in KVQSession(_export_int8(session)).past if t.role == "buffer"]
+    int8 = [t for t in KVQSession(_export_int8(session)).past if t.role == Role.BUFFER]
     assert {t.dtype for t in int8} == {"int8"}
 
 
@@ -302,7 +303,7 @@ def test_token_axis_scales_and_a_fp16_layer_among_int8(tmp_path_factory):
     attrs = _gqa_attrs(session)
     assert attrs[0]["k_quant_type"] == attrs[0]["v_quant_type"] == "PER_CHANNEL"  # the kernel needs them equal
     assert "k_quant_type" not in attrs[1]  # layer 1: an unquantized fp32 buffer
-    assert [t.dtype for t in session.past if t.role == "buffer"] == ["int8", "int8", "float32", "float32"]
+    assert [t.dtype for t in session.past if t.role == Role.BUFFER] == ["int8", "int8", "float32", "float32"]
 
 
 def test_equal_scales_use_per_tensor(tmp_path_factory):

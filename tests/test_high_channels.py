@@ -30,6 +30,7 @@ from kvq_export.reference.codec import (
     quantize_packed,
 )
 from kvq_export.scheme import KVQuantScheme, TensorQuant
+from kvq_export.vocab import Format
 
 HIGH = TensorQuant(format="int", bits=4, axis="channel", group_size=16, high_channels=6)
 CHOSEN = torch.tensor([[0, 5, 10, 20, 40, 63], [1, 2, 3, 4, 5, 6], [58, 59, 60, 61, 62, 63]])
@@ -196,9 +197,9 @@ def test_fused_kernel_layout_holds_static_and_symmetric_high_channels(tq, tag, o
 
     layout = StreamLayout.of(tq, KVQuantScheme(key=tq), 64)
     assert layout.tag == tag and layout.roles[-1] == "channel_order"
-    assert layout.high_levels == ((0, 255, 0) if tq.format == "int" else (-127, 127, 128))
+    assert layout.high_levels == ((0, 255, 0) if tq.format == Format.INT else (-127, 127, 128))
     offsets = code_offsets(layout, CHOSEN)
-    if tq.format == "int":
+    if tq.format == Format.INT:
         assert offsets == 0.0
     else:  # the symmetric high channels sit around 128, the others around 2**(bits-1)
         assert offsets.shape == (3, 1, 64) and offsets[0, 0, 5] == 128.0 and offsets[0, 0, 6] == offset

@@ -11,6 +11,7 @@ from kvq_export.memory import Geometry, predict
 from kvq_export.presets import PRESETS, get_preset
 from kvq_export.reference.cache import ReferenceCache
 from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
+from kvq_export.vocab import Axis
 
 SMOLLM2 = Geometry(num_layers=30, num_kv_heads=3, head_dim=64)
 
@@ -22,7 +23,7 @@ def _static(scheme: KVQuantScheme, layers: int, heads: int, dim: int):
     for layer, streams in enumerate(scheme.streams(layers)):
         out[layer] = {}
         for part, tq in zip(("key", "value"), streams):
-            n = dim // tq.token_group(dim) if tq.axis == "token" else dim
+            n = dim // tq.token_group(dim) if tq.axis == Axis.TOKEN else dim
             out[layer][part] = {"scales": torch.full((heads, n), 0.01), "zero_points": torch.zeros(heads, n)}
             if tq.high_channels:
                 out[layer][part]["high_channels"] = torch.arange(tq.high_channels).repeat(heads, 1)

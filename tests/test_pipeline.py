@@ -17,6 +17,7 @@ from kvq_export.export.exporter import (
 )
 from kvq_export.manifest import Manifest
 from kvq_export.request import CalibrationSpec, ExportRequest, WeightSpec
+from kvq_export.vocab import LayoutName
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def test_stages_run_one_by_one(tmp_path):
     assert type(cache).__name__ == "QuantizedCacheGraph" and "kvq.scheme" in graph.metadata_props
     manifest = package(tmp_path, plan, source, graph, calibration)
     assert Manifest.load(tmp_path) == manifest
-    assert manifest.build["request"] == request.to_dict() and manifest.layout == "regions"
+    assert manifest.build["request"] == request.to_dict() and manifest.layout == LayoutName.REGIONS
 
 
 def test_export_returns_the_manifest_it_wrote(model_dir, tmp_path):

@@ -35,6 +35,7 @@ from kvq_export.presets import get_preset
 from kvq_export.request import CalibrationSpec
 from kvq_export.runtime.session import KVQSession
 from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
+from kvq_export.vocab import Axis, Format, Quantizer, Rotation
 
 INT8, INT4 = get_preset("ort-int8").key, get_preset("ort-int4").key
 
@@ -102,15 +103,15 @@ def test_accuracy_set_offers_rotated_and_ggml_streams():
     cset = CANDIDATE_SETS["accuracy"]
     assert not cset.tied
     for streams in (cset.keys, cset.values):
-        assert any(t.rotation == "hadamard" and t.quantizer == "kvq" for t in streams)
-        assert any(t.quantizer == "ggml" and t.rotation == "hadamard" for t in streams)
+        assert any(t.rotation == Rotation.HADAMARD and t.quantizer == Quantizer.KVQ for t in streams)
+        assert any(t.quantizer == Quantizer.GGML and t.rotation == Rotation.HADAMARD for t in streams)
         assert {t.bits for t in streams} == {2, 3, 4, 5, 6, 8}
         assert len(set(streams)) == len(streams)
     assert {t.high_channels for t in cset.keys} == {0, 4, 8, 16, 24} and not any(t.high_channels for t in cset.values)
     assert {t.bits for t in cset.keys if t.high_channels} == {3, 4}
-    assert all(t.format == "int" for t in cset.values if t.bits == 3)  # 8 levels: a symmetric group would have 7
-    assert {t.axis for t in cset.keys if t.quantizer == "kvq" and t.bits < 8} == {"channel"}
-    assert all(t.axis == "token" for t in cset.values)
+    assert all(t.format == Format.INT for t in cset.values if t.bits == 3)  # 8 levels: a symmetric group would have 7
+    assert {t.axis for t in cset.keys if t.quantizer == Quantizer.KVQ and t.bits < 8} == {Axis.CHANNEL}
+    assert all(t.axis == Axis.TOKEN for t in cset.values)
     assert all(t.clip < 1 for t in cset.values if t.bits == 2 and t.group_size == 32)
     for key, value in cset.options():  # every option is a valid scheme for a head_dim-64 model
         KVQuantScheme(key=key, value=value).check_model(30, 64)

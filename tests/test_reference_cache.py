@@ -13,6 +13,7 @@ from kvq_export.presets import PRESETS
 from kvq_export.reference.cache import LayerCache, ReferenceCache, StreamCache
 from kvq_export.reference.codec import dequantize_packed, quantize_packed
 from kvq_export.scheme import KVQuantScheme, TensorQuant
+from kvq_export.vocab import Axis, ScaleMode
 
 GROUP, RESIDUAL, HEAD_DIM = 4, 8, 16
 
@@ -29,9 +30,9 @@ SMALL_STREAMS = {
 
 
 def _static_for(tq: TensorQuant, heads: int) -> dict:
-    if not tq.quantized or tq.scales != "static":
+    if not tq.quantized or tq.scales != ScaleMode.STATIC:
         return {}
-    n = HEAD_DIM // tq.token_group(HEAD_DIM) if tq.axis == "token" else HEAD_DIM
+    n = HEAD_DIM // tq.token_group(HEAD_DIM) if tq.axis == Axis.TOKEN else HEAD_DIM
     gen = torch.Generator().manual_seed(1)
     out = {"static_scales": torch.rand(heads, n, generator=gen) * 0.5 + 0.05}
     if tq.has_zero_point:
@@ -102,7 +103,7 @@ def test_layout_follows_the_scheme_at_every_length(name, sinks):
             assert (s, q, r) == (0, 0, total)
             continue
         assert s == min(sinks, total)
-        if tq.axis == "token" or tq.scales == "static":
+        if tq.axis == Axis.TOKEN or tq.scales == ScaleMode.STATIC:
             assert r == min(RESIDUAL, total - s)  # exactly R in high precision
         else:
             assert q % GROUP == 0 and (r < RESIDUAL or RESIDUAL <= r < RESIDUAL + GROUP)
@@ -145,7 +146,7 @@ def test_presets_run_through_the_cache(preset):
             if tq.high_channels:  # each head's widest channels
                 widest = (x.amax(dim=(0, 2)) - x.amin(dim=(0, 2))).topk(tq.high_channels, dim=-1).indices
                 meta["high_channels"] = widest.sort(dim=-1).values
-            if tq.quantized and tq.scales == "static":
+            if tq.quantized and tq.scales == ScaleMode.STATIC:
                 stats = (x.amin(dim=(0, 2)), x.amax(dim=(0, 2))) if tq.has_zero_point else (x.abs().amax(dim=(0, 2)),)
                 meta.update({role: t.float() for role, t in
                              fit_metadata(tq, stats, meta.get("high_channels")).items()})

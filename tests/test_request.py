@@ -57,7 +57,8 @@ def test_request_defaults_and_normalization(tmp_path):
     assert request.model == str(tmp_path) and request.scheme == get_preset("kivi-4")
     assert (request.flavor, request.dtype, request.opset, request.calibration) == ("reference", "fp32", DEFAULT_OPSET,
                                                                                    None)
-    assert request.weights == WeightSpec() and request.weights.format == "fp32" and not request.weights.quantized
+    assert request.weights == WeightSpec() and request.weights.format == WeightFormat.FP32
+    assert not request.weights.quantized
     assert ExportRequest(model=None, scheme=get_preset("kivi-4").to_dict()).scheme == get_preset("kivi-4")
 
 

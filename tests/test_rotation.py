@@ -33,6 +33,7 @@ from kvq_export.reference.cache import LayerCache, StreamCache
 from kvq_export.rotation import hadamard, hadamard_blocks, rotate_torch, rotation_matrix
 from kvq_export.runtime.session import KVQSession
 from kvq_export.scheme import KVQuantScheme, TensorQuant
+from kvq_export.vocab import Part, Rotation
 
 FP32 = TensorQuant(format="fp16", bits=16)
 
@@ -79,9 +80,9 @@ def test_rotation_field_is_validated_serialised_and_described():
     KVQuantScheme(key=TensorQuant(rotation="hadamard", group_size=16)).check_model(2, 48)
     scheme = rotated(Q4_TOKEN, value="none")
     again = KVQuantScheme.from_json(scheme.to_json())
-    assert again == scheme and again.key.rotation == "hadamard" and again.value.rotation == "none"
+    assert again == scheme and again.key.rotation == Rotation.HADAMARD and again.value.rotation == Rotation.NONE
     assert "rot-hadamard" in scheme.key.describe() and "rot-" not in scheme.value.describe()
-    assert KVQuantScheme.from_dict({"key": {"format": "int", "bits": 4}}).key.rotation == "none"  # older JSON
+    assert KVQuantScheme.from_dict({"key": {"format": "int", "bits": 4}}).key.rotation == Rotation.NONE  # older JSON
     assert scheme != Q4_TOKEN
 
 
@@ -307,7 +308,7 @@ def test_cache_graph_is_bit_exact_with_the_reference_on_rotated_tokens(scheme):
         _, cache, arrays = graph.step(rotate_torch(q, rk).float().numpy(), kr.numpy(), vr.numpy(),
                                       np.ones((1, t), np.int64), cache)
         ref.update(k, v)
-    for part in ("key", "value"):
+    for part in Part:
         for role, want in getattr(ref, part).tensors().items():
             got = arrays[f"past.0.{part}.{role}"]
             assert np.array_equal(got[:, :, got.shape[2] - want.shape[2]:], want.numpy()), (part, role)

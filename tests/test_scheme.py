@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kvq_export.errors import SchemeError
 from kvq_export.presets import PRESETS, get_preset, resolve_scheme
 from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
+from kvq_export.vocab import Axis, Format, Quantizer, Rotation, ScaleMode
 
 
 def tensor_quants():
@@ -81,6 +82,30 @@ def test_invalid_tensor_quant_names_field_and_allowed(kwargs, field):
     assert field in str(err.value)
     assert "allowed" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_parsed_fields_hold_members_and_json_keeps_plain_strings():
+    data = {"format": "int_sym", "bits": 4, "axis": "channel", "scales": "static", "quantizer": "kvq",
+            "rotation": "none"}
+    tq = TensorQuant.from_dict(data)
+    assert (tq.format, tq.axis, tq.scales, tq.quantizer, tq.rotation) == (
+        Format.INT_SYM, Axis.CHANNEL, ScaleMode.STATIC, Quantizer.KVQ, Rotation.NONE)
+    assert all(type(getattr(tq, name)) is kind for name, kind in (
+        ("format", Format), ("axis", Axis), ("scales", ScaleMode), ("quantizer", Quantizer), ("rotation", Rotation)))
+    out = tq.to_dict()
+    assert all(type(out[name]) is str for name in ("format", "axis", "scales", "quantizer", "rotation"))  # not members
+    assert json.loads(json.dumps(out)) == {**data, "group_size": None, "scale_dtype": "fp16", "clip": 1.0}
+    scheme = KVQuantScheme(key=tq, value=TensorQuant(format=Format.INT, bits=8, rotation=Rotation.HADAMARD))
+    assert KVQuantScheme.from_json(scheme.to_json()) == scheme
+    assert '"format": "int"' in scheme.to_json() and '"rotation": "hadamard"' in scheme.to_json()
+
+
+@pytest.mark.parametrize("field, kind", [("format", Format), ("axis", Axis), ("scales", ScaleMode),
+                                         ("quantizer", Quantizer), ("rotation", Rotation)])
+def test_an_unknown_word_lists_every_allowed_member(field, kind):
+    with pytest.raises(SchemeError) as err:
+        TensorQuant.from_dict({field: "bogus"})
+    assert str(err.value) == f"tensor: invalid {field}='bogus': allowed: {', '.join(kind)}"
 
 
 def test_group_must_divide_head_dim():

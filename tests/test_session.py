@@ -20,6 +20,7 @@ from kvq_export.runtime import RUNTIMES, open_session
 from kvq_export.runtime.base import PromptBatch, Rows, Session, check_prompts, continuation_text
 from kvq_export.runtime.sampling import Sampler, SamplingConfig
 from kvq_export.runtime.session import KVQSession
+from kvq_export.vocab import FinishReason
 
 POSITIONS = 1024  # tiny_models.COMMON
 PROMPTS = [[72, 105, 33], [80, 81, 82, 83, 84, 85, 86], [7]]
@@ -59,7 +60,7 @@ def test_greedy_generations_are_identical(kvq, genai, new_tokens):
     ours, theirs = results["kvq"], results["genai"]
     assert [(r.prompt_tokens, r.tokens, r.finish_reason, r.cache_bytes) for r in theirs] == \
         [(r.prompt_tokens, r.tokens, r.finish_reason, r.cache_bytes) for r in ours]
-    assert all(len(r.tokens) == new_tokens and r.finish_reason == "length" for r in ours)
+    assert all(len(r.tokens) == new_tokens and r.finish_reason == FinishReason.LENGTH for r in ours)
     # on_token sees every token, one step at a time, rows in order
     assert streamed["genai"] == streamed["kvq"]
     assert streamed["kvq"] == [(row, r.tokens[step]) for step in range(new_tokens) for row, r in enumerate(ours)]

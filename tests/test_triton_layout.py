@@ -16,6 +16,7 @@ from kvq_plugins.synthetic import random_layer_cache
 from triton_harness import ALL, check_append, float64_attention, rel_err, row_lengths, seeded
 
 from kvq_export.errors import KVQError
+from kvq_export.vocab import Part
 
 
 @pytest.mark.parametrize("name", sorted(ALL))
@@ -25,7 +26,7 @@ def test_dequantize_stream_is_the_reference_cache(name):
     lengths = row_lengths(scheme, random.Random(seed)) + [0]
     case = random_layer_cache(scheme, lengths, kv_heads=2, head_dim=32, generator=gen)
     total = max(lengths)
-    for part in ("key", "value"):
+    for part in Part:
         got = dequantize_stream(getattr(case, f"{part}_layout"), getattr(case, part), case.seq_lengths, total)
         for row, cache in enumerate(case.rows):
             n = lengths[row]

@@ -19,6 +19,7 @@ from kvq_plugins.layout import StreamLayout
 from onnx import helper
 from tiny_models import tiny_model
 
+from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.exporter import export_model, flavor_names
 from kvq_export.manifest import Manifest
@@ -49,9 +50,6 @@ CASES = {  # (arch, scheme): presets of every stream kind, a mixed-precision ove
         layer_overrides=(LayerOverride(layer=1, key=TensorQuant.fp16(),
                                        value=TensorQuant(format="int", bits=2, axis="channel", group_size=4)),))),
 }
-ONNX_TYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16,
-              "int64": onnx.TensorProto.INT64, "int32": onnx.TensorProto.INT32, "uint8": onnx.TensorProto.UINT8,
-              "float8e4m3fn": onnx.TensorProto.FLOAT8E4M3FN}
 
 
 def _static(model, scheme):
@@ -120,7 +118,7 @@ def test_plugin_nodes_match_the_declared_signature(exported, case):
         for name, declared in zip(node.input[1:], sig.inputs[1:]):
             assert name == declared.source, (layer, declared.name)
         for name, declared in zip(node.input, sig.inputs):
-            assert types.get(name) == ONNX_TYPES[declared.dtype], (layer, declared.name, types.get(name))
+            assert types.get(name) == DType.get(declared.dtype).proto, (layer, declared.name, types.get(name))
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         want = sig.node_attributes(aot=True)
         assert list(attrs) == list(want)
@@ -173,8 +171,7 @@ def test_cache_io_and_update_equal_the_reference_flavour(exported, case):
         feeds = {"input_ids": ids, "attention_mask": mask}
         for t in past:
             shape = [2 if d == "batch" else (d if isinstance(d, int) else 0) for d in t.shape]
-            feeds[t.name] = np.zeros(shape, {"int64": np.int64, "uint8": np.uint8, "float16": np.float16,
-                                             "float32": np.float32}[t.dtype])
+            feeds[t.name] = np.zeros(shape, DType.get(t.dtype).bits_numpy)
         results.append(sess.run(names_out, feeds))
     for name, a, b in zip(names_out, *results):
         assert np.array_equal(a, b), name

@@ -6,6 +6,8 @@ import functools
 
 import torch
 
+from kvq_export.vocab import Axis
+
 VOCAB = 128
 COMMON = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, max_position_embeddings=1024,
@@ -128,7 +130,7 @@ def fit_head_dim(scheme, head_dim: int):
     import dataclasses
 
     def fit(tq):
-        wide = tq.quantized and tq.axis == "token" and (tq.group_size or 0) > head_dim
+        wide = tq.quantized and tq.axis == Axis.TOKEN and (tq.group_size or 0) > head_dim
         return dataclasses.replace(tq, group_size=head_dim) if wide else tq
 
     return dataclasses.replace(scheme, key=fit(scheme.key), value=fit(scheme.value))

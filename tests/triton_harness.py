@@ -21,6 +21,7 @@ from kvq_export.presets import PRESETS
 from kvq_export.reference.cache import StreamCache
 from kvq_export.reference.codec import channel_order
 from kvq_export.scheme import KVQuantScheme, TensorQuant
+from kvq_export.vocab import Role, Rotation
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ SMALL = {  # group 4, recent 8, sinks 2/3: every boundary is crossed within a fe
 #: tests/test_rotation.py runs the kernels on rotated caches end to end.
 #: The kernel cases here use head_dim 32, so a preset with token groups of 64 runs as its groups-of-32 twin.
 ALL = {**{name: fit_head_dim(scheme, 32) for name, (scheme, _) in PRESETS.items()
-          if scheme.key.rotation == "none" and scheme.value.rotation == "none"}, **SMALL}
+          if scheme.key.rotation == Rotation.NONE and scheme.value.rotation == Rotation.NONE}, **SMALL}
 
 
 def seeded() -> tuple[int, torch.Generator]:
@@ -149,7 +150,7 @@ def check_append(scheme: KVQuantScheme, append, seed: int, gen: torch.Generator,
             for row, ref in enumerate(refs):
                 assert int(n[row]) == ref.length
                 for role, want in ref.tensors().items():
-                    if layout.static and role in ("scales", "zero_points"):
+                    if layout.static and role in (Role.SCALES, Role.ZERO_POINTS):
                         continue
                     got = _bits(state[role][row].cpu())
                     length = want.shape[2]

@@ -31,6 +31,8 @@ import os
 import statistics
 import sys
 
+from kvq_export.vocab import Role
+
 REFUSAL = ("bench_kernel needs a CUDA GPU (torch.cuda.is_available() is False here); no GPU number exists for "
            "this kernel yet. Correctness on CPU is covered by tests/test_triton_kernels.py (Triton interpreter).")
 
@@ -78,7 +80,7 @@ def build_case(scheme, context: int, batch: int, kv_heads: int, head_dim: int):
     def widen(tensors, layout):
         out = {}
         for role, t in tensors.items():
-            static = layout.static and role in ("scales", "zero_points")
+            static = layout.static and role in (Role.SCALES, Role.ZERO_POINTS)
             out[role] = t if static else t.repeat(batch, 1, 1, 1).contiguous()
         return out
 

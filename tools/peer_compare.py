@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from kvq_export.request import DEFAULT_CALIBRATION, DEFAULT_PERCENTILE
+from kvq_export.request import DEFAULT_CALIBRATION, DEFAULT_PERCENTILE, CalibrationMethod
 
 logger = logging.getLogger("peer_compare")
 
@@ -626,7 +626,7 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
         methods = [(str(spec.method), spec.percentile)] + (
             [("percentile", int4_percentile)] if "int4" in quant and int4_percentile else [])
         for method, pct in methods:
-            label = f"p{pct:g}" if method == "percentile" else method
+            label = f"p{pct:g}" if method == CalibrationMethod.PERCENTILE else method
             saved = work / f"kvq-static-{preset}-{label}.npz"  # calibrating again would give the same scales
             if saved.is_file():
                 static = load_calibration(saved)

@@ -49,9 +49,10 @@ from kvq_export.model_source import load_model
 from kvq_export.presets import resolve_scheme
 from kvq_export.reference.codec import dequantize, quantize
 from kvq_export.reference.hf_cache import reference_hf_cache
-from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec
+from kvq_export.request import DEFAULT_CALIBRATION, CalibrationMethod, CalibrationSpec
 from kvq_export.rotation import rotate_torch, rotation_matrix
 from kvq_export.scheme import TensorQuant
+from kvq_export.vocab import Quantizer
 
 #: the values of ggml's ``vec_dot_type`` for every quantized K type llama.cpp caches in (q8_0; q8_1 adds a sum)
 Q8_0 = TensorQuant(format="int_sym", bits=8, group_size=32, quantizer="ggml")
@@ -71,7 +72,7 @@ def quantize_queries_like_llama_cpp(model, scheme, head_dim: int) -> None:
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         tq = keys[module.layer_idx]
-        if tq.quantized and tq.quantizer == "ggml":
+        if tq.quantized and tq.quantizer == Quantizer.GGML:
             matrix = rotation_matrix(tq.rotation, head_dim)
             stored = rotate_torch(query, matrix)  # the basis the keys are stored (and dotted) in
             stored = q8_round_trip(stored)
@@ -209,7 +210,7 @@ def main() -> None:
                 **({"calibration": {"method": str(calibration.method), "tokens": calibration.tokens,
                                     "offset": calibration.offset,
                                     **({"percentile": calibration.percentile}
-                                       if calibration.method == "percentile" else {})}}
+                                       if calibration.method == CalibrationMethod.PERCENTILE else {})}}
                    if static is not None else {}),
                 "seconds": round(time.time() - start),
             }

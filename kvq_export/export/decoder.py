@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx_ir as ir
 
+from kvq_export.dtypes import COMPUTE_DTYPES, DType
 from kvq_export.errors import ExportError, ModelError
 from kvq_export.export.arch import GELU_TANH_ACTIVATIONS, Arch, LinearNames, RopeSpec, get_arch
 from kvq_export.export.builder import GraphBuilder
@@ -78,7 +79,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 #: ``dtype=`` names accepted by :func:`build_decoder`.
-COMPUTE_DTYPES: dict[str, ir.DataType] = {"fp32": ir.DataType.FLOAT, "fp16": ir.DataType.FLOAT16}
 #: ReduceMean with axes as an input needs opset 18.
 MIN_OPSET = 18
 #: ONNX Gelu (with ``approximate="tanh"``) needs opset 20.
@@ -267,7 +267,7 @@ def build_decoder(
     if opset < MIN_OPSET:
         raise ExportError(f"opset {opset} is too old; the decoder needs opset >= {MIN_OPSET}")
     start = time.perf_counter()
-    compute = COMPUTE_DTYPES[dtype]
+    compute = DType.get(dtype).ir
     rope = arch.rope()
     facts = replace(DecoderFacts.from_arch(arch, compute), rope=rope,
                     layer_ropes=tuple(arch.layer_rope(i) for i in range(arch.num_layers)))
@@ -389,10 +389,7 @@ class _Weights:
             )
         tensor = self.state[name]
         if hasattr(tensor, "detach"):  # torch: cast in torch (numpy has no bfloat16)
-            import torch
-
-            torch_dtype = torch.float16 if np_dtype == np.float16 else torch.float32
-            array = tensor.detach().to(device="cpu", dtype=torch_dtype).numpy()
+            array = tensor.detach().to(device="cpu", dtype=DType.get(np_dtype.name).torch).numpy()
         else:
             array = np.asarray(tensor, dtype=np_dtype)
         if rows is not None:

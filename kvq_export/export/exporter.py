@@ -63,7 +63,15 @@ from kvq_export.manifest import (
 from kvq_export.model_digest import model_digest, model_identity
 from kvq_export.model_facts import ModelFacts
 from kvq_export.model_source import canonical_spec, load_model
-from kvq_export.request import DEFAULT_OPSET, MIN_OPSET, CalibrationSpec, ExportRequest, WeightFormat, WeightSpec
+from kvq_export.request import (
+    DEFAULT_OPSET,
+    MIN_OPSET,
+    CalibrationMethod,
+    CalibrationSpec,
+    ExportRequest,
+    WeightFormat,
+    WeightSpec,
+)
 from kvq_export.scheme import KVQuantScheme
 
 if TYPE_CHECKING:
@@ -239,7 +247,7 @@ def calibrate(plan: ExportPlan, source: Source) -> Calibration:
         tokens = sum(len(w) for w in windows)
     provenance = {"source": "calibrated", "corpus": spec.corpus, "tokens": tokens,
                   "offset": spec.offset, "method": str(spec.method),
-                  **({"percentile": spec.percentile} if spec.method == "percentile" else {})}
+                  **({"percentile": spec.percentile} if spec.method == CalibrationMethod.PERCENTILE else {})}
     return Calibration(static, provenance)
 
 

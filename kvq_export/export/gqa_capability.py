@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kvq_export.naming import PARTS
 from kvq_export.scheme import KVQuantScheme
+from kvq_export.vocab import Format, Quantizer, ScaleMode
 
 #: ``kv_cache_bit_width`` values the node accepts.
 GQA_BITS = (8, 4)
@@ -31,14 +32,14 @@ def unsupported(scheme: KVQuantScheme, num_layers: int, head_dim: int | None = N
                 continue
             if tq.residual_length:
                 note(layer, f"{part}: residual_length={tq.residual_length} (GQA keeps no high-precision window)")
-            if tq.quantizer != "kvq":
+            if tq.quantizer != Quantizer.KVQ:
                 note(layer, f"{part}: quantizer {tq.quantizer} (ggml blocks need dynamic per-32 scales; GQA: static)")
-            if tq.format not in ("int_sym", "int"):
+            if tq.format not in (Format.INT_SYM, Format.INT):
                 note(layer, f"{part}: format {tq.format} (GQA's cache holds int8/int4 codes only, int_sym or int; "
                      "fp8 is not implemented on CPU)")
             elif tq.bits not in GQA_BITS:
                 note(layer, f"{part}: {tq.bits} bits (kv_cache_bit_width is 8 or 4)")
-            if tq.scales != "static":
+            if tq.scales != ScaleMode.STATIC:
                 note(layer, f"{part}: dynamic scales (GQA takes fixed k_scale/v_scale: use static scales, "
                      "e.g. the ort-int8 / ort-int4 presets)")
         if key.quantized != value.quantized or (key.quantized and key.bits != value.bits):

@@ -127,6 +127,7 @@ from kvq_export.export.kv_graph import LaidOutCache, name_packed_probe, name_pro
 from kvq_export.naming import PARTS, ROTARY_TABLES, tensor_name
 from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import KVQuantScheme, TensorQuant
+from kvq_export.vocab import Axis, Role, Rotation
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ class HighSplit:
         channels = check_high_channels(high_channel_choice(static, layer, part, tq), tq, kv_heads, head_dim).numpy()
         meta = static[layer][part]
         pick = [per_channel(tq, meta[role], kv_heads, head_dim, role)[np.arange(kv_heads)[:, None], channels]
-                if role in meta else np.zeros(channels.shape, np.float32) for role in ("scales", "zero_points")]
+                if role in meta else np.zeros(channels.shape, np.float32) for role in (Role.SCALES, Role.ZERO_POINTS)]
         low, top, offset = high_channel_levels(tq)
         return cls(channels, pick[0], pick[1], float(low), float(top), float(offset), head_dim)
 
@@ -246,7 +247,7 @@ def per_channel(tq: TensorQuant, meta: np.ndarray, kv_heads: int, head_dim: int,
     m = np.asarray(meta, dtype=np.float32).astype(sdtype).astype(np.float32)
     if m.shape[0] != kv_heads:
         raise ExportError(f"static {role} have shape {list(m.shape)}; expected [kv_heads={kv_heads}, n]")
-    if tq.axis == "token":  # one value per (head, group of channels): repeat it over the group
+    if tq.axis == Axis.TOKEN:  # one value per (head, group of channels): repeat it over the group
         m = np.repeat(m, tq.token_group(head_dim), axis=1)
     if m.shape != (kv_heads, head_dim):
         raise ExportError(f"static {role} expand to {list(m.shape)}; expected [{kv_heads}, {head_dim}]")
@@ -270,7 +271,7 @@ def gqa_offset(tq: TensorQuant, meta: Mapping, kv_heads: int, head_dim: int) -> 
     """
     if not tq.has_zero_point:
         return None
-    scale, zero = (per_channel(tq, meta[role], kv_heads, head_dim, role) for role in ("scales", "zero_points"))
+    scale, zero = (per_channel(tq, meta[role], kv_heads, head_dim, role) for role in (Role.SCALES, Role.ZERO_POINTS))
     return (zero + np.float32(1 << (tq.bits - 1)) * scale).reshape(-1)
 
 
@@ -686,5 +687,5 @@ def rope_in_body(scheme: KVQuantScheme, num_layers: int) -> bool:
     True when some layer's keys are rotated or offset after RoPE, or its node's head is wider than the model's
     (high channels).
     """
-    return any(key.rotation != "none" or key.has_zero_point or key.high_channels
+    return any(key.rotation != Rotation.NONE or key.has_zero_point or key.high_channels
                for key, _ in scheme.streams(num_layers))

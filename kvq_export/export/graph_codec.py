@@ -19,6 +19,7 @@ from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.reference.codec import channel_levels, channel_order, check_high_channels, int_levels
 from kvq_export.scheme import FP8_E4M3_MAX, PLANE_BITS, TensorQuant, code_planes
+from kvq_export.vocab import Axis, Format, Quantizer, ScaleMode
 
 
 def static_name(layer: int, part: str, role: str) -> str:
@@ -144,10 +145,10 @@ class GraphCodec:
         """
         d = self.head_dim
         tokens = dim(b, x, 2)
-        if tq.axis == "token":
+        if tq.axis == Axis.TOKEN:
             g = tq.token_group(d)
             return reshape_tokens(b, x, tokens, [d // g, g]), -1
-        if tq.scales == "static":
+        if tq.scales == ScaleMode.STATIC:
             return x, -2
         groups = b.op("Div", tokens, b.const(tq.group_size))
         return reshape_tokens(b, x, groups, [tq.group_size, d]), -2
@@ -180,14 +181,14 @@ class GraphCodec:
         chosen = torch.as_tensor(high_channel_choice(self.static, layer, part, tq))
         high = check_high_channels(chosen, tq, self.kv_heads, d)
         levels = tuple(t.numpy() for t in channel_levels(tq, high, d))
-        made = HighChannels(b, layer, part, channel_order(high, d).numpy(), levels, tq.scales == "static")
+        made = HighChannels(b, layer, part, channel_order(high, d).numpy(), levels, tq.scales == ScaleMode.STATIC)
         self._orders[(layer, part)] = made
         return made
 
     def _static_view(self, b: GraphBuilder, tq: TensorQuant, meta: ir.Value) -> ir.Value:
         """[H, n] static metadata as fp32, broadcastable against the grouped view."""
         h = self.kv_heads
-        shape = [h, 1, -1, 1] if tq.axis == "token" else [h, 1, -1]
+        shape = [h, 1, -1, 1] if tq.axis == Axis.TOKEN else [h, 1, -1]
         return b.op("Reshape", b.op("Cast", meta, to=ir.DataType.FLOAT), b.const(shape))
 
     def quantize(self, b: GraphBuilder, layer: int, part: str, tq: TensorQuant, block: ir.Value):
@@ -195,11 +196,11 @@ class GraphCodec:
         f32, sdtype = ir.DataType.FLOAT, DType.get(tq.scale_dtype).ir
         xg, axis = self._grouped(b, tq, b.op("Cast", block, to=f32))
         high = self.high_channels(b, layer, part, tq)
-        if tq.quantizer == "ggml":
+        if tq.quantizer == Quantizer.GGML:
             return self._quantize_ggml(b, tq, xg, block)
-        axes = None if tq.scales == "static" else b.const([axis])  # static: no reduction, no dangling constant
+        axes = None if tq.scales == ScaleMode.STATIC else b.const([axis])  # static: no reduction, no dangling constant
         scales = zeros = zero = None
-        if tq.scales == "static":
+        if tq.scales == ScaleMode.STATIC:
             s_meta, z_meta = self.static_meta(b, layer, part, tq)
             scale = self._static_view(b, tq, s_meta)
             zero = self._static_view(b, tq, z_meta) if z_meta is not None else None
@@ -220,14 +221,14 @@ class GraphCodec:
             amax = b.op("ReduceMax", b.op("Abs", xg), axes, keepdims=1)
             if tq.clip != 1.0:
                 amax = b.op("Mul", amax, b.const(float(tq.clip)))
-            top = b.const(FP8_E4M3_MAX if tq.format == "fp8_e4m3" else float(int_levels(tq)[1])) \
+            top = b.const(FP8_E4M3_MAX if tq.format == Format.FP8_E4M3 else float(int_levels(tq)[1])) \
                 if high is None else high.top
             scale_s = b.op("Cast", b.op("Div", amax, top), to=sdtype)
             scales = b.op("Squeeze", scale_s, axes)
             scale = b.op("Cast", scale_s, to=f32)
         safe = b.op("Where", b.op("Equal", scale, b.const(0.0)), b.const(1.0), scale)
         d = self.head_dim
-        if tq.format == "fp8_e4m3":
+        if tq.format == Format.FP8_E4M3:
             clipped = b.op("Clip", b.op("Div", xg, safe), b.const(-FP8_E4M3_MAX), b.const(FP8_E4M3_MAX))
             # fp8 codes travel inside the graph as fp16 (exact for every e4m3 value): ONNX Runtime's
             # Concat/GatherElements have no float8 kernels; they become float8 only at the boundary.
@@ -239,12 +240,12 @@ class GraphCodec:
         if high is None:
             rounded = b.op("Clip", rounded, b.const(float(lo)), b.const(float(hi)))
             shift = b.const(float(offset))
-        elif tq.format == "int":  # per-channel tops (the offset is 0)
+        elif tq.format == Format.INT:  # per-channel tops (the offset is 0)
             rounded = b.op("Min", b.op("Max", rounded, b.const(float(lo))), high.top)
             shift = b.const(float(offset))
         else:  # int_sym: per-channel ranges and offsets ([H, 1, D] -> [H, 1, 1, D] against a grouped view)
             rounded = b.op("Min", b.op("Max", rounded, high.low), high.top)
-            shift = high.offset if tq.scales == "static" else b.op("Unsqueeze", high.offset, b.const([1]))
+            shift = high.offset if tq.scales == ScaleMode.STATIC else b.op("Unsqueeze", high.offset, b.const([1]))
         codes = b.op("Cast", b.op("Add", rounded, shift), to=ir.DataType.UINT8)
         codes = reshape_tokens(b, codes, dim(b, block, 2), [d])
         return self.pack(b, tq, codes, high), scales, zeros
@@ -261,9 +262,9 @@ class GraphCodec:
         absx = b.op("Abs", xg)
         amax = b.op("ReduceMax", absx, axes, keepdims=1)
         mn = None
-        if tq.format == "int_sym" and tq.bits == 8:  # q8_0
+        if tq.format == Format.INT_SYM and tq.bits == 8:  # q8_0
             d = b.op("Div", amax, b.const(127.0))
-        elif tq.format == "int_sym":  # q4_0 / q5_0
+        elif tq.format == Format.INT_SYM:  # q4_0 / q5_0
             v = b.op("GatherElements", xg, b.op("ArgMax", absx, axis=-1, keepdims=1), axis=-1)
             v = b.op("Where", b.op("Equal", amax, b.const(0.0)), b.const(0.0), v)
             d = b.op("Div", v, b.const(float(-half)))
@@ -273,7 +274,7 @@ class GraphCodec:
             d = b.op("Div", b.op("Sub", mx, mn), b.const(float(top)))
         is_zero = b.op("Equal", d, b.const(0.0))
         inv = b.op("Where", is_zero, b.const(0.0), b.op("Div", b.const(1.0), b.op("Where", is_zero, b.const(1.0), d)))
-        if tq.format == "int_sym" and tq.bits == 8:
+        if tq.format == Format.INT_SYM and tq.bits == 8:
             y = b.op("Mul", xg, inv)
             a = b.op("Abs", y)
             whole = b.op("Floor", a)
@@ -369,13 +370,13 @@ class GraphCodec:
                    high: HighChannels | None = None) -> ir.Value:
         """Stored codes + metadata -> fp32 [B,H,Tq,D]."""
         f32 = ir.DataType.FLOAT
-        values = b.op("Cast", codes, to=f32) if tq.format == "fp8_e4m3" else self.unpack(b, tq, codes, high)
-        if high is not None and tq.format == "int_sym":  # each channel's own offset
+        values = b.op("Cast", codes, to=f32) if tq.format == Format.FP8_E4M3 else self.unpack(b, tq, codes, high)
+        if high is not None and tq.format == Format.INT_SYM:  # each channel's own offset
             values = b.op("Sub", values, high.offset)
         elif tq.is_int and int_levels(tq)[2]:
             values = b.op("Sub", values, b.const(float(int_levels(tq)[2])))
         xg, axis = self._grouped(b, tq, values)
-        if tq.scales == "static":
+        if tq.scales == ScaleMode.STATIC:
             scale = self._static_view(b, tq, scales)
             zero = self._static_view(b, tq, zeros) if zeros is not None else None
         else:

@@ -40,6 +40,7 @@ from kvq_export.export.graph_codec import GraphCodec, HighChannels, dim, high_ch
 from kvq_export.naming import PARTS, PROBES, CacheTensor, packed_probe_name, probe_name, tensor_name
 from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import KVQuantScheme, TensorQuant
+from kvq_export.vocab import Axis, Format, Role, ScaleMode
 
 
 @dataclass
@@ -88,7 +89,7 @@ class StoredStream:
     def roles(self) -> dict[str, ir.Value]:
         """The state that crosses the graph boundary, by role."""
         out = {"sinks": self.sinks, "codes": self.codes, "recent": self.recent}
-        if self.tq.quantized and self.tq.scales == "dynamic":
+        if self.tq.quantized and self.tq.scales == ScaleMode.DYNAMIC:
             out.update(scales=self.scales, zero_points=self.zeros)
         return {role: value for role, value in out.items() if value is not None}
 
@@ -228,7 +229,7 @@ class QuantizedCacheGraph(LaidOutCache):
         super().__init__(scheme, **geometry)
         for layer, streams in enumerate(scheme.streams(self.num_layers)):
             for part, tq in zip(PARTS, streams):
-                if tq.quantized and tq.scales == "static":
+                if tq.quantized and tq.scales == ScaleMode.STATIC:
                     static_scales(self.static, layer, part)
                 if tq.quantized and tq.high_channels:
                     high_channel_choice(self.static, layer, part, tq)
@@ -299,7 +300,7 @@ class QuantizedCacheGraph(LaidOutCache):
         """
         ops, hp = self.ops, self.hp_type
         past = {role: self.past.get(tensor_name("past", layer, part, role))
-                for role in ("sinks", "codes", "scales", "zero_points", "recent")}
+                for role in (Role.SINKS, Role.CODES, Role.SCALES, Role.ZERO_POINTS, Role.RECENT)}
         before, after = self._split(b, tq, self.n0), self._split(b, tq, self.n1)
         x_hp = b.op("Cast", x, to=hp)
         # the new tokens are right-aligned (left padding): count m per row
@@ -320,15 +321,15 @@ class QuantizedCacheGraph(LaidOutCache):
 
         codes_new, scales_new, zeros_new = self.codec.quantize(b, layer, part, tq, block)
         past_codes, code_type = past["codes"], ir.DataType.UINT8
-        if tq.format == "fp8_e4m3":
+        if tq.format == Format.FP8_E4M3:
             past_codes, code_type = b.op("Cast", past_codes, to=ir.DataType.FLOAT16), ir.DataType.FLOAT16
         quant_len = ops.scalar_max(after.quantized)
         codes = ops.take([(past_codes, before.quantized), (codes_new, to_quant)], None, after.quantized,
                          quant_len, code_type)
-        if tq.format == "fp8_e4m3":
+        if tq.format == Format.FP8_E4M3:
             codes = b.op("Cast", codes, to=ir.DataType.FLOAT8E4M3FN)
-        if tq.scales == "dynamic":
-            unit = b.const(1 if tq.axis == "token" else tq.group_size)
+        if tq.scales == ScaleMode.DYNAMIC:
+            unit = b.const(1 if tq.axis == Axis.TOKEN else tq.group_size)
             q0, dq, q1 = (b.op("Div", c, unit) for c in (before.quantized, to_quant, after.quantized))
             meta_len = b.op("Div", quant_len, unit)
             sdtype = DType.get(tq.scale_dtype).ir
@@ -353,7 +354,7 @@ class QuantizedCacheGraph(LaidOutCache):
         if not state.tq.quantized:
             return b.op("Cast", state.recent, to=ct)
         codes = state.codes
-        if state.tq.format == "fp8_e4m3":  # see GraphCodec.quantize: float8 moves as fp16
+        if state.tq.format == Format.FP8_E4M3:  # see GraphCodec.quantize: float8 moves as fp16
             codes = b.op("Cast", codes, to=ir.DataType.FLOAT16)
         deq = self.codec.dequantize(b, state.tq, codes, state.scales, state.zeros, state.high)
         return self.ops.take(

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from kvq_export.dtypes import DType
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.kv_graph import QuantizedCacheGraph, StoredStream, facts_window, name_probes
 from kvq_export.scheme import KVQuantScheme
 from kvq_export.trt.signature import PluginSignature, plugin_signature
-
-_COMPUTE_NAMES = {ir.DataType.FLOAT: "fp32", ir.DataType.FLOAT16: "fp16"}
 
 
 class TrtCacheGraph(QuantizedCacheGraph):
@@ -49,7 +48,7 @@ class TrtCacheGraph(QuantizedCacheGraph):
         f = self.facts
         return plugin_signature(self.scheme, layer, num_heads=f.num_heads, kv_heads=self.kv_heads,
                                 head_dim=self.head_dim, scaling=f.scaling, window=facts_window(f, layer),
-                                dtype=_COMPUTE_NAMES[self.compute_type])
+                                dtype=DType.of_onnx(self.compute_type).short)
 
     def attend(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
         """Store k/v with standard ops, then one plugin node reads the stored cache and attends for ``q``."""

@@ -65,12 +65,14 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
+from kvq_export.vocab import WeightFormat
 
 logger = logging.getLogger(__name__)
 
-WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
-BITS = {"int8": 8, "int4": 4}
+WEIGHT_FORMATS = tuple(WeightFormat)
+BITS = {WeightFormat.INT8: 8, WeightFormat.INT4: 4}
 #: block sizes MatMulNBits and GatherBlockQuantized take on CPU (a power of two, at least 16)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 #: MatMulNBits ``accuracy_level``: the activations' compute type
@@ -82,7 +84,6 @@ WEIGHTS_KEY = "kvq.weights"
 MS_DOMAIN = "com.microsoft"
 
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
-_DTYPE_NAMES = {onnx.TensorProto.FLOAT: "fp32", onnx.TensorProto.FLOAT16: "fp16", onnx.TensorProto.BFLOAT16: "bf16"}
 
 
 def check_weight_options(format: str, block_size: int, symmetric: bool, accuracy_level: int | None) -> None:
@@ -120,9 +121,9 @@ def quantize_weights(
 
     """
     check_weight_options(format, block_size, symmetric, accuracy_level)
-    if format == "fp32":
+    if format == WeightFormat.FP32:
         return model
-    if format == "int8" and accuracy_level != 4:
+    if format == WeightFormat.INT8 and accuracy_level != 4:
         logger.warning("int8 weights with accuracy_level %s: ONNX Runtime's CPU kernel for them is slow (more than 10x "
                        "fp32 weights per decode step); accuracy_level=4 (int8 activations) is the fast one",
                        accuracy_level)
@@ -140,7 +141,7 @@ def quantize_weights(
         if external:
             raise ExportError(f"weight {external[0]} is still in external data: load the model with its weights "
                               "(onnx.load(path), load_external_data=True) before converting them")
-    if format == "fp16":
+    if format == WeightFormat.FP16:
         record = _store_fp16(proto)
     else:
         proto, record = _quantize_blocks(proto, BITS[format], block_size, symmetric, accuracy_level)
@@ -471,7 +472,7 @@ def weight_bytes(directory: str | os.PathLike[str]) -> WeightBytes:
         elif tensor.name in scales:
             scale_bytes += size
         else:
-            dtype = _DTYPE_NAMES.get(tensor.data_type) or onnx.TensorProto.DataType.Name(tensor.data_type).lower()
+            dtype = _dtype_name(tensor.data_type)
             unquantized[dtype] = unquantized.get(dtype, 0) + size
             constants += 0 if _is_parameter(tensor.name) else size
     settings = {}
@@ -488,6 +489,14 @@ def weight_bytes(directory: str | os.PathLike[str]) -> WeightBytes:
     data = path.with_name(path.name + EXTERNAL_DATA_SUFFIX)
     files = path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
     return WeightBytes(fmt, quantized, scale_bytes, unquantized, files, settings, constants)
+
+
+def _dtype_name(element_type: int) -> str:
+    """An initializer's element type as the report names it: fp32/fp16 (DType's names), bf16, else ONNX's name."""
+    if element_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
+        return DType.of_onnx(element_type).short
+    name = onnx.TensorProto.DataType.Name(element_type).lower()
+    return "bf16" if name == "bfloat16" else name  # kvq writes no bf16 tensor, so DType has no row for it
 
 
 def _tensor_bytes(tensor: onnx.TensorProto) -> int:

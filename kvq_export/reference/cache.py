@@ -43,6 +43,7 @@ from kvq_export.errors import QuantizationError
 from kvq_export.reference.codec import Quantized, check_finite, dequantize_packed, quantize_packed
 from kvq_export.rotation import rotate_torch, rotation_matrix
 from kvq_export.scheme import KVQuantScheme, TensorQuant
+from kvq_export.vocab import Format, ScaleMode
 
 ROLES = REGION_ROLES
 #: ``basis=`` values of :meth:`StreamCache.append` / :meth:`StreamCache.dequantized`.
@@ -71,7 +72,7 @@ class StreamCache:
         self.split = RegionSplit.of(tq, scheme)
         self.hp_dtype = DType.get(scheme.hp_dtype).torch
         self._static: dict[str, torch.Tensor] = {}
-        if tq.quantized and tq.scales == "static":
+        if tq.quantized and tq.scales == ScaleMode.STATIC:
             if static_scales is None or (tq.has_zero_point and static_zeros is None):
                 raise QuantizationError("a static-scale stream needs its calibrated scales (and zero points)")
             sdtype = DType.get(tq.scale_dtype).torch
@@ -136,10 +137,10 @@ class StreamCache:
         self.sinks, self.recent = empty, empty.clone()
         if not self.tq.quantized:
             return
-        code_dtype = torch.float8_e4m3fn if self.tq.format == "fp8_e4m3" else torch.uint8
+        code_dtype = torch.float8_e4m3fn if self.tq.format == Format.FP8_E4M3 else torch.uint8
         self.codes = x.new_empty((batch, heads, 0, self.tq.packed_dim(dim)), dtype=code_dtype)
         self._dequantized = x.new_empty((batch, heads, 0, dim), dtype=torch.float32)
-        if self.tq.scales == "dynamic":
+        if self.tq.scales == ScaleMode.DYNAMIC:
             kind, entries = self.tq.metadata_shape(dim)
             sdtype = DType.get(self.tq.scale_dtype).torch
             self.scales = x.new_empty((batch, heads, 0, entries), dtype=sdtype)
@@ -179,7 +180,7 @@ class StreamCache:
     def _store(self, tokens: torch.Tensor) -> None:
         q = quantize_packed(tokens, self.tq, **self._static)
         self.codes = torch.cat([self.codes, q.codes], dim=2)
-        if self.tq.scales == "dynamic":
+        if self.tq.scales == ScaleMode.DYNAMIC:
             self.scales = torch.cat([self.scales, q.scales], dim=2)
             if q.zeros is not None:
                 self.zeros = torch.cat([self.zeros, q.zeros], dim=2)

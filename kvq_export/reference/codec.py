@@ -61,6 +61,7 @@ import torch
 from kvq_export.dtypes import DType
 from kvq_export.errors import QuantizationError
 from kvq_export.scheme import FP8_E4M3_MAX, PLANE_BITS, TensorQuant, code_planes
+from kvq_export.vocab import Axis, Format, Quantizer, ScaleMode
 
 
 class Quantized(NamedTuple):
@@ -78,9 +79,9 @@ class Quantized(NamedTuple):
 
 def int_levels(tq: TensorQuant) -> tuple[int, int, int]:
     """(lowest code, highest code, offset) for an int format, as signed values before the offset."""
-    if tq.format == "int":
+    if tq.format == Format.INT:
         return 0, (1 << tq.bits) - 1, 0
-    if tq.quantizer == "ggml" and tq.bits < 8:  # q4_0 / q5_0 use all 2**bits codes
+    if tq.quantizer == Quantizer.GGML and tq.bits < 8:  # q4_0 / q5_0 use all 2**bits codes
         return -(1 << (tq.bits - 1)), (1 << (tq.bits - 1)) - 1, 1 << (tq.bits - 1)
     qmax = (1 << (tq.bits - 1)) - 1
     return -qmax, qmax, 1 << (tq.bits - 1)
@@ -152,14 +153,14 @@ def scale_from_amax(tq: TensorQuant, amax: torch.Tensor, top: torch.Tensor | flo
     if tq.clip != 1.0:
         amax = amax * tq.clip
     if top is None:
-        top = FP8_E4M3_MAX if tq.format == "fp8_e4m3" else float(int_levels(tq)[1])
+        top = FP8_E4M3_MAX if tq.format == Format.FP8_E4M3 else float(int_levels(tq)[1])
     return (amax / top).to(DType.get(tq.scale_dtype).torch)
 
 
 def _group_view(x: torch.Tensor, tq: TensorQuant) -> tuple[torch.Tensor, int]:
     """Reshape ``[..., T, D]`` so one group sits along a single dim; return (view, reduce dim)."""
     *lead, tokens, dim = x.shape
-    if tq.axis == "token":
+    if tq.axis == Axis.TOKEN:
         group = tq.token_group(dim)
         return x.reshape(*lead, tokens, dim // group, group), -1
     group = tq.group_size
@@ -173,7 +174,7 @@ def _static_view(meta: torch.Tensor, x: torch.Tensor, tq: TensorQuant) -> torch.
     heads = x.shape[-3]
     if meta.shape[0] != heads or meta.dim() != 2:
         raise QuantizationError(f"static scales must have shape [kv_heads={heads}, n], got {list(meta.shape)}")
-    if tq.axis == "token":  # grouped x: [..., H, T, D/G, G]
+    if tq.axis == Axis.TOKEN:  # grouped x: [..., H, T, D/G, G]
         return meta.reshape(heads, 1, meta.shape[1], 1)
     return meta.reshape(heads, 1, meta.shape[1])  # x: [..., H, T, D] (whole-axis channel groups)
 
@@ -204,15 +205,15 @@ def quantize(
     high = check_high_channels(high_channels, tq, x.shape[-3] if x.dim() >= 3 else 0, x.shape[-1])
     sdtype = DType.get(tq.scale_dtype).torch
     xf = x.to(torch.float32)
-    static = tq.scales == "static"
+    static = tq.scales == ScaleMode.STATIC
     if static:
         if static_scales is None or (tq.has_zero_point and static_zeros is None):
             raise QuantizationError("static scales need static_scales (and static_zeros for format int)")
         xg, reduce_dim = (xf.reshape(*xf.shape[:-1], -1, tq.token_group(xf.shape[-1])), -1) \
-            if tq.axis == "token" else (xf, -2)
+            if tq.axis == Axis.TOKEN else (xf, -2)
     else:
         xg, reduce_dim = _group_view(xf, tq)
-    if tq.quantizer == "ggml":  # token axis, dynamic scales (the scheme refuses anything else)
+    if tq.quantizer == Quantizer.GGML:  # token axis, dynamic scales (the scheme refuses anything else)
         codes, scales, zeros = _quantize_ggml(xg, tq)
         _check_scales(scales, tq)
         return Quantized(codes.reshape(x.shape), scales, zeros)
@@ -239,7 +240,7 @@ def quantize(
 
     _check_scales(scales, tq)
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-    if tq.format == "fp8_e4m3":
+    if tq.format == Format.FP8_E4M3:
         codes = torch.clamp(xg / safe, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     else:
         shifted = xg - zero if zero is not None else xg
@@ -277,9 +278,9 @@ def _quantize_ggml(xg: torch.Tensor, tq: TensorQuant) -> tuple[torch.Tensor, tor
     top = (1 << tq.bits) - 1
     half = 1 << (tq.bits - 1)
     mn = None
-    if tq.format == "int_sym" and tq.bits == 8:  # q8_0
+    if tq.format == Format.INT_SYM and tq.bits == 8:  # q8_0
         d = xg.abs().amax(dim=-1, keepdim=True) / 127.0
-    elif tq.format == "int_sym":  # q4_0 / q5_0: the signed element of largest magnitude, first one on ties
+    elif tq.format == Format.INT_SYM:  # q4_0 / q5_0: the signed element of largest magnitude, first one on ties
         amax = xg.abs().amax(dim=-1, keepdim=True)
         v = _first_at(xg, xg.abs().argmax(dim=-1, keepdim=True))
         v = torch.where(amax == 0, torch.zeros_like(v), v)  # ggml starts from +0.0 and keeps it
@@ -290,9 +291,9 @@ def _quantize_ggml(xg: torch.Tensor, tq: TensorQuant) -> tuple[torch.Tensor, tor
         d = (mx - mn) / float(top)
     inv = 1.0 / torch.where(d == 0, torch.ones_like(d), d)
     inv = torch.where((d == 0) | torch.isinf(inv), torch.zeros_like(d), inv)  # see the module doc: |d| < 2**-128
-    if tq.format == "int_sym" and tq.bits == 8:
+    if tq.format == Format.INT_SYM and tq.bits == 8:
         codes = round_away(xg * inv) + 128.0
-    elif tq.format == "int_sym":
+    elif tq.format == Format.INT_SYM:
         codes = torch.clamp(torch.floor(xg * inv + (half + 0.5)), max=float(top))
     else:
         codes = torch.clamp(torch.floor((xg - mn) * inv + 0.5), max=float(top))
@@ -308,17 +309,17 @@ def dequantize(q: Quantized, tq: TensorQuant, out_dtype: torch.dtype = torch.flo
     needs them: its high channels have their own offset).
     """
     codes = q.codes
-    static = tq.scales == "static"
-    if tq.format == "fp8_e4m3":
+    static = tq.scales == ScaleMode.STATIC
+    if tq.format == Format.FP8_E4M3:
         values = codes.to(torch.float32)
-    elif tq.high_channels and tq.format == "int_sym":
+    elif tq.high_channels and tq.format == Format.INT_SYM:
         high = check_high_channels(high_channels, tq, codes.shape[-3], codes.shape[-1])
         values = codes.to(torch.float32) - channel_levels(tq, high, codes.shape[-1])[2][:, None, :]
     else:
         values = codes.to(torch.float32) - float(int_levels(tq)[2])
     if static:
         xg = values.reshape(*values.shape[:-1], -1, tq.token_group(values.shape[-1])) \
-            if tq.axis == "token" else values
+            if tq.axis == Axis.TOKEN else values
         scale = _static_view(q.scales.float(), values, tq)
         zero = _static_view(q.zeros.float(), values, tq) if q.zeros is not None else None
     else:

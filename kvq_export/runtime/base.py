@@ -18,6 +18,7 @@ import numpy as np
 from kvq_export.errors import RuntimeInputError
 from kvq_export.manifest import Manifest
 from kvq_export.runtime.sampling import SamplingConfig
+from kvq_export.vocab import FinishReason
 
 #: ``on_token(row, token)``: called for every generated token, in order (for streaming)
 TokenCallback = Callable[[int, int], None]
@@ -33,13 +34,13 @@ class Generation:
     prompt_tokens: list[int]
     tokens: list[int] = field(default_factory=list)
     text: str | None = None
-    finish_reason: str = "length"  # "eos" or "length"
+    finish_reason: FinishReason = FinishReason.LENGTH
     cache_bytes: int = 0  # bytes held by this batch's whole cache at the end
 
     def to_dict(self) -> dict:
         """JSON form for ``kvq generate --json``."""
         return {"prompt": self.prompt, "prompt_tokens": self.prompt_tokens, "tokens": self.tokens,
-                "text": self.text, "finish_reason": self.finish_reason, "cache_bytes": self.cache_bytes}
+                "text": self.text, "finish_reason": str(self.finish_reason), "cache_bytes": self.cache_bytes}
 
 
 @runtime_checkable
@@ -181,7 +182,7 @@ class Rows:
                 self.on_token(int(row), token)
             if token in self.eos:
                 self.active[row] = False
-                result.finish_reason = "eos"
+                result.finish_reason = FinishReason.EOS
 
     def finish(self, cache_bytes: int, decode: Decoder | None) -> list[Generation]:
         """The results, with the cache bytes held and (given a ``decode``) each continuation's text."""

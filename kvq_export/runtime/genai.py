@@ -23,6 +23,7 @@ from kvq_export.errors import ExportError, RuntimeInputError
 from kvq_export.export.genai_package import GENAI_CONFIG, GENAI_MODEL, RUNTIME, genai_config, unsupported_reason
 from kvq_export.manifest import Manifest, check_same_export, export_identity
 from kvq_export.naming import PARTS
+from kvq_export.request import CalibrationMethod
 from kvq_export.runtime.base import Generation, PromptBatch, Rows, TokenCallback, check_prompts
 from kvq_export.runtime.device import genai_providers, set_genai_providers
 from kvq_export.runtime.sampling import SamplingConfig
@@ -129,7 +130,7 @@ def calibrate_to_file(model_spec: str, scheme, out: str | os.PathLike[str], *, c
     data = builder_scale_file(static, scheme, num_layers=facts.num_layers, kv_heads=facts.num_kv_heads,
                               head_dim=facts.head_dim, granularity=granularity)
     data["kvq"].update(corpus=str(corpus), tokens=sum(len(w) for w in windows), offset=offset, method=method,
-                       **({"percentile": percentile} if method == "percentile" else {}))
+                       **({"percentile": percentile} if method == CalibrationMethod.PERCENTILE else {}))
     return atomic_write(out, json.dumps(data, indent=1))
 
 

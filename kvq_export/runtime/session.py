@@ -50,6 +50,7 @@ from kvq_export.runtime.base import (
     eos_token_ids,
 )
 from kvq_export.runtime.sampling import Sampler, SamplingConfig
+from kvq_export.vocab import Role
 
 logger = logging.getLogger(__name__)
 
@@ -118,10 +119,8 @@ def _ort_value(array: np.ndarray, dtype: str):
     import onnxruntime as ort
 
     if dtype == "float8e4m3fn":
-        from onnx import TensorProto
-
         return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(np.ascontiguousarray(array).view(np.uint8),
-                                                               TensorProto.FLOAT8E4M3FN)
+                                                               DType.get(dtype).proto)
     return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype=DType.get(dtype).bits_numpy))
 
 
@@ -275,7 +274,7 @@ class KVQSession:
         """Bytes of the stored cache regions (the per-row ``seq_lengths`` bookkeeping excluded)."""
         total = 0
         for spec in self.past:
-            if spec.role != "seq_lengths":
+            if spec.role != Role.SEQ_LENGTHS:
                 total += int(np.prod(cache[spec.name].shape())) * DType.get(spec.dtype).itemsize
         return total
 
@@ -372,7 +371,7 @@ class KVQSession:
             return
         for when, cache in (("fed to this step", fed), ("written by this step", written or {})):
             for spec in self.past:
-                if spec.dtype not in ("float16", "float32") or spec.role == "seq_lengths" or spec.name not in cache:
+                if spec.dtype not in ("float16", "float32") or spec.role == Role.SEQ_LENGTHS or spec.name not in cache:
                     continue
                 if cache is fed and written is not None and self.layout.shared(spec):
                     continue  # updated in place: it now holds what this step wrote

@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvq_export.errors import KVQError
-from kvq_export.serve.backends import Backend, GenerationError, Job, TokenStream, open_backend
+from kvq_export.serve.backends import Backend, GenerationError, Job, StreamEnd, TokenStream, open_backend
 from kvq_export.serve.protocol import (
     GenerationRequest,
     Reply,
@@ -147,14 +147,14 @@ async def _generate(backend: Backend, http_request: Request, request: Generation
     return reply.full(tracker.text, finish, reply.usage(len(ids), len(tracker.tokens)))
 
 
-async def _collect(stream: TokenStream, tracker: TextTracker) -> str:
+async def _collect(stream: TokenStream, tracker: TextTracker) -> StreamEnd:
     """Read a request to its end; returns the finish reason."""
     async for token in stream:
         tracker.add(token, stream=False)
         if tracker.stopped:
             stream.cancel()
-            return "stop"
-    if stream.finish_reason == "cancelled":
+            return StreamEnd.STOP
+    if stream.finish_reason == StreamEnd.CANCELLED:
         raise GenerationError("the request was cancelled (the server is shutting down)")
     return stream.finish_reason
 
@@ -180,9 +180,9 @@ async def _events(backend: Backend, job: Job, tracker: TextTracker, reply: Reply
             if delta:
                 yield event(reply.chunk(delta))
             if tracker.stopped:
-                finish = "stop"
+                finish = StreamEnd.STOP
                 break
-        if finish is None and stream.finish_reason == "cancelled":
+        if finish is None and stream.finish_reason == StreamEnd.CANCELLED:
             raise GenerationError("the request was cancelled (the server is shutting down)")
         rest = tracker.finish()
         if rest:

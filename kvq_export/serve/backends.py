@@ -20,6 +20,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -28,6 +29,7 @@ from kvq_export.manifest import Manifest
 from kvq_export.runtime import open_session
 from kvq_export.runtime.base import Session
 from kvq_export.runtime.sampling import SamplingConfig
+from kvq_export.vocab import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -49,17 +51,26 @@ class Job:
     sampling: SamplingConfig
 
 
+class StreamEnd(StrEnum):
+    """How a :class:`TokenStream` ends: OpenAI's finish reasons, or without an answer."""
+
+    STOP = "stop"  # end of sequence (or a stop string matched, see the app)
+    LENGTH = "length"  # max_tokens
+    CANCELLED = "cancelled"
+    ERROR = "error"  # the reader raised GenerationError
+
+
 class TokenStream:
     """One request's tokens: produced by a backend thread, read by ``async for`` in the handler's event loop.
 
-    The stream ends with a finish reason: ``"stop"`` (end of sequence), ``"length"`` (``max_tokens``) or
-    ``"cancelled"``; a failure raises :class:`GenerationError` in the reader. :meth:`cancel` frees the request's
+    The stream ends with a :class:`StreamEnd`: ``stop`` (end of sequence), ``length`` (``max_tokens``) or
+    ``cancelled``; a failure raises :class:`GenerationError` in the reader. :meth:`cancel` frees the request's
     slot (a batch row, or the session's turn); it is idempotent and safe after the end.
     """
 
     def __init__(self, job: Job, backend: Backend, loop: asyncio.AbstractEventLoop) -> None:
         self.job = job
-        self.finish_reason: str | None = None
+        self.finish_reason: StreamEnd | None = None
         self.cancelled = threading.Event()
         self._backend = backend
         self._loop = loop
@@ -71,7 +82,7 @@ class TokenStream:
         """Hand one generated token to the reader."""
         self._post(("token", int(token)))
 
-    def end(self, reason: str) -> None:
+    def end(self, reason: StreamEnd) -> None:
         """The last item: the finish reason."""
         self._close(("end", reason))
 
@@ -100,7 +111,7 @@ class TokenStream:
             elif kind == "end":
                 self.finish_reason = value
             else:
-                self.finish_reason = "error"
+                self.finish_reason = StreamEnd.ERROR
                 raise GenerationError(value)
 
     def cancel(self) -> None:
@@ -271,7 +282,7 @@ class SessionBackend(Backend):
     def _serve(self, session: Session) -> None:
         while (stream := self._jobs.get()) is not None:
             if stream.cancelled.is_set():
-                stream.end("cancelled")
+                stream.end(StreamEnd.CANCELLED)
                 continue
             self._generate(session, stream)
         while True:  # stopping: whatever is still queued never starts
@@ -280,7 +291,7 @@ class SessionBackend(Backend):
             except queue.Empty:
                 return
             if left is not None:
-                left.end("cancelled")
+                left.end(StreamEnd.CANCELLED)
 
     def _generate(self, session: Session, stream: TokenStream) -> None:
         def on_token(row: int, token: int) -> None:
@@ -292,7 +303,7 @@ class SessionBackend(Backend):
         try:
             result = session.generate([list(job.prompt_tokens)], job.max_tokens, job.sampling, on_token=on_token)[0]
         except _Cancelled:
-            stream.end("cancelled")
+            stream.end(StreamEnd.CANCELLED)
         except KVQError as err:
             logger.warning("a request failed: %s", err)
             stream.fail(str(err))
@@ -300,7 +311,7 @@ class SessionBackend(Backend):
             logger.exception("a request failed")
             stream.fail(f"{type(err).__name__}: {err}")
         else:
-            stream.end("stop" if result.finish_reason == "eos" else "length")
+            stream.end(StreamEnd.STOP if result.finish_reason == FinishReason.EOS else StreamEnd.LENGTH)
 
 
 @dataclass
@@ -371,7 +382,7 @@ class EngineBackend(Backend):
                 elif command == "cancel":
                     self._cancel_turn(turns, stream)
                 elif stream.cancelled.is_set():
-                    stream.end("cancelled")
+                    stream.end(StreamEnd.CANCELLED)
                 else:
                     self._begin(og, engine, turns, stream)
             if stopping:
@@ -380,7 +391,7 @@ class EngineBackend(Backend):
             self._step(og, engine, events, turns, drain=stopping)
         for turn in turns:  # the engine did not report these finished while draining
             turn.request.close()
-            turn.stream.end("cancelled")
+            turn.stream.end(StreamEnd.CANCELLED)
         del events, engine, session  # released in the thread that owns them
 
     @staticmethod
@@ -451,7 +462,7 @@ class EngineBackend(Backend):
                 if event.flags & flags.FAILED:
                     turn.stream.fail(f"onnxruntime-genai failed the request: {event.error_code.name}")
                 elif event.flags & flags.TURN_FINISHED:
-                    turn.stream.end(_FINISH.get(event.finish_reason.name, "stop"))
+                    turn.stream.end(_FINISH.get(event.finish_reason.name, StreamEnd.STOP))
                 else:
                     continue
                 turn.request.close()
@@ -459,8 +470,8 @@ class EngineBackend(Backend):
 
 
 #: og's finish reasons as OpenAI's
-_FINISH = {"EOS": "stop", "STOP_STRING": "stop", "MAX_GENERATED_TOKENS": "length", "MAX_SESSION_TOKENS": "length",
-           "CANCELLED": "cancelled"}
+_FINISH = {"EOS": StreamEnd.STOP, "STOP_STRING": StreamEnd.STOP, "MAX_GENERATED_TOKENS": StreamEnd.LENGTH,
+           "MAX_SESSION_TOKENS": StreamEnd.LENGTH, "CANCELLED": StreamEnd.CANCELLED}
 
 
 def open_backend(directory: str | Path, *, kind: str = "auto", verify_weights: bool = True,

@@ -29,6 +29,7 @@ from kvq_export.cache_layout import RegionSplit
 from kvq_export.errors import ExportError
 from kvq_export.export.flavors import Runtime, get_flavor
 from kvq_export.manifest import MODEL_NAME, Manifest, check_output_path
+from kvq_export.vocab import Part
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def _region_bounds(manifest, axis: str, max_context: int) -> tuple[int, int] | N
     if match is None:
         return None
     scheme = manifest.scheme
-    tq = scheme.for_layer(int(match["layer"]))[0 if match["part"] == "key" else 1]
+    tq = scheme.for_layer(int(match["layer"]))[0 if match["part"] == Part.KEY else 1]
     split = RegionSplit.of(tq, scheme)
     sinks, quantized, _ = split.lengths(max_context)
     if match["region"] == "sinks":

@@ -33,6 +33,7 @@ from kvq_export.cache_layout import REGIONS
 from kvq_export.dtypes import DType, onnx_name
 from kvq_export.naming import PARTS, tensor_name
 from kvq_export.scheme import KVQuantScheme
+from kvq_export.vocab import plain
 
 PLUGIN_NAMESPACE = "kvq"
 PLUGIN_PREFIX = "kvq_attention"
@@ -125,7 +126,8 @@ def plugin_signature(
                 dtype = "int32" if role == "channel_order" else onnx_name(tq.scale_dtype)
                 inputs.append(PluginInput(f"{part}_{role}", role, part, dtype, static_name(layer, part, role)))
         tags.append(layout.tag)
-        attributes.update(layout.attributes(part))
+        # plain str/int/float: ONNX attributes and TensorRT plugin fields are typed by their Python type
+        attributes.update({key: plain(value) for key, value in layout.attributes(part).items()})
     return PluginSignature(f"{PLUGIN_PREFIX}_{tags[0]}_{tags[1]}", PLUGIN_NAMESPACE, tuple(inputs),
                            tuple(attributes.items()), compute)
 

@@ -15,16 +15,36 @@ value-induced term" and "the three terms add up to the total" hold to rounding (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 
-#: Metric names, per query head, in the order they are reported.
-METRICS = (
-    "key_mse", "value_mse", "key_rel_error", "score_shift_mean", "score_shift_max",
-    "kl_keys", "tv_keys", "top1_keys", "topk_keys", "margin", "top2_flip",
-    "out_rel_keys", "out_rel_values", "out_rel_both",
-    "key_induced", "value_induced", "cross_term", "decomposition_residual",
-)
+
+class AttentionMetric(StrEnum):
+    """What :func:`attention_metrics` measures per query head, in the order they are reported."""
+
+    KEY_MSE = "key_mse"
+    VALUE_MSE = "value_mse"
+    KEY_REL_ERROR = "key_rel_error"
+    SCORE_SHIFT_MEAN = "score_shift_mean"
+    SCORE_SHIFT_MAX = "score_shift_max"
+    KL_KEYS = "kl_keys"
+    TV_KEYS = "tv_keys"
+    TOP1_KEYS = "top1_keys"
+    TOPK_KEYS = "topk_keys"
+    MARGIN = "margin"
+    TOP2_FLIP = "top2_flip"
+    OUT_REL_KEYS = "out_rel_keys"
+    OUT_REL_VALUES = "out_rel_values"
+    OUT_REL_BOTH = "out_rel_both"
+    KEY_INDUCED = "key_induced"
+    VALUE_INDUCED = "value_induced"
+    CROSS_TERM = "cross_term"
+    DECOMPOSITION_RESIDUAL = "decomposition_residual"
+
+
+#: Every metric, in report order.
+METRICS = tuple(AttentionMetric)
 
 
 @dataclass(frozen=True)
@@ -51,7 +71,7 @@ def _norm(x: np.ndarray) -> np.ndarray:
     return np.linalg.norm(x, axis=-1)
 
 
-def attention_metrics(sample: AttentionSample, *, top_k: int = 8) -> dict[str, np.ndarray]:
+def attention_metrics(sample: AttentionSample, *, top_k: int = 8) -> dict[AttentionMetric, np.ndarray]:
     """Every metric of :data:`METRICS` for each query head ([Hq] arrays)."""
     q = sample.q.astype(np.float64)
     hq, hkv = q.shape[0], sample.keys.shape[0]
@@ -85,24 +105,25 @@ def attention_metrics(sample: AttentionSample, *, top_k: int = 8) -> dict[str, n
         margin, flip = np.full(hq, np.inf), np.zeros(hq, bool)
 
     return {
-        "key_mse": np.mean((kh - k) ** 2, axis=(1, 2)),
-        "value_mse": np.mean((vh - v) ** 2, axis=(1, 2)),
-        "key_rel_error": np.linalg.norm(kh - k, axis=(1, 2)) / np.maximum(np.linalg.norm(k, axis=(1, 2)), 1e-30),
-        "score_shift_mean": shift.mean(axis=-1),
-        "score_shift_max": shift.max(axis=-1),
-        "kl_keys": np.maximum(kl, 0.0),
-        "tv_keys": 0.5 * np.abs(a2 - a).sum(axis=-1),
-        "top1_keys": (top[:, 0] == top_hat[:, 0]).astype(np.float64),
-        "topk_keys": topk_overlap,
-        "margin": margin,
-        "top2_flip": flip.astype(np.float64),
-        "out_rel_keys": _norm(o_keys - o) / o_norm,
-        "out_rel_values": _norm(o_values - o) / o_norm,
-        "out_rel_both": _norm(o_both - o) / o_norm,
-        "key_induced": _norm(key_term) / o_norm,
-        "value_induced": _norm(value_term) / o_norm,
-        "cross_term": _norm(cross) / o_norm,
-        "decomposition_residual": _norm(o_both - o - key_term - value_term - cross) / o_norm,
+        AttentionMetric.KEY_MSE: np.mean((kh - k) ** 2, axis=(1, 2)),
+        AttentionMetric.VALUE_MSE: np.mean((vh - v) ** 2, axis=(1, 2)),
+        AttentionMetric.KEY_REL_ERROR: (np.linalg.norm(kh - k, axis=(1, 2))
+                                        / np.maximum(np.linalg.norm(k, axis=(1, 2)), 1e-30)),
+        AttentionMetric.SCORE_SHIFT_MEAN: shift.mean(axis=-1),
+        AttentionMetric.SCORE_SHIFT_MAX: shift.max(axis=-1),
+        AttentionMetric.KL_KEYS: np.maximum(kl, 0.0),
+        AttentionMetric.TV_KEYS: 0.5 * np.abs(a2 - a).sum(axis=-1),
+        AttentionMetric.TOP1_KEYS: (top[:, 0] == top_hat[:, 0]).astype(np.float64),
+        AttentionMetric.TOPK_KEYS: topk_overlap,
+        AttentionMetric.MARGIN: margin,
+        AttentionMetric.TOP2_FLIP: flip.astype(np.float64),
+        AttentionMetric.OUT_REL_KEYS: _norm(o_keys - o) / o_norm,
+        AttentionMetric.OUT_REL_VALUES: _norm(o_values - o) / o_norm,
+        AttentionMetric.OUT_REL_BOTH: _norm(o_both - o) / o_norm,
+        AttentionMetric.KEY_INDUCED: _norm(key_term) / o_norm,
+        AttentionMetric.VALUE_INDUCED: _norm(value_term) / o_norm,
+        AttentionMetric.CROSS_TERM: _norm(cross) / o_norm,
+        AttentionMetric.DECOMPOSITION_RESIDUAL: _norm(o_both - o - key_term - value_term - cross) / o_norm,
     }
 
 

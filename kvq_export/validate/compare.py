@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from kvq_export.vocab import Part
+
 logger = logging.getLogger(__name__)
 
 
@@ -77,7 +79,7 @@ class Comparison:
     def summary(self) -> list[OutputError]:
         """A short list whatever the model's depth: ``logits``, then the worst cache key and value layer (named)."""
         rows = [o for o in self.outputs if not o.name.startswith("cache.")]
-        for part in ("key", "value"):
+        for part in Part:
             streams = [o for o in self.outputs if o.name.startswith("cache.") and o.name.endswith(f".{part}")]
             if streams:
                 rows.append(max(streams, key=lambda o: (not o.passed, o.max_abs)))

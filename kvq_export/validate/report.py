@@ -12,6 +12,7 @@ from typing import Any
 
 from kvq_export._atomic import atomic_write
 from kvq_export.manifest import check_output_path
+from kvq_export.validate.attention import AttentionMetric
 
 
 def write_json(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
@@ -152,7 +153,8 @@ def _plots(result: dict[str, Any]) -> list[tuple[str, str]]:
     att = result["attention"]
     if att.get("samples"):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        grids = {m: np.asarray(att["per_layer_head"][m]) for m in ("key_induced", "value_induced")}
+        grids = {m: np.asarray(att["per_layer_head"][m])
+                 for m in (AttentionMetric.KEY_INDUCED, AttentionMetric.VALUE_INDUCED)}
         top = max(float(g.max()) for g in grids.values()) or 1.0  # one colour scale: the two are comparable
         for ax, metric, title in zip(axes, grids,
                                      ("key-induced output error (a'-a)V", "value-induced output error a(V'-V)")):
@@ -163,8 +165,8 @@ def _plots(result: dict[str, Any]) -> list[tuple[str, str]]:
         plt.close(fig)
         positions = sorted(int(p) for p in att["by_position"])
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        for metric, label in (("out_rel_keys", "keys only"), ("out_rel_values", "values only"),
-                              ("out_rel_both", "both")):
+        for metric, label in ((AttentionMetric.OUT_REL_KEYS, "keys only"),
+                              (AttentionMetric.OUT_REL_VALUES, "values only"), (AttentionMetric.OUT_REL_BOTH, "both")):
             ax.plot(positions, [att["by_position"][str(p)][metric] for p in positions], marker="o", label=label)
         ax.set(xlabel="decode position", ylabel="attention output rel. error", title="Error vs position")
         ax.legend()

@@ -32,7 +32,8 @@ from kvq_export.export.exporter import cached_export_dir, ensure_export
 from kvq_export.model_digest import recorded_source
 from kvq_export.model_source import cache_dir
 from kvq_export.request import ExportRequest, WeightFormat, WeightSpec
-from kvq_export.validate.attention import METRICS, AttentionSample, attention_metrics, rank_agreement
+from kvq_export.validate.attention import METRICS, AttentionMetric, AttentionSample, attention_metrics, rank_agreement
+from kvq_export.vocab import Part
 
 logger = logging.getLogger(__name__)
 
@@ -309,7 +310,7 @@ def _lockstep(quant, base, tokens: np.ndarray, config: ValidateConfig, progress:
             else:
                 b_cache = cache
         for layer in range(layers):
-            for part in ("key", "value"):
+            for part in Part:
                 exact[layer, part].append(quant.last_extra[f"probe.{layer}.{part}"].astype(hp).astype(np.float32))
         # predictions for positions begin+1 .. end (the last of the window has no target)
         targets = tokens[:, begin + 1:end + 1]
@@ -415,16 +416,18 @@ def _attention_section(acc: _Accumulator, manifest) -> dict[str, Any]:
         counts[layer] += 1
         for m in METRICS:
             grid[m][layer] += metrics[m]
-        for m in ("out_rel_keys", "out_rel_values", "out_rel_both", "kl_keys"):
+        for m in (AttentionMetric.OUT_REL_KEYS, AttentionMetric.OUT_REL_VALUES, AttentionMetric.OUT_REL_BOTH,
+                  AttentionMetric.KL_KEYS):
             by_position[position][m].append(float(np.mean(metrics[m])))
     for m in METRICS:
         grid[m] /= np.maximum(counts, 1)[:, None]
-    hurt = grid["key_induced"].ravel()
-    mse = grid["key_mse"].ravel()
+    hurt = grid[AttentionMetric.KEY_INDUCED].ravel()
+    mse = grid[AttentionMetric.KEY_MSE].ravel()
     order = np.argsort(-hurt)
     mse_rank = (mse[None, :] > mse[:, None]).sum(axis=1)  # heads with a larger MSE: tied heads share a rank
     top = [{"layer": int(i // heads), "head": int(i % heads), "key_induced": float(hurt[i]),
-            "out_rel_keys": float(grid["out_rel_keys"].ravel()[i]), "kl_keys": float(grid["kl_keys"].ravel()[i]),
+            "out_rel_keys": float(grid[AttentionMetric.OUT_REL_KEYS].ravel()[i]),
+            "kl_keys": float(grid[AttentionMetric.KL_KEYS].ravel()[i]),
             "key_mse": float(mse[i]), "mse_rank": int(mse_rank[i]) + 1} for i in order[:10]]
     summary = {m: float(np.mean(grid[m])) for m in METRICS}
     return {
@@ -434,7 +437,7 @@ def _attention_section(acc: _Accumulator, manifest) -> dict[str, Any]:
         "by_position": {str(p): {m: float(np.mean(v)) for m, v in ms.items()} for p, ms in sorted(by_position.items())},
         "key_error_hurts_most": top,
         "rank_agreement_mse_vs_key_induced": rank_agreement(mse, hurt),
-        "rank_agreement_mse_vs_kl": rank_agreement(mse, grid["kl_keys"].ravel()),
+        "rank_agreement_mse_vs_kl": rank_agreement(mse, grid[AttentionMetric.KL_KEYS].ravel()),
     }
 
 
