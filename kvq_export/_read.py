@@ -1,4 +1,4 @@
-"""Bounded reads of the small files kvq parses: text, JSON and tokenizer files.
+"""Bounded reads of the small files kvq parses: text, JSON, tokenizer and calibration files.
 
 Every such file is read through :func:`read_bytes`, which never takes more than a limit: a device
 (``/dev/zero``), a pipe or a sparse file of many GiB named as a prompts file, a scheme or an export's
@@ -25,6 +25,8 @@ TEXT_LIMIT = 64 * MiB
 CORPUS_LIMIT = 512 * MiB
 #: tokenizer.json and friends (large vocabularies are tens of MiB)
 TOKENIZER_LIMIT = 256 * MiB
+#: an export's calibration.npz (a 80-layer model's per-channel scales are about 1 MiB)
+CALIBRATION_LIMIT = 64 * MiB
 #: digits of a JSON integer kvq accepts (a 64-bit integer has 20)
 JSON_INT_DIGITS = 20
 

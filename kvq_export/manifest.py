@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from kvq_export._atomic import atomic_write
-from kvq_export._read import file_sha256, parse_json, read_text
+from kvq_export._read import CALIBRATION_LIMIT, file_sha256, parse_json, read_text
 from kvq_export.cache_layout import REGIONS, CacheLayout, layout_named
+from kvq_export.calibration.artifact import Calibration
 from kvq_export.dtypes import COMPUTE_DTYPES
 from kvq_export.errors import KVQError, RuntimeInputError
 from kvq_export.model_facts import ModelFacts
@@ -246,7 +247,7 @@ def graph_metadata(scheme: KVQuantScheme, model: ModelFacts, *, flavor: str, lay
 
 
 def check_graph_metadata(directory: str | os.PathLike[str], manifest: Manifest, carried: Mapping[str, str],
-                         static: Mapping | None) -> None:
+                         static: Calibration | None) -> None:
     """Refuse a manifest (or calibration file) that disagrees with what the graph ``carried`` in its metadata.
 
     ``static``: the calibration file's arrays (:func:`load_static`). A graph from before kvq wrote a key is not
@@ -285,13 +286,85 @@ def check_graph_metadata(directory: str | os.PathLike[str], manifest: Manifest, 
                                     f"built {'with' if built else 'without'} calibrated constants; the manifest "
                                     "was edited")
         if built is not None:
-            from kvq_export.calibrate import calibration_digest
-
-            got = calibration_digest(static, len(built))
+            got = static.digest(len(built))
             if got != built:
                 raise RuntimeInputError(f"{directory}: {manifest.calibration['file']} holds other scales than the "
                                         f"graph embeds (digest {got}, graph {built}): the calibration file was "
                                         "replaced; export again")
+
+
+def check_graph_calibration(directory: str | os.PathLike[str], manifest: Manifest, graph: str | os.PathLike[str],
+                            calibration: Calibration | None) -> None:
+    """Refuse a calibration file whose arrays are not the constants the graph at ``graph`` computes with.
+
+    Digests only say that two files were written together; the graph's own scales, zero points and high-channel
+    constants are what it runs, so a calibration file (with recomputed digests) that disagrees is refused.
+    """
+    if calibration is None:
+        return
+    constants = read_graph_constants(graph, Calibration.reads_graph_constant)
+    compared = calibration.check_graph(constants, manifest.scheme, manifest.model, error=RuntimeInputError)
+    if not compared:
+        raise RuntimeInputError(f"{directory}: {Path(graph).name} holds none of the constants of "
+                                f"{manifest.calibration['file']}: the graph was not built from it; export again")
+
+
+def read_graph_constants(path: str | os.PathLike[str], wanted, *,
+                         limit: int = CALIBRATION_LIMIT) -> dict[str, np.ndarray]:
+    """The initializers of an ONNX file whose names ``wanted(name)`` accepts, within ``limit`` bytes in all.
+
+    Other weights are not read. A tensor kept in the external data file is read from its recorded offset in a
+    file inside the graph's directory.
+    """
+    import onnx
+    from onnx import numpy_helper
+    from onnx.external_data_helper import uses_external_data
+
+    graph = Path(path)
+    try:
+        model = onnx.load(str(graph), load_external_data=False)
+    except Exception as err:  # noqa: BLE001 - onnx raises its own untyped errors for unreadable files
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RuntimeInputError(f"cannot read the ONNX file {graph}: {first}") from None
+    out: dict[str, np.ndarray] = {}
+    total = 0
+    for tensor in model.graph.initializer:
+        if not wanted(tensor.name):
+            continue
+        if uses_external_data(tensor):
+            tensor.raw_data = _external_bytes(graph, tensor, limit - total)
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
+        try:
+            out[tensor.name] = numpy_helper.to_array(tensor)
+        except (ValueError, TypeError) as err:
+            raise RuntimeInputError(f"{graph}: constant {tensor.name} is unreadable: {err}") from None
+        total += out[tensor.name].nbytes
+        if total > limit:
+            raise RuntimeInputError(f"{graph}: its calibration constants exceed {limit} bytes; kvq reads at most that")
+    return out
+
+
+def _external_bytes(graph: Path, tensor, budget: int) -> bytes:
+    """The bytes of one external-data tensor (at most ``budget``), from a file inside the graph's directory."""
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    where = resolve_inside(graph.parent, info.get("location", ""))
+    try:
+        offset, length = int(info.get("offset", 0)), int(info.get("length", -1))
+    except ValueError:
+        raise RuntimeInputError(f"{graph}: constant {tensor.name} has a malformed external data record") from None
+    if length < 0 or length > budget:
+        raise RuntimeInputError(f"{graph}: constant {tensor.name} claims {length} bytes of external data; kvq reads "
+                                f"at most {budget} more")
+    try:
+        with open(where, "rb") as handle:
+            handle.seek(offset)
+            data = handle.read(length)
+    except OSError as err:
+        raise RuntimeInputError(f"cannot read {where}: {err.strerror or err}") from None
+    if len(data) != length:
+        raise RuntimeInputError(f"{where} ends before constant {tensor.name} ({len(data)} of {length} bytes)")
+    return data
 
 
 def _json_object(directory, text: str, key: str) -> dict[str, Any]:
@@ -446,27 +519,26 @@ def verify_weights(directory: str | os.PathLike[str], manifest: Manifest) -> Non
                                 "remove it or export again (or skip the check: verify_weights=False / --no-verify)")
 
 
-def load_static(directory: str | os.PathLike[str], manifest: Manifest) -> dict | None:
-    """The calibrated static scales the manifest names, as ``{layer: {part: {role: array}}}``."""
+def load_static(directory: str | os.PathLike[str], manifest: Manifest) -> Calibration | None:
+    """The calibration the manifest names (None without one), checked against its digest, scheme and model.
+
+    Read within :data:`~kvq_export._read.CALIBRATION_LIMIT` bytes. The graph holds the truth: a runtime also
+    compares the arrays with the graph's constants (:func:`check_graph_calibration`).
+    """
     if not manifest.calibration:
         return None
-    from kvq_export.calibrate import calibration_digest
-
     path = resolve_inside(directory, manifest.calibration["file"])
-    out: dict[int, dict[str, dict[str, np.ndarray]]] = {}
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            for key in data.files:
-                layer, part, role = key.split(".")
-                out.setdefault(int(layer), {}).setdefault(part, {})[role] = data[key]
-    except (OSError, ValueError, EOFError) as err:
-        raise RuntimeInputError(f"{path} is not a readable calibration file: {err}") from None
+    calibration = Calibration.load(path, error=RuntimeInputError)
     want = manifest.calibration["digest"]
-    got = calibration_digest(out, len(want)) if out else ""
+    got = calibration.digest(len(want)) if isinstance(want, str) and want else ""
     if got != want:
         raise RuntimeInputError(f"{path} does not match the calibration digest in {MANIFEST_NAME} "
                                 f"({got or 'empty'} != {want}): the scales were edited or replaced; export again")
-    return out
+    try:
+        calibration.check(manifest.scheme, manifest.model)
+    except KVQError as err:
+        raise RuntimeInputError(f"{path} does not fit the export's scheme: {err}") from None
+    return calibration
 
 
 def decode_cache(

@@ -6,7 +6,7 @@ damage is. The planner
 
 1. runs the model once over calibration text and keeps, per layer, sampled post-RoPE queries, every
    cached key/value and the size of the residual stream entering the layer
-   (:func:`kvq_export.calibrate.collect_attention_samples`);
+   (:func:`kvq_export.calibration.passes.collect_attention_samples`);
 2. calibrates every static candidate format from those samples (``--calib-method``, default absmax like
    ``kvq export``'s, the same arithmetic ``kvq export`` applies);
 3. measures, per layer and candidate, the damage to attention (the ``metric``):
@@ -45,13 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvq_export.calibrate import (
-    HIGH_CHANNELS,
-    PARTS,
-    _check_windows,
-    collect_attention_samples,
-    static_to_torch,
-)
+from kvq_export.calibration.artifact import HIGH_CHANNELS, PARTS, Calibration
+from kvq_export.calibration.passes import check_windows, collect_attention_samples
 from kvq_export.errors import KVQError, SchemeError
 from kvq_export.memory import predict, stream_bytes
 from kvq_export.model_source import model_facts
@@ -70,7 +65,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
-    from kvq_export.calibrate import AttentionSample
+    from kvq_export.calibration.passes import AttentionSample
     from kvq_export.model_facts import ModelFacts
 
 logger = logging.getLogger(__name__)
@@ -311,12 +306,8 @@ def _static_for(model: PreTrainedModel, cset: CandidateSet, samples, num_layers:
     """
     import torch
 
-    from kvq_export.calibrate import (
-        channel_importance,
-        ranging_group,
-        stream_from_samples,
-        top_channels,
-    )
+    from kvq_export.calibration.high_channels import channel_importance, ranging_group, top_channels
+    from kvq_export.calibration.methods import stream_from_samples
     from kvq_export.progress import task
     from kvq_export.rotation import rotation_matrix
 
@@ -566,7 +557,7 @@ def measure_kl(
                 for i, (layer, key, value) in enumerate(configs):
                     override = LayerOverride(layer, key=key or TensorQuant.fp16(), value=value or TensorQuant.fp16())
                     scheme = KVQuantScheme(hp_dtype="fp32", layer_overrides=(override,), sink_tokens=sink_tokens)
-                    static = static_to_torch({layer: _layer_static(static_by, layer, key, value)})
+                    static = Calibration.of({layer: _layer_static(static_by, layer, key, value)}).to_torch()
                     cache, _ = reference_hf_cache(scheme, num_layers, static)
                     logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0].float()
                     quant = torch.log_softmax(logits, dim=-1)
@@ -714,7 +705,7 @@ class Plan:
     def static_for(self, scheme: KVQuantScheme, num_layers: int) -> dict[int, dict[str, dict[str, Any]]]:
         """The static metadata of ``scheme`` (made of this plan's candidates) from the candidates' calibration.
 
-        The same arrays :func:`kvq_export.calibrate.calibrate_static_scales` gives for ``scheme`` on the plan's
+        The same arrays :func:`kvq_export.calibration.calibrate_static_scales` gives for ``scheme`` on the plan's
         windows with the plan's method (the same samples and arithmetic), so an export of the plan needs no second
         calibration pass. Streams that need no calibration are left out, as there.
         """
@@ -828,7 +819,7 @@ def plan_scheme(
 
     Args:
         model: a Hugging Face causal LM (Llama family).
-        windows: calibration token windows (e.g. :func:`kvq_export.calibrate.calibration_windows`).
+        windows: calibration token windows (e.g. :func:`kvq_export.calibration.calibration_windows`).
         budget: most bits per cached element at ``context`` tokens (memory model, batch 1).
         context: the cache length the budget is stated at.
         candidates: a :class:`CandidateSet` or a spec for :func:`candidate_set`.
@@ -863,7 +854,7 @@ def plan_scheme(
     facts = model_facts(model.config)
     layers, heads, dim = facts.num_layers, facts.num_kv_heads, facts.head_dim
     cset = fitting(cset, dim)
-    windows = _check_windows(windows, facts.vocab_size)
+    windows = check_windows(windows, facts.vocab_size)
     samples = collect_attention_samples(model, windows, list(range(layers)), layers)
     with _one_thread():
         static_by = _static_for(model, cset, samples, layers, str(calibration.method), calibration.percentile)

@@ -53,7 +53,7 @@ DEFAULT_PLAN_CANDIDATES = "ort-gqa"
 
 
 class CalibrationMethod(StrEnum):
-    """How a static scale is chosen from the calibration K/V (see :mod:`kvq_export.calibrate`)."""
+    """How a static scale is chosen from the calibration K/V (see :mod:`kvq_export.calibration.methods`)."""
 
     ABSMAX = "absmax"
     PERCENTILE = "percentile"

@@ -11,7 +11,7 @@ from state_harness import left_pad, teacher_force
 from tiny_models import VOCAB, tiny_model
 
 from kvq_export.cache_layout import buffer_codes_to_kvq
-from kvq_export.calibrate import HIGH_CHANNELS, calibrate_static_scales, static_to_torch
+from kvq_export.calibration import HIGH_CHANNELS, calibrate_static_scales
 from kvq_export.manifest import decode_cache
 from kvq_export.presets import PRESETS
 from kvq_export.reference.codec import channel_levels, unpack_stream
@@ -127,7 +127,7 @@ def compare(session: KVQSession, arch: str, scheme, static, prompts, *, steps: i
     width = ids.shape[1]
     for row, prompt in enumerate(prompts):
         cache_hf, ref = reference_hf_cache(scheme, model.config.num_hidden_layers,
-                                           static_to_torch(static) if static else None, exact_prefill=exact_prefill)
+                                           static.to_torch() if static else None, exact_prefill=exact_prefill)
         with torch.no_grad():
             want = [model(torch.tensor([prompt]), cache=cache_hf).logits[0].numpy()]
             for token in stream[:, row]:

@@ -9,7 +9,7 @@ import torch
 from schedules import crossing_steps
 from tiny_models import VOCAB
 
-from kvq_export.calibrate import calibrate_static_scales, static_to_torch
+from kvq_export.calibration import Calibration, calibrate_static_scales
 from kvq_export.manifest import decode_cache, load_static
 from kvq_export.reference.hf_cache import reference_hf_cache
 from kvq_export.runtime.session import KVQSession
@@ -74,7 +74,7 @@ def calibrated_static(model, scheme):
 def reference_run(model, scheme, static, prompt, stream):
     """Logits per call (prefill, then one per streamed token) and the final reference cache."""
     cache, ref = reference_hf_cache(scheme, model.config.num_hidden_layers,
-                                    static_to_torch(static) if static else None)
+                                    Calibration.of(static).to_torch() if static else None)
     logits = []
     with torch.no_grad():
         logits.append(model(torch.tensor([prompt]), cache=cache).logits[0].numpy())

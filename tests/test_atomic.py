@@ -31,11 +31,11 @@ def test_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
 
 
 def test_manifest_and_calibration_are_world_readable(tmp_path):
-    from kvq_export.calibrate import save_calibration
+    from kvq_export.calibration import Calibration
 
     old = os.umask(0o022)
     try:
-        path = save_calibration({0: {"key": {"scales": np.ones((2, 4), np.float32)}}}, tmp_path / "c.npz")
+        path = Calibration.of({0: {"key": {"scales": np.ones((2, 4), np.float32)}}}).save(tmp_path / "c.npz")
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644

@@ -1,8 +1,9 @@
-"""Static-scale calibration (kvq_export.calibrate) and offline corpora (kvq_export.corpus)."""
+"""Static-scale calibration (kvq_export.calibration) and offline corpora (kvq_export.corpus)."""
 
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,14 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
 
-from kvq_export.calibrate import (
-    calibrate_static_scales,
-    calibration_digest,
-    check_calibration,
-    load_calibration,
-    save_calibration,
-    static_to_torch,
-)
+from kvq_export.calibration import Calibration, calibrate_static_scales
 from kvq_export.corpus import corpus_names, load_corpus, token_windows
 from kvq_export.errors import KVQError, SchemeError
 from kvq_export.presets import get_preset
@@ -27,6 +21,7 @@ from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
 from kvq_export.vocab import Part
 
 LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 2, 2, 32, 128
+GEOMETRY = SimpleNamespace(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)  # what a check reads
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +81,7 @@ def test_ort_presets_absmax_exact(model, windows, kv, preset):
             amax = kv[(layer, part)].abs().amax(dim=1).numpy()  # [H, D]
             expected = (amax / np.float32(qmax)).astype(np.float32)  # scale_dtype fp32
             np.testing.assert_array_equal(meta["scales"], expected)
-    check_calibration(static, scheme, LAYERS, KV_HEADS, HEAD_DIM)
+    Calibration.of(static).check(scheme, GEOMETRY)
 
 
 def test_token_axis_groups_fp16_exact(model, windows, kv):
@@ -129,7 +124,7 @@ def test_percentile_below_absmax(model, windows):
 
 def _round_trip_error(scheme, static, kv) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """Quantize the calibration data with the reference cache; return (|error|, scale broadcast)."""
-    cache = ReferenceCache(scheme, LAYERS, static=static_to_torch(static))
+    cache = ReferenceCache(scheme, LAYERS, static=static.to_torch())
     out = {}
     for layer in range(LAYERS):
         k, v = kv[(layer, "key")], kv[(layer, "value")]
@@ -165,25 +160,25 @@ def test_percentile_clips_some_calibration_data(model, windows, kv):
 
 
 def test_zero_channel_scale_is_smallest_normal(model, windows):
-    from kvq_export.calibrate import _stream_metadata
+    from kvq_export.calibration.methods import stream_metadata
 
     x = torch.randn(KV_HEADS, 10, HEAD_DIM)
     x[1, :, 3] = 0.0
     for dtype, tiny in (("fp16", np.finfo(np.float16).tiny), ("fp32", np.finfo(np.float32).tiny)):
         for fmt in ("int_sym", "int"):
             tq = TensorQuant(format=fmt, bits=8, axis="channel", scales="static", scale_dtype=dtype)
-            scales = _stream_metadata(x, tq, "absmax", 99.9)["scales"]
+            scales = stream_metadata(x, tq, "absmax", 99.9)["scales"]
             assert scales[1, 3] == np.float32(tiny) and (scales > 0).all()
 
 
 def test_fp16_scale_overflow_is_an_error():
-    from kvq_export.calibrate import _stream_metadata
+    from kvq_export.calibration.methods import stream_metadata
     from kvq_export.errors import QuantizationError
 
     x = torch.full((KV_HEADS, 4, HEAD_DIM), 1e9)
     tq = TensorQuant(format="int_sym", bits=8, axis="channel", scales="static", scale_dtype="fp16")
     with pytest.raises(QuantizationError, match="scale_dtype fp32"):
-        _stream_metadata(x, tq, "absmax", 99.9)
+        stream_metadata(x, tq, "absmax", 99.9)
 
 
 def test_mixed_scheme_calibrates_only_static_streams(model, windows):
@@ -193,52 +188,52 @@ def test_mixed_scheme_calibrates_only_static_streams(model, windows):
     static = calibrate_static_scales(model, scheme, windows)
     assert list(static) == [1] and list(static[1]) == ["value"]
     assert sorted(static[1]["value"]) == ["scales", "zero_points"]
-    check_calibration(static, scheme, LAYERS, KV_HEADS, HEAD_DIM)
+    Calibration.of(static).check(scheme, GEOMETRY)
 
 
 def test_npz_round_trip_and_digest(model, windows, tmp_path):
     scheme = KVQuantScheme(key=get_preset("ort-int8").key, value=ASYM_CHANNEL)
     static = calibrate_static_scales(model, scheme, windows)
-    path = save_calibration(static, tmp_path / "sub" / "calib.npz")
+    path = static.save(tmp_path / "sub" / "calib.npz")
     assert [p.name for p in path.parent.iterdir()] == ["calib.npz"]  # no temp file left behind
     assert sorted(np.load(path).files) == sorted(
         f"{layer}.{part}.{role}" for layer in range(LAYERS) for part, roles in
         (("key", ["scales"]), ("value", ["scales", "zero_points"])) for role in roles
     )
-    loaded = load_calibration(path)
+    loaded = Calibration.load(path)
     assert list(loaded) == list(range(LAYERS))
     for layer in range(LAYERS):
         for part, meta in static[layer].items():
             for role, array in meta.items():
                 np.testing.assert_array_equal(loaded[layer][part][role], array)
                 assert loaded[layer][part][role].dtype == np.float32
-    digest = calibration_digest(static)
-    assert digest == calibration_digest(loaded) and len(digest) == 16
+    digest = static.digest()
+    assert digest == loaded.digest() and len(digest) == 16
     changed = {k: {p: dict(m) for p, m in v.items()} for k, v in static.items()}
     changed[0]["key"]["scales"] = changed[0]["key"]["scales"] * 2
-    assert calibration_digest(changed) != digest
-    save_calibration(changed, path)  # overwrite in place
-    np.testing.assert_array_equal(load_calibration(path)[0]["key"]["scales"], changed[0]["key"]["scales"])
+    assert Calibration.of(changed).digest() != digest
+    Calibration.of(changed).save(path)  # overwrite in place
+    np.testing.assert_array_equal(Calibration.load(path)[0]["key"]["scales"], changed[0]["key"]["scales"])
 
 
 def test_load_calibration_errors(tmp_path):
     with pytest.raises(KVQError, match="does not exist"):
-        load_calibration(tmp_path / "missing.npz")
+        Calibration.load(tmp_path / "missing.npz")
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     with pytest.raises(KVQError, match="not a readable"):
-        load_calibration(tmp_path / "junk.npz")
+        Calibration.load(tmp_path / "junk.npz")
     np.savez(tmp_path / "odd.npz", **{"0.key.bias": np.ones((2, 2), np.float32)})
     with pytest.raises(KVQError, match="unexpected array"):
-        load_calibration(tmp_path / "odd.npz")
+        Calibration.load(tmp_path / "odd.npz")
 
 
 def test_check_calibration_errors(model, windows):
     scheme = get_preset("ort-int8")
     static = calibrate_static_scales(model, scheme, windows)
     with pytest.raises(SchemeError, match="no entry for layer 1 value"):
-        check_calibration({0: static[0], 1: {"key": static[1]["key"]}}, scheme, LAYERS, KV_HEADS, HEAD_DIM)
+        Calibration.of({0: static[0], 1: {"key": static[1]["key"]}}).check(scheme, GEOMETRY)
     with pytest.raises(SchemeError, match=r"needs \[kv_heads=4, 32\]"):
-        check_calibration(static, scheme, LAYERS, 4, HEAD_DIM)
+        Calibration.of(static).check(scheme, SimpleNamespace(num_layers=LAYERS, num_kv_heads=4, head_dim=HEAD_DIM))
 
 
 def test_calibration_errors(model, windows):
@@ -261,7 +256,7 @@ def test_calibration_errors(model, windows):
 
 
 def test_logs_token_count(model, windows, caplog):
-    with caplog.at_level("INFO", logger="kvq_export.calibrate"):
+    with caplog.at_level("INFO", logger="kvq_export.calibration.measure"):
         calibrate_static_scales(model, get_preset("ort-int8"), windows)
     assert "on 72 token(s) in 3 window(s)" in caplog.text
 
@@ -371,12 +366,12 @@ def _eager_attention(model, window) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("tq", [get_preset("ort-int4").key, ASYM_CHANNEL, SYM_TOKEN_G8])
 def test_attention_method_clips_within_the_grid(model, windows, tq):
-    from kvq_export.calibrate import ATTENTION_CLIP_GRID
+    from kvq_export.calibration import ATTENTION_CLIP_GRID
 
     scheme = _static(tq)
     top = calibrate_static_scales(model, scheme, windows)
     att = calibrate_static_scales(model, scheme, windows, method="attention")
-    check_calibration(att, scheme, LAYERS, KV_HEADS, HEAD_DIM)
+    Calibration.of(att).check(scheme, GEOMETRY)
     ratios = []
     for layer in range(LAYERS):
         for part in Part:
@@ -391,7 +386,7 @@ def test_attention_method_clips_within_the_grid(model, windows, tq):
 def test_attention_samples_reproduce_the_models_attention(windows):
     from tiny_models import tiny_model
 
-    from kvq_export.calibrate import collect_attention_samples
+    from kvq_export.calibration.passes import collect_attention_samples
 
     model = tiny_model("llama")
     samples = collect_attention_samples(model, windows[:1], [0, 1], 2)
@@ -435,18 +430,19 @@ def test_attention_method_lowers_the_value_induced_error(windows):
 
 
 def test_static_from_samples_equals_calibration(model, windows):
-    from kvq_export.calibrate import collect_attention_samples, static_from_samples
+    from kvq_export.calibration.methods import static_from_samples
+    from kvq_export.calibration.passes import collect_attention_samples
 
     samples = collect_attention_samples(model, windows, [0, 1], LAYERS)
     scheme = _static(ASYM_CHANNEL)
     for method in ("absmax", "attention"):
         want = calibrate_static_scales(model, scheme, windows, method=method)
         got = static_from_samples(samples, scheme, LAYERS, method=method)
-        assert calibration_digest(got) == calibration_digest(want)
+        assert got.digest() == want.digest()
 
 
 def test_calibration_windows_offset(tmp_path):
-    from kvq_export.calibrate import calibration_windows
+    from kvq_export.calibration import calibration_windows
 
     class Words:
         def encode(self, text, add_special_tokens=False):
@@ -460,8 +456,6 @@ def test_calibration_windows_offset(tmp_path):
 
 
 def test_validate_knows_where_offset_calibration_text_lies():
-    from types import SimpleNamespace
-
     from kvq_export.validate.runner import ValidateConfig, _calibration_section
 
     cal = {"source": "calibrated", "corpus": "britannica", "tokens": 4096, "offset": 60000, "method": "attention"}

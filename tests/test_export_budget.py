@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 from tiny_models import VOCAB, WORDS, save_tiny_model_dir, tiny_model, tiny_tokenizer
 
-from kvq_export.calibrate import calibrate_static_scales, calibration_windows
+from kvq_export.calibration import calibrate_static_scales, calibration_windows
 from kvq_export.cli import cli
 from kvq_export.errors import ExportError, KVQError
 from kvq_export.export import exporter
@@ -126,9 +126,7 @@ def test_a_budget_export_calibrates_once(tmp_path, monkeypatch):
     monkeypatch.undo()
     windows = calibration_windows(tiny_tokenizer(), str(text), 256)
     fresh = calibrate_static_scales(tiny_model("llama"), manifest.scheme, windows)
-    from kvq_export.calibrate import calibration_digest
-
-    assert manifest.calibration["digest"] == calibration_digest(fresh)
+    assert manifest.calibration["digest"] == fresh.digest()
 
 
 @pytest.mark.parametrize("method", ["absmax", "percentile", "attention"])

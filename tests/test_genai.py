@@ -22,7 +22,7 @@ from genai_harness import builder_model_dir, run_builder
 from gqa_harness import SCHEMES, calibration
 from tiny_models import VOCAB, WORDS, byte_model, byte_tokenizer, layered_model, tiny_model
 
-from kvq_export.calibrate import calibrate_static_scales
+from kvq_export.calibration import calibrate_static_scales
 from kvq_export.errors import ExportError, KVQError, RuntimeInputError
 from kvq_export.export.exporter import export_model
 from kvq_export.export.genai_package import (

@@ -9,18 +9,15 @@ and GroupQueryAttention's nibble split in tests/test_gqa_flavor.py).
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from kvq_export.calibrate import (
-    AttentionSample,
-    check_calibration,
-    choose_high_channels,
-    load_calibration,
-    save_calibration,
-)
+from kvq_export.calibration import Calibration
+from kvq_export.calibration.high_channels import choose_high_channels
+from kvq_export.calibration.passes import AttentionSample
 from kvq_export.errors import QuantizationError, SchemeError
 from kvq_export.reference.codec import (
     dequantize,
@@ -34,6 +31,7 @@ from kvq_export.vocab import Format
 
 HIGH = TensorQuant(format="int", bits=4, axis="channel", group_size=16, high_channels=6)
 CHOSEN = torch.tensor([[0, 5, 10, 20, 40, 63], [1, 2, 3, 4, 5, 6], [58, 59, 60, 61, 62, 63]])
+ONE_LAYER = SimpleNamespace(num_layers=1, num_kv_heads=3, head_dim=64)  # the geometry CHOSEN fits
 
 
 def _keys(seed: int = 0) -> torch.Tensor:
@@ -87,13 +85,13 @@ STATIC_HIGH = {fmt: TensorQuant(format=fmt, bits=4, axis="channel", scales="stat
 
 @pytest.mark.parametrize("fmt", ["int", "int_sym"])
 def test_static_codec_is_8_bit_on_the_chosen_channels_and_low_bit_elsewhere(fmt):
-    from kvq_export.calibrate import _stream_metadata
+    from kvq_export.calibration.methods import stream_metadata
 
     tq, x = STATIC_HIGH[fmt], _keys(2)
     flat = x.transpose(0, 1).reshape(3, -1, 64)  # [H, B*T, D]: the calibration's view
-    meta = {role: torch.from_numpy(a) for role, a in _stream_metadata(flat, tq, "absmax", 99.9, CHOSEN).items()}
+    meta = {role: torch.from_numpy(a) for role, a in stream_metadata(flat, tq, "absmax", 99.9, CHOSEN).items()}
     plain8, plain = (dataclasses.replace(tq, bits=b, high_channels=0) for b in (8, 4))
-    metas = {t: {role: torch.from_numpy(a) for role, a in _stream_metadata(flat, t, "absmax", 99.9).items()}
+    metas = {t: {role: torch.from_numpy(a) for role, a in stream_metadata(flat, t, "absmax", 99.9).items()}
              for t in (plain8, plain)}
     is_high = torch.zeros(3, 64, dtype=torch.bool).scatter_(1, CHOSEN, True)
     for role, got in meta.items():  # each channel's metadata is what its own bit width gives
@@ -179,14 +177,15 @@ def test_values_rank_channels_by_the_o_proj_columns_that_read_them():
 def test_calibration_file_keeps_the_choice_as_int32(tmp_path):
     scheme = KVQuantScheme(key=HIGH)
     static = {0: {"key": {"high_channels": CHOSEN.numpy().astype(np.int32)}}}
-    check_calibration(static, scheme, 1, 3, 64)
-    back = load_calibration(save_calibration(static, tmp_path / "c.npz"))
+    Calibration.of(static).check(scheme, ONE_LAYER)
+    back = Calibration.load(Calibration.of(static).save(tmp_path / "c.npz"))
     assert back[0]["key"]["high_channels"].dtype == np.int32
     assert np.array_equal(back[0]["key"]["high_channels"], CHOSEN.numpy())
     with pytest.raises(SchemeError, match="lacks high_channels"):
-        check_calibration({}, scheme, 1, 3, 64)
+        Calibration.of({}).check(scheme, ONE_LAYER)
     with pytest.raises(SchemeError, match="calibration 0.key: high_channels must be strictly ascending"):
-        check_calibration({0: {"key": {"high_channels": CHOSEN.numpy()[:, ::-1].astype(np.int32)}}}, scheme, 1, 3, 64)
+        Calibration.of({0: {"key": {"high_channels": CHOSEN.numpy()[:, ::-1].astype(np.int32)}}}).check(
+            scheme, ONE_LAYER)
     assert scheme.needs_calibration and not scheme.has_static_scales
 
 

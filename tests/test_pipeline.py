@@ -53,11 +53,11 @@ def test_stages_run_one_by_one(tmp_path):
     assert facts.num_layers == arch.num_layers == 2 and facts.source is None
     plan = plan_export(request, source)
     assert plan.flavor.name == "reference" and not plan.calibrates
-    calibration = calibrate(plan, source)
-    assert calibration.static is None and calibration.provenance == {"source": "given"}
-    graph, cache = build_graph(plan, source, calibration.static)
+    calibrated = calibrate(plan, source)
+    assert calibrated.calibration is None and calibrated.provenance == {"source": "given"}
+    graph, cache = build_graph(plan, source, calibrated.calibration)
     assert type(cache).__name__ == "QuantizedCacheGraph" and "kvq.scheme" in graph.metadata_props
-    manifest = package(tmp_path, plan, source, graph, calibration)
+    manifest = package(tmp_path, plan, source, graph, calibrated)
     assert Manifest.load(tmp_path) == manifest
     assert manifest.build["request"] == request.to_dict() and manifest.layout == LayoutName.REGIONS
 

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from gqa_harness import compare, sequences, step_nodes
 from tiny_models import VOCAB, save_tiny_model_dir, tiny_model
 
-from kvq_export.calibrate import calibrate_static_scales
+from kvq_export.calibration import calibrate_static_scales
 from kvq_export.cli import cli
 from kvq_export.errors import KVQError, SchemeError
 from kvq_export.export.exporter import export_model
@@ -161,7 +161,7 @@ def test_rotated_candidates_are_measured_in_the_model_basis(windows):
     """Rotating an unquantized stream is exact (no damage); a rotated 2-bit stream is measured, not ignored."""
     import dataclasses
 
-    from kvq_export.calibrate import collect_attention_samples
+    from kvq_export.calibration.passes import collect_attention_samples
     from kvq_export.plan import _o_proj, attention_damage
 
     model = tiny_model("llama")
@@ -187,7 +187,7 @@ def test_accuracy_plan_fits_a_three_and_a_half_bit_budget(windows):
 
 
 def test_sink_tokens_are_measured_and_paid_for(windows):
-    from kvq_export.calibrate import collect_attention_samples
+    from kvq_export.calibration.passes import collect_attention_samples
     from kvq_export.plan import _o_proj, attention_damage
 
     model = tiny_model("llama")
@@ -209,7 +209,7 @@ def test_sink_tokens_are_measured_and_paid_for(windows):
 def test_recent_windows_are_measured_per_query_and_paid_for(windows):
     import dataclasses
 
-    from kvq_export.calibrate import collect_attention_samples
+    from kvq_export.calibration.passes import collect_attention_samples
     from kvq_export.plan import _o_proj, _reference_dequant, attention_damage
 
     model = tiny_model("llama")

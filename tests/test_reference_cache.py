@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvq_export.cache_layout import split_lengths
-from kvq_export.calibrate import fit_metadata
+from kvq_export.calibration.methods import fit_metadata
 from kvq_export.presets import PRESETS
 from kvq_export.reference.cache import LayerCache, ReferenceCache, StreamCache
 from kvq_export.reference.codec import dequantize_packed, quantize_packed

@@ -55,7 +55,7 @@ CASES = {  # (arch, scheme): presets of every stream kind, a mixed-precision ove
 def _static(model, scheme):
     if not scheme.needs_calibration:
         return None
-    from kvq_export.calibrate import calibrate_static_scales
+    from kvq_export.calibration import calibrate_static_scales
 
     rng = np.random.default_rng(3)
     return calibrate_static_scales(model, scheme, [list(rng.integers(0, 128, 48)) for _ in range(2)])

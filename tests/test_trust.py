@@ -201,7 +201,7 @@ def test_validate_and_genai_refuse_an_edited_fact(root, gqa, tmp_path):
 def test_a_doctored_calibration_file_with_a_recomputed_digest_is_refused(gqa, tmp_path):
     import numpy as np
 
-    from kvq_export.calibrate import calibration_digest
+    from kvq_export.calibration import Calibration
     from kvq_export.errors import RuntimeInputError
     from kvq_export.manifest import load_static
     from kvq_export.runtime.session import KVQSession
@@ -212,7 +212,7 @@ def test_a_doctored_calibration_file_with_a_recomputed_digest_is_refused(gqa, tm
                 for layer, parts in scales.items()}
     np.savez(directory / "calibration.npz", **{f"{layer}.{part}.{role}": a for layer, parts in doctored.items()
                                                for part, roles in parts.items() for role, a in roles.items()})
-    _edit(directory, lambda m: m["calibration"].update(digest=calibration_digest(doctored)))
+    _edit(directory, lambda m: m["calibration"].update(digest=Calibration.of(doctored).digest()))
     _rechecksum(directory)
     with pytest.raises(RuntimeInputError, match="holds other scales than the graph embeds"):
         KVQSession(directory)

@@ -12,7 +12,7 @@ import onnx_ir as ir
 import pytest
 from tiny_models import VOCAB, tiny_model
 
-from kvq_export.calibrate import calibrate_static_scales
+from kvq_export.calibration import calibrate_static_scales
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import save
 from kvq_export.export.exporter import export_model

@@ -66,7 +66,7 @@ def exports(hf: Path, work: Path, weights: str, calib_tokens: int) -> dict[str, 
     """
     from transformers import AutoModelForCausalLM
 
-    from kvq_export.calibrate import calibrate_static_scales, load_calibration, save_calibration
+    from kvq_export.calibration import Calibration, calibrate_static_scales
     from kvq_export.export.exporter import ensure_export
     from kvq_export.presets import resolve_scheme
     from kvq_export.request import ExportRequest, WeightSpec
@@ -83,8 +83,8 @@ def exports(hf: Path, work: Path, weights: str, calib_tokens: int) -> dict[str, 
                 model = model or AutoModelForCausalLM.from_pretrained(hf)
                 rng = np.random.default_rng(0)
                 windows = rng.integers(0, model.config.vocab_size, (max(1, calib_tokens // 512), 512)).tolist()
-                save_calibration(calibrate_static_scales(model, scheme, windows), scales)
-            static = load_calibration(scales)
+                calibrate_static_scales(model, scheme, windows).save(scales)
+            static = Calibration.load(scales)
         logger.info("export for %s", name)
         request = ExportRequest(str(hf), scheme, flavor="ort-gqa", weights=WeightSpec(weights))
         out[name] = ensure_export(request, work / f"kvq-{short}-w-{weights}", static=static)

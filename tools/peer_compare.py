@@ -573,12 +573,7 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
     """
     import json
 
-    from kvq_export.calibrate import (
-        calibrate_static_scales,
-        calibration_windows,
-        load_calibration,
-        save_calibration,
-    )
+    from kvq_export.calibration import Calibration, calibrate_static_scales, calibration_windows
     from kvq_export.corpus import load_corpus, token_windows
     from kvq_export.model_source import load_model, model_facts
     from kvq_export.presets import resolve_scheme
@@ -629,10 +624,10 @@ def run_genai(model: str, p_windows: list[list[int]], contexts: Sequence[int], s
             label = f"p{pct:g}" if method == CalibrationMethod.PERCENTILE else method
             saved = work / f"kvq-static-{preset}-{label}.npz"  # calibrating again would give the same scales
             if saved.is_file():
-                static = load_calibration(saved)
+                static = Calibration.load(saved)
             else:
                 static = calibrate_static_scales(hf_model, scheme, calib, method=method, percentile=pct)
-                save_calibration(static, saved)
+                static.save(saved)
             kvq_dir = kvq_gqa_export(model, preset, work / f"kvq-{preset}-{label}", static, kvq_weights,
                                      kvq_accuracy_level)
             add(f"kvq {preset} {label}", kvq_row(f"{preset} (kvq {label} scales)", preset, kvq_dir),

@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from kvq_export.calibrate import calibrate_static_scales, calibration_windows, static_to_torch
+from kvq_export.calibration import calibrate_static_scales, calibration_windows
 from kvq_export.corpus import load_corpus, token_windows
 from kvq_export.memory import Geometry, predict
 from kvq_export.model_source import load_model
@@ -188,8 +188,8 @@ def main() -> None:
         static = None
         if scheme.needs_calibration:  # calibrated on held-out text, as ``kvq export`` would
             calib = calibration_windows(tokenizer, calibration.corpus, calibration.tokens, offset=calibration.offset)
-            static = static_to_torch(calibrate_static_scales(model, scheme, calib, method=calibration.method,
-                                                             percentile=calibration.percentile))
+            static = calibrate_static_scales(model, scheme, calib, method=calibration.method,
+                                             percentile=calibration.percentile).to_torch()
         if args.query_q8_0:
             quantize_queries_like_llama_cpp(model, scheme, geometry.head_dim)
         bits = {tokens: predict(scheme, geometry, tokens).bits_per_element for tokens in (512, 4096)}

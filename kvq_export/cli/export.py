@@ -154,7 +154,7 @@ def plan(model_spec, calibration, plan, out_path, json_out, quiet) -> None:
     from pathlib import Path
 
     from kvq_export._atomic import atomic_write
-    from kvq_export.calibrate import calibration_windows
+    from kvq_export.calibration import calibration_windows
     from kvq_export.model_source import load_model
     from kvq_export.plan import plan_scheme
     from kvq_export.progress import tqdm_bars

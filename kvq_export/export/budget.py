@@ -122,7 +122,7 @@ def plan_request(request: ExportRequest, source: Any, flavor: Flavor, facts: Mod
             fits, among them).
 
     """
-    from kvq_export.calibrate import calibration_windows
+    from kvq_export.calibration import calibration_windows
     from kvq_export.plan import plan_scheme
 
     spec, calibration = request.plan, request.calibration or DEFAULT_CALIBRATION

@@ -30,7 +30,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +45,8 @@ from kvq_export._atomic import (
     seal_dir,
     temp_dir_beside,
 )
-from kvq_export.calibrate import calibrate_static_scales, calibration_digest, calibration_windows, save_calibration
+from kvq_export.calibration import Calibration, calibrate_static_scales, calibration_windows
+from kvq_export.calibration.artifact import StaticLike
 from kvq_export.errors import ExportError, KVQError
 from kvq_export.export.arch import Arch, get_arch
 from kvq_export.export.budget import PlannedScheme, plan_request
@@ -84,8 +85,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["DEFAULT_OPSET", "ExportPlan", "Source", "build_graph", "calibrate", "ensure_export", "export",
            "export_model", "flavor_names", "get_flavor", "load_source", "package", "plan_budget", "plan_export",
            "quantize_weights", "read_facts"]
-
-StaticArrays = Mapping[int, Mapping[str, Mapping[str, Any]]]
 
 
 
@@ -151,7 +150,7 @@ def read_facts(source: Source) -> tuple[Arch, ModelFacts]:
     return arch, ModelFacts.from_config(source.model.config, arch, source=source.spec)
 
 
-def plan_budget(request: ExportRequest, source: Source, *, static: StaticArrays | None = None) -> PlannedScheme:
+def plan_budget(request: ExportRequest, source: Source, *, static: StaticLike | None = None) -> PlannedScheme:
     """Plan the scheme of a request that gives a bit budget instead (``kvq plan``'s planner on its calibration text).
 
     What can be checked without the scheme (the opset, the weights for the flavor, no ``static`` handed over: a
@@ -177,7 +176,7 @@ class ExportPlan:
     flavor: Flavor
     arch: Arch
     facts: ModelFacts
-    static: StaticArrays | None  # calibrated metadata handed over by the caller (None: calibrate, or none needed)
+    static: Calibration | None  # calibrated arrays handed over by the caller (None: calibrate, or none needed)
     planned: PlannedScheme | None = None  # how the scheme was planned (None: the request named it)
 
     @property
@@ -186,13 +185,14 @@ class ExportPlan:
         return self.request.scheme.needs_calibration and self.static is None
 
 
-def plan_export(request: ExportRequest, source: Source, *, static: StaticArrays | None = None,
+def plan_export(request: ExportRequest, source: Source, *, static: StaticLike | None = None,
                 planned: PlannedScheme | None = None) -> ExportPlan:
     """Check that ``request`` can be carried out on ``source`` before anything is computed or written.
 
     A request with a bit budget is carried out as ``planned`` (:func:`plan_budget`) says. Raises a one-line
     :class:`~kvq_export.errors.KVQError` for a scheme the model or the flavor cannot hold, a static-scale scheme with
-    neither scales nor calibration text (kvq never guesses a scale or a channel) and a weight format kvq cannot write.
+    neither scales nor calibration text (kvq never guesses a scale or a channel), given scales that do not fit the
+    scheme and the model, and a weight format kvq cannot write.
     """
     if request.plan is not None:
         if planned is None or planned.asked != request:
@@ -204,6 +204,9 @@ def plan_export(request: ExportRequest, source: Source, *, static: StaticArrays 
     scheme.check_model(facts.num_layers, facts.head_dim)
     flavor = get_flavor(request.flavor)
     flavor.check(scheme, facts)
+    static = None if static is None else Calibration.of(static)
+    if scheme.needs_calibration and static is not None:
+        static.check(scheme, facts)
     if scheme.needs_calibration and static is None:
         if request.calibration is None:
             needs = "static scales" if scheme.has_static_scales else "calibrated high channels"
@@ -223,23 +226,24 @@ def _check_weights(weights: WeightSpec, flavor: Flavor) -> None:
 
 
 @dataclass(frozen=True)
-class Calibration:
-    """The static metadata an export is built with, and how it was chosen (the manifest's ``calibration``)."""
+class Calibrated:
+    """The calibration an export is built with, and how it was chosen (the manifest's ``calibration``)."""
 
-    static: StaticArrays | None
+    calibration: Calibration | None
     provenance: dict[str, Any]
 
 
-def calibrate(plan: ExportPlan, source: Source) -> Calibration:
+def calibrate(plan: ExportPlan, source: Source) -> Calibrated:
     """The static scales (and high channels) of the plan: given, calibrated on the request's text, or none.
 
     A planned scheme's come from the planner, which calibrated every candidate on the same text the same way.
     """
     if not plan.calibrates:
-        return Calibration(plan.static, {"source": "given"})
+        return Calibrated(plan.static, {"source": "given"})
     spec: CalibrationSpec = plan.request.calibration
     if plan.planned is not None:
-        static, tokens = plan.planned.static, plan.planned.tokens
+        static, tokens = Calibration.of(plan.planned.static), plan.planned.tokens
+        static.check(plan.request.scheme, plan.facts)
     else:
         windows = calibration_windows(source.tokenizer, spec.corpus, spec.tokens, offset=spec.offset)
         static = calibrate_static_scales(source.model, plan.request.scheme, windows, method=spec.method,
@@ -248,10 +252,10 @@ def calibrate(plan: ExportPlan, source: Source) -> Calibration:
     provenance = {"source": "calibrated", "corpus": spec.corpus, "tokens": tokens,
                   "offset": spec.offset, "method": str(spec.method),
                   **({"percentile": spec.percentile} if spec.method == CalibrationMethod.PERCENTILE else {})}
-    return Calibration(static, provenance)
+    return Calibrated(static, provenance)
 
 
-def build_graph(plan: ExportPlan, source: Source, static: StaticArrays | None) -> tuple[ir.Model, CacheGraph]:
+def build_graph(plan: ExportPlan, source: Source, static: Calibration | None) -> tuple[ir.Model, CacheGraph]:
     """The decoder graph around the flavor's cache graph; it carries its own scheme (an edited kvq.json is refused)."""
     from kvq_export.export.decoder import build_decoder
 
@@ -260,7 +264,7 @@ def build_graph(plan: ExportPlan, source: Source, static: StaticArrays | None) -
     graph = build_decoder(source.model, plan.arch, cache, dtype=request.dtype, opset=request.opset)
     # the graph carries what it fixes (scheme, model facts, flavor, layout, dtype, embedded scales): a loader
     # compares it with the manifest, so an edited kvq.json or calibration file is refused
-    digest = calibration_digest(static) if static is not None and request.scheme.needs_calibration else None
+    digest = static.digest() if static is not None and request.scheme.needs_calibration else None
     graph.metadata_props.update(graph_metadata(request.scheme, plan.facts, flavor=str(plan.flavor.name),
                                                layout=plan.flavor.layout.name, dtype=request.dtype,
                                                calibration_digest=digest))
@@ -275,7 +279,7 @@ def quantize_weights(graph: ir.Model, spec: WeightSpec) -> ir.Model:
                                     symmetric=spec.symmetric, accuracy_level=spec.accuracy_level)
 
 
-def package(directory: Path, plan: ExportPlan, source: Source, graph: ir.Model, calibration: Calibration) -> Manifest:
+def package(directory: Path, plan: ExportPlan, source: Source, graph: ir.Model, calibrated: Calibrated) -> Manifest:
     """Write the graph, tokenizer, calibration and runtime files into ``directory``; the manifest comes last."""
     from kvq_export.export.builder import save
 
@@ -284,10 +288,9 @@ def package(directory: Path, plan: ExportPlan, source: Source, graph: ir.Model, 
     if source.tokenizer is not None:
         source.tokenizer.save_pretrained(directory)
     written = None
-    if calibration.static is not None and request.scheme.needs_calibration:
-        save_calibration(calibration.static, directory / CALIBRATION_NAME)
-        written = {"file": CALIBRATION_NAME, "digest": calibration_digest(calibration.static),
-                   **calibration.provenance}
+    if calibrated.calibration is not None and request.scheme.needs_calibration:
+        calibrated.calibration.save(directory / CALIBRATION_NAME)
+        written = {"file": CALIBRATION_NAME, "digest": calibrated.calibration.digest(), **calibrated.provenance}
     manifest = Manifest(
         scheme=request.scheme, model=facts, flavor=str(plan.flavor.name), opset=request.opset, dtype=request.dtype,
         layout=plan.flavor.layout.name, kvq_version=kvq_export.__version__,
@@ -315,12 +318,13 @@ def _write_runtime_files(directory: Path, manifest: Manifest) -> Manifest:
 
 # -- the entry points --------------------------------------------------------------------------------------
 def export(request: ExportRequest, out_dir: str | os.PathLike[str], *, force: bool = False, model: Any = None,
-           tokenizer: Any = None, static: StaticArrays | None = None) -> Manifest:
+           tokenizer: Any = None, static: StaticLike | None = None) -> Manifest:
     """Carry out ``request`` into ``out_dir``; return the manifest written there.
 
     ``model`` (with its ``tokenizer``) is the already loaded model, else ``request.model`` is loaded. Static-scale
-    schemes take ``static`` (see :mod:`kvq_export.calibrate`) or are calibrated as ``request.calibration`` says;
-    without either they are refused. ``force`` replaces an existing export directory (never anything else).
+    schemes take ``static`` (a :class:`~kvq_export.calibration.Calibration` or its nested mapping) or are
+    calibrated as ``request.calibration`` says; without either they are refused. ``force`` replaces an existing
+    export directory (never anything else).
     """
     return _export_to(request, Path(out_dir), force=force, wait=False, reuse=None, model=model,
                       tokenizer=tokenizer, static=static)
@@ -329,7 +333,7 @@ def export(request: ExportRequest, out_dir: str | os.PathLike[str], *, force: bo
 def export_model(model: str | os.PathLike[str] | Any, scheme: KVQuantScheme | str, out_dir: str | os.PathLike[str],
                  *, flavor: str = "reference", dtype: str = "fp32", opset: int = DEFAULT_OPSET,
                  weights: WeightSpec | None = None, calibration: CalibrationSpec | None = None, force: bool = False,
-                 static: StaticArrays | None = None, tokenizer: Any = None) -> Path:
+                 static: StaticLike | None = None, tokenizer: Any = None) -> Path:
     """:func:`export` from loose arguments: ``model`` is a model spec or a loaded HF causal LM; returns ``out_dir``."""
     spec = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
     request = ExportRequest(model=spec, scheme=scheme, flavor=flavor, weights=weights or WeightSpec(), dtype=dtype,
@@ -339,7 +343,7 @@ def export_model(model: str | os.PathLike[str] | Any, scheme: KVQuantScheme | st
 
 
 def ensure_export(request: ExportRequest, out_dir: str | os.PathLike[str], *, model: Any = None,
-                  tokenizer: Any = None, static: StaticArrays | None = None) -> Path:
+                  tokenizer: Any = None, static: StaticLike | None = None) -> Path:
     """``out_dir`` if it is an intact export this exact kvq source built from the same request, else a new one.
 
     The one rule for reusing an export (an automatic validation baseline, demo and benchmark exports): the
@@ -396,7 +400,7 @@ def _weights_key(weights: WeightSpec) -> str:
 
 
 def _export_to(request: ExportRequest, out: Path, *, force: bool, wait: bool, reuse, model: Any, tokenizer: Any,
-               static: StaticArrays | None) -> Manifest:
+               static: StaticLike | None) -> Manifest:
     """Check ``out``, take its lock (or wait for it), then export unless ``reuse()`` says the result is there.
 
     A file system that refuses a write (full, read-only, ``/proc``) is one ExportError; the temporary
@@ -432,19 +436,19 @@ def _output_dir(out: Path) -> Path:
     return path
 
 
-def _run(request: ExportRequest, out: Path, *, model: Any, tokenizer: Any, static: StaticArrays | None) -> Manifest:
+def _run(request: ExportRequest, out: Path, *, model: Any, tokenizer: Any, static: StaticLike | None) -> Manifest:
     """The pipeline, run while this process holds ``out``'s lock: plan, then compute, then write aside and swap."""
     start = time.perf_counter()
     source = load_source(request, model, tokenizer)
     planned = plan_budget(request, source, static=static) if request.plan is not None else None
     plan = plan_export(request, source, static=static, planned=planned)
-    calibration = calibrate(plan, source)
-    graph, _ = build_graph(plan, source, calibration.static)
+    calibrated = calibrate(plan, source)
+    graph, _ = build_graph(plan, source, calibrated.calibration)
     graph = quantize_weights(graph, plan.request.weights)
     logger.info("built the %s graph in %.1f s", plan.flavor.name, time.perf_counter() - start)
     tmp = temp_dir_beside(out)
     try:
-        manifest = package(tmp, plan, source, graph, calibration)
+        manifest = package(tmp, plan, source, graph, calibrated)
         seal_dir(tmp)
         _move_into_place(tmp, out)
     except BaseException:
@@ -455,7 +459,7 @@ def _run(request: ExportRequest, out: Path, *, model: Any, tokenizer: Any, stati
     return manifest
 
 
-def _build_record(request: ExportRequest, static: StaticArrays | None, *, model: Any = None) -> dict[str, Any]:
+def _build_record(request: ExportRequest, static: StaticLike | None, *, model: Any = None) -> dict[str, Any]:
     """The manifest's ``build`` section: the source digest and the request (and given static metadata's digest).
 
     The model is named by its content (:func:`~kvq_export.model_digest.model_identity`: a loaded ``model``, else
@@ -468,7 +472,7 @@ def _build_record(request: ExportRequest, static: StaticArrays | None, *, model:
     record: dict[str, Any] = {"kvq_code": source_digest(), "request": request.to_dict(), "source": identity,
                               "source_digest": identity["digest"] if named else None}
     if static is not None and request.scheme.needs_calibration:
-        record["static"] = calibration_digest(static)
+        record["static"] = Calibration.of(static).digest()
     return record
 
 

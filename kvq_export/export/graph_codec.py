@@ -14,20 +14,13 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx_ir as ir
 
+from kvq_export.calibration.artifact import static_name
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.reference.codec import channel_levels, channel_order, check_high_channels, int_levels
 from kvq_export.scheme import FP8_E4M3_MAX, PLANE_BITS, TensorQuant, code_planes
 from kvq_export.vocab import Axis, Format, Quantizer, ScaleMode
-
-
-def static_name(layer: int, part: str, role: str) -> str:
-    """Initializer name of one calibrated stream constant (``static.0.key.scales``).
-
-    ``scales`` / ``zero_points`` of a static-scale stream, ``channel_order`` of a high-channel stream.
-    """
-    return f"static.{layer}.{part}.{role}"
 
 
 def static_scales(static: Mapping, layer: int, part: str) -> np.ndarray:

@@ -109,8 +109,7 @@ def calibrate_to_file(model_spec: str, scheme, out: str | os.PathLike[str], *, c
     builder's scale file (:func:`builder_scale_file`), ``npz`` kvq's own calibration file.
     """
     from kvq_export._atomic import atomic_write
-    from kvq_export.calibrate import calibrate_static_scales, save_calibration
-    from kvq_export.corpus import load_corpus, token_windows
+    from kvq_export.calibration import calibrate_static_scales, calibration_windows
     from kvq_export.model_source import load_model, model_facts
     from kvq_export.presets import resolve_scheme
 
@@ -120,12 +119,11 @@ def calibrate_to_file(model_spec: str, scheme, out: str | os.PathLike[str], *, c
     model, tokenizer = load_model(model_spec)
     if tokenizer is None:
         raise ExportError(f"{model_spec} has no tokenizer to read the calibration corpus with")
-    window = min(1024, tokens)
-    windows = token_windows(tokenizer, load_corpus(corpus), max(1, tokens // window), window, offset=offset)
+    windows = calibration_windows(tokenizer, corpus, tokens, offset=offset)
     static = calibrate_static_scales(model, scheme, windows, method=method, percentile=percentile)
     out = Path(out)
     if file_format == "npz":
-        return save_calibration(static, out)
+        return static.save(out)
     facts = model_facts(model.config)
     data = builder_scale_file(static, scheme, num_layers=facts.num_layers, kv_heads=facts.num_kv_heads,
                               head_dim=facts.head_dim, granularity=granularity)
@@ -179,6 +177,7 @@ class GenaiSession:
                  verify_weights: bool = True, providers: Sequence[str] | None = None) -> None:
         from kvq_export.manifest import (
             check_export_files,
+            check_graph_calibration,
             check_graph_metadata,
             load_static,
             read_graph_metadata,
@@ -199,8 +198,9 @@ class GenaiSession:
             raise RuntimeInputError(f"{self.directory} has no {GENAI_CONFIG}: {reason}")
         # the graph og runs is the source of truth: the manifest (and calibration file) must describe it
         static = load_static(self.directory, self.manifest)
-        check_graph_metadata(self.directory, self.manifest,
-                             read_graph_metadata(resolve_inside(self.directory, GENAI_MODEL)), static)
+        graph = resolve_inside(self.directory, GENAI_MODEL)
+        check_graph_metadata(self.directory, self.manifest, read_graph_metadata(graph), static)
+        check_graph_calibration(self.directory, self.manifest, graph, static)
         self.og = require("onnxruntime_genai")
         self.threads = threads or default_threads()
         self.providers = None if providers is None else list(providers)

@@ -33,6 +33,7 @@ from kvq_export.manifest import (
     MODEL_NAME,
     Manifest,
     check_export_files,
+    check_graph_calibration,
     check_graph_metadata,
     check_same_export,
     export_identity,
@@ -139,8 +140,8 @@ class KVQSession:
         spinning: keep ONNX Runtime's intra-op thread spinning between runs (see :func:`session_options`).
 
     An export is data, never code: every file it uses must lie inside ``directory``, its tokenizer loads
-    with remote code disabled, the calibration file must match its digest and the graph must carry the
-    manifest's scheme.
+    with remote code disabled, the calibration file must match its digest and the graph's own constants, and the
+    graph must carry the manifest's scheme.
     """
 
     runtime: ClassVar[str] = "kvq"
@@ -165,6 +166,7 @@ class KVQSession:
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
             raise RuntimeInputError(f"invalid capacity={capacity!r}: allowed: an integer >= 1")
         self._check_graph()
+        check_graph_calibration(self.directory, self.manifest, model_path, self.static)  # the graph holds the truth
         #: extra graph outputs fetched by every step (validation probes), values left in ``last_extra``
         self.extra_outputs: tuple[str, ...] = ()
         self.last_extra: dict[str, np.ndarray] = {}

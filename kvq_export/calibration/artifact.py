@@ -1,0 +1,448 @@
+"""The calibration artifact: one frozen :class:`Calibration` owns every calibrated array of an export.
+
+Per (layer, ``key``|``value``) stream it holds the roles ``scales`` and ``zero_points`` (float32 ``[kv_heads, n]``,
+static-scale streams; zero points only for the asymmetric ``int`` format) and ``high_channels`` (int32
+``[kv_heads, n]`` ascending channel indices, streams that keep 8-bit channels). It reads like the nested mapping
+``{layer: {"key"|"value": {role: array}}}`` the exporters, the reference cache and the runtimes index, and it is
+the only reader and writer of ``calibration.npz`` (keys ``"<layer>.<key|value>.<role>"``):
+
+* :meth:`Calibration.save` writes the file atomically; :meth:`Calibration.load` reads it within
+  :data:`CALIBRATION_LIMIT` bytes, member by member, refusing anything but 2-D float32/int32 arrays with a
+  one-line error (never a ``MemoryError`` for a file that claims a huge array);
+* :meth:`Calibration.digest` fingerprints it for ``kvq.json`` and the graph's metadata;
+* :meth:`Calibration.check` refuses it for a scheme and model it does not fit (at export and at load);
+* :meth:`Calibration.check_graph` compares it with the constants a graph computes with: the graph is the source of
+  truth, so a calibration file that disagrees with it is refused, whatever digests were recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import zipfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from kvq_export._atomic import atomic_writer
+from kvq_export._read import CALIBRATION_LIMIT, read_bytes
+from kvq_export.dtypes import DType
+from kvq_export.errors import KVQError, SchemeError
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvq_export.scheme import KVQuantScheme, TensorQuant
+
+logger = logging.getLogger(__name__)
+
+PARTS = ("key", "value")
+META_ROLES = ("scales", "zero_points")
+#: calibration role holding a stream's chosen 8-bit channels ``[kv_heads, n]`` (integer indices)
+HIGH_CHANNELS = "high_channels"
+ROLES = (*META_ROLES, HIGH_CHANNELS)
+#: arrays a calibration file may hold (two parts and three roles per layer of a very deep model)
+MAX_ARRAYS = 6 * 4096
+#: the graph constants :meth:`Calibration.check_graph` compares (by the last part of their :func:`static_name`)
+GRAPH_ROLES = ("scales", "zero_points", "offset", "channel_order", "high_channels.top", "high_channels.centre")
+
+StaticLike = Mapping[int, Mapping[str, Mapping[str, Any]]]
+"""``{layer: {"key"|"value": {role: array}}}`` with numpy arrays, torch tensors or nested lists."""
+
+
+class CacheGeometry(Protocol):
+    """What :meth:`Calibration.check` needs of a model (a :class:`~kvq_export.model_facts.ModelFacts` has it)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def static_streams(scheme: KVQuantScheme, num_layers: int) -> list[tuple[int, str, TensorQuant]]:
+    """(layer, ``key``|``value``, stream) for every quantized stream with static scales."""
+    return [(layer, part, tq) for layer, streams in enumerate(scheme.streams(num_layers))
+            for part, tq in zip(PARTS, streams, strict=True) if tq.quantized and tq.scales == "static"]
+
+
+def high_channel_streams(scheme: KVQuantScheme, num_layers: int) -> list[tuple[int, str, TensorQuant]]:
+    """(layer, ``key``|``value``, stream) for every stream that keeps calibrated high channels."""
+    return [(layer, part, tq) for layer, streams in enumerate(scheme.streams(num_layers))
+            for part, tq in zip(PARTS, streams, strict=True) if tq.quantized and tq.high_channels]
+
+
+def static_name(layer: int, part: str, role: str) -> str:
+    """Name of a graph constant made from one calibrated stream (``static.0.key.scales``).
+
+    ``scales`` / ``zero_points`` of a static-scale stream, ``channel_order`` and ``high_channels.*`` of a
+    high-channel stream, and the forms a flavour derives from them (``offset``, ...).
+    """
+    return f"static.{layer}.{part}.{role}"
+
+
+def _role_dtype(role: str) -> type[np.generic]:
+    return np.int32 if role == HIGH_CHANNELS else np.float32
+
+
+def _split_name(name: str) -> tuple[int, str, str] | None:
+    """``"3.key.scales"`` -> (3, "key", "scales"); None for any other name."""
+    layer, _, rest = name.partition(".")
+    part, _, role = rest.partition(".")
+    if not layer.isdigit() or part not in PARTS or role not in ROLES:
+        return None
+    return int(layer), part, role
+
+
+class Calibration(Mapping[int, Mapping[str, Mapping[str, np.ndarray]]]):
+    """The calibrated arrays of one scheme on one model; a read-only mapping, compared by content.
+
+    Build it with :meth:`of` (from a nested mapping) or :meth:`load` (from a file); index it as
+    ``calibration[layer][part][role]``. Arrays are the artifact's own 2-D copies, float32 (``scales``,
+    ``zero_points``) or int32 (``high_channels``); they stay writable because torch warns on every read-only
+    array it wraps, so treat them as constants.
+    """
+
+    __slots__ = ("_arrays", "_tree")
+
+    def __init__(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """``arrays``: ``{"<layer>.<part>.<role>": 2-D array}`` (see :meth:`of` for the nested form)."""
+        flat: dict[tuple[int, str, str], np.ndarray] = {}
+        for name, array in arrays.items():
+            where = _split_name(name)
+            if where is None:
+                raise KVQError(f"the calibration has an unexpected array {name!r}; expected names like "
+                               "'3.key.scales', '3.value.zero_points' or '3.key.high_channels'")
+            dtype = _role_dtype(where[2])
+            if where[2] == HIGH_CHANNELS and not np.issubdtype(np.asarray(array).dtype, np.integer):
+                raise KVQError(f"calibration array {name!r} must hold integer channel indices, got "
+                               f"{np.asarray(array).dtype}")
+            try:
+                value = np.array(array, dtype=dtype, copy=True)
+            except (TypeError, ValueError) as err:
+                raise KVQError(f"calibration array {name!r} is not numeric: {err}") from None
+            if value.ndim != 2:
+                raise KVQError(f"calibration array {name!r} must be 2-D, got shape {list(value.shape)}")
+            flat[where] = value
+        ordered = sorted(flat, key=lambda k: (k[0], PARTS.index(k[1]), ROLES.index(k[2])))
+        self._arrays: dict[str, np.ndarray] = {f"{layer}.{part}.{role}": flat[layer, part, role]
+                                               for layer, part, role in ordered}
+        tree: dict[int, dict[str, dict[str, np.ndarray]]] = {}
+        for layer, part, role in ordered:
+            tree.setdefault(layer, {}).setdefault(part, {})[role] = flat[layer, part, role]
+        self._tree = MappingProxyType({layer: MappingProxyType({part: MappingProxyType(roles)
+                                                                for part, roles in parts.items()})
+                                       for layer, parts in tree.items()})
+
+    @classmethod
+    def of(cls, static: StaticLike | Calibration) -> Calibration:
+        """A calibration from the nested mapping ``{layer: {part: {role: array}}}`` (itself when it is one)."""
+        if isinstance(static, Calibration):
+            return static
+        flat: dict[str, Any] = {}
+        for layer, parts in static.items():
+            for part, roles in parts.items():
+                for role, array in roles.items():
+                    if array is not None:
+                        flat[f"{layer}.{part}.{role}"] = _as_numpy(array)
+        return cls(flat)
+
+    # -- the mapping -----------------------------------------------------------------------------------------
+    def __getitem__(self, layer: int) -> Mapping[str, Mapping[str, np.ndarray]]:
+        return self._tree[layer]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._tree)
+
+    def __len__(self) -> int:
+        return len(self._tree)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Calibration):
+            return NotImplemented
+        return self._arrays.keys() == other._arrays.keys() and all(
+            np.array_equal(a, other._arrays[name]) for name, a in self._arrays.items())
+
+    def __hash__(self) -> int:
+        return hash(self.digest())
+
+    def __repr__(self) -> str:
+        return f"Calibration({len(self._arrays)} arrays over {len(self)} layers, digest {self.digest()})"
+
+    @property
+    def arrays(self) -> Mapping[str, np.ndarray]:
+        """``{"<layer>.<part>.<role>": array}`` in (layer, part, role) order: what the file holds."""
+        return MappingProxyType(self._arrays)
+
+    def to_torch(self) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
+        """The nested mapping as torch tensors (float32; int64 high channels), as the reference cache takes it."""
+        import torch
+
+        # copies: the tensors are the caller's to change
+        return {layer: {part: {role: torch.from_numpy(np.array(a, dtype=np.int64 if role == HIGH_CHANNELS
+                                                               else np.float32))
+                               for role, a in roles.items()} for part, roles in parts.items()}
+                for layer, parts in self._tree.items()}
+
+    # -- identity ----------------------------------------------------------------------------------------
+    def digest(self, length: int = 16) -> str:
+        """Short sha256 hex digest of the arrays (names, shapes and float32 bytes), for manifests and graphs."""
+        digest = hashlib.sha256()
+        for name, array in self._arrays.items():
+            digest.update(f"{name}:{'x'.join(map(str, array.shape))}:".encode())
+            digest.update(array.astype("<f4", copy=False).tobytes())
+        return digest.hexdigest()[:length]
+
+    # -- files -------------------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write one ``.npz`` (keys ``"3.key.scales"``) atomically; return the path (used as given).
+
+        The file is written to a temporary name beside ``path`` and renamed over it, so a reader never sees a
+        partial file.
+        """
+        if not self._arrays:
+            raise KVQError("nothing to save: the calibration has no arrays")
+        target = Path(path)
+        with atomic_writer(target, "wb") as handle:
+            np.savez(handle, **self._arrays)
+        logger.info("saved calibration (%d array(s), digest %s) to %s", len(self._arrays), self.digest(), target)
+        return target
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], *, limit: int = CALIBRATION_LIMIT,
+             error: type[KVQError] = KVQError) -> Calibration:
+        """Read a file :meth:`save` wrote, within ``limit`` bytes; anything else is one ``error`` line."""
+        source = Path(path)
+        if not source.is_file():
+            raise error(f"calibration file {str(source)!r} does not exist")
+        data = read_bytes(source, "calibration file", limit=limit, error=error)
+        try:
+            arrays = _read_npz(data, limit)
+        except _Unreadable as err:
+            raise error(f"{source} is not a readable calibration file: {err}") from None
+        for name, array in arrays.items():  # the file keeps each role's own dtype: nothing is converted on read
+            where = _split_name(name)
+            if where is not None and (array.dtype != _role_dtype(where[2]) or array.ndim != 2):
+                raise error(f"{source}: calibration array {name!r} must be 2-D "
+                            f"{np.dtype(_role_dtype(where[2])).name}, got {array.dtype} {list(array.shape)}")
+        try:
+            calibration = cls(arrays)
+        except KVQError as err:
+            raise error(f"{source}: {err}") from None
+        if not calibration:
+            raise error(f"calibration file {str(source)!r} holds no arrays")
+        return calibration
+
+    # -- checks ------------------------------------------------------------------------------------------
+    def check(self, scheme: KVQuantScheme, facts: CacheGeometry) -> None:
+        """Raise a one-line :class:`SchemeError` unless every array the scheme needs is here and fits the model.
+
+        Checks presence, shape ``[num_kv_heads, n]``, finiteness, strictly positive scales and strictly ascending
+        high channels. Shapes cannot tell two schemes with the same layout apart (ort-int8 vs ort-int4): compare
+        digests for that.
+        """
+        layers, heads, head_dim = facts.num_layers, facts.num_kv_heads, facts.head_dim
+        used = {f"{layer}.{part}.{HIGH_CHANNELS}" for layer, part, _ in high_channel_streams(scheme, layers)} | {
+            f"{layer}.{part}.{role}" for layer, part, tq in static_streams(scheme, layers)
+            for role in (META_ROLES if tq.has_zero_point else ("scales",))}
+        unused = [name for name in self._arrays if name not in used]
+        if unused:
+            raise SchemeError(f"calibration {unused[0]} belongs to no stream of the scheme that needs it (a "
+                              "calibration of another scheme or model)")
+        for layer, part, tq in high_channel_streams(scheme, layers):
+            chosen = self._role(layer, part, HIGH_CHANNELS)
+            if chosen is None:
+                raise SchemeError(f"the calibration lacks high_channels for layer {layer} {part} "
+                                  f"({tq.high_channels} 8-bit channels per head)")
+            if chosen.shape != (heads, tq.high_channels):
+                raise SchemeError(f"calibration {layer}.{part}: high_channels must be integer indices of shape "
+                                  f"[kv_heads={heads}, {tq.high_channels}], got {list(chosen.shape)}")
+            if (chosen < 0).any() or (chosen >= head_dim).any() or (np.diff(chosen, axis=1) <= 0).any():
+                raise SchemeError(f"calibration {layer}.{part}: high_channels must be strictly ascending channel "
+                                  f"indices in [0, {head_dim}) per head")
+        for layer, part, tq in static_streams(scheme, layers):
+            if layer not in self or part not in self[layer]:
+                raise SchemeError(f"the calibration has no entry for layer {layer} {part} (a static-scale stream)")
+            n = tq.metadata_shape(head_dim)[1]
+            for role in META_ROLES if tq.has_zero_point else ("scales",):
+                array = self._role(layer, part, role)
+                if array is None:
+                    raise SchemeError(f"the calibration lacks {role} for layer {layer} {part}")
+                if array.shape != (heads, n):
+                    raise SchemeError(f"calibration {layer}.{part}.{role} has shape {list(array.shape)}; the scheme "
+                                      f"needs [kv_heads={heads}, {n}]")
+                if not np.isfinite(array).all() or (role == "scales" and not (array > 0).all()):
+                    raise SchemeError(f"calibration {layer}.{part}.{role} has non-finite or non-positive values")
+
+    def check_graph(self, constants: Mapping[str, np.ndarray], scheme: KVQuantScheme, facts: CacheGeometry,
+                    *, error: type[KVQError] = KVQError) -> int:
+        """Refuse a calibration that disagrees with the constants a graph holds; return how many were compared.
+
+        ``constants``: the graph's initializers named by :func:`static_name` (as read from the ONNX file). Each
+        form a flavour writes is compared with what these arrays make of it: ``scales`` / ``zero_points``
+        ``[H, n]`` in ``scale_dtype`` (the reference and TensorRT graphs), GroupQueryAttention's per-channel
+        ``[1, H, 1, W]`` or per-tensor ``[1]`` scales (head widened by the high channels), the offset an
+        asymmetric stream subtracts before that node (in its packed or widened row), a high-channel stream's
+        ``channel_order`` and the 8-bit channels its ``high_channels.top`` levels mark. The first mismatch is one
+        ``error`` line naming the tensor.
+        """
+        compared = 0
+        streams = [(layer, part, tq) for layer, pair in enumerate(scheme.streams(facts.num_layers))
+                   for part, tq in zip(PARTS, pair, strict=True) if tq.quantized]
+        for layer, part, tq in streams:
+            for name, got, want in self._graph_forms(layer, part, tq, constants, facts):
+                compared += 1
+                if got.shape != want.shape or not np.array_equal(got, want.astype(got.dtype)):
+                    raise error(f"graph constant {name} disagrees with calibration {layer}.{part}: the calibration "
+                                "file does not hold the scales the graph computes with; export again")
+        return compared
+
+    @staticmethod
+    def reads_graph_constant(name: str) -> bool:
+        """Whether :meth:`check_graph` compares the graph constant ``name`` (what a loader reads of a graph)."""
+        return name.startswith("static.") and any(name.endswith("." + role) for role in GRAPH_ROLES)
+
+    def _role(self, layer: int, part: str, role: str) -> np.ndarray | None:
+        return self._arrays.get(f"{layer}.{part}.{role}")
+
+    def _graph_forms(self, layer: int, part: str, tq: TensorQuant, constants: Mapping[str, np.ndarray],
+                     facts: CacheGeometry) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+        """(constant name, graph array, the array this calibration makes of it) for one stream's constants."""
+        heads, head_dim = facts.num_kv_heads, facts.head_dim
+        scales, zeros, high = (self._role(layer, part, role) for role in ROLES)
+        const = {role: constants.get(static_name(layer, part, role)) for role in
+                 ("scales", "zero_points", "offset", "channel_order", "high_channels.top")}
+        if scales is not None and const["scales"] is not None:
+            got = const["scales"]
+            if got.shape == scales.shape:  # kvq's own [H, n], stored in scale_dtype
+                yield static_name(layer, part, "scales"), got, _rounded(tq, scales)
+            elif got.ndim == 4 or got.size == 1:  # GroupQueryAttention's per-channel or per-tensor scale
+                want = _node_scales(tq, scales, high, head_dim)
+                if got.size == 1:
+                    want = want[:1] if np.all(want == want[0]) else want
+                yield static_name(layer, part, "scales"), got.reshape(-1), want
+        if zeros is not None and const["zero_points"] is not None:
+            yield static_name(layer, part, "zero_points"), const["zero_points"], _rounded(tq, zeros)
+        if zeros is not None and scales is not None:
+            # what an asymmetric stream subtracts before GroupQueryAttention's symmetric codes, per channel
+            offset = (_per_channel(tq, zeros, head_dim) + np.float32(1 << (tq.bits - 1))
+                      * _per_channel(tq, scales, head_dim)).reshape(-1)
+            if high is None and const["offset"] is not None:
+                yield static_name(layer, part, "offset"), const["offset"].reshape(-1), offset
+            packed = constants.get(static_name(layer, "packed", "offset"))
+            if high is None and packed is not None and packed.size >= 2 * offset.size:  # q | k | v: this stream's
+                end = packed.size - (offset.size if part == "key" else 0)
+                yield static_name(layer, "packed", "offset"), packed.reshape(-1)[end - offset.size:end], offset
+            centre = constants.get(static_name(layer, "kv", "high_channels.centre"))
+            width = heads * (head_dim + (0 if high is None else high.shape[1]))
+            if high is not None and centre is not None and centre.size >= 2 * width:
+                # q | k | v rows widened by the high channels: the offset sits in each head's own low channels
+                end = centre.size - (width if part == "key" else 0)
+                row = centre.reshape(-1)[end - width:end].reshape(heads, -1)[:, :head_dim]
+                low = np.ones((heads, head_dim), bool)
+                np.put_along_axis(low, high.astype(np.int64), False, axis=1)
+                yield (static_name(layer, "kv", "high_channels.centre"), row[low],
+                       offset.reshape(heads, head_dim)[low])
+        if high is not None:
+            if const["channel_order"] is not None:
+                rest = [np.setdiff1d(np.arange(head_dim), row) for row in high]
+                order = np.concatenate([high, np.stack(rest)], axis=1).astype(np.int32)
+                yield static_name(layer, part, "channel_order"), const["channel_order"], order
+            top = const["high_channels.top"]
+            if top is not None and top.size == heads * head_dim:  # the 8-bit channels have the highest top level
+                levels = top.reshape(heads, head_dim)
+                marked = (levels == levels.max(axis=1, keepdims=True)).astype(np.int32)
+                want = np.zeros((heads, head_dim), np.int32)
+                np.put_along_axis(want, high.astype(np.int64), 1, axis=1)
+                yield static_name(layer, part, "high_channels.top"), marked, want
+
+
+def _as_numpy(array: Any) -> np.ndarray:
+    """A numpy view of a numpy array, a torch tensor (on any device) or nested lists."""
+    if hasattr(array, "detach"):
+        return array.detach().cpu().numpy()
+    return np.asarray(array)
+
+
+def _rounded(tq: TensorQuant, meta: np.ndarray) -> np.ndarray:
+    """Static metadata as the graph stores it: rounded to the stream's ``scale_dtype``."""
+    return np.asarray(meta, np.float32).astype(DType.get(tq.scale_dtype).numpy)
+
+
+def _per_channel(tq: TensorQuant, meta: np.ndarray, head_dim: int) -> np.ndarray:
+    """``[H, n]`` metadata rounded to ``scale_dtype`` as float32 ``[H, head_dim]`` (token groups repeated)."""
+    m = _rounded(tq, meta).astype(np.float32)
+    return np.repeat(m, tq.token_group(head_dim), axis=1) if tq.axis == "token" else m
+
+
+def _node_scales(tq: TensorQuant, scales: np.ndarray, high: np.ndarray | None, head_dim: int) -> np.ndarray:
+    """Flat float32 GroupQueryAttention scales per channel (a node head widened by high channels).
+
+    A high channel's place holds 16x its scale and the extra channel after the head the scale itself.
+    """
+    s = _per_channel(tq, scales, head_dim)
+    if high is None:
+        return s.reshape(-1)
+    index = high.astype(np.int64)
+    picked = np.take_along_axis(s, index, axis=1)
+    s = s.copy()
+    np.put_along_axis(s, index, np.float32(16) * picked, axis=1)
+    return np.concatenate([s, picked], axis=1).reshape(-1)
+
+
+class _Unreadable(Exception):
+    """Why bytes are not a calibration ``.npz`` (becomes the caller's one-line error)."""
+
+
+def _read_npz(data: bytes, limit: int) -> dict[str, np.ndarray]:
+    """The arrays of an uncompressed or deflated ``.npz``, each checked against its header before it is read.
+
+    ``np.load`` allocates what a member's header claims before reading it: a small file claiming a huge array
+    would exhaust memory. Here every member's uncompressed size counts against ``limit`` and must match its
+    header's shape and dtype (float32 or int32, no objects).
+    """
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        members = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError) as err:
+        raise _Unreadable(str(err) or type(err).__name__) from None
+    if len(members) > MAX_ARRAYS:
+        raise _Unreadable(f"{len(members)} members; kvq reads at most {MAX_ARRAYS}")
+    total = sum(m.file_size for m in members)
+    if total > limit:
+        raise _Unreadable(f"its arrays unpack to {total} bytes; kvq reads at most {limit}")
+    arrays: dict[str, np.ndarray] = {}
+    for member in members:
+        if not member.filename.endswith(".npy"):
+            raise _Unreadable(f"member {member.filename!r} is not a .npy array")
+        try:
+            with archive.open(member) as handle:
+                raw = handle.read(member.file_size + 1)
+        except (zipfile.BadZipFile, ValueError, OSError, EOFError, NotImplementedError) as err:
+            raise _Unreadable(f"member {member.filename!r}: {err}") from None
+        arrays[member.filename[:-4]] = _read_npy(raw, member.filename)
+    return arrays
+
+
+def _read_npy(raw: bytes, name: str) -> np.ndarray:
+    """One ``.npy`` member whose header must describe exactly the bytes that follow it."""
+    fmt = np.lib.format
+    handle = io.BytesIO(raw)
+    try:
+        version = fmt.read_magic(handle)
+        header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        shape, fortran, dtype = header(handle)
+    except (ValueError, OSError, EOFError, SyntaxError) as err:
+        raise _Unreadable(f"member {name!r} has no valid .npy header: {err}") from None
+    if dtype.hasobject or dtype.newbyteorder("<") not in (np.dtype("<f4"), np.dtype("<i4")):
+        raise _Unreadable(f"member {name!r} holds {dtype}; calibration arrays are float32 or int32")
+    count = int(np.prod(shape, dtype=np.int64))
+    body = raw[handle.tell():]
+    if len(body) != count * dtype.itemsize:
+        raise _Unreadable(f"member {name!r} claims shape {list(shape)} ({count * dtype.itemsize} bytes) but holds "
+                          f"{len(body)} bytes")
+    array = np.frombuffer(body, dtype=dtype).reshape(shape, order="F" if fortran else "C")
+    return array.astype(dtype.newbyteorder("="), copy=True)

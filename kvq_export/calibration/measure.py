@@ -1,0 +1,129 @@
+"""Measure a :class:`~kvq_export.calibration.artifact.Calibration` on a model: passes, then methods.
+
+A stream (keys or values of one layer) whose :class:`~kvq_export.scheme.TensorQuant` has ``scales="static"``
+quantizes every token against fixed metadata; :func:`calibrate_static_scales` measures that metadata on what the
+cache receives (:mod:`.passes`) by the chosen method (:mod:`.methods`), and chooses the high channels of streams
+that keep them (:mod:`.high_channels`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvq_export.calibration.artifact import HIGH_CHANNELS, Calibration, high_channel_streams, static_streams
+from kvq_export.calibration.high_channels import choose_high_channels
+from kvq_export.calibration.methods import attention_metadata, check_method, stream_metadata
+from kvq_export.calibration.passes import check_windows, collect_attention_samples, collect_kv
+from kvq_export.errors import SchemeError
+from kvq_export.model_source import model_facts
+from kvq_export.progress import task
+from kvq_export.request import DEFAULT_PERCENTILE
+from kvq_export.rotation import rotate_torch, rotation_matrix
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from kvq_export.scheme import KVQuantScheme
+
+logger = logging.getLogger(__name__)
+
+
+def calibrate_static_scales(
+    model: PreTrainedModel,
+    scheme: KVQuantScheme,
+    token_windows: Sequence[Sequence[int]],
+    *,
+    method: str = "absmax",
+    percentile: float = DEFAULT_PERCENTILE,
+) -> Calibration:
+    """Measure the static scales (and zero points) and high channels ``scheme`` needs on ``model``.
+
+    Args:
+        model: a Hugging Face causal LM (Llama family). It is run in eval mode under
+            ``torch.inference_mode``, one window per forward; its training flag is restored.
+        scheme: the cache scheme; only its ``scales="static"`` streams are calibrated.
+        token_windows: token-id sequences (e.g. from :func:`kvq_export.corpus.token_windows`); each is
+            one independent sequence starting at position 0.
+        method: ``absmax`` (the group maximum: no calibration value is clipped), ``percentile``, or
+            ``attention`` (per-channel clipping chosen by its effect on attention, see :mod:`.methods`).
+        percentile: for ``method="percentile"``, in (50, 100]: the percentile of ``|x|`` (symmetric and
+            fp8) or of ``x`` for the top of the range (``int``, whose bottom uses ``100 - percentile``).
+
+    Returns:
+        the arrays of the static and high-channel streams only, checked against the scheme and the model.
+
+    Raises:
+        SchemeError: the scheme has no static stream, or does not fit the model.
+        KVQError: bad method/percentile, empty or malformed windows.
+        QuantizationError: non-finite K/V, or a scale that overflows ``scale_dtype``.
+
+    """
+    check_method(method, percentile)
+
+    facts = model_facts(model.config)
+    scheme.check_model(facts.num_layers, facts.head_dim)
+    targets = static_streams(scheme, facts.num_layers)
+    high = high_channel_streams(scheme, facts.num_layers)
+    if not targets and not high:
+        raise SchemeError(
+            f"scheme {scheme.name or scheme.describe()!r} has no static-scale or high-channel streams: "
+            "nothing to calibrate"
+        )
+    windows = check_windows(token_windows, facts.vocab_size)
+    static: dict[int, dict[str, dict]] = {}
+    samples = None
+    if high or method == "attention":  # one pass over the windows serves the channel choice and the scales
+        samples = collect_attention_samples(model, windows, sorted({layer for layer, _, _ in (*high, *targets)}),
+                                            facts.num_layers)
+    if high:
+        for layer, part, tq in high:
+            o_proj = model.model.layers[layer].self_attn.o_proj.weight.detach().cpu() if part == "value" else None
+            static.setdefault(layer, {}).setdefault(part, {})[HIGH_CHANNELS] = choose_high_channels(
+                samples[layer], part, tq, o_proj)
+        logger.info("chose the high channels of %d stream(s) on %d token(s)", len(high),
+                    sum(len(w) for w in windows))
+        if not targets:
+            return _checked(static, scheme, facts)
+    import torch
+
+    def chosen(layer: int, part: str):  # a static stream's high channels, chosen above (None without)
+        high = static.get(layer, {}).get(part, {}).get(HIGH_CHANNELS)
+        return None if high is None else torch.as_tensor(high).to(torch.int64)
+
+    if method == "attention":
+        with task("calibration: streams", total=len(targets)) as advance:
+            for layer, part, tq in targets:
+                rotation = rotation_matrix(tq.rotation, facts.head_dim)
+                static.setdefault(layer, {}).setdefault(part, {}).update(attention_metadata(
+                    [s.rotated(rotation) for s in samples[layer]], part, tq, chosen(layer, part)))
+                advance()
+    else:
+        if samples is None:
+            with task("calibration: forward passes", total=len(windows)) as advance:
+                collected = collect_kv(model, windows, {(layer, part) for layer, part, _ in targets},
+                                       facts.num_layers, advance)
+        else:  # the samples hold every window's K/V already (the same forward passes)
+            collected = {(layer, part): torch.cat([s.keys if part == "key" else s.values for s in samples[layer]],
+                                                  dim=1) for layer, part, _ in targets}
+        for layer, part, tq in targets:
+            # a rotated stream stores (and so quantizes) x @ R: its static scales belong to that basis
+            values = rotate_torch(collected.pop((layer, part)), rotation_matrix(tq.rotation, facts.head_dim))
+            static.setdefault(layer, {}).setdefault(part, {}).update(
+                stream_metadata(values, tq, method, percentile, chosen(layer, part)))
+    tokens = sum(len(w) for w in windows)
+    logger.info(
+        "calibrated %d static stream(s) over %d layer(s) on %d token(s) in %d window(s) (method=%s%s)",
+        len(targets), len(static), tokens, len(windows), method,
+        f", percentile={percentile:g}" if method == "percentile" else "",
+    )
+    return _checked(static, scheme, facts)
+
+
+def _checked(static: dict, scheme: KVQuantScheme, facts) -> Calibration:
+    """The measured arrays as the artifact, refused if the scheme's streams would not find what they need."""
+    calibration = Calibration.of(static)
+    calibration.check(scheme, facts)
+    return calibration
+
