@@ -11,7 +11,7 @@ from state_harness import left_pad, teacher_force
 from tiny_models import VOCAB, tiny_model
 
 from kvq_export.cache_layout import buffer_codes_to_kvq
-from kvq_export.calibration import HIGH_CHANNELS, calibrate_static_scales
+from kvq_export.calibration import HIGH_CHANNELS, Calibration, calibrate_static_scales
 from kvq_export.manifest import decode_cache
 from kvq_export.presets import PRESETS
 from kvq_export.reference.codec import channel_levels, unpack_stream
@@ -70,9 +70,9 @@ def calibration(arch: str, scheme, *, covering: list[list[int]] | None = None):
         windows = [list(rng.integers(0, VOCAB, 64)) for _ in range(4)]
         return calibrate_static_scales(tiny_model(arch), scheme, windows)
     static = calibrate_static_scales(tiny_model(arch), scheme, covering)
-    return {layer: {part: _widened(meta, scheme.for_layer(layer)[0 if part == Part.KEY else 1])
-                    for part, meta in parts.items()}
-            for layer, parts in static.items()}
+    return Calibration.of({layer: {part: _widened(meta, scheme.for_layer(layer)[0 if part == Part.KEY else 1])
+                                   for part, meta in parts.items()}
+                           for layer, parts in static.items()})
 
 
 def _widened(meta: dict, tq) -> dict:
@@ -127,7 +127,8 @@ def compare(session: KVQSession, arch: str, scheme, static, prompts, *, steps: i
     width = ids.shape[1]
     for row, prompt in enumerate(prompts):
         cache_hf, ref = reference_hf_cache(scheme, model.config.num_hidden_layers,
-                                           static.to_torch() if static else None, exact_prefill=exact_prefill)
+                                           Calibration.of(static).to_torch() if static else None,
+                                           exact_prefill=exact_prefill)
         with torch.no_grad():
             want = [model(torch.tensor([prompt]), cache=cache_hf).logits[0].numpy()]
             for token in stream[:, row]:
