@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import random
 import shutil
 import zipfile
@@ -17,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from seeds import base_seed
 from tiny_models import WORDS, save_tiny_model_dir
 
 from kvq_export.calibration import Calibration
@@ -27,7 +27,6 @@ from kvq_export.manifest import Manifest, check_graph_calibration, load_static
 from kvq_export.presets import get_preset
 from kvq_export.request import CalibrationSpec
 
-SEED = int(os.environ.get("KVQ_TEST_SEED", "0"))
 #: a calibration whose digest kvq.json files and graphs already record: the rule must never change
 FIXED = {0: {"key": {"scales": np.arange(6, dtype=np.float32).reshape(2, 3) / 7 + 0.5,
                      "zero_points": -np.arange(6, dtype=np.float32).reshape(2, 3)},
@@ -173,7 +172,7 @@ def test_a_wrong_dtype_for_the_role_is_refused(tmp_path):
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     path = tmp_path_factory.mktemp("artifact")
-    random.seed(SEED)
+    random.seed(base_seed())
     (path / "words.txt").write_text(" ".join(random.choice(WORDS) for _ in range(3000)))
     save_tiny_model_dir(path / "tiny")
     return path
