@@ -33,6 +33,7 @@ from kvq_export._atomic import atomic_writer
 from kvq_export._read import CALIBRATION_LIMIT, read_bytes
 from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError, SchemeError
+from kvq_export.vocab import Part
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PARTS = ("key", "value")
+PARTS = tuple(Part)
 META_ROLES = ("scales", "zero_points")
 #: calibration role holding a stream's chosen 8-bit channels ``[kv_heads, n]`` (integer indices)
 HIGH_CHANNELS = "high_channels"
