@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError
 
 logger = logging.getLogger(__name__)
@@ -201,8 +202,8 @@ def _setup_session(directory: str, context: int, concurrent: int, steps: int, th
     return step, {"rss_loaded": loaded}
 
 
-#: numpy types of the cache element types :func:`_setup_ort` fills (FLOAT, FLOAT16, UINT8, INT8)
-_NUMPY = {1: np.float32, 10: np.float16, 2: np.uint8, 3: np.int8}
+#: the cache element types :func:`_setup_ort` fills: random floats, or random codes
+_CACHE_DTYPES = {DType.get(name).ort_type: DType.get(name).numpy for name in ("fp32", "fp16", "uint8", "int8")}
 
 
 def _setup_ort(directory: str, context: int, concurrent: int, steps: int, threads: int | None,
@@ -236,12 +237,11 @@ def _setup_ort(directory: str, context: int, concurrent: int, steps: int, thread
     for layer in range(int(decoder["num_hidden_layers"])):
         for kind in ("key", "value"):
             name = names[f"past_{kind}_names"] % layer
-            elem = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(uint8)": 2, "tensor(int8)": 3}.get(types[name])
-            if elem is None:
-                raise CapacityError(f"{directory}: cache input {name} is {types[name]}; allowed: float, float16, "
-                                    "uint8, int8")
-            dtype = _NUMPY[elem]
-            codes = (rng.standard_normal(shape) if elem in (1, 10) else
+            dtype = _CACHE_DTYPES.get(types[name])
+            if dtype is None:
+                raise CapacityError(f"{directory}: cache input {name} is {types[name]}; allowed: "
+                                    f"{', '.join(_CACHE_DTYPES)}")
+            codes = (rng.standard_normal(shape) if np.issubdtype(dtype, np.floating) else
                      rng.integers(np.iinfo(dtype).min, np.iinfo(dtype).max, shape, endpoint=True))
             cache[name] = codes.astype(dtype)
             present.append(outputs[f"present_{kind}_names"] % layer)

@@ -40,9 +40,9 @@ def static_metadata(tq: TensorQuant, sample: torch.Tensor) -> dict[str, torch.Te
     """Calibration-like static ``[H, n]`` scales (and minimums) covering ``sample [1, H, T, D]``.
 
     A stream with high channels also gets its ``high_channels`` (:func:`widest_channels`), whose scales span
-    their range with 8-bit levels (:func:`kvq_export.calibrate.fit_metadata`, as calibration fits them).
+    their range with 8-bit levels (:func:`kvq_export.calibration.methods.fit_metadata`, as calibration fits them).
     """
-    from kvq_export.calibrate import absmax_stats, fit_metadata, static_groups
+    from kvq_export.calibration.methods import absmax_stats, fit_metadata, static_groups
 
     high = widest_channels(tq, sample) if tq.high_channels else None
     out = fit_metadata(tq, absmax_stats(static_groups(sample[0].float(), tq), tq), high)

@@ -56,6 +56,11 @@ def token_stream(prompts: list[list[int]], steps: int = STEPS) -> np.ndarray:
     return np.random.default_rng(len(prompts)).integers(0, VOCAB, (steps, len(prompts)))
 
 
+def editable(static) -> dict:
+    """A calibration as nested dicts a test may change (a :class:`Calibration` is read-only)."""
+    return {layer: {part: dict(meta) for part, meta in parts.items()} for layer, parts in static.items()}
+
+
 def calibration(arch: str, scheme, *, covering: list[list[int]] | None = None):
     """Static scales (None for schemes without static streams).
 

@@ -36,10 +36,10 @@ import json
 
 import numpy as np
 import pytest
-from gqa_harness import PROMPTS, SCHEMES, calibration, compare, left_pad, sequences, step_nodes
+from gqa_harness import PROMPTS, SCHEMES, calibration, compare, editable, left_pad, sequences, step_nodes
 from tiny_models import ARCHS, VOCAB, tiny_model
 
-from kvq_export.errors import ExportError, RuntimeInputError
+from kvq_export.errors import ExportError, RuntimeInputError, SchemeError
 from kvq_export.export.exporter import export_model
 from kvq_export.export.gqa_flavor import GQACacheGraph, gqa_scale, unsupported
 from kvq_export.presets import PRESETS
@@ -246,11 +246,11 @@ def test_unfused_rotary_path_matches_and_names_probes(tmp_path_factory, monkeypa
 def test_high_channels_without_their_calibrated_choice_are_refused(tmp_path):
     """Static scales without the chosen high channels: the export names what is missing (kvq never guesses)."""
     scheme = SCHEMES["int4-high/hp-fp32"]
-    static = calibration("llama", scheme)
+    static = editable(calibration("llama", scheme))
     for parts in static.values():
         for meta in parts.values():
             meta.pop("high_channels")
-    with pytest.raises(ExportError, match="layer 0 key keeps .* high channels per head but no calibration chose"):
+    with pytest.raises(SchemeError, match=r"the calibration lacks high_channels for layer 0 key \(8 8-bit channels"):
         export_model(tiny_model("llama"), scheme, tmp_path / "m", static=static, flavor="ort-gqa")
     assert not (tmp_path / "m").exists()
 
@@ -294,7 +294,7 @@ def test_token_axis_scales_and_a_fp16_layer_among_int8(tmp_path_factory):
     scheme = KVQuantScheme(key=int_sym(8, "token", 16), value=int_sym(8), hp_dtype="fp32",
                            layer_overrides=(LayerOverride(1, TensorQuant.fp16(), TensorQuant.fp16()),), name="mixed")
     prompts = PROMPTS["padded"]
-    static = calibration("llama", scheme, covering=sequences(prompts))
+    static = editable(calibration("llama", scheme, covering=sequences(prompts)))
     top = float(static[0]["value"]["scales"].max())
     static[0]["value"]["scales"] = np.full_like(static[0]["value"]["scales"], top)  # alone it would be PER_TENSOR
     session = _export(tmp_path_factory, "llama", scheme, static)
@@ -309,7 +309,7 @@ def test_token_axis_scales_and_a_fp16_layer_among_int8(tmp_path_factory):
 def test_equal_scales_use_per_tensor(tmp_path_factory):
     scheme = SCHEMES["ort-int4/hp-fp32"]
     prompts = PROMPTS["solo"]
-    static = calibration("llama", scheme, covering=sequences(prompts))
+    static = editable(calibration("llama", scheme, covering=sequences(prompts)))
     for parts in static.values():
         for meta in parts.values():
             meta["scales"] = np.full_like(meta["scales"], meta["scales"].max())
