@@ -213,9 +213,10 @@ def run_llama_cpp(gguf: Path, windows: list[list[int]], context: int, steps: int
     compared with the f16 cache's (mean KL, top-1 agreement), window by window.
     """
     caches = ["f16", *(c for c in caches if c != "f16")]
-    if not _has("llama_cpp"):
-        return [Row("llama.cpp", c, _llama_cpp_counterpart(c), status=f"unavailable: {LLAMA_CPP_MISSING}")
-                for c in caches]
+    try:
+        import_llama_cpp()
+    except SystemExit as missing:
+        return [Row("llama.cpp", c, _llama_cpp_counterpart(c), status=f"unavailable: {missing}") for c in caches]
 
     rows, engines = {}, {}
     length = max(len(w) for w in windows)
@@ -246,17 +247,13 @@ def run_llama_cpp(gguf: Path, windows: list[list[int]], context: int, steps: int
     return _finish(list(rows.values()), "f16")
 
 
-#: what to do when llama-cpp-python is missing (one line: it is a row's status and the deploy peer's error)
-LLAMA_CPP_MISSING = ("llama_cpp is not importable: pip install llama-cpp-python==0.3.36 (builds llama.cpp from "
-                     "source, about 10 minutes; tools/README.md)")
-
-
 def import_llama_cpp():
-    """``llama_cpp`` (llama-cpp-python), or a one-line SystemExit naming what to install."""
-    if not _has("llama_cpp"):
-        raise SystemExit(LLAMA_CPP_MISSING)
-    import llama_cpp
-
+    """``llama_cpp`` (llama-cpp-python), or a one-line SystemExit naming what is missing and what to install."""
+    try:
+        import llama_cpp
+    except ImportError as err:  # the package itself, or one of its own imports (diskcache, jinja2)
+        raise SystemExit(f"llama_cpp is not importable ({err}): pip install llama-cpp-python==0.3.36 diskcache "
+                         "(builds llama.cpp from source, about 10 minutes; tools/README.md)") from None
     return llama_cpp
 
 
