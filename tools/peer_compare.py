@@ -113,6 +113,7 @@ class Row:
     prefill_tok_s_at: dict[int, float] | None = None  # genai peer: context -> prefill tok/s (batch 1)
     dir_bytes: int | None = None  # genai peer: bytes of the export directory's files
     bits_4096: float | None = None  # kvq rows of the genai/deploy peers: the scheme's bits/element at 4096 tokens
+    cache_bytes_at: dict[int, int] | None = None  # genai/deploy peers: context -> cache bytes held (batch 1)
 
 
 def _has(module: str | None) -> bool:
@@ -841,6 +842,7 @@ def measure_engines(engines: EngineSet, p_windows: list[list[int]], contexts: Se
                 row.decode_ms = ms[name]
                 row.prefill_tok_s = (context - warmup - steps - 1) / prefill_s[name]
                 row.prefill_tok_s_at = {**(row.prefill_tok_s_at or {}), context: row.prefill_tok_s}
+                row.cache_bytes_at = {**(row.cache_bytes_at or {}), context: row.cache_bytes}
             logger.info("%s ctx %d batch %d: step %.2f ms, prefill %.0f tok/s (%.0f s), cache %d B", name, context,
                         batch, ms[name], (context - warmup - steps - 1) * batch / prefill_s[name], prefill_s[name],
                         row.cache_bytes)
@@ -945,7 +947,8 @@ def deploy_table(rows: list[Row], contexts: Sequence[int]) -> tuple[list[str], l
     ``× builder`` < 1: faster; prefill > 1: faster); Δppl against each engine's own unquantized cache.
     """
     ref = _deploy_reference(rows)
-    last = max(contexts) if contexts else None
+    # cache bytes at the longest context any row was timed at (a run may stop before the longest asked for)
+    last = max((c for r in rows for c in (r.cache_bytes_at or {})), default=max(contexts, default=None))
 
     def ratio(value: float | None, base: float | None) -> str:
         return "" if value is None or not base else f" ({value / base:.2f}×)"
@@ -961,7 +964,7 @@ def deploy_table(rows: list[Row], contexts: Sequence[int]) -> tuple[list[str], l
         pct = _pct(r)
         cells.append([r.engine, r.weights, r.cache, _fmt(r.bits_4096, ".3f"),
                       _fmt(r.dir_bytes and r.dir_bytes / 1e6, ".1f"),
-                      _fmt(r.cache_bytes and r.cache_bytes / 1e6, ".1f"),
+                      _fmt((r.cache_bytes_at or {}).get(last) and r.cache_bytes_at[last] / 1e6, ".1f"),
                       *[_fmt(prefills.get(c), ".0f") + ratio(prefills.get(c), ref_prefills.get(c)) for c in contexts],
                       *[_fmt(steps.get(c), ".2f") + ratio(steps.get(c), ref_steps.get(c)) for c in contexts],
                       _fmt(r.ppl, ".4f"),
@@ -982,7 +985,11 @@ def rows_from_json(data: dict) -> list[Row]:
     def ints(value):
         return {int(k): ints(v) for k, v in value.items()} if isinstance(value, dict) else value
 
-    return [Row(**{k: ints(v) for k, v in row.items()}) for row in data["rows"]]
+    rows = [Row(**{k: ints(v) for k, v in row.items()}) for row in data["rows"]]
+    for row in rows:  # files written before cache_bytes_at: cache_bytes is the last (longest) context's
+        if row.cache_bytes_at is None and row.cache_bytes is not None and row.decode_ms_at:
+            row.cache_bytes_at = {max(row.decode_ms_at): row.cache_bytes}
+    return rows
 
 
 def merge_rows(runs: Sequence[list[Row]]) -> list[Row]:
@@ -1010,7 +1017,9 @@ def merge_rows(runs: Sequence[list[Row]]) -> list[Row]:
 
 def this_command() -> str:
     """The command line this process runs, as it would be typed from the repository root."""
-    return " ".join(["python", "tools/peer_compare.py", *sys.argv[1:]])
+    import shlex
+
+    return shlex.join(["python", "tools/peer_compare.py", *sys.argv[1:]])
 
 
 def deploy_markdown(rows: list[Row], contexts: Sequence[int], runs: Sequence[tuple[str, Sequence[float]]]) -> str:
