@@ -321,11 +321,7 @@ def read_graph_constants(path: str | os.PathLike[str], wanted, *,
     from onnx.external_data_helper import uses_external_data
 
     graph = Path(path)
-    try:
-        model = onnx.load(str(graph), load_external_data=False)
-    except Exception as err:  # noqa: BLE001 - onnx raises its own untyped errors for unreadable files
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise RuntimeInputError(f"cannot read the ONNX file {graph}: {first}") from None
+    model = _load_graph_proto(graph)
     out: dict[str, np.ndarray] = {}
     total = 0
     for tensor in model.graph.initializer:
@@ -379,14 +375,18 @@ def _json_object(directory, text: str, key: str) -> dict[str, Any]:
 
 def read_graph_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
     """The metadata of an ONNX file (its weights are not read)."""
+    return {entry.key: entry.value for entry in _load_graph_proto(path).metadata_props}
+
+
+def _load_graph_proto(path: str | os.PathLike[str]):
+    """An ONNX file's graph without its external weights; an unreadable file is a one-line error."""
     import onnx
 
     try:
-        model = onnx.load(str(path), load_external_data=False)
+        return onnx.load(str(path), load_external_data=False)
     except Exception as err:  # noqa: BLE001 - onnx raises its own untyped errors for unreadable files
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise RuntimeInputError(f"cannot read the ONNX file {path}: {first}") from None
-    return {entry.key: entry.value for entry in model.metadata_props}
 
 
 def _list_of_objects(data: Mapping[str, Any], name: str, where: str = "") -> list[dict[str, Any]]:
