@@ -11,6 +11,8 @@ import math
 
 import click
 
+from kvq_export.manifest import check_output_path
+
 
 class FiniteFloat(click.ParamType):
     """A finite float within ``[min, max]`` (either end open with ``min_open`` / ``max_open``; None: unbounded)."""
@@ -58,7 +60,5 @@ FRACTION = FiniteFloat(0.0, 1.0)
 def outside_exports(ctx: click.Context, param: click.Parameter, value):
     """Click callback of every output path option: refuse one inside an export directory (one line, exit 1)."""
     if value is not None:
-        from kvq_export.manifest import check_output_path
-
         check_output_path(value, param.opts[0] if param.opts else "output")
     return value

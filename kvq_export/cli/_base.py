@@ -9,8 +9,12 @@ from typing import Any
 
 import click
 
+from kvq_export._atomic import atomic_write
+from kvq_export._read import read_text
 from kvq_export.cli_types import FiniteFloat, outside_exports
 from kvq_export.errors import KVQError, OutputPathError, SchemeError
+from kvq_export.manifest import check_output_path
+from kvq_export.presets import scheme_from_formats, tensor_format_names
 from kvq_export.request import CalibrationMethod, CalibrationSpec
 from kvq_export.runtime.device import DEVICES, providers_for
 
@@ -61,8 +65,6 @@ def write_json_output(target: str, payload: Any) -> None:
     if target == STDOUT:
         click.echo(text)
         return
-    from kvq_export._atomic import atomic_write
-    from kvq_export.manifest import check_output_path
 
     atomic_write(check_output_path(target, "--json"), text.rstrip("\n") + "\n")
 
@@ -121,8 +123,6 @@ def scheme_options(*, default: str | None = None, required: bool = True):
     The command receives one ``scheme_spec``: the preset name / file, or the scheme built from the two formats
     (None when neither is given and the scheme is not ``required``: ``kvq export --budget`` plans one).
     """
-    from kvq_export.presets import tensor_format_names
-
     formats = ", ".join(tensor_format_names())
 
     def apply(func):
@@ -133,8 +133,6 @@ def scheme_options(*, default: str | None = None, required: bool = True):
             if (key_format is None) != (value_format is None):
                 raise SchemeError("give both --key and --value (a format each; allowed: " + formats + ")")
             if key_format is not None:
-                from kvq_export.presets import scheme_from_formats
-
                 scheme_spec = scheme_from_formats(key_format, value_format)
             elif scheme_spec is None:
                 if default is None and required:
@@ -216,8 +214,6 @@ def cli(verbose: int) -> None:
 
 def utf8_text(path: str, what: str) -> str:
     """A text file's content, capped (``/dev/zero`` is refused); bytes that are not UTF-8 are a one-line error."""
-    from kvq_export._read import read_text
-
     return read_text(path, what)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from kvq_export import bench as kvq_bench
+from kvq_export.capacity import plot_capacity, run_capacity
 from kvq_export.cli._base import (
     STDOUT,
     calibration_options,
@@ -15,13 +17,12 @@ from kvq_export.cli._base import (
     write_json_output,
 )
 from kvq_export.cli_types import outside_exports
-from kvq_export.export.flavors import flavor_names
+from kvq_export.export.flavors import flavor_names, get_flavor
+from kvq_export.progress import tqdm_bars
 
 
 def _flavor_list(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
     """``--flavors a,b``: each a known flavor (an unknown one is a one-line error naming the allowed ones)."""
-    from kvq_export.export.flavors import get_flavor
-
     names = [f.strip() for f in value.split(",") if f.strip()]
     if not names:
         raise click.BadParameter(f"give at least one flavor ({', '.join(flavor_names())})")
@@ -63,9 +64,6 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
           threads, ppl_windows, ppl_tokens, calibration, work_dir, json_out, providers, plot_out, quiet) -> None:
     """Decode latency, prefill throughput, cache bytes and RSS per scheme, as ratios to the baseline."""
     from rich.console import Console
-
-    from kvq_export import bench as kvq_bench
-    from kvq_export.progress import tqdm_bars
 
     progress = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -125,8 +123,6 @@ def bench_serve(export_dirs, contexts, concurrent, budget_gb, new_tokens, backen
     The memory columns are the host's resident set (with --device cuda the cache lives on the GPU).
     """
     from pathlib import Path
-
-    from kvq_export.capacity import plot_capacity, run_capacity
 
     dirs = dict(d.split("=", 1) if "=" in d else (Path(d).name, d) for d in export_dirs)
     rows = run_capacity(dirs, contexts=contexts, concurrent=concurrent, budget_bytes=int(budget_gb * 2**30),

@@ -15,6 +15,13 @@ from kvq_export.cli._base import (
     write_json_output,
 )
 from kvq_export.cli_types import FRACTION, NON_NEGATIVE
+from kvq_export.manifest import Manifest
+from kvq_export.trt import compare_with_onnxruntime
+from kvq_export.validate import report
+from kvq_export.validate.compare import Tolerances, compare_exports, comparison_prompt_len, warn_unexercised
+from kvq_export.validate.gates import Gates
+from kvq_export.validate.runner import DEFAULT_PROMPTS, ValidateConfig
+from kvq_export.validate.runner import validate as run_validation
 
 
 @cli.command()
@@ -55,11 +62,6 @@ def validate(export_dir, baseline, corpus, windows, window_len, offset, chunk, p
     written, then it exits 1 with one line naming each threshold missed.
     """
     from rich.table import Table
-
-    from kvq_export.validate import report
-    from kvq_export.validate.gates import Gates
-    from kvq_export.validate.runner import DEFAULT_PROMPTS, ValidateConfig
-    from kvq_export.validate.runner import validate as run_validation
 
     prompts = DEFAULT_PROMPTS
     if prompts_file:
@@ -117,15 +119,9 @@ def compare(dir_a, dir_b, backend, engine, logits_atol, logits_rtol, cache_atol,
     the worst cache key and value layer, and how many outputs missed (--verbose: every output, and Polygraphy's
     own log).
     """
-    from kvq_export.validate.compare import Tolerances, compare_exports
-
     tol = Tolerances(logits_atol, logits_rtol, cache_atol, cache_rtol)
     run = dict(prompt_len=prompt_len, batch=batch, steps=steps, seed=seed, providers=providers, verbose=verbose)
     if backend == "trt":
-        from kvq_export.manifest import Manifest
-        from kvq_export.trt import compare_with_onnxruntime
-        from kvq_export.validate.compare import comparison_prompt_len, warn_unexercised
-
         manifests = [Manifest.load(dir_a)]
         run["prompt_len"] = prompt_len or comparison_prompt_len(manifests, batch=batch)
         warn_unexercised(manifests, [dir_a], prompt_len=run["prompt_len"], steps=steps)

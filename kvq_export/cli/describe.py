@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import click
 
+from kvq_export import memory as mem
 from kvq_export.cli._base import STDOUT, cli, json_option, make_console, scheme_options, write_json_output
-from kvq_export.request import WEIGHT_BLOCK_SIZES, WeightFormat
+from kvq_export.memory import BREAKDOWN_KEYS, WEIGHT_BREAKDOWN_KEYS, Geometry, predict
+from kvq_export.model_source import load_config, model_facts, parameter_shapes
+from kvq_export.presets import PRESETS, presets_json, resolve_scheme
+from kvq_export.request import WEIGHT_BLOCK_SIZES, WeightFormat, WeightSpec
+from kvq_export.scheme import bits_label
 
 DEFAULT_CURVE = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -28,10 +33,6 @@ def schemes(head_dim: int, json_out: str | None) -> None:
     element for a SmolLM2-shaped cache (30 layers, 3 kv heads) holding that many tokens, metadata, sinks,
     recent windows and partial channel groups included.
     """
-    from kvq_export.memory import Geometry, predict
-    from kvq_export.presets import PRESETS, presets_json
-    from kvq_export.scheme import bits_label
-
     if json_out:
         write_json_output(json_out, presets_json())
         if json_out == STDOUT:
@@ -60,8 +61,6 @@ def _memory_table(title: str, reports, *, show_breakdown: bool):
     """One row per report; with ``show_breakdown`` also a column per breakdown key."""
     from rich.table import Table
 
-    from kvq_export.memory import BREAKDOWN_KEYS
-
     table = Table(title=title)
     table.add_column("scheme")
     for col in ("seq_len", "total", *(_SHORT[k] for k in BREAKDOWN_KEYS if show_breakdown), "fp16", "ratio",
@@ -89,8 +88,6 @@ def _parts_table(title: str, parts: dict[str, int], total_label: str, total: int
 
 def _breakdown_table(title: str, report):
     """One report, one row per breakdown key with exact bytes and share."""
-    from kvq_export.memory import BREAKDOWN_KEYS
-
     table = _parts_table(title, {key: report.breakdown[key] for key in BREAKDOWN_KEYS}, "total", report.total_bytes)
     table.add_row("fp16 cache", str(report.fp16_bytes), _fmt_bytes(report.fp16_bytes), "")
     table.add_row("ratio", f"{report.ratio:.3f}x", "", "")
@@ -108,8 +105,6 @@ def _fmt_bytes(n: int) -> str:
 
 def _weights_table(title: str, weights, cache):
     """The predicted weight bytes by part, and the cache's bytes beside them."""
-    from kvq_export.memory import WEIGHT_BREAKDOWN_KEYS
-
     table = _parts_table(title, {key: weights.breakdown[key] for key in WEIGHT_BREAKDOWN_KEYS},
                          f"{weights.format} weights", weights.total_bytes)
     smaller = weights.as_built_bytes / weights.total_bytes if weights.total_bytes else 1.0
@@ -142,11 +137,6 @@ def memory(model_spec: str, scheme_spec, seq_len: int, batch: int, weight_format
 
     With --weights, also the weights' bytes (codes, scales, zero points, unquantized) beside the cache's.
     """
-    from kvq_export import memory as mem
-    from kvq_export.model_source import load_config, model_facts, parameter_shapes
-    from kvq_export.presets import resolve_scheme
-    from kvq_export.request import WeightSpec
-
     scheme = resolve_scheme(scheme_spec)
     config = load_config(model_spec)
     facts = model_facts(config)

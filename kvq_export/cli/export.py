@@ -7,6 +7,8 @@ import json
 
 import click
 
+from kvq_export._atomic import atomic_write
+from kvq_export.calibration import calibration_windows
 from kvq_export.cli._base import (
     STDOUT,
     calibration_options,
@@ -19,18 +21,25 @@ from kvq_export.cli._base import (
 )
 from kvq_export.cli_types import POSITIVE, outside_exports
 from kvq_export.errors import KVQError
+from kvq_export.export.exporter import export
 from kvq_export.export.flavors import FLAVORS, flavor_names
+from kvq_export.model_source import load_model
+from kvq_export.plan import plan_scheme
+from kvq_export.progress import tqdm_bars
 from kvq_export.request import (
     DEFAULT_OPSET,
     DEFAULT_PLAN_CANDIDATES,
     DEFAULT_PLAN_CONTEXT,
     MIN_OPSET,
     WEIGHT_BLOCK_SIZES,
+    ExportRequest,
     PlanMetric,
     PlanSpec,
     WeightFormat,
     WeightSpec,
 )
+from kvq_export.runtime.genai import RUNTIME, calibrate_to_file
+from kvq_export.trt import build_engine
 
 
 def plan_options(*, for_export: bool = False):
@@ -119,11 +128,6 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, we
     With --budget instead of --scheme, plan the scheme first as kvq plan does (on held-out calibration text by
     default) and export it: the same as kvq plan then kvq export --scheme with the plan.
     """
-    from kvq_export.export.exporter import export
-    from kvq_export.progress import tqdm_bars
-    from kvq_export.request import ExportRequest, WeightSpec
-    from kvq_export.runtime.genai import RUNTIME
-
     weights = WeightSpec(format=weight_format, block_size=int(weight_block_size), symmetric=not weight_asymmetric,
                          accuracy_level=weight_accuracy_level)
     request = ExportRequest(model=model_spec, scheme=scheme_spec, flavor=flavor, weights=weights, dtype=dtype,
@@ -152,12 +156,6 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, we
 def plan(model_spec, calibration, plan, out_path, json_out, quiet) -> None:
     """Choose per-layer key/value formats under a bit budget by measured attention damage; write a scheme."""
     from pathlib import Path
-
-    from kvq_export._atomic import atomic_write
-    from kvq_export.calibration import calibration_windows
-    from kvq_export.model_source import load_model
-    from kvq_export.plan import plan_scheme
-    from kvq_export.progress import tqdm_bars
 
     for path in (out_path, json_out):  # a plan takes minutes: refuse a file it could not write before planning
         if path and path != STDOUT and not Path(path).resolve().parent.is_dir():
@@ -196,9 +194,6 @@ def plan(model_spec, calibration, plan, out_path, json_out, quiet) -> None:
 @click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
 def calibrate(model_spec, scheme_spec, calibration, file_format, granularity, out, quiet) -> None:
     """Calibrate static K/V scales and write them for kvq or for onnxruntime-genai's model builder."""
-    from kvq_export.progress import tqdm_bars
-    from kvq_export.runtime.genai import calibrate_to_file
-
     with tqdm_bars(not quiet):
         path = calibrate_to_file(model_spec, scheme_spec, out, corpus=calibration.corpus, tokens=calibration.tokens,
                                  method=str(calibration.method), percentile=calibration.percentile,
@@ -225,8 +220,6 @@ def build(export_dir, fp16, max_batch, max_context, max_prefill, out) -> None:
 
     EXPORT_DIR: a kvq export directory made with --flavor trt.
     """
-    from kvq_export.trt import build_engine
-
     path = build_engine(export_dir, fp16=fp16, max_batch=max_batch, max_context=max_context,
                         max_prefill=max_prefill, output=out)
     click.echo(f"engine written to {path}")

@@ -18,6 +18,11 @@ from kvq_export.cli._base import (
     write_json_output,
 )
 from kvq_export.cli_types import NON_NEGATIVE, FiniteFloat, outside_exports
+from kvq_export.demo import DEMO_PROMPT, DEMO_SAMPLING, run_demo
+from kvq_export.runtime import open_session
+from kvq_export.runtime.base import continuation_text
+from kvq_export.runtime.sampling import SamplingConfig
+from kvq_export.runtime.session import choose_providers
 
 
 @cli.command()
@@ -44,9 +49,6 @@ def generate(export_dir, prompts, max_new_tokens, temperature, top_k, top_p, see
 
     EXPORT_DIR: a kvq export directory.
     """
-    from kvq_export.runtime import open_session
-    from kvq_export.runtime.sampling import SamplingConfig
-
     for prompt in prompts:  # bytes that are not UTF-8 arrive as lone surrogates: refuse them before any work
         utf8_arg(prompt, "--prompt")
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -80,8 +82,6 @@ class _TextStream:
         self.shown = ""
 
     def __call__(self, row: int, token: int) -> None:
-        from kvq_export.runtime.base import continuation_text
-
         if self.prompt_tokens is None:
             self.prompt_tokens = self.session.encode(self.prompt)
             click.echo(self.prompt, nl=False)
@@ -113,9 +113,6 @@ def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir, provid
     import dataclasses
 
     from rich.table import Table
-
-    from kvq_export.demo import DEMO_PROMPT, DEMO_SAMPLING, run_demo
-    from kvq_export.runtime.session import choose_providers
 
     console = make_console()
     prompt = prompt or DEMO_PROMPT
@@ -163,7 +160,7 @@ def serve(export_dir, host, port, model_name, backend, shutdown_timeout, provide
 
     EXPORT_DIR: a kvq export directory.
     """
-    from kvq_export.serve import serve as run_server
+    from kvq_export.serve import serve as run_server  # lazy: imports fastapi
 
     logging.getLogger("kvq_export.serve").setLevel(min(logging.getLogger().getEffectiveLevel(), logging.INFO))
     run_server(export_dir, host=host, port=port, model_name=model_name, backend=backend,
