@@ -29,14 +29,14 @@ def open_session(directory: str | os.PathLike[str], runtime: str = "kvq", *, thr
     takes them.
     """
     if runtime == "kvq":
-        from kvq_export.runtime.session import KVQSession
+        from kvq_export.runtime.session import KVQSession  # lazy: the package stays light; a runtime loads when opened
 
         return KVQSession(directory, threads=threads, verify_weights=verify_weights, providers=providers, **options)
     if runtime == "genai":
         if options:
             raise RuntimeInputError(f"runtime genai takes no {', '.join(sorted(options))}; allowed: threads, "
                                     "verify_weights, providers")
-        from kvq_export.runtime.genai import GenaiSession
+        from kvq_export.runtime.genai import GenaiSession  # lazy: the package stays light; a runtime loads when opened
 
         return GenaiSession(directory, threads=threads, verify_weights=verify_weights, providers=providers)
     raise RuntimeInputError(f"unknown runtime {runtime!r}; allowed: {', '.join(RUNTIMES)}")

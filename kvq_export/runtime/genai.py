@@ -17,12 +17,28 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from kvq_export._atomic import atomic_write
 from kvq_export._lazy import require
 from kvq_export._read import TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes, read_json
+from kvq_export.calibration import calibrate_static_scales, calibration_windows
 from kvq_export.errors import ExportError, RuntimeInputError
 from kvq_export.export.genai_package import GENAI_CONFIG, GENAI_MODEL, RUNTIME, genai_config, unsupported_reason
-from kvq_export.manifest import Manifest, check_same_export, export_identity
+from kvq_export.export.gqa_capability import unsupported
+from kvq_export.manifest import (
+    Manifest,
+    check_export_files,
+    check_graph_calibration,
+    check_graph_metadata,
+    check_same_export,
+    export_identity,
+    load_static,
+    read_graph_metadata,
+    resolve_inside,
+)
+from kvq_export.manifest import verify_weights as check_weights
+from kvq_export.model_source import load_model, model_facts
 from kvq_export.naming import PARTS
+from kvq_export.presets import resolve_scheme
 from kvq_export.request import CalibrationMethod
 from kvq_export.runtime.base import Generation, PromptBatch, Rows, TokenCallback, check_prompts
 from kvq_export.runtime.device import genai_providers, set_genai_providers
@@ -60,8 +76,7 @@ def builder_scale_file(static, scheme, *, num_layers: int, kv_heads: int, head_d
     ``kv_cache_quant_scheme=int{bits}_{granularity}`` uses exactly kvq's scales (the ones ``kvq export --flavor
     ort-gqa`` writes into its graph); the builder rescales them for another bit width.
     """
-    from kvq_export.export.gqa_capability import unsupported
-    from kvq_export.export.gqa_flavor import gqa_scale
+    from kvq_export.export.gqa_flavor import gqa_scale  # lazy: imports torch and onnx
 
     if granularity not in GRANULARITIES:
         raise ExportError(f"unknown granularity {granularity!r}; allowed: {', '.join(GRANULARITIES)}")
@@ -108,11 +123,6 @@ def calibrate_to_file(model_spec: str, scheme, out: str | os.PathLike[str], *, c
     token ``offset`` of the corpus (keep calibration text apart from evaluation text). ``genai-scales`` is the
     builder's scale file (:func:`builder_scale_file`), ``npz`` kvq's own calibration file.
     """
-    from kvq_export._atomic import atomic_write
-    from kvq_export.calibration import calibrate_static_scales, calibration_windows
-    from kvq_export.model_source import load_model, model_facts
-    from kvq_export.presets import resolve_scheme
-
     if file_format not in SCALE_FORMATS:
         raise ExportError(f"unknown format {file_format!r}; allowed: {', '.join(SCALE_FORMATS)}")
     scheme = resolve_scheme(scheme)
@@ -175,16 +185,6 @@ class GenaiSession:
 
     def __init__(self, directory: str | os.PathLike[str], *, threads: int | None = None,
                  verify_weights: bool = True, providers: Sequence[str] | None = None) -> None:
-        from kvq_export.manifest import (
-            check_export_files,
-            check_graph_calibration,
-            check_graph_metadata,
-            load_static,
-            read_graph_metadata,
-            resolve_inside,
-        )
-        from kvq_export.manifest import verify_weights as check_weights
-
         self.directory = Path(directory)
         opened = export_identity(self.directory) if self.directory.is_dir() else None
         self.manifest = Manifest.load(self.directory)

@@ -28,7 +28,9 @@ from kvq_export.errors import KVQError
 from kvq_export.manifest import Manifest
 from kvq_export.runtime import open_session
 from kvq_export.runtime.base import Session
+from kvq_export.runtime.genai import GENAI_CONFIG, RUNTIME, GenaiSession, unsupported_reason
 from kvq_export.runtime.sampling import SamplingConfig
+from kvq_export.runtime.session import load_tokenizer
 from kvq_export.vocab import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -133,8 +135,6 @@ class Backend(ABC):
 
     def __init__(self, directory: str | Path, *, verify_weights: bool = True, threads: int | None = None,
                  reason: str | None = None, providers: Sequence[str] | None = None) -> None:
-        from kvq_export.runtime.session import load_tokenizer
-
         self.directory = Path(directory)
         self.manifest = Manifest.load(self.directory)
         self.verify_weights = verify_weights
@@ -348,8 +348,7 @@ class EngineBackend(Backend):
         return {**super().describe(), "max_batch_size": self.max_batch_size}
 
     def _load(self):
-        from kvq_export.runtime.genai import GenaiSession  # its og model, not only the Session protocol
-
+        # GenaiSession itself, not open_session: the engine needs its og model, not only the Session protocol
         session = GenaiSession(self.directory, threads=self.threads, verify_weights=self.verify_weights,
                                providers=self.providers)
         engine = session.og.Engine(session.model)
@@ -477,8 +476,6 @@ _FINISH = {"EOS": StreamEnd.STOP, "STOP_STRING": StreamEnd.STOP, "MAX_GENERATED_
 def open_backend(directory: str | Path, *, kind: str = "auto", verify_weights: bool = True,
                  threads: int | None = None, providers: Sequence[str] | None = None) -> Backend:
     """The backend for an export: ``engine`` where onnxruntime-genai can serve it (``auto``), else ``session``."""
-    from kvq_export.runtime.genai import GENAI_CONFIG, RUNTIME, unsupported_reason
-
     if kind not in BACKENDS:
         raise KVQError(f"unknown backend {kind!r}; allowed: {', '.join(BACKENDS)}")
     directory = Path(directory)

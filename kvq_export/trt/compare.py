@@ -30,6 +30,8 @@ from kvq_export.manifest import Manifest, load_static
 from kvq_export.model_digest import recorded_source
 from kvq_export.naming import present_name
 from kvq_export.request import ExportRequest
+from kvq_export.trt.engine import default_engine_path
+from kvq_export.validate.compare import Tolerances, compare_feeds, decoded_cache, kvq_runner_class, run_comparison
 
 if TYPE_CHECKING:
     from kvq_export.validate.compare import Comparison
@@ -63,8 +65,6 @@ def _trt_runner_class():
 
         def infer_impl(self, feed_dict):
             import time
-
-            from kvq_export.validate.compare import decoded_cache
 
             batch = feed_dict["input_ids"].shape[0]
             cache = self.cache if self.cache is not None else empty_cache(self.manifest, batch)
@@ -133,8 +133,6 @@ def compare_with_onnxruntime(
     ``verbose``: Polygraphy's per-output log.
     """
     require("tensorrt")
-    from kvq_export.trt.engine import default_engine_path
-    from kvq_export.validate.compare import Tolerances, compare_feeds, kvq_runner_class, run_comparison
 
     export_dir = Path(export_dir)
     engine = Path(engine) if engine else default_engine_path(export_dir)
@@ -142,7 +140,7 @@ def compare_with_onnxruntime(
         raise ExportError(f"no engine at {engine}; build it first (kvq build {export_dir})")
     if get_flavor(manifest_flavor(export_dir)).needs_plugins:
         require("tensorrt.plugin")
-        from kvq_plugins.trt_plugin import register_for_export
+        from kvq_plugins.trt_plugin import register_for_export  # lazy: used only once tensorrt.plugin is present
 
         register_for_export(export_dir)  # the JIT implementation must be present to deserialize a JIT engine
     tol = tolerances or Tolerances()

@@ -126,7 +126,7 @@ def build_engine(
                           "export with --flavor trt (or reference)")
     if flavor.needs_plugins:
         require("tensorrt.plugin")
-        from kvq_plugins.trt_plugin import register_for_export
+        from kvq_plugins.trt_plugin import register_for_export  # lazy: used only once tensorrt.plugin is present
 
         register_for_export(export_dir)
     from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath, Profile

@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvq_plugins.layout import StreamLayout
+
 from kvq_export.cache_layout import REGIONS
 from kvq_export.dtypes import DType, onnx_name
 from kvq_export.naming import PARTS, tensor_name
@@ -101,9 +103,7 @@ def plugin_signature(
     dtype: str = "fp32",
 ) -> PluginSignature:
     """The signature of ``layer``'s plugin node (``scaling`` defaults to ``head_dim ** -0.5``)."""
-    from kvq_plugins.layout import StreamLayout
-
-    from kvq_export.export.graph_codec import static_name
+    from kvq_export.export.graph_codec import static_name  # lazy: imports torch and onnx
 
     compute = onnx_name(dtype)
     lengths = tensor_name("present", None, None, "seq_lengths")

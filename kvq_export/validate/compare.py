@@ -23,6 +23,12 @@ from typing import Any
 
 import numpy as np
 
+from kvq_export.errors import KVQError
+from kvq_export.manifest import Manifest, decode_cache, load_static
+from kvq_export.manifest import verify_weights as check_weights
+from kvq_export.memory import check_fits, check_positions, high_precision_tokens, predict
+from kvq_export.runtime.session import KVQSession
+from kvq_export.validate.feeds import prompt_batch
 from kvq_export.vocab import Part
 
 logger = logging.getLogger(__name__)
@@ -151,9 +157,6 @@ def kvq_runner_class():
             self.providers = providers
 
         def activate_impl(self) -> None:
-            from kvq_export.manifest import load_static
-            from kvq_export.runtime.session import KVQSession
-
             # compare_exports verified the weights
             self.session = KVQSession(self.directory, verify_weights=False, providers=self.providers)
             self.static = load_static(self.directory, self.session.manifest)
@@ -179,8 +182,6 @@ def kvq_runner_class():
 
 def decoded_cache(session, cache, static) -> dict[str, np.ndarray]:
     """The held cache decoded with only the manifest, as right-aligned [B, H, N, D] arrays per layer (model basis)."""
-    from kvq_export.manifest import decode_cache
-
     # the model's basis: exports with different rotations hold comparable K/V
     rows = decode_cache(session.manifest, session.cache_arrays(cache), direction="past", static=static,
                         basis="model")
@@ -200,8 +201,6 @@ def decoded_cache(session, cache, static) -> dict[str, np.ndarray]:
 def compare_feeds(vocab_size: int, *, prompt_len: int = 48, batch: int = 2, steps: int = 4,
                   seed: int = 0) -> list[dict[str, np.ndarray]]:
     """A left-padded prefill then ``steps`` single-token decode feeds (token ids only)."""
-    from kvq_export.validate.feeds import prompt_batch
-
     ids, mask = prompt_batch(vocab_size, prompt_len=prompt_len, batch=batch, seed=seed)
     rng = np.random.default_rng(seed + 1)
     feeds = [{"input_ids": ids, "attention_mask": mask}]
@@ -216,8 +215,6 @@ def _check_compare_size(manifests, *, prompt_len: int, batch: int, steps: int) -
 
     The Comparator keeps every step's outputs of both runs: the logits, and the cache after each step.
     """
-    from kvq_export.memory import check_fits, check_positions, predict
-
     length = prompt_len + steps
     for manifest in manifests:
         check_positions([length], manifest.model.max_position_embeddings, "prompt length + steps",
@@ -234,8 +231,6 @@ DEFAULT_PROMPT_LEN = 48
 
 def high_precision_window(manifest) -> int:
     """Tokens a row of this export holds before the first quantized one (0: quantized from the first token)."""
-    from kvq_export.memory import high_precision_tokens
-
     limit = manifest.model.max_position_embeddings
     window = high_precision_tokens(manifest.scheme, manifest.model, limit)
     return 0 if window >= limit else window  # an unquantized export has no window to leave
@@ -280,10 +275,6 @@ def compare_exports(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str]
     manifests' checksums. ``providers``: ONNX Runtime providers of both sessions. ``verbose``: Polygraphy's
     per-output log.
     """
-    from kvq_export.errors import KVQError
-    from kvq_export.manifest import Manifest
-    from kvq_export.manifest import verify_weights as check_weights
-
     tol = tolerances or Tolerances()
     ma, mb = Manifest.load(dir_a), Manifest.load(dir_b)
     if verify_weights:

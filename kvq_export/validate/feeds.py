@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from kvq_export.runtime.session import KVQSession
+
 
 def prompt_batch(vocab_size: int, *, prompt_len: int, batch: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Left-padded random prompts: row r is ``prompt_len - r * prompt_len // 4`` tokens long."""
@@ -22,8 +24,6 @@ def prompt_batch(vocab_size: int, *, prompt_len: int, batch: int, seed: int) -> 
 def polygraphy_feeds(directory: str | os.PathLike[str], *, prompt_len: int = 48, batch: int = 2,
                      seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
     """A prefill feed (empty cache) and a decode feed (this export's own cache), as numpy arrays."""
-    from kvq_export.runtime.session import KVQSession
-
     session = KVQSession(directory)
     ids, mask = prompt_batch(session.manifest.model.vocab_size, prompt_len=prompt_len, batch=batch, seed=seed)
     empty = session.cache_arrays(session.empty_cache(batch))

@@ -28,7 +28,7 @@ import numpy as np
 from kvq_export.errors import RuntimeInputError
 from kvq_export.manifest import MODEL_NAME, check_same_export
 from kvq_export.naming import PROBES, packed_probe_name, probe_name
-from kvq_export.runtime.session import CacheState, KVQSession
+from kvq_export.runtime.session import CacheState, KVQSession, choose_providers, session_options
 
 
 def token_positions(seq_lengths: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -104,8 +104,6 @@ class ProbedSession(KVQSession):
     def __init__(self, directory: str | os.PathLike[str], **kwargs) -> None:
         import onnx
         import onnxruntime as ort
-
-        from kvq_export.runtime.session import choose_providers, session_options
 
         super().__init__(directory, **kwargs)
         model = onnx.load(str(self.directory / MODEL_NAME), load_external_data=False)

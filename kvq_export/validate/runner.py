@@ -26,13 +26,18 @@ from typing import Any
 
 import numpy as np
 
+from kvq_export.corpus import load_corpus, token_windows
 from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError
 from kvq_export.export.exporter import cached_export_dir, ensure_export
+from kvq_export.manifest import decode_cache, load_static
+from kvq_export.memory import curve, high_precision_tokens, predict
 from kvq_export.model_digest import recorded_source
 from kvq_export.model_source import cache_dir
 from kvq_export.request import ExportRequest, WeightFormat, WeightSpec
+from kvq_export.runtime.session import KVQSession
 from kvq_export.validate.attention import METRICS, AttentionMetric, AttentionSample, attention_metrics, rank_agreement
+from kvq_export.validate.probe import probed_session
 from kvq_export.vocab import Part
 
 logger = logging.getLogger(__name__)
@@ -124,7 +129,7 @@ class _Accumulator:
 
 def export_weights(directory: str | os.PathLike[str]) -> WeightSpec:
     """How an export's graph stores its weights, as the graph records it (a graph as built: ``fp32``)."""
-    from kvq_export.export.weights import weight_bytes
+    from kvq_export.export.weights import weight_bytes  # lazy: imports onnx
 
     return WeightSpec.from_dict(weight_bytes(directory).settings)
 
@@ -176,10 +181,6 @@ def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike
 
     ``providers``: ONNX Runtime providers of both sessions (None: the runtime's default choice).
     """
-    from kvq_export.corpus import load_corpus, token_windows
-    from kvq_export.runtime.session import KVQSession
-    from kvq_export.validate.probe import probed_session
-
     config = config or ValidateConfig()
     quant = probed_session(export_dir, verify_weights=verify_weights, providers=providers)
     if config.window_len > quant.max_positions:  # refused before any baseline is exported or corpus read
@@ -232,8 +233,6 @@ def _check_same_weights(export: WeightSpec, base: WeightSpec, export_dir, base_d
 def _weight_reference(quant, base, weights: WeightSpec, verify_weights: bool,
                       providers: Sequence[str] | None = None):
     """The fp32-weight twin of the baseline as a session, or None and why the weight-only line is skipped."""
-    from kvq_export.runtime.session import KVQSession
-
     if weights.format == WeightFormat.FP32:
         return None, "the export's weights are fp32 (as built): there is no weight error to separate"
     try:
@@ -277,8 +276,6 @@ def _lockstep(quant, base, tokens: np.ndarray, config: ValidateConfig, progress:
     A ``reference`` (the baseline with fp32 weights) is fed the same windows, untimed, and scored against the
     baseline: the weight-only error.
     """
-    from kvq_export.manifest import load_static
-
     n_rows, length = tokens.shape
     step = config.chunk or 1
     manifest = quant.manifest
@@ -327,8 +324,6 @@ def _lockstep(quant, base, tokens: np.ndarray, config: ValidateConfig, progress:
 
 def _sample_attention(acc, quant, cache, exact, position, scaling, config, static):
     """Attention metrics of the last query of this step, every layer and row, against the stored cache."""
-    from kvq_export.manifest import decode_cache
-
     # The stored basis: a rotated stream's probes (q and k after the rotation, v out of the folded v_proj) live
     # there too, so q, exact and decoded K/V share one basis; every metric is invariant under that rotation.
     decoded = decode_cache(quant.manifest, quant.cache_arrays(cache), direction="past", static=static,
@@ -349,8 +344,6 @@ def _sample_attention(acc, quant, cache, exact, position, scaling, config, stati
 
 def _window(manifest) -> int:
     """Tokens a row of this export holds in high precision before the first quantized one (see the memory model)."""
-    from kvq_export.memory import high_precision_tokens
-
     return high_precision_tokens(manifest.scheme, manifest.model, manifest.model.max_position_embeddings)
 
 
@@ -394,7 +387,7 @@ def _token_section(acc: _Accumulator, greedy: dict) -> dict[str, Any]:
 
 def _weight_only_section(acc: _Accumulator, weights: WeightSpec, reference, skipped: str | None) -> dict[str, Any]:
     """The baseline (the export's weights) against its fp32-weight twin, both with the baseline's cache."""
-    from kvq_export.export.weights import weight_bytes
+    from kvq_export.export.weights import weight_bytes  # lazy: imports onnx
 
     if reference is None:
         return {"weights": weights_label(weights), "skipped": skipped}
@@ -443,8 +436,7 @@ def _attention_section(acc: _Accumulator, manifest) -> dict[str, Any]:
 
 def _memory_section(quant, base, cache, shape) -> dict[str, Any]:
     """The cache bytes held vs the memory model's, with both graphs' weight bytes beside them."""
-    from kvq_export.export.weights import weight_bytes
-    from kvq_export.memory import curve, predict
+    from kvq_export.export.weights import weight_bytes  # lazy: imports onnx
 
     rows, length = shape
     geo = quant.manifest.model
