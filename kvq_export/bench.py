@@ -54,7 +54,7 @@ from kvq_export.capacity import resident_bytes
 from kvq_export.corpus import load_corpus, token_windows
 from kvq_export.errors import DependencyError, KVQError
 from kvq_export.export.exporter import ensure_export
-from kvq_export.memory import predict
+from kvq_export.memory import check_fits, check_positions, predict
 from kvq_export.model_source import cache_dir, load_config, load_model, model_facts
 from kvq_export.presets import resolve_scheme
 from kvq_export.progress import task
@@ -391,8 +391,6 @@ def _check_bench_size(facts, schemes: Sequence[Any], contexts: Sequence[int], ba
     Every scheme's cache of one (context, batch) is held at once (the memory model's bytes), with the logits
     of a prefill and of a decode step.
     """
-    from kvq_export.memory import check_fits, check_positions, predict
-
     check_positions(contexts, facts.max_position_embeddings, "context", "bench shorter contexts")
     context, batch = max(contexts), max(batches)
     caches = sum(predict(scheme, facts, context, batch).total_bytes for scheme in schemes)

@@ -400,7 +400,7 @@ def buffer_codes_to_kvq(tq: TensorQuant, stored: np.ndarray, high_channels: np.n
         return stored
     import torch
 
-    from kvq_export.reference.codec import check_high_channels, pack, unpack
+    from kvq_export.reference.codec import check_high_channels, pack, unpack  # lazy: imports torch
 
     nibbles = unpack(torch.from_numpy(np.ascontiguousarray(stored)), 4).numpy()  # [..., H, T, D + n]
     n = tq.high_channels
@@ -422,7 +422,7 @@ def _dequantize_region(tq: TensorQuant, last, count: int, static_meta):
     """
     import torch
 
-    from kvq_export.reference.codec import Quantized, dequantize_packed
+    from kvq_export.reference.codec import Quantized, dequantize_packed  # lazy: imports torch
 
     codes = last(Role.CODES, count)
     if tq.format == Format.FP8_E4M3 and codes.dtype == torch.uint8:  # raw bits as ONNX Runtime returns them

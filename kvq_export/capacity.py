@@ -42,6 +42,9 @@ import numpy as np
 
 from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError
+from kvq_export.manifest import MANIFEST_NAME, MODEL_NAME
+from kvq_export.runtime.device import set_genai_providers
+from kvq_export.runtime.session import KVQSession
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +118,7 @@ def footprint(directory: str | os.PathLike[str], name: str | None = None) -> Foo
 
 def _weight_bytes(directory: Path, graph) -> int:
     """Initializer bytes the decoder holds (kvq's entry graph reads model.onnx's, which :func:`weight_bytes` reads)."""
-    from kvq_export.export.weights import weight_bytes
-    from kvq_export.manifest import MODEL_NAME
+    from kvq_export.export.weights import weight_bytes  # lazy: imports onnx
 
     if (directory / MODEL_NAME).is_file():
         return weight_bytes(directory).total
@@ -161,8 +163,6 @@ def _setup_og(directory: str, context: int, concurrent: int, steps: int, threads
     """og.Model with ``concurrent`` synthetic prompts prefilled together, leaving room for ``steps`` new tokens."""
     import onnxruntime_genai as og
 
-    from kvq_export.runtime.device import set_genai_providers
-
     config = og.Config(directory)
     set_genai_providers(config, providers)
     overlay: dict[str, Any] = {"model": {"eos_token_id": []}}  # synthetic prompts: no row may stop early
@@ -185,8 +185,6 @@ def _setup_og(directory: str, context: int, concurrent: int, steps: int, threads
 def _setup_session(directory: str, context: int, concurrent: int, steps: int, threads: int | None,
                    seed: int, providers: Sequence[str] | None = None) -> tuple[Callable[[], None], dict[str, Any]]:
     """KVQSession on a cache of random valid codes holding ``context - steps`` tokens, with room for ``steps``."""
-    from kvq_export.runtime.session import KVQSession
-
     session = KVQSession(directory, threads=threads, verify_weights=False, providers=providers)
     loaded = resident_bytes()
     manifest = session.manifest
@@ -348,8 +346,6 @@ def choose_backend(directory: str | os.PathLike[str], backend: str) -> str:
     ``auto``: ``session`` for a kvq export (no prefill), else ``og``; ``synthetic``: every export on a cache
     already holding the context, ``session`` for a kvq export, else ``ort``.
     """
-    from kvq_export.manifest import MANIFEST_NAME
-
     if backend not in (*BACKENDS, "auto", "synthetic"):
         raise CapacityError(f"unknown backend {backend!r}; allowed: auto, synthetic, {', '.join(BACKENDS)}")
     is_kvq = (Path(directory) / MANIFEST_NAME).is_file()

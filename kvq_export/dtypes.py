@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from kvq_export._lazy import require
 from kvq_export.errors import KVQError
 
 #: Compute dtypes an export's graph can run in (``--dtype``; a manifest's ``dtype``).
@@ -102,8 +103,6 @@ class DType:
 
     def tensorrt(self) -> Any:
         """The TensorRT ``DataType`` (imports TensorRT)."""
-        from kvq_export._lazy import require
-
         return getattr(require("tensorrt"), self.trt)
 
 

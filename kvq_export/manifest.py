@@ -24,10 +24,11 @@ from kvq_export._read import CALIBRATION_LIMIT, file_sha256, parse_json, read_te
 from kvq_export.cache_layout import REGIONS, CacheLayout, layout_named
 from kvq_export.calibration.artifact import Calibration
 from kvq_export.dtypes import COMPUTE_DTYPES
-from kvq_export.errors import KVQError, RuntimeInputError
+from kvq_export.errors import KVQError, OutputPathError, RuntimeInputError
 from kvq_export.model_facts import ModelFacts
 from kvq_export.model_facts import json_field as _get
 from kvq_export.naming import PARTS, CacheTensor, tensor_name
+from kvq_export.rotation import describe_rotation, rotate_torch, rotation_matrix
 from kvq_export.scheme import KVQuantScheme
 from kvq_export.vocab import LayoutName, Rotation
 
@@ -145,8 +146,6 @@ class Manifest:
 
     def _rotations(self) -> list[dict[str, Any]]:
         """Per layer with any rotated stream: the matrix each stream is stored with (empty: none rotated)."""
-        from kvq_export.rotation import describe_rotation
-
         head_dim = self.model.head_dim
         return [{"layer": layer, "key": describe_rotation(key.rotation, head_dim),
                  "value": describe_rotation(value.rotation, head_dim)}
@@ -448,8 +447,6 @@ def check_output_path(path: str | os.PathLike[str], what: str = "output") -> Pat
     """
     inside = export_containing(path)
     if inside is not None:
-        from kvq_export.errors import OutputPathError
-
         raise OutputPathError(f"{what} {path} lies inside the kvq export {inside}: kvq never writes into an export "
                               "directory; choose a path outside it")
     return Path(path)
@@ -558,8 +555,6 @@ def decode_cache(
     if basis == "stored":
         return rows
     import torch
-
-    from kvq_export.rotation import rotate_torch, rotation_matrix
 
     head_dim = manifest.model.head_dim
     for layer, streams in enumerate(manifest.scheme.streams(manifest.num_layers)):

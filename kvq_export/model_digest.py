@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 
 from kvq_export._read import file_sha256
-from kvq_export.errors import ModelError
+from kvq_export.errors import KVQError, ModelError
+from kvq_export.model_source import canonical_spec, resolve_spec, weights_digest
 
 #: Hex digits of a model digest (64 bits: collisions among one user's models are not a concern).
 DIGEST_CHARS = 16
@@ -23,8 +24,6 @@ DIGEST_CHARS = 16
 
 def source_files(spec: str | os.PathLike[str]) -> list[Path]:
     """The files whose content is the model: a GGUF file, or every regular file of a model directory."""
-    from kvq_export.model_source import resolve_spec
-
     source = resolve_spec(spec)  # a missing or unusable source is a one-line ModelError
     if source.kind == "gguf":
         return [source.path]
@@ -40,8 +39,6 @@ def model_digest(spec: str | os.PathLike[str]) -> str:
 
     Raises :class:`ModelError` when the spec names no usable model (gone, or not a model).
     """
-    from kvq_export.model_source import resolve_spec
-
     root = resolve_spec(spec).path
     h = hashlib.sha256()
     for path in source_files(spec):
@@ -56,8 +53,6 @@ def model_identity(model) -> dict[str, str]:
     A spec gives its absolute path and :func:`model_digest` (every file of the source); a loaded model the
     sha256 of its config and tensors.
     """
-    from kvq_export.model_source import canonical_spec, weights_digest
-
     if not isinstance(model, (str, os.PathLike)):
         return {"weights": weights_digest(model)}
     return {"spec": canonical_spec(model), "digest": model_digest(model)}
@@ -70,8 +65,6 @@ def recorded_source(manifest) -> tuple[str, str]:
     the weights the export was made from: a source that is gone, was edited in place, or is recorded without its
     digest (an older kvq) is a one-line :class:`KVQError`, never a guess.
     """
-    from kvq_export.errors import KVQError
-
     source, want = manifest.model.source, manifest.source_digest
     if not source:
         raise KVQError("this export does not record its model source; pass the other export directory "

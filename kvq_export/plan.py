@@ -45,12 +45,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvq_export.cache_layout import BUFFER
 from kvq_export.calibration.artifact import HIGH_CHANNELS, PARTS, Calibration
+from kvq_export.calibration.high_channels import channel_importance, ranging_group, top_channels
+from kvq_export.calibration.methods import stream_from_samples
 from kvq_export.calibration.passes import check_windows, collect_attention_samples
 from kvq_export.errors import KVQError, SchemeError
+from kvq_export.export.genai_package import mixed_types_reason
+from kvq_export.export.gqa_capability import unsupported
 from kvq_export.memory import predict, stream_bytes
 from kvq_export.model_source import model_facts
 from kvq_export.presets import resolve_scheme
+from kvq_export.progress import task
 from kvq_export.request import (
     DEFAULT_CALIBRATION,
     DEFAULT_PLAN_CANDIDATES,
@@ -58,6 +64,7 @@ from kvq_export.request import (
     CalibrationSpec,
     PlanMetric,
 )
+from kvq_export.rotation import rotation_matrix
 from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
 from kvq_export.vocab import Part, ScaleMode
 
@@ -306,11 +313,6 @@ def _static_for(model: PreTrainedModel, cset: CandidateSet, samples, num_layers:
     """
     import torch
 
-    from kvq_export.calibration.high_channels import channel_importance, ranging_group, top_channels
-    from kvq_export.calibration.methods import stream_from_samples
-    from kvq_export.progress import task
-    from kvq_export.rotation import rotation_matrix
-
     wanted = _calibrated_parts(cset)
     out: dict[TensorQuant, dict[int, dict[str, dict]]] = {tq: {} for tq in wanted}
     with task("plan: calibrating candidates", total=num_layers) as advance:
@@ -360,7 +362,7 @@ def _reference_dequant(x: torch.Tensor, tq: TensorQuant, meta: Mapping | None, s
     """
     import torch
 
-    from kvq_export.reference.cache import StreamCache
+    from kvq_export.reference.cache import StreamCache  # lazy: imports torch
 
     metadata = {k: torch.as_tensor(np.asarray(v)) for k, v in (meta or {}).items()}
     stream = StreamCache(tq, KVQuantScheme(key=tq, value=tq, hp_dtype="fp32", sink_tokens=sink_tokens),
@@ -511,8 +513,6 @@ def measure_attention(
     static_by: Mapping, num_layers: int, sink_tokens: int = 0,
 ) -> list[Damage]:
     """Damage of every candidate of every layer by the ``attention`` metric."""
-    from kvq_export.progress import task
-
     out = []
     with task("plan: measuring attention damage", total=num_layers) as advance:
         for layer in range(num_layers):
@@ -539,8 +539,7 @@ def measure_kl(
     """Damage of every candidate of every layer as the logit KL from the unquantized model (mean per token)."""
     import torch
 
-    from kvq_export.progress import task
-    from kvq_export.reference.hf_cache import reference_hf_cache
+    from kvq_export.reference.hf_cache import reference_hf_cache  # lazy: imports torch and transformers
 
     configs = [(layer, k, v) for layer in range(num_layers) for k, v in _measured_configs(cset)]
     totals = np.zeros(len(configs))
@@ -757,11 +756,6 @@ def genai_view(scheme: KVQuantScheme, options: Sequence[Sequence[Option]], budge
     (``ort-gqa-int4`` / ``ort-gqa-int8`` for the ``ort-gqa`` set). Returns (the report's entry, that scheme);
     (None, None) when GroupQueryAttention cannot hold the plan at all.
     """
-    from kvq_export.cache_layout import BUFFER
-    from kvq_export.export.genai_package import mixed_types_reason
-    from kvq_export.export.gqa_capability import unsupported
-    from kvq_export.memory import predict
-
     layers, heads, dim = facts.num_layers, facts.num_kv_heads, facts.head_dim
     if unsupported(scheme, layers, dim):
         return None, None
@@ -839,8 +833,6 @@ def plan_scheme(
         KVQError: unknown metric, a non-positive budget/context, or a budget no choice fits.
 
     """
-    from kvq_export.progress import task
-
     if metric not in METRICS:
         raise KVQError(f"unknown plan metric {metric!r}; allowed: {', '.join(METRICS)}")
     metric = PlanMetric(metric)

@@ -98,7 +98,7 @@ def stream_from_samples(samples: Sequence[AttentionSample], part: str, tq: Tenso
     """
     import torch
 
-    from kvq_export.reference.codec import check_high_channels
+    from kvq_export.reference.codec import check_high_channels  # lazy: imports torch
 
     heads, _, dim = samples[0].keys.shape
     high = None if not tq.high_channels else check_high_channels(high_channels, tq, heads, dim)
@@ -138,7 +138,7 @@ def fit_metadata(tq: TensorQuant, stats: tuple[torch.Tensor, ...],
 
     ``high``: the stream's ``[H, n]`` high channels, fitted to their own 8-bit code range.
     """
-    from kvq_export.reference.codec import channel_levels, metadata_from_range, scale_from_amax
+    from kvq_export.reference.codec import channel_levels, metadata_from_range, scale_from_amax  # lazy: imports torch
 
     levels = None if high is None else channel_levels(tq, high, stats[0].shape[-1])
     if tq.has_zero_point:
@@ -149,7 +149,7 @@ def fit_metadata(tq: TensorQuant, stats: tuple[torch.Tensor, ...],
 
 def fake_quant(x: torch.Tensor, tq: TensorQuant, meta: dict) -> torch.Tensor:
     """Quantize then dequantize ``x`` [H, T, D] with static metadata, exactly as the reference codec does."""
-    from kvq_export.reference.codec import dequantize, quantize
+    from kvq_export.reference.codec import dequantize, quantize  # lazy: imports torch
 
     high = meta.get(HIGH_CHANNELS)
     q = quantize(x, tq, static_scales=meta["scales"], static_zeros=meta.get("zero_points"), high_channels=high)

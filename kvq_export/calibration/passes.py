@@ -67,7 +67,7 @@ def collect_kv(
     import torch
     from transformers.cache_utils import DynamicCache
 
-    from kvq_export.reference.codec import check_finite
+    from kvq_export.reference.codec import check_finite  # lazy: imports torch
 
     device = next(model.parameters()).device
     chunks: dict[tuple[int, str], list[torch.Tensor]] = {key: [] for key in needed}

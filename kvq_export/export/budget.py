@@ -21,9 +21,10 @@ import shlex
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from kvq_export.calibration import calibration_windows
 from kvq_export.errors import ExportError
 from kvq_export.export.flavors import Flavor, Runtime
-from kvq_export.plan import CandidateSet, Plan, candidate_set, fitting, with_value_window
+from kvq_export.plan import CandidateSet, Plan, candidate_set, fitting, plan_scheme, with_value_window
 from kvq_export.request import (
     DEFAULT_CALIBRATION,
     DEFAULT_PLAN_CANDIDATES,
@@ -122,9 +123,6 @@ def plan_request(request: ExportRequest, source: Any, flavor: Flavor, facts: Mod
             fits, among them).
 
     """
-    from kvq_export.calibration import calibration_windows
-    from kvq_export.plan import plan_scheme
-
     spec, calibration = request.plan, request.calibration or DEFAULT_CALIBRATION
     if spec is None:
         raise ExportError("the request names its scheme: there is nothing to plan")

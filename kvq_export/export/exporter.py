@@ -257,7 +257,7 @@ def calibrate(plan: ExportPlan, source: Source) -> Calibrated:
 
 def build_graph(plan: ExportPlan, source: Source, static: Calibration | None) -> tuple[ir.Model, CacheGraph]:
     """The decoder graph around the flavor's cache graph; it carries its own scheme (an edited kvq.json is refused)."""
-    from kvq_export.export.decoder import build_decoder
+    from kvq_export.export.decoder import build_decoder  # lazy: imports onnx
 
     request = plan.request
     cache = plan.flavor.build(request.scheme, plan.facts, static=static)
@@ -273,7 +273,7 @@ def build_graph(plan: ExportPlan, source: Source, static: Calibration | None) ->
 
 def quantize_weights(graph: ir.Model, spec: WeightSpec) -> ir.Model:
     """The built graph with its weights stored as ``spec`` says (fp32: as built; see :mod:`.weights`)."""
-    from kvq_export.export import weights
+    from kvq_export.export import weights  # lazy: imports onnx
 
     return weights.quantize_weights(graph, format=str(spec.format), block_size=spec.block_size,
                                     symmetric=spec.symmetric, accuracy_level=spec.accuracy_level)
@@ -281,7 +281,7 @@ def quantize_weights(graph: ir.Model, spec: WeightSpec) -> ir.Model:
 
 def package(directory: Path, plan: ExportPlan, source: Source, graph: ir.Model, calibrated: Calibrated) -> Manifest:
     """Write the graph, tokenizer, calibration and runtime files into ``directory``; the manifest comes last."""
-    from kvq_export.export.builder import save
+    from kvq_export.export.builder import save  # lazy: imports onnx
 
     request, facts = plan.request, plan.facts
     save(graph, directory / MODEL_NAME)

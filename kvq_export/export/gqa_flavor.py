@@ -125,6 +125,7 @@ from kvq_export.export.gqa_capability import unsupported
 from kvq_export.export.graph_codec import high_channel_choice, static_name, static_scales
 from kvq_export.export.kv_graph import LaidOutCache, name_packed_probe, name_probes
 from kvq_export.naming import PARTS, ROTARY_TABLES, tensor_name
+from kvq_export.reference.codec import check_high_channels, high_channel_levels
 from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 from kvq_export.vocab import Axis, Role, Rotation
@@ -156,8 +157,6 @@ class HighSplit:
     @classmethod
     def of(cls, tq: TensorQuant, static: Mapping, layer: int, part: str, kv_heads: int, head_dim: int) -> HighSplit:
         """The split of one calibrated stream (``static[layer][part]``: its scales, zero points and high channels)."""
-        from kvq_export.reference.codec import check_high_channels, high_channel_levels
-
         channels = check_high_channels(high_channel_choice(static, layer, part, tq), tq, kv_heads, head_dim).numpy()
         meta = static[layer][part]
         pick = [per_channel(tq, meta[role], kv_heads, head_dim, role)[np.arange(kv_heads)[:, None], channels]

@@ -67,6 +67,8 @@ import onnx_ir as ir
 
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
+from kvq_export.export.builder import EXTERNAL_DATA_SUFFIX
+from kvq_export.manifest import MODEL_NAME
 from kvq_export.vocab import WeightFormat
 
 logger = logging.getLogger(__name__)
@@ -443,9 +445,6 @@ def _mb(n: int) -> str:
 
 def weight_bytes(directory: str | os.PathLike[str]) -> WeightBytes:
     """:class:`WeightBytes` of an export directory's ``model.onnx`` (reads the graph, not the weight data)."""
-    from kvq_export.export.builder import EXTERNAL_DATA_SUFFIX
-    from kvq_export.manifest import MODEL_NAME
-
     path = Path(directory) / MODEL_NAME
     if not path.is_file():
         raise ExportError(f"{directory} has no {MODEL_NAME}")
