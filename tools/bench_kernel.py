@@ -31,6 +31,12 @@ import os
 import statistics
 import sys
 
+from kvq_plugins.attention import decode_attention
+from kvq_plugins.synthetic import random_layer_cache
+
+from kvq_export.memory import Geometry, predict
+from kvq_export.presets import resolve_scheme
+from kvq_export.validate.report import write_json
 from kvq_export.vocab import Role
 
 REFUSAL = ("bench_kernel needs a CUDA GPU (torch.cuda.is_available() is False here); no GPU number exists for "
@@ -73,7 +79,6 @@ def copy_bandwidth(gib: float = 1.0, iters: int = 20) -> float:
 def build_case(scheme, context: int, batch: int, kv_heads: int, head_dim: int):
     """A batch of identical rows of ``context`` random tokens stored by kvq's reference cache (on the GPU)."""
     import torch
-    from kvq_plugins.synthetic import random_layer_cache
 
     one = random_layer_cache(scheme, [context], kv_heads=kv_heads, head_dim=head_dim, device="cuda")
 
@@ -102,7 +107,6 @@ def _measure(fn, args) -> dict[str, float]:
 def _fused(scheme, context: int, batch: int, q, args) -> tuple[dict[str, float], int]:
     """(timing, stored bytes) of the fused kernel over a freshly built quantized cache."""
     import torch
-    from kvq_plugins.attention import decode_attention
 
     key_layout, value_layout, key, value, lengths = build_case(scheme, context, batch, args.kv_heads, args.head_dim)
     out = torch.empty_like(q)
@@ -130,8 +134,6 @@ def _sdpa(context: int, batch: int, q, args) -> tuple[dict[str, float], int]:
 def bench_one(scheme, context: int, batch: int, args, copy_bw: float) -> dict:
     """One table row."""
     import torch
-
-    from kvq_export.memory import Geometry, predict
 
     q = torch.randn(batch, args.heads, 1, args.head_dim, device="cuda", dtype=torch.float16)
     io = 2 * q.numel() * q.element_size()  # q read + output written
@@ -169,7 +171,6 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("bench_kernel: unset TRITON_INTERPRET (interpreted kernels would be timed)", file=sys.stderr)
         return 2
-    from kvq_export.presets import resolve_scheme
 
     schemes = [resolve_scheme(s) for s in (args.scheme or ["kivi-4"])]
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -197,8 +198,6 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['stored_bytes'] / row['predicted_bytes']:>10.3f}", flush=True)
                 torch.cuda.empty_cache()
     if args.json_path:
-        from kvq_export.validate.report import write_json
-
         write_json({"date": str(datetime.date.today()), "device": device, "copy_GB_per_s": copy_bw / 1e9,
                     "rows": rows}, args.json_path)
     return 0

@@ -30,6 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
+from kvq_export.calibration import Calibration, calibrate_static_scales
+from kvq_export.export.exporter import ensure_export
+from kvq_export.memory import predict
+from kvq_export.presets import resolve_scheme
+from kvq_export.request import ExportRequest, WeightSpec
+from kvq_export.runtime.session import KVQSession
+
 logger = logging.getLogger("long_context")
 
 SCHEMES_DIR = Path(__file__).resolve().parent / "schemes"
@@ -66,11 +73,6 @@ def exports(hf: Path, work: Path, weights: str, calib_tokens: int) -> dict[str, 
     """
     from transformers import AutoModelForCausalLM
 
-    from kvq_export.calibration import Calibration, calibrate_static_scales
-    from kvq_export.export.exporter import ensure_export
-    from kvq_export.presets import resolve_scheme
-    from kvq_export.request import ExportRequest, WeightSpec
-
     model = None
     out = {}
     for name, spec in CACHES.items():
@@ -101,9 +103,6 @@ def synthetic_cache(session, context: int, rng: np.random.Generator):
 def measure(directories: dict[str, Path], contexts: Sequence[int], steps: int, warmup: int,
             threads: int | None, out: Path | None) -> list[dict]:
     """Median step (ms) and cache bytes per (cache, context), steps interleaved across caches."""
-    from kvq_export.memory import predict
-    from kvq_export.runtime.session import KVQSession
-
     sessions = {name: KVQSession(d, threads=threads, verify_weights=False) for name, d in directories.items()}
     rows = []
     rng = np.random.default_rng(0)

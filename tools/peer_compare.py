@@ -64,7 +64,17 @@ from typing import Any
 
 import numpy as np
 
-from kvq_export.request import DEFAULT_CALIBRATION, DEFAULT_PERCENTILE
+from kvq_export.bench import PPL_OFFSET, perplexity, run_bench
+from kvq_export.calibration import Calibration, calibrate_static_scales, calibration_windows
+from kvq_export.corpus import load_corpus, token_windows
+from kvq_export.export.exporter import ensure_export
+from kvq_export.memory import predict
+from kvq_export.model_source import _ensure_fp32_cache, load_model, model_facts, resolve_spec
+from kvq_export.presets import resolve_scheme
+from kvq_export.request import DEFAULT_CALIBRATION, DEFAULT_PERCENTILE, ExportRequest, WeightSpec
+from kvq_export.runtime.genai import builder_scale_file
+from kvq_export.runtime.session import KVQSession
+from kvq_export.validate.report import write_json
 
 logger = logging.getLogger("peer_compare")
 
@@ -172,9 +182,6 @@ def _finish(rows: list[Row], baseline: str) -> list[Row]:
 def run_kvq(model: str, windows: list[list[int]], context: int, steps: int, flavor: str,
             ppl: bool = True) -> list[Row]:
     """Run kvq's presets on ONNX Runtime: perplexity and decode speed through ``kvq_export.bench``."""
-    from kvq_export.bench import perplexity, run_bench
-    from kvq_export.runtime.session import KVQSession
-
     report = run_bench(model, list(KVQ_PRESETS), flavors=(flavor,), contexts=(context,), batches=(1,), steps=steps,
                        warmup=4, prefill_tokens=64, prefill_repeats=1)
     rows = []
@@ -373,8 +380,6 @@ def run_hf(model: str, windows: list[list[int]], context: int, steps: int, ppl: 
     import torch
     from transformers.cache_utils import DynamicCache, QuantizedCache
 
-    from kvq_export.model_source import load_model
-
     hf_model, _ = load_model(model)
     configs: dict[str, Callable[[], Any] | str] = {"dynamic": lambda: DynamicCache(config=hf_model.config)}
     for name, (backend, nbits, module, _) in HF_CACHES.items():
@@ -427,8 +432,6 @@ FP32_CACHE = Path(__file__).resolve().parent / "schemes" / "fp32-cache.json"
 
 def model_hf_dir(model: str) -> Path:
     """The Hugging Face directory the builder reads (kvq's cached fp32 conversion for a GGUF model)."""
-    from kvq_export.model_source import _ensure_fp32_cache, resolve_spec
-
     source = resolve_spec(model)
     return source.path if source.kind == "hf_dir" else _ensure_fp32_cache(source.path)
 
@@ -550,14 +553,10 @@ class KvqEngine:
     """
 
     def __init__(self, directory: Path, spinning: bool = False) -> None:
-        from kvq_export.runtime.session import KVQSession
-
         self.session = KVQSession(directory, spinning=spinning)
 
     def perplexity(self, windows: list[list[int]]) -> float:
         """Strict decode (``kvq_export.bench.perplexity``)."""
-        from kvq_export.bench import perplexity
-
         return perplexity(self.session, windows)["ppl"]
 
     def prefill(self, tokens: list[int], max_length: int, batch: int = 1):
@@ -638,9 +637,6 @@ def kvq_gqa_export(model: str, scheme: str, out: Path, static, weights: str = "f
     ``weights`` other than fp32: the request carries them, and the export goes to ``OUT-w-int4`` (``-a4`` for an
     ``accuracy_level``) beside it; :func:`~kvq_export.export.exporter.ensure_export` decides the reuse.
     """
-    from kvq_export.export.exporter import ensure_export
-    from kvq_export.request import ExportRequest, WeightSpec
-
     level = {} if accuracy_level is None else {"accuracy_level": accuracy_level}
     if weights != "fp32":
         out = out.with_name(f"{out.name}-w-{weights}{'' if accuracy_level is None else f'-a{accuracy_level}'}")
@@ -706,12 +702,6 @@ def genai_engines(model: str, work: Path, int4_percentile: float | None = DEFAUL
     Runtime's thread spinning on.
     """
     import json
-
-    from kvq_export.calibration import Calibration, calibrate_static_scales, calibration_windows
-    from kvq_export.memory import predict
-    from kvq_export.model_source import load_model, model_facts
-    from kvq_export.presets import resolve_scheme
-    from kvq_export.runtime.genai import builder_scale_file
 
     unknown = sorted(set(schemes) - set(GENAI_SCHEMES))
     if unknown:
@@ -1054,10 +1044,6 @@ def text_windows(model: str, n: int, length: int, offset: int | None = None) -> 
     """The shared evaluation text as token ids (the model's own tokenizer), from ``offset`` (PPL_OFFSET)."""
     from transformers import AutoTokenizer
 
-    from kvq_export.bench import PPL_OFFSET
-    from kvq_export.corpus import load_corpus, token_windows
-    from kvq_export.model_source import _ensure_fp32_cache, resolve_spec
-
     source = resolve_spec(model)
     directory = source.path if source.kind == "hf_dir" else _ensure_fp32_cache(source.path)
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
@@ -1067,8 +1053,6 @@ def text_windows(model: str, n: int, length: int, offset: int | None = None) -> 
 
 def gguf_path(model: str) -> Path | None:
     """The GGUF file behind a model spec (the built-in smollm2 ships one), if any."""
-    from kvq_export.model_source import resolve_spec
-
     source = resolve_spec(model)
     return source.path if source.kind == "gguf" else None
 
@@ -1182,8 +1166,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         loads.append(round(os.getloadavg()[0], 2))
         if args.json_out:
-            from kvq_export.validate.report import write_json
-
             write_json({"settings": vars(args), "command": this_command(), "load_average_1min": loads,
                         "rows": [asdict(r) for r in measured]}, args.json_out)
 
@@ -1241,8 +1223,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from rich.console import Console
     from rich.table import Table
-
-    from kvq_export.bench import PPL_OFFSET
 
     offset = PPL_OFFSET if args.ppl_offset is None else args.ppl_offset
     table = Table(title=f"peers on {args.model}: strict-decode perplexity on {args.ppl_windows}x{args.ppl_tokens} "

@@ -24,7 +24,7 @@ import os
 
 def load_data():
     """Yield the prefill and decode feeds for ``$KVQ_EXPORT``."""
-    from kvq_export.validate.feeds import polygraphy_feeds
+    from kvq_export.validate.feeds import polygraphy_feeds  # lazy: kvq loads only when Polygraphy asks for data
 
     directory = os.environ.get("KVQ_EXPORT")
     if not directory:

@@ -25,6 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
+from kvq_export.bench import synthetic_cache
+from kvq_export.manifest import MODEL_NAME
+from kvq_export.runtime.session import KVQSession, choose_providers, session_options
+from kvq_export.validate.report import write_json
+
 logger = logging.getLogger("profile_step")
 
 
@@ -43,10 +48,6 @@ def profile_exports(directories: list[str | os.PathLike[str]], *, context: int, 
     machine hits them alike and their ratios hold even where the absolute times do not.
     """
     import onnxruntime as ort
-
-    from kvq_export.bench import synthetic_cache
-    from kvq_export.manifest import MODEL_NAME
-    from kvq_export.runtime.session import KVQSession, choose_providers, session_options
 
     filled = context - warmup - 1 - steps  # the last profiled step ends exactly at ``context`` tokens
     if filled < 0:
@@ -128,8 +129,6 @@ def main(argv: list[str] | None = None) -> None:
             logger.info("  %-34s %6.2f ms  %5.1f%%  %4d nodes", op, us / 1e3, 100 * us / total,
                         r["op_nodes_per_step"][op])
     if args.json_out:
-        from kvq_export.validate.report import write_json
-
         write_json({"results": results}, args.json_out)
 
 
