@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from kvq_export._atomic import atomic_write
+from kvq_export.bench_config import BenchConfig
 from kvq_export.capacity import resident_bytes
 from kvq_export.corpus import load_corpus, token_windows
 from kvq_export.errors import DependencyError, KVQError
@@ -64,9 +65,6 @@ from kvq_export.runtime.session import KVQSession
 logger = logging.getLogger(__name__)
 
 BENCH_VERSION = 2
-DEFAULT_CONTEXTS = (512, 2048, 8192)
-DEFAULT_BATCHES = (1, 4)
-FILLS = ("synthetic", "prefill")
 #: Text of the perplexity windows starts this many tokens into the corpus: the text ``kvq validate`` scores
 #: (calibration reads held-out text further on, :data:`kvq_export.request.DEFAULT_CALIB_OFFSET`).
 PPL_OFFSET = 0
@@ -158,7 +156,7 @@ def synthetic_cache(session: Any, batch: int, length: int, *, capacity: int | No
 
 def _filled(session: Any, batch: int, length: int, capacity: int, fill: str, seed: int, chunk: int,
             vocab: int) -> dict:
-    """A cache holding ``length`` tokens per row, made by ``fill`` (see :func:`run_bench`)."""
+    """A cache holding ``length`` tokens per row, made by ``fill`` (see :class:`BenchConfig`)."""
     if fill == "synthetic":
         return synthetic_cache(session, batch, length, capacity=capacity, seed=seed)
     rng = np.random.default_rng(seed)
@@ -233,155 +231,139 @@ def _timed_prefill(sessions: dict, ids: np.ndarray, repeats: int) -> dict[str, f
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def run_bench(
-    model: str,
-    schemes: Sequence[str],
-    *,
-    flavors: Sequence[str] = ("ort-gqa",),
-    contexts: Sequence[int] = DEFAULT_CONTEXTS,
-    batches: Sequence[int] = DEFAULT_BATCHES,
-    baseline: str = "fp16",
-    steps: int = 32,
-    warmup: int = 4,
-    prefill_tokens: int = 512,
-    prefill_repeats: int = 2,
-    threads: int | None = None,
-    dtype: str = "fp32",
-    work_dir: str | os.PathLike[str] | None = None,
-    calibration: CalibrationSpec = DEFAULT_CALIBRATION,
-    ppl_windows: int = 0,
-    ppl_tokens: int = 512,
-    seed: int = 0,
-    fill: str = "synthetic",
-    on_result: Callable[[BenchResult], None] | None = None,
-    json_out: str | os.PathLike[str] | None = None,
-    providers: Sequence[str] | None = None,
-) -> BenchReport:
-    """Benchmark ``schemes`` (and ``baseline``) for every flavor, context and batch; see the module docstring.
+def run_bench(config: BenchConfig, *, on_result: Callable[[BenchResult], None] | None = None) -> BenchReport:
+    """Benchmark ``config.schemes`` (and the baseline) for every flavor, context and batch; see the module docstring.
 
-    Args:
-        model: a model spec (``smollm2``, a Hugging Face directory or a ``.gguf`` file).
-        schemes: preset names or scheme JSON files; the baseline is added (and reported) automatically.
-        flavors: export flavors to compare (each against its own baseline).
-        contexts: tokens held per row while decoding (steps end exactly at ``context``).
-        batches: batch sizes.
-        baseline: the scheme every result is compared with (same flavor, context and batch).
-        steps: timed decode steps per session.
-        warmup: untimed decode steps before them.
-        prefill_tokens: prefill length cap (a prefill is ``min(context, prefill_tokens)`` tokens per row).
-        prefill_repeats: timed prefill runs (median), after one untimed run.
-        threads: ONNX Runtime intra-op threads (default: ``OMP_NUM_THREADS`` when set, else its choice).
-        dtype: compute dtype of the exports.
-        work_dir: where exports are kept (default ``$KVQ_CACHE_DIR/bench``).
-        calibration: how static-scale schemes are calibrated (see ``kvq export``).
-        ppl_windows: when > 0, also a strict-decode perplexity per export on this many windows of the
-            calibration corpus (from token :data:`PPL_OFFSET` on, the text ``kvq validate`` scores).
-        ppl_tokens: tokens per perplexity window.
-        seed: seeds the synthetic caches and token ids.
-        fill: ``synthetic`` (random data in the stored layout, instant) or ``prefill`` (a real chunked prefill
-            of random token ids, ``prefill_tokens`` per chunk: slow at long contexts, a check of the former).
-        on_result: called with each result as soon as it is measured (progress output).
-        json_out: the report's JSON file, rewritten (atomically) after every result, so a run that is stopped
-            keeps every row measured so far (``"complete": false`` until the run ends).
-        providers: ONNX Runtime providers of the timed sessions (None: the runtime's default choice).
+    The stages: resolve the schemes and check the run fits, export (or reuse) every (flavor, scheme), then per
+    flavor open the sessions and measure every (batch, context). ``on_result`` is called with each result as soon
+    as it is measured (progress output).
     """
-    _check_positive(contexts=contexts, batches=batches, steps=[steps], prefill_tokens=[prefill_tokens],
-                    prefill_repeats=[prefill_repeats])
-    if warmup < 0:
-        raise KVQError(f"invalid warmup={warmup}: allowed: an integer >= 0")
-    if fill not in FILLS:
-        raise KVQError(f"invalid fill={fill!r}: allowed: {', '.join(FILLS)}")
-    too_short = [c for c in contexts if c < warmup + steps + 1]
-    if too_short:
-        raise KVQError(f"context {too_short[0]} is shorter than warmup + steps + 1 = {warmup + steps + 1}")
-
-    resolved = {}
-    for spec in [baseline, *schemes]:
-        scheme = resolve_scheme(spec)
-        resolved.setdefault(scheme.name or str(spec), scheme)
-    _check_bench_size(model_facts(load_config(model)), list(resolved.values()), contexts, batches, prefill_tokens)
-    base_name = resolve_scheme(baseline).name or baseline
-    root = Path(work_dir) if work_dir else cache_dir("bench")
-    tag = Path(str(model)).stem if os.sep in str(model) else str(model)
-    hf_model, tokenizer = load_model(model)
-    facts = model_facts(hf_model.config)
-    settings = {"flavors": list(flavors), "schemes": list(resolved), "contexts": list(contexts),
-                "batches": list(batches), "steps": steps, "warmup": warmup, "prefill_tokens": prefill_tokens,
-                "prefill_repeats": prefill_repeats, "threads": threads, "dtype": dtype, "cpu_count": os.cpu_count(),
-                "calibration": calibration.to_dict(),
-                "load_average_start": list(os.getloadavg())}
-    report = BenchReport(model=str(model), baseline=base_name, fill=fill, settings=settings)
-
-    def save() -> None:
-        if json_out is not None:
-            atomic_write(json_out, report.to_json())
-
-    rng = np.random.default_rng(seed)
-    exports: dict[str, dict[str, Path]] = {flavor: {} for flavor in flavors}
-    with task("bench: exports", total=len(flavors) * len(resolved)) as advance:
-        for flavor in flavors:
-            for name, scheme in resolved.items():
-                exports[flavor][name] = bench_export(hf_model, tokenizer, scheme, flavor, root, tag=tag, dtype=dtype,
-                                                     calibration=calibration, spec=str(model))
-                advance()
-    settings["exports"] = {flavor: {name: str(d) for name, d in dirs.items()} for flavor, dirs in exports.items()}
+    schemes = _resolve_schemes(config)
+    _check_bench_size(model_facts(load_config(config.model)), list(schemes.values()), config.contexts,
+                      config.batches, config.prefill_tokens)
+    hf_model, tokenizer = load_model(config.model)
+    run = _Run(config, schemes, model_facts(hf_model.config), on_result)
+    exports = _export_all(config, schemes, hf_model, tokenizer)
+    run.report.settings["exports"] = {flavor: {name: str(d) for name, d in dirs.items()}
+                                      for flavor, dirs in exports.items()}
     del hf_model, tokenizer  # the PyTorch model is not needed while measuring
     gc.collect()
-    for flavor in flavors:
-        sessions = {name: KVQSession(d, threads=threads, providers=providers) for name, d in exports[flavor].items()}
-        prefills: dict[tuple[int, int], dict[str, float]] = {}
-        for batch in batches:
-            for context in contexts:
-                length = min(context, prefill_tokens)
+    for flavor in config.flavors:
+        run.measure_flavor(flavor, exports[flavor])
+    run.report.settings["load_average_end"] = list(os.getloadavg())  # other processes share the cores: compare ratios
+    run.report.complete = True
+    run.save()
+    return run.report
+
+
+def _resolve_schemes(config: BenchConfig) -> dict[str, Any]:
+    """The baseline and every scheme by name (the baseline first; a scheme named twice is measured once)."""
+    resolved: dict[str, Any] = {}
+    for spec in [config.baseline, *config.schemes]:
+        scheme = resolve_scheme(spec)
+        resolved.setdefault(scheme.name or str(spec), scheme)
+    return resolved
+
+
+def _export_all(config: BenchConfig, schemes: dict[str, Any], hf_model: Any,
+                tokenizer: Any) -> dict[str, dict[str, Path]]:
+    """Every (flavor, scheme) exported, or reused from an earlier run: directories by flavor, then scheme name."""
+    root = Path(config.work_dir) if config.work_dir else cache_dir("bench")
+    tag = Path(config.model).stem if os.sep in config.model else config.model
+    exports: dict[str, dict[str, Path]] = {flavor: {} for flavor in config.flavors}
+    with task("bench: exports", total=len(config.flavors) * len(schemes)) as advance:
+        for flavor in config.flavors:
+            for name, scheme in schemes.items():
+                exports[flavor][name] = bench_export(hf_model, tokenizer, scheme, flavor, root, tag=tag,
+                                                     dtype=config.dtype, calibration=config.calibration,
+                                                     spec=config.model)
+                advance()
+    return exports
+
+
+class _Run:
+    """One bench run in progress: its settings, the report it fills (saved after every result) and its token stream."""
+
+    def __init__(self, config: BenchConfig, schemes: dict[str, Any], facts: Any,
+                 on_result: Callable[[BenchResult], None] | None) -> None:
+        self.config, self.schemes, self.facts, self.on_result = config, schemes, facts, on_result
+        self.base_name = resolve_scheme(config.baseline).name or config.baseline
+        self.rng = np.random.default_rng(config.seed)
+        settings = {"flavors": list(config.flavors), "schemes": list(schemes), "contexts": list(config.contexts),
+                    "batches": list(config.batches), "steps": config.steps, "warmup": config.warmup,
+                    "prefill_tokens": config.prefill_tokens, "prefill_repeats": config.prefill_repeats,
+                    "threads": config.threads, "dtype": config.dtype, "cpu_count": os.cpu_count(),
+                    "calibration": config.calibration.to_dict(), "load_average_start": list(os.getloadavg())}
+        self.report = BenchReport(model=config.model, baseline=self.base_name, fill=config.fill, settings=settings)
+
+    def save(self) -> None:
+        if self.config.json_out is not None:
+            atomic_write(self.config.json_out, self.report.to_json())
+
+    def measure_flavor(self, flavor: str, exports: dict[str, Path]) -> None:
+        """Every (batch, context) of one flavor, its schemes' sessions open side by side; then its perplexities."""
+        config = self.config
+        sessions = {name: KVQSession(d, threads=config.threads, providers=config.providers)
+                    for name, d in exports.items()}
+        prefills: dict[tuple[int, int], dict[str, float]] = {}  # by (batch, length): shared by contexts
+        for batch in config.batches:
+            for context in config.contexts:
+                length = min(context, config.prefill_tokens)
                 if (batch, length) not in prefills:
-                    ids = rng.integers(0, facts.vocab_size, (batch, length))
-                    prefills[batch, length] = _timed_prefill(sessions, ids, prefill_repeats)
-                caches = {name: _filled(s, batch, context - warmup - steps, context, fill, seed, prefill_tokens,
-                                        facts.vocab_size) for name, s in sessions.items()}
-                tokens = rng.integers(0, facts.vocab_size, (warmup + steps, batch, 1))
-                times = _timed_decode(sessions, caches, tokens, warmup)
-                peak, current = _rss()
-                group = []
-                for name, session in sessions.items():
-                    median = statistics.median(times[name])
-                    prefill_s = prefills[batch, length][name]
-                    predicted = predict(resolved[name], facts, context, batch)
-                    static = predicted.breakdown["scales"] + predicted.breakdown["zero_points"] \
-                        if resolved[name].has_static_scales else 0
-                    group.append(BenchResult(
-                        flavor=flavor, scheme=name, context=context, batch=batch, baseline=base_name,
-                        decode_ms_median=1e3 * median, decode_ms_p10=1e3 * _percentile(times[name], 10),
-                        decode_ms_p90=1e3 * _percentile(times[name], 90), decode_steps=len(times[name]),
-                        decode_tok_s=batch / median, prefill_tokens=length, prefill_s=prefill_s,
-                        prefill_tok_s=batch * length / prefill_s, cache_bytes=session.cache_nbytes(caches[name]),
-                        cache_bytes_predicted=predicted.total_bytes - static, peak_rss_bytes=peak,
-                        rss_bytes=current))
-                del caches
-                gc.collect()
-                base = next(r for r in group if r.scheme == base_name)
-                for result in group:
-                    paired = paired_ratio(times[result.scheme], times[base_name])
-                    result.ratio = {
-                        "decode_ms": result.decode_ms_median / base.decode_ms_median,
-                        **dict(zip(("decode_ms_paired", "decode_ms_paired_low", "decode_ms_paired_high"), paired)),
-                        "prefill_tok_s": result.prefill_tok_s / base.prefill_tok_s,
-                        "cache_bytes": result.cache_bytes / base.cache_bytes,
-                        "cache_reduction": base.cache_bytes / result.cache_bytes,
-                    }
-                    report.results.append(result)
-                    save()
-                    if on_result is not None:
-                        on_result(result)
-        if ppl_windows > 0:
-            report.perplexity.extend(_perplexities(sessions, base_name, flavor, calibration.corpus, ppl_windows,
-                                                    ppl_tokens))
-            save()
+                    ids = self.rng.integers(0, self.facts.vocab_size, (batch, length))
+                    prefills[batch, length] = _timed_prefill(sessions, ids, config.prefill_repeats)
+                group, times = self._measure_decode(flavor, sessions, batch, context, prefills[batch, length])
+                self._add(group, times)
+        if config.ppl_windows > 0:
+            self.report.perplexity.extend(_perplexities(sessions, self.base_name, flavor, config.calibration.corpus,
+                                                        config.ppl_windows, config.ppl_tokens))
+            self.save()
         del sessions
         gc.collect()
-    settings["load_average_end"] = list(os.getloadavg())  # other processes share the cores: compare ratios
-    report.complete = True
-    save()
-    return report
+
+    def _measure_decode(self, flavor: str, sessions: dict, batch: int, context: int,
+                        prefill_s: dict[str, float]) -> tuple[list[BenchResult], dict[str, list[float]]]:
+        """Interleaved decode steps of every session from a cache of the same length: a result per scheme."""
+        config, vocab = self.config, self.facts.vocab_size
+        caches = {name: _filled(s, batch, context - config.warmup - config.steps, context, config.fill, config.seed,
+                                config.prefill_tokens, vocab) for name, s in sessions.items()}
+        tokens = self.rng.integers(0, vocab, (config.warmup + config.steps, batch, 1))
+        times = _timed_decode(sessions, caches, tokens, config.warmup)
+        peak, current = _rss()
+        length = min(context, config.prefill_tokens)
+        group = []
+        for name, session in sessions.items():
+            median = statistics.median(times[name])
+            predicted = predict(self.schemes[name], self.facts, context, batch)
+            static = predicted.breakdown["scales"] + predicted.breakdown["zero_points"] \
+                if self.schemes[name].has_static_scales else 0
+            group.append(BenchResult(
+                flavor=flavor, scheme=name, context=context, batch=batch, baseline=self.base_name,
+                decode_ms_median=1e3 * median, decode_ms_p10=1e3 * _percentile(times[name], 10),
+                decode_ms_p90=1e3 * _percentile(times[name], 90), decode_steps=len(times[name]),
+                decode_tok_s=batch / median, prefill_tokens=length, prefill_s=prefill_s[name],
+                prefill_tok_s=batch * length / prefill_s[name], cache_bytes=session.cache_nbytes(caches[name]),
+                cache_bytes_predicted=predicted.total_bytes - static, peak_rss_bytes=peak, rss_bytes=current))
+        del caches
+        gc.collect()
+        return group, times
+
+    def _add(self, group: list[BenchResult], times: dict[str, list[float]]) -> None:
+        """Each result of one (flavor, context, batch) with its ratios to the baseline, saved and reported."""
+        base = next(r for r in group if r.scheme == self.base_name)
+        for result in group:
+            paired = paired_ratio(times[result.scheme], times[self.base_name])
+            result.ratio = {
+                "decode_ms": result.decode_ms_median / base.decode_ms_median,
+                **dict(zip(("decode_ms_paired", "decode_ms_paired_low", "decode_ms_paired_high"), paired)),
+                "prefill_tok_s": result.prefill_tok_s / base.prefill_tok_s,
+                "cache_bytes": result.cache_bytes / base.cache_bytes,
+                "cache_reduction": base.cache_bytes / result.cache_bytes,
+            }
+            self.report.results.append(result)
+            self.save()
+            if self.on_result is not None:
+                self.on_result(result)
 
 
 def _check_bench_size(facts, schemes: Sequence[Any], contexts: Sequence[int], batches: Sequence[int],
@@ -397,12 +379,6 @@ def _check_bench_size(facts, schemes: Sequence[Any], contexts: Sequence[int], ba
     logits = 4 * batch * facts.vocab_size * (min(context, prefill_tokens) + 1)
     check_fits(caches + logits, f"bench at context {context} and batch {batch}",
                "bench shorter contexts or smaller batches")
-
-
-def _check_positive(**lists: Sequence[int]) -> None:
-    for name, values in lists.items():
-        if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-            raise KVQError(f"invalid {name}={list(values)!r}: allowed: integers >= 1")
 
 
 # -- quality ----------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 from tiny_models import tiny_model
 
 from kvq_export.bench import plot, report_table, run_bench, synthetic_cache
+from kvq_export.bench_config import BenchConfig
 from kvq_export.errors import KVQError
 from kvq_export.request import CalibrationSpec
 
@@ -35,10 +36,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def report(model_dir, tmp_path_factory):
-    return run_bench(str(model_dir), ["ort-int8"], flavors=("ort-gqa", "reference"), contexts=(24, 40),
-                     batches=(1, 2), steps=4, warmup=1, prefill_tokens=16, prefill_repeats=1,
-                     work_dir=tmp_path_factory.mktemp("bench"), calibration=CalibrationSpec(tokens=256),
-                     ppl_windows=2, ppl_tokens=12)
+    return run_bench(BenchConfig(str(model_dir), ["ort-int8"], flavors=("ort-gqa", "reference"), contexts=(24, 40),
+                                 batches=(1, 2), steps=4, warmup=1, prefill_tokens=16, prefill_repeats=1,
+                                 work_dir=tmp_path_factory.mktemp("bench"), calibration=CalibrationSpec(tokens=256),
+                                 ppl_windows=2, ppl_tokens=12))
 
 
 def test_report_is_well_formed_json(report):
@@ -80,10 +81,10 @@ def test_table_and_plot(report, tmp_path):
 def test_exports_are_reused(model_dir, tmp_path):
     kwargs = dict(flavors=("ort-gqa",), contexts=(8,), batches=(1,), steps=2, warmup=0, prefill_tokens=4,
                   prefill_repeats=1, work_dir=tmp_path)
-    run_bench(str(model_dir), [], **kwargs)
+    run_bench(BenchConfig(str(model_dir), [], **kwargs))
     onnx_file = next(tmp_path.glob("*-ort-gqa-fp16-fp32/model.onnx"))
     stamp = onnx_file.stat().st_mtime_ns
-    again = run_bench(str(model_dir), [], **kwargs)
+    again = run_bench(BenchConfig(str(model_dir), [], **kwargs))
     assert onnx_file.stat().st_mtime_ns == stamp and len(again.results) == 1
 
 
@@ -101,9 +102,42 @@ def test_synthetic_cache_matches_every_layout(model_dir, tmp_path):
 
 def test_bad_settings_are_refused(model_dir):
     with pytest.raises(KVQError, match="context 8 is shorter than warmup \\+ steps \\+ 1 = 37"):
-        run_bench(str(model_dir), [], contexts=(8,))
+        BenchConfig(str(model_dir), [], contexts=(8,))
     with pytest.raises(KVQError, match="invalid batches"):
-        run_bench(str(model_dir), [], batches=(0,))
+        BenchConfig(str(model_dir), [], batches=(0,))
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("flavors", ("onnx",), "unknown flavor 'onnx'; allowed: "),
+    ("flavors", (), "invalid flavors=\\[\\]: allowed: one or more of "),
+    ("contexts", "512", "invalid contexts='512': allowed: a list"),
+    ("steps", 0, "invalid steps=0: allowed: an integer >= 1"),
+    ("warmup", -1, "invalid warmup=-1: allowed: an integer >= 0"),
+    ("threads", 0, "invalid threads=0: allowed: an integer >= 1"),
+    ("ppl_tokens", 1, "invalid ppl_tokens=1: allowed: an integer >= 2"),
+    ("dtype", "bf16", "invalid dtype='bf16': allowed: fp32, fp16"),
+    ("fill", "disk", "invalid fill='disk': allowed: synthetic, prefill"),
+    ("calibration", "britannica", "invalid calibration='britannica': allowed: a CalibrationSpec"),
+    ("schemes", ("int8", ""), "invalid schemes entry '': allowed: a non-empty string"),
+])
+def test_bench_config_names_the_bad_field(field, value, message):
+    with pytest.raises(KVQError, match=f"^{message}"):
+        BenchConfig("smollm2", **{field: value})
+
+
+def test_bench_config_round_trips_its_json_form(tmp_path):
+    config = BenchConfig(tmp_path / "model", ["ort-int8", "kivi-4"], flavors=["reference"], contexts=[64],
+                         batches=[1, 2], calibration={"tokens": 128}, json_out=tmp_path / "b.json",
+                         providers=["CPUExecutionProvider"])
+    assert config.model == str(tmp_path / "model") and config.contexts == (64,)
+    assert config.calibration == CalibrationSpec(tokens=128) and config.providers == ("CPUExecutionProvider",)
+    data = json.loads(json.dumps(config.to_dict()))
+    assert data["schemes"] == ["ort-int8", "kivi-4"] and data["calibration"]["tokens"] == 128
+    assert BenchConfig.from_dict(data) == config
+    with pytest.raises(KVQError, match="missing bench field 'model'"):
+        BenchConfig.from_dict({"steps": 2})
+    with pytest.raises(KVQError, match="unknown bench field\\(s\\) step; allowed: model, "):
+        BenchConfig.from_dict({"model": "smollm2", "step": 2})
 
 
 def test_cli_passes_every_setting_through(model_dir, tmp_path):
@@ -321,15 +355,16 @@ def test_a_stopped_bench_keeps_every_row_it_measured(model_dir, tmp_path):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_bench(str(model_dir), ["ort-int8"], flavors=("reference",), contexts=(8, 12), batches=(1,), steps=2,
-                  warmup=0, prefill_tokens=4, prefill_repeats=1, work_dir=tmp_path / "work", on_result=stop,
-                  json_out=out)
+        run_bench(BenchConfig(str(model_dir), ["ort-int8"], flavors=("reference",), contexts=(8, 12), batches=(1,),
+                              steps=2, warmup=0, prefill_tokens=4, prefill_repeats=1, work_dir=tmp_path / "work",
+                              json_out=out), on_result=stop)
     data = json.loads(out.read_text())
     assert data["complete"] is False and len(seen) == 1
     assert [(r["scheme"], r["context"]) for r in data["results"]] == [(seen[0].scheme, 8)]
     assert data["results"][0]["decode_ms_median"] == seen[0].decode_ms_median
-    done = run_bench(str(model_dir), [], flavors=("reference",), contexts=(8,), batches=(1,), steps=2, warmup=0,
-                     prefill_tokens=4, prefill_repeats=1, work_dir=tmp_path / "work", json_out=out)
+    done = run_bench(BenchConfig(str(model_dir), [], flavors=("reference",), contexts=(8,), batches=(1,), steps=2,
+                                 warmup=0, prefill_tokens=4, prefill_repeats=1, work_dir=tmp_path / "work",
+                                 json_out=out))
     assert json.loads(out.read_text()) == json.loads(done.to_json()) and done.complete
 
 
@@ -338,9 +373,9 @@ def test_bench_reports_its_exports_as_progress(model_dir, tmp_path):
 
     steps = []
     with reporting(steps.append):
-        run_bench(str(model_dir), ["ort-int8"], flavors=("reference",), contexts=(8,), batches=(1,), steps=2,
-                  warmup=0, prefill_tokens=4, prefill_repeats=1, work_dir=tmp_path,
-                  calibration=CalibrationSpec(tokens=64))
+        run_bench(BenchConfig(str(model_dir), ["ort-int8"], flavors=("reference",), contexts=(8,), batches=(1,),
+                              steps=2, warmup=0, prefill_tokens=4, prefill_repeats=1, work_dir=tmp_path,
+                              calibration=CalibrationSpec(tokens=64)))
     exports = [(s.done, s.total, s.finished) for s in steps if s.desc == "bench: exports"]
     assert exports == [(0, 2, False), (1, 2, False), (2, 2, False), (2, 2, True)]
     assert any(s.desc == "calibration: forward passes" and s.finished for s in steps)  # ort-int8 is calibrated

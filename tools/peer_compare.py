@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 
 from kvq_export.bench import PPL_OFFSET, perplexity, run_bench
+from kvq_export.bench_config import BenchConfig
 from kvq_export.calibration import Calibration, calibrate_static_scales, calibration_windows
 from kvq_export.corpus import load_corpus, token_windows
 from kvq_export.export.exporter import ensure_export
@@ -182,8 +183,8 @@ def _finish(rows: list[Row], baseline: str) -> list[Row]:
 def run_kvq(model: str, windows: list[list[int]], context: int, steps: int, flavor: str,
             ppl: bool = True) -> list[Row]:
     """Run kvq's presets on ONNX Runtime: perplexity and decode speed through ``kvq_export.bench``."""
-    report = run_bench(model, list(KVQ_PRESETS), flavors=(flavor,), contexts=(context,), batches=(1,), steps=steps,
-                       warmup=4, prefill_tokens=64, prefill_repeats=1)
+    report = run_bench(BenchConfig(model, list(KVQ_PRESETS), flavors=(flavor,), contexts=(context,), batches=(1,),
+                                   steps=steps, warmup=4, prefill_tokens=64, prefill_repeats=1))
     rows = []
     for result in report.results:
         session = KVQSession(report.settings["exports"][flavor][result.scheme])

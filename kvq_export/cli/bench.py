@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from kvq_export import bench as kvq_bench
+from kvq_export.bench_config import FILLS, BenchConfig
 from kvq_export.capacity import plot_capacity, run_capacity
 from kvq_export.cli._base import (
     STDOUT,
@@ -17,6 +18,7 @@ from kvq_export.cli._base import (
     write_json_output,
 )
 from kvq_export.cli_types import outside_exports
+from kvq_export.dtypes import COMPUTE_DTYPES
 from kvq_export.export.flavors import flavor_names, get_flavor
 from kvq_export.progress import tqdm_bars
 
@@ -43,9 +45,9 @@ def _flavor_list(ctx: click.Context, param: click.Parameter, value: str) -> list
 @click.option("--warmup", type=click.IntRange(0), default=4, show_default=True, help="Untimed decode steps first.")
 @click.option("--prefill-tokens", type=click.IntRange(1), default=512, show_default=True,
               help="Prefill length cap (and chunk size of --fill prefill).")
-@click.option("--fill", type=click.Choice(["synthetic", "prefill"]), default="synthetic", show_default=True,
+@click.option("--fill", type=click.Choice(FILLS), default="synthetic", show_default=True,
               help="How the cache reaches the context: random data in the stored layout, or a real prefill.")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+@click.option("--dtype", type=click.Choice(COMPUTE_DTYPES), default="fp32", show_default=True,
               help="Compute dtype of the exports.")
 @click.option("--threads", type=click.IntRange(1), default=None,
               help="ONNX Runtime intra-op threads [default: OMP_NUM_THREADS when set, else ONNX Runtime's choice].")
@@ -65,6 +67,13 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
     """Decode latency, prefill throughput, cache bytes and RSS per scheme, as ratios to the baseline."""
     from rich.console import Console
 
+    config = BenchConfig(
+        model_spec, [s for s in schemes.split(",") if s], flavors=flavors, contexts=int_list(contexts),
+        batches=int_list(batches), baseline=baseline, steps=steps, warmup=warmup, prefill_tokens=prefill_tokens,
+        fill=fill, dtype=dtype, threads=threads, ppl_windows=ppl_windows, ppl_tokens=ppl_tokens,
+        calibration=calibration, work_dir=work_dir, json_out=None if json_out == STDOUT else json_out,
+        providers=providers)
+
     progress = Console(stderr=True, highlight=False, soft_wrap=True)
 
     def show(r) -> None:  # a long run reports each result as it is measured
@@ -74,12 +83,7 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
 
     try:
         with tqdm_bars(not quiet):
-            report = kvq_bench.run_bench(
-                model_spec, [s for s in schemes.split(",") if s], flavors=flavors,
-                contexts=int_list(contexts), batches=int_list(batches), baseline=baseline, steps=steps, warmup=warmup,
-                prefill_tokens=prefill_tokens, fill=fill, dtype=dtype, threads=threads, ppl_windows=ppl_windows,
-                ppl_tokens=ppl_tokens, calibration=calibration, work_dir=work_dir, on_result=show,
-                json_out=None if json_out == STDOUT else json_out, providers=providers)
+            report = kvq_bench.run_bench(config, on_result=show)
     except KeyboardInterrupt:
         if json_out and json_out != STDOUT:
             click.echo(f"interrupted: {json_out} keeps every result measured so far", err=True)
