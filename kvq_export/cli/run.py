@@ -19,7 +19,7 @@ from kvq_export.cli._base import (
 )
 from kvq_export.cli_types import NON_NEGATIVE, FiniteFloat, outside_exports
 from kvq_export.demo import DEMO_PROMPT, DEMO_SAMPLING, run_demo
-from kvq_export.runtime import open_session
+from kvq_export.runtime import RUNTIMES, open_session
 from kvq_export.runtime.base import continuation_text
 from kvq_export.runtime.sampling import SamplingConfig
 from kvq_export.runtime.session import choose_providers
@@ -37,7 +37,7 @@ from kvq_export.runtime.session import choose_providers
 @click.option("--seed", type=click.IntRange(0), default=None, help="Random seed of sampling (reproducible runs).")
 @click.option("--repetition-penalty", type=FiniteFloat(0.01, 100), default=1.0, show_default=True,
               help="> 1 discourages tokens the row already holds (prompt included); 1 = off.")
-@click.option("--runtime", type=click.Choice(["kvq", "genai"]), default="kvq", show_default=True,
+@click.option("--runtime", type=click.Choice(RUNTIMES), default="kvq", show_default=True,
               help="kvq: kvq's loop on ONNX Runtime; genai: onnxruntime-genai's C++ loop (ort-gqa exports).")
 @json_option("tokens, text and cache bytes")
 @device_option()
