@@ -122,11 +122,11 @@ def run_demo(model_spec: str, prompt: str, max_new_tokens: int, workdir: str | o
         agree = next((i for i, (a, b) in enumerate(zip(tokens, result.tokens)) if a != b),
                      min(len(tokens), len(result.tokens)))
         held = predict(session.manifest.scheme, session.manifest.model, len(result.prompt_tokens) + len(result.tokens))
-        genai = session.manifest.runtimes.get(RUNTIME) or {}
+        genai = session.manifest.runtimes.get(RUNTIME)
         first_sentence = prompt.split(". ")[0].rstrip(".") + "."
         serve = (serve_command(directory, first_sentence, len(result.prompt_tokens) + max_new_tokens)
-                 if genai.get("supported") else
-                 f"not servable ({genai.get('reason', '?').split(';')[0]}; details in kvq.json 'runtimes')")
+                 if genai is not None and genai.supported else
+                 f"not servable ({((genai and genai.reason) or '?').split(';')[0]}; details in kvq.json 'runtimes')")
         rows.append(DemoRow(
             scheme=session.manifest.scheme.name or run.scheme, text=result.text or "", tokens=result.tokens,
             agree_with_baseline=agree, cache_bytes=result.cache_bytes, prompt_tokens=len(result.prompt_tokens),

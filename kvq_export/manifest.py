@@ -25,6 +25,17 @@ from kvq_export.cache_layout import REGIONS, CacheLayout, layout_named
 from kvq_export.calibration.artifact import Calibration
 from kvq_export.dtypes import COMPUTE_DTYPES
 from kvq_export.errors import KVQError, OutputPathError, RuntimeInputError
+from kvq_export.manifest_sections import (
+    BuildRecord,
+    CalibrationRecord,
+    FileChecksum,
+    GraphValue,
+    RuntimeSupport,
+    TokenizerFacts,
+    checksums,
+    graph_values,
+    runtime_entries,
+)
 from kvq_export.model_facts import ModelFacts
 from kvq_export.model_facts import json_field as _get
 from kvq_export.naming import PARTS, CacheTensor, tensor_name
@@ -75,18 +86,17 @@ class Manifest:
     opset: int
     dtype: str
     kvq_version: str
-    inputs: list[dict[str, Any]]
-    outputs: list[dict[str, Any]]
-    tokenizer: dict[str, Any] = field(default_factory=dict)
-    calibration: dict[str, Any] | None = None
+    inputs: tuple[GraphValue, ...]
+    outputs: tuple[GraphValue, ...]
+    tokenizer: TokenizerFacts = field(default_factory=TokenizerFacts)
+    calibration: CalibrationRecord | None = None
     format_version: int = FORMAT_VERSION
     layout: LayoutName = REGIONS.name  # the cache layout's name (the exporter records its flavour's)
-    weights: dict[str, Any] | None = None  # {file: {"sha256", "bytes"}} recorded at export
-    #: {"kvq_code": source digest, "request": what shaped the export, "source": the model's content identity,
-    #: "source_digest": its digest when it was named by a spec}
-    build: dict[str, Any] | None = None
-    #: other runtimes that can serve the export: name -> {"supported": bool, their files, or "reason"}
-    runtimes: dict[str, Any] = field(default_factory=dict)
+    weights: dict[str, FileChecksum] | None = None  # every file's checksum, recorded at export
+    #: kvq's source digest, what shaped the export, the model's content identity (None: an older export)
+    build: BuildRecord | None = None
+    #: other runtimes that can serve the export: name -> whether they can (their files, or the reason)
+    runtimes: dict[str, RuntimeSupport] = field(default_factory=dict)
     #: how a scheme planned under a bit budget was chosen (budget, bits achieved, per-layer choices, the kvq plan
     #: command that writes it again); None when the request named its scheme
     plan: dict[str, Any] | None = None
@@ -97,8 +107,7 @@ class Manifest:
 
         None for an in-memory model or an export made before kvq recorded it.
         """
-        digest = (self.build or {}).get("source_digest")
-        return digest if isinstance(digest, str) else None
+        return self.build.source_digest if self.build is not None else None
 
     # -- the cache ------------------------------------------------------------------------------------
     @property
@@ -127,13 +136,13 @@ class Manifest:
             "dtype": self.dtype,
             "model": self.model.to_dict(),
             "scheme": self.scheme.to_dict(),
-            "tokenizer": self.tokenizer,
-            "calibration": self.calibration,
-            "inputs": self.inputs,
-            "outputs": self.outputs,
-            "weights": self.weights,
-            "build": self.build,
-            "runtimes": self.runtimes,
+            "tokenizer": self.tokenizer.to_dict(),
+            "calibration": self.calibration.to_dict() if self.calibration is not None else None,
+            "inputs": [value.to_dict() for value in self.inputs],
+            "outputs": [value.to_dict() for value in self.outputs],
+            "weights": {name: c.to_dict() for name, c in self.weights.items()} if self.weights is not None else None,
+            "build": self.build.to_dict() if self.build is not None else None,
+            "runtimes": {name: entry.to_dict() for name, entry in self.runtimes.items()},
             **({"plan": self.plan} if self.plan is not None else {}),
             "cache": {
                 "layout": self.cache_layout.rules,
@@ -182,27 +191,21 @@ class Manifest:
             raise RuntimeInputError(f"field 'dtype' is {dtype!r}; allowed: {', '.join(COMPUTE_DTYPES)}")
         cache = _get(data, "cache", dict, optional=True) or {}
         calibration = _get(data, "calibration", dict, optional=True)
-        if calibration is not None:
-            _get(calibration, "file", str, where="calibration.")
-            _get(calibration, "digest", str, where="calibration.")
+        calibration = CalibrationRecord.from_dict(calibration) if calibration is not None else None
         weights = _get(data, "weights", dict, optional=True)
-        for name, entry in (weights or {}).items():
-            if not isinstance(entry, dict):
-                raise RuntimeInputError(f"field 'weights.{name}' must be an object")
-            _get(entry, "sha256", str, where=f"weights.{name}.")
-            _get(entry, "bytes", int, where=f"weights.{name}.")
+        build = _get(data, "build", dict, optional=True)
         scheme = KVQuantScheme.from_dict(_get(data, "scheme", dict))
         scheme.check_model(model.num_layers, model.head_dim)
         manifest = cls(
             scheme=scheme, model=model, flavor=_get(data, "flavor", str), opset=_get(data, "opset", int),
-            dtype=dtype, kvq_version=_get(data, "kvq_version", str), inputs=_list_of_objects(data, "inputs"),
-            outputs=_list_of_objects(data, "outputs"), tokenizer=dict(_get(data, "tokenizer", dict, optional=True)
-                                                                      or {}),
+            dtype=dtype, kvq_version=_get(data, "kvq_version", str), inputs=graph_values(data, "inputs"),
+            outputs=graph_values(data, "outputs"),
+            tokenizer=TokenizerFacts.from_dict(_get(data, "tokenizer", dict, optional=True) or {}),
             calibration=calibration, format_version=version,
             layout=layout_named(_get(cache, "layout_name", str, optional=True, where="cache.") or REGIONS.name).name,
-            weights=weights,
-            build=_get(data, "build", dict, optional=True),
-            runtimes=dict(_get(data, "runtimes", dict, optional=True) or {}),
+            weights=checksums(weights) if weights is not None else None,
+            build=BuildRecord.from_dict(build) if build is not None else None,
+            runtimes=runtime_entries(_get(data, "runtimes", dict, optional=True) or {}),
             plan=_get(data, "plan", dict, optional=True),
         )
         if scheme.needs_calibration and calibration is None:
@@ -287,7 +290,7 @@ def check_graph_metadata(directory: str | os.PathLike[str], manifest: Manifest, 
         if built is not None:
             got = static.digest(len(built))
             if got != built:
-                raise RuntimeInputError(f"{directory}: {manifest.calibration['file']} holds other scales than the "
+                raise RuntimeInputError(f"{directory}: {manifest.calibration.file} holds other scales than the "
                                         f"graph embeds (digest {got}, graph {built}): the calibration file was "
                                         "replaced; export again")
 
@@ -305,7 +308,7 @@ def check_graph_calibration(directory: str | os.PathLike[str], manifest: Manifes
     compared = calibration.check_graph(constants, manifest.scheme, manifest.model, error=RuntimeInputError)
     if not compared:
         raise RuntimeInputError(f"{directory}: {Path(graph).name} holds none of the constants of "
-                                f"{manifest.calibration['file']}: the graph was not built from it; export again")
+                                f"{manifest.calibration.file}: the graph was not built from it; export again")
 
 
 def read_graph_constants(path: str | os.PathLike[str], wanted, *,
@@ -458,7 +461,7 @@ def check_export_files(directory: str | os.PathLike[str], manifest: Manifest) ->
     An export holds directories and regular files only: a symbolic link (even one that stays inside, which could
     make a runtime read another model's files under a checksummed name) or a device, socket or FIFO is refused.
     """
-    for name in [*(manifest.weights or {}), *([manifest.calibration["file"]] if manifest.calibration else [])]:
+    for name in [*(manifest.weights or {}), *([manifest.calibration.file] if manifest.calibration else [])]:
         resolve_inside(directory, name)
     export_files(directory)
 
@@ -486,10 +489,10 @@ def export_files(directory: str | os.PathLike[str]) -> list[str]:
     return sorted(names)
 
 
-def weight_checksums(directory: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
-    """``{file: {"sha256", "bytes"}}`` of every file of the export but ``kvq.json`` (what a loader verifies)."""
+def weight_checksums(directory: str | os.PathLike[str]) -> dict[str, FileChecksum]:
+    """The checksum of every file of the export but ``kvq.json`` (what a loader verifies), by relative name."""
     directory = Path(directory)
-    return {name: {"sha256": file_sha256(directory / name), "bytes": (directory / name).stat().st_size}
+    return {name: FileChecksum(sha256=file_sha256(directory / name), bytes=(directory / name).stat().st_size)
             for name in export_files(directory)}
 
 
@@ -503,10 +506,10 @@ def verify_weights(directory: str | os.PathLike[str], manifest: Manifest) -> Non
         if not path.is_file():
             raise RuntimeInputError(f"{directory}: {name} is missing")
         size = path.stat().st_size
-        if size != want["bytes"]:
-            raise RuntimeInputError(f"{path} has {size} bytes, the export wrote {want['bytes']}: truncated or "
+        if size != want.bytes:
+            raise RuntimeInputError(f"{path} has {size} bytes, the export wrote {want.bytes}: truncated or "
                                     "replaced; export again (or skip the check: verify_weights=False / --no-verify)")
-        if file_sha256(path) != want["sha256"]:
+        if file_sha256(path) != want.sha256:
             raise RuntimeInputError(f"{path} does not match its sha256 in {MANIFEST_NAME}: corrupted or edited; "
                                     "export again (or skip the check: verify_weights=False / --no-verify)")
     unlisted = [name for name in export_files(directory) if name not in manifest.weights]
@@ -524,10 +527,10 @@ def load_static(directory: str | os.PathLike[str], manifest: Manifest) -> Calibr
     """
     if not manifest.calibration:
         return None
-    path = resolve_inside(directory, manifest.calibration["file"])
+    path = resolve_inside(directory, manifest.calibration.file)
     calibration = Calibration.load(path, error=RuntimeInputError)
-    want = manifest.calibration["digest"]
-    got = calibration.digest(len(want)) if isinstance(want, str) and want else ""
+    want = manifest.calibration.digest
+    got = calibration.digest(len(want)) if want else ""
     if got != want:
         raise RuntimeInputError(f"{path} does not match the calibration digest in {MANIFEST_NAME} "
                                 f"({got or 'empty'} != {want}): the scales were edited or replaced; export again")

@@ -83,8 +83,8 @@ def test_budget_export_equals_plan_then_export(model_dir, tmp_path):
     assert record["budget"] == 6.5 and record["bits_per_element"] <= 6.5 and record["candidates"] == "ort-gqa"
     assert record["layers"] == [{"layer": i, "key": k.describe(), "value": v.describe()}
                                 for i, (k, v) in enumerate(planned.streams(2))]
-    assert manifest.calibration["offset"] == DEFAULT_CALIBRATION.offset  # held out from what kvq validate scores
-    request = ExportRequest.from_dict(manifest.build["request"])  # what was asked: the budget, not the scheme
+    assert manifest.calibration.offset == DEFAULT_CALIBRATION.offset  # held out from what kvq validate scores
+    request = ExportRequest.from_dict(manifest.build.request)  # what was asked: the budget, not the scheme
     assert request.scheme is None and request.plan == PlanSpec(budget=6.5)
     assert request.calibration == DEFAULT_CALIBRATION
 
@@ -121,12 +121,12 @@ def test_a_budget_export_calibrates_once(tmp_path, monkeypatch):
     request = ExportRequest(model=None, plan=PlanSpec(budget=5.0, context=1024, name="small"), flavor="ort-gqa",
                             calibration=calibration)
     manifest = export(request, tmp_path / "x", model=tiny_model("llama"), tokenizer=tiny_tokenizer())
-    assert manifest.scheme.name == "small" and manifest.calibration["tokens"] == 256
-    assert manifest.build["request"] == request.to_dict() and manifest.plan["request"]["context"] == 1024
+    assert manifest.scheme.name == "small" and manifest.calibration.tokens == 256
+    assert manifest.build.request == request.to_dict() and manifest.plan["request"]["context"] == 1024
     monkeypatch.undo()
     windows = calibration_windows(tiny_tokenizer(), str(text), 256)
     fresh = calibrate_static_scales(tiny_model("llama"), manifest.scheme, windows)
-    assert manifest.calibration["digest"] == fresh.digest()
+    assert manifest.calibration.digest == fresh.digest()
 
 
 @pytest.mark.parametrize("method", ["absmax", "percentile", "attention"])
@@ -160,8 +160,8 @@ def test_a_calibration_option_without_a_corpus_uses_the_default_corpus(model_dir
     kvq("export", "--model", model_dir, "--budget", "6", "--context", "1024", "--calib-tokens", "128",
         "--calib-method", "percentile", "--out", tmp_path / "x")
     manifest = Manifest.load(tmp_path / "x")
-    assert manifest.calibration["corpus"] == DEFAULT_CALIBRATION.corpus and manifest.calibration["tokens"] == 128
-    assert manifest.calibration["method"] == "percentile" and manifest.plan["settings"]["calib_method"] == "percentile"
+    assert manifest.calibration.corpus == DEFAULT_CALIBRATION.corpus and manifest.calibration.tokens == 128
+    assert manifest.calibration.method == "percentile" and manifest.plan["settings"]["calib_method"] == "percentile"
 
 
 # -- refusals ------------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ feeds both sides identical K/V and requires identical state.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -154,7 +156,8 @@ def test_generate_sampling_is_seeded_and_top_k_1_is_greedy(exports):
 def test_generate_stops_at_eos(exports, tmp_path):
     session = KVQSession(exports("llama", "int8"))
     first = session.generate([[1, 2, 3]], 5)[0].tokens
-    session.manifest.tokenizer["eos_token_id"] = first[2]
+    tokenizer = dataclasses.replace(session.manifest.tokenizer, eos_token_id=first[2])
+    session.manifest = dataclasses.replace(session.manifest, tokenizer=tokenizer)
     out = session.generate([[1, 2, 3], [9, 9]], 5)
     assert out[0].tokens == first[:3] and out[0].finish_reason == FinishReason.EOS
 

@@ -111,8 +111,8 @@ def test_eos_ends_rows_alike(tmp_path):
 def test_genai_files_follow_the_manifest(exports):
     directory = exports["ort-int8"]
     manifest = Manifest.load(directory)
-    assert manifest.runtimes[RUNTIME] == {"supported": True, "config": GENAI_CONFIG, "model": GENAI_MODEL,
-                                          "past_present_share_buffer": True, "engine_batches": True}
+    assert manifest.runtimes[RUNTIME].to_dict() == {"supported": True, "config": GENAI_CONFIG, "model": GENAI_MODEL,
+                                                    "past_present_share_buffer": True, "engine_batches": True}
     config = json.loads((directory / GENAI_CONFIG).read_text())
     decoder = config["model"]["decoder"]
     assert config["search"]["past_present_share_buffer"] is True and decoder["filename"] == GENAI_MODEL
@@ -188,7 +188,8 @@ def test_engine_batches_give_each_prompt_its_greedy_alone(exports, name):
     """
     manifest = Manifest.load(exports[name])
     assert engine_reason(manifest) is None
-    older = dataclasses.replace(manifest, runtimes={RUNTIME: {**manifest.runtimes[RUNTIME], "engine_batches": False}})
+    older = dataclasses.replace(manifest, runtimes={RUNTIME: dataclasses.replace(manifest.runtimes[RUNTIME],
+                                                                                  engine_batches=False)})
     assert "a shorter row of an og.Engine batch decodes wrong tokens: re-export it" in engine_reason(older)
     session = KVQSession(exports[name])
     alone = [session.generate([prompt], n, stop_at_eos=False)[0].tokens for prompt, n in ENGINE_REQUESTS]
@@ -260,14 +261,14 @@ def _served_as_kvq(directory, scheme, num_layers: int) -> None:
     entry = Manifest.load(directory).runtimes[RUNTIME]
     widths = {tq.bits for pair in scheme.streams(num_layers) for tq in pair}
     if len(widths) == 1:
-        assert entry["supported"] is True
+        assert entry.supported is True
         prompts = PROMPTS["ragged"]
         assert [r.tokens for r in GenaiSession(directory).generate(prompts, 8)] == \
             [r.tokens for r in KVQSession(directory).generate(prompts, 8)]
         return
-    assert entry["supported"] is False and not (directory / GENAI_CONFIG).exists()
-    assert "one element type" in entry["reason"] and "int8 (8-bit codes)" in entry["reason"]
-    assert "uint8 (two 4-bit codes per byte)" in entry["reason"] and "--candidates ort-gqa-int4" in entry["reason"]
+    assert entry.supported is False and not (directory / GENAI_CONFIG).exists()
+    assert "one element type" in entry.reason and "int8 (8-bit codes)" in entry.reason
+    assert "uint8 (two 4-bit codes per byte)" in entry.reason and "--candidates ort-gqa-int4" in entry.reason
     with pytest.raises(RuntimeInputError, match="has no genai_config.json: onnxruntime-genai allocates every layer"):
         GenaiSession(directory)
     # onnxruntime-genai itself, on the files written anyway: it allocates the first layer's type for every layer
@@ -320,15 +321,15 @@ def test_fresh_plan_offers_the_nearest_plan_genai_serves(tmp_path, caplog):
 def test_regions_layout_exports_say_why(tmp_path):
     directory = export_model(tiny_model("llama"), "kivi-4", tmp_path / "kivi4")
     entry = Manifest.load(directory).runtimes[RUNTIME]
-    assert entry["supported"] is False and "regions" in entry["reason"] and "kivi-4" in entry["reason"]
-    assert engine_reason(Manifest.load(directory)) == entry["reason"]
+    assert entry.supported is False and "regions" in entry.reason and "kivi-4" in entry.reason
+    assert engine_reason(Manifest.load(directory)) == entry.reason
     assert not (directory / GENAI_CONFIG).exists() and not (directory / GENAI_MODEL).exists()
     with pytest.raises(RuntimeInputError, match="has no genai_config.json: flavor reference"):
         GenaiSession(directory)
     # a scheme GQA can hold, exported with the reference flavour: the fix is the flavour
     directory = export_model(tiny_model("llama"), SCHEMES["ort-int8"], tmp_path / "ref8",
                              static=calibration("llama", SCHEMES["ort-int8"]))
-    assert "re-export with --flavor ort-gqa" in Manifest.load(directory).runtimes[RUNTIME]["reason"]
+    assert "re-export with --flavor ort-gqa" in Manifest.load(directory).runtimes[RUNTIME].reason
 
 
 def test_builder_scale_file_holds_kvq_scales():

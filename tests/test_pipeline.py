@@ -59,7 +59,7 @@ def test_stages_run_one_by_one(tmp_path):
     assert type(cache).__name__ == "QuantizedCacheGraph" and "kvq.scheme" in graph.metadata_props
     manifest = package(tmp_path, plan, source, graph, calibrated)
     assert Manifest.load(tmp_path) == manifest
-    assert manifest.build["request"] == request.to_dict() and manifest.layout == LayoutName.REGIONS
+    assert manifest.build.request == request.to_dict() and manifest.layout == LayoutName.REGIONS
 
 
 def test_export_returns_the_manifest_it_wrote(model_dir, tmp_path):
@@ -70,6 +70,6 @@ def test_export_returns_the_manifest_it_wrote(model_dir, tmp_path):
     out = tmp_path / "gqa"
     manifest = export(request, out)
     assert manifest == Manifest.load(out) and manifest.model.source == str(model_dir)
-    assert manifest.calibration["offset"] == 64 and manifest.calibration["tokens"] == 128
-    assert manifest.build["request"]["calibration"] == request.calibration.to_dict()
-    assert ExportRequest.from_dict(manifest.build["request"]) == request
+    assert manifest.calibration.offset == 64 and manifest.calibration.tokens == 128
+    assert manifest.build.request["calibration"] == request.calibration.to_dict()
+    assert ExportRequest.from_dict(manifest.build.request) == request

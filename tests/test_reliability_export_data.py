@@ -248,7 +248,7 @@ def test_ensure_export_waits_for_a_concurrent_writer_then_reuses_its_export(mode
 
     request = ExportRequest(model=str(model_dir), scheme="fp16")
     out = ensure_export(request, tmp_path / "shared")
-    code = Manifest.load(out).build["kvq_code"]
+    code = Manifest.load(out).build.kvq_code
     stamp = os.stat(out / "model.onnx").st_mtime_ns
     result = {}
     with exporter._target_lock(out):  # another process is (re)making the shared baseline

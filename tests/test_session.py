@@ -6,6 +6,7 @@ prompts go through either runtime.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -149,7 +150,8 @@ def test_generate_is_prefill_then_decode(kvq):
 def test_an_early_eos_row_does_not_feed_past_the_positions(kvq, monkeypatch):
     """Row 0 ends at its first token while row 1 fills every position: no step runs after the last token."""
     first = kvq.generate([PROMPTS[0]], 1)[0].tokens[0]
-    monkeypatch.setitem(kvq.manifest.tokenizer, "eos_token_id", first)
+    tokenizer = dataclasses.replace(kvq.manifest.tokenizer, eos_token_id=first)
+    monkeypatch.setattr(kvq, "manifest", dataclasses.replace(kvq.manifest, tokenizer=tokenizer))
     long = [9] * (POSITIONS - 3)
     results = kvq.generate([PROMPTS[0], long], 4)
     assert (results[0].tokens, results[0].finish_reason) == ([first], "eos")

@@ -316,7 +316,7 @@ def test_export_writes_the_weight_format_it_is_asked_for(tmp_path, flavor):
     int4 = export_model(tiny_model("llama-tied"), "fp16", tmp_path / "int4", flavor=flavor,
                         weights=WeightSpec(format="int4"))
     assert weight_bytes(int4).format == "int4" and weight_bytes(fp32).format == "fp32"
-    assert Manifest.load(int4).build["request"]["weights"]["format"] == "int4"
+    assert Manifest.load(int4).build.request["weights"]["format"] == "int4"
     assert {"MatMulNBits", "GatherBlockQuantized"} <= {n.op_type for n in nodes(int4)}
     assert rel_error(logits(int4), logits(fp32)) < 0.35  # the tolerance test_format_runs_close_to_fp32 uses
     assert sum(f.stat().st_size for f in int4.iterdir()) < 0.5 * sum(f.stat().st_size for f in fp32.iterdir())
@@ -341,7 +341,7 @@ def test_cli_export_takes_weights(tmp_path):
                                       str(tmp_path / "e"), "--weights", "int8", "--weight-accuracy-level", "4"])
     assert result.exit_code == 0, result.output
     assert weight_bytes(tmp_path / "e").format == "int8"
-    assert Manifest.load(tmp_path / "e").build["request"]["weights"]["accuracy_level"] == 4
+    assert Manifest.load(tmp_path / "e").build.request["weights"]["accuracy_level"] == 4
 
 
 # -- predicted weight bytes (kvq memory --weights) --------------------------------------------------------------

@@ -139,9 +139,9 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, we
         click.echo(f"planned {manifest.scheme.name}: {manifest.plan['bits_per_element']:.3f} bits/element at "
                    f"{manifest.plan['context']} tokens (budget {manifest.plan['budget']:g}), predicted damage "
                    f"{manifest.plan['predicted_damage']:.4g} ({manifest.plan['metric']}); {manifest.scheme.describe()}")
-    genai = manifest.runtimes.get(RUNTIME) or {}
-    click.echo(f"{RUNTIME}: " + (f"serve with og.Model({str(out_dir)!r}) ({genai['config']})" if genai.get("supported")
-                                 else f"not servable: {genai.get('reason', 'no entry')}"))
+    genai = manifest.runtimes.get(RUNTIME)
+    click.echo(f"{RUNTIME}: " + (f"serve with og.Model({str(out_dir)!r}) ({genai.config})" if genai and genai.supported
+                                 else f"not servable: {genai.reason if genai else 'no entry'}"))
 
 
 @cli.command()

@@ -61,6 +61,7 @@ from kvq_export.manifest import (
     verify_weights,
     weight_checksums,
 )
+from kvq_export.manifest_sections import BuildRecord, CalibrationRecord, GraphValue, TokenizerFacts
 from kvq_export.model_digest import model_digest, model_identity
 from kvq_export.model_facts import ModelFacts
 from kvq_export.model_source import canonical_spec, load_model
@@ -290,14 +291,15 @@ def package(directory: Path, plan: ExportPlan, source: Source, graph: ir.Model, 
     written = None
     if calibrated.calibration is not None and request.scheme.needs_calibration:
         calibrated.calibration.save(directory / CALIBRATION_NAME)
-        written = {"file": CALIBRATION_NAME, "digest": calibrated.calibration.digest(), **calibrated.provenance}
+        written = CalibrationRecord(file=CALIBRATION_NAME, digest=calibrated.calibration.digest(),
+                                    **calibrated.provenance)
     manifest = Manifest(
         scheme=request.scheme, model=facts, flavor=str(plan.flavor.name), opset=request.opset, dtype=request.dtype,
         layout=plan.flavor.layout.name, kvq_version=kvq_export.__version__,
-        inputs=[{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]},
-                {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "seq"],
-                 "meaning": "1 = real token, 0 = left padding of this call's tokens"}],
-        outputs=[{"name": "logits", "dtype": "float32", "shape": ["batch", "seq", facts.vocab_size]}],
+        inputs=(GraphValue("input_ids", "int64", ("batch", "seq")),
+                GraphValue("attention_mask", "int64", ("batch", "seq"),
+                           meaning="1 = real token, 0 = left padding of this call's tokens")),
+        outputs=(GraphValue("logits", "float32", ("batch", "seq", facts.vocab_size)),),
         tokenizer=_tokenizer_facts(source.tokenizer, source.model.config), calibration=written,
         build=_build_record(plan.planned.asked if plan.planned else request, plan.static,
                             model=None if source.spec else source.model),
@@ -459,7 +461,7 @@ def _run(request: ExportRequest, out: Path, *, model: Any, tokenizer: Any, stati
     return manifest
 
 
-def _build_record(request: ExportRequest, static: StaticLike | None, *, model: Any = None) -> dict[str, Any]:
+def _build_record(request: ExportRequest, static: StaticLike | None, *, model: Any = None) -> BuildRecord:
     """The manifest's ``build`` section: the source digest and the request (and given static metadata's digest).
 
     The model is named by its content (:func:`~kvq_export.model_digest.model_identity`: a loaded ``model``, else
@@ -469,20 +471,20 @@ def _build_record(request: ExportRequest, static: StaticLike | None, *, model: A
     """
     named = request.model is not None and model is None
     identity = model_identity(request.model if named else model) if (named or model is not None) else None
-    record: dict[str, Any] = {"kvq_code": source_digest(), "request": request.to_dict(), "source": identity,
-                              "source_digest": identity["digest"] if named else None}
-    if static is not None and request.scheme.needs_calibration:
-        record["static"] = Calibration.of(static).digest()
-    return record
+    given = static is not None and request.scheme.needs_calibration
+    return BuildRecord(kvq_code=source_digest(), request=request.to_dict(), source=identity,
+                       source_digest=identity["digest"] if named else None,
+                       static=Calibration.of(static).digest() if given else None)
 
 
-def _tokenizer_facts(tokenizer, config) -> dict[str, Any]:
+def _tokenizer_facts(tokenizer, config) -> TokenizerFacts:
     eos = getattr(config, "eos_token_id", None)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos = tokenizer.eos_token_id
-    return {"eos_token_id": eos, "bos_token_id": getattr(config, "bos_token_id", None),
-            "pad_token_id": getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None,
-            "files": tokenizer is not None}
+    return TokenizerFacts(eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+                          bos_token_id=getattr(config, "bos_token_id", None),
+                          pad_token_id=getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None,
+                          files=tokenizer is not None)
 
 
 def source_digest() -> str:

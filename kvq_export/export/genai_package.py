@@ -58,6 +58,7 @@ from kvq_export.cache_layout import BUFFER
 from kvq_export.errors import ExportError
 from kvq_export.export.gqa_capability import layer_span, unsupported
 from kvq_export.manifest import MODEL_NAME, Manifest
+from kvq_export.manifest_sections import RuntimeSupport
 from kvq_export.naming import CacheTensor, tensor_name
 
 logger = logging.getLogger(__name__)
@@ -129,11 +130,10 @@ def genai_config(manifest: Manifest, *, filename: str = GENAI_MODEL) -> dict[str
     """``genai_config.json`` for a ``buffer``-layout export (greedy search defaults, one shared buffer)."""
     model, tokenizer = manifest.model, manifest.tokenizer
     layers = manifest.num_layers
-    eos = tokenizer.get("eos_token_id")
-    eos_ids = list(eos) if isinstance(eos, list) else [] if eos is None else [int(eos)]  # [] never stops
-    pad = tokenizer.get("pad_token_id")
+    eos_ids = list(tokenizer.eos_ids)  # [] never stops
+    pad = tokenizer.pad_token_id
     pad = int(pad) if pad is not None else (eos_ids[0] if eos_ids else 0)
-    bos = tokenizer.get("bos_token_id")
+    bos = tokenizer.bos_token_id
     context = model.max_position_embeddings
     kind = model.model_type
     return {
@@ -241,17 +241,17 @@ def engine_reason(manifest: Manifest) -> str | None:
     ``runtimes`` entry) serves og.Generator and a lone Engine request, but gives a shorter row of an Engine batch
     wrong tokens: a server checks this before batching.
     """
-    entry = manifest.runtimes.get(RUNTIME) or {}
-    if not entry.get("supported"):
-        return entry.get("reason") or unsupported_reason(manifest) or \
+    entry = manifest.runtimes.get(RUNTIME)
+    if entry is None or not entry.supported:
+        return (entry and entry.reason) or unsupported_reason(manifest) or \
             "it was exported before kvq wrote onnxruntime-genai files: re-export it"
-    if not entry.get("engine_batches"):
+    if not entry.engine_batches:
         return ("its model.genai.onnx reads only og.Generator's attention masks, so a shorter row of an og.Engine "
                 "batch decodes wrong tokens: re-export it")
     return None
 
 
-def write_genai_files(directory: str | os.PathLike[str], manifest: Manifest) -> dict[str, Any]:
+def write_genai_files(directory: str | os.PathLike[str], manifest: Manifest) -> RuntimeSupport:
     """Write ``genai_config.json`` and ``model.genai.onnx`` into an export directory, or explain why not.
 
     Returns the manifest's ``runtimes`` entry for og: ``{"supported": True, "config": .., "model": .., ..}`` or
@@ -260,14 +260,14 @@ def write_genai_files(directory: str | os.PathLike[str], manifest: Manifest) -> 
     reason = unsupported_reason(manifest)
     if reason is not None:
         logger.info("onnxruntime-genai cannot serve this export: %s", reason)
-        return {"supported": False, "reason": reason}
+        return RuntimeSupport(supported=False, reason=reason)
     directory = Path(directory)
     config = genai_config(manifest)
     adapt_graph(directory / MODEL_NAME, directory / GENAI_MODEL)
     (directory / GENAI_CONFIG).write_text(json.dumps(config, indent=2))
-    entry: dict[str, Any] = {"supported": True, "config": GENAI_CONFIG, "model": GENAI_MODEL,
-                             "past_present_share_buffer": True, "engine_batches": True}
+    note = None
     if manifest.scheme.hp_dtype == "fp16" and not manifest.scheme.quantized:
-        entry["note"] = ("unquantized fp16 buffer: ONNX Runtime's CPU GroupQueryAttention casts it whole to float32 "
-                         "every step (fast on CUDA); an fp32 buffer is the copy-free CPU baseline")
-    return entry
+        note = ("unquantized fp16 buffer: ONNX Runtime's CPU GroupQueryAttention casts it whole to float32 every "
+                "step (fast on CUDA); an fp32 buffer is the copy-free CPU baseline")
+    return RuntimeSupport(supported=True, config=GENAI_CONFIG, model=GENAI_MODEL, past_present_share_buffer=True,
+                          engine_batches=True, note=note)

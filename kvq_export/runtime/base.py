@@ -152,8 +152,7 @@ def _prompt_tokens(row: int, prompt, encode: Callable[[str], list[int]]) -> list
 
 def eos_token_ids(manifest: Manifest) -> frozenset[int]:
     """The ids that end a row (none when the export's tokenizer names no EOS)."""
-    eos = manifest.tokenizer.get("eos_token_id")
-    return frozenset(int(t) for t in (eos if isinstance(eos, list) else [] if eos is None else [eos]))
+    return frozenset(manifest.tokenizer.eos_ids)
 
 
 # -- results ------------------------------------------------------------------------------------------------------

@@ -192,8 +192,8 @@ class GenaiSession:
         if verify_weights:
             check_weights(self.directory, self.manifest)
         if not (self.directory / GENAI_CONFIG).is_file():
-            entry = self.manifest.runtimes.get(RUNTIME) or {}
-            reason = entry.get("reason") or unsupported_reason(self.manifest) or \
+            entry = self.manifest.runtimes.get(RUNTIME)
+            reason = (entry and entry.reason) or unsupported_reason(self.manifest) or \
                 "it was exported before kvq wrote onnxruntime-genai files: re-export it"
             raise RuntimeInputError(f"{self.directory} has no {GENAI_CONFIG}: {reason}")
         # the graph og runs is the source of truth: the manifest (and calibration file) must describe it

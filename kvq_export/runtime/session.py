@@ -439,7 +439,7 @@ class KVQSession:
 
     def _load_tokenizer(self):
         """(tokenizer, None), or (None, why there is none): the error is raised when text is used."""
-        if not self.manifest.tokenizer.get("files", True):
+        if not self.manifest.tokenizer.files:
             return None, f"{self.directory} has no tokenizer (exported without one): pass token ids"
         try:
             return load_tokenizer(self.directory, self.manifest), None

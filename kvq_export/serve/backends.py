@@ -480,9 +480,9 @@ def open_backend(directory: str | Path, *, kind: str = "auto", verify_weights: b
         raise KVQError(f"unknown backend {kind!r}; allowed: {', '.join(BACKENDS)}")
     directory = Path(directory)
     manifest = Manifest.load(directory)
-    entry = manifest.runtimes.get(RUNTIME) or {}
-    servable = bool(entry.get("supported")) and (directory / GENAI_CONFIG).is_file()
-    why_not = None if servable else (entry.get("reason") or unsupported_reason(manifest)
+    entry = manifest.runtimes.get(RUNTIME)
+    servable = entry is not None and entry.supported and (directory / GENAI_CONFIG).is_file()
+    why_not = None if servable else ((entry and entry.reason) or unsupported_reason(manifest)
                                      or f"it has no {GENAI_CONFIG}: re-export it")
     if kind == "engine" and not servable:
         raise KVQError(f"onnxruntime-genai cannot serve {directory}: {why_not}")

@@ -73,7 +73,7 @@ def engine_profiles(manifest, *, max_batch: int = 8, max_context: int = 4096, ma
         raise ExportError("max_batch and max_context must be >= 1")
     max_prefill = min(max_prefill or max_context, max_context)
     opt_batch = opt_batch or max(1, max_batch // 2)
-    inputs = [(spec["name"], tuple(spec["shape"])) for spec in manifest.inputs]
+    inputs = [(value.name, tuple(value.shape)) for value in manifest.inputs]
     inputs += [(t.name, tuple(t.shape)) for t in manifest.cache("past")]
     out: dict[str, ProfileShapes] = {}
     for profile in ("prefill", "decode"):

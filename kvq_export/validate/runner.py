@@ -260,14 +260,14 @@ def _calibration_section(manifest, config: ValidateConfig) -> dict[str, Any] | N
     cal = manifest.calibration
     if not cal:
         return None
-    used = cal.get("tokens")
+    used = cal.tokens
     overlap = None  # unknown: the export does not say which text calibrated it
-    if cal.get("source") == "calibrated" and used is not None:
+    if cal.calibrated and used is not None:
         # calibration read tokens [start, start + used) of its corpus; validation reads the windows below
-        start = int(cal.get("offset") or 0)
+        start = cal.offset or 0
         end = config.offset + config.windows * config.window_len
-        overlap = cal.get("corpus") == config.corpus and config.offset < start + int(used) and start < end
-    return {**cal, "windows_overlap_calibration": overlap}
+        overlap = cal.corpus == config.corpus and config.offset < start + used and start < end
+    return {**cal.to_dict(), "windows_overlap_calibration": overlap}
 
 
 def _lockstep(quant, base, tokens: np.ndarray, config: ValidateConfig, progress: bool, reference=None):
