@@ -24,8 +24,8 @@ from state_harness import compare_state, reference_run
 from tiny_models import COMMON, VOCAB, tiny_model
 
 from kvq_export.errors import ExportError, SchemeError
-from kvq_export.export.decoder import _fold_rotation
 from kvq_export.export.exporter import export_model
+from kvq_export.export.projections import fold_rotation
 from kvq_export.manifest import Manifest, decode_cache, load_static
 from kvq_export.memory import Geometry, predict
 from kvq_export.presets import PRESETS
@@ -121,9 +121,9 @@ def test_rotated_attention_equals_unrotated_in_float64(dim):
     v = heads_of(x @ wv.T + bv, kv_heads)
     want = _attention64(q, k, v, heads // kv_heads).transpose(1, 0, 2).reshape(t, -1) @ wo.T
 
-    wv_t = _fold_rotation(wv.T, r, None)  # [in, out], outputs rotated per kv head
-    bv_r = _fold_rotation(bv[None], r, None)[0]
-    wo_t = _fold_rotation(wo.T, None, r)  # inputs un-rotated per query head
+    wv_t = fold_rotation(wv.T, r, None)  # [in, out], outputs rotated per kv head
+    bv_r = fold_rotation(bv[None], r, None)[0]
+    wo_t = fold_rotation(wo.T, None, r)  # inputs un-rotated per query head
     v_stored = heads_of(x @ wv_t + bv_r, kv_heads)
     assert np.allclose(v_stored, v @ r, atol=1e-12)
     out = _attention64(q @ r, k @ r, v_stored, heads // kv_heads).transpose(1, 0, 2).reshape(t, -1) @ wo_t

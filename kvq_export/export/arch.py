@@ -22,7 +22,7 @@ class here. What differs between families is declared, and the body switches on 
 * RoPE per layer: :meth:`Arch.layer_rope` (Gemma3's local and global bases), partial rotary
   (``partial_rotary_factor``: the RoPE covers the first ``rotary_dim`` of each head).
 
-transformers and torch are imported only inside :meth:`Arch.rope`.
+transformers and torch are imported only when a RoPE is computed (:func:`kvq_export.export.rope.rope_spec`).
 """
 
 from __future__ import annotations
@@ -32,17 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-import numpy as np
-
 from kvq_export.errors import ExportError, ModelError
+from kvq_export.export.rope import RopeSpec, rope_spec
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
-#: RoPE variants whose frequencies depend on the sequence length at run time: one static graph can't.
-DYNAMIC_ROPE_TYPES = frozenset({"dynamic", "longrope"})
 #: Activations computed as x * sigmoid(x).
 SILU_ACTIVATIONS = frozenset({"silu", "swish"})
 #: Activations computed as GELU with the tanh approximation (ONNX ``Gelu(approximate="tanh")``).
@@ -92,25 +89,6 @@ class LayerNames:
     mlp_out_norm: str | None = None
     q_norm: str | None = None  # with Arch.qk_norm
     k_norm: str | None = None
-
-
-@dataclass(frozen=True, eq=False)
-class RopeSpec:
-    """RoPE: cos/sin = cos/sin(position * inv_freq) * attention_scaling (HF rotate_half layout).
-
-    It rotates the first ``rotary_dim`` (= 2 * len(inv_freq)) channels of each head and passes the rest
-    through (partial rotary). ``layer_type`` names the per-layer-type entry it came from (Gemma3), or None.
-    """
-
-    rope_type: str
-    inv_freq: np.ndarray  # float32 [rotary_dim // 2]
-    attention_scaling: float
-    layer_type: str | None = None
-
-    @property
-    def rotary_dim(self) -> int:
-        """Channels of each head that RoPE rotates."""
-        return 2 * int(self.inv_freq.shape[-1])
 
 
 class Arch:
@@ -309,42 +287,12 @@ class Arch:
         return self._rope(self.rope_layer_type(layer))
 
     def _rope(self, layer_type: str | None) -> RopeSpec:
-        """Inverse frequencies and attention scaling, computed by transformers' own RoPE functions."""
-        if layer_type in self._ropes:
-            return self._ropes[layer_type]
-        import torch
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        params = self.rope_parameters(layer_type)
-        rope_type = str(params.get("rope_type", params.get("type", "default")))
-        if rope_type in DYNAMIC_ROPE_TYPES:
-            raise ExportError(
-                f"rope_type {rope_type!r} changes its frequencies with the sequence length at run time; "
-                f"a static ONNX graph cannot follow it (static types: default, "
-                f"{', '.join(sorted(set(ROPE_INIT_FUNCTIONS) - DYNAMIC_ROPE_TYPES))})"
-            )
-        if rope_type == "default":
-            # Same expression as the models' compute_default_rope_parameters (bit-identical).
-            base = params["rope_theta"]
-            factor = float(params.get("partial_rotary_factor", 1.0)) if self.partial_rotary else 1.0
-            dim = int(self.head_dim * factor)
-            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-            attention_scaling = 1.0
-        elif rope_type in ROPE_INIT_FUNCTIONS:
-            kwargs = {"layer_type": layer_type} if layer_type is not None else {}
-            inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, **kwargs)
-        else:
-            raise ExportError(
-                f"unknown rope_type {rope_type!r}; supported: default, "
-                f"{', '.join(sorted(set(ROPE_INIT_FUNCTIONS) - DYNAMIC_ROPE_TYPES))}"
-            )
-        inv = inv_freq.detach().to(torch.float32).cpu().numpy()
-        rotary = 2 * inv.shape[-1]
-        if rotary > self.head_dim or rotary % 2:
-            raise ExportError(f"{self.model_type}: RoPE covers {rotary} of {self.head_dim} head dims")
-        spec = RopeSpec(rope_type, inv, float(attention_scaling), layer_type)
-        self._ropes[layer_type] = spec
-        return spec
+        """Inverse frequencies and attention scaling of ``layer_type``'s RoPE (computed once per layer type)."""
+        if layer_type not in self._ropes:
+            self._ropes[layer_type] = rope_spec(self.config, self.rope_parameters(layer_type), layer_type,
+                                                head_dim=self.head_dim, partial_rotary=self.partial_rotary,
+                                                model_type=self.model_type)
+        return self._ropes[layer_type]
 
     # ------------------------------------------------------------------------------------- checks
     def _check(self) -> None:

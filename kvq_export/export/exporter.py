@@ -79,7 +79,7 @@ from kvq_export.scheme import KVQuantScheme
 if TYPE_CHECKING:
     import onnx_ir as ir
 
-    from kvq_export.export.decoder import CacheGraph
+    from kvq_export.export.cache_graph import CacheGraph
 
 logger = logging.getLogger(__name__)
 

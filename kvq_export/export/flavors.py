@@ -1,7 +1,7 @@
 """The export flavors, declared: what each one builds, holds, refuses and runs on.
 
 A flavor is one way of putting the KV cache into the decoder graph. Each :class:`Flavor` states its cache
-layout, the :class:`~kvq_export.export.decoder.CacheGraph` class that builds it (named by module path and
+layout, the :class:`~kvq_export.export.cache_graph.CacheGraph` class that builds it (named by module path and
 imported only when a graph is built or a scheme checked, so ``import kvq_export`` stays light), the runtimes
 that can serve its exports and whether it needs kvq's plugins. Callers ask the flavor, never its name::
 
@@ -23,7 +23,7 @@ from kvq_export.errors import ExportError
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from kvq_export.export.decoder import CacheGraph
+    from kvq_export.export.cache_graph import CacheGraph
     from kvq_export.model_facts import ModelFacts
     from kvq_export.scheme import KVQuantScheme
 
@@ -56,7 +56,7 @@ class Flavor:
     about: str
 
     def graph_class(self) -> type[CacheGraph]:
-        """The :class:`~kvq_export.export.decoder.CacheGraph` subclass that builds this flavor."""
+        """The :class:`~kvq_export.export.cache_graph.CacheGraph` subclass that builds this flavor."""
         module, _, name = self.graph.partition(":")
         return getattr(importlib.import_module(module), name)
 

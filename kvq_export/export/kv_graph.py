@@ -34,7 +34,7 @@ import onnx_ir as ir
 from kvq_export.cache_layout import REGIONS, CacheLayout, RegionSplit
 from kvq_export.dtypes import DType
 from kvq_export.export.builder import GraphBuilder
-from kvq_export.export.decoder import CacheGraph
+from kvq_export.export.cache_graph import CacheGraph
 from kvq_export.export.graph_attention import attention_mask, grouped_query_attention
 from kvq_export.export.graph_codec import GraphCodec, HighChannels, dim, high_channel_choice, static_scales
 from kvq_export.naming import PARTS, PROBES, CacheTensor, packed_probe_name, probe_name, tensor_name
@@ -211,7 +211,7 @@ class LaidOutCache(CacheGraph):
 
 
 class QuantizedCacheGraph(LaidOutCache):
-    """:class:`~kvq_export.export.decoder.CacheGraph` for any :class:`KVQuantScheme` (reference flavour).
+    """:class:`~kvq_export.export.cache_graph.CacheGraph` for any :class:`KVQuantScheme` (reference flavour).
 
     Args:
         scheme: the cache description.
