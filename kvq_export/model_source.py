@@ -20,7 +20,6 @@ import contextlib
 import errno
 import importlib.util
 import logging
-import math
 import os
 import time
 import weakref
@@ -32,6 +31,7 @@ from kvq_export._atomic import write_dir_atomically
 from kvq_export._read import TEXT_LIMIT, TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes, file_sha256
 from kvq_export.errors import ModelError
 from kvq_export.export.arch import get_arch
+from kvq_export.gguf_header import GgufHeader, read_gguf_header
 from kvq_export.model_facts import ModelFacts
 
 if TYPE_CHECKING:
@@ -261,147 +261,6 @@ def load_model(spec: str | os.PathLike[str]) -> tuple[PreTrainedModel, PreTraine
     with _unreadable_as_model_error(source.path):
         model_dir = source.path if source.kind == "hf_dir" else _ensure_fp32_cache(source.path)
         return _load_hf_dir(model_dir)
-
-
-@dataclass(frozen=True)
-class GgufHeader:
-    """What a GGUF file's header says: its scalar metadata (arrays such as the vocabulary skipped) and tensor names."""
-
-    metadata: dict[str, str | int | float | bool]
-    tensor_names: tuple[str, ...]
-
-    @property
-    def architecture(self) -> str | None:
-        """``general.architecture`` (llama.cpp's architecture name), or None when the file states none."""
-        arch = self.metadata.get("general.architecture")
-        return None if arch is None else str(arch)
-
-    def arch_key(self, name: str) -> str | int | float | bool | None:
-        """The architecture's own key ``<arch>.<name>`` (``rope.freq_base``, ...), or None."""
-        return self.metadata.get(f"{self.architecture}.{name}")
-
-
-#: deepest array-of-arrays a GGUF header may hold (llama.cpp writes flat arrays)
-GGUF_MAX_ARRAY_DEPTH = 4
-#: most dimensions of a GGUF tensor (ggml's GGML_MAX_DIMS)
-GGUF_MAX_DIMS = 4
-
-
-def read_gguf_header(path: Path) -> GgufHeader:
-    """Read a GGUF file's header: scalar metadata and tensor names, no tensor data.
-
-    Streams the header with the gguf package's type codes: ``gguf.GGUFReader`` would also decode every
-    vocabulary entry, seconds on a real model (this takes about 0.1 s). Every length, count and tensor size
-    the header states is checked against the bytes the file holds before anything is read or allocated, and
-    arrays nest at most :data:`GGUF_MAX_ARRAY_DEPTH` deep, so a hostile header costs no memory and no
-    recursion. Bad or short bytes raise ``ValueError``/``EOFError``; a header that passes describes a file
-    every later reader (transformers' GGUF loader) can read within its size.
-    """
-    import struct
-
-    import numpy as np
-    from gguf import (
-        GGML_QUANT_SIZES,
-        GGUF_DEFAULT_ALIGNMENT,
-        GGUF_MAGIC,
-        GGMLQuantizationType,
-        GGUFReader,
-        GGUFValueType,
-    )
-
-    with open(path, "rb") as handle:
-        file_size = os.fstat(handle.fileno()).st_size
-
-        def left() -> int:
-            return file_size - handle.tell()
-
-        def claim(size: int, what: str) -> int:
-            if size > left():
-                raise ValueError(f"the GGUF header states {what} of {size} bytes at offset {handle.tell()}, "
-                                 f"but the file has {left()} bytes left")
-            return size
-
-        def read(size: int) -> bytes:
-            data = handle.read(size)
-            if len(data) != size:
-                raise EOFError("the file ends inside its GGUF header")
-            return data
-
-        magic, version = struct.unpack("<II", read(8))
-        if magic != GGUF_MAGIC:
-            raise ValueError("not a GGUF file (no GGUF magic)")
-        order = "<" if version & 0xFFFF else ">"  # a big-endian file's version reads byte-swapped
-        version = struct.unpack(order + "I", struct.pack("<I", version))[0]
-        if version not in (2, 3):
-            raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
-        scalars = {kind: np.dtype(dtype).newbyteorder(order) for kind, dtype in GGUFReader.gguf_scalar_to_np.items()}
-
-        def number(fmt: str) -> int:
-            return struct.unpack(order + fmt, read(struct.calcsize(fmt)))[0]
-
-        def string(what: str) -> str:
-            return read(claim(number("Q"), what)).decode("utf-8")
-
-        def skip_array() -> None:
-            """Skip an array value (item type, count, items), nested arrays included, without recursion."""
-            pending = [1]  # arrays still to skip, per nesting level
-            while pending:
-                if not pending[-1]:
-                    pending.pop()
-                    continue
-                pending[-1] -= 1
-                kind, count = GGUFValueType(number("I")), number("Q")
-                if kind == GGUFValueType.ARRAY:
-                    if len(pending) >= GGUF_MAX_ARRAY_DEPTH:
-                        raise ValueError(f"the GGUF header nests arrays deeper than {GGUF_MAX_ARRAY_DEPTH} levels")
-                    claim(count * 12, f"an array of {count} arrays")  # each at least a type and a count
-                    pending.append(count)
-                elif kind == GGUFValueType.STRING:
-                    claim(count * 8, f"an array of {count} strings")  # each at least its length
-                    for _ in range(count):
-                        handle.seek(claim(number("Q"), "a string"), os.SEEK_CUR)
-                else:
-                    handle.seek(claim(count * scalars[kind].itemsize, f"an array of {count} numbers"), os.SEEK_CUR)
-
-        tensor_count, kv_count = number("Q"), number("Q")
-        claim(kv_count * 12, f"{kv_count} metadata entries")  # each at least a key length and a type
-        claim(tensor_count * 24, f"{tensor_count} tensors")  # name length, dims count, type, offset
-        metadata: dict[str, str | int | float | bool] = {}
-        for _ in range(kv_count):
-            key = string("a metadata key")
-            kind = GGUFValueType(number("I"))
-            if kind == GGUFValueType.STRING:
-                metadata[key] = string(f"the value of {key}")
-            elif kind == GGUFValueType.ARRAY:
-                skip_array()
-            else:
-                metadata[key] = np.frombuffer(read(scalars[kind].itemsize), scalars[kind])[0].item()
-        names, extents = [], []
-        for _ in range(tensor_count):  # name, n_dims, dims, ggml type, offset
-            name = string("a tensor name")
-            n_dims = number("I")
-            if n_dims > GGUF_MAX_DIMS:
-                raise ValueError(f"GGUF tensor {name!r} has {n_dims} dimensions; at most {GGUF_MAX_DIMS}")
-            dims = [number("Q") for _ in range(n_dims)]
-            kind, offset = GGMLQuantizationType(number("I")), number("Q")
-            if kind not in GGML_QUANT_SIZES:
-                raise ValueError(f"GGUF tensor {name!r} has ggml type {kind.name}, which has no known size")
-            block, block_bytes = GGML_QUANT_SIZES[kind]
-            elements = math.prod(dims)
-            if dims and dims[0] % block:
-                raise ValueError(f"GGUF tensor {name!r}: its first dimension {dims[0]} is not a multiple of "
-                                 f"{kind.name}'s block of {block}")
-            names.append(name)
-            extents.append((name, offset, elements // block * block_bytes))
-        alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise ValueError(f"GGUF general.alignment {alignment!r} is not a power of two")
-        data_start = -(-handle.tell() // alignment) * alignment
-        for name, offset, size in extents:
-            if data_start + offset + size > file_size:
-                raise ValueError(f"GGUF tensor {name!r} claims {size} bytes at offset {offset} of its data, "
-                                 f"beyond the file's {file_size} bytes")
-        return GgufHeader(metadata, tuple(names))
 
 
 def check_gguf_header(path: Path) -> GgufHeader:
