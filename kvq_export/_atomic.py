@@ -13,12 +13,15 @@ import glob
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
+
+from kvq_export.errors import OutputWriteError
 
 logger = logging.getLogger(__name__)
 
@@ -91,31 +94,85 @@ def rename_noreplace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -
     os.rename(src, dst)
 
 
+_SPECIAL_KINDS = ((stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"), (stat.S_ISFIFO, "FIFO"),
+                  (stat.S_ISSOCK, "socket"))
+
+
+def _cannot_write(target: Path, err: OSError) -> OutputWriteError:
+    where = f" ({err.filename})" if err.filename and os.fspath(err.filename) != os.fspath(target) else ""
+    return OutputWriteError(f"cannot write {target}: {err.strerror or err}{where}", errno=err.errno,
+                            filename=os.fspath(target))
+
+
+def refuse_special_target(path: str | os.PathLike[str], what: str = "output", *, directory_ok: bool = False) -> None:
+    """Refuse an output path naming what a new file must not replace: a device, FIFO or socket (or directory).
+
+    Directly or through a link; a directory passes when ``directory_ok``. kvq writes a file beside the target and
+    renames it into place: over ``/dev/null`` that would replace the device with a plain file (as root, for every
+    program on the machine). Raises :class:`OutputWriteError`.
+    """
+    target = Path(path)
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as err:  # a parent that is a file (ENOTDIR), a loop of links: nothing can be written there
+        raise _cannot_write(target, err) from None
+    if stat.S_ISDIR(mode):
+        if not directory_ok:
+            raise OutputWriteError(f"{what} {target} is a directory; give a file path", errno=errno.EISDIR,
+                                   filename=os.fspath(target))
+        return
+    kind = next((name for test, name in _SPECIAL_KINDS if test(mode)), None)
+    if kind is not None:
+        raise OutputWriteError(f"{what} {target} is a {kind}, not a regular file: kvq writes a new file and renames "
+                               "it into place, which would replace it; give a file path", errno=errno.EEXIST,
+                               filename=os.fspath(target))
+
+
 @contextmanager
 def atomic_writer(path: str | os.PathLike[str], mode: str = "w") -> Iterator[IO]:
     """Open a temporary file beside ``path`` for writing (``"w"`` or ``"wb"``); on success rename it over ``path``.
 
-    On any exception the temporary file is removed and ``path`` is left as it was.
+    On any exception the temporary file is removed and ``path`` is left as it was. A target that is a device, FIFO,
+    socket or directory is refused before anything is written, and a step of the file system's own that fails
+    (a parent that is a file, a full disk at close, no permission) is one :class:`OutputWriteError` line; what the
+    caller's block raises passes through unchanged.
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"mode must be 'w' or 'wb', got {mode!r}")
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{aside_name(target.name)}.", suffix=".tmp", dir=target.parent)
+    refuse_special_target(target)
     try:
-        with os.fdopen(fd, mode) as handle:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{aside_name(target.name)}.", suffix=".tmp", dir=target.parent)
+    except OSError as err:
+        raise _cannot_write(target, err) from None
+    try:
+        handle = os.fdopen(fd, mode)
+        try:
             yield handle
-        os.chmod(tmp, file_mode())
-        os.replace(tmp, target)
+        except BaseException:
+            handle.close()
+            raise
+        try:
+            handle.close()  # flushes: a full disk shows here
+            os.chmod(tmp, file_mode())
+            os.replace(tmp, target)
+        except OSError as err:
+            raise _cannot_write(target, err) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
 def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> Path:
-    """Write ``data`` (text or bytes) to ``path`` atomically; return the path."""
+    """Write ``data`` (text or bytes) to ``path`` atomically; return the path (or :class:`OutputWriteError`)."""
     with atomic_writer(path, "wb" if isinstance(data, bytes) else "w") as handle:
-        handle.write(data)
+        try:
+            handle.write(data)
+        except OSError as err:
+            raise _cannot_write(Path(path), err) from None
     return Path(path)
 
 

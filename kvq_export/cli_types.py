@@ -11,6 +11,7 @@ import math
 
 import click
 
+from kvq_export._atomic import refuse_special_target
 from kvq_export.manifest import check_output_path
 
 
@@ -58,7 +59,12 @@ FRACTION = FiniteFloat(0.0, 1.0)
 
 
 def outside_exports(ctx: click.Context, param: click.Parameter, value):
-    """Click callback of every output path option: refuse one inside an export directory (one line, exit 1)."""
+    """Click callback of every output path option: refuse one inside an export, or a device a file would replace.
+
+    One line, exit 1; a FIFO or socket is refused like a device.
+    """
     if value is not None:
-        check_output_path(value, param.opts[0] if param.opts else "output")
+        option = param.opts[0] if param.opts else "output"
+        check_output_path(value, option)
+        refuse_special_target(value, option, directory_ok=True)  # before the work, not after it
     return value

@@ -53,3 +53,18 @@ class GateError(KVQError):
 
 class OutputPathError(KVQError):
     """An output path is refused (it lies inside an export directory, whose files are checksummed)."""
+
+
+class OutputWriteError(OutputPathError, OSError):
+    """An output file cannot be written there: a device or directory in its place, a file as parent, a full disk.
+
+    Also an :class:`OSError` with the file system's ``errno``, so a caller that handles file-system errors (the
+    exporter's "nothing was written or replaced") still does; its text is the one-line message.
+    """
+
+    def __init__(self, message: str, *, errno: int | None = None, filename: str | None = None) -> None:
+        super().__init__(message)
+        self.errno, self.strerror, self.filename = errno, message, filename
+
+    def __str__(self) -> str:
+        return str(self.args[0])
