@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from kvq_export._atomic import write_dir_atomically
-from kvq_export._read import TEXT_LIMIT, TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes, file_sha256
+from kvq_export._read import TEXT_LIMIT, TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes, file_sha256, read_json
 from kvq_export.errors import ModelError
 from kvq_export.export.arch import get_arch
 from kvq_export.gguf_header import GgufHeader, read_gguf_header
@@ -216,10 +216,17 @@ def load_config(spec: str | os.PathLike[str]) -> PretrainedConfig:
 
 
 def _check_small_files(model_dir: Path) -> None:
-    """Refuse a config or tokenizer file of a Hugging Face directory that transformers would read whole."""
+    """Refuse a config or tokenizer file of a Hugging Face directory that transformers would read whole.
+
+    A config.json that is not a JSON object is refused too (transformers fails on ``null`` with a TypeError).
+    """
     check_sizes(model_dir, ("config.json", "generation_config.json"), "model file", limit=TEXT_LIMIT,
                 error=ModelError)
     check_sizes(model_dir, TOKENIZER_FILES, "tokenizer file", limit=TOKENIZER_LIMIT, error=ModelError)
+    config = read_json(model_dir / "config.json", "model config", error=ModelError)
+    if not isinstance(config, dict):
+        raise ModelError(f"{model_dir / 'config.json'} holds {type(config).__name__}, not a JSON object; expected a "
+                         "Hugging Face config (an object with model_type)")
 
 
 @contextlib.contextmanager
@@ -234,6 +241,7 @@ def _unreadable_as_model_error(path: Path):
     import struct
 
     from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassFieldValidationError
+    from safetensors import SafetensorError
 
     try:
         yield
@@ -247,7 +255,7 @@ def _unreadable_as_model_error(path: Path):
         raise ModelError(f"cannot read the model at {path}: its pickled weights (pytorch_model.bin) need code to "
                          "load, which kvq never runs; convert them to safetensors") from None
     except (ValueError, OSError, EOFError, KeyError, IndexError, struct.error, UnicodeDecodeError,
-            NotImplementedError) as err:
+            NotImplementedError, SafetensorError) as err:  # SafetensorError: a truncated or garbled weights file
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ModelError(f"cannot read the model at {path}: {first}") from None
 
@@ -371,7 +379,19 @@ def _complete_model(path: Path, *args, **kwargs) -> PreTrainedModel:
     if problems:
         raise ModelError(f"cannot load {path}: its weights do not match its config ({'; '.join(problems)}); "
                          "kvq exports only complete checkpoints")
+    _check_finite(model, path)
     return model
+
+
+def _check_finite(model: PreTrainedModel, path: Path) -> None:
+    """A weight holding NaN or Inf makes every answer garbage: refused here, naming the tensors, not at run time."""
+    import torch
+
+    with torch.no_grad():
+        bad = [name for name, tensor in model.state_dict().items()
+               if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    if bad:
+        raise ModelError(f"cannot load {path}: weights hold NaN or Inf ({_some(bad)}); allowed: finite values only")
 
 
 def _some(items: list[str], shown: int = 4) -> str:

@@ -205,6 +205,69 @@ def test_a_pickle_that_runs_code_is_refused_in_one_line(tiny_dir, tmp_path):
     assert "need code to load" in line and "safetensors" in line and "ran" not in result.output
 
 
+@pytest.mark.parametrize("name, content, needle", [
+    ("config.json", b"null", "holds NoneType, not a JSON object"), ("config.json", b"[1]", "holds list"),
+    ("config.json", b"7", "holds int"), ("model.safetensors", b"", "header too small"),
+    ("model.safetensors", b"\xff" * 8 + b"{}", "header too large"), ("model.safetensors", "half", "incomplete"),
+])
+def test_an_unreadable_config_or_weights_file_is_one_model_error(tiny_dir, tmp_path, name, content, needle):
+    broken = _copy_model(tiny_dir, tmp_path / "m")
+    if content == "half":
+        content = (broken / name).read_bytes()[: (broken / name).stat().st_size // 2]
+    (broken / name).write_bytes(content)
+    with pytest.raises(ModelError) as err:
+        load_model(broken)
+    assert "\n" not in str(err.value) and needle in str(err.value) and str(broken) in str(err.value)
+    line = _one_line(CliRunner().invoke(cli, ["export", "--model", str(broken), "--scheme", "fp16", "--out",
+                                              str(tmp_path / "out")]))
+    assert needle in line and not (tmp_path / "out").exists()
+
+
+def _one_line(result) -> str:
+    """:func:`_one_line_error`, ignoring warnings torch or transformers print while loading a broken model."""
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.exit_code == 1 and len(lines) == 1, (result.exit_code, result.output, result.exception)
+    return lines[0]
+
+
+@seed(SEED)
+@FUZZ
+@given(data=st.data(), value=st.sampled_from([float("nan"), float("inf"), float("-inf")]))
+def test_a_weight_holding_nan_or_inf_is_refused_naming_it(tiny_dir, tmp_path_factory, data, value):
+    from safetensors.torch import load_file, save_file
+
+    broken = _copy_model(tiny_dir, tmp_path_factory.mktemp("nonfinite") / "m")
+    tensors = load_file(broken / "model.safetensors")
+    name = data.draw(st.sampled_from(sorted(tensors)))
+    flat = tensors[name].view(-1)
+    flat[data.draw(st.integers(0, flat.numel() - 1))] = value
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=f"weights hold NaN or Inf \\({name}\\)"):
+        load_model(broken)
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("rope_theta", float("nan"), "non-finite or non-positive rotary"), ("rope_theta", 0, "non-positive rotary"),
+    ("rope_theta", -10000.0, "rotary frequencies"), ("rope_theta", float("inf"), "rotary frequencies"),
+    ("rms_norm_eps", -1e-6, "rms_norm_eps -1e-06; allowed: a finite number > 0"), ("rms_norm_eps", 0.0, "> 0"),
+    ("rms_norm_eps", float("nan"), "rms_norm_eps nan"), ("vocab_size", 0, "vocab_size 0; allowed: an integer >= 1"),
+])
+def test_config_values_that_make_the_graph_non_finite_are_refused(tiny_dir, tmp_path, field, value, needle):
+    """Before, each of these exported with exit 0 and a graph whose every logit was NaN (or empty)."""
+    from transformers import AutoConfig
+
+    from kvq_export.export.arch import get_arch
+
+    config = AutoConfig.from_pretrained(tiny_dir)
+    if field == "rope_theta":
+        config.rope_parameters = {**config.rope_parameters, "rope_theta": value}
+    else:
+        setattr(config, field, value)
+    with pytest.raises(ModelError) as err:
+        get_arch(config).rope()
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
 # -- 3. malformed input files, bounded -------------------------------------------------------------------------
 def _gguf(metadata: list[tuple[str, int, bytes]], tensors: list[tuple[str, list[int], int]] = (),
           data: bytes = b"") -> bytes:
@@ -471,6 +534,41 @@ def test_a_cache_directory_that_cannot_be_used_is_one_line(two_ggufs, tmp_path, 
     line = _one_line_error(CliRunner().invoke(cli, _export_args(models["a"][1], str(tmp_path / "out"))))
     assert f"cache directory {cache}" in line and "KVQ_CACHE_DIR" in line
     assert not (tmp_path / "out").exists()
+
+
+SPECIAL_OUTPUTS = [  # (command line with {out} for the output path)
+    ["validate", "{e}", "--baseline", "{e}", "--json", "{out}"], ["validate", "{e}", "--report", "{out}"],
+    ["generate", "{e}", "--prompt", "w1", "--json", "{out}"], ["compare", "{e}", "{e}", "--json", "{out}"],
+    ["plan", "--model", "{m}", "--budget", "4", "--out", "{out}"], ["calibrate", "--model", "{m}", "--out", "{out}"],
+    ["bench", "--model", "{m}", "--json", "{out}"],
+]
+
+
+@pytest.mark.parametrize("args", SPECIAL_OUTPUTS, ids=lambda a: f"{a[0]}-{a[-2]}")
+def test_an_output_that_is_a_device_or_fifo_is_refused_before_any_work_and_left_alone(tiny_dir, tiny_export, tmp_path,
+                                                                                     args):
+    """A written file is renamed into place: over /dev/null (as root) that replaced the device for everyone."""
+    import stat
+
+    kinds = ["fifo"] + (["character device"] if os.geteuid() == 0 else [])
+    for kind in kinds:
+        node = tmp_path / f"{kind.replace(' ', '-')}.html"
+        if kind == "fifo":
+            os.mkfifo(node)
+        else:
+            os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers, in a private place
+        before = os.lstat(node).st_mode
+        line = _one_line_error(CliRunner().invoke(cli, [a.format(e=tiny_export, m=tiny_dir, out=node) for a in args]))
+        assert f"is a {'FIFO' if kind == 'fifo' else kind}, not a regular file" in line and str(node) in line
+        assert os.lstat(node).st_mode == before and sorted(p.name for p in tmp_path.iterdir()) == \
+            sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".html"))
+
+
+def test_an_output_below_a_file_is_one_line(tiny_export, tmp_path):
+    (tmp_path / "file").write_text("x")
+    line = _one_line_error(CliRunner().invoke(cli, ["generate", str(tiny_export), "--prompt", "w1", "--json",
+                                                    str(tmp_path / "file" / "r.json")]))
+    assert line == f"error: cannot write {tmp_path / 'file' / 'r.json'}: Not a directory"
 
 
 # -- 6. lock files ---------------------------------------------------------------------------------------------------

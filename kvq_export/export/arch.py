@@ -28,6 +28,7 @@ transformers and torch are imported only when a RoPE is computed (:func:`kvq_exp
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -312,6 +313,12 @@ class Arch:
                 f"{self.model_type}: {self.num_heads} query heads are not a multiple of "
                 f"{self.num_kv_heads} key/value heads"
             )
+        if self.vocab_size < 1:
+            raise ModelError(f"{self.model_type}: vocab_size {self.vocab_size}; allowed: an integer >= 1")
+        eps = getattr(self.config, "rms_norm_eps", None)  # a norm of a zero row divides by sqrt(eps)
+        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps)
+                                or eps <= 0):
+            raise ModelError(f"{self.model_type}: rms_norm_eps {eps!r}; allowed: a finite number > 0")
 
 
 _REGISTRY: dict[str, type[Arch]] = {}

@@ -9,6 +9,7 @@ imported only inside :func:`rope_spec`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx_ir as ir
 
-from kvq_export.errors import ExportError
+from kvq_export.errors import ExportError, ModelError
 from kvq_export.export.builder import GraphBuilder
 
 if TYPE_CHECKING:
@@ -78,6 +79,9 @@ def rope_spec(config: PretrainedConfig, params: dict[str, Any], layer_type: str 
             f"{', '.join(sorted(set(ROPE_INIT_FUNCTIONS) - DYNAMIC_ROPE_TYPES))}"
         )
     inv = inv_freq.detach().to(torch.float32).cpu().numpy()
+    if not (np.isfinite(inv).all() and (inv > 0).all() and math.isfinite(float(attention_scaling))):
+        raise ModelError(f"{model_type}: RoPE parameters {dict(params)} give non-finite or non-positive rotary "
+                         "frequencies; allowed: a finite rope_theta > 0 (and finite scaling factors)")
     rotary = 2 * inv.shape[-1]
     if rotary > head_dim or rotary % 2:
         raise ExportError(f"{model_type}: RoPE covers {rotary} of {head_dim} head dims")
