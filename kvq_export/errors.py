@@ -15,12 +15,19 @@ class KVQError(Exception):
     """
 
     def __init__(self, *args: object, cli: str | None = None) -> None:
-        super().__init__(*args)
-        self.cli = cli
+        super().__init__(*(one_line(arg) for arg in args))
+        self.cli = None if cli is None else one_line(cli)
 
     def for_cli(self) -> str:
         """The message as the command line says it."""
         return self.cli or str(self)
+
+
+def one_line(text: object) -> object:
+    """A message's lines joined by spaces (a reason quoted from another library may span lines); others as given."""
+    if isinstance(text, str) and ("\n" in text or "\r" in text):
+        return " ".join(line.strip() for line in text.splitlines() if line.strip())
+    return text
 
 
 class SchemeError(KVQError, ValueError):

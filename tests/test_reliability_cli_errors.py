@@ -129,3 +129,35 @@ def test_runtime_limits_are_one_line(exported):
                     "beyond the 1024 positions")
     code, stderr = run("generate", exported, "--prompt", "w1", "--temperature", "nan")  # refused by its click type
     assert code == 2 and "'--temperature': 'nan' is not allowed; allowed: a finite number >= 0" in stderr, stderr
+
+
+def test_every_kvq_error_is_one_line_whatever_text_it_quotes():
+    """A reason quoted from another library (transformers' tokenizer error spans lines) still prints as one line."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from kvq_export.errors import KVQError, OutputWriteError, RuntimeInputError, SchemeError
+
+    @settings(max_examples=200, deadline=None, database=None)
+    @given(text=st.text(st.sampled_from("ab \n\r\t:"), max_size=40),
+           kind=st.sampled_from([KVQError, RuntimeInputError, SchemeError, OutputWriteError]))
+    def check(text, kind):
+        err = kind(f"x {text} y")
+        assert "\n" not in str(err) and "\r" not in str(err) and "\n" not in err.for_cli()
+        assert str(err).split() == f"x {text} y".split()  # the same words, in order
+
+    check()
+    assert KVQError("a", cli="b\nc").for_cli() == "b c"
+
+
+def test_an_export_without_its_tokenizer_is_one_line(exported, tmp_path):
+    import hashlib
+
+    directory = shutil.copytree(exported, tmp_path / "t")
+    (directory / "tokenizer.json").unlink()
+    data = json.loads((directory / "kvq.json").read_text())
+    del data["weights"]["tokenizer.json"]  # as if it never had one: the checksums pass
+    for name, entry in data["weights"].items():
+        entry["sha256"] = hashlib.sha256((directory / name).read_bytes()).hexdigest()
+    (directory / "kvq.json").write_text(json.dumps(data))
+    assert_one_line(*run("generate", directory, "--prompt", "w1"), "has no usable tokenizer")
