@@ -111,6 +111,21 @@ def test_non_finite_logits_are_never_sampled():
     assert Sampler(SamplingConfig())(logits[:1]).tolist() == [0]
 
 
+@settings(max_examples=300, deadline=None, database=None)
+@given(temperature=st.floats(5e-324, 1e308) | st.sampled_from([5e-324, 1e-310, 1e-300, 1e-38, 1e300]),
+       top_k=st.none() | st.integers(1, 2**40), top_p=st.none() | st.floats(1e-300, 1.0),
+       logits=st.lists(st.floats(-3e4, 3e4) | st.sampled_from([0.0, 5.0]), min_size=2, max_size=12))
+def test_every_accepted_temperature_samples_a_token(temperature, top_k, top_p, logits):
+    """A subnormal temperature once overflowed the tempered logits (inf - inf = NaN) and crashed the sampler."""
+    row = np.array([logits], np.float32)
+    token = int(Sampler(SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=0))(row)[0])
+    assert 0 <= token < row.shape[1]
+    if top_k is not None and top_k < row.shape[1]:  # never a token outside the k most likely
+        assert row[0, token] >= np.sort(row[0])[-top_k]
+    if temperature < 1e-300 and (row[0] == row[0].max()).sum() == 1:  # the limit of a vanishing temperature
+        assert token == int(row[0].argmax())
+
+
 @pytest.mark.parametrize("kwargs", [dict(temperature=float("nan")), dict(temperature=float("inf")),
                                     dict(temperature=-0.5), dict(temperature="1"), dict(top_p=float("nan")),
                                     dict(top_p=0), dict(top_p=1.5), dict(top_k=0), dict(top_k=2.5),

@@ -211,6 +211,10 @@ BAD = [
     ("completions", {"prompt": "w1", "temperature": -1}, 400, "temperature"),
     ("completions", {"prompt": "w1", "top_p": 0}, 400, "top_p"),
     ("completions", {"prompt": "w1", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "w1", "temperature": 1e-310}, 400, "temperature"),  # float32 0 in the engine
+    ("completions", {"prompt": "w1", "temperature": 1e300}, 400, "temperature"),  # float32 inf
+    ("completions", {"prompt": "w1", "temperature": 1, "top_p": 1e-300}, 400, "top_p"),
+    ("completions", {"prompt": "w1", "temperature": 1, "top_k": 2**31}, 400, "top_k"),  # past int32
     ("completions", {"prompt": "w1", "stop": ["w1", "w2", "w3", "w4", "w5"]}, 400, "stop"),
     ("completions", {"prompt": ["w1", "w2"]}, 400, "prompt"),
     ("completions", {"prompt": [5, 1000]}, 400, "prompt"),
@@ -230,8 +234,9 @@ def test_bad_requests_get_4xx_json_naming_the_field(servers, kind):
             error = response.json()["error"]
             assert response.status_code == status and error["param"] == param, (endpoint, body, response.text)
             assert param in error["message"] and error["type"]
-        response = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-        assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+        for body in (b"{not json", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"):  # deep: no 500
+            response = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
         response = http.get("/v1/nothing")
         assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error"
     with pytest.raises(openai.BadRequestError, match="unsupported field"):
@@ -253,6 +258,15 @@ def test_a_request_beyond_the_context_is_refused_with_the_numbers(servers, kind)
                                         temperature=0)
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (1010, 14)
     assert reply.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampling_at_the_ends_of_the_accepted_ranges_answers(servers, kind):
+    """What the protocol accepts, every backend samples: top_k past the vocabulary keeps every token (og refused it)."""
+    api = client(servers[kind])
+    for extreme in ({"temperature": 1.2e-38, "top_p": 1.2e-38}, {"temperature": 3.4e38, "top_k": 2**31 - 1}):
+        reply = api.completions.create(model=NAME, prompt="w1 w2", max_tokens=3, extra_body=extreme)
+        assert reply.usage.completion_tokens <= 3 and reply.choices[0].finish_reason in ("length", "stop")
 
 
 # -- the server itself --------------------------------------------------------------------------------------------
@@ -374,6 +388,29 @@ def test_neutral_values_are_accepted_and_others_refused():
                        "max_completion_tokens": 5, "stream": True, "stream_options": {"include_usage": True}},
                       served=NAME)
     assert (chat.max_tokens, chat.prompt, chat.include_usage) == (5, ({"role": "user", "content": "w1"},), True)
+
+
+def test_every_sampling_value_the_protocol_accepts_fits_float32_and_int32():
+    import numpy as np
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    numbers = st.floats(allow_nan=False, allow_infinity=False) | st.sampled_from([5e-324, 1e-310, 1.2e-38, 3.5e38])
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(temperature=numbers, top_p=numbers, top_k=st.integers(-5, 2**64))
+    def check(temperature, top_p, top_k):
+        body = {"model": NAME, "prompt": "w1", "temperature": temperature, "top_p": top_p, "top_k": top_k}
+        try:
+            sampling = parse_completion(body, served=NAME).sampling
+        except RequestError as err:
+            assert err.param in ("temperature", "top_p", "top_k") and err.status == 400
+            return
+        t, p = np.float32(sampling.temperature), np.float32(sampling.top_p)
+        assert np.isfinite(t) and (t > 0 or sampling.temperature == 0) and 0 < p <= 1
+        assert 1 <= sampling.top_k <= 2**31 - 1
+
+    check()
 
 
 def test_streamed_text_holds_back_a_possible_stop_string():

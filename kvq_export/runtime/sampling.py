@@ -97,7 +97,9 @@ class Sampler:
             raise KVQError(f"logits of row {int(np.flatnonzero(bad)[0])} contain NaN or Inf: refusing to sample")
         if cfg.greedy:
             return logits.argmax(axis=-1)
-        scaled = logits.astype(np.float64) / cfg.temperature
+        # shifted first: a tiny temperature then sends every other logit to -inf instead of overflowing (inf - inf)
+        with np.errstate(over="ignore"):  # -inf is the intended limit there
+            scaled = (logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)) / cfg.temperature
         if cfg.top_k is not None and cfg.top_k < scaled.shape[-1]:
             kth = np.partition(scaled, -cfg.top_k, axis=-1)[:, -cfg.top_k][:, None]
             scaled = np.where(scaled < kth, -np.inf, scaled)

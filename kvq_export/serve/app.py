@@ -111,6 +111,8 @@ async def _body(request: Request) -> Any:
         return await request.json()
     except (ValueError, UnicodeDecodeError) as err:
         raise RequestError(f"the request body is not valid JSON: {err}") from None
+    except RecursionError:  # Python's JSON parser recurses once per nesting level
+        raise RequestError("the request body is not valid JSON: nested too deeply") from None
 
 
 async def _generate(backend: Backend, http_request: Request, request: GenerationRequest):

@@ -383,7 +383,7 @@ class EngineBackend(Backend):
                 elif stream.cancelled.is_set():
                     stream.end(StreamEnd.CANCELLED)
                 else:
-                    self._begin(og, engine, turns, stream)
+                    self._begin(og, engine, turns, stream, self.vocab_size)
             if stopping:
                 for turn in list(turns):
                     self._cancel_turn(turns, turn.stream)
@@ -394,7 +394,7 @@ class EngineBackend(Backend):
         del events, engine, session  # released in the thread that owns them
 
     @staticmethod
-    def _begin(og, engine, turns: list[_Turn], stream: TokenStream) -> None:
+    def _begin(og, engine, turns: list[_Turn], stream: TokenStream, vocab_size: int) -> None:
         import numpy as np
 
         job = stream.job
@@ -408,7 +408,8 @@ class EngineBackend(Backend):
             turn.set_do_sample(not sampling.greedy)
             if not sampling.greedy:
                 turn.set_temperature(float(sampling.temperature))
-                turn.set_top_k(int(sampling.top_k or 0))  # 0: no top-k, as kvq's sampler without one
+                # 0: no top-k, as kvq's sampler without one; og refuses top_k > vocab, which keeps every token anyway
+                turn.set_top_k(min(int(sampling.top_k or 0), vocab_size))
                 turn.set_top_p(float(sampling.top_p or 1.0))
                 if sampling.seed is not None:
                     turn.set_seed(int(sampling.seed))

@@ -33,6 +33,9 @@ CHAT_ROLES = ("system", "user", "assistant")
 MAX_STOP = 4
 #: OpenAI's default ``max_tokens`` for ``/v1/completions`` (chat defaults to the rest of the context).
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+#: What onnxruntime-genai's sampler holds (float32 temperature and top_p, int32 top_k): every backend takes the same
+#: values, so a request's answer does not depend on which one serves it, and none fails inside the engine (500)
+FLOAT32_TINY, FLOAT32_MAX, INT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38, 2**31 - 1
 
 
 class RequestError(KVQError):
@@ -143,6 +146,15 @@ def _sampling(fields: dict[str, Any]) -> SamplingConfig:
         if value is not None and not (_integer(value) if integral else _number(value)):
             raise RequestError(f"invalid {name}={value!r}: allowed: {'an integer' if integral else 'a number'}",
                                param=name)
+    temperature, top_p, top_k = (fields.get(name) for name in ("temperature", "top_p", "top_k"))
+    if temperature is not None and temperature != 0 and not FLOAT32_TINY <= temperature <= FLOAT32_MAX:
+        raise RequestError(f"invalid temperature={temperature!r}: allowed: 0 (greedy) or a number from "
+                           f"{FLOAT32_TINY:.4g} to {FLOAT32_MAX:.4g} (float32)", param="temperature")
+    if top_p is not None and 0 < top_p < FLOAT32_TINY:
+        raise RequestError(f"invalid top_p={top_p!r}: allowed: a probability from {FLOAT32_TINY:.4g} (float32) to 1",
+                           param="top_p")
+    if top_k is not None and top_k > INT32_MAX:
+        raise RequestError(f"invalid top_k={top_k!r}: allowed: an integer from 1 to {INT32_MAX}", param="top_k")
     try:
         return SamplingConfig(temperature=fields.get("temperature", 0.0), top_k=fields.get("top_k"),
                               top_p=fields.get("top_p"), seed=fields.get("seed"),
