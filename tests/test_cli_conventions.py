@@ -210,3 +210,43 @@ def test_compare_summary_stays_short_when_every_output_misses(tiny_export, tmp_p
     assert len(rows) == 3 and all(row.rstrip().endswith("FAIL │") for row in rows[1:])
     layers = json.loads((fp16 / "kvq.json").read_text())["model"]["num_layers"]
     assert f"of {1 + 2 * layers} outputs beyond tolerance" in result.stdout
+
+
+# -- an option that would change nothing is refused, never silently ignored -----------------------------------------
+def _unused_options():
+    from hypothesis import strategies as st
+
+    weight = st.sets(st.sampled_from([("--weight-block-size", "64"), ("--weight-asymmetric",),
+                                      ("--weight-accuracy-level", "1")]), min_size=1)
+    calib = st.sets(st.sampled_from([("--calib-corpus", "britannica"), ("--calib-tokens", "64"),
+                                     ("--calib-offset", "0"), ("--calib-method", "absmax"), ("--percentile", "99")]),
+                    min_size=1)
+    return st.one_of(st.tuples(st.just("weights"), st.sampled_from(["fp32", "fp16", None]), weight),
+                     st.tuples(st.just("calibration"), st.sampled_from(["fp16", "kivi-2", "q4_0", "int4-sym-g32"]),
+                               calib))
+
+
+def test_export_options_that_change_nothing_are_refused_before_any_work(tmp_path):
+    """--weight-* with unquantized weights, --calib-* with a scheme without static scales: one line, nothing written."""
+    from hypothesis import given, settings
+
+    @settings(max_examples=40, deadline=None, database=None)
+    @given(case=_unused_options())
+    def check(case):
+        what, choice, options = case
+        args = ["export", "--model", tmp_path / "no-model", "--out", tmp_path / "out"]
+        if what == "weights":
+            args += ["--scheme", "fp16", *(["--weights", choice] if choice else [])]
+        else:
+            args += ["--scheme", choice]
+        line = one_line_error(kvq(*args, *(x for option in sorted(options) for x in option)))
+        assert ("apply to int8/int4 weights only" if what == "weights" else "would change nothing") in line
+        assert not (tmp_path / "out").exists()
+
+    check()
+
+
+def test_validate_refuses_an_empty_prompts_file_unless_greedy_is_off(tiny_export, tmp_path):
+    (tmp_path / "p.txt").write_text("\n  \n")
+    line = one_line_error(kvq("validate", tiny_export, "--baseline", tiny_export, "--prompts", tmp_path / "p.txt"))
+    assert "holds no prompt" in line and "--gen-tokens 0" in line

@@ -15,6 +15,7 @@ from kvq_export.cli._base import (
     write_json_output,
 )
 from kvq_export.cli_types import FRACTION, NON_NEGATIVE
+from kvq_export.errors import KVQError
 from kvq_export.manifest import Manifest
 from kvq_export.trt import compare_with_onnxruntime
 from kvq_export.validate import report
@@ -66,6 +67,9 @@ def validate(export_dir, baseline, corpus, windows, window_len, offset, chunk, p
     prompts = DEFAULT_PROMPTS
     if prompts_file:
         prompts = tuple(line for line in utf8_text(prompts_file, "prompts file").splitlines() if line.strip())
+        if not prompts and gen_tokens:  # greedy agreement would be skipped without a word
+            raise KVQError(f"prompts file {prompts_file} holds no prompt; allowed: one prompt per non-empty line "
+                           "(or --gen-tokens 0 to skip greedy agreement)")
     config = ValidateConfig(corpus=corpus, windows=windows, window_len=window_len, offset=offset, chunk=chunk,
                             prompts=prompts, gen_tokens=gen_tokens)
     gates = Gates(max_ppl_delta=max_ppl_delta, min_top1=min_top1, max_kl=max_kl)

@@ -130,8 +130,13 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, we
     """
     weights = WeightSpec(format=weight_format, block_size=int(weight_block_size), symmetric=not weight_asymmetric,
                          accuracy_level=weight_accuracy_level)
+    _refuse_unused_options(weights)
     request = ExportRequest(model=model_spec, scheme=scheme_spec, flavor=flavor, weights=weights, dtype=dtype,
                             opset=opset, calibration=calibration, plan=plan)
+    if calibration is not None and request.scheme is not None and not request.scheme.needs_calibration:
+        raise KVQError(f"scheme {request.scheme.name or 'given'} has no static scales or calibrated channels: the "
+                       "--calib-* / --percentile options would change nothing; drop them (allowed with static "
+                       "schemes such as ort-int8, and with --budget)")
     with tqdm_bars(not quiet):
         manifest = export(request, out_dir, force=force)
     click.echo(f"exported to {out_dir}")
@@ -142,6 +147,17 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, we
     genai = manifest.runtimes.get(RUNTIME)
     click.echo(f"{RUNTIME}: " + (f"serve with og.Model({str(out_dir)!r}) ({genai.config})" if genai and genai.supported
                                  else f"not servable: {genai.reason if genai else 'no entry'}"))
+
+
+def _refuse_unused_options(weights: WeightSpec) -> None:
+    """An option that changes nothing here is refused, so no one believes it was applied."""
+    ctx = click.get_current_context()
+    given = [f"--{name.replace('_', '-')}" for name in ("weight_block_size", "weight_asymmetric",
+                                                        "weight_accuracy_level")
+             if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+    if given and not weights.quantized:
+        raise KVQError(f"{', '.join(given)} apply to int8/int4 weights only; with --weights {weights.format} drop "
+                       "them (allowed: --weights int8 or int4)")
 
 
 @cli.command()
