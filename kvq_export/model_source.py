@@ -136,11 +136,23 @@ def _builtin_path(name: str) -> Path:
 
 
 def cache_root() -> Path:
-    """Root of kvq's cache: ``$KVQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvq``, else ``~/.cache/kvq``."""
+    """Root of kvq's cache: ``$KVQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvq``, else ``~/.cache/kvq``.
+
+    Never inside an export directory (nor one itself): the cache's baselines and conversions would be written into
+    a checksummed export. That is a one-line :class:`ModelError`.
+    """
     if os.environ.get("KVQ_CACHE_DIR"):
-        return Path(os.environ["KVQ_CACHE_DIR"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvq"
+        root, named = Path(os.environ["KVQ_CACHE_DIR"]).expanduser(), "KVQ_CACHE_DIR"
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        root, named = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvq", "the default cache"
+    from kvq_export.manifest import export_containing  # manifest imports calibration, which imports this module
+
+    inside = export_containing(root / "entry")  # the root itself, or any parent of it, being an export
+    if inside is not None:
+        raise ModelError(f"kvq's cache directory {root} ({named}) lies inside the kvq export {inside}: kvq never "
+                         "writes into an export directory; set KVQ_CACHE_DIR to a directory outside it")
+    return root
 
 
 def cache_dir(*parts: str) -> Path:

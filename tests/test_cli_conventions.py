@@ -250,3 +250,39 @@ def test_validate_refuses_an_empty_prompts_file_unless_greedy_is_off(tiny_export
     (tmp_path / "p.txt").write_text("\n  \n")
     line = one_line_error(kvq("validate", tiny_export, "--baseline", tiny_export, "--prompts", tmp_path / "p.txt"))
     assert "holds no prompt" in line and "--gen-tokens 0" in line
+
+
+# -- one command never writes two outputs, or an output and an input, to one file ----------------------------------
+SAME_FILE = [  # (command line with {a} and {b} for two paths, the options they are given to)
+    (["plan", "--model", "{m}", "--budget", "4", "--out", "{a}", "--json", "{b}"], ("--out", "--json")),
+    (["validate", "{e}", "--json", "{a}", "--report", "{b}"], ("--json", "--report")),
+    (["validate", "{e}", "--corpus", "{a}", "--json", "{b}"], ("--corpus", "--json")),
+    (["validate", "{e}", "--prompts", "{a}", "--report", "{b}"], ("--prompts", "--report")),
+    (["calibrate", "--model", "{m}", "--calib-corpus", "{a}", "--out", "{b}"], ("--calib-corpus", "--out")),
+    (["plan", "--model", "{m}", "--budget", "4", "--calib-corpus", "{a}", "--out", "{b}"], ("--calib-corpus", "--out")),
+    (["bench", "--model", "{m}", "--schemes", "q4_0", "--json", "{a}", "--plot", "{b}"], ("--json", "--plot")),
+    (["bench-serve", "{e}", "--out", "{a}", "--plot", "{b}"], ("--out", "--plot")),
+]
+
+
+def test_two_paths_naming_one_file_are_refused_before_any_work(tiny_export, tmp_path):
+    """``kvq plan --out p.json --json p.json`` kept the report, lost the scheme; --json over --corpus lost the text."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    model = tmp_path / "no-model"  # never loaded: the refusal comes first
+    text = tmp_path / "text.html"
+    text.write_text("w1 w2 w3\n")
+    (tmp_path / "link.html").symlink_to(text)
+
+    @settings(max_examples=40, deadline=None, database=None)
+    @given(case=st.sampled_from(SAME_FILE), spelling=st.sampled_from(["same", "dot", "link"]))
+    def check(case, spelling):
+        args, (first, second) = case
+        other = {"same": text, "dot": tmp_path / "." / "sub" / ".." / text.name, "link": tmp_path / "link.html"}
+        (tmp_path / "sub").mkdir(exist_ok=True)
+        line = one_line_error(kvq(*[a.format(m=model, e=tiny_export, a=text, b=other[spelling]) for a in args]))
+        assert f"{second} {other[spelling]} names the same file as {first}" in line, line
+        assert text.read_text() == "w1 w2 w3\n"
+
+    check()

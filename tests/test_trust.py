@@ -614,6 +614,20 @@ def test_no_command_writes_inside_an_export(kivi, tmp_path):
     assert _snapshot(kivi) == before
 
 
+@pytest.mark.parametrize("where", ["the export", "a folder inside it", "deeper inside it"])
+def test_a_cache_directory_inside_an_export_is_refused(root, kivi, tmp_path, monkeypatch, where):
+    """The automatic baseline is written under the cache: with KVQ_CACHE_DIR in an export, it went into the export."""
+    directory = shutil.copytree(kivi, tmp_path / "e")
+    before = _snapshot(directory)
+    cache = {"the export": directory, "a folder inside it": directory / "cache",
+             "deeper inside it": directory / "a" / "b"}[where]
+    monkeypatch.setenv("KVQ_CACHE_DIR", str(cache))
+    code, _, err = _validate(directory, root)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and f"lies inside the kvq export {directory}" in err, err
+    assert "KVQ_CACHE_DIR" in err and _snapshot(directory) == before
+    assert sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")) == sorted(before)
+
+
 def test_library_report_writers_refuse_an_export_path(kivi):
     from kvq_export.errors import OutputPathError
     from kvq_export.validate.report import write_html, write_json

@@ -69,6 +69,31 @@ def write_json_output(target: str, payload: Any) -> None:
     atomic_write(check_output_path(target, "--json"), text.rstrip("\n") + "\n")
 
 
+def distinct_outputs(outputs: dict[str, str | None], inputs: dict[str, str | None] | None = None) -> None:
+    """Refuse two outputs of one command naming one file, or an output naming a file the command reads.
+
+    The second write would replace the first (``kvq plan --out p.json --json p.json`` kept the report, not the
+    scheme), and an output over an input destroys it (``--json`` over the ``--corpus`` file). Keys are the option
+    names; None and ``-`` (stdout) are skipped. Raises :class:`OutputPathError` before any work.
+    """
+    import os
+
+    seen: dict[str, str] = {}
+    for option, path in (inputs or {}).items():
+        if path is not None and path != STDOUT and os.path.isfile(path):
+            seen.setdefault(os.path.realpath(path), option)
+    read = set(seen.values())
+    for option, path in outputs.items():
+        if path is None or path == STDOUT:
+            continue
+        key = os.path.realpath(path)
+        if key in seen:
+            other = seen[key]
+            why = "which it reads: writing would destroy it" if other in read else "the second would replace the first"
+            raise OutputPathError(f"{option} {path} names the same file as {other} ({why}); give each its own path")
+        seen[key] = option
+
+
 def _html_target(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is not None and not value.lower().endswith((".html", ".htm")):
         raise OutputPathError(f"--report {value}: the report is HTML; give a .html path (numbers as JSON: --json)")

@@ -12,6 +12,7 @@ from kvq_export.cli._base import (
     calibration_options,
     cli,
     device_option,
+    distinct_outputs,
     int_list,
     json_option,
     make_console,
@@ -67,13 +68,13 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
     """Decode latency, prefill throughput, cache bytes and RSS per scheme, as ratios to the baseline."""
     from rich.console import Console
 
+    distinct_outputs({"--json": json_out, "--plot": plot_out}, {"--calib-corpus": calibration.corpus})
     config = BenchConfig(
         model_spec, [s for s in schemes.split(",") if s], flavors=flavors, contexts=int_list(contexts),
         batches=int_list(batches), baseline=baseline, steps=steps, warmup=warmup, prefill_tokens=prefill_tokens,
         fill=fill, dtype=dtype, threads=threads, ppl_windows=ppl_windows, ppl_tokens=ppl_tokens,
         calibration=calibration, work_dir=work_dir, json_out=None if json_out == STDOUT else json_out,
         providers=providers)
-
     progress = Console(stderr=True, highlight=False, soft_wrap=True)
 
     def show(r) -> None:  # a long run reports each result as it is measured
@@ -128,6 +129,7 @@ def bench_serve(export_dirs, contexts, concurrent, budget_gb, new_tokens, backen
     """
     from pathlib import Path
 
+    distinct_outputs({"--out": out, "--plot": plot_out})
     dirs = dict(d.split("=", 1) if "=" in d else (Path(d).name, d) for d in export_dirs)
     rows = run_capacity(dirs, contexts=contexts, concurrent=concurrent, budget_bytes=int(budget_gb * 2**30),
                         new_tokens=new_tokens, backend=backend, threads=threads, out=out, predict_only=predict_only,

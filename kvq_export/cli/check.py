@@ -8,6 +8,7 @@ from kvq_export.cli._base import (
     STDOUT,
     cli,
     device_option,
+    distinct_outputs,
     json_option,
     make_console,
     report_option,
@@ -64,6 +65,7 @@ def validate(export_dir, baseline, corpus, windows, window_len, offset, chunk, p
     """
     from rich.table import Table
 
+    distinct_outputs({"--json": json_out, "--report": report_out}, {"--corpus": corpus, "--prompts": prompts_file})
     prompts = DEFAULT_PROMPTS
     if prompts_file:
         prompts = tuple(line for line in utf8_text(prompts_file, "prompts file").splitlines() if line.strip())

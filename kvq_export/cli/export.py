@@ -14,6 +14,7 @@ from kvq_export.cli._base import (
     calibration_options,
     cli,
     deprecated_alias,
+    distinct_outputs,
     json_option,
     out_option,
     scheme_options,
@@ -173,6 +174,9 @@ def plan(model_spec, calibration, plan, out_path, json_out, quiet) -> None:
     """Choose per-layer key/value formats under a bit budget by measured attention damage; write a scheme."""
     from pathlib import Path
 
+    distinct_outputs({"--out": out_path, "--json": json_out},
+                     {"--calib-corpus": calibration.corpus, **{f"--candidates {c}": c for c in
+                                                             (plan.candidates or "").split(",")}})
     for path in (out_path, json_out):  # a plan takes minutes: refuse a file it could not write before planning
         if path and path != STDOUT and not Path(path).resolve().parent.is_dir():
             raise KVQError(f"cannot write {path}: its directory does not exist")
@@ -210,6 +214,7 @@ def plan(model_spec, calibration, plan, out_path, json_out, quiet) -> None:
 @click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
 def calibrate(model_spec, scheme_spec, calibration, file_format, granularity, out, quiet) -> None:
     """Calibrate static K/V scales and write them for kvq or for onnxruntime-genai's model builder."""
+    distinct_outputs({"--out": out}, {"--calib-corpus": calibration.corpus})
     with tqdm_bars(not quiet):
         path = calibrate_to_file(model_spec, scheme_spec, out, corpus=calibration.corpus, tokens=calibration.tokens,
                                  method=str(calibration.method), percentile=calibration.percentile,
