@@ -161,3 +161,11 @@ def test_an_export_without_its_tokenizer_is_one_line(exported, tmp_path):
         entry["sha256"] = hashlib.sha256((directory / name).read_bytes()).hexdigest()
     (directory / "kvq.json").write_text(json.dumps(data))
     assert_one_line(*run("generate", directory, "--prompt", "w1"), "has no usable tokenizer")
+
+
+def test_a_reason_names_values_as_they_are_spelled_not_as_python_reprs(exported):
+    """The genai refusal said "the <LayoutName.REGIONS: 'regions'> layout"."""
+    pytest.importorskip("onnxruntime_genai")
+    code, stderr = run("generate", exported, "--prompt", "w1", "--runtime", "genai")
+    assert_one_line(code, stderr, "keeps the cache in the 'regions' layout")
+    assert "<" not in stderr and "LayoutName" not in stderr

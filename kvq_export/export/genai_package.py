@@ -108,7 +108,7 @@ def unsupported_reason(manifest: Manifest) -> str | None:
     """Why og cannot serve this export (None when it can)."""
     if manifest.cache_layout.shares_buffers:
         return mixed_types_reason(manifest.cache("past"), manifest.num_layers)
-    why = (f"flavor {manifest.flavor} keeps the cache in the {manifest.cache_layout.name!r} layout (sinks / codes "
+    why = (f"flavor {manifest.flavor} keeps the cache in the {str(manifest.cache_layout.name)!r} layout (sinks / codes "
            "with per-call metadata / a high-precision window, each sized per call), but onnxruntime-genai allocates "
            "one [batch, kv_heads, max_length, head_dim] buffer per layer and stream")
     reasons = unsupported(manifest.scheme, manifest.num_layers)
