@@ -59,6 +59,8 @@ GRAPH_SCHEME_KEY = "kvq.scheme"
 GRAPH_MODEL_KEY = "kvq.model"
 GRAPH_BUILD_KEY = "kvq.graph"
 GRAPH_CALIBRATION_KEY = "kvq.calibration"
+#: ... and the token ids that end or pad a row (the manifest's ``tokenizer`` section: an edited EOS cuts answers)
+GRAPH_TOKENIZER_KEY = "kvq.tokenizer"
 #: Compute dtypes an export can have.
 
 #: How a rotated stream (``rotation`` of a scheme stream) is stored and decoded; repeated in every manifest.
@@ -234,7 +236,7 @@ class Manifest:
 
 # -- the graph is the source of truth for what it fixes ---------------------------------------------------------
 def graph_metadata(scheme: KVQuantScheme, model: ModelFacts, *, flavor: str, layout: str, dtype: str,
-                   calibration_digest: str | None) -> dict[str, str]:
+                   calibration_digest: str | None, tokenizer: Mapping[str, Any] | None = None) -> dict[str, str]:
     """The ONNX metadata an exporter writes into the graph: everything the graph fixes, as the manifest spells it.
 
     A loader compares it with ``kvq.json`` (:func:`check_graph_metadata`): an edited manifest (a scheme, a model
@@ -245,6 +247,8 @@ def graph_metadata(scheme: KVQuantScheme, model: ModelFacts, *, flavor: str, lay
            GRAPH_BUILD_KEY: json.dumps({"flavor": flavor, "layout": layout, "dtype": dtype}, sort_keys=True)}
     if calibration_digest is not None:
         out[GRAPH_CALIBRATION_KEY] = calibration_digest
+    if tokenizer is not None:
+        out[GRAPH_TOKENIZER_KEY] = json.dumps(dict(tokenizer), sort_keys=True)
     return out
 
 
@@ -281,6 +285,13 @@ def check_graph_metadata(directory: str | os.PathLike[str], manifest: Manifest, 
                 field = "cache.layout_name" if name == "layout" else name
                 raise RuntimeInputError(f"{edited} {field} {have[name]!r}, the graph was built as "
                                         f"{want.get(name)!r}; the manifest was edited")
+    if GRAPH_TOKENIZER_KEY in carried:
+        want = _json_object(directory, carried[GRAPH_TOKENIZER_KEY], GRAPH_TOKENIZER_KEY)
+        name = next((k for k in sorted(set(want) | set(manifest.tokenizer))
+                     if want.get(k) != manifest.tokenizer.get(k)), None)
+        if name is not None:
+            raise RuntimeInputError(f"{edited} tokenizer.{name} {manifest.tokenizer.get(name)!r}, the graph was "
+                                    f"built with {want.get(name)!r}; the manifest was edited")
     if GRAPH_MODEL_KEY in carried:  # a graph that records its facts also records whether it embeds scales
         built = carried.get(GRAPH_CALIBRATION_KEY)
         if (built is None) != (static is None):

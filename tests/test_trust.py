@@ -185,6 +185,32 @@ def test_an_edited_model_fact_or_flavour_is_refused_on_load(request, which, fiel
         assert "the manifest was edited" in str(err.value), str(err.value)
 
 
+def test_an_edited_eos_bos_or_pad_id_is_refused_on_load(kivi, gqa, tmp_path):
+    """An EOS id edited into kvq.json cut every answer at the first such token, with exit code 0."""
+    from hypothesis import given, seed, settings
+    from hypothesis import strategies as st
+
+    from kvq_export.errors import RuntimeInputError
+    from kvq_export.runtime.session import KVQSession
+
+    counter = iter(range(10**6))
+
+    @seed(SEED)
+    @settings(max_examples=12, deadline=None, database=None)
+    @given(which=st.sampled_from(["kivi", "gqa"]), field=st.sampled_from(["eos_token_id", "bos_token_id",
+                                                                          "pad_token_id"]),
+           value=st.integers(0, 127) | st.lists(st.integers(0, 127), min_size=1, max_size=3))
+    def check(which, field, value):
+        directory = shutil.copytree(kivi if which == "kivi" else gqa, tmp_path / f"e{next(counter)}")
+        _edit(directory, lambda m: m["tokenizer"].update({field: value}))
+        with pytest.raises(RuntimeInputError, match=f"tokenizer.{field} .*the manifest was edited") as err:
+            KVQSession(directory)
+        assert "\n" not in str(err.value)
+        shutil.rmtree(directory)
+
+    check()
+
+
 def test_validate_and_genai_refuse_an_edited_fact(root, gqa, tmp_path):
     pytest.importorskip("onnxruntime_genai")
     from kvq_export.errors import RuntimeInputError

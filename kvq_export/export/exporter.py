@@ -263,12 +263,13 @@ def build_graph(plan: ExportPlan, source: Source, static: Calibration | None) ->
     request = plan.request
     cache = plan.flavor.build(request.scheme, plan.facts, static=static)
     graph = build_decoder(source.model, plan.arch, cache, dtype=request.dtype, opset=request.opset)
-    # the graph carries what it fixes (scheme, model facts, flavor, layout, dtype, embedded scales): a loader
-    # compares it with the manifest, so an edited kvq.json or calibration file is refused
+    # the graph carries what it fixes (scheme, model facts, flavor, layout, dtype, embedded scales, EOS/pad ids):
+    # a loader compares it with the manifest, so an edited kvq.json or calibration file is refused
     digest = static.digest() if static is not None and request.scheme.needs_calibration else None
     graph.metadata_props.update(graph_metadata(request.scheme, plan.facts, flavor=str(plan.flavor.name),
                                                layout=plan.flavor.layout.name, dtype=request.dtype,
-                                               calibration_digest=digest))
+                                               calibration_digest=digest,
+                                               tokenizer=_tokenizer_facts(source.tokenizer, source.model.config)))
     return graph, cache
 
 
