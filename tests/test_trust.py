@@ -211,6 +211,30 @@ def test_an_edited_eos_bos_or_pad_id_is_refused_on_load(kivi, gqa, tmp_path):
     check()
 
 
+@pytest.mark.parametrize("which", ["kivi", "gqa"])
+@pytest.mark.parametrize("edit", ["rename input", "input dtype", "rename output", "output dtype", "drop input",
+                                  "add input", "unknown dtype"])
+def test_edited_inputs_or_outputs_are_refused_on_load(request, which, edit, tmp_path):
+    """The declared inputs/outputs (the TensorRT builder's profiles read them) were never compared with the graph."""
+    from kvq_export.errors import RuntimeInputError
+    from kvq_export.runtime.session import KVQSession
+
+    directory = shutil.copytree(request.getfixturevalue(which), tmp_path / "e")
+    change = {
+        "rename input": lambda m: m["inputs"][1].update(name="attention_mask_"),
+        "input dtype": lambda m: m["inputs"][0].update(dtype="int32"),
+        "rename output": lambda m: m["outputs"][0].update(name="logits_"),
+        "output dtype": lambda m: m["outputs"][0].update(dtype="float16"),
+        "drop input": lambda m: m["inputs"].pop(1),
+        "add input": lambda m: m["inputs"].append({"name": "position_ids", "dtype": "int64", "shape": ["batch"]}),
+        "unknown dtype": lambda m: m["inputs"][0].update(dtype="int7"),
+    }[edit]
+    _edit(directory, change)
+    with pytest.raises(RuntimeInputError, match="manifest|graph") as err:
+        KVQSession(directory)
+    assert "\n" not in str(err.value)
+
+
 def test_validate_and_genai_refuse_an_edited_fact(root, gqa, tmp_path):
     pytest.importorskip("onnxruntime_genai")
     from kvq_export.errors import RuntimeInputError

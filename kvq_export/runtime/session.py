@@ -28,7 +28,7 @@ import numpy as np
 
 from kvq_export._read import TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes
 from kvq_export.dtypes import DType
-from kvq_export.errors import RuntimeInputError
+from kvq_export.errors import KVQError, RuntimeInputError
 from kvq_export.manifest import (
     MODEL_NAME,
     Manifest,
@@ -180,8 +180,10 @@ class KVQSession:
         """The graph's inputs/outputs and its own scheme must be exactly what the manifest promises."""
         graph_inputs = {i.name: i for i in self.session.get_inputs()}
         graph_outputs = {o.name: o for o in self.session.get_outputs()}
-        expected_in = {"input_ids": "int64", "attention_mask": "int64", **{t.name: t.dtype for t in self.past}}
-        expected_out = {"logits": "float32", **{present_name(t.name): t.dtype for t in self.past}}
+        # the manifest's declared inputs/outputs too (read by the TensorRT builder): an edited name or dtype is refused
+        declared_in, declared_out = (_declared(getattr(self.manifest, kind), kind) for kind in ("inputs", "outputs"))
+        expected_in = {**declared_in, **{t.name: t.dtype for t in self.past}}
+        expected_out = {**declared_out, **{present_name(t.name): t.dtype for t in self.past}}
         for kind, graph, expected in (("input", graph_inputs, expected_in), ("output", graph_outputs, expected_out)):
             extra = sorted(set(graph) - set(expected))
             if extra:
@@ -549,6 +551,21 @@ class _BoundCache(dict):
     def __init__(self, values: CacheState, binding: _Binding) -> None:
         super().__init__(values)
         self.binding = binding
+
+
+def _declared(specs: Sequence[dict], kind: str) -> dict[str, str]:
+    """``{name: dtype}`` of a manifest's ``inputs`` or ``outputs`` list (a malformed entry is one line)."""
+    out = {}
+    for i, spec in enumerate(specs):
+        name, dtype = spec.get("name"), spec.get("dtype")
+        if not isinstance(name, str):
+            raise RuntimeInputError(f"invalid manifest: {kind}[{i}].name must be a string, got {name!r}")
+        try:
+            DType.get(dtype)
+        except KVQError as err:
+            raise RuntimeInputError(f"invalid manifest: {kind}[{i}].dtype: {err}") from None
+        out[name] = dtype
+    return out
 
 
 def open_onnx(path: Path, options, providers: Sequence[str]):
