@@ -236,7 +236,7 @@ class Manifest:
 
 # -- the graph is the source of truth for what it fixes ---------------------------------------------------------
 def graph_metadata(scheme: KVQuantScheme, model: ModelFacts, *, flavor: str, layout: str, dtype: str,
-                   calibration_digest: str | None, tokenizer: Mapping[str, Any] | None = None) -> dict[str, str]:
+                   calibration_digest: str | None, tokenizer: TokenizerFacts | None = None) -> dict[str, str]:
     """The ONNX metadata an exporter writes into the graph: everything the graph fixes, as the manifest spells it.
 
     A loader compares it with ``kvq.json`` (:func:`check_graph_metadata`): an edited manifest (a scheme, a model
@@ -248,7 +248,7 @@ def graph_metadata(scheme: KVQuantScheme, model: ModelFacts, *, flavor: str, lay
     if calibration_digest is not None:
         out[GRAPH_CALIBRATION_KEY] = calibration_digest
     if tokenizer is not None:
-        out[GRAPH_TOKENIZER_KEY] = json.dumps(dict(tokenizer), sort_keys=True)
+        out[GRAPH_TOKENIZER_KEY] = json.dumps(tokenizer.to_dict(), sort_keys=True)
     return out
 
 
@@ -286,12 +286,12 @@ def check_graph_metadata(directory: str | os.PathLike[str], manifest: Manifest, 
                 raise RuntimeInputError(f"{edited} {field} {have[name]!r}, the graph was built as "
                                         f"{want.get(name)!r}; the manifest was edited")
     if GRAPH_TOKENIZER_KEY in carried:
-        want = _json_object(directory, carried[GRAPH_TOKENIZER_KEY], GRAPH_TOKENIZER_KEY)
-        name = next((k for k in sorted(set(want) | set(manifest.tokenizer))
-                     if want.get(k) != manifest.tokenizer.get(k)), None)
+        want, have = _json_object(directory, carried[GRAPH_TOKENIZER_KEY], GRAPH_TOKENIZER_KEY), \
+            manifest.tokenizer.to_dict()
+        name = next((k for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)), None)
         if name is not None:
-            raise RuntimeInputError(f"{edited} tokenizer.{name} {manifest.tokenizer.get(name)!r}, the graph was "
-                                    f"built with {want.get(name)!r}; the manifest was edited")
+            raise RuntimeInputError(f"{edited} tokenizer.{name} {have.get(name)!r}, the graph was built with "
+                                    f"{want.get(name)!r}; the manifest was edited")
     if GRAPH_MODEL_KEY in carried:  # a graph that records its facts also records whether it embeds scales
         built = carried.get(GRAPH_CALIBRATION_KEY)
         if (built is None) != (static is None):

@@ -41,6 +41,7 @@ from kvq_export.manifest import (
     resolve_inside,
 )
 from kvq_export.manifest import verify_weights as check_weights
+from kvq_export.manifest_sections import GraphValue
 from kvq_export.naming import CacheTensor, present_name, tensor_name
 from kvq_export.runtime.base import (
     Generation,
@@ -553,18 +554,15 @@ class _BoundCache(dict):
         self.binding = binding
 
 
-def _declared(specs: Sequence[dict], kind: str) -> dict[str, str]:
-    """``{name: dtype}`` of a manifest's ``inputs`` or ``outputs`` list (a malformed entry is one line)."""
+def _declared(values: Sequence[GraphValue], kind: str) -> dict[str, str]:
+    """``{name: dtype}`` of a manifest's ``inputs`` or ``outputs`` (a dtype kvq does not know is one line)."""
     out = {}
-    for i, spec in enumerate(specs):
-        name, dtype = spec.get("name"), spec.get("dtype")
-        if not isinstance(name, str):
-            raise RuntimeInputError(f"invalid manifest: {kind}[{i}].name must be a string, got {name!r}")
+    for i, value in enumerate(values):
         try:
-            DType.get(dtype)
+            DType.get(value.dtype)
         except KVQError as err:
             raise RuntimeInputError(f"invalid manifest: {kind}[{i}].dtype: {err}") from None
-        out[name] = dtype
+        out[value.name] = value.dtype
     return out
 
 
