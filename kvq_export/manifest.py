@@ -36,7 +36,7 @@ from kvq_export.manifest_sections import (
     graph_values,
     runtime_entries,
 )
-from kvq_export.model_facts import ModelFacts
+from kvq_export.model_facts import ModelFacts, refuse_unknown
 from kvq_export.model_facts import json_field as _get
 from kvq_export.naming import PARTS, CacheTensor, tensor_name
 from kvq_export.rotation import describe_rotation, rotate_torch, rotation_matrix
@@ -61,6 +61,9 @@ GRAPH_BUILD_KEY = "kvq.graph"
 GRAPH_CALIBRATION_KEY = "kvq.calibration"
 #: ... and the token ids that end or pad a row (the manifest's ``tokenizer`` section: an edited EOS cuts answers)
 GRAPH_TOKENIZER_KEY = "kvq.tokenizer"
+#: The top-level fields of ``kvq.json`` (what :meth:`Manifest.to_dict` writes; any other is refused on load).
+MANIFEST_FIELDS = ("format_version", "kvq_version", "flavor", "opset", "dtype", "model", "scheme", "tokenizer",
+                   "calibration", "inputs", "outputs", "weights", "build", "runtimes", "plan", "cache")
 #: Compute dtypes an export can have.
 
 #: How a rotated stream (``rotation`` of a scheme stream) is stored and decoded; repeated in every manifest.
@@ -187,6 +190,7 @@ class Manifest:
         version = _get(data, "format_version", int)
         if version != FORMAT_VERSION:
             raise RuntimeInputError(f"format_version {version} is not supported (expected {FORMAT_VERSION})")
+        refuse_unknown(data, MANIFEST_FIELDS, "")
         model = ModelFacts.from_dict(_get(data, "model", dict))
         dtype = _get(data, "dtype", str)
         if dtype not in COMPUTE_DTYPES:

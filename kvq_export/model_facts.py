@@ -9,8 +9,8 @@ the benchmark and the TensorRT code read its attributes, so a fact has one spell
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from kvq_export.errors import RuntimeInputError
@@ -23,6 +23,15 @@ INT_FACTS = {"num_layers": 4096, "num_heads": 4096, "num_kv_heads": 4096, "head_
              "hidden_size": 2**40, "vocab_size": 2**40, "max_position_embeddings": 2**40}
 _KIND_LABELS = {int: "an integer", float: "a number", str: "a string", bool: "a boolean", dict: "an object",
                 list: "a list"}
+
+
+def refuse_unknown(data: Mapping[str, Any], allowed: Iterable[str], where: str) -> None:
+    """A key kvq does not read is refused, naming it: an edited or newer manifest is never half-understood."""
+    allowed = list(allowed)
+    unknown = sorted(map(str, set(data) - set(allowed)))
+    if unknown:
+        raise RuntimeInputError(f"unknown field(s) {', '.join(where + k for k in unknown)}; allowed: "
+                                f"{', '.join(allowed)}")
 
 
 def json_field(data: Mapping[str, Any], name: str, kind: type, *, optional: bool = False, where: str = "") -> Any:
@@ -62,6 +71,7 @@ class RopeFacts:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "model.rope.") -> RopeFacts:
         """Parse ``model.rope``; a missing or wrongly typed entry is a :class:`RuntimeInputError` naming it."""
+        refuse_unknown(data, ("type", "attention_scaling", "parameters"), where)
         scaling = json_field(data, "attention_scaling", float, where=where)
         if not math.isfinite(scaling) or scaling <= 0:
             raise RuntimeInputError(f"field {where + 'attention_scaling'!r} is {scaling}; allowed: a finite number > 0")
@@ -135,6 +145,7 @@ class ModelFacts:
         """
         if not isinstance(data, Mapping):
             raise RuntimeInputError(f"field {where.rstrip('.')!r} must be an object, got {type(data).__name__}")
+        refuse_unknown(data, (f.name for f in fields(cls)), where)
         ints = {}
         for name, top in INT_FACTS.items():
             value = json_field(data, name, int, where=where)

@@ -235,6 +235,36 @@ def test_edited_inputs_or_outputs_are_refused_on_load(request, which, edit, tmp_
     assert "\n" not in str(err.value)
 
 
+def test_a_field_kvq_does_not_read_is_refused_on_load(kivi):
+    """An added key (``model.num_experts``, a top-level ``sliding_window``) was silently ignored."""
+    import copy
+
+    from hypothesis import given, seed, settings
+    from hypothesis import strategies as st
+
+    from kvq_export.errors import RuntimeInputError
+
+    data = json.loads((kivi / "kvq.json").read_text())
+
+    @seed(SEED)
+    @settings(max_examples=40, deadline=None, database=None)
+    @given(where=st.sampled_from(["", "model.", "model.rope."]),
+           key=st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=12),
+           value=st.sampled_from([1, "x", None, [], {}]))
+    def check(where, key, value):
+        edited = copy.deepcopy(data)
+        section = edited if not where else edited["model"] if where == "model." else edited["model"]["rope"]
+        if key in section:
+            return
+        section[key] = value
+        with pytest.raises(RuntimeInputError, match="unknown field") as err:
+            Manifest.from_dict(edited)
+        assert f"{where}{key}" in str(err.value) or "\n" in key or "\r" in key
+
+    check()
+    assert Manifest.from_dict(copy.deepcopy(data)).to_dict() == data  # what kvq writes, it reads
+
+
 def test_validate_and_genai_refuse_an_edited_fact(root, gqa, tmp_path):
     pytest.importorskip("onnxruntime_genai")
     from kvq_export.errors import RuntimeInputError
