@@ -75,3 +75,7 @@ class OutputWriteError(OutputPathError, OSError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class CalibrationWeightsError(KVQError):
+    """A calibration measured on other weights than the ones an export runs (fp32 scales for int4 weights)."""

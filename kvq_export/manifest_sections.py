@@ -115,7 +115,9 @@ class CalibrationRecord:
     """The calibration file of an export (its name and digest) and how its scales were chosen.
 
     ``source`` is ``calibrated`` (then ``corpus``, ``tokens``, ``offset``, ``method`` and, for the percentile
-    method, ``percentile`` say on what text and how) or ``given`` (the caller handed the scales in).
+    method, ``percentile`` say on what text and how) or ``given`` (the caller handed the scales in). ``weights``:
+    the int blocks the model ran on while the scales were measured (``Calibration.weights``; left out: the model's own
+    weights), ``measured_on`` the same in words (absent from exports written before it was recorded).
     """
 
     file: str
@@ -126,6 +128,8 @@ class CalibrationRecord:
     offset: int | None = None
     method: str | None = None
     percentile: float | None = None
+    weights: Mapping[str, Any] | None = None
+    measured_on: str | None = None
 
     @property
     def calibrated(self) -> bool:
@@ -141,10 +145,11 @@ class CalibrationRecord:
         """Parse :meth:`to_dict`'s form."""
         data = _known(data, cls, "calibration")
         text = {name: _get(data, name, str, optional=name not in ("file", "digest"), where="calibration.")
-                for name in ("file", "digest", "source", "corpus", "method")}
+                for name in ("file", "digest", "source", "corpus", "method", "measured_on")}
         return cls(**text, tokens=_optional_int(data, "tokens", "calibration."),
                    offset=_optional_int(data, "offset", "calibration."),
-                   percentile=_get(data, "percentile", float, optional=True, where="calibration."))
+                   percentile=_get(data, "percentile", float, optional=True, where="calibration."),
+                   weights=_get(data, "weights", dict, optional=True, where="calibration."))
 
 
 @dataclass(frozen=True)

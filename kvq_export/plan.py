@@ -48,6 +48,7 @@ import numpy as np
 from kvq_export.cache_layout import BUFFER
 from kvq_export.calibration.artifact import HIGH_CHANNELS, PARTS, Calibration
 from kvq_export.calibration.high_channels import channel_importance, ranging_group, top_channels
+from kvq_export.calibration.measure import measured_model
 from kvq_export.calibration.methods import stream_from_samples
 from kvq_export.calibration.passes import check_windows, collect_attention_samples
 from kvq_export.errors import KVQError, SchemeError
@@ -63,6 +64,7 @@ from kvq_export.request import (
     CalibrationMethod,
     CalibrationSpec,
     PlanMetric,
+    WeightSpec,
 )
 from kvq_export.rotation import rotation_matrix
 from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
@@ -808,6 +810,7 @@ def plan_scheme(
     sink_tokens: int = 0,
     value_window: int | None = None,
     servable: bool = False,
+    weights: WeightSpec | None = None,
 ) -> Plan:
     """Plan a per-layer scheme for ``model`` (see the module docstring).
 
@@ -828,6 +831,10 @@ def plan_scheme(
             measured per query and paid for in the budget); None: the candidates' own windows.
         servable: keep to a plan onnxruntime-genai serves (:meth:`Plan.servable`) when GroupQueryAttention can hold
             the plan at all.
+        weights: how the export stores the weights (None: as computed). int4 / int8 blocks: the candidates are
+            calibrated and their damage measured on the model with the weights the export computes with
+            (:func:`kvq_export.calibration.measure.measured_model`, the same model ``kvq calibrate`` and ``kvq
+            export`` calibrate on).
 
     Raises:
         KVQError: unknown metric, a non-positive budget/context, or a budget no choice fits.
@@ -843,6 +850,7 @@ def plan_scheme(
     cset = candidate_set(candidates) if isinstance(candidates, str) else candidates
     if value_window is not None:
         cset = with_value_window(cset, value_window)
+    model, measured_on = measured_model(model, weights)
     facts = model_facts(model.config)
     layers, heads, dim = facts.num_layers, facts.num_kv_heads, facts.head_dim
     cset = fitting(cset, dim)
@@ -883,7 +891,7 @@ def plan_scheme(
     plan = Plan(scheme, bits, total, budget, context, metric, damages, uniform,
                 {"candidates": cset.about, "calib_method": str(calibration.method), "sink_tokens": sink_tokens,
                  "value_window": value_window, "windows": len(windows),
-                 "tokens": sum(len(w) for w in windows)}, genai, nearest, static_by)
+                 "tokens": sum(len(w) for w in windows), "weights": measured_on}, genai, nearest, static_by)
     if servable:
         return plan.servable()
     if genai is not None and not genai["servable"]:

@@ -158,6 +158,17 @@ class WeightSpec:
         """Whether the weights are stored as integer blocks."""
         return self.format in (WeightFormat.INT8, WeightFormat.INT4)
 
+    @property
+    def calibration_weights(self) -> dict[str, Any] | None:
+        """The weights a calibration for this storage is measured on (``Calibration.weights``).
+
+        Int blocks: their format, block size and symmetry (what the weights dequantize to; ``accuracy_level`` only
+        rounds activations at run time). None for fp32 and fp16: the model's own weights.
+        """
+        if not self.quantized:
+            return None
+        return {"format": str(self.format), "block_size": self.block_size, "symmetric": self.symmetric}
+
     def to_dict(self) -> dict[str, Any]:
         """JSON form (the format as a plain string)."""
         return {"format": str(self.format), "block_size": self.block_size, "symmetric": self.symmetric,

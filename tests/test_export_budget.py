@@ -108,6 +108,30 @@ def test_ort_gqa_budget_export_is_the_plan_onnxruntime_genai_serves(model_dir, t
     assert_same_export(tmp_path / "one", tmp_path / "two")
 
 
+def test_int4_budget_export_equals_plan_then_export_on_the_int4_weights(model_dir, tmp_path):
+    """--weights int4: the plan is measured on the int4 blocks, and its kvq plan command says --weights int4 too."""
+    calib = ("--calib-tokens", "256")
+    output = kvq("export", "--model", model_dir, "--budget", BUDGET, "--flavor", "ort-gqa", "--weights", "int4",
+                 *calib, "--out", tmp_path / "one")
+    assert "planned plan-6.5b:" in output
+    manifest = Manifest.load(tmp_path / "one")
+    assert manifest.plan["settings"]["weights"] == {"format": "int4", "block_size": 32, "symmetric": True}
+    assert manifest.calibration.weights == manifest.plan["settings"]["weights"]
+    command = shlex.split(manifest.plan["command"])
+    assert command[command.index("--weights") + 1] == "int4" and "--weight-asymmetric" not in command
+    plan_file = tmp_path / "plan-6.5b.json"
+    kvq(*command[1:-1], plan_file)
+    assert KVQuantScheme.from_json(plan_file.read_text()) == manifest.scheme
+    kvq("export", "--model", model_dir, "--scheme", plan_file, "--flavor", "ort-gqa", "--weights", "int4", *calib,
+        "--out", tmp_path / "two")
+    assert_same_export(tmp_path / "one", tmp_path / "two")
+    # the same budget on the model's own weights measures other keys and values: other scales
+    kvq("export", "--model", model_dir, "--scheme", plan_file, "--flavor", "ort-gqa", *calib, "--out",
+        tmp_path / "fp32")
+    own = Manifest.load(tmp_path / "fp32").calibration
+    assert own.weights is None and own.digest != manifest.calibration.digest
+
+
 def test_a_budget_export_calibrates_once(tmp_path, monkeypatch):
     """The plan's calibration of the chosen candidates is the export's: the model runs over the text once."""
     text = tmp_path / "calib.txt"

@@ -80,12 +80,13 @@ def exports(hf: Path, work: Path, weights: str, calib_tokens: int) -> dict[str, 
         scheme = resolve_scheme(spec)
         static = None
         if scheme.needs_calibration:
-            scales = work / f"{hf.name}-{short}-scales-{calib_tokens}.npz"
+            # measured on the weights the export runs (int4 blocks dequantized), as kvq export calibrates
+            scales = work / f"{hf.name}-{short}-scales-{calib_tokens}-w-{weights}.npz"
             if not scales.is_file():
                 model = model or AutoModelForCausalLM.from_pretrained(hf)
                 rng = np.random.default_rng(0)
                 windows = rng.integers(0, model.config.vocab_size, (max(1, calib_tokens // 512), 512)).tolist()
-                calibrate_static_scales(model, scheme, windows).save(scales)
+                calibrate_static_scales(model, scheme, windows, weights=WeightSpec(weights)).save(scales)
             static = Calibration.load(scales)
         logger.info("export for %s", name)
         request = ExportRequest(str(hf), scheme, flavor="ort-gqa", weights=WeightSpec(weights))

@@ -724,16 +724,24 @@ def genai_engines(model: str, work: Path, int4_percentile: float | None = DEFAUL
     def builder_row(cache: str, preset: str, directory: Path) -> Row:
         return Row("genai builder", cache, preset, weights=precision, dir_bytes=dir_bytes(directory))
 
+    def calibrated(scheme, name: str, label: str, method: str, pct: float, weights: str) -> Calibration:
+        """Static scales measured on the model with ``weights`` weights (int4: the blocks an export computes with).
+
+        Saved beside the exports: calibrating again would give the same.
+        """
+        saved = work / f"kvq-static-{name}-{label}{'' if weights == 'fp32' else f'-w-{weights}'}.npz"
+        if saved.is_file():
+            return Calibration.load(saved)
+        static = calibrate_static_scales(hf_model, scheme, calib, method=method, percentile=pct,
+                                         weights=WeightSpec(weights))
+        static.save(saved)
+        return static
+
     def kvq_export(preset: str, method: str, pct: float):
-        """Static scales (saved: calibrating again would give the same) and the export on them: (label, static)."""
+        """Static scales and the export on them: (scheme, label, static)."""
         scheme, label = resolve_scheme(preset), f"p{pct:g}" if method == "percentile" else method
         name = Path(preset).stem if preset.endswith(".json") else preset
-        saved = work / f"kvq-static-{name}-{label}.npz"
-        if saved.is_file():
-            static = Calibration.load(saved)
-        else:
-            static = calibrate_static_scales(hf_model, scheme, calib, method=method, percentile=pct)
-            static.save(saved)
+        static = calibrated(scheme, name, label, method, pct, kvq_weights)
         kvq_dir = kvq_gqa_export(model, preset, work / f"kvq-{name}-{label}", static, kvq_weights, kvq_accuracy_level)
         row = kvq_row(f"{name} (kvq {label} scales)", name, kvq_dir)
         row.bits_4096 = predict(scheme, facts, 4096).bits_per_element
@@ -754,7 +762,9 @@ def genai_engines(model: str, work: Path, int4_percentile: float | None = DEFAUL
             [("percentile", int4_percentile)] if "int4" in quant and int4_percentile else [])
         for method, pct in methods:
             scheme, label, static = kvq_export(preset, method, pct)
-            scales = work / f"kvq-scales-{quant}-{label}.json"
+            if WeightSpec(precision).calibration_weights != static.weights:  # the builder's scales: on its weights
+                static = calibrated(scheme, preset, label, method, pct, precision)
+            scales = work / f"kvq-scales-{quant}-{label}{tag}.json"
             scales.write_text(json.dumps(builder_scale_file(static, scheme, num_layers=facts.num_layers,
                                                             kv_heads=facts.num_kv_heads, head_dim=facts.head_dim)))
             built = build_with_builder(hf, work / f"builder-{quant}-kvq-{label}{tag}", quant, scales, precision)

@@ -10,6 +10,10 @@ the only reader and writer of ``calibration.npz`` (keys ``"<layer>.<key|value>.<
   :data:`CALIBRATION_LIMIT` bytes, member by member, refusing anything but 2-D float32/int32 arrays with a
   one-line error (never a ``MemoryError`` for a file that claims a huge array);
 * :meth:`Calibration.digest` fingerprints it for ``kvq.json`` and the graph's metadata;
+* :attr:`Calibration.weights` says which weights the model ran on while it was measured: None for the model's own
+  (as loaded), else the int block settings of :func:`kvq_export.export.weights.dequantized_model` (the weights an
+  int4 / int8 export computes with); it is part of the digest and of the file (member ``kvq.weights``), and
+  :meth:`Calibration.check_weights` refuses the calibration for an export that runs other weights;
 * :meth:`Calibration.check` refuses it for a scheme and model it does not fit (at export and at load);
 * :meth:`Calibration.check_graph` compares it with the constants a graph computes with: the graph is the source of
   truth, so a calibration file that disagrees with it is refused, whatever digests were recomputed.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 import os
 import zipfile
@@ -32,7 +37,7 @@ import numpy as np
 from kvq_export._atomic import atomic_writer
 from kvq_export._read import CALIBRATION_LIMIT, read_bytes
 from kvq_export.dtypes import DType
-from kvq_export.errors import KVQError, SchemeError
+from kvq_export.errors import CalibrationWeightsError, KVQError, SchemeError
 from kvq_export.vocab import Part
 
 if TYPE_CHECKING:
@@ -49,6 +54,10 @@ HIGH_CHANNELS = "high_channels"
 ROLES = (*META_ROLES, HIGH_CHANNELS)
 #: arrays a calibration file may hold (two parts and three roles per layer of a very deep model)
 MAX_ARRAYS = 6 * 4096
+#: file member holding :attr:`Calibration.weights` (UTF-8 JSON bytes); absent: the model's own weights
+WEIGHTS_MEMBER = "kvq.weights"
+#: the keys of :attr:`Calibration.weights`, and their types
+WEIGHTS_FIELDS = {"format": str, "block_size": int, "symmetric": bool}
 #: the graph constants :meth:`Calibration.check_graph` compares (by the last part of their :func:`static_name`)
 GRAPH_ROLES = ("scales", "zero_points", "offset", "channel_order", "high_channels.top", "high_channels.centre")
 
@@ -98,19 +107,44 @@ def _split_name(name: str) -> tuple[int, str, str] | None:
     return int(layer), part, role
 
 
+def describe_weights(weights: Mapping[str, Any] | None) -> str:
+    """``"the model's own weights"`` or ``"int4 weights (blocks of 32, symmetric)"``."""
+    if weights is None:
+        return "the model's own weights"
+    return (f"{weights['format']} weights (blocks of {weights['block_size']}, "
+            f"{'symmetric' if weights['symmetric'] else 'asymmetric'})")
+
+
+def _checked_weights(weights: Any) -> dict[str, Any] | None:
+    """``weights`` as :attr:`Calibration.weights` holds it, or a one-line :class:`KVQError`."""
+    if weights is None:
+        return None
+    if not isinstance(weights, Mapping) or set(weights) != set(WEIGHTS_FIELDS) or not all(
+            type(weights[name]) is kind for name, kind in WEIGHTS_FIELDS.items()):
+        raise KVQError(f"invalid calibration weights {weights!r}: allowed: None (the model's own weights) or "
+                       "{'format': 'int4'|'int8', 'block_size': int, 'symmetric': bool}")
+    if weights["format"] not in ("int4", "int8"):
+        raise KVQError(f"invalid calibration weights format {weights['format']!r}: allowed: int4, int8")
+    return {name: weights[name] for name in WEIGHTS_FIELDS}
+
+
 class Calibration(Mapping[int, Mapping[str, Mapping[str, np.ndarray]]]):
     """The calibrated arrays of one scheme on one model; a read-only mapping, compared by content.
 
     Build it with :meth:`of` (from a nested mapping) or :meth:`load` (from a file); index it as
     ``calibration[layer][part][role]``. Arrays are the artifact's own 2-D copies, float32 (``scales``,
     ``zero_points``) or int32 (``high_channels``); they stay writable because torch warns on every read-only
-    array it wraps, so treat them as constants.
+    array it wraps, so treat them as constants. :attr:`weights` names the weights they were measured on.
     """
 
-    __slots__ = ("_arrays", "_tree")
+    __slots__ = ("_arrays", "_tree", "_weights")
 
-    def __init__(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """``arrays``: ``{"<layer>.<part>.<role>": 2-D array}`` (see :meth:`of` for the nested form)."""
+    def __init__(self, arrays: Mapping[str, np.ndarray], *, weights: Mapping[str, Any] | None = None) -> None:
+        """``arrays``: ``{"<layer>.<part>.<role>": 2-D array}`` (see :meth:`of` for the nested form).
+
+        ``weights``: the weights the model ran on while they were measured (:attr:`weights`).
+        """
+        self._weights = _checked_weights(weights)
         flat: dict[tuple[int, str, str], np.ndarray] = {}
         for name, array in arrays.items():
             where = _split_name(name)
@@ -139,8 +173,11 @@ class Calibration(Mapping[int, Mapping[str, Mapping[str, np.ndarray]]]):
                                        for layer, parts in tree.items()})
 
     @classmethod
-    def of(cls, static: StaticLike | Calibration) -> Calibration:
-        """A calibration from the nested mapping ``{layer: {part: {role: array}}}`` (itself when it is one)."""
+    def of(cls, static: StaticLike | Calibration, *, weights: Mapping[str, Any] | None = None) -> Calibration:
+        """A calibration from the nested mapping ``{layer: {part: {role: array}}}`` (itself when it is one).
+
+        ``weights``: what a nested mapping was measured on (:attr:`weights`); a calibration keeps its own.
+        """
         if isinstance(static, Calibration):
             return static
         flat: dict[str, Any] = {}
@@ -149,7 +186,7 @@ class Calibration(Mapping[int, Mapping[str, Mapping[str, np.ndarray]]]):
                 for role, array in roles.items():
                     if array is not None:
                         flat[f"{layer}.{part}.{role}"] = _as_numpy(array)
-        return cls(flat)
+        return cls(flat, weights=weights)
 
     # -- the mapping -----------------------------------------------------------------------------------------
     def __getitem__(self, layer: int) -> Mapping[str, Mapping[str, np.ndarray]]:
@@ -164,14 +201,38 @@ class Calibration(Mapping[int, Mapping[str, Mapping[str, np.ndarray]]]):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Calibration):
             return NotImplemented
-        return self._arrays.keys() == other._arrays.keys() and all(
+        return self._weights == other._weights and self._arrays.keys() == other._arrays.keys() and all(
             np.array_equal(a, other._arrays[name]) for name, a in self._arrays.items())
 
     def __hash__(self) -> int:
         return hash(self.digest())
 
     def __repr__(self) -> str:
-        return f"Calibration({len(self._arrays)} arrays over {len(self)} layers, digest {self.digest()})"
+        on = "" if self._weights is None else f", measured on {describe_weights(self._weights)}"
+        return f"Calibration({len(self._arrays)} arrays over {len(self)} layers{on}, digest {self.digest()})"
+
+    @property
+    def weights(self) -> Mapping[str, Any] | None:
+        """The weights the model ran on while this was measured.
+
+        None: the model's own weights, as loaded (every calibration file without a record is one); else
+        ``{"format": "int4"|"int8", "block_size": n, "symmetric": bool}``: the model with its weights replaced by what
+        an export storing them so computes with (:func:`kvq_export.export.weights.dequantized_model`).
+        """
+        return None if self._weights is None else MappingProxyType(self._weights)
+
+    def check_weights(self, weights: Mapping[str, Any] | None, *,
+                      error: type[KVQError] = CalibrationWeightsError) -> None:
+        """Refuse, in one ``error`` line, a calibration measured on other weights than ``weights`` (as :attr:`weights`).
+
+        Keys and values of a model with int4 weights differ from those of its own weights: static scales measured on
+        one and run on the other clip or waste codes where the two differ.
+        """
+        want = _checked_weights(weights)
+        if want != self._weights:
+            raise error(f"the calibration was measured on {describe_weights(self._weights)}, but the export runs "
+                        f"{describe_weights(want)}: calibrate on the weights that run (kvq calibrate --format npz "
+                        "with the export's --weights options), or let the export calibrate")
 
     @property
     def arrays(self) -> Mapping[str, np.ndarray]:
@@ -195,7 +256,12 @@ class Calibration(Mapping[int, Mapping[str, Mapping[str, np.ndarray]]]):
         for name, array in self._arrays.items():
             digest.update(f"{name}:{'x'.join(map(str, array.shape))}:".encode())
             digest.update(array.astype("<f4", copy=False).tobytes())
+        if self._weights is not None:  # (the model's own weights keep the digests of files written before the record)
+            digest.update(f"{WEIGHTS_MEMBER}:{self._weights_json()}".encode())
         return digest.hexdigest()[:length]
+
+    def _weights_json(self) -> str:
+        return json.dumps(self._weights, sort_keys=True, separators=(",", ":"))
 
     # -- files -------------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -207,8 +273,11 @@ class Calibration(Mapping[int, Mapping[str, Mapping[str, np.ndarray]]]):
         if not self._arrays:
             raise KVQError("nothing to save: the calibration has no arrays")
         target = Path(path)
+        members = dict(self._arrays)
+        if self._weights is not None:
+            members[WEIGHTS_MEMBER] = np.frombuffer(self._weights_json().encode(), dtype=np.uint8)
         with atomic_writer(target, "wb") as handle:
-            np.savez(handle, **self._arrays)
+            np.savez(handle, **members)
         logger.info("saved calibration (%d array(s), digest %s) to %s", len(self._arrays), self.digest(), target)
         return target
 
@@ -222,6 +291,7 @@ class Calibration(Mapping[int, Mapping[str, Mapping[str, np.ndarray]]]):
         data = read_bytes(source, "calibration file", limit=limit, error=error)
         try:
             arrays = _read_npz(data, limit)
+            weights = _read_weights(arrays.pop(WEIGHTS_MEMBER, None))
         except _Unreadable as err:
             raise error(f"{source} is not a readable calibration file: {err}") from None
         for name, array in arrays.items():  # the file keeps each role's own dtype: nothing is converted on read
@@ -230,7 +300,7 @@ class Calibration(Mapping[int, Mapping[str, Mapping[str, np.ndarray]]]):
                 raise error(f"{source}: calibration array {name!r} must be 2-D "
                             f"{np.dtype(_role_dtype(where[2])).name}, got {array.dtype} {list(array.shape)}")
         try:
-            calibration = cls(arrays)
+            calibration = cls(arrays, weights=weights)
         except KVQError as err:
             raise error(f"{source}: {err}") from None
         if not calibration:
@@ -428,6 +498,16 @@ def _read_npz(data: bytes, limit: int) -> dict[str, np.ndarray]:
     return arrays
 
 
+def _read_weights(member: np.ndarray | None) -> dict[str, Any] | None:
+    """:attr:`Calibration.weights` from its file member (None: no member, the model's own weights)."""
+    if member is None:
+        return None
+    try:
+        return _checked_weights(json.loads(member.tobytes().decode()))
+    except (ValueError, KVQError) as err:
+        raise _Unreadable(f"member {WEIGHTS_MEMBER!r} does not name the weights it was measured on: {err}") from None
+
+
 def _read_npy(raw: bytes, name: str) -> np.ndarray:
     """One ``.npy`` member whose header must describe exactly the bytes that follow it."""
     fmt = np.lib.format
@@ -438,8 +518,10 @@ def _read_npy(raw: bytes, name: str) -> np.ndarray:
         shape, fortran, dtype = header(handle)
     except (ValueError, OSError, EOFError, SyntaxError) as err:
         raise _Unreadable(f"member {name!r} has no valid .npy header: {err}") from None
-    if dtype.hasobject or dtype.newbyteorder("<") not in (np.dtype("<f4"), np.dtype("<i4")):
-        raise _Unreadable(f"member {name!r} holds {dtype}; calibration arrays are float32 or int32")
+    allowed = (np.dtype("u1"),) if name == WEIGHTS_MEMBER + ".npy" else (np.dtype("<f4"), np.dtype("<i4"))
+    if dtype.hasobject or dtype.newbyteorder("<") not in allowed:
+        raise _Unreadable(f"member {name!r} holds {dtype}; calibration arrays are float32 or int32 (and "
+                          f"{WEIGHTS_MEMBER} uint8 text)")
     count = int(np.prod(shape, dtype=np.int64))
     body = raw[handle.tell():]
     if len(body) != count * dtype.itemsize:

@@ -25,6 +25,7 @@ from kvq_export.rotation import rotate_torch, rotation_matrix
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from kvq_export.request import WeightSpec
     from kvq_export.scheme import KVQuantScheme
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ def calibrate_static_scales(
     *,
     method: str = "absmax",
     percentile: float = DEFAULT_PERCENTILE,
+    weights: WeightSpec | None = None,
 ) -> Calibration:
     """Measure the static scales (and zero points) and high channels ``scheme`` needs on ``model``.
 
@@ -50,6 +52,9 @@ def calibrate_static_scales(
             ``attention`` (per-channel clipping chosen by its effect on attention, see :mod:`.methods`).
         percentile: for ``method="percentile"``, in (50, 100]: the percentile of ``|x|`` (symmetric and
             fp8) or of ``x`` for the top of the range (``int``, whose bottom uses ``100 - percentile``).
+        weights: how the export stores the weights (None: as computed). int4 / int8 blocks: the passes run on the
+            model with the weights the export computes with (:func:`measured_model`), and the result records them
+            (:attr:`Calibration.weights`).
 
     Returns:
         the arrays of the static and high-channel streams only, checked against the scheme and the model.
@@ -61,6 +66,7 @@ def calibrate_static_scales(
 
     """
     check_method(method, percentile)
+    model, measured_on = measured_model(model, weights)
 
     facts = model_facts(model.config)
     scheme.check_model(facts.num_layers, facts.head_dim)
@@ -85,7 +91,7 @@ def calibrate_static_scales(
         logger.info("chose the high channels of %d stream(s) on %d token(s)", len(high),
                     sum(len(w) for w in windows))
         if not targets:
-            return _checked(static, scheme, facts)
+            return _checked(static, scheme, facts, measured_on)
     import torch
 
     def chosen(layer: int, part: str):  # a static stream's high channels, chosen above (None without)
@@ -118,12 +124,27 @@ def calibrate_static_scales(
         len(targets), len(static), tokens, len(windows), method,
         f", percentile={percentile:g}" if method == "percentile" else "",
     )
-    return _checked(static, scheme, facts)
+    return _checked(static, scheme, facts, measured_on)
 
 
-def _checked(static: dict, scheme: KVQuantScheme, facts) -> Calibration:
+def measured_model(model: PreTrainedModel, weights: WeightSpec | None) -> tuple[PreTrainedModel, dict | None]:
+    """The model calibration and planning run for an export storing its weights as ``weights``, and its record.
+
+    Int blocks: a copy with the weights the export computes with (ONNX Runtime's codes and scales dequantized,
+    :func:`kvq_export.export.weights.dequantized_model`) and their settings (:attr:`Calibration.weights`); else
+    ``model`` itself and None (its own weights).
+    """
+    measured_on = None if weights is None else weights.calibration_weights
+    if measured_on is None:
+        return model, None
+    from kvq_export.export.weights import dequantized_model
+
+    return dequantized_model(model, weights), measured_on
+
+
+def _checked(static: dict, scheme: KVQuantScheme, facts, measured_on: dict | None) -> Calibration:
     """The measured arrays as the artifact, refused if the scheme's streams would not find what they need."""
-    calibration = Calibration.of(static)
+    calibration = Calibration.of(static, weights=measured_on)
     calibration.check(scheme, facts)
     return calibration
 

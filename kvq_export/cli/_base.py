@@ -15,7 +15,7 @@ from kvq_export.cli_types import FiniteFloat, outside_exports
 from kvq_export.errors import KVQError, OutputPathError, SchemeError
 from kvq_export.manifest import check_output_path
 from kvq_export.presets import scheme_from_formats, tensor_format_names
-from kvq_export.request import CalibrationMethod, CalibrationSpec
+from kvq_export.request import WEIGHT_BLOCK_SIZES, CalibrationMethod, CalibrationSpec, WeightFormat, WeightSpec
 from kvq_export.runtime.device import DEVICES, providers_for
 
 
@@ -220,6 +220,56 @@ def calibration_options(*, optional: bool = False, short_names: bool = False):
                 corpus=calib_corpus or default.corpus, tokens=calib_tokens, offset=calib_offset, method=calib_method,
                 percentile=percentile) if asked else None
             return func(*args, calibration=calibration, **kwargs)
+
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return apply
+
+
+def weight_options(*, accuracy_level: bool = False, measured: bool = False):
+    """The weight options, given to the command as one ``weights`` argument (a :class:`~kvq_export.request.WeightSpec`).
+
+    ``--weights``, ``--weight-block-size``, ``--weight-asymmetric`` and, with ``accuracy_level``,
+    ``--weight-accuracy-level``.
+
+    ``measured``: the command runs the model (calibration, planning) on the weights an export storing them so
+    computes with, and says so in the help.
+    """
+    default = WeightSpec()
+    about = ("How the export stores the linear weights and the embedding: int8/int4 blocks (ONNX Runtime's "
+             "MatMulNBits and GatherBlockQuantized) are what the model is measured on here, as kvq export does"
+             if measured else "How the linear weights and the embedding are stored: as computed, fp16, or int8/int4 "
+             "blocks (ONNX Runtime's MatMulNBits and GatherBlockQuantized; a tied embedding is stored once)")
+    options = [
+        click.option("--weights", "weight_format", type=click.Choice([str(f) for f in WeightFormat]),
+                     default=str(default.format), show_default=True, help=about + "."),
+        click.option("--weight-block-size", type=click.Choice([str(b) for b in WEIGHT_BLOCK_SIZES]),
+                     default=str(default.block_size), show_default=True, help="int8/int4 weights: input channels per "
+                     "scale."),
+        click.option("--weight-asymmetric", is_flag=True, help="int8/int4 weights: a zero point per block as well."),
+    ]
+    if accuracy_level:
+        options.append(click.option(
+            "--weight-accuracy-level", type=click.IntRange(1, 4), default=default.accuracy_level, show_default=True,
+            help="int8/int4 weights: MatMulNBits' activation type (1 fp32 .. 4 int8). 4 is the fast CPU kernel and "
+            "computes each row of a batch as it would be alone."))
+
+    def apply(func):
+        @functools.wraps(func)
+        def command(*args, weight_format, weight_block_size, weight_asymmetric, **kwargs):
+            level = kwargs.pop("weight_accuracy_level") if accuracy_level else default.accuracy_level
+            weights = WeightSpec(format=weight_format, block_size=int(weight_block_size),
+                                 symmetric=not weight_asymmetric, accuracy_level=level)
+            ctx = click.get_current_context()  # an option that changes nothing is refused: no one thinks it applied
+            given = [f"--{name.replace('_', '-')}" for name in ("weight_block_size", "weight_asymmetric",
+                                                                "weight_accuracy_level")
+                     if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+            if given and not weights.quantized:
+                raise KVQError(f"{', '.join(given)} apply to int8/int4 weights only; with --weights {weights.format} "
+                               "drop them (allowed: --weights int8 or int4)")
+            return func(*args, weights=weights, **kwargs)
 
         for option in reversed(options):
             command = option(command)

@@ -18,6 +18,7 @@ from kvq_export.cli._base import (
     json_option,
     out_option,
     scheme_options,
+    weight_options,
     write_json_output,
 )
 from kvq_export.cli_types import POSITIVE, outside_exports
@@ -32,12 +33,9 @@ from kvq_export.request import (
     DEFAULT_PLAN_CANDIDATES,
     DEFAULT_PLAN_CONTEXT,
     MIN_OPSET,
-    WEIGHT_BLOCK_SIZES,
     ExportRequest,
     PlanMetric,
     PlanSpec,
-    WeightFormat,
-    WeightSpec,
 )
 from kvq_export.runtime.genai import RUNTIME, calibrate_to_file
 from kvq_export.trt import build_engine
@@ -108,30 +106,19 @@ def plan_options(*, for_export: bool = False):
 @click.option("--flavor", type=click.Choice(flavor_names()), default=flavor_names()[0], show_default=True,
               help="Graph flavor: " + "; ".join(f"{f.name} ({f.about})" for f in FLAVORS.values()) + ".")
 @click.option("--force", is_flag=True, help="Replace an existing export directory (only a kvq export is replaced).")
-@click.option("--weights", "weight_format", type=click.Choice([str(f) for f in WeightFormat]),
-              default=str(WeightFormat.FP32), show_default=True,
-              help="How the linear weights and the embedding are stored: as computed, fp16, or int8/int4 blocks "
-                   "(ONNX Runtime's MatMulNBits and GatherBlockQuantized; a tied embedding is stored once).")
-@click.option("--weight-block-size", type=click.Choice([str(b) for b in WEIGHT_BLOCK_SIZES]), default="32",
-              show_default=True, help="int8/int4 weights: input channels per scale.")
-@click.option("--weight-asymmetric", is_flag=True, help="int8/int4 weights: a zero point per block as well.")
-@click.option("--weight-accuracy-level", type=click.IntRange(1, 4), default=WeightSpec().accuracy_level,
-              show_default=True, help="int8/int4 weights: MatMulNBits' activation type (1 fp32 .. 4 int8). 4 is the "
-              "fast CPU kernel and computes each row of a batch as it would be alone.")
+@weight_options(accuracy_level=True)
 @calibration_options(optional=True)
 @plan_options(for_export=True)
 @click.option("--quiet", is_flag=True, help="--budget: no progress bars (they are also left out when stderr is not a "
               "terminal).")
-def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, weight_format, weight_block_size,
-               weight_asymmetric, weight_accuracy_level, calibration, plan, quiet) -> None:
+def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, weights, calibration, plan,
+               quiet) -> None:
     """Export MODEL with a quantized KV cache to an ONNX directory (model.onnx + kvq.json).
 
     With --budget instead of --scheme, plan the scheme first as kvq plan does (on held-out calibration text by
-    default) and export it: the same as kvq plan then kvq export --scheme with the plan.
+    default) and export it: the same as kvq plan then kvq export --scheme with the plan. Static scales (and a plan)
+    are measured on the weights the export computes with: with --weights int4, on the int4 blocks dequantized.
     """
-    weights = WeightSpec(format=weight_format, block_size=int(weight_block_size), symmetric=not weight_asymmetric,
-                         accuracy_level=weight_accuracy_level)
-    _refuse_unused_options(weights)
     request = ExportRequest(model=model_spec, scheme=scheme_spec, flavor=flavor, weights=weights, dtype=dtype,
                             opset=opset, calibration=calibration, plan=plan)
     if calibration is not None and request.scheme is not None and not request.scheme.needs_calibration:
@@ -150,28 +137,21 @@ def export_cmd(model_spec, scheme_spec, out_dir, dtype, opset, flavor, force, we
                                  else f"not servable: {genai.reason if genai else 'no entry'}"))
 
 
-def _refuse_unused_options(weights: WeightSpec) -> None:
-    """An option that changes nothing here is refused, so no one believes it was applied."""
-    ctx = click.get_current_context()
-    given = [f"--{name.replace('_', '-')}" for name in ("weight_block_size", "weight_asymmetric",
-                                                        "weight_accuracy_level")
-             if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
-    if given and not weights.quantized:
-        raise KVQError(f"{', '.join(given)} apply to int8/int4 weights only; with --weights {weights.format} drop "
-                       "them (allowed: --weights int8 or int4)")
-
-
 @cli.command()
 @click.option("--model", "model_spec", default="smollm2", show_default=True,
               help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
 @calibration_options(short_names=True)
+@weight_options(measured=True)
 @plan_options()
 @out_option("Scheme JSON to write.", required=True, param="out_path")
 @json_option("the measured damage per layer and candidate, and the uniform choices,")
 @deprecated_alias("--report", "--json", "json_out", type=click.Path(dir_okay=False))
 @click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
-def plan(model_spec, calibration, plan, out_path, json_out, quiet) -> None:
-    """Choose per-layer key/value formats under a bit budget by measured attention damage; write a scheme."""
+def plan(model_spec, calibration, weights, plan, out_path, json_out, quiet) -> None:
+    """Choose per-layer key/value formats under a bit budget by measured attention damage; write a scheme.
+
+    With --weights int4 (or int8) the damage is measured on the model with the weights such an export computes with.
+    """
     from pathlib import Path
 
     distinct_outputs({"--out": out_path, "--json": json_out},
@@ -187,7 +167,8 @@ def plan(model_spec, calibration, plan, out_path, json_out, quiet) -> None:
     with tqdm_bars(not quiet):
         result = plan_scheme(model, windows, budget=plan.budget, context=plan.context, candidates=plan.candidates,
                              metric=str(plan.metric), calibration=calibration, sink_tokens=plan.sink_tokens,
-                             value_window=plan.value_window, name=plan.name or Path(out_path).stem)
+                             value_window=plan.value_window, name=plan.name or Path(out_path).stem,
+                             weights=weights)
     result.settings.update(model=model_spec, corpus=calibration.corpus, offset=calibration.offset)
     atomic_write(out_path, result.scheme.to_json() + "\n")
     if json_out:
@@ -206,23 +187,31 @@ def plan(model_spec, calibration, plan, out_path, json_out, quiet) -> None:
               help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file.")
 @scheme_options(default="ort-int8")
 @calibration_options()
+@weight_options(measured=True)
 @click.option("--format", "file_format", type=click.Choice(["genai-scales", "npz"]), default="genai-scales",
               show_default=True, help="genai-scales: onnxruntime-genai builder's kv_cache_scale_file; npz: kvq's.")
 @click.option("--granularity", type=click.Choice(["per_channel", "per_tensor"]), default="per_channel",
               show_default=True, help="genai-scales: the builder's kv_cache_quant_scheme granularity.")
 @out_option("Scale file to write.", required=True)
 @click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
-def calibrate(model_spec, scheme_spec, calibration, file_format, granularity, out, quiet) -> None:
-    """Calibrate static K/V scales and write them for kvq or for onnxruntime-genai's model builder."""
+def calibrate(model_spec, scheme_spec, calibration, weights, file_format, granularity, out, quiet) -> None:
+    """Calibrate static K/V scales and write them for kvq or for onnxruntime-genai's model builder.
+
+    With --weights int4 (or int8) they are measured on the model with the weights such an export computes with (for
+    the builder's -p int4: its MatMuls come from the same ONNX Runtime quantizer); the file records it.
+    """
     distinct_outputs({"--out": out}, {"--calib-corpus": calibration.corpus})
     with tqdm_bars(not quiet):
         path = calibrate_to_file(model_spec, scheme_spec, out, corpus=calibration.corpus, tokens=calibration.tokens,
                                  method=str(calibration.method), percentile=calibration.percentile,
-                                 offset=calibration.offset, file_format=file_format, granularity=granularity)
+                                 offset=calibration.offset, file_format=file_format, granularity=granularity,
+                                 weights=weights)
     click.echo(f"wrote {path}")
     if file_format == "genai-scales":
         data = json.loads(path.read_text())
-        click.echo("build: python -m onnxruntime_genai.models.builder -i HF_DIR -o OUT -p fp32 -e cpu --extra_options "
+        precision = weights.format if weights.quantized else "fp32"
+        click.echo(f"build: python -m onnxruntime_genai.models.builder -i HF_DIR -o OUT -p {precision} -e cpu "
+                   "--extra_options "
                    f"{data['kvq']['builder_option']} kv_cache_scale_file={path}")
 
 

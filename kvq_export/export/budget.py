@@ -3,7 +3,8 @@
 An :class:`~kvq_export.request.ExportRequest` with a ``plan`` (a :class:`~kvq_export.request.PlanSpec`: a bit budget
 and ``kvq plan``'s settings) names no scheme. :func:`plan_request` runs ``kvq plan``'s planner
 (:func:`kvq_export.plan.plan_scheme`) on the request's calibration text and returns the request with the planned
-scheme: what ``kvq export --scheme PLAN.json`` is given after ``kvq plan --out PLAN.json`` with the same settings.
+scheme: what ``kvq export --scheme PLAN.json`` is given after ``kvq plan --out PLAN.json`` with the same settings
+(int4 / int8 weights included: both measure on the model with the weights the export computes with).
 The planner calibrates every static candidate on that text with the request's method, so the export takes the
 chosen candidates' metadata from the plan (:meth:`~kvq_export.plan.Plan.static_for`) instead of running the model
 over the same text a second time.
@@ -81,6 +82,10 @@ def plan_command(request: ExportRequest, candidates: str, name: str | None) -> l
         args += ["--sink-tokens", str(spec.sink_tokens)]
     if spec.value_window is not None:
         args += ["--value-window", str(spec.value_window)]
+    weights = request.weights
+    if weights.quantized:  # the model the candidates are measured on: the export's weights (accuracy_level aside)
+        args += ["--weights", str(weights.format), "--weight-block-size", str(weights.block_size)]
+        args += [] if weights.symmetric else ["--weight-asymmetric"]
     return args + ["--name", name or "plan", "--out", f"{name or 'plan'}.json"]
 
 
@@ -133,7 +138,7 @@ def plan_request(request: ExportRequest, source: Any, flavor: Flavor, facts: Mod
     plan = plan_scheme(source.model, windows, budget=spec.budget, context=spec.context, candidates=cset,
                        metric=str(spec.metric), calibration=calibration, name=spec.name,
                        sink_tokens=spec.sink_tokens, value_window=None,  # the window is in cset already
-                       servable=servable)
+                       servable=servable, weights=request.weights)
     plan.settings.update(value_window=spec.value_window, model=request.model, corpus=calibration.corpus,
                          offset=calibration.offset)
     # the kvq plan candidates that plan the same scheme: the one-cache-type set of a nearest servable plan

@@ -46,7 +46,7 @@ from kvq_export._atomic import (
     temp_dir_beside,
 )
 from kvq_export.calibration import Calibration, calibrate_static_scales, calibration_windows
-from kvq_export.calibration.artifact import StaticLike
+from kvq_export.calibration.artifact import StaticLike, describe_weights
 from kvq_export.errors import ExportError, KVQError
 from kvq_export.export.arch import Arch, get_arch
 from kvq_export.export.budget import PlannedScheme, plan_request
@@ -208,6 +208,8 @@ def plan_export(request: ExportRequest, source: Source, *, static: StaticLike | 
     static = None if static is None else Calibration.of(static)
     if scheme.needs_calibration and static is not None:
         static.check(scheme, facts)
+        # scales measured on other weights than the export's misplace their ranges (fp32 scales on int4 weights)
+        static.check_weights(request.weights.calibration_weights)
     if scheme.needs_calibration and static is None:
         if request.calibration is None:
             needs = "static scales" if scheme.has_static_scales else "calibrated high channels"
@@ -238,17 +240,21 @@ def calibrate(plan: ExportPlan, source: Source) -> Calibrated:
     """The static scales (and high channels) of the plan: given, calibrated on the request's text, or none.
 
     A planned scheme's come from the planner, which calibrated every candidate on the same text the same way.
+    Both run the model with the weights the export computes with (int blocks dequantized, see
+    :func:`~kvq_export.calibration.measure.measured_model`), and the calibration records them.
     """
     if not plan.calibrates:
         return Calibrated(plan.static, {"source": "given"})
     spec: CalibrationSpec = plan.request.calibration
+    weights = plan.request.weights
     if plan.planned is not None:
-        static, tokens = Calibration.of(plan.planned.static), plan.planned.tokens
+        static = Calibration.of(plan.planned.static, weights=weights.calibration_weights)
+        tokens = plan.planned.tokens
         static.check(plan.request.scheme, plan.facts)
     else:
         windows = calibration_windows(source.tokenizer, spec.corpus, spec.tokens, offset=spec.offset)
         static = calibrate_static_scales(source.model, plan.request.scheme, windows, method=spec.method,
-                                         percentile=spec.percentile)
+                                         percentile=spec.percentile, weights=weights)
         tokens = sum(len(w) for w in windows)
     provenance = {"source": "calibrated", "corpus": spec.corpus, "tokens": tokens,
                   "offset": spec.offset, "method": str(spec.method),
@@ -292,8 +298,11 @@ def package(directory: Path, plan: ExportPlan, source: Source, graph: ir.Model, 
     written = None
     if calibrated.calibration is not None and request.scheme.needs_calibration:
         calibrated.calibration.save(directory / CALIBRATION_NAME)
+        measured_on = calibrated.calibration.weights
         written = CalibrationRecord(file=CALIBRATION_NAME, digest=calibrated.calibration.digest(),
-                                    **calibrated.provenance)
+                                    **calibrated.provenance,
+                                    weights=None if measured_on is None else dict(measured_on),
+                                    measured_on=describe_weights(measured_on))
     manifest = Manifest(
         scheme=request.scheme, model=facts, flavor=str(plan.flavor.name), opset=request.opset, dtype=request.dtype,
         layout=plan.flavor.layout.name, kvq_version=kvq_export.__version__,

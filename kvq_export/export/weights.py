@@ -56,6 +56,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -299,6 +300,80 @@ def _ort_quantizer():
         root.setLevel(level)
     logging.getLogger(module.__name__).setLevel(logging.WARNING)
     return module
+
+
+def dequantized_blocks(weight: np.ndarray, *, bits: int, block_size: int, symmetric: bool) -> np.ndarray:
+    """The ``[K, N]`` float32 weight MatMulNBits (and GatherBlockQuantized) computes with for ``weight`` ``[K, N]``.
+
+    ONNX Runtime's block quantizer (the one :func:`quantize_weights` runs) gives the codes, scales and zero points;
+    they are dequantized as MatMulNBits does: ``(q - zero_point) * scale`` per block of ``block_size`` rows, the
+    zero point ``2^(bits-1)`` when ``symmetric`` (none stored).
+    """
+    check_weight_options(f"int{bits}", block_size, symmetric, None)
+    rows, cols = weight.shape
+    packed, scales, zero_points = _block_quantizer(bits, block_size, symmetric).qbits_block_quant(
+        np.ascontiguousarray(weight, dtype=np.float32))
+    blocks = packed.shape[1]
+    codes = _unpack(packed.reshape(cols, -1), bits)[:, :blocks * block_size].reshape(cols, blocks, block_size)
+    if symmetric:
+        zero = np.float32(1 << (bits - 1))
+    else:
+        zero = _unpack(zero_points, bits)[:, :blocks, None].astype(np.float32)
+    scale = np.asarray(scales, np.float32).reshape(cols, blocks, 1)
+    values = (codes.astype(np.float32) - zero) * scale
+    return np.ascontiguousarray(values.reshape(cols, -1)[:, :rows].T)
+
+
+def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 bytes ``[n, bytes]`` -> codes ``[n, bytes * 8 / bits]`` (4 bits: low nibble first)."""
+    if bits == 8:
+        return packed.astype(np.int16)
+    return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.int16)
+
+
+def dequantized_model(model: Any, spec: Any) -> Any:
+    """A copy of Hugging Face ``model`` whose weights are what an export with ``spec``'s weights computes with.
+
+    ``spec`` (a :class:`~kvq_export.request.WeightSpec`) of an int format: every weight :func:`quantize_weights`
+    quantizes -- each layer's q/k/v/o and MLP projections, the embedding and an untied lm_head (a tied one shares
+    the embedding, as in the graph) -- is replaced by :func:`dequantized_blocks` of it. Blocks run along each
+    weight's input dimension, per output row, so a fused projection's slices are quantized alike whole or apart.
+    Calibration and planning run this model, so the cache's static scales are measured on the keys and values the
+    export computes (MatMulNBits' ``accuracy_level`` rounds activations at run time, which no weight copy holds).
+    Other formats return ``model`` itself: fp16 storage rounds weights far below any cache format's step.
+
+    A layer whose values are stored rotated has the rotation folded into ``v_proj`` / ``o_proj`` before the export
+    quantizes them; this copy quantizes the unrotated weights (the same block error, other rounding).
+    """
+    if spec.format not in BITS:
+        return model
+    import copy
+
+    import torch
+
+    from kvq_export.export.arch import get_arch
+
+    arch = get_arch(model.config)
+    names = [arch.embed_name(), *([arch.lm_head_name()] if arch.lm_head_name() else [])]
+    for layer in range(arch.num_layers):
+        parts = arch.layer_names(layer)
+        names += [linear.weight for linear in (parts.q, parts.k, parts.v, parts.o, parts.gate, parts.up, parts.down)]
+    copied = copy.deepcopy(model)
+    start = time.perf_counter()
+    with torch.no_grad():
+        for name in dict.fromkeys(names):  # a fused tensor (Phi3's qkv_proj) is named by each of its slices
+            try:
+                param = copied.get_parameter(name)
+            except AttributeError:
+                raise ExportError(f"{arch.model_type}: weight {name!r} is not a parameter of the model") from None
+            weight = param.detach().to(device="cpu", dtype=torch.float32).numpy()  # [out, in]
+            run = dequantized_blocks(weight.T, bits=BITS[spec.format], block_size=spec.block_size,
+                                     symmetric=spec.symmetric).T
+            param.copy_(torch.from_numpy(np.ascontiguousarray(run)).to(param.dtype))
+    logger.info("dequantized %d weights of the model as %s blocks of %d (%s) in %.1f s", len(set(names)),
+                spec.format, spec.block_size, "symmetric" if spec.symmetric else "asymmetric",
+                time.perf_counter() - start)
+    return copied
 
 
 def _quantize_embedding(g: _Graph, emb: _Embedding, bits: int, block_size: int, symmetric: bool,

@@ -21,6 +21,7 @@ from kvq_export._atomic import atomic_write
 from kvq_export._lazy import require
 from kvq_export._read import TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes, read_json
 from kvq_export.calibration import calibrate_static_scales, calibration_windows
+from kvq_export.calibration.artifact import describe_weights
 from kvq_export.errors import ExportError, RuntimeInputError
 from kvq_export.export.genai_package import GENAI_CONFIG, GENAI_MODEL, RUNTIME, genai_config, unsupported_reason
 from kvq_export.export.gqa_capability import unsupported
@@ -39,7 +40,7 @@ from kvq_export.manifest import verify_weights as check_weights
 from kvq_export.model_source import load_model, model_facts
 from kvq_export.naming import PARTS
 from kvq_export.presets import resolve_scheme
-from kvq_export.request import CalibrationMethod
+from kvq_export.request import CalibrationMethod, WeightSpec
 from kvq_export.runtime.base import Generation, PromptBatch, Rows, TokenCallback, check_prompts
 from kvq_export.runtime.device import genai_providers, set_genai_providers
 from kvq_export.runtime.sampling import SamplingConfig
@@ -116,12 +117,16 @@ def builder_scale_file(static, scheme, *, num_layers: int, kv_heads: int, head_d
 
 def calibrate_to_file(model_spec: str, scheme, out: str | os.PathLike[str], *, corpus: str = "britannica",
                       tokens: int = 4096, method: str = "absmax", percentile: float = 99.9, offset: int = 0,
-                      file_format: str = "genai-scales", granularity: str = "per_channel") -> Path:
+                      file_format: str = "genai-scales", granularity: str = "per_channel",
+                      weights: WeightSpec | None = None) -> Path:
     """Calibrate ``scheme``'s static scales on ``model_spec`` and write them as ``file_format``.
 
     Windows follow ``kvq export --calib-corpus`` (``tokens`` tokens in windows of at most 1024), starting at
     token ``offset`` of the corpus (keep calibration text apart from evaluation text). ``genai-scales`` is the
-    builder's scale file (:func:`builder_scale_file`), ``npz`` kvq's own calibration file.
+    builder's scale file (:func:`builder_scale_file`), ``npz`` kvq's own calibration file. ``weights`` int4 / int8:
+    measured on the model with the weights such an export computes with (ONNX Runtime's blocks dequantized, the
+    builder's ``-p int4`` MatMuls come from the same quantizer); both files record which weights
+    (:attr:`~kvq_export.calibration.Calibration.weights`; the scale file's ``kvq.weights`` / ``kvq.measured_on``).
     """
     if file_format not in SCALE_FORMATS:
         raise ExportError(f"unknown format {file_format!r}; allowed: {', '.join(SCALE_FORMATS)}")
@@ -130,7 +135,7 @@ def calibrate_to_file(model_spec: str, scheme, out: str | os.PathLike[str], *, c
     if tokenizer is None:
         raise ExportError(f"{model_spec} has no tokenizer to read the calibration corpus with")
     windows = calibration_windows(tokenizer, corpus, tokens, offset=offset)
-    static = calibrate_static_scales(model, scheme, windows, method=method, percentile=percentile)
+    static = calibrate_static_scales(model, scheme, windows, method=method, percentile=percentile, weights=weights)
     out = Path(out)
     if file_format == "npz":
         return static.save(out)
@@ -138,7 +143,9 @@ def calibrate_to_file(model_spec: str, scheme, out: str | os.PathLike[str], *, c
     data = builder_scale_file(static, scheme, num_layers=facts.num_layers, kv_heads=facts.num_kv_heads,
                               head_dim=facts.head_dim, granularity=granularity)
     data["kvq"].update(corpus=str(corpus), tokens=sum(len(w) for w in windows), offset=offset, method=method,
-                       **({"percentile": percentile} if method == CalibrationMethod.PERCENTILE else {}))
+                       **({"percentile": percentile} if method == CalibrationMethod.PERCENTILE else {}),
+                       weights=None if static.weights is None else dict(static.weights),
+                       measured_on=describe_weights(static.weights))
     return atomic_write(out, json.dumps(data, indent=1))
 
 
