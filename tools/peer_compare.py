@@ -35,10 +35,11 @@ scales from kvq's calibration and from its own calibrator.
 
 The deployer's comparison (``--peers deploy``, :func:`run_deploy`) puts each runtime's 4-bit weights side by side:
 kvq ``--flavor ort-gqa`` with int4 weights (unquantized buffer, ``ort-int8``, the ≤ 5-bit plan
-``models/smollm2-plan-gqa-5-hc.json``), the builder at ``-p int4`` (fp32 cache, ``int8_per_channel`` on kvq's scale
-file) and llama.cpp on the GGUF (f16, q8_0, q4_0 caches): decode step per context and prefill, interleaved in one
-process at batch 1, file and cache bytes, and Δppl on protocol P against each engine's own unquantized cache, with
-the accuracy targets met or missed (:func:`deploy_targets`); ``--markdown`` writes the table as it fills.
+``models/smollm2-plan-gqa-5-hc.json``; scales measured on the int4 weights it runs), the builder at ``-p int4`` (fp32
+cache, ``int8_per_channel`` on kvq's scale file of the same int4-weight calibration) and llama.cpp on the GGUF (f16,
+q8_0, q4_0 caches): decode step per context and prefill, interleaved in one process at batch 1, file and cache
+bytes, and Δppl on protocol P against each engine's own unquantized cache, with the accuracy targets met or missed
+(:func:`deploy_targets`); ``--markdown`` writes the table as it fills.
 
 Optional dependencies, none needed by kvq itself (install them in a throwaway venv, see tools/README.md):
 ``llama-cpp-python`` (llama.cpp), ``optimum-quanto`` (quanto backend), ``hqq`` (hqq backend). A missing
@@ -695,7 +696,9 @@ def genai_engines(model: str, work: Path, int4_percentile: float | None = DEFAUL
     kvq's static scales come from ``kvq export``'s default calibration (:data:`kvq_export.request.DEFAULT_CALIBRATION`:
     4096 held-out britannica tokens, absmax); for each builder scheme in ``schemes`` (keys of GENAI_SCHEMES) the
     builder gets those same scales (``kvq calibrate --format genai-scales``) and, unless ``own_scales`` is off, its
-    own calibrator's (its default path); ``int4_percentile`` adds int4 with kvq percentile scales.
+    own calibrator's (its default path); ``int4_percentile`` adds int4 with kvq percentile scales. Scales are measured
+    on the weights each runtime runs: kvq's on ``kvq_weights`` (int4: the dequantized blocks, as ``kvq export``
+    calibrates), the builder's file on ``precision`` (``kvq calibrate --weights``).
     ``kvq_schemes`` (presets or scheme/plan files) are further kvq exports with the default calibration and no
     builder twin. ``precision`` is the builder's ``-p`` (its CPU default is int4), ``kvq_weights`` the format kvq's
     exports' weights are converted to (:mod:`kvq_export.export.weights`, with MatMulNBits' ``kvq_accuracy_level``
