@@ -116,8 +116,8 @@ class CalibrationRecord:
 
     ``source`` is ``calibrated`` (then ``corpus``, ``tokens``, ``offset``, ``method`` and, for the percentile
     method, ``percentile`` say on what text and how) or ``given`` (the caller handed the scales in). ``weights``:
-    the int blocks the model ran on while the scales were measured (``Calibration.weights``; left out: the model's own
-    weights), ``measured_on`` the same in words (absent from exports written before it was recorded).
+    the int blocks the model ran on while the scales were measured (``Calibration.weights``), ``measured_on`` the same
+    in words; both left out for the model's own weights (as in every record written before they were recorded).
     """
 
     file: str

@@ -301,8 +301,9 @@ def package(directory: Path, plan: ExportPlan, source: Source, graph: ir.Model, 
         measured_on = calibrated.calibration.weights
         written = CalibrationRecord(file=CALIBRATION_NAME, digest=calibrated.calibration.digest(),
                                     **calibrated.provenance,
+                                    # (absent: the model's own weights, as every record written before says)
                                     weights=None if measured_on is None else dict(measured_on),
-                                    measured_on=describe_weights(measured_on))
+                                    measured_on=None if measured_on is None else describe_weights(measured_on))
     manifest = Manifest(
         scheme=request.scheme, model=facts, flavor=str(plan.flavor.name), opset=request.opset, dtype=request.dtype,
         layout=plan.flavor.layout.name, kvq_version=kvq_export.__version__,
