@@ -698,6 +698,23 @@ def test_compare_refuses_runs_beyond_positions_or_memory_up_front(tiny_export, l
     assert needle in line
 
 
+def test_compare_says_why_its_automatic_prompt_length_is_beyond_the_positions(tiny_dir, tiny_export, tmp_path,
+                                                                               little_memory):
+    """Neither --prompt-len nor --steps given: the refusal names the window the automatic length was sized past."""
+    import dataclasses
+    import json
+
+    from kvq_export.export.exporter import export_model
+    from kvq_export.presets import resolve_scheme
+
+    scheme = dataclasses.replace(resolve_scheme("q4_0"), residual_length=1010, name="q4_0-recent1010")
+    (tmp_path / "s.json").write_text(json.dumps(scheme.to_dict()))
+    windowed = export_model(tiny_dir, str(tmp_path / "s.json"), tmp_path / "windowed")
+    line = _one_line_error(CliRunner().invoke(cli, ["compare", str(tiny_export), str(windowed)]))
+    assert "sized past the exports' 1010-token high-precision window" in line, line
+    assert "beyond the model's 1024 positions" in line and "--prompt-len" in line
+
+
 # -- 8. misleading errors --------------------------------------------------------------------------------------------
 def test_an_fp16_cache_that_overflows_names_the_tensor_and_the_range(tiny_dir, tmp_path):
     """Keys of about 1e5 cannot be stored in float16: the error says so instead of blaming the weights."""

@@ -210,15 +210,22 @@ def compare_feeds(vocab_size: int, *, prompt_len: int = 48, batch: int = 2, step
     return feeds
 
 
-def _check_compare_size(manifests, *, prompt_len: int, batch: int, steps: int) -> None:
+def _check_compare_size(manifests, *, prompt_len: int, batch: int, steps: int, sized: bool = False) -> None:
     """Refuse, before any session starts, runs past the model's positions or beyond the memory available.
 
     The Comparator keeps every step's outputs of both runs: the logits, and the cache after each step.
+    ``sized``: the prompt length was chosen by :func:`comparison_prompt_len`, not given, so the refusal says why.
     """
     length = prompt_len + steps
+    what, advice = "prompt length + steps", "compare shorter runs"
+    if sized:
+        window = max(high_precision_window(m) for m in manifests)
+        what = (f"the prompt length sized past the exports' {window}-token high-precision window "
+                f"({prompt_len}) + steps ({steps}) =")
+        advice = ("give a shorter --prompt-len (the quantized cache is then not compared) or compare a scheme "
+                  "with a shorter window")
     for manifest in manifests:
-        check_positions([length], manifest.model.max_position_embeddings, "prompt length + steps",
-                        "compare shorter runs")
+        check_positions([length], manifest.model.max_position_embeddings, what, advice)
     needed = sum(4 * batch * m.model.vocab_size * length + (steps + 1) * predict(m.scheme, m.model, length,
                                                                                    batch).total_bytes
                  for m in manifests)
@@ -284,10 +291,11 @@ def compare_exports(dir_a: str | os.PathLike[str], dir_b: str | os.PathLike[str]
         a, b = getattr(ma.model, field), getattr(mb.model, field)
         if a != b:
             raise KVQError(f"{dir_a} and {dir_b} are different models ({field}: {a} vs {b})")
-    if prompt_len is None:
+    sized = prompt_len is None
+    if sized:
         prompt_len = comparison_prompt_len((ma, mb), batch=batch)
     warn_unexercised((ma, mb), (str(dir_a), str(dir_b)), prompt_len=prompt_len, steps=steps)
-    _check_compare_size((ma, mb), prompt_len=prompt_len, batch=batch, steps=steps)
+    _check_compare_size((ma, mb), prompt_len=prompt_len, batch=batch, steps=steps, sized=sized)
     runner = kvq_runner_class()
     feeds = compare_feeds(ma.model.vocab_size, prompt_len=prompt_len, batch=batch, steps=steps, seed=seed)
     return run_comparison([runner(dir_a, providers=providers), runner(dir_b, providers=providers)], feeds, tol,
