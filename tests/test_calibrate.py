@@ -456,10 +456,12 @@ def test_calibration_windows_offset(tmp_path):
 
 
 def test_validate_knows_where_offset_calibration_text_lies():
+    from kvq_export.manifest_sections import CalibrationRecord
     from kvq_export.validate.runner import ValidateConfig, _calibration_section
 
-    cal = {"source": "calibrated", "corpus": "britannica", "tokens": 4096, "offset": 60000, "method": "attention"}
-    manifest = SimpleNamespace(calibration=cal)
+    cal = {"file": "calibration.npz", "digest": "0" * 16, "source": "calibrated", "corpus": "britannica",
+           "tokens": 4096, "offset": 60000, "method": "attention"}
+    manifest = SimpleNamespace(calibration=CalibrationRecord.from_dict(cal))
     protocol = ValidateConfig(corpus="britannica", windows=8, window_len=512, offset=0)
     assert _calibration_section(manifest, protocol)["windows_overlap_calibration"] is False
     inside = ValidateConfig(corpus="britannica", windows=2, window_len=512, offset=61000)
@@ -468,5 +470,5 @@ def test_validate_knows_where_offset_calibration_text_lies():
     assert _calibration_section(manifest, before)["windows_overlap_calibration"] is True
     other = ValidateConfig(corpus="shakespeare", windows=8, window_len=512, offset=60000)
     assert _calibration_section(manifest, other)["windows_overlap_calibration"] is False
-    legacy = SimpleNamespace(calibration={k: v for k, v in cal.items() if k != "offset"})  # read from token 0
+    legacy = SimpleNamespace(calibration=CalibrationRecord.from_dict({k: v for k, v in cal.items() if k != "offset"}))
     assert _calibration_section(legacy, protocol)["windows_overlap_calibration"] is True
