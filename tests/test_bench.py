@@ -186,6 +186,12 @@ def test_profile_step_tool_splits_a_step_by_operator(tmp_path):
         assert r["steps"] == 3 and r["node_us_per_step"] > 0 and r["run_us_per_step"] > 0
         assert sum(r["ops_us_per_step"].values()) == pytest.approx(r["node_us_per_step"])
     assert "GroupQueryAttention" in proc.stderr  # the printed table
+    proc = subprocess.run([sys.executable, str(tool), *map(str, dirs), "--context", "12", "--steps", "2", "--prefill",
+                           "--json", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    gqa, ref = json.loads(out.read_text())["results"]
+    assert gqa["prefill"] and gqa["speed_vs_first"] == 1.0 and ref["speed_vs_first"] > 0
+    assert "GroupQueryAttention" in gqa["ops_us_per_step"] and "prefill" in proc.stderr
 
 
 def _protocol_p(tmp_path, out, *args: str) -> list[dict]:

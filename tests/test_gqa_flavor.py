@@ -41,7 +41,8 @@ from tiny_models import ARCHS, VOCAB, tiny_model
 
 from kvq_export.errors import ExportError, RuntimeInputError, SchemeError
 from kvq_export.export.exporter import export_model
-from kvq_export.export.gqa_flavor import GQACacheGraph, gqa_scale, unsupported
+from kvq_export.export.gqa_flavor import GQACacheGraph, unsupported
+from kvq_export.export.gqa_plan import gqa_scale
 from kvq_export.presets import PRESETS
 from kvq_export.runtime.session import KVQSession
 from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant

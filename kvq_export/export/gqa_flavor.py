@@ -32,8 +32,10 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   with a past of no tokens attends over the new tokens' exact keys and values (after its RoPE and the
   offsets below; with high channels, over the body's exact projections), and the graph writes the buffers
   once: ``clip(round_half_even(x / scale), ..)`` of what the quantized node would have quantized (its
-  present: the rotated keys, the offset values; with high channels the widened rows), packed to the node's
-  bytes and padded to the buffer's capacity (:meth:`GQACacheGraph._codes`). Any other call (a decode step, a
+  present: the rotated keys, the offset values), packed to the node's bytes and padded to the buffer's capacity
+  (:meth:`GQACacheGraph._quantize`). With high channels the node's widened rows are never made at prompt length:
+  the nibbles it would store are computed from the exact keys and values directly
+  (:meth:`GQACacheGraph._high_nibbles`), the same bytes. Any other call (a decode step, a
   second chunk, a batch where some row holds tokens already) runs the quantized node on the shared buffers
   as before, in place. **The rule**: a prompt's tokens see each other's exact K/V (as a high-precision window
   would during prefill); from the first decode step on, every token attends over the stored codes. The codes
@@ -112,7 +114,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
@@ -122,156 +123,17 @@ from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.gqa_capability import unsupported
-from kvq_export.export.graph_codec import high_channel_choice, static_name, static_scales
+from kvq_export.export.gqa_plan import HighSplit, plan_layer
+from kvq_export.export.graph_codec import static_name
 from kvq_export.export.kv_graph import LaidOutCache, name_packed_probe, name_probes
 from kvq_export.naming import PARTS, ROTARY_TABLES, tensor_name
-from kvq_export.reference.codec import check_high_channels, high_channel_levels
 from kvq_export.rotation import stream_rotation
-from kvq_export.scheme import KVQuantScheme, TensorQuant
-from kvq_export.vocab import Axis, Role, Rotation
+from kvq_export.scheme import KVQuantScheme
+from kvq_export.vocab import Rotation
 
 logger = logging.getLogger(__name__)
 
 GQA_DOMAIN = "com.microsoft"
-
-
-@dataclass(frozen=True)
-class HighSplit:
-    """How one stream's 8-bit high channels travel through a 4-bit node: two nibbles each.
-
-    kvq's stored 8-bit code ``c`` of a high channel (``int``: ``clip(round((x - zero) / scale), 0, 255)``;
-    ``int_sym``: ``clip(round(x / scale), -127, 127) + 128``) is computed in the graph and split as
-    ``c = 16 * hi + lo``; the node stores ``hi - 8`` in the channel's own place (node scale ``16 * scale``) and
-    ``lo - 8`` in an extra channel after the head's ``head_dim`` (node scale ``scale``), so it reads back
-    ``(c - 136) * scale``: kvq's value minus a per-channel constant (``output_offset``).
-    """
-
-    channels: np.ndarray  # int64 [kv_heads, n]: the calibrated high channels of each kv head, ascending
-    scale: np.ndarray  # float32 [kv_heads, n]: kvq's static scale of each (rounded to scale_dtype)
-    zero: np.ndarray  # float32 [kv_heads, n]: its zero point (0 for int_sym)
-    low: float  # kvq's 8-bit code range before its offset: int 0..255, int_sym -127..127
-    top: float
-    offset: float  # added to the clipped code to make the stored code c (int 0, int_sym 128)
-    head_dim: int
-
-    @classmethod
-    def of(cls, tq: TensorQuant, static: Mapping, layer: int, part: str, kv_heads: int, head_dim: int) -> HighSplit:
-        """The split of one calibrated stream (``static[layer][part]``: its scales, zero points and high channels)."""
-        channels = check_high_channels(high_channel_choice(static, layer, part, tq), tq, kv_heads, head_dim).numpy()
-        meta = static[layer][part]
-        pick = [per_channel(tq, meta[role], kv_heads, head_dim, role)[np.arange(kv_heads)[:, None], channels]
-                if role in meta else np.zeros(channels.shape, np.float32) for role in (Role.SCALES, Role.ZERO_POINTS)]
-        low, top, offset = high_channel_levels(tq)
-        return cls(channels, pick[0], pick[1], float(low), float(top), float(offset), head_dim)
-
-    def places(self, heads: int | None = None) -> np.ndarray:
-        """int64 ``[heads, n]``: each high channel's place in a ``[heads * head_dim]`` row.
-
-        ``heads``: the kv heads (default), or the query heads, each reading its kv head's channels.
-        """
-        kv_heads = self.channels.shape[0]
-        heads = heads or kv_heads
-        per_head = np.repeat(self.channels, heads // kv_heads, axis=0)
-        return per_head + np.arange(heads)[:, None] * self.head_dim
-
-    def widened(self, own: np.ndarray, upper: np.ndarray | float, lower: np.ndarray | float) -> np.ndarray:
-        """One stream's ``[kv_heads * (head_dim + n)]`` row in the node's layout, from per-channel entries.
-
-        ``own``: ``[kv_heads, head_dim]``, one entry per channel; ``upper``/``lower``: ``[kv_heads, n]`` (or one
-        for all), one per high channel. Each head's channels, with a high channel's own place taking its
-        ``upper`` entry, then its n ``lower`` entries. Serves both the node row's source positions and the
-        per-place constants that go with them.
-        """
-        heads, n = self.channels.shape
-        own = np.array(own).reshape(heads, self.head_dim)
-        np.put_along_axis(own, self.channels, np.broadcast_to(upper, (heads, n)).astype(own.dtype), axis=1)
-        return np.concatenate([own, np.broadcast_to(lower, (heads, n)).astype(own.dtype)], axis=1).reshape(-1)
-
-    def query_widened(self, num_heads: int) -> np.ndarray:
-        """int64 ``[num_heads * (head_dim + n)]``: where the node's query row is read from in the model's.
-
-        Each head's channels, then again its kv head's high key channels.
-        """
-        own = np.arange(num_heads * self.head_dim).reshape(num_heads, self.head_dim)
-        return np.concatenate([own, self.places(num_heads)], axis=1).reshape(-1)
-
-    def folded(self, num_heads: int) -> tuple[np.ndarray, np.ndarray]:
-        """(main, extra) int64 ``[num_heads * head_dim]``: where the attention output is read from.
-
-        ``main``: each channel's place in the node's ``[num_heads * (head_dim + n)]`` output row; ``extra``: the
-        channel added to it (a high value channel's lower-nibble output; the other channels read index
-        ``num_heads * (head_dim + n)``, a zero column appended to the row).
-        """
-        heads, n = num_heads, self.channels.shape[1]
-        wide = self.head_dim + n
-        main = (np.arange(heads)[:, None] * wide + np.arange(self.head_dim)).reshape(-1)
-        extra = np.full((heads, self.head_dim), heads * wide, dtype=np.int64)
-        lows = np.arange(heads)[:, None] * wide + self.head_dim + np.arange(n)
-        np.put_along_axis(extra, np.repeat(self.channels, heads // self.channels.shape[0], axis=0), lows, axis=1)
-        return main, extra.reshape(-1)
-
-    @property
-    def output_offset(self) -> np.ndarray:
-        """float32 ``[kv_heads, n]``: kvq's dequantized value minus the node's ``(c - 136) * scale``."""
-        kvq_minus_node = np.float32(136 - self.offset) * self.scale  # kvq: (c - offset) * scale + zero
-        return (kvq_minus_node + self.zero).astype(np.float32)
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """How one layer's GQA node stores its cache."""
-
-    bits: int | None  # None: unquantized buffer
-    k_quant: str = "NONE"  # NONE | PER_TENSOR | PER_CHANNEL
-    v_quant: str = "NONE"
-    k_scale: np.ndarray | None = None  # float32 [1] or [1, kv_heads, 1, node head size]
-    v_scale: np.ndarray | None = None
-    k_offset: np.ndarray | None = None  # float32 [kv_heads * head_dim], asymmetric streams only (gqa_offset)
-    v_offset: np.ndarray | None = None
-    out_offset: np.ndarray | None = None  # float32 [kv_heads * head_dim] added to each kv head's output
-    k_high: HighSplit | None = None  # streams with high channels (both or neither: one node head size)
-    v_high: HighSplit | None = None
-
-    def stream_offsets(self, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """The key and value offsets, float32 ``[width]`` zeros for a stream that has none."""
-        return tuple(np.zeros(width, np.float32) if o is None else o for o in (self.k_offset, self.v_offset))
-
-
-def per_channel(tq: TensorQuant, meta: np.ndarray, kv_heads: int, head_dim: int, role: str = "scales") -> np.ndarray:
-    """Static metadata ``[kv_heads, n]`` as float32 ``[kv_heads, head_dim]``, first rounded to ``scale_dtype``.
-
-    The rounding is what kvq's codec quantizes with; token-axis groups repeat over their channels.
-    """
-    sdtype = DType.get(tq.scale_dtype).numpy
-    m = np.asarray(meta, dtype=np.float32).astype(sdtype).astype(np.float32)
-    if m.shape[0] != kv_heads:
-        raise ExportError(f"static {role} have shape {list(m.shape)}; expected [kv_heads={kv_heads}, n]")
-    if tq.axis == Axis.TOKEN:  # one value per (head, group of channels): repeat it over the group
-        m = np.repeat(m, tq.token_group(head_dim), axis=1)
-    if m.shape != (kv_heads, head_dim):
-        raise ExportError(f"static {role} expand to {list(m.shape)}; expected [{kv_heads}, {head_dim}]")
-    return m
-
-
-def gqa_scale(tq: TensorQuant, scales: np.ndarray, kv_heads: int, head_dim: int) -> tuple[str, np.ndarray]:
-    """Map kvq static scales ``[kv_heads, n]`` to (``PER_TENSOR`` | ``PER_CHANNEL``, float32 GQA scale tensor)."""
-    s = per_channel(tq, scales, kv_heads, head_dim)
-    if np.all(s == s.flat[0]):
-        return "PER_TENSOR", s.reshape(-1)[:1].copy()
-    return "PER_CHANNEL", np.ascontiguousarray(s.reshape(1, kv_heads, 1, head_dim))
-
-
-def gqa_offset(tq: TensorQuant, meta: Mapping, kv_heads: int, head_dim: int) -> np.ndarray | None:
-    """The float32 ``[kv_heads * head_dim]`` offset an asymmetric stream subtracts before the node (else None).
-
-    kvq's ``int`` codes are ``c = clip(round((x - zero) / scale), 0, 2^b - 1)``; with ``x - offset`` for
-    ``offset = zero + 2^(b-1) * scale`` the node's symmetric ``clip(round(.. / scale), -2^(b-1), 2^(b-1) - 1)``
-    is ``c - 2^(b-1)``: the same rounding (an even shift keeps round-half-even) and the same clamp.
-    """
-    if not tq.has_zero_point:
-        return None
-    scale, zero = (per_channel(tq, meta[role], kv_heads, head_dim, role) for role in (Role.SCALES, Role.ZERO_POINTS))
-    return (zero + np.float32(1 << (tq.bits - 1)) * scale).reshape(-1)
 
 
 class GQACacheGraph(LaidOutCache):
@@ -309,7 +171,8 @@ class GQACacheGraph(LaidOutCache):
         self.fuses_rotary = fuse_rotary
         self.fuses_body = fuse_body
         self.fast_prefill = fast_prefill
-        self.plans = [self._plan(layer, key, value, self.static)
+        self.kv_row = self.kv_heads * self.head_dim  # one stream's packed row
+        self.plans = [plan_layer(layer, key, value, self.static, self.kv_heads, self.head_dim)
                       for layer, (key, value) in enumerate(scheme.streams(self.num_layers))]
 
     @classmethod
@@ -322,39 +185,6 @@ class GQACacheGraph(LaidOutCache):
         """RoPE fused into the node unless the keys are transformed after it (:func:`rope_in_body`)."""
         return cls(scheme, fuse_rotary=not rope_in_body(scheme, facts.num_layers), num_layers=facts.num_layers,
                    kv_heads=facts.num_kv_heads, head_dim=facts.head_dim, static=static)
-
-    def _plan(self, layer: int, key: TensorQuant, value: TensorQuant, static: Mapping) -> LayerPlan:
-        if not key.quantized:
-            return LayerPlan(bits=None)
-        types, arrays = [], []
-        for part, tq in zip(PARTS, (key, value)):
-            kind, array = gqa_scale(tq, static_scales(static, layer, part), self.kv_heads, self.head_dim)
-            types.append(kind)
-            arrays.append(array)
-        offsets = [gqa_offset(tq, static[layer][part], self.kv_heads, self.head_dim)
-                   for part, tq in zip(PARTS, (key, value))]
-        out_offset = offsets[1]
-        highs = [HighSplit.of(tq, static, layer, part, self.kv_heads, self.head_dim) if tq.high_channels else None
-                 for part, tq in zip(PARTS, (key, value))]
-        if highs[0] is not None:  # the node's head grows by n channels: the nibbles' scales (see HighSplit)
-            arrays = [self._node_scales(a, high) for a, high in zip(arrays, highs)]
-            types = ["PER_CHANNEL", "PER_CHANNEL"]
-            width = self.kv_heads * self.head_dim
-            out_offset = np.zeros(width, np.float32) if out_offset is None else out_offset.copy()
-            out_offset[highs[1].places().reshape(-1)] = highs[1].output_offset.reshape(-1)
-        if types[0] != types[1]:  # the CPU kernel needs k_quant_type == v_quant_type
-            shape = (1, self.kv_heads, 1, self.head_dim)
-            arrays = [np.ascontiguousarray(np.broadcast_to(a.reshape(-1)[0] if a.size == 1 else a, shape))
-                      for a in arrays]
-            types = ["PER_CHANNEL", "PER_CHANNEL"]
-        return LayerPlan(key.bits, types[0], types[1], arrays[0], arrays[1], *offsets, out_offset, *highs)
-
-    def _node_scales(self, scales: np.ndarray, high: HighSplit) -> np.ndarray:
-        """float32 ``[1, kv_heads, 1, head_dim + n]``: 16x the scale at a high channel, its scale at its extra."""
-        heads, d = self.kv_heads, self.head_dim
-        s = np.broadcast_to(scales.reshape(-1)[0] if scales.size == 1 else scales.reshape(heads, d), (heads, d)).copy()
-        s[np.arange(heads)[:, None], high.channels] = np.float32(16) * high.scale
-        return np.ascontiguousarray(np.concatenate([s, high.scale], axis=1).reshape(1, heads, 1, -1))
 
     # -- CacheGraph protocol --------------------------------------------------------------------------
     def rotation(self, layer: int, part: str) -> np.ndarray | None:
@@ -473,39 +303,50 @@ class GQACacheGraph(LaidOutCache):
         """Realign to right padding, run the node on the shared buffers, realign back (k = v = None: packed q).
 
         A quantized layer runs it under an ``If`` on :attr:`prefill`: a prefill attends exactly and writes the
-        codes once (:meth:`_prefill`), any other call runs the quantized node on the buffers.
+        codes once (:meth:`_prefill`), any other call runs the quantized node on the buffers. With high channels
+        the node's widened row (:meth:`_widen`) is made in the step branch only: a prefill attends over the
+        exact projections and computes the stored nibbles from them directly (:meth:`_high_nibbles`).
         """
         plan = self.plans[layer]
-        exact = q  # the packed projections as they came (high channels: the node's row is not the keys)
-        if plan.k_high is not None:  # the body's RoPE: always packed
-            q = self._widen(b, layer, q)  # the offsets subtracted too
-        else:
-            q, k, v = self._offset_inputs(b, layer, q, k, v)
-        node_in = tuple(None if x is None else b.op("GatherND", x, self.to_right, batch_dims=1) for x in (q, k, v))
         scales: tuple[ir.Value | None, ir.Value | None] = (None, None)
         if plan.bits is not None:
             scales = tuple(b.initializer(static_name(layer, part, "scales"), array)
                            for part, array in zip(PARTS, (plan.k_scale, plan.v_scale)))
         offset = self._value_offset(b, layer)
+        high = plan.k_high is not None  # (the body's RoPE: q is the packed q|k|v)
+        if high:
+            width = (self.facts.num_heads + 2 * self.facts.num_kv_heads) * self.head_dim
+            codes = {role: b.initializer(static_name(layer, "kv", f"high_channels.{role}"), array) for role, array
+                     in plan.high_code_constants((width - 2 * self.kv_row, width - self.kv_row), width).items()}
+        else:  # the node's input, offsets subtracted: both branches read it
+            node_in = self._right(b, *self._offset_inputs(b, layer, q, k, v))
 
         def step() -> list[ir.Value]:
+            inputs = self._right(b, self._widen(b, layer, q, codes), None, None) if high else node_in
             past = [self.past[self.layout.buffer_name("past", layer, part)] for part in PARTS]
-            out, present_k, present_v = self._node(b, layer, *node_in, past, scales, rotary=rotary)
+            out, present_k, present_v = self._node(b, layer, *inputs, past, scales, rotary=rotary)
             if plan.v_high is not None:
                 out = self._fold(b, layer, out, plan.v_high)
             return [out if offset is None else b.op("Add", out, offset), present_k, present_v]
 
+        def prefill() -> list[ir.Value]:
+            if high:
+                return self._prefill(b, layer, self._right(b, q, None, None), scales, None, rotary, codes)
+            return self._prefill(b, layer, node_in, scales, offset, rotary)
+
         if plan.bits is None or not self.fast_prefill:
             out, present_k, present_v = step()
         else:
-            branches = {"then_branch": b.subgraph(f"gqa{layer}_prefill",
-                                                  lambda: self._prefill(b, layer, exact, node_in, scales, offset,
-                                                                               rotary)),
+            branches = {"then_branch": b.subgraph(f"gqa{layer}_prefill", prefill),
                         "else_branch": b.subgraph(f"gqa{layer}_step", step)}
             out, present_k, present_v = b.op_multi("If", self.prefill, num_outputs=3, **branches)
         for part, value in zip(PARTS, (present_k, present_v)):
             self.present[self.layout.buffer_name("present", layer, part)] = value
         return b.op("Where", self.valid, b.op("GatherND", out, self.to_left, batch_dims=1), self.zero)
+
+    def _right(self, b: GraphBuilder, *values: ir.Value | None) -> tuple[ir.Value | None, ...]:
+        """Each row's new tokens moved to the front (GQA's right padding)."""
+        return tuple(None if x is None else b.op("GatherND", x, self.to_right, batch_dims=1) for x in values)
 
     def _node(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value | None, v: ir.Value | None,
               past: list[ir.Value | None], scales: tuple[ir.Value | None, ir.Value | None], *,
@@ -543,45 +384,38 @@ class GQACacheGraph(LaidOutCache):
         per_query_head = np.repeat(plan.out_offset.reshape(f.num_kv_heads, -1), f.num_heads // f.num_kv_heads, 0)
         return self._offset(b, layer, "value.output", per_query_head.reshape(-1))
 
-    def _prefill(self, b: GraphBuilder, layer: int, exact: ir.Value, node_in: tuple[ir.Value | None, ...],
-                 scales: tuple[ir.Value | None, ir.Value | None], offset: ir.Value | None,
-                 rotary: bool) -> list[ir.Value]:
+    def _prefill(self, b: GraphBuilder, layer: int, node_in: tuple[ir.Value | None, ...],
+                 scales: tuple[ir.Value | None, ir.Value | None], offset: ir.Value | None, rotary: bool,
+                 codes: dict[str, ir.Value] | None = None) -> list[ir.Value]:
         """A prefill's attention and buffers: exact attention among the new tokens, then the node's codes.
 
         An unquantized node with no past attends over the new tokens (ONNX Runtime's quantized kernel
         dequantizes the cache per query, several times slower at prompt length); the buffers get the codes
-        the quantized node would have stored: :meth:`_codes` of the keys/values it would have quantized
-        (the unquantized node's present: after its RoPE and the offsets; with high channels the node's
-        widened key and value rows), padded to the buffer's capacity.
+        the quantized node would have stored, padded to the buffer's capacity: :meth:`_quantize` of the keys
+        and values it would have quantized (the unquantized node's present: after its RoPE and the offsets),
+        or with high channels (``codes``: their constants; ``node_in``: the exact packed projections) the
+        nibbles of its widened rows (:meth:`_high_nibbles`).
         """
         plan, f = self.plans[layer], self.facts
         # a past that holds no token (the node takes query_seqlens only with a past)
         batch = b.op("Gather", b.op("Shape", node_in[0]), b.const([0]), axis=0)
         shape = b.op("Concat", batch, b.const([f.num_kv_heads, 0, self.head_dim]), axis=0)
         empty = b.op("ConstantOfShape", shape, value=ir.tensor(np.zeros(1, self.np_type)))
-        none = [empty, empty]
-        if plan.k_high is None:  # the node's own input: keys and values offset (the output gets c back)
-            out, present_k, present_v = self._node(b, layer, *node_in, none, (None, None), rotary=rotary,
-                                                   query_seqlens=self.prefill_seqlens)
-            out = out if offset is None else b.op("Add", out, offset)
-            stored = (present_k, present_v)
-        else:  # the exact projections attend; the widened row holds what the node would store
-            packed = b.op("GatherND", exact, self.to_right, batch_dims=1)
-            out = self._node(b, layer, packed, None, None, none, (None, None), rotary=rotary,
-                             query_seqlens=self.prefill_seqlens)[0]
-            node_size = self.head_dim + plan.k_high.channels.shape[1]
-            q_node, row = f.num_heads * node_size, f.num_kv_heads * node_size
-            stored = tuple(
-                b.op("Transpose", b.op("Reshape", b.op("Slice", node_in[0], b.const([start]), b.const([start + row]),
-                                                       b.const([2])),
-                                       b.const([0, 0, f.num_kv_heads, node_size])), perm=[0, 2, 1, 3])
-                for start in (q_node, q_node + row))
+        out, present_k, present_v = self._node(b, layer, *node_in, [empty, empty], (None, None), rotary=rotary,
+                                               query_seqlens=self.prefill_seqlens)
         capacity = b.op("Gather", b.op("Shape", self.past[self.layout.buffer_name("past", layer, "key")]),
                         b.const([2]), axis=0)
-        return [out] + [self._codes(b, x, scale, plan.bits, capacity) for x, scale in zip(stored, scales)]
+        if codes is not None:  # [B, t, 2, kv_heads, node head / 2] -> [2, B, kv_heads, t, ..]: key, value
+            both = b.op("Transpose", self._pack(b, self._high_nibbles(b, layer, node_in[0], codes)),
+                        perm=[2, 0, 3, 1, 4])
+            stored = [b.op("Squeeze", b.op("Gather", both, b.const([i]), axis=0), b.const([0])) for i in range(2)]
+        else:
+            out = out if offset is None else b.op("Add", out, offset)
+            stored = [self._quantize(b, x, scale, plan.bits) for x, scale in zip((present_k, present_v), scales)]
+        return [out] + [self._pad(b, x, capacity) for x in stored]
 
-    def _codes(self, b: GraphBuilder, x: ir.Value, scale: ir.Value, bits: int, capacity: ir.Value) -> ir.Value:
-        """The node's cache codes of ``x`` [B, kv_heads, t, node head], padded to ``capacity`` positions.
+    def _quantize(self, b: GraphBuilder, x: ir.Value, scale: ir.Value, bits: int) -> ir.Value:
+        """The node's cache bytes of ``x`` [B, kv_heads, t, head_dim] (unpadded).
 
         ``clip(round_half_even(x / scale), -2^(b-1), 2^(b-1) - 1)`` as int8, or at 4 bits ``q + 8`` two to a
         uint8, low nibble first: the bytes GroupQueryAttention writes.
@@ -591,50 +425,98 @@ class GQACacheGraph(LaidOutCache):
         half = float(1 << (bits - 1))
         q = b.op("Clip", b.op("Round", b.op("Div", x, scale)), b.const(-half), b.const(half - 1))
         if bits == 8:
-            codes = b.op("Cast", q, to=ir.DataType.INT8)
-        else:  # (q0 + 8) + 16 (q1 + 8) per pair of channels
-            pairs = b.op("Reshape", b.op("Add", q, b.const(half)), b.const([0, 0, 0, -1, 2]))
-            packed = b.op("ReduceSum", b.op("Mul", pairs, b.const([1.0, 16.0])), b.const([-1]), keepdims=0)
-            codes = b.op("Cast", packed, to=ir.DataType.UINT8)
-        t = b.op("Gather", b.op("Shape", x), b.const([2]), axis=0)
+            return b.op("Cast", q, to=ir.DataType.INT8)
+        return self._pack(b, b.op("Add", q, b.const(half)))
+
+    @staticmethod
+    def _pack(b: GraphBuilder, nibbles: ir.Value) -> ir.Value:
+        """Float nibbles 0..15 along the last axis -> uint8, two to a byte, low nibble first (half the last axis)."""
+        even, odd = (b.op("Slice", nibbles, b.const([start]), b.const([2**62]), b.const([-1]), b.const([2]))
+                     for start in (0, 1))
+        return b.op("Cast", b.op("Add", even, b.op("Mul", odd, b.const(16.0))), to=ir.DataType.UINT8)
+
+    @staticmethod
+    def _pad(b: GraphBuilder, codes: ir.Value, capacity: ir.Value) -> ir.Value:
+        """Codes [B, kv_heads, t, ..] padded with zeros to ``capacity`` positions (the buffer's shape)."""
+        t = b.op("Gather", b.op("Shape", codes), b.const([2]), axis=0)
         pads = b.op("Concat", b.const([0, 0, 0, 0, 0, 0]), b.op("Sub", capacity, t), b.const([0]), axis=0)
         return b.op("Pad", codes, pads)
 
-    def _widen(self, b: GraphBuilder, layer: int, qkv: ir.Value) -> ir.Value:
+    def _high_code(self, b: GraphBuilder, x: ir.Value, codes: dict[str, ir.Value], start: int = 0) -> ir.Value:
+        """The 8-bit code ``c`` kvq stores of each high channel in float32 rows ``x`` (elsewhere 0), as its codec does.
+
+        ``codes``: :meth:`LayerPlan.high_code_constants` over the packed row; ``x`` holds its columns from ``start``.
+        """
+        def const(role: str) -> ir.Value:  # (a Slice of an initializer: folded when the session loads)
+            return codes[role] if not start else b.op("Slice", codes[role], b.const([start]), b.const([2**62]))
+
+        c = b.op("Round", b.op("Div", b.op("Sub", x, const("zero")), const("scale")))
+        return b.op("Add", b.op("Min", b.op("Max", c, const("low")), const("top")), const("offset"))
+
+    def _high_nibbles(self, b: GraphBuilder, layer: int, qkv: ir.Value, codes: dict[str, ir.Value]) -> ir.Value:
+        """The 4-bit values ``q + 8`` the node stores of a prefill's keys and values, ``[B, t, 2, kv_heads, D + n]``.
+
+        From the exact packed projections ``qkv`` (right-aligned, after RoPE), only their key and value columns,
+        without widening the row: the node's codes of the widened rows :meth:`_widen` makes, bit for bit. At a
+        high channel's place ``hi = floor(c / 16)`` and after ``head_dim`` ``lo = c - 16 hi`` (the node's rounding
+        of ``(c - 135.5) s / 16 s`` and ``(lo - 8) s / s``); at every other channel ``clip(round((x - offset) /
+        scale), -8, 7) + 8`` at the node's scale, the difference first rounded to the compute dtype (the node's
+        input).
+        """
+        f, plan = self.facts, self.plans[layer]
+        heads, n = f.num_kv_heads, plan.k_high.channels.shape[1]
+        q_size = f.num_heads * self.head_dim
+        x = b.op("Slice", qkv, b.const([q_size]), b.const([2**62]), b.const([2]))  # [B, t, key | value]
+        x = x if self.compute_type == ir.DataType.FLOAT else b.op("Cast", x, to=ir.DataType.FLOAT)
+        c = self._high_code(b, x, codes, q_size)
+        hi = b.op("Floor", b.op("Mul", c, b.const(1 / 16)))
+        lo = b.op("Sub", c, b.op("Mul", hi, b.const(16.0)))
+        highs = (plan.k_high, plan.v_high)
+        own = np.concatenate([s.reshape(1, heads, 1, -1)[0, :, 0, :self.head_dim].reshape(-1)
+                              for s in (plan.k_scale, plan.v_scale)])
+        places = np.concatenate([start + high.places().reshape(-1) for start, high in zip((0, self.kv_row), highs)])
+        # q + 8 clipped to 0..15, but to 0 at the high channels' places, where hi (0 elsewhere) then wins a Max
+        low, top = np.full(2 * self.kv_row, -8.0, np.float32), np.full(2 * self.kv_row, 7.0, np.float32)
+        top[places] = -8.0
+
+        def const(role: str, array: np.ndarray) -> ir.Value:
+            return b.initializer(static_name(layer, "kv", f"high_channels.prefill_{role}"), array)
+
+        shifted = b.op("Sub", x, const("offset", np.concatenate(plan.stream_offsets(self.kv_row))))
+        if self.compute_type != ir.DataType.FLOAT:  # the node quantizes its compute-dtype input
+            shifted = b.op("Cast", b.op("Cast", shifted, to=self.compute_type), to=ir.DataType.FLOAT)
+        q = b.op("Min", b.op("Max", b.op("Round", b.op("Div", shifted, const("scale", own))), const("low", low)),
+                 const("top", top))
+        own_nibbles = b.op("Max", b.op("Add", q, b.const(8.0)), hi)
+        lower = b.op("Gather", lo, const("lower", places), axis=2)
+        return b.op("Concat", b.op("Reshape", own_nibbles, b.const([0, 0, 2, heads, self.head_dim])),
+                    b.op("Reshape", lower, b.const([0, 0, 2, heads, n])), axis=4)
+
+    def _widen(self, b: GraphBuilder, layer: int, qkv: ir.Value, codes: dict[str, ir.Value]) -> ir.Value:
         """Packed q|k|v rows with the node's head of ``head_dim + n`` channels (see :class:`HighSplit`).
 
         ``qkv``: ``[B, t, (Hq + 2 Hkv) * D]`` after RoPE. kvq's 8-bit codes ``c`` of both streams' high channels
-        are computed as the reference codec does (fp32, round half to even), over the whole row at once (off the
-        high channels the constants are inert and the codes unread: no Gather to pick the channels out), and
-        join the row with their lower nibbles ``c mod 16``. One Gather lays out each widened row: each query
-        head's channels and again its kv head's high key channels, then each key and value head with ``c`` in
-        the high channel's place and ``c mod 16`` after ``head_dim``. One Sub and one Mul over the widened row
-        then turn those into values the node's quantizer rounds to exactly ``hi - 8`` and ``lo - 8``, and
-        subtract asymmetric streams' offsets from the other channels (minus 0, times 1 elsewhere: exact). Few,
-        cheap nodes: they run at every step.
+        are computed as the reference codec does (fp32, round half to even; ``codes``: their constants), over the
+        whole row at once (off the high channels the constants are inert and the codes unread: no Gather to pick
+        the channels out), and join the row with their lower nibbles ``c mod 16``. One Gather lays out each
+        widened row: each query head's channels and again its kv head's high key channels, then each key and
+        value head with ``c`` in the high channel's place and ``c mod 16`` after ``head_dim``. One Sub and one Mul
+        over the widened row then turn those into values the node's quantizer rounds to exactly ``hi - 8`` and
+        ``lo - 8``, and subtract asymmetric streams' offsets from the other channels (minus 0, times 1 elsewhere:
+        exact). Decode steps run it (a prefill stores :meth:`_high_nibbles` instead).
         """
         f, plan = self.facts, self.plans[layer]
         highs = (plan.k_high, plan.v_high)
-        q_size, row = f.num_heads * self.head_dim, f.num_kv_heads * self.head_dim
+        q_size, row = f.num_heads * self.head_dim, self.kv_row
         width = q_size + 2 * row
         starts = (q_size, q_size + row)  # where the key and value rows start in the packed row
 
         def const(role: str, array: np.ndarray) -> ir.Value:
             return b.initializer(static_name(layer, "kv", f"high_channels.{role}"), array)
 
-        def by_place(values, fill: float) -> np.ndarray:  # float32 [width]: each high channel's value, else fill
-            out = np.full(width, fill, np.float32)
-            for start, value, high in zip(starts, values, highs):
-                out[start + high.places()] = np.broadcast_to(np.float32(value), high.scale.shape)
-            return out
-
         x = qkv if self.compute_type == ir.DataType.FLOAT else b.op("Cast", qkv, to=ir.DataType.FLOAT)
-        codes = b.op("Div", b.op("Sub", x, const("zero", by_place((h.zero for h in highs), 0))),
-                     const("scale", by_place((h.scale for h in highs), 1)))
-        codes = b.op("Min", b.op("Max", b.op("Round", codes), const("low", by_place((h.low for h in highs), 0))),
-                     const("top", by_place((h.top for h in highs), 0)))
-        codes = b.op("Add", codes, const("offset", by_place((h.offset for h in highs), 0)))  # kvq's stored code c
-        source = b.op("Concat", x, codes, b.op("Mod", codes, b.const(16.0), fmod=1), axis=2)  # [row | c | c mod 16]
+        c = self._high_code(b, x, codes)  # kvq's stored code c
+        source = b.op("Concat", x, c, b.op("Mod", c, b.const(16.0), fmod=1), axis=2)  # [row | c | c mod 16]
         own, query = np.arange(width), highs[0].query_widened(f.num_heads)
         index = np.concatenate([query] + [
             high.widened(own[start:start + row], width + start + high.places(), 2 * width + start + high.places())

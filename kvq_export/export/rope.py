@@ -167,15 +167,21 @@ class RotaryGraph:
         """:meth:`apply` on the q and k heads of a packed ``[B, t, (Hq + 2 Hkv) * D]`` projection.
 
         Per head, ``x * cos + x[rotate] * sin'`` with the tables of :meth:`add_packed_tables`: the same two products
-        and sum as ``x * cos + rotate_half(x) * sin``, so the same floats in an fp32 body. They run on the flat row
-        (one Gather swaps the halves of every head), so nothing is reshaped. (An fp16 body on ONNX Runtime's CPU
-        runs these ops in float32 between casts it inserts, and may round at other points than in the per-head
-        form: logits within 2e-4 on the tiny test models.)
+        and sum as ``x * cos + rotate_half(x) * sin``, so the same floats in an fp32 body. They run on the flat row;
+        one Gather swaps the halves of every head (whole halves as blocks when RoPE rotates the whole head, which is
+        what keeps it cheap at prompt length). (An fp16 body on ONNX Runtime's CPU runs these ops in float32 between
+        casts it inserts, and may round at other points than in the per-head form: logits within 2e-4 on the tiny
+        test models.)
         """
         b = self.b
         heads = self.num_heads + 2 * self.num_kv_heads
         cos, sin = self.tables[id(rope)]
         half, d = rope.rotary_dim // 2, self.head_dim
-        swap = np.concatenate([np.arange(half, 2 * half), np.arange(half), np.arange(2 * half, d)])
-        swap = (np.arange(heads)[:, None] * d + swap).reshape(-1)  # within each head of the flat row
-        return b.op("Add", b.op("Mul", qkv, cos), b.op("Mul", b.op("Gather", qkv, b.const(swap), axis=2), sin))
+        if 2 * half == d:  # every head's two halves swapped as blocks (a Gather of single floats is ~25x slower)
+            halves = b.op("Reshape", qkv, b.const([0, 0, heads, 2, half]))
+            swapped = b.op("Reshape", b.op("Gather", halves, b.const([1, 0]), axis=3), b.const([0, 0, heads * d]))
+        else:  # partial rotary: the tail of each head stays in place
+            swap = np.concatenate([np.arange(half, 2 * half), np.arange(half), np.arange(2 * half, d)])
+            swap = (np.arange(heads)[:, None] * d + swap).reshape(-1)  # within each head of the flat row
+            swapped = b.op("Gather", qkv, b.const(swap), axis=2)
+        return b.op("Add", b.op("Mul", qkv, cos), b.op("Mul", swapped, sin))

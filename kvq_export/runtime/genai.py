@@ -77,7 +77,7 @@ def builder_scale_file(static, scheme, *, num_layers: int, kv_heads: int, head_d
     ``kv_cache_quant_scheme=int{bits}_{granularity}`` uses exactly kvq's scales (the ones ``kvq export --flavor
     ort-gqa`` writes into its graph); the builder rescales them for another bit width.
     """
-    from kvq_export.export.gqa_flavor import gqa_scale  # lazy: imports torch and onnx
+    from kvq_export.export.gqa_plan import gqa_scale  # lazy: imports torch and onnx
 
     if granularity not in GRANULARITIES:
         raise ExportError(f"unknown granularity {granularity!r}; allowed: {', '.join(GRANULARITIES)}")
