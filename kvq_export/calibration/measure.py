@@ -9,7 +9,7 @@ that keep them (:mod:`.high_channels`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvq_export.calibration.artifact import HIGH_CHANNELS, Calibration, high_channel_streams, static_streams
@@ -23,10 +23,16 @@ from kvq_export.request import DEFAULT_PERCENTILE
 from kvq_export.rotation import rotate_torch, rotation_matrix
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel
 
+    from kvq_export.calibration.passes import AttentionSample
     from kvq_export.request import WeightSpec
-    from kvq_export.scheme import KVQuantScheme
+    from kvq_export.scheme import KVQuantScheme, TensorQuant
+
+    #: (layer, ``key``|``value``, stream) of the streams to calibrate, and the attention samples per layer
+    Streams = Sequence[tuple[int, str, TensorQuant]]
+    Samples = Mapping[int, Sequence[AttentionSample]]
 
 logger = logging.getLogger(__name__)
 
@@ -84,40 +90,15 @@ def calibrate_static_scales(
         samples = collect_attention_samples(model, windows, sorted({layer for layer, _, _ in (*high, *targets)}),
                                             facts.num_layers)
     if high:
-        for layer, part, tq in high:
-            o_proj = model.model.layers[layer].self_attn.o_proj.weight.detach().cpu() if part == "value" else None
-            static.setdefault(layer, {}).setdefault(part, {})[HIGH_CHANNELS] = choose_high_channels(
-                samples[layer], part, tq, o_proj)
+        _choose_high_channels(model, samples, high, static)
         logger.info("chose the high channels of %d stream(s) on %d token(s)", len(high),
                     sum(len(w) for w in windows))
         if not targets:
             return _checked(static, scheme, facts, measured_on)
-    import torch
-
-    def chosen(layer: int, part: str):  # a static stream's high channels, chosen above (None without)
-        high = static.get(layer, {}).get(part, {}).get(HIGH_CHANNELS)
-        return None if high is None else torch.as_tensor(high).to(torch.int64)
-
     if method == "attention":
-        with task("calibration: streams", total=len(targets)) as advance:
-            for layer, part, tq in targets:
-                rotation = rotation_matrix(tq.rotation, facts.head_dim)
-                static.setdefault(layer, {}).setdefault(part, {}).update(attention_metadata(
-                    [s.rotated(rotation) for s in samples[layer]], part, tq, chosen(layer, part)))
-                advance()
+        _attention_scales(samples, targets, static, facts.head_dim)
     else:
-        if samples is None:
-            with task("calibration: forward passes", total=len(windows)) as advance:
-                collected = collect_kv(model, windows, {(layer, part) for layer, part, _ in targets},
-                                       facts.num_layers, advance)
-        else:  # the samples hold every window's K/V already (the same forward passes)
-            collected = {(layer, part): torch.cat([s.keys if part == "key" else s.values for s in samples[layer]],
-                                                  dim=1) for layer, part, _ in targets}
-        for layer, part, tq in targets:
-            # a rotated stream stores (and so quantizes) x @ R: its static scales belong to that basis
-            values = rotate_torch(collected.pop((layer, part)), rotation_matrix(tq.rotation, facts.head_dim))
-            static.setdefault(layer, {}).setdefault(part, {}).update(
-                stream_metadata(values, tq, method, percentile, chosen(layer, part)))
+        _stream_scales(model, windows, samples, targets, static, facts.num_layers, facts.head_dim, method, percentile)
     tokens = sum(len(w) for w in windows)
     logger.info(
         "calibrated %d static stream(s) over %d layer(s) on %d token(s) in %d window(s) (method=%s%s)",
@@ -140,6 +121,51 @@ def measured_model(model: PreTrainedModel, weights: WeightSpec | None) -> tuple[
     from kvq_export.export.weights import dequantized_model
 
     return dequantized_model(model, weights), measured_on
+
+
+def _choose_high_channels(model: PreTrainedModel, samples: Samples, high: Streams, static: dict) -> None:
+    """Choose each high-channel stream's 8-bit channels into ``static`` (values: weighed through ``o_proj``)."""
+    for layer, part, tq in high:
+        o_proj = model.model.layers[layer].self_attn.o_proj.weight.detach().cpu() if part == "value" else None
+        static.setdefault(layer, {}).setdefault(part, {})[HIGH_CHANNELS] = choose_high_channels(
+            samples[layer], part, tq, o_proj)
+
+
+def _chosen(static: dict, layer: int, part: str) -> torch.Tensor | None:
+    """A static stream's high channels, chosen by :func:`_choose_high_channels` (None without)."""
+    import torch
+
+    high = static.get(layer, {}).get(part, {}).get(HIGH_CHANNELS)
+    return None if high is None else torch.as_tensor(high).to(torch.int64)
+
+
+def _attention_scales(samples: Samples, targets: Streams, static: dict, head_dim: int) -> None:
+    """The ``attention`` method: each static stream's metadata chosen by its effect on the sampled attention."""
+    with task("calibration: streams", total=len(targets)) as advance:
+        for layer, part, tq in targets:
+            rotation = rotation_matrix(tq.rotation, head_dim)
+            static.setdefault(layer, {}).setdefault(part, {}).update(attention_metadata(
+                [s.rotated(rotation) for s in samples[layer]], part, tq, _chosen(static, layer, part)))
+            advance()
+
+
+def _stream_scales(model: PreTrainedModel, windows: Sequence[Sequence[int]], samples: Samples | None,
+                   targets: Streams, static: dict, num_layers: int, head_dim: int, method: str,
+                   percentile: float) -> None:
+    """``absmax`` / ``percentile``: each static stream's metadata from every window's K/V of that stream."""
+    import torch
+
+    if samples is None:
+        with task("calibration: forward passes", total=len(windows)) as advance:
+            collected = collect_kv(model, windows, {(layer, part) for layer, part, _ in targets}, num_layers, advance)
+    else:  # the samples hold every window's K/V already (the same forward passes)
+        collected = {(layer, part): torch.cat([s.keys if part == "key" else s.values for s in samples[layer]],
+                                              dim=1) for layer, part, _ in targets}
+    for layer, part, tq in targets:
+        # a rotated stream stores (and so quantizes) x @ R: its static scales belong to that basis
+        values = rotate_torch(collected.pop((layer, part)), rotation_matrix(tq.rotation, head_dim))
+        static.setdefault(layer, {}).setdefault(part, {}).update(
+            stream_metadata(values, tq, method, percentile, _chosen(static, layer, part)))
 
 
 def _checked(static: dict, scheme: KVQuantScheme, facts, measured_on: dict | None) -> Calibration:
