@@ -30,7 +30,7 @@ class Plan:
     uniform: list[dict[str, Any]] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
     #: onnxruntime-genai's view of an ort-gqa plan (None for one GroupQueryAttention cannot hold): whether it
-    #: serves the plan, and if not why, and the nearest plan it serves (see :func:`genai_view`)
+    #: serves the plan, and if not why, and the nearest plan it serves (see :func:`~kvq_export.plan.genai.genai_view`)
     genai: dict[str, Any] | None = None
     #: that nearest plan's scheme (None when the plan itself is served, or no plan of one cache type fits)
     genai_nearest: KVQuantScheme | None = None
@@ -63,7 +63,7 @@ class Plan:
         return static
 
     def servable(self) -> Plan:
-        """The plan onnxruntime-genai serves: this one, or its nearest such plan (:func:`genai_view`) under its name.
+        """The plan onnxruntime-genai serves: this one, or its nearest such plan (:mod:`.genai`) under its name.
 
         The nearest plan is what ``kvq plan --candidates`` of its one-cache-type candidates writes (the report's
         ``onnxruntime_genai.nearest.candidates``); the measured damages stay those of every candidate.
