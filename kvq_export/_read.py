@@ -10,6 +10,7 @@ Every such file is read through :func:`read_bytes`, which never takes more than 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 from collections.abc import Iterable
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from kvq_export.errors import KVQError
+
+logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 #: a prompts file, a scheme or a manifest: text a person writes or kvq writes, far below this
@@ -137,3 +140,18 @@ def check_sizes(directory: str | os.PathLike[str], names: Iterable[str], what: s
             raise error(f"{what} {path} is not a regular file")
         if st.st_size > limit:
             raise error(f"{what} {path} is {st.st_size} bytes; kvq reads at most {_size_label(limit)} of it")
+
+
+_warned_shadowed: set[tuple[str, str]] = set()
+
+
+def warn_shadowed(name: str, meaning: str) -> None:
+    """Log that a bare ``name`` kvq reads as ``meaning`` is also a path here, which is then not used.
+
+    The name always wins, wherever the command runs; the warning says so, and how to name the path instead.
+    """
+    key = (name, os.getcwd())
+    if key not in _warned_shadowed and os.path.lexists(name):
+        _warned_shadowed.add(key)  # once per name and directory: a name is resolved many times in one command
+        logger.warning("%r names %s; %s in the current directory is not used (give ./%s to use it)", name, meaning,
+                       name, name)

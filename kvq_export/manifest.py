@@ -239,7 +239,7 @@ class Manifest:
 
 
 # -- the graph is the source of truth for what it fixes ---------------------------------------------------------
-def graph_metadata(scheme: KVQuantScheme, model: ModelFacts, *, flavor: str, layout: str, dtype: str,
+def graph_metadata(scheme: KVQuantScheme, model: ModelFacts, *, flavor: str, layout: str, dtype: str, opset: int,
                    calibration_digest: str | None, tokenizer: TokenizerFacts | None = None) -> dict[str, str]:
     """The ONNX metadata an exporter writes into the graph: everything the graph fixes, as the manifest spells it.
 
@@ -248,7 +248,8 @@ def graph_metadata(scheme: KVQuantScheme, model: ModelFacts, *, flavor: str, lay
     """
     facts = {k: v for k, v in model.to_dict().items() if k != "source"}
     out = {GRAPH_SCHEME_KEY: scheme.to_json(indent=None), GRAPH_MODEL_KEY: json.dumps(facts, sort_keys=True),
-           GRAPH_BUILD_KEY: json.dumps({"flavor": flavor, "layout": layout, "dtype": dtype}, sort_keys=True)}
+           GRAPH_BUILD_KEY: json.dumps({"flavor": flavor, "layout": layout, "dtype": dtype, "opset": opset},
+                                       sort_keys=True)}
     if calibration_digest is not None:
         out[GRAPH_CALIBRATION_KEY] = calibration_digest
     if tokenizer is not None:
@@ -283,8 +284,11 @@ def check_graph_metadata(directory: str | os.PathLike[str], manifest: Manifest, 
                                     f"{have.get(name)!r}, the graph's is {want.get(name)!r}; the manifest was edited")
     if GRAPH_BUILD_KEY in carried:
         want = _json_object(directory, carried[GRAPH_BUILD_KEY], GRAPH_BUILD_KEY)
-        have = {"flavor": manifest.flavor, "layout": manifest.layout, "dtype": manifest.dtype}
+        have = {"flavor": manifest.flavor, "layout": manifest.layout, "dtype": manifest.dtype,
+                "opset": manifest.opset}
         for name in sorted(have):
+            if name == "opset" and name not in want:  # recorded since; an older graph is not checked for it
+                continue
             if want.get(name) != have[name]:
                 field = "cache.layout_name" if name == "layout" else name
                 raise RuntimeInputError(f"{edited} {field} {have[name]!r}, the graph was built as "

@@ -28,7 +28,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from kvq_export._atomic import write_dir_atomically
-from kvq_export._read import TEXT_LIMIT, TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes, file_sha256, read_json
+from kvq_export._read import (
+    TEXT_LIMIT,
+    TOKENIZER_FILES,
+    TOKENIZER_LIMIT,
+    check_sizes,
+    file_sha256,
+    read_json,
+    warn_shadowed,
+)
 from kvq_export.errors import ModelError
 from kvq_export.export.arch import get_arch
 from kvq_export.gguf_header import GgufHeader, read_gguf_header
@@ -98,6 +106,7 @@ def resolve_spec(spec: str | os.PathLike[str]) -> ModelSource:
     """Turn a model spec into a :class:`ModelSource`; raise :class:`ModelError` if it names nothing usable."""
     text = os.fspath(spec)
     if text in BUILTIN_MODELS:
+        warn_shadowed(text, "kvq's built-in model")
         return ModelSource("gguf", _builtin_path(text))
     # Absolute once, here: every later reader (transformers' GGUF loader resolves a bare file name against the
     # current directory) then sees the one file the user named.

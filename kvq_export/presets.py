@@ -10,7 +10,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from kvq_export._read import read_text
+from kvq_export._read import read_text, warn_shadowed
 from kvq_export.errors import SchemeError
 from kvq_export.scheme import INT_BITS, KVQuantScheme, TensorQuant
 
@@ -152,6 +152,7 @@ def resolve_scheme(spec: str | KVQuantScheme) -> KVQuantScheme:
     if isinstance(spec, KVQuantScheme):
         return spec
     if spec in PRESETS:
+        warn_shadowed(spec, "a preset scheme")
         return PRESETS[spec][0]
     text = spec.strip()
     if text.startswith("{"):

@@ -21,6 +21,8 @@ from tiny_models import WORDS, save_tiny_model_dir
 from kvq_export.cli import cli
 from kvq_export.export.exporter import export_model
 from kvq_export.manifest import Manifest
+from kvq_export.model_source import resolve_spec
+from kvq_export.presets import resolve_scheme
 from kvq_export.request import CalibrationSpec
 
 SEED = int(os.environ.get("KVQ_TEST_SEED", "0"))
@@ -164,7 +166,8 @@ FACT_EDITS = {
     "model_type": lambda v: "mistral",
     "rope": lambda v: {**v, "parameters": {**v["parameters"], "rope_theta": 5e5}},
 }
-TOP_EDITS = {"flavor": lambda v: "ort-gqa" if v == "reference" else "reference", "dtype": lambda v: "fp16"}
+TOP_EDITS = {"flavor": lambda v: "ort-gqa" if v == "reference" else "reference", "dtype": lambda v: "fp16",
+             "opset": lambda v: v - 1}
 
 
 @pytest.mark.parametrize("which", ["kivi", "gqa"])
@@ -181,7 +184,8 @@ def test_an_edited_model_fact_or_flavour_is_refused_on_load(request, which, fiel
     with pytest.raises(RuntimeInputError) as err:
         KVQSession(directory)
     assert "\n" not in str(err.value)
-    if field in ("scaling", "max_position_embeddings", "vocab_size", "flavor", "dtype", "rope", "tie_word_embeddings"):
+    if field in ("scaling", "max_position_embeddings", "vocab_size", "flavor", "dtype", "opset", "rope",
+                 "tie_word_embeddings"):
         assert "the manifest was edited" in str(err.value), str(err.value)
 
 
@@ -723,3 +727,18 @@ def test_the_default_engine_path_lies_beside_the_export(kivi):
 
     assert export_containing(default_engine_path(kivi)) is None
     assert default_engine_path(kivi).parent == kivi.resolve().parent
+
+
+@pytest.mark.parametrize("name, make, resolve", [
+    ("fp16", lambda p: p.write_text("{}"), resolve_scheme),
+    ("smollm2", lambda p: p.mkdir(), resolve_spec),
+])
+def test_a_name_that_is_also_a_path_here_says_which_one_is_used(tmp_path, monkeypatch, caplog, name, make, resolve):
+    """A preset or built-in name always wins over a same-named path in the current directory, and says so once."""
+    monkeypatch.chdir(tmp_path)
+    make(tmp_path / name)
+    with caplog.at_level("WARNING"):
+        resolve(name)
+        resolve(name)
+    said = [r.getMessage() for r in caplog.records if "not used" in r.getMessage()]
+    assert len(said) == 1 and f"give ./{name} to use it" in said[0], said

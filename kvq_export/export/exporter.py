@@ -274,7 +274,7 @@ def build_graph(plan: ExportPlan, source: Source, static: Calibration | None) ->
     digest = static.digest() if static is not None and request.scheme.needs_calibration else None
     graph.metadata_props.update(graph_metadata(request.scheme, plan.facts, flavor=str(plan.flavor.name),
                                                layout=plan.flavor.layout.name, dtype=request.dtype,
-                                               calibration_digest=digest,
+                                               opset=request.opset, calibration_digest=digest,
                                                tokenizer=_tokenizer_facts(source.tokenizer, source.model.config)))
     return graph, cache
 
