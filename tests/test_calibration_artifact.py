@@ -23,7 +23,8 @@ from kvq_export.calibration import Calibration
 from kvq_export.calibration.artifact import HIGH_CHANNELS, PARTS
 from kvq_export.errors import KVQError, RuntimeInputError, SchemeError
 from kvq_export.export.exporter import export_model
-from kvq_export.manifest import Manifest, check_graph_calibration, load_static
+from kvq_export.graph_facts import check_graph_calibration
+from kvq_export.manifest import Manifest, load_static
 from kvq_export.presets import get_preset
 from kvq_export.request import CalibrationSpec
 

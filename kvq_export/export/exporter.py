@@ -52,15 +52,8 @@ from kvq_export.export.arch import Arch, get_arch
 from kvq_export.export.budget import PlannedScheme, plan_request
 from kvq_export.export.flavors import Flavor, FlavorName, Runtime, flavor_names, get_flavor
 from kvq_export.export.genai_package import RUNTIME, write_genai_files
-from kvq_export.manifest import (
-    CALIBRATION_NAME,
-    MANIFEST_NAME,
-    MODEL_NAME,
-    Manifest,
-    graph_metadata,
-    verify_weights,
-    weight_checksums,
-)
+from kvq_export.graph_facts import graph_metadata
+from kvq_export.manifest import CALIBRATION_NAME, MANIFEST_NAME, MODEL_NAME, Manifest, verify_weights, weight_checksums
 from kvq_export.manifest_sections import BuildRecord, CalibrationRecord, GraphValue, TokenizerFacts
 from kvq_export.model_digest import model_digest, model_identity
 from kvq_export.model_facts import ModelFacts

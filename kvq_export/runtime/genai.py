@@ -25,15 +25,13 @@ from kvq_export.calibration.artifact import describe_weights
 from kvq_export.errors import ExportError, RuntimeInputError
 from kvq_export.export.genai_package import GENAI_CONFIG, GENAI_MODEL, RUNTIME, genai_config, unsupported_reason
 from kvq_export.export.gqa_capability import unsupported
+from kvq_export.graph_facts import check_graph_calibration, check_graph_metadata, read_graph_metadata
 from kvq_export.manifest import (
     Manifest,
     check_export_files,
-    check_graph_calibration,
-    check_graph_metadata,
     check_same_export,
     export_identity,
     load_static,
-    read_graph_metadata,
     resolve_inside,
 )
 from kvq_export.manifest import verify_weights as check_weights

@@ -29,12 +29,11 @@ import numpy as np
 from kvq_export._read import TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes
 from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError, RuntimeInputError
+from kvq_export.graph_facts import check_graph_calibration, check_graph_metadata
 from kvq_export.manifest import (
     MODEL_NAME,
     Manifest,
     check_export_files,
-    check_graph_calibration,
-    check_graph_metadata,
     check_same_export,
     export_identity,
     load_static,
