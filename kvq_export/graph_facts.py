@@ -111,35 +111,49 @@ def check_graph_metadata(directory: str | os.PathLike[str], manifest: Manifest, 
                                         "replaced; export again")
 
 
+def check_graph_facts(directory: str | os.PathLike[str], manifest: Manifest, graph: str | os.PathLike[str],
+                      static: Calibration | None, *, carried: Mapping[str, str] | None = None) -> None:
+    """Refuse a manifest or calibration file that disagrees with the graph at ``graph``, read once without weights.
+
+    Its metadata (or ``carried``: the metadata a runtime already read from its own session, when the graph then
+    need not be parsed unless there are constants to compare) with :func:`check_graph_metadata`, and with a
+    calibration file its constants with :func:`check_graph_calibration`.
+    """
+    proto = _load_graph_proto(graph) if carried is None or static is not None else None
+    check_graph_metadata(directory, manifest, _metadata(proto) if carried is None else carried, static)
+    check_graph_calibration(directory, manifest, graph, static, proto=proto)
+
+
 def check_graph_calibration(directory: str | os.PathLike[str], manifest: Manifest, graph: str | os.PathLike[str],
-                            calibration: Calibration | None) -> None:
+                            calibration: Calibration | None, *, proto=None) -> None:
     """Refuse a calibration file whose arrays are not the constants the graph at ``graph`` computes with.
 
     Digests only say that two files were written together; the graph's own scales, zero points and high-channel
     constants are what it runs, so a calibration file (with recomputed digests) that disagrees is refused.
+    ``proto``: the graph already read without its weights (:func:`read_graph_constants`).
     """
     if calibration is None:
         return
-    constants = read_graph_constants(graph, Calibration.reads_graph_constant)
+    constants = read_graph_constants(graph, Calibration.reads_graph_constant, proto=proto)
     compared = calibration.check_graph(constants, manifest.scheme, manifest.model, error=RuntimeInputError)
     if not compared:
         raise RuntimeInputError(f"{directory}: {Path(graph).name} holds none of the constants of "
                                 f"{manifest.calibration.file}: the graph was not built from it; export again")
 
 
-def read_graph_constants(path: str | os.PathLike[str], wanted, *,
-                         limit: int = CALIBRATION_LIMIT) -> dict[str, np.ndarray]:
+def read_graph_constants(path: str | os.PathLike[str], wanted, *, limit: int = CALIBRATION_LIMIT,
+                         proto=None) -> dict[str, np.ndarray]:
     """The initializers of an ONNX file whose names ``wanted(name)`` accepts, within ``limit`` bytes in all.
 
     Other weights are not read. A tensor kept in the external data file is read from its recorded offset in a
-    file inside the graph's directory.
+    file inside the graph's directory. ``proto``: the file already read without its weights (it is not read again).
     """
     import onnx
     from onnx import numpy_helper
     from onnx.external_data_helper import uses_external_data
 
     graph = Path(path)
-    model = _load_graph_proto(graph)
+    model = _load_graph_proto(graph) if proto is None else proto
     out: dict[str, np.ndarray] = {}
     total = 0
     for tensor in model.graph.initializer:
@@ -193,7 +207,11 @@ def _json_object(directory, text: str, key: str) -> dict[str, Any]:
 
 def read_graph_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
     """The metadata of an ONNX file (its weights are not read)."""
-    return {entry.key: entry.value for entry in _load_graph_proto(path).metadata_props}
+    return _metadata(_load_graph_proto(path))
+
+
+def _metadata(proto) -> dict[str, str]:
+    return {entry.key: entry.value for entry in proto.metadata_props}
 
 
 def _load_graph_proto(path: str | os.PathLike[str]):

@@ -25,10 +25,9 @@ from kvq_export.calibration.artifact import describe_weights
 from kvq_export.errors import ExportError, RuntimeInputError
 from kvq_export.export.genai_package import GENAI_CONFIG, GENAI_MODEL, RUNTIME, genai_config, unsupported_reason
 from kvq_export.export.gqa_capability import unsupported
-from kvq_export.graph_facts import check_graph_calibration, check_graph_metadata, read_graph_metadata
+from kvq_export.graph_facts import check_graph_facts
 from kvq_export.manifest import (
     Manifest,
-    check_export_files,
     check_same_export,
     export_identity,
     load_static,
@@ -192,8 +191,7 @@ class GenaiSession:
                  verify_weights: bool = True, providers: Sequence[str] | None = None) -> None:
         self.directory = Path(directory)
         opened = export_identity(self.directory) if self.directory.is_dir() else None
-        self.manifest = Manifest.load(self.directory)
-        check_export_files(self.directory, self.manifest)  # an export is data: nothing it names leaves it
+        self.manifest = Manifest.load(self.directory)  # checks that nothing the export names leaves it
         if verify_weights:
             check_weights(self.directory, self.manifest)
         if not (self.directory / GENAI_CONFIG).is_file():
@@ -204,8 +202,7 @@ class GenaiSession:
         # the graph og runs is the source of truth: the manifest (and calibration file) must describe it
         static = load_static(self.directory, self.manifest)
         graph = resolve_inside(self.directory, GENAI_MODEL)
-        check_graph_metadata(self.directory, self.manifest, read_graph_metadata(graph), static)
-        check_graph_calibration(self.directory, self.manifest, graph, static)
+        check_graph_facts(self.directory, self.manifest, graph, static)
         self.og = require("onnxruntime_genai")
         self.threads = threads or default_threads()
         self.providers = None if providers is None else list(providers)

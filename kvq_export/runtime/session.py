@@ -29,7 +29,7 @@ import numpy as np
 from kvq_export._read import TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes
 from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError, RuntimeInputError
-from kvq_export.graph_facts import check_graph_calibration, check_graph_metadata
+from kvq_export.graph_facts import check_graph_facts
 from kvq_export.manifest import (
     MODEL_NAME,
     Manifest,
@@ -165,8 +165,7 @@ class KVQSession:
         self.capacity = capacity
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
             raise RuntimeInputError(f"invalid capacity={capacity!r}: allowed: an integer >= 1")
-        self._check_graph()
-        check_graph_calibration(self.directory, self.manifest, model_path, self.static)  # the graph holds the truth
+        self._check_graph(model_path)
         #: extra graph outputs fetched by every step (validation probes), values left in ``last_extra``
         self.extra_outputs: tuple[str, ...] = ()
         self.last_extra: dict[str, np.ndarray] = {}
@@ -176,8 +175,8 @@ class KVQSession:
         check_same_export(self.directory, opened, "while this session opened it")
 
     # -- contract checks ----------------------------------------------------------------------------------
-    def _check_graph(self) -> None:
-        """The graph's inputs/outputs and its own scheme must be exactly what the manifest promises."""
+    def _check_graph(self, model_path: Path) -> None:
+        """The graph's inputs/outputs, its own facts and constants must be exactly what the manifest promises."""
         graph_inputs = {i.name: i for i in self.session.get_inputs()}
         graph_outputs = {o.name: o for o in self.session.get_outputs()}
         # the manifest's declared inputs/outputs too (read by the TensorRT builder): an edited name or dtype is refused
@@ -195,8 +194,9 @@ class KVQSession:
                 if graph[name].type != DType.get(dtype).ort_type:
                     raise RuntimeInputError(
                         f"graph {kind} {name}: manifest says {DType.get(dtype).ort_type}, graph has {graph[name].type}")
-        check_graph_metadata(self.directory, self.manifest, self.session.get_modelmeta().custom_metadata_map,
-                             self.static)
+        # the graph holds the truth: its metadata as this session read it, and its constants
+        check_graph_facts(self.directory, self.manifest, model_path, self.static,
+                          carried=self.session.get_modelmeta().custom_metadata_map)
         fixed = {t.name: t.shape for t in self.past}
         for value in self.session.get_inputs():
             want = fixed.get(value.name)
