@@ -15,17 +15,10 @@ from typing import Any, Protocol
 from kvq_export.cache_layout import split_lengths
 from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError, SchemeError
+from kvq_export.model_facts import CacheGeometry
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
 BREAKDOWN_KEYS = ("payload", "scales", "zero_points", "high_precision", "padding")
-
-
-class CacheGeometry(Protocol):
-    """What the memory model needs to know about a model (``ModelFacts`` satisfies it)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
 
 
 @dataclass(frozen=True)

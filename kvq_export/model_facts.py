@@ -11,12 +11,23 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvq_export.errors import RuntimeInputError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+class CacheGeometry(Protocol):
+    """The three facts that size a KV cache: what the memory model and a calibration's checks read of a model.
+
+    :class:`ModelFacts` has them; :class:`kvq_export.memory.Geometry` is a plain one for quick calculations.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
 
 #: Upper bounds of the integer facts: a mistyped huge value must not make a loader build millions of names.
 INT_FACTS = {"num_layers": 4096, "num_heads": 4096, "num_kv_heads": 4096, "head_dim": 65536,

@@ -30,7 +30,7 @@ import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from kvq_export._atomic import atomic_writer
 from kvq_export._read import CALIBRATION_LIMIT, read_bytes
 from kvq_export.dtypes import DType
 from kvq_export.errors import CalibrationWeightsError, KVQError, SchemeError
+from kvq_export.model_facts import CacheGeometry
 from kvq_export.vocab import Part
 
 if TYPE_CHECKING:
@@ -63,14 +64,6 @@ GRAPH_ROLES = ("scales", "zero_points", "offset", "channel_order", "high_channel
 
 StaticLike = Mapping[int, Mapping[str, Mapping[str, Any]]]
 """``{layer: {"key"|"value": {role: array}}}`` with numpy arrays, torch tensors or nested lists."""
-
-
-class CacheGeometry(Protocol):
-    """What :meth:`Calibration.check` needs of a model (a :class:`~kvq_export.model_facts.ModelFacts` has it)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
 
 
 def static_streams(scheme: KVQuantScheme, num_layers: int) -> list[tuple[int, str, TensorQuant]]:
