@@ -27,6 +27,7 @@ import numpy as np
 
 from kvq_export.dtypes import DType, onnx_name
 from kvq_export.errors import RuntimeInputError
+from kvq_export.model_facts import CacheGeometry
 from kvq_export.naming import (
     CAPACITY_AXIS,
     DIRECTIONS,
@@ -168,22 +169,23 @@ class CacheLayout:
         """The tensors of one layer's keys or values."""
         raise NotImplementedError
 
-    def tensors(self, scheme: KVQuantScheme, *, num_layers: int, kv_heads: int, head_dim: int,
+    def tensors(self, scheme: KVQuantScheme, geometry: CacheGeometry,
                 direction: Direction = Direction.PAST) -> list[CacheTensor]:
         """Every cache tensor crossing the graph boundary in ``direction`` (``past`` or ``present``).
 
-        Static scales are model constants, not cache state: they live in the graph and the manifest's
-        calibration section, not here.
+        ``geometry``: the model's :class:`~kvq_export.model_facts.ModelFacts` or a plain
+        :class:`~kvq_export.model_facts.Geometry`. Static scales are model constants, not cache state: they
+        live in the graph and the manifest's calibration section, not here.
         """
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         direction = Direction(direction)
         out = [CacheTensor(tensor_name(direction, None, None, Role.SEQ_LENGTHS), direction, None, None,
                            Role.SEQ_LENGTHS, "int64", ("batch",))]
-        for layer, streams in enumerate(scheme.streams(num_layers)):
+        for layer, streams in enumerate(scheme.streams(geometry.num_layers)):
             for part, tq in zip(PARTS, streams):
-                out.extend(self.stream_tensors(direction, layer, part, tq, scheme, kv_heads=kv_heads,
-                                               head_dim=head_dim))
+                out.extend(self.stream_tensors(direction, layer, part, tq, scheme, kv_heads=geometry.num_kv_heads,
+                                               head_dim=geometry.head_dim))
         return out
 
     # -- runtime -------------------------------------------------------------------------------------------

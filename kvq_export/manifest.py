@@ -117,8 +117,7 @@ class Manifest:
 
     def cache(self, direction: str = "past") -> list[CacheTensor]:
         """Cache tensors for ``direction`` (recomputed from the scheme: the single naming function)."""
-        return self.cache_layout.tensors(self.scheme, num_layers=self.num_layers, kv_heads=self.model.num_kv_heads,
-                                         head_dim=self.model.head_dim, direction=direction)
+        return self.cache_layout.tensors(self.scheme, self.model, direction)
 
     # -- (de)serialisation ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -22,15 +22,6 @@ BREAKDOWN_KEYS = ("payload", "scales", "zero_points", "high_precision", "padding
 
 
 @dataclass(frozen=True)
-class Geometry:
-    """A plain :class:`CacheGeometry` (for tests and quick calculations)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-
-@dataclass(frozen=True)
 class MemoryReport:
     """Predicted cache bytes for one (scheme, model, length, batch)."""
 

@@ -21,8 +21,17 @@ if TYPE_CHECKING:
 class CacheGeometry(Protocol):
     """The three facts that size a KV cache: what the memory model and a calibration's checks read of a model.
 
-    :class:`ModelFacts` has them; :class:`kvq_export.memory.Geometry` is a plain one for quick calculations.
+    :class:`ModelFacts` has them; :class:`Geometry` is a plain one for quick calculations.
     """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A plain :class:`CacheGeometry` (for tests and quick calculations)."""
 
     num_layers: int
     num_kv_heads: int

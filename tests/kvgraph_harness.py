@@ -13,6 +13,7 @@ from kvq_export.cache_layout import REGIONS
 from kvq_export.dtypes import DType
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.kv_graph import QuantizedCacheGraph
+from kvq_export.model_facts import Geometry
 from kvq_export.naming import present_name
 from kvq_export.presets import PRESETS
 from kvq_export.reference.cache import LayerCache, StreamCache
@@ -52,7 +53,7 @@ class CacheOnly:
         cg.end(b)
         model = ir.serde.serialize_model(b.build())
         self.session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        self.past = REGIONS.tensors(scheme, num_layers=1, kv_heads=kv_heads, head_dim=head_dim)
+        self.past = REGIONS.tensors(scheme, Geometry(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim))
 
     def empty(self, batch: int) -> dict:
         from kvq_export.runtime.session import _ort_value

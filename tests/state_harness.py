@@ -157,7 +157,8 @@ def check_against_reference(directory, model, scheme, prompts: list[list[int]], 
     else:  # float noise upstream moved a few codes by one step (bounded above): their effect, not a bug's
         assert worst <= 1e-3 * scale, f"{label}: max |Δlogits| {worst:.2e}, {flipped} codes moved"
     if len(prompts) == 1:  # measured bytes held == the memory model's prediction (static scales live in the graph)
-        from kvq_export.memory import Geometry, predict
+        from kvq_export.memory import predict
+        from kvq_export.model_facts import Geometry
 
         geo = Geometry(model.config.num_hidden_layers, model.config.num_key_value_heads, 32)
         report = predict(scheme, geo, len(prompts[0]) + len(stream))

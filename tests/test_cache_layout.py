@@ -13,6 +13,7 @@ from kvq_export.cache_layout import BUFFER, LAYOUTS, REGIONS, RegionSplit, layou
 from kvq_export.errors import KVQError
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.kv_graph import _SplitOps
+from kvq_export.model_facts import Geometry
 from kvq_export.naming import CAPACITY_AXIS
 from kvq_export.presets import get_preset
 from kvq_export.vocab import Axis, Direction, Format, LayoutName, Part, Role
@@ -79,7 +80,7 @@ def test_layouts_are_named_and_an_unknown_name_is_refused():
 def test_arrays_fill_every_tensor_at_its_declared_shape(preset):
     scheme = get_preset(preset)
     layout = BUFFER if preset == "ort-int8" else REGIONS
-    specs = layout.tensors(scheme, num_layers=2, kv_heads=3, head_dim=32)
+    specs = layout.tensors(scheme, Geometry(num_layers=2, num_kv_heads=3, head_dim=32))
     for length, rng in ((0, None), (77, np.random.default_rng(0))):
         arrays = layout.arrays(specs, scheme, 2, batch=2, length=length, capacity=100, rng=rng)
         sizes = layout.axis_sizes(scheme, 2, length, 100)
@@ -97,7 +98,7 @@ def test_arrays_fill_every_tensor_at_its_declared_shape(preset):
 
 
 def test_a_buffer_grows_with_its_contents_kept():
-    spec = BUFFER.tensors(get_preset("ort-int8"), num_layers=1, kv_heads=2, head_dim=8)[1]
+    spec = BUFFER.tensors(get_preset("ort-int8"), Geometry(num_layers=1, num_kv_heads=2, head_dim=8))[1]
     old = np.arange(2 * 2 * 5 * 8, dtype=np.int8).reshape(2, 2, 5, 8)
     new = BUFFER.grown(spec, old, 12)
     assert new.shape == (2, 2, 12, 8) and new.dtype == np.int8
@@ -105,7 +106,7 @@ def test_a_buffer_grows_with_its_contents_kept():
 
 
 def test_cache_tensors_hold_members_and_describe_themselves_in_plain_strings():
-    specs = REGIONS.tensors(get_preset("kivi-4"), num_layers=1, kv_heads=2, head_dim=32, direction="present")
+    specs = REGIONS.tensors(get_preset("kivi-4"), Geometry(num_layers=1, num_kv_heads=2, head_dim=32), "present")
     assert [(s.direction, s.part, s.role) for s in specs[:2]] == [
         (Direction.PRESENT, None, Role.SEQ_LENGTHS), (Direction.PRESENT, Part.KEY, Role.SINKS)]
     codes = next(s for s in specs if s.role == Role.CODES)

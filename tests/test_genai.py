@@ -34,7 +34,8 @@ from kvq_export.export.genai_package import (
     genai_config,
 )
 from kvq_export.manifest import MODEL_NAME, Manifest
-from kvq_export.memory import Geometry, predict
+from kvq_export.memory import predict
+from kvq_export.model_facts import Geometry
 from kvq_export.plan import plan_scheme, scheme_from_choice
 from kvq_export.request import CalibrationSpec
 from kvq_export.runtime.genai import GenaiSession, builder_scale_file, serve_command

@@ -19,7 +19,8 @@ from kvgraph_harness import CacheOnly
 
 from kvq_export.errors import QuantizationError, SchemeError
 from kvq_export.export.gqa_flavor import unsupported
-from kvq_export.memory import Geometry, predict
+from kvq_export.memory import predict
+from kvq_export.model_facts import Geometry
 from kvq_export.presets import PRESETS, get_preset
 from kvq_export.reference.cache import LayerCache, StreamCache
 from kvq_export.reference.codec import dequantize_packed, pack, quantize, quantize_packed, unpack

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvq_export.memory import Geometry, predict
+from kvq_export.memory import predict
+from kvq_export.model_facts import Geometry
 from kvq_export.presets import PRESETS, get_preset
 from kvq_export.reference.cache import ReferenceCache
 from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant

@@ -271,7 +271,7 @@ def test_shipped_smollm2_plans_fit_the_model_and_their_budget(budget):
     """``models/smollm2-plan-*.json`` describe SmolLM2's cache within their budget, from their candidate sets."""
     from pathlib import Path
 
-    from kvq_export.memory import Geometry
+    from kvq_export.model_facts import Geometry
 
     path = Path(__file__).resolve().parents[1] / "models" / f"smollm2-plan-{budget}.json"
     scheme = KVQuantScheme.from_json(path.read_text())

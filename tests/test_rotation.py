@@ -27,7 +27,8 @@ from kvq_export.errors import ExportError, SchemeError
 from kvq_export.export.exporter import export_model
 from kvq_export.export.projections import fold_rotation
 from kvq_export.manifest import Manifest, decode_cache, load_static
-from kvq_export.memory import Geometry, predict
+from kvq_export.memory import predict
+from kvq_export.model_facts import Geometry
 from kvq_export.presets import PRESETS
 from kvq_export.reference.cache import LayerCache, StreamCache
 from kvq_export.rotation import hadamard, hadamard_blocks, rotate_torch, rotation_matrix

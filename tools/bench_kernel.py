@@ -34,7 +34,8 @@ import sys
 from kvq_plugins.attention import decode_attention
 from kvq_plugins.synthetic import random_layer_cache
 
-from kvq_export.memory import Geometry, predict
+from kvq_export.memory import predict
+from kvq_export.model_facts import Geometry
 from kvq_export.presets import resolve_scheme
 from kvq_export.validate.report import write_json
 from kvq_export.vocab import Role

@@ -44,7 +44,8 @@ import torch
 
 from kvq_export.calibration import calibrate_static_scales, calibration_windows
 from kvq_export.corpus import load_corpus, token_windows
-from kvq_export.memory import Geometry, predict
+from kvq_export.memory import predict
+from kvq_export.model_facts import Geometry
 from kvq_export.model_source import load_model
 from kvq_export.presets import resolve_scheme
 from kvq_export.reference.codec import dequantize, quantize

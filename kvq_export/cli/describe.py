@@ -6,7 +6,8 @@ import click
 
 from kvq_export import memory as mem
 from kvq_export.cli._base import STDOUT, cli, json_option, make_console, scheme_options, write_json_output
-from kvq_export.memory import BREAKDOWN_KEYS, WEIGHT_BREAKDOWN_KEYS, Geometry, predict
+from kvq_export.memory import BREAKDOWN_KEYS, WEIGHT_BREAKDOWN_KEYS, predict
+from kvq_export.model_facts import Geometry
 from kvq_export.model_source import load_config, model_facts, parameter_shapes
 from kvq_export.presets import PRESETS, presets_json, resolve_scheme
 from kvq_export.request import WEIGHT_BLOCK_SIZES, WeightFormat, WeightSpec

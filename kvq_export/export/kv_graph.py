@@ -37,6 +37,7 @@ from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.cache_graph import CacheGraph
 from kvq_export.export.graph_attention import attention_mask, grouped_query_attention
 from kvq_export.export.graph_codec import GraphCodec, HighChannels, dim, high_channel_choice, static_scales
+from kvq_export.model_facts import Geometry
 from kvq_export.naming import PARTS, PROBES, CacheTensor, packed_probe_name, probe_name, tensor_name
 from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import KVQuantScheme, TensorQuant
@@ -206,8 +207,7 @@ class LaidOutCache(CacheGraph):
 
     def cache_specs(self, direction: str) -> list[CacheTensor]:
         """The cache tensors crossing the graph boundary in ``direction``, as :attr:`layout` names them."""
-        return self.layout.tensors(self.scheme, num_layers=self.num_layers, kv_heads=self.kv_heads,
-                                   head_dim=self.head_dim, direction=direction)
+        return self.layout.tensors(self.scheme, Geometry(self.num_layers, self.kv_heads, self.head_dim), direction)
 
 
 class QuantizedCacheGraph(LaidOutCache):

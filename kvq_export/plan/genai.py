@@ -10,6 +10,7 @@ from kvq_export.errors import KVQError
 from kvq_export.export.genai_package import mixed_types_reason
 from kvq_export.export.gqa_capability import unsupported
 from kvq_export.memory import predict
+from kvq_export.model_facts import Geometry
 from kvq_export.plan.allocation import RESOLUTION, Option, allocate, scheme_from_choice
 from kvq_export.plan.candidates import CANDIDATE_SETS
 from kvq_export.scheme import KVQuantScheme, TensorQuant
@@ -34,7 +35,7 @@ def genai_view(scheme: KVQuantScheme, options: Sequence[Sequence[Option]], budge
         return None, None
 
     def buffers(s: KVQuantScheme, num_layers: int):
-        return BUFFER.tensors(s, num_layers=num_layers, kv_heads=heads, head_dim=dim)
+        return BUFFER.tensors(s, Geometry(num_layers, heads, dim))
 
     reason = mixed_types_reason(buffers(scheme, layers), layers)
     if reason is None:
