@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvq_export._atomic import atomic_write
-from kvq_export._read import file_sha256, parse_json, read_text
+from kvq_export._read import file_sha256, parse_json, read_bytes, read_text
 from kvq_export.cache_layout import REGIONS, CacheLayout, layout_named
 from kvq_export.calibration.artifact import Calibration
 from kvq_export.dtypes import COMPUTE_DTYPES
@@ -254,10 +254,9 @@ def export_identity(directory: str | os.PathLike[str]) -> tuple[int, int, str]:
     checksums or another build; a session compares this before and after it reads anything lazily.
     """
     st = os.stat(directory)
-    try:
-        manifest = (Path(directory) / MANIFEST_NAME).read_bytes()
-    except OSError:
-        manifest = b""
+    path = Path(directory) / MANIFEST_NAME
+    # capped like Manifest.load: a sparse or endless kvq.json is refused, not read whole to be hashed
+    manifest = read_bytes(path, "manifest", error=RuntimeInputError) if os.path.lexists(path) else b""
     return st.st_dev, st.st_ino, hashlib.sha256(manifest).hexdigest()
 
 

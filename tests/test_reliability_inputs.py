@@ -451,6 +451,12 @@ def test_a_sparse_export_file_is_refused_without_reading_it(tiny_export, tmp_pat
                                       "--no-verify"])
     line = _one_line_error(result)
     assert name in line and f"{size} bytes" in line and "MiB" in line
+    if name == "kvq.json":  # the identity a session pins on open is capped too (it read the GiBs to hash them)
+        from kvq_export.errors import RuntimeInputError
+        from kvq_export.manifest import export_identity
+
+        with pytest.raises(RuntimeInputError, match="kvq reads at most"):
+            export_identity(export_dir)
 
 
 def test_a_sparse_tokenizer_file_of_a_model_directory_is_refused(tiny_dir, tmp_path):
