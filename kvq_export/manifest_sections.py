@@ -14,17 +14,14 @@ from typing import Any
 
 from kvq_export.errors import RuntimeInputError
 from kvq_export.model_facts import json_field as _get
+from kvq_export.model_facts import refuse_unknown
 
 
 def _known(data: Any, cls: type, where: str) -> Mapping[str, Any]:
     """``data`` checked to be an object whose keys are all fields of ``cls``."""
     if not isinstance(data, Mapping):
         raise RuntimeInputError(f"field {where!r} must be an object, got {type(data).__name__}")
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise RuntimeInputError(f"unknown field(s) {', '.join(f'{where}.{k}' for k in map(str, unknown))}; "
-                                f"allowed: {', '.join(names)}")
+    refuse_unknown(data, (f.name for f in dataclasses.fields(cls)), f"{where}.")
     return data
 
 
