@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 from typing import Any
 
 import click
@@ -76,8 +77,6 @@ def distinct_outputs(outputs: dict[str, str | None], inputs: dict[str, str | Non
     scheme), and an output over an input destroys it (``--json`` over the ``--corpus`` file). Keys are the option
     names; None and ``-`` (stdout) are skipped. Raises :class:`OutputPathError` before any work.
     """
-    import os
-
     seen: dict[str, str] = {}
     for option, path in (inputs or {}).items():
         if path is not None and path != STDOUT and os.path.isfile(path):
