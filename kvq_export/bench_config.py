@@ -15,7 +15,8 @@ from typing import Any
 from kvq_export.dtypes import COMPUTE_DTYPES
 from kvq_export.errors import KVQError
 from kvq_export.export.flavors import flavor_names, get_flavor
-from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec, _int, _known
+from kvq_export.model_facts import known_fields
+from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec, _int
 
 DEFAULT_CONTEXTS = (512, 2048, 8192)
 DEFAULT_BATCHES = (1, 4)
@@ -119,7 +120,7 @@ class BenchConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> BenchConfig:
         """Parse :meth:`to_dict`'s form; missing fields but ``model`` take the defaults."""
-        values = _known(data, cls, "bench", KVQError)
+        values = dict(known_fields(data, cls, "", KVQError))
         model = values.pop("model", None)
         if model is None:
             raise KVQError("missing bench field 'model'")

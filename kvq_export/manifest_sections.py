@@ -14,15 +14,7 @@ from typing import Any
 
 from kvq_export.errors import RuntimeInputError
 from kvq_export.model_facts import json_field as _get
-from kvq_export.model_facts import refuse_unknown
-
-
-def _known(data: Any, cls: type, where: str) -> Mapping[str, Any]:
-    """``data`` checked to be an object whose keys are all fields of ``cls``."""
-    if not isinstance(data, Mapping):
-        raise RuntimeInputError(f"field {where!r} must be an object, got {type(data).__name__}")
-    refuse_unknown(data, (f.name for f in dataclasses.fields(cls)), f"{where}.")
-    return data
+from kvq_export.model_facts import known_fields
 
 
 def _set_fields(record: Any, *, keep_none: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -56,7 +48,7 @@ class GraphValue:
     @classmethod
     def from_dict(cls, data: Any, where: str) -> GraphValue:
         """Parse :meth:`to_dict`'s form; ``where`` names the entry in errors (``inputs[0]``)."""
-        data = _known(data, cls, where)
+        data = known_fields(data, cls, f"{where}.")
         shape = _get(data, "shape", list, where=f"{where}.")
         if not all(isinstance(d, (str, int)) and not isinstance(d, bool) for d in shape):
             raise RuntimeInputError(f"field '{where}.shape' must list dimension names and integers")
@@ -93,7 +85,7 @@ class TokenizerFacts:
     @classmethod
     def from_dict(cls, data: Any) -> TokenizerFacts:
         """Parse :meth:`to_dict`'s form; a missing field takes the default (an export without the section)."""
-        data = _known(data, cls, "tokenizer")
+        data = known_fields(data, cls, "tokenizer.")
         eos = data.get("eos_token_id")
         if isinstance(eos, list):
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
@@ -140,7 +132,7 @@ class CalibrationRecord:
     @classmethod
     def from_dict(cls, data: Any) -> CalibrationRecord:
         """Parse :meth:`to_dict`'s form."""
-        data = _known(data, cls, "calibration")
+        data = known_fields(data, cls, "calibration.")
         text = {name: _get(data, name, str, optional=name not in ("file", "digest"), where="calibration.")
                 for name in ("file", "digest", "source", "corpus", "method", "measured_on")}
         return cls(**text, tokens=_optional_int(data, "tokens", "calibration."),
@@ -163,7 +155,7 @@ class FileChecksum:
     @classmethod
     def from_dict(cls, data: Any, where: str) -> FileChecksum:
         """Parse :meth:`to_dict`'s form; ``where`` names the file's entry in errors."""
-        data = _known(data, cls, where)
+        data = known_fields(data, cls, f"{where}.")
         return cls(sha256=_get(data, "sha256", str, where=f"{where}."),
                    bytes=_get(data, "bytes", int, where=f"{where}."))
 
@@ -197,7 +189,7 @@ class BuildRecord:
     @classmethod
     def from_dict(cls, data: Any) -> BuildRecord:
         """Parse :meth:`to_dict`'s form."""
-        data = _known(data, cls, "build")
+        data = known_fields(data, cls, "build.")
         return cls(kvq_code=_get(data, "kvq_code", str, where="build."),
                    request=dict(_get(data, "request", dict, where="build.")),
                    source=_get(data, "source", dict, optional=True, where="build."),
@@ -224,7 +216,7 @@ class RuntimeSupport:
     @classmethod
     def from_dict(cls, data: Any, where: str) -> RuntimeSupport:
         """Parse :meth:`to_dict`'s form; ``where`` names the entry in errors."""
-        data = _known(data, cls, where)
+        data = known_fields(data, cls, f"{where}.")
         text = {name: _get(data, name, str, optional=True, where=f"{where}.")
                 for name in ("reason", "config", "model", "note")}
         flags = {name: _get(data, name, bool, optional=True, where=f"{where}.")

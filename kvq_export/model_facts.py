@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvq_export.errors import RuntimeInputError
+from kvq_export.errors import KVQError, RuntimeInputError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -45,13 +45,26 @@ _KIND_LABELS = {int: "an integer", float: "a number", str: "a string", bool: "a 
                 list: "a list"}
 
 
-def refuse_unknown(data: Mapping[str, Any], allowed: Iterable[str], where: str) -> None:
-    """A key kvq does not read is refused, naming it: an edited or newer manifest is never half-understood."""
+def refuse_unknown(data: Mapping[str, Any], allowed: Iterable[str], where: str,
+                   error: type[KVQError] = RuntimeInputError) -> None:
+    """A key kvq does not read is refused, naming it: an edited or newer file is never half-understood.
+
+    ``where`` prefixes the names (``"model."``; empty at a file's top level); ``error`` is the family member the
+    reader raises (kvq.json's :class:`RuntimeInputError`, a request's own), with one wording for every reader.
+    """
     allowed = list(allowed)
     unknown = sorted(map(str, set(data) - set(allowed)))
     if unknown:
-        raise RuntimeInputError(f"unknown field(s) {', '.join(where + k for k in unknown)}; allowed: "
-                                f"{', '.join(allowed)}")
+        raise error(f"unknown field(s) {', '.join(where + k for k in unknown)}; allowed: {', '.join(allowed)}")
+
+
+def known_fields(data: Any, cls: type, where: str, error: type[KVQError] = RuntimeInputError) -> Mapping[str, Any]:
+    """``data`` checked to be an object whose keys all name fields of the dataclass ``cls`` (:func:`refuse_unknown`)."""
+    if not isinstance(data, Mapping):
+        name = where.rstrip(".")
+        raise error(f"{f'field {name!r}' if name else 'the data'} must be an object, got {type(data).__name__}")
+    refuse_unknown(data, (f.name for f in fields(cls)), where, error)
+    return data
 
 
 def json_field(data: Mapping[str, Any], name: str, kind: type, *, optional: bool = False, where: str = "") -> Any:
@@ -163,9 +176,7 @@ class ModelFacts:
 
         Anything malformed is one :class:`RuntimeInputError` line naming the field and what it allows.
         """
-        if not isinstance(data, Mapping):
-            raise RuntimeInputError(f"field {where.rstrip('.')!r} must be an object, got {type(data).__name__}")
-        refuse_unknown(data, (f.name for f in fields(cls)), where)
+        known_fields(data, cls, where)
         ints = {}
         for name, top in INT_FACTS.items():
             value = json_field(data, name, int, where=where)

@@ -16,7 +16,6 @@ enums stay plain strings there.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from collections.abc import Mapping
@@ -27,6 +26,7 @@ from typing import Any
 from kvq_export.dtypes import COMPUTE_DTYPES
 from kvq_export.errors import ExportError, KVQError
 from kvq_export.export.flavors import FlavorName, get_flavor
+from kvq_export.model_facts import known_fields
 from kvq_export.presets import resolve_scheme
 from kvq_export.scheme import KVQuantScheme
 from kvq_export.vocab import WeightFormat, parse_enum
@@ -73,17 +73,6 @@ def _int(value: Any, where: str, least: int, error: type[KVQError]) -> int:
     return value
 
 
-def _known(data: Mapping[str, Any], cls: type, where: str, error: type[KVQError]) -> dict[str, Any]:
-    """``data`` as keyword arguments of ``cls``; an unknown key is refused with the allowed ones."""
-    if not isinstance(data, Mapping):
-        raise error(f"invalid {where}: expected an object, got {type(data).__name__}")
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise error(f"unknown {where} field(s) {', '.join(map(str, unknown))}; allowed: {', '.join(names)}")
-    return dict(data)
-
-
 @dataclass(frozen=True)
 class CalibrationSpec:
     """Where static scales (and calibrated high channels) come from.
@@ -119,7 +108,7 @@ class CalibrationSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CalibrationSpec:
         """Parse :meth:`to_dict`'s form; missing fields take the defaults."""
-        return cls(**_known(data, cls, "calibration", KVQError))
+        return cls(**known_fields(data, cls, "calibration.", KVQError))
 
 
 #: The calibration of every command that is given no other (a frozen, shared default).
@@ -177,7 +166,7 @@ class WeightSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> WeightSpec:
         """Parse :meth:`to_dict`'s form; missing fields take the defaults."""
-        return cls(**_known(data, cls, "weights", ExportError))
+        return cls(**known_fields(data, cls, "weights.", ExportError))
 
 
 @dataclass(frozen=True)
@@ -223,7 +212,7 @@ class PlanSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PlanSpec:
         """Parse :meth:`to_dict`'s form; missing fields but ``budget`` take the defaults."""
-        values = _known(data, cls, "plan", KVQError)
+        values = dict(known_fields(data, cls, "plan.", KVQError))
         if "budget" not in values:
             raise KVQError("missing plan field 'budget'")
         return cls(**values)
@@ -313,7 +302,7 @@ class ExportRequest:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ExportRequest:
         """Parse :meth:`to_dict`'s form."""
-        values = _known(data, cls, "request", ExportError)
+        values = dict(known_fields(data, cls, "", ExportError))
         if values.get("scheme") is None and values.get("plan") is None:
             raise ExportError("missing request field 'scheme' (or 'plan')")
         return cls(**{"model": None, **values})

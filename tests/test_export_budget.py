@@ -240,7 +240,7 @@ def test_request_takes_a_scheme_or_a_plan():
     ({"budget": 5, "candidates": " "}, r"invalid plan\.candidates=' '"),
     ({"budget": 5, "name": ""}, r"invalid plan\.name=''"),
     ({"context": 5}, r"missing plan field 'budget'"),
-    ({"budget": 5, "tokens": 5}, r"unknown plan field\(s\) tokens; allowed: budget, context"),
+    ({"budget": 5, "tokens": 5}, r"unknown field\(s\) plan\.tokens; allowed: budget, context"),
 ])
 def test_plan_spec_refusals(fields, message):
     with pytest.raises(KVQError, match=message):

@@ -81,7 +81,7 @@ def test_what_does_not_shape_an_export_is_left_out_of_its_json():
     (lambda: CalibrationSpec(percentile=40), KVQError, r"calibration\.percentile=40: allowed: a number in \(50, 100\]"),
     (lambda: CalibrationSpec(corpus=""), KVQError, r"calibration\.corpus='': allowed"),
     (lambda: CalibrationSpec.from_dict({"tokns": 3}), KVQError,
-     r"unknown calibration field\(s\) tokns; allowed: corpus"),
+     r"unknown field\(s\) calibration\.tokns; allowed: corpus"),
     (lambda: WeightSpec(format="int3"), ExportError, r"weights\.format='int3': allowed: fp32, fp16, int8, int4"),
     (lambda: WeightSpec(block_size=24), ExportError, r"weights\.block_size=24: allowed: 16, 32, 64, 128, 256"),
     (lambda: WeightSpec(accuracy_level=0), ExportError, r"weights\.accuracy_level=0: allowed: 1, 2, 3, 4, or null"),
