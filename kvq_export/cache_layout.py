@@ -164,9 +164,9 @@ class CacheLayout:
         return f"CacheLayout({self.name!r})"
 
     # -- tensors -------------------------------------------------------------------------------------------
-    def stream_tensors(self, direction: Direction, layer: int, part: Part, tq: TensorQuant, scheme: KVQuantScheme, *,
-                       kv_heads: int, head_dim: int) -> list[CacheTensor]:
-        """The tensors of one layer's keys or values."""
+    def stream_tensors(self, direction: Direction, layer: int, part: Part, tq: TensorQuant, scheme: KVQuantScheme,
+                       geometry: CacheGeometry) -> list[CacheTensor]:
+        """The tensors of one layer's keys or values (``geometry``: the model's, as for :meth:`tensors`)."""
         raise NotImplementedError
 
     def tensors(self, scheme: KVQuantScheme, geometry: CacheGeometry,
@@ -184,8 +184,7 @@ class CacheLayout:
                            Role.SEQ_LENGTHS, "int64", ("batch",))]
         for layer, streams in enumerate(scheme.streams(geometry.num_layers)):
             for part, tq in zip(PARTS, streams):
-                out.extend(self.stream_tensors(direction, layer, part, tq, scheme, kv_heads=geometry.num_kv_heads,
-                                               head_dim=geometry.head_dim))
+                out.extend(self.stream_tensors(direction, layer, part, tq, scheme, geometry))
         return out
 
     # -- runtime -------------------------------------------------------------------------------------------
@@ -250,9 +249,9 @@ class RegionsLayout(CacheLayout):
         "inputs unchanged; an empty cache is every region with 0 tokens and seq_lengths = 0."
     )
 
-    def stream_tensors(self, direction, layer, part, tq, scheme, *, kv_heads, head_dim):
+    def stream_tensors(self, direction, layer, part, tq, scheme, geometry):
         hp = onnx_name(scheme.hp_dtype)
-        rows = ("batch", kv_heads)
+        rows, head_dim = ("batch", geometry.num_kv_heads), geometry.head_dim
 
         def tensor(role, dtype, shape, region, **quant):
             return CacheTensor(tensor_name(direction, layer, part, role), direction, layer, part, role, dtype,
@@ -342,9 +341,9 @@ class BufferLayout(CacheLayout):
         """``past.3.key.buffer``."""
         return tensor_name(direction, layer, part, self.role)
 
-    def stream_tensors(self, direction, layer, part, tq, scheme, *, kv_heads, head_dim):
-        name = self.buffer_name(direction, layer, part)
-        shape = ("batch", kv_heads, CAPACITY_AXIS)
+    def stream_tensors(self, direction, layer, part, tq, scheme, geometry):
+        name, head_dim = self.buffer_name(direction, layer, part), geometry.head_dim
+        shape = ("batch", geometry.num_kv_heads, CAPACITY_AXIS)
         if not tq.quantized:
             return [CacheTensor(name, direction, layer, part, self.role, onnx_name(scheme.hp_dtype),
                                 (*shape, head_dim))]

@@ -190,7 +190,7 @@ class Manifest:
         weights = _get(data, "weights", dict, optional=True)
         build = _get(data, "build", dict, optional=True)
         scheme = KVQuantScheme.from_dict(_get(data, "scheme", dict))
-        scheme.check_model(model.num_layers, model.head_dim)
+        scheme.check_model(model)
         manifest = cls(
             scheme=scheme, model=model, flavor=_get(data, "flavor", str), opset=_get(data, "opset", int),
             dtype=dtype, kvq_version=_get(data, "kvq_version", str), inputs=graph_values(data, "inputs"),

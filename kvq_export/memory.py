@@ -62,12 +62,13 @@ class MemoryReport:
 
 
 def stream_bytes(
-    tq: TensorQuant, scheme: KVQuantScheme, *, seq_len: int, batch: int, kv_heads: int, head_dim: int
+    tq: TensorQuant, scheme: KVQuantScheme, model: CacheGeometry, *, seq_len: int, batch: int
 ) -> dict[str, int]:
-    """Bytes by breakdown key for one layer's keys or values."""
+    """Bytes by breakdown key for one layer's keys or values of the model of ``model``."""
     out = dict.fromkeys(BREAKDOWN_KEYS, 0)
     if seq_len == 0:
         return out
+    kv_heads, head_dim = model.num_kv_heads, model.head_dim
     sinks, quantized, recent = split_lengths(tq, scheme, seq_len)
     rows = batch * kv_heads
     out["high_precision"] = rows * (sinks + recent) * head_dim * DType.get(scheme.hp_dtype).itemsize
@@ -93,12 +94,11 @@ def predict(scheme: KVQuantScheme, model: CacheGeometry, seq_len: int, batch: in
     """Bytes of the whole model's cache after ``seq_len`` tokens for ``batch`` sequences."""
     if seq_len < 0 or batch < 1:
         raise SchemeError(f"invalid seq_len={seq_len}/batch={batch}: need seq_len >= 0 and batch >= 1")
-    scheme.check_model(model.num_layers, model.head_dim)
+    scheme.check_model(model)
     totals = dict.fromkeys(BREAKDOWN_KEYS, 0)
     for key, value in scheme.streams(model.num_layers):
         for tq in (key, value):
-            part = stream_bytes(tq, scheme, seq_len=seq_len, batch=batch,
-                                kv_heads=model.num_kv_heads, head_dim=model.head_dim)
+            part = stream_bytes(tq, scheme, model, seq_len=seq_len, batch=batch)
             for name, count in part.items():
                 totals[name] += count
     fp16 = 2 * model.num_layers * batch * model.num_kv_heads * seq_len * model.head_dim * 2

@@ -19,8 +19,9 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 class CacheGeometry(Protocol):
-    """The three facts that size a KV cache: what the memory model and a calibration's checks read of a model.
+    """The three facts that size a KV cache: all that cache-only code reads of a model.
 
+    The memory model, a cache graph, a scheme's and a calibration's checks and a builder scale file take one.
     :class:`ModelFacts` has them; :class:`Geometry` is a plain one for quick calculations.
     """
 
@@ -129,6 +130,15 @@ class ModelFacts:
     sliding_windows: tuple[int | None, ...]  # per layer: the sliding window, or None (full attention)
     rope: RopeFacts
     source: str | None = None  # the model spec the export was made from (None: an in-memory model)
+
+    @property
+    def kv_groups(self) -> int:
+        """Query heads per key/value head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    def window(self, layer: int) -> int | None:
+        """Sliding window of ``layer``: a query at position q sees keys at p with q - window < p <= q (None: all)."""
+        return self.sliding_windows[layer]
 
     @property
     def rope_theta(self) -> float | None:

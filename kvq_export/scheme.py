@@ -24,13 +24,16 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvq_export._read import parse_json
 from kvq_export.dtypes import DType
 from kvq_export.errors import SchemeError
 from kvq_export.rotation import check_rotation
 from kvq_export.vocab import Axis, Format, Part, Quantizer, Rotation, ScaleMode, parse_enum, plain
+
+if TYPE_CHECKING:
+    from kvq_export.model_facts import CacheGeometry
 
 SCALE_DTYPES = ("fp16", "fp32")
 HP_DTYPES = ("fp16", "fp32")
@@ -444,8 +447,9 @@ class KVQuantScheme:
         tqs = [self.key, self.value] + [t for o in self.layer_overrides for t in (o.key, o.value) if t]
         return any(t.quantized and (t.scales == ScaleMode.STATIC or t.high_channels) for t in tqs)
 
-    def check_model(self, num_layers: int, head_dim: int) -> None:
-        """Raise when the scheme cannot describe this model's cache (group sizes, layer indices)."""
+    def check_model(self, geometry: CacheGeometry) -> None:
+        """Raise when the scheme cannot describe the cache of the model of ``geometry`` (group sizes, layer indices)."""
+        num_layers, head_dim = geometry.num_layers, geometry.head_dim
         for override in self.layer_overrides:
             if override.layer >= num_layers:
                 raise _fail(

@@ -2,38 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 import torch
+from tiny_models import attention_facts
 
 from kvq_export.cache_layout import REGIONS
 from kvq_export.dtypes import DType
 from kvq_export.export.builder import GraphBuilder
+from kvq_export.export.cache_graph import DecoderSpec
 from kvq_export.export.kv_graph import QuantizedCacheGraph
-from kvq_export.model_facts import Geometry
 from kvq_export.naming import present_name
 from kvq_export.presets import PRESETS
 from kvq_export.reference.cache import LayerCache, StreamCache
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 from kvq_export.vocab import Axis, Part, Role, ScaleMode
-
-
-@dataclass(frozen=True)
-class Facts:
-    """The few decoder facts the cache graph reads."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scaling: float
-    dtype: ir.DataType = ir.DataType.FLOAT
-    sliding_window: int | None = None
-
-    def window(self, layer: int) -> int | None:
-        return self.sliding_window
 
 
 class CacheOnly:
@@ -46,14 +30,14 @@ class CacheOnly:
         k = b.input("k", ir.DataType.FLOAT, ["batch", kv_heads, "seq", head_dim])
         v = b.input("v", ir.DataType.FLOAT, ["batch", kv_heads, "seq", head_dim])
         mask = b.input("attention_mask", ir.DataType.INT64, ["batch", "seq"])
-        cg = QuantizedCacheGraph(scheme, num_layers=1, kv_heads=kv_heads, head_dim=head_dim, static=static)
-        cg.begin(b, attention_mask=mask, facts=Facts(heads, kv_heads, head_dim, head_dim**-0.5,
-                                                     sliding_window=window))
+        facts = attention_facts(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, window=window)
+        cg = QuantizedCacheGraph(scheme, facts, static=static)
+        cg.begin(b, attention_mask=mask, spec=DecoderSpec(facts, ir.DataType.FLOAT))
         b.output(cg.attend(b, 0, q, k, v), "attn", ir.DataType.FLOAT, ["batch", heads, "seq", head_dim])
         cg.end(b)
         model = ir.serde.serialize_model(b.build())
         self.session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        self.past = REGIONS.tensors(scheme, Geometry(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim))
+        self.past = REGIONS.tensors(scheme, facts)
 
     def empty(self, batch: int) -> dict:
         from kvq_export.runtime.session import _ort_value
@@ -160,12 +144,8 @@ def _check_state(arrays: dict, refs: list[LayerCache], scheme):
 def _check_manifest_decoder(scheme, arrays, refs, static, kv_heads, dim):
     """decode_cache, reading only the manifest, rebuilds exactly what the reference attends to."""
     from kvq_export.manifest import Manifest, decode_cache
-    from kvq_export.model_facts import ModelFacts, RopeFacts
 
-    model = ModelFacts(model_type="llama", num_layers=1, num_heads=kv_heads, num_kv_heads=kv_heads, head_dim=dim,
-                       hidden_size=kv_heads * dim, vocab_size=128, max_position_embeddings=1024,
-                       tie_word_embeddings=False, scaling=dim**-0.5, sliding_windows=(None,),
-                       rope=RopeFacts("default", 1.0, {"rope_theta": 10000.0}))
+    model = attention_facts(num_heads=kv_heads, num_kv_heads=kv_heads, head_dim=dim)
     manifest = Manifest(scheme=scheme, model=model,
                         flavor="reference", opset=23, dtype="fp32", kvq_version="test", inputs=[], outputs=[])
     decoded = decode_cache(manifest, arrays, direction="past", static=static)

@@ -229,14 +229,14 @@ def test_trt_flavour_plugin_nodes(tmp_path, arch):
     graph = onnx.load(str(directory / "model.onnx"), load_external_data=False).graph
     nodes = [n for n in graph.node if n.domain == PLUGIN_NAMESPACE]
     assert len(nodes) == manifest.num_layers == model.config.num_hidden_layers
-    arch_info = get_arch(model.config)
+    facts = model_facts(model.config)  # read from the config again, not from the manifest
     for layer, (node, sig) in enumerate(zip(nodes, manifest_signatures(manifest))):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert node.op_type == sig.name and list(node.input[1:]) == [i.source for i in sig.inputs[1:]]
-        assert attrs["window"] == (arch_info.layer_window(layer) or 0)
-        assert attrs["scale"] == pytest.approx(arch_info.scaling)
+        assert attrs["window"] == (facts.window(layer) or 0)
+        assert attrs["scale"] == pytest.approx(facts.scaling)
         assert (attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]) == (
-            arch_info.num_heads, arch_info.num_kv_heads, arch_info.head_dim)
+            facts.num_heads, facts.num_kv_heads, facts.head_dim)
 
 
 def test_attention_softcap_is_refused_where_the_attention_cannot_apply_it(tmp_path):

@@ -21,7 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from kvq_export.errors import ExportError, ModelError
 from kvq_export.export.arch import get_arch, supported_model_types
 from kvq_export.export.builder import GraphBuilder, save
-from kvq_export.export.decoder import CacheGraph, DecoderFacts, build_decoder
+from kvq_export.export.decoder import CacheGraph, DecoderSpec, build_decoder
+from kvq_export.model_facts import ModelFacts
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +81,9 @@ CASES = {
 class SimpleFloatCache(CacheGraph):
     """TEST-ONLY CacheGraph: float past/present K/V, eager attention with an additive finite mask."""
 
-    def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, facts: DecoderFacts) -> ir.Value:
-        self.facts = facts
-        dt, hkv, d = facts.dtype, facts.num_kv_heads, facts.head_dim
+    def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, spec: DecoderSpec) -> ir.Value:
+        self.spec, facts = spec, spec.facts
+        dt, hkv, d = spec.dtype, facts.num_kv_heads, facts.head_dim
         self.past = [
             (
                 b.input(f"past.{i}.key", dt, ["batch", hkv, "past", d]),
@@ -121,13 +122,13 @@ class SimpleFloatCache(CacheGraph):
         allowed = b.op("And", b.op("Unsqueeze", self.k_valid, b.const([1, 2])), b.op("LessOrEqual", k, q))
         if window is not None:
             allowed = b.op("And", allowed, b.op("Greater", k, b.op("Sub", q, b.const(window))))
-        np_dtype = np.dtype(self.facts.dtype.numpy())
+        np_dtype = np.dtype(self.spec.dtype.numpy())
         mask = b.op("Where", allowed, b.const(0.0, np_dtype), b.const(np.finfo(np_dtype).min, np_dtype))
         self.masks[window] = mask
         return mask
 
     def attend(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
-        f = self.facts
+        f, dtype = self.spec.facts, self.spec.dtype
         past_k, past_v = self.past[layer]
         k_all = b.op("Concat", past_k, k, axis=2)
         v_all = b.op("Concat", past_v, v, axis=2)
@@ -137,7 +138,7 @@ class SimpleFloatCache(CacheGraph):
             shape = b.const([0, f.num_heads, -1, f.head_dim])
             k_all = b.op("Reshape", b.op("Tile", b.op("Unsqueeze", k_all, b.const([2])), reps), shape)
             v_all = b.op("Reshape", b.op("Tile", b.op("Unsqueeze", v_all, b.const([2])), reps), shape)
-        np_dtype = np.dtype(f.dtype.numpy())
+        np_dtype = np.dtype(dtype.numpy())
         scores = b.op(
             "Mul",
             b.op("MatMul", q, b.op("Transpose", k_all, perm=[0, 1, 3, 2])),
@@ -145,14 +146,14 @@ class SimpleFloatCache(CacheGraph):
         )
         scores = b.op("Add", scores, self._mask(b, f.window(layer)))
         probs = b.op("Softmax", b.op("Cast", scores, to=ir.DataType.FLOAT), axis=-1)
-        return b.op("MatMul", b.op("Cast", probs, to=f.dtype), v_all)
+        return b.op("MatMul", b.op("Cast", probs, to=dtype), v_all)
 
     def end(self, b: GraphBuilder) -> None:
-        f = self.facts
+        f, dtype = self.spec.facts, self.spec.dtype
         shape = ["batch", f.num_kv_heads, "total", f.head_dim]
         for i, (k_all, v_all) in enumerate(self.present):
-            b.output(k_all, f"present.{i}.key", f.dtype, shape)
-            b.output(v_all, f"present.{i}.value", f.dtype, shape)
+            b.output(k_all, f"present.{i}.key", dtype, shape)
+            b.output(v_all, f"present.{i}.value", dtype, shape)
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -186,10 +187,10 @@ def session(model_ir: ir.Model) -> ort.InferenceSession:
 class Runner:
     """Feeds an exported model step by step, passing present back as past."""
 
-    def __init__(self, sess: ort.InferenceSession, facts: DecoderFacts, batch: int) -> None:
+    def __init__(self, sess: ort.InferenceSession, spec: DecoderSpec, batch: int) -> None:
         self.sess = sess
-        self.facts = facts
-        dt = np.dtype(facts.dtype.numpy())
+        facts = spec.facts
+        dt = np.dtype(spec.dtype.numpy())
         empty = np.zeros((batch, facts.num_kv_heads, 0, facts.head_dim), dt)
         self.past = {f"past.{i}.{kv}": empty for i in range(facts.num_layers) for kv in ("key", "value")}
 
@@ -207,10 +208,15 @@ def hf_logits(model, ids: np.ndarray) -> np.ndarray:
         return model(input_ids=torch.from_numpy(ids), use_cache=False).logits.float().numpy()
 
 
-def export(model, dtype: str = "fp32") -> tuple[ort.InferenceSession, DecoderFacts]:
-    arch = get_arch(model.config)
-    model_ir = build_decoder(model, arch, SimpleFloatCache(), dtype=dtype)
-    return session(model_ir), DecoderFacts.from_arch(arch, model_ir.graph.inputs[2].dtype)
+def decoder_spec(config, dtype: ir.DataType) -> DecoderSpec:
+    """The spec :func:`build_decoder` hands its cache graph for ``config`` in ``dtype``."""
+    arch = get_arch(config)
+    return DecoderSpec.of(ModelFacts.from_config(config, arch), arch, dtype)
+
+
+def export(model, dtype: str = "fp32") -> tuple[ort.InferenceSession, DecoderSpec]:
+    model_ir = build_decoder(model, get_arch(model.config), SimpleFloatCache(), dtype=dtype)
+    return session(model_ir), decoder_spec(model.config, model_ir.graph.inputs[2].dtype)
 
 
 # --------------------------------------------------------------------------------------------- tests
@@ -218,14 +224,14 @@ def export(model, dtype: str = "fp32") -> tuple[ort.InferenceSession, DecoderFac
 def test_prefill_and_decode_match_hf(case: str) -> None:
     model_type, overrides = CASES[case]
     model = random_model(tiny_config(model_type, **overrides))
-    sess, facts = export(model)
+    sess, spec = export(model)
 
     rng = np.random.default_rng(1)
     total = PREFILL + DECODE_STEPS + 3
     ids = rng.integers(0, TINY["vocab_size"], size=(1, total), dtype=np.int64)
     ref = hf_logits(model, ids)
 
-    run = Runner(sess, facts, batch=1)
+    run = Runner(sess, spec, batch=1)
     got = [run(ids[:, :PREFILL])]
     for step in range(PREFILL, PREFILL + DECODE_STEPS):  # one token at a time
         got.append(run(ids[:, step : step + 1]))
@@ -242,7 +248,7 @@ def test_prefill_and_decode_match_hf(case: str) -> None:
 def test_left_padded_batch_matches_single_prompts(case: str) -> None:
     model_type, overrides = CASES[case]
     model = random_model(tiny_config(model_type, **overrides))
-    sess, facts = export(model)
+    sess, spec = export(model)
 
     rng = np.random.default_rng(2)
     lengths = [PREFILL, 6]
@@ -253,7 +259,7 @@ def test_left_padded_batch_matches_single_prompts(case: str) -> None:
         ids[row, PREFILL - len(p) :] = p
         mask[row, PREFILL - len(p) :] = 1
 
-    batch_logits = Runner(sess, facts, batch=2)(ids, mask)
+    batch_logits = Runner(sess, spec, batch=2)(ids, mask)
     for row, p in enumerate(prompts):
         ref = hf_logits(model, p[None, :])[0]
         got = batch_logits[row, PREFILL - len(p) :]
@@ -278,9 +284,9 @@ def test_fp16_body_runs_and_stays_close() -> None:
     assert model_ir.graph.outputs[0].dtype == ir.DataType.FLOAT
     assert model_ir.graph.inputs[2].dtype == ir.DataType.FLOAT16
     sess = session(model_ir)
-    facts = DecoderFacts.from_arch(get_arch(model.config), ir.DataType.FLOAT16)
+    spec = decoder_spec(model.config, ir.DataType.FLOAT16)
     ids = np.random.default_rng(3).integers(0, TINY["vocab_size"], size=(1, PREFILL + 1), dtype=np.int64)
-    run = Runner(sess, facts, batch=1)
+    run = Runner(sess, spec, batch=1)
     got = np.concatenate([run(ids[:, :PREFILL]), run(ids[:, PREFILL:])], axis=1)
     ref = hf_logits(model, ids)
     err = np.abs(got - ref).max()
@@ -295,8 +301,8 @@ def test_state_dict_with_numpy_weights_matches_model() -> None:
     ids = np.arange(PREFILL, dtype=np.int64)[None, :]
     a = session(build_decoder(model, None, SimpleFloatCache()))
     b = session(build_decoder((state, model.config), None, SimpleFloatCache()))
-    facts = DecoderFacts.from_arch(get_arch(model.config), ir.DataType.FLOAT)
-    np.testing.assert_array_equal(Runner(a, facts, 1)(ids), Runner(b, facts, 1)(ids))
+    spec = decoder_spec(model.config, ir.DataType.FLOAT)
+    np.testing.assert_array_equal(Runner(a, spec, 1)(ids), Runner(b, spec, 1)(ids))
 
 
 def test_save_writes_model_and_data(tmp_path: Path) -> None:
@@ -304,10 +310,10 @@ def test_save_writes_model_and_data(tmp_path: Path) -> None:
     model_ir = build_decoder(model, get_arch(model.config), SimpleFloatCache())
     path = save(model_ir, tmp_path / "out" / "model.onnx")
     assert sorted(p.name for p in path.parent.iterdir()) == ["model.onnx", "model.onnx.data"]
-    facts = DecoderFacts.from_arch(get_arch(model.config), ir.DataType.FLOAT)
+    spec = decoder_spec(model.config, ir.DataType.FLOAT)
     ids = np.arange(5, dtype=np.int64)[None, :]
     from_file = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    np.testing.assert_array_equal(Runner(from_file, facts, 1)(ids), Runner(session(model_ir), facts, 1)(ids))
+    np.testing.assert_array_equal(Runner(from_file, spec, 1)(ids), Runner(session(model_ir), spec, 1)(ids))
     save(model_ir, path)  # overwriting in place works too
     assert sorted(p.name for p in path.parent.iterdir()) == ["model.onnx", "model.onnx.data"]
 
@@ -321,8 +327,8 @@ def test_graph_interface() -> None:
     assert outputs[0] == "logits" and outputs[1:3] == ["present.0.key", "present.0.value"]
     assert str(model_ir.graph.outputs[0].shape) == "[batch,seq,128]"
     assert model_ir.opset_imports[""] == 23 and model_ir.ir_version == 10
-    facts = DecoderFacts.from_arch(get_arch(model.config), ir.DataType.FLOAT)
-    assert (facts.sliding_window, facts.window(1), facts.kv_groups, facts.scaling) == (8, 8, 2, 0.25)
+    facts = decoder_spec(model.config, ir.DataType.FLOAT).facts
+    assert (facts.sliding_windows, facts.window(1), facts.kv_groups, facts.scaling) == ((8, 8), 8, 2, 0.25)
 
 
 def test_unsupported_model_type_lists_supported() -> None:
@@ -393,7 +399,7 @@ def test_build_time_for_a_30_layer_model(tmp_path: Path) -> None:
     saved = time.perf_counter()
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     loaded = time.perf_counter()
-    logits = Runner(sess, DecoderFacts.from_arch(arch, ir.DataType.FLOAT), batch=1)(np.arange(16)[None, :])
+    logits = Runner(sess, decoder_spec(config, ir.DataType.FLOAT), batch=1)(np.arange(16)[None, :])
     ran = time.perf_counter()
 
     n_params = sum(v.const_value.size for v in model_ir.graph.initializers.values())
@@ -413,16 +419,17 @@ def test_build_time_for_a_30_layer_model(tmp_path: Path) -> None:
 
 
 def _llama_shapes(arch) -> dict[str, tuple[int, ...]]:
-    h, inter, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
-    shapes = {arch.embed_name(): (arch.vocab_size, h), arch.final_norm_name(): (h,)}
-    for i in range(arch.num_layers):
+    facts = ModelFacts.from_config(arch.config, arch)
+    h, inter, d = facts.hidden_size, arch.intermediate_size, facts.head_dim
+    shapes = {arch.embed_name(): (facts.vocab_size, h), arch.final_norm_name(): (h,)}
+    for i in range(facts.num_layers):
         n = arch.layer_names(i)
         shapes.update(
             {
-                n.q.weight: (arch.num_heads * d, h),
-                n.k.weight: (arch.num_kv_heads * d, h),
-                n.v.weight: (arch.num_kv_heads * d, h),
-                n.o.weight: (h, arch.num_heads * d),
+                n.q.weight: (facts.num_heads * d, h),
+                n.k.weight: (facts.num_kv_heads * d, h),
+                n.v.weight: (facts.num_kv_heads * d, h),
+                n.o.weight: (h, facts.num_heads * d),
                 n.gate.weight: (inter, h),
                 n.up.weight: (inter, h),
                 n.down.weight: (h, inter),

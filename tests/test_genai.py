@@ -335,27 +335,26 @@ def test_regions_layout_exports_say_why(tmp_path):
 
 def test_builder_scale_file_holds_kvq_scales():
     static = calibration("llama", SCHEMES["ort-int8"])
-    data = builder_scale_file(static, SCHEMES["ort-int8"], num_layers=2, kv_heads=2, head_dim=32)
+    data = builder_scale_file(static, SCHEMES["ort-int8"], GEOMETRY)
     assert data["qmax"] == 128.0 and data["kvq"]["builder_option"] == "kv_cache_quant_scheme=int8_per_channel"
     for layer in range(2):
         for part, key in (("key", "k_scales"), ("value", "v_scales")):
             expected = np.asarray(static[layer][part]["scales"], np.float32).reshape(-1)
             assert np.array_equal(np.asarray(data["scales"][key][layer], np.float32), expected)
-    tensor = builder_scale_file(static, SCHEMES["ort-int8"], num_layers=2, kv_heads=2, head_dim=32,
+    tensor = builder_scale_file(static, SCHEMES["ort-int8"], GEOMETRY,
                                 granularity="per_tensor")
     assert tensor["scales"]["k_scales"][1] == [float(np.max(static[1]["key"]["scales"]))]
-    int4 = builder_scale_file(calibration("llama", SCHEMES["ort-int4"]), SCHEMES["ort-int4"], num_layers=2,
-                              kv_heads=2, head_dim=32)
+    int4 = builder_scale_file(calibration("llama", SCHEMES["ort-int4"]), SCHEMES["ort-int4"], GEOMETRY)
     assert int4["qmax"] == 8.0 and int4["kvq"]["builder_option"] == "kv_cache_quant_scheme=int4_per_channel"
     with pytest.raises(ExportError, match="no builder kv_cache_quant_scheme"):
-        builder_scale_file({}, SCHEMES["fp16"], num_layers=2, kv_heads=2, head_dim=32)
+        builder_scale_file({}, SCHEMES["fp16"], GEOMETRY)
     asymk = SCHEMES["ort-int4-asymk"]
     with pytest.raises(ExportError, match="key streams have zero points, the builder's cache is symmetric"):
-        builder_scale_file(calibration("llama", asymk), asymk, num_layers=2, kv_heads=2, head_dim=32)
+        builder_scale_file(calibration("llama", asymk), asymk, GEOMETRY)
     with pytest.raises(ExportError, match="no calibrated scales for layer 1"):
-        builder_scale_file({0: static[0]}, SCHEMES["ort-int8"], num_layers=2, kv_heads=2, head_dim=32)
+        builder_scale_file({0: static[0]}, SCHEMES["ort-int8"], GEOMETRY)
     with pytest.raises(ExportError, match="granularity"):
-        builder_scale_file(static, SCHEMES["ort-int8"], num_layers=2, kv_heads=2, head_dim=32, granularity="x")
+        builder_scale_file(static, SCHEMES["ort-int8"], GEOMETRY, granularity="x")
 
 
 def test_cli_calibrate_feeds_the_builder(tmp_path):

@@ -43,6 +43,7 @@ from kvq_export.errors import ExportError, RuntimeInputError, SchemeError
 from kvq_export.export.exporter import export_model
 from kvq_export.export.gqa_flavor import GQACacheGraph, unsupported
 from kvq_export.export.gqa_plan import gqa_scale
+from kvq_export.model_facts import Geometry
 from kvq_export.presets import PRESETS
 from kvq_export.runtime.session import KVQSession
 from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
@@ -212,9 +213,7 @@ def test_unfused_rotary_path_matches_and_names_probes(tmp_path_factory, monkeypa
     fused = ProbedSession(_export(tmp_path_factory, arch, scheme, static).directory)
     out = tmp_path_factory.mktemp("unfused") / "m"
     monkeypatch.setattr(GQACacheGraph, "for_model", classmethod(
-        lambda cls, scheme, facts, static=None: cls(scheme, fuse_rotary=False, num_layers=facts.num_layers,
-                                                    kv_heads=facts.num_kv_heads, head_dim=facts.head_dim,
-                                                    static=static)))
+        lambda cls, scheme, facts, static=None: cls(scheme, facts, fuse_rotary=False, static=static)))
     unfused = ProbedSession(export_model(tiny_model(arch), scheme, out, static=static, flavor="ort-gqa"))
     ids, mask = left_pad(PROMPTS["padded"])
     a, ca = fused.step(ids, mask)
@@ -322,12 +321,12 @@ def test_equal_scales_use_per_tensor(tmp_path_factory):
 
 def test_gqa_scale_mapping():
     tq = PRESETS["ort-int8"][0].key
-    kind, array = gqa_scale(tq, np.array([[1.0, 2.0], [3.0, 4.0]], np.float32), 2, 2)
+    kind, array = gqa_scale(tq, np.array([[1.0, 2.0], [3.0, 4.0]], np.float32), Geometry(1, 2, 2))
     assert kind == "PER_CHANNEL" and array.shape == (1, 2, 1, 2) and array[0, 1, 0, 0] == 3.0
-    kind, array = gqa_scale(tq, np.full((2, 2), 0.5, np.float32), 2, 2)
+    kind, array = gqa_scale(tq, np.full((2, 2), 0.5, np.float32), Geometry(1, 2, 2))
     assert kind == "PER_TENSOR" and array.tolist() == [0.5]
     half = dataclasses.replace(tq, axis="token", scale_dtype="fp16")
-    kind, array = gqa_scale(half, np.array([[0.1], [0.2]], np.float32), 2, 4)
+    kind, array = gqa_scale(half, np.array([[0.1], [0.2]], np.float32), Geometry(1, 2, 4))
     assert kind == "PER_CHANNEL" and array[0, 1, 0].tolist() == [np.float32(np.float16(0.2))] * 4
 
 
@@ -378,7 +377,7 @@ def test_static_scales_need_calibration(tmp_path):
     with pytest.raises(ExportError, match="static scales: calibrate first"):
         export_model(tiny_model("llama"), "ort-int4", tmp_path / "x", flavor="ort-gqa")
     with pytest.raises(ExportError, match="layer 0 key uses static scales but no calibration was given"):
-        GQACacheGraph(PRESETS["ort-int4"][0], num_layers=2, kv_heads=2, head_dim=32, static=None)
+        GQACacheGraph(PRESETS["ort-int4"][0], Geometry(num_layers=2, num_kv_heads=2, head_dim=32), static=None)
 
 
 def test_fp16_buffer_with_fp32_compute_warns_about_cpu_casts(tmp_path, caplog):
@@ -417,8 +416,8 @@ def _every_call_quantized(tmp_path_factory, monkeypatch, arch, scheme, static):
     from kvq_export.export.gqa_flavor import rope_in_body
 
     def for_model(cls, scheme, facts, *, static=None):
-        return cls(scheme, fast_prefill=False, fuse_rotary=not rope_in_body(scheme, facts.num_layers),
-                   num_layers=facts.num_layers, kv_heads=facts.num_kv_heads, head_dim=facts.head_dim, static=static)
+        return cls(scheme, facts, fast_prefill=False, fuse_rotary=not rope_in_body(scheme, facts.num_layers),
+                   static=static)
 
     monkeypatch.setattr(GQACacheGraph, "for_model", classmethod(for_model))
     out = tmp_path_factory.mktemp("every-call") / f"{arch}-{(scheme.name or 'custom').replace('/', '_')}"

@@ -46,8 +46,8 @@ PRIMITIVE_NORM = ("ReduceMean", "Sqrt", "Reciprocal")
 def unfused():
     """Export with the ort-gqa cache graph and the portable (unfused) body: ``unfused(model, scheme, out, **kw)``."""
     def for_model(cls, scheme, facts, *, static=None):
-        return cls(scheme, fuse_rotary=not rope_in_body(scheme, facts.num_layers), fuse_body=False,
-                   num_layers=facts.num_layers, kv_heads=facts.num_kv_heads, head_dim=facts.head_dim, static=static)
+        return cls(scheme, facts, fuse_rotary=not rope_in_body(scheme, facts.num_layers), fuse_body=False,
+                   static=static)
 
     def export_unfused(model, scheme, out, **options):
         with pytest.MonkeyPatch.context() as patch:

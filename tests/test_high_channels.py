@@ -19,6 +19,7 @@ from kvq_export.calibration import Calibration
 from kvq_export.calibration.high_channels import choose_high_channels
 from kvq_export.calibration.passes import AttentionSample
 from kvq_export.errors import QuantizationError, SchemeError
+from kvq_export.model_facts import Geometry
 from kvq_export.reference.codec import (
     dequantize,
     dequantize_packed,
@@ -64,7 +65,7 @@ def test_scheme_refuses_what_high_channels_cannot_mean(change, message):
 @pytest.mark.parametrize(("n", "bits"), [(64, 4), (5, 4), (2, 2)])
 def test_scheme_refuses_a_count_the_head_cannot_pack(n, bits):
     with pytest.raises(SchemeError, match="high_channels"):
-        KVQuantScheme(key=dataclasses.replace(HIGH, high_channels=n, bits=bits)).check_model(1, 64)
+        KVQuantScheme(key=dataclasses.replace(HIGH, high_channels=n, bits=bits)).check_model(Geometry(1, 2, 64))
 
 
 @pytest.mark.parametrize("bits", [2, 4])

@@ -19,6 +19,7 @@ from kvq_export.errors import KVQError, SchemeError
 from kvq_export.export.exporter import export_model
 from kvq_export.export.gqa_flavor import unsupported
 from kvq_export.memory import predict
+from kvq_export.model_facts import Geometry
 from kvq_export.model_source import model_facts
 from kvq_export.plan import (
     CANDIDATE_SETS,
@@ -114,7 +115,7 @@ def test_accuracy_set_offers_rotated_and_ggml_streams():
     assert all(t.axis == Axis.TOKEN for t in cset.values)
     assert all(t.clip < 1 for t in cset.values if t.bits == 2 and t.group_size == 32)
     for key, value in cset.options():  # every option is a valid scheme for a head_dim-64 model
-        KVQuantScheme(key=key, value=value).check_model(30, 64)
+        KVQuantScheme(key=key, value=value).check_model(Geometry(30, 3, 64))
     small = fitting(cset, 32)
     assert all((v.group_size or 32) <= 32 for _, v in small.options())
     assert len(small.keys) == len(cset.keys) and len(small.values) < len(cset.values)
@@ -271,13 +272,11 @@ def test_shipped_smollm2_plans_fit_the_model_and_their_budget(budget):
     """``models/smollm2-plan-*.json`` describe SmolLM2's cache within their budget, from their candidate sets."""
     from pathlib import Path
 
-    from kvq_export.model_facts import Geometry
-
     path = Path(__file__).resolve().parents[1] / "models" / f"smollm2-plan-{budget}.json"
     scheme = KVQuantScheme.from_json(path.read_text())
-    scheme.check_model(30, 64)  # SmolLM2-135M: 30 layers, 3 kv heads of 64 channels
+    geometry = Geometry(num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2-135M: 3 kv heads of 64 channels
+    scheme.check_model(geometry)
     assert scheme.residual_length == 0 and scheme.sink_tokens == 0
-    geometry = Geometry(num_layers=30, num_kv_heads=3, head_dim=64)
     assert float(budget) - 0.1 < predict(scheme, geometry, 4096).bits_per_element <= float(budget)
     if not any(v.residual_length for _, v in scheme.streams(30)):  # no window: the budget holds at any length
         assert predict(scheme, geometry, 512).bits_per_element <= float(budget)

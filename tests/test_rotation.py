@@ -77,8 +77,8 @@ def test_rotation_field_is_validated_serialised_and_described():
     with pytest.raises(SchemeError, match=r"invalid rotation='givens': allowed: none, hadamard"):
         TensorQuant(rotation="givens")
     with pytest.raises(SchemeError, match=r"key.rotation.*head_dim=63 is odd"):
-        KVQuantScheme(key=TensorQuant(rotation="hadamard")).check_model(2, 63)
-    KVQuantScheme(key=TensorQuant(rotation="hadamard", group_size=16)).check_model(2, 48)
+        KVQuantScheme(key=TensorQuant(rotation="hadamard")).check_model(Geometry(2, 2, 63))
+    KVQuantScheme(key=TensorQuant(rotation="hadamard", group_size=16)).check_model(Geometry(2, 2, 48))
     scheme = rotated(Q4_TOKEN, value="none")
     again = KVQuantScheme.from_json(scheme.to_json())
     assert again == scheme and again.key.rotation == Rotation.HADAMARD and again.value.rotation == Rotation.NONE
@@ -183,7 +183,7 @@ def test_gqa_rotated_keys_unfuse_rope_and_name_probes(tmp_path):
 
     model = tiny_model("llama")
     with pytest.raises(ExportError, match="RoPE cannot be fused"):
-        GQACacheGraph(rotated(UNQUANTIZED), num_layers=2, kv_heads=2, head_dim=32)
+        GQACacheGraph(rotated(UNQUANTIZED), Geometry(num_layers=2, num_kv_heads=2, head_dim=32))
     import onnx
 
     for name, key in (("keys", "hadamard"), ("values", "none")):
@@ -224,7 +224,7 @@ def test_value_rotation_in_graph_when_the_arch_cannot_fold(tmp_path):
     folded = _logits(export_model(model, scheme, tmp_path / "folded"))
     arch = get_arch(model.config)
     arch.folds_value_rotation = False
-    cache = QuantizedCacheGraph(scheme, num_layers=2, kv_heads=2, head_dim=32)
+    cache = QuantizedCacheGraph(scheme, Geometry(num_layers=2, num_kv_heads=2, head_dim=32))
     graph = build_decoder(model, arch, cache)
     assert sum(1 for n in graph.graph if n.op_type == "MatMul" and any(
         i is not None and i.name.startswith("rotation.") for i in n.inputs)) == 2 * 2 + 2 * 2  # q,k + v,out

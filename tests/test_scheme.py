@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvq_export.errors import SchemeError
+from kvq_export.model_facts import Geometry
 from kvq_export.presets import PRESETS, get_preset, resolve_scheme
 from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
 from kvq_export.vocab import Axis, Format, Quantizer, Rotation, ScaleMode
@@ -111,7 +112,7 @@ def test_an_unknown_word_lists_every_allowed_member(field, kind):
 def test_group_must_divide_head_dim():
     scheme = KVQuantScheme(key=TensorQuant(group_size=24), value=TensorQuant())
     with pytest.raises(SchemeError, match=r"key.group_size=24.*divide head_dim=64.*32"):
-        scheme.check_model(num_layers=2, head_dim=64)
+        scheme.check_model(Geometry(num_layers=2, num_kv_heads=2, head_dim=64))
 
 
 def test_channel_residual_must_be_multiple_of_group():
@@ -141,7 +142,7 @@ def test_override_layer_out_of_range():
     scheme = KVQuantScheme(key=TensorQuant(), value=TensorQuant(),
                            layer_overrides=(LayerOverride(layer=5, key=TensorQuant(bits=8)),))
     with pytest.raises(SchemeError, match=r"layers 0..3"):
-        scheme.check_model(num_layers=4, head_dim=64)
+        scheme.check_model(Geometry(num_layers=4, num_kv_heads=2, head_dim=64))
     assert scheme.for_layer(5)[0].bits == 8 and scheme.for_layer(4)[0].bits == 4
 
 
@@ -184,7 +185,7 @@ def test_presets_table_is_complete_and_valid():
                              "kivi-4", "kivi-2", "fp8", "ort-int8", "ort-int4", "ort-int4-asymk", "ort-int4-hc16"]
     for name, (scheme, about) in PRESETS.items():
         assert scheme.name == name and about
-        scheme.check_model(num_layers=30, head_dim=64)
+        scheme.check_model(Geometry(num_layers=30, num_kv_heads=2, head_dim=64))
         json.loads(scheme.to_json())
     kivi = get_preset("kivi-4")
     assert (kivi.key.axis, kivi.value.axis, kivi.residual_length) == ("channel", "token", 128)

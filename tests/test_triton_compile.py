@@ -26,6 +26,7 @@ from pathlib import Path
 
 from triton.backends.nvidia.compiler import get_ptxas
 
+from kvq_export.model_facts import ModelFacts, RopeFacts
 from kvq_export.presets import PRESETS
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 from kvq_export.trt.signature import plugin_signature
@@ -35,6 +36,9 @@ from kvq_plugins.quantize import quantize_constants
 from kvq_plugins.trt_plugin import aot_kernel
 
 out = {"aot": [], "other": []}
+facts = ModelFacts(model_type="llama", num_layers=1, num_heads=32, num_kv_heads=8, head_dim=128, hidden_size=4096,
+                   vocab_size=128, max_position_embeddings=4096, tie_word_embeddings=False, scaling=128**-0.5,
+                   sliding_windows=(256,), rope=RopeFacts("default", 1.0, {"rope_theta": 10000.0}))
 work = Path(tempfile.mkdtemp())
 mixed = KVQuantScheme(key=TensorQuant.fp16(), value=TensorQuant(format="fp8_e4m3", bits=8, axis="channel",
                       group_size=16, scale_dtype="fp32"), residual_length=16, sink_tokens=4)
@@ -47,7 +51,7 @@ cases = [("high-int6", high6, "fp16", 90), ("int3", int3, "fp16", 80),
          ("ort-int4", PRESETS["ort-int4"][0], "fp16", 80), ("fp8", PRESETS["fp8"][0], "fp16", 90),
          ("mixed", mixed, "fp32", 90), ("ort-int4-hc16", PRESETS["ort-int4-hc16"][0], "fp16", 90)]
 for name, scheme, dtype, arch in cases:
-    sig = plugin_signature(scheme, 0, num_heads=32, kv_heads=8, head_dim=128, dtype=dtype, window=256)
+    sig = plugin_signature(scheme, 0, facts, dtype=dtype)
     kernel = aot_kernel(sig, target=("cuda", arch))
     entry = kernel.ptx[kernel.ptx.index(".entry"):]
     entry = entry[: entry.index(")")]

@@ -17,7 +17,7 @@ import onnxruntime as ort
 import pytest
 from kvq_plugins.layout import StreamLayout
 from onnx import helper
-from tiny_models import tiny_model
+from tiny_models import attention_facts, tiny_model
 
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
@@ -193,20 +193,24 @@ def test_rotated_keys_reach_the_plugin_rotated(exported):
         [s.name for s in manifest_signatures(plain)]
 
 
+FOUR_BY_TWO = attention_facts(num_heads=4, num_kv_heads=2, head_dim=32, num_layers=2)
+
+
 def test_signature_is_derived_from_the_scheme():
-    kivi = plugin_signature(PRESETS["kivi-4"][0], 0, num_heads=9, kv_heads=3, head_dim=64, scaling=0.125)
+    kivi = plugin_signature(PRESETS["kivi-4"][0], 0, attention_facts(num_heads=9, num_kv_heads=3, head_dim=64,
+                                                                       scaling=0.125))
     assert kivi.plugin_id == "kvq::kvq_attention_asym_asym"
     assert [i.name for i in kivi.inputs] == [
         "q", "seq_lengths", "key_sinks", "key_codes", "key_scales", "key_zero_points", "key_recent",
         "value_sinks", "value_codes", "value_scales", "value_zero_points", "value_recent"]
     assert [i.source for i in kivi.inputs[5:7]] == ["present.0.key.zero_points", "present.0.key.recent"]
     assert kivi.io_types("fp16")[:4] == ["FP16", "INT64", "FP16", "UINT8"] and kivi.io_types()[-1] == "FP32"
-    fp8 = plugin_signature(PRESETS["fp8"][0], 0, num_heads=4, kv_heads=2, head_dim=32, dtype="fp16")
+    fp8 = plugin_signature(PRESETS["fp8"][0], 0, FOUR_BY_TWO, dtype="fp16")
     assert fp8.name == "kvq_attention_sym_sym" and fp8.inputs[3].dtype == "float8e4m3fn"
     assert fp8.output_dtype == "float16" and fp8.attribute_dict["scale"] == pytest.approx(32**-0.5)
-    static = plugin_signature(PRESETS["ort-int8"][0], 1, num_heads=4, kv_heads=2, head_dim=32)
+    static = plugin_signature(PRESETS["ort-int8"][0], 1, FOUR_BY_TWO)
     assert [i.source for i in static.inputs if i.role == "scales"] == ["static.1.key.scales", "static.1.value.scales"]
-    fp16 = plugin_signature(PRESETS["fp16"][0], 0, num_heads=4, kv_heads=2, head_dim=32, window=16)
+    fp16 = plugin_signature(PRESETS["fp16"][0], 0, attention_facts(num_heads=4, num_kv_heads=2, head_dim=32, window=16))
     assert fp16.name == "kvq_attention_fp16_fp16" and len(fp16.inputs) == 4
     assert fp16.attribute_dict["window"] == 16
 

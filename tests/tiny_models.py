@@ -6,12 +6,26 @@ import functools
 
 import torch
 
+from kvq_export.model_facts import ModelFacts, RopeFacts
 from kvq_export.vocab import Axis
 
 VOCAB = 128
 COMMON = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, max_position_embeddings=1024,
               eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+
+def attention_facts(*, num_heads: int, num_kv_heads: int, head_dim: int, num_layers: int = 1,
+                    scaling: float | None = None, window: int | None = None) -> ModelFacts:
+    """Facts of a model with these attention numbers and the rest filler, for code that reads only those.
+
+    Every layer slides ``window`` (None: full attention); ``scaling`` defaults to ``head_dim ** -0.5``.
+    """
+    return ModelFacts(model_type="llama", num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                      head_dim=head_dim, hidden_size=num_heads * head_dim, vocab_size=VOCAB,
+                      max_position_embeddings=1024, tie_word_embeddings=False,
+                      scaling=head_dim**-0.5 if scaling is None else scaling,
+                      sliding_windows=(window,) * num_layers, rope=RopeFacts("default", 1.0, {"rope_theta": 10000.0}))
 
 
 def _config(kind: str):

@@ -768,8 +768,7 @@ def genai_engines(model: str, work: Path, int4_percentile: float | None = DEFAUL
             if WeightSpec(precision).calibration_weights != static.weights:  # the builder's scales: on its weights
                 static = calibrated(scheme, preset, label, method, pct, precision)
             scales = work / f"kvq-scales-{quant}-{label}{tag}.json"
-            scales.write_text(json.dumps(builder_scale_file(static, scheme, num_layers=facts.num_layers,
-                                                            kv_heads=facts.num_kv_heads, head_dim=facts.head_dim)))
+            scales.write_text(json.dumps(builder_scale_file(static, scheme, facts)))
             built = build_with_builder(hf, work / f"builder-{quant}-kvq-{label}{tag}", quant, scales, precision)
             engines.add(f"builder {quant} kvq-{label}", builder_row(f"{quant} (kvq {label} scales)", preset, built),
                         lambda d=built: GenaiEngine(d))

@@ -75,7 +75,7 @@ def calibrate_static_scales(
     model, measured_on = measured_model(model, weights)
 
     facts = model_facts(model.config)
-    scheme.check_model(facts.num_layers, facts.head_dim)
+    scheme.check_model(facts)
     targets = static_streams(scheme, facts.num_layers)
     high = high_channel_streams(scheme, facts.num_layers)
     if not targets and not high:

@@ -143,11 +143,6 @@ class Arch:
         return int(getattr(self.config, "num_key_value_heads", None) or self.num_heads)
 
     @property
-    def kv_groups(self) -> int:
-        """Query heads sharing one key/value head."""
-        return self.num_heads // self.num_kv_heads
-
-    @property
     def head_dim(self) -> int:
         """Size of one attention head."""
         return int(getattr(self.config, "head_dim", None) or self.hidden_size // self.num_heads)

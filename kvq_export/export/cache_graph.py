@@ -1,4 +1,4 @@
-"""The contract between the decoder body and a flavour's KV cache: :class:`CacheGraph` and :class:`DecoderFacts`.
+"""The contract between the decoder body and a flavour's KV cache: :class:`CacheGraph` and :class:`DecoderSpec`.
 
 The body (:mod:`kvq_export.export.decoder`) owns the weights, norms, projections and RoPE; a cache graph declares
 the past/present cache tensors and computes attention over them. What a cache graph can take (raw projections,
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx_ir as ir
 
-from kvq_export.errors import ExportError, ModelError
+from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.rope import RopeSpec
 
@@ -27,75 +27,32 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class DecoderFacts:
-    """What a cache graph needs to know about the decoder it serves.
+class DecoderSpec:
+    """What a cache graph needs to know about the decoder it serves: the model's facts and how the graph computes.
 
-    ``sliding_window`` is the window of the layers that have one (None if none does);
-    ``layer_windows`` says per layer (empty = every layer uses ``sliding_window``). Ask
-    :meth:`window` rather than reading either field.
+    The model's numbers are :attr:`facts`, the same object ``kvq.json``'s ``model`` section records (a layer's
+    sliding window is ``facts.window(layer)``); the other fields are what only the graph needs: the compute dtype,
+    the RoPE tables and the attention soft-cap.
     """
 
-    model_type: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
+    facts: ModelFacts
     dtype: ir.DataType  # compute dtype of q/k/v and of the attention output
-    sliding_window: int | None
-    scaling: float  # applied to q.k before the softmax
-    layer_windows: tuple[int | None, ...] = ()
-    max_positions: int | None = None
-    rope: RopeSpec | None = field(default=None, compare=False)  # set by build_decoder
-    attn_softcap: float | None = None  # cap * tanh(scores / cap) on the scaled scores, before the mask
+    rope: RopeSpec | None = field(default=None, compare=False)  # the global layers' RoPE
     layer_ropes: tuple[RopeSpec, ...] = field(default=(), compare=False)  # per layer; empty: ``rope`` everywhere
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ModelError(
-                f"{self.num_heads} query heads are not a multiple of {self.num_kv_heads} kv heads"
-            )
-        if self.layer_windows and len(self.layer_windows) != self.num_layers:
-            raise ModelError(
-                f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers"
-            )
-
-    @property
-    def kv_groups(self) -> int:
-        """Query heads per key/value head (GQA)."""
-        return self.num_heads // self.num_kv_heads
-
-    def window(self, layer: int) -> int | None:
-        """Sliding window of ``layer``: a query at position q sees keys at p with q - window < p <= q."""
-        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+    attn_softcap: float | None = None  # cap * tanh(scores / cap) on the scaled scores, before the mask
 
     def rope_for(self, layer: int) -> RopeSpec | None:
         """The RoPE of ``layer`` (Gemma3's local layers have their own base)."""
         return self.layer_ropes[layer] if self.layer_ropes else self.rope
 
     @classmethod
-    def from_arch(cls, arch: Arch, dtype: ir.DataType) -> DecoderFacts:
-        """Read the facts of ``arch``'s config for a body computed in ``dtype``."""
-        windows = tuple(arch.layer_window(i) for i in range(arch.num_layers))
-        distinct = {w for w in windows if w is not None}
+    def of(cls, facts: ModelFacts, arch: Arch, dtype: ir.DataType) -> DecoderSpec:
+        """The spec of a body computed in ``dtype`` for the model of ``facts``, with ``arch``'s RoPE and soft-cap."""
+        distinct = {w for w in facts.sliding_windows if w is not None}
         if len(distinct) > 1:
-            raise ExportError(f"{arch.model_type}: layers use different sliding windows {sorted(distinct)}")
-        return cls(
-            model_type=arch.model_type,
-            num_layers=arch.num_layers,
-            num_heads=arch.num_heads,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-            hidden_size=arch.hidden_size,
-            vocab_size=arch.vocab_size,
-            dtype=dtype,
-            sliding_window=distinct.pop() if distinct else None,
-            scaling=arch.scaling,
-            layer_windows=windows,
-            max_positions=arch.max_positions,
-            attn_softcap=arch.attn_logit_softcap,
-        )
+            raise ExportError(f"{facts.model_type}: layers use different sliding windows {sorted(distinct)}")
+        ropes = tuple(arch.layer_rope(i) for i in range(facts.num_layers))
+        return cls(facts, dtype, rope=arch.rope(), layer_ropes=ropes, attn_softcap=arch.attn_logit_softcap)
 
 
 class CacheGraph(ABC):
@@ -108,7 +65,7 @@ class CacheGraph(ABC):
     """
 
     #: its attention applies RoPE itself and takes the raw projections through :meth:`attend_projected`
-    #: (its :meth:`begin` may then return None: the body builds no cos/sin tables; RoPE comes from ``facts.rope``)
+    #: (its :meth:`begin` may then return None: the body builds no cos/sin tables; RoPE comes from ``spec.rope``)
     fuses_rotary: bool = False
     #: its kernel reads rope-applied q|k|v packed in one value, through :meth:`attend_packed` (ONNX Runtime's
     #: packed GQA input; the body then applies RoPE on the packed projection, see
@@ -117,7 +74,7 @@ class CacheGraph(ABC):
     #: it runs on ONNX Runtime anyway, so the body may use ONNX Runtime's fused nodes (see
     #: :class:`kvq_export.export.decoder._Body`)
     fuses_body: bool = False
-    #: its attention applies ``facts.attn_softcap`` (Gemma2's attention soft-capping)
+    #: its attention applies ``spec.attn_softcap`` (Gemma2's attention soft-capping)
     supports_attn_softcap: bool = False
 
     @classmethod
@@ -129,11 +86,10 @@ class CacheGraph(ABC):
     def for_model(cls, scheme: KVQuantScheme, facts: ModelFacts, *,
                   static: Mapping[int, Mapping[str, Mapping[str, Any]]] | None = None) -> CacheGraph:
         """Build the cache graph for ``scheme`` on the model of ``facts`` (with calibrated ``static`` metadata)."""
-        return cls(scheme, num_layers=facts.num_layers, kv_heads=facts.num_kv_heads, head_dim=facts.head_dim,
-                   static=static)
+        return cls(scheme, facts, static=static)
 
     @abstractmethod
-    def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, facts: DecoderFacts) -> ir.Value | None:
+    def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, spec: DecoderSpec) -> ir.Value | None:
         """Declare the past-cache graph inputs; return `positions` int64 [B, t] of the new tokens."""
 
     @abstractmethod

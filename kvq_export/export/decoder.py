@@ -3,7 +3,7 @@
 The KV cache is not part of the body. A :class:`CacheGraph` declares the past/present cache tensors
 and computes attention; the body hands it rope-applied q/k/v per layer (or, to a cache graph with
 ``fuses_rotary = True`` such as a fused attention kernel, the raw projections through
-:meth:`CacheGraph.attend_projected`; it applies RoPE itself from ``facts.rope``)::
+:meth:`CacheGraph.attend_projected`; it applies RoPE itself from ``spec.rope``)::
 
     arch = get_arch(model.config)
     model_ir = build_decoder(model, arch, MyCache(...), dtype="fp32")
@@ -33,7 +33,7 @@ decode steps of small models are dominated by per-node overhead, so that layout 
 Family differences are the :class:`~kvq_export.export.arch.Arch` declarations (norm placement and
 style, q/k norms, embedding scale, logit soft-capping, activation, per-layer RoPE). Soft-capping of
 attention scores is the cache graph's job (it computes the scores): a cache graph that implements
-``facts.attn_softcap`` says so with ``supports_attn_softcap = True``; others are refused for such models.
+``spec.attn_softcap`` says so with ``supports_attn_softcap = True``; others are refused for such models.
 
 Rotated caches (``rotation`` of a scheme stream, :mod:`kvq_export.rotation`): a cache graph that stores a
 layer's keys or values in a rotated basis says so through ``rotation(layer, part) -> R | None``, and the
@@ -57,7 +57,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -69,7 +68,7 @@ from kvq_export.export.arch import GELU_TANH_ACTIVATIONS, Arch, LinearNames, get
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.cache_graph import (
     CacheGraph,
-    DecoderFacts,
+    DecoderSpec,
     attends_packed,
     cache_rotation,
     fuses_body,
@@ -77,6 +76,7 @@ from kvq_export.export.cache_graph import (
 )
 from kvq_export.export.projections import Part, Projections, StateWeights, block_diag
 from kvq_export.export.rope import RotaryGraph
+from kvq_export.model_facts import ModelFacts
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -101,52 +101,53 @@ def build_decoder(
     *,
     dtype: str = "fp32",
     opset: int = 23,
+    facts: ModelFacts | None = None,
 ) -> ir.Model:
     """Build the decoder graph of ``source`` (a HF causal LM, or ``(state_dict, config)``) around ``cache``.
 
-    ``arch`` defaults to ``get_arch(config)``. The state dict may hold torch tensors or numpy arrays
-    in any float dtype; they are cast to ``dtype`` (``"fp32"`` or ``"fp16"``).
+    ``arch`` defaults to ``get_arch(config)`` and ``facts`` to the facts it reads (an export passes the ones its
+    manifest records). The state dict may hold torch tensors or numpy arrays in any float dtype; they are cast to
+    ``dtype`` (``"fp32"`` or ``"fp16"``).
     """
     state, config = _split_source(source)
     arch = arch if arch is not None else get_arch(config)
+    facts = facts if facts is not None else ModelFacts.from_config(config, arch)
     if dtype not in COMPUTE_DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; expected one of {', '.join(COMPUTE_DTYPES)}")
     if opset < MIN_OPSET:
         raise ExportError(f"opset {opset} is too old; the decoder needs opset >= {MIN_OPSET}")
     start = time.perf_counter()
     compute = DType.get(dtype).ir
-    rope = arch.rope()
-    facts = replace(DecoderFacts.from_arch(arch, compute), rope=rope,
-                    layer_ropes=tuple(arch.layer_rope(i) for i in range(arch.num_layers)))
-    if facts.attn_softcap and not cache.supports_attn_softcap:
+    spec = DecoderSpec.of(facts, arch, compute)
+    if spec.attn_softcap and not cache.supports_attn_softcap:
         raise ExportError(
-            f"{arch.model_type} soft-caps its attention scores (attn_logit_softcapping={facts.attn_softcap}), "
+            f"{facts.model_type} soft-caps its attention scores (attn_logit_softcapping={spec.attn_softcap}), "
             f"which the {type(cache).__name__} attention does not implement"
         )
-    b = GraphBuilder(opset=opset, name=f"kvq_{arch.model_type}")
-    body = _Body(b, arch, facts, StateWeights(state, compute, arch.model_type), fused=fuses_body(cache))
+    b = GraphBuilder(opset=opset, name=f"kvq_{facts.model_type}")
+    body = _Body(b, arch, spec, StateWeights(state, compute, facts.model_type), fused=fuses_body(cache))
 
     input_ids = b.input("input_ids", ir.DataType.INT64, ["batch", "seq"])
     attention_mask = b.input("attention_mask", ir.DataType.INT64, ["batch", "seq"])
     with b.scope("cache"):
-        positions = cache.begin(b, attention_mask=attention_mask, facts=facts)
+        positions = cache.begin(b, attention_mask=attention_mask, spec=spec)
     body.packed_attention = attends_packed(cache) and not any(
-        body.value_rotation_in_graph(cache, layer) is not None for layer in range(arch.num_layers))
+        body.value_rotation_in_graph(cache, layer) is not None for layer in range(facts.num_layers))
     if not fuses_rotary(cache):
         with b.scope("rope"):
-            for spec in dict.fromkeys(facts.rope_for(i) for i in range(arch.num_layers)):
+            for rope in dict.fromkeys(spec.rope_for(i) for i in range(facts.num_layers)):
                 if body.packed_attention:
-                    body.rope.add_packed_tables(positions, spec)
+                    body.rope.add_packed_tables(positions, rope)
                 else:
-                    body.rope.add_tables(positions, spec)
+                    body.rope.add_tables(positions, rope)
 
     with b.scope("embed"):
-        embed = body.weights.initializer(b, arch.embed_name(), (arch.vocab_size, arch.hidden_size))
+        embed = body.weights.initializer(b, arch.embed_name(), (facts.vocab_size, facts.hidden_size))
         hidden = b.op("Gather", embed, input_ids)
         if arch.embedding_scale is not None:  # in the weights' dtype, like GemmaTextScaledWordEmbedding
             hidden = b.op("Mul", hidden, b.const(np.array(arch.embedding_scale, dtype=body.weights.np_dtype)))
     pending = None  # each layer leaves its last residual add to the next norm (fused: one node for both)
-    for layer in range(arch.num_layers):
+    for layer in range(facts.num_layers):
         with b.scope(f"layers.{layer}"):
             hidden, pending = body.layer(layer, hidden, pending, cache)
     with b.scope("head"):
@@ -155,15 +156,15 @@ def build_decoder(
         if arch.final_logit_softcap is not None:
             logits = body.softcap(logits, arch.final_logit_softcap)
         logits = body.to_float(logits)
-    b.output(logits, "logits", ir.DataType.FLOAT, ["batch", "seq", arch.vocab_size])
+    b.output(logits, "logits", ir.DataType.FLOAT, ["batch", "seq", facts.vocab_size])
     with b.scope("cache"):
         cache.end(b)
 
-    model = b.build(metadata={"kvq.model_type": arch.model_type, "kvq.dtype": dtype})
+    model = b.build(metadata={"kvq.model_type": facts.model_type, "kvq.dtype": dtype})
     logger.info(
         "built %s decoder body: %d layers, %s, %d nodes in %.2f s",
-        arch.model_type,
-        arch.num_layers,
+        facts.model_type,
+        facts.num_layers,
         dtype,
         len(model.graph),
         time.perf_counter() - start,
@@ -200,19 +201,18 @@ class _Body:
     * a tied lm_head is a MatMul on the embedding's Transpose, which ONNX Runtime folds into a constant at load.
     """
 
-    def __init__(self, b: GraphBuilder, arch: Arch, facts: DecoderFacts, weights: StateWeights, *,
+    def __init__(self, b: GraphBuilder, arch: Arch, spec: DecoderSpec, weights: StateWeights, *,
                  fused: bool = False) -> None:
         self.b = b
         self.arch = arch
-        self.facts = facts
+        self.spec, self.facts = spec, spec.facts
         self.weights = weights
-        self.dtype = facts.dtype
+        self.dtype = spec.dtype
         self.fuse_norms = fused and self.dtype == ir.DataType.FLOAT
         if self.fuse_norms and b.opset < RMS_NORM_OPSET:
             raise ExportError(f"the fused body's RMSNormalization needs opset >= {RMS_NORM_OPSET} (got {b.opset})")
         self.proj = Projections(b, weights, fused=fused)
-        self.rope = RotaryGraph(b, num_heads=facts.num_heads, num_kv_heads=facts.num_kv_heads,
-                                head_dim=facts.head_dim, from_float=self.from_float)
+        self.rope = RotaryGraph(b, spec.facts, from_float=self.from_float)
         #: RoPE on the packed q|k|v for a cache graph that :func:`attends_packed` (set by :func:`build_decoder`)
         self.packed_attention = False
         self._rotations: dict[bytes, ir.Value] = {}  # one float32 initializer per distinct R
@@ -233,7 +233,7 @@ class _Body:
         weight (plus ``Arch.norm_offset``: Gemma's ``1 + w``), then cast back.
         """
         b, arch = self.b, self.arch
-        width = arch.hidden_size if width is None else width
+        width = self.facts.hidden_size if width is None else width
         if self.fuse_norms:
             return b.op("RMSNormalization", x, self.norm_scale(weight_name, width), axis=-1,
                         epsilon=float(arch.rms_norm_eps), stash_type=1)
@@ -272,7 +272,7 @@ class _Body:
             hidden = b.op("Add", hidden, delta)
             return self.maybe_norm(hidden, weight_name), hidden
         normed, _, _, total = b.op_multi(
-            "SkipSimplifiedLayerNormalization", hidden, delta, self.norm_scale(weight_name, self.arch.hidden_size),
+            "SkipSimplifiedLayerNormalization", hidden, delta, self.norm_scale(weight_name, self.facts.hidden_size),
             num_outputs=4, domain=CONTRIB_DOMAIN, epsilon=float(self.arch.rms_norm_eps))
         return normed, total
 
@@ -299,7 +299,7 @@ class _Body:
         MatMul per head, the identity on the value heads).
         """
         b, f = self.b, self.facts
-        x = self.rope.apply_packed(qkv, f.rope_for(layer))
+        x = self.rope.apply_packed(qkv, self.spec.rope_for(layer))
         if key_rotation is not None:
             heads, d = f.num_heads + 2 * f.num_kv_heads, f.head_dim
             per_head = np.stack([key_rotation] * (f.num_heads + f.num_kv_heads) + [np.eye(d)] * f.num_kv_heads)
@@ -341,7 +341,7 @@ class _Body:
         b = self.b
         if self.arch.activation in GELU_TANH_ACTIVATIONS:
             if b.opset < GELU_OPSET:
-                raise ExportError(f"{self.arch.model_type}: GELU needs opset >= {GELU_OPSET} (got {b.opset})")
+                raise ExportError(f"{self.facts.model_type}: GELU needs opset >= {GELU_OPSET} (got {b.opset})")
             return b.op("Mul", b.op("Gelu", gate, approximate="tanh"), up)
         return b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up)  # SiLU(gate) * up
 
@@ -420,8 +420,8 @@ class _Body:
                 attn = self.rotate(attn, block_diag(in_graph, f.num_heads), inverse=True)
             return attn
         (q, k, v), _ = self.projections(x, layer, parts)  # type: ignore[misc]
-        q = self.rope.apply(self.heads(q, f.num_heads), f.rope_for(layer))
-        k = self.rope.apply(self.heads(k, f.num_kv_heads), f.rope_for(layer))
+        q = self.rope.apply(self.heads(q, f.num_heads), self.spec.rope_for(layer))
+        k = self.rope.apply(self.heads(k, f.num_kv_heads), self.spec.rope_for(layer))
         if key_rot is not None:
             q, k = self.rotate(q, key_rot), self.rotate(k, key_rot)
         v = self.heads(v, f.num_kv_heads)
@@ -434,17 +434,17 @@ class _Body:
 
     def lm_head(self, hidden: ir.Value, embed: ir.Value) -> ir.Value:
         """Logits [B, t, V] in the compute dtype; a tied head reuses the embedding instead of a copy."""
-        b, arch = self.b, self.arch
-        name = arch.lm_head_name()
+        b, f = self.b, self.facts
+        name = self.arch.lm_head_name()
         if name is not None:
-            return self.proj.linear(hidden, LinearNames(name), arch.hidden_size, arch.vocab_size)
+            return self.proj.linear(hidden, LinearNames(name), f.hidden_size, f.vocab_size)
         if self.proj.fused:
             # ONNX Runtime folds the Transpose of the initializer into a [H, V] constant when it loads the graph
             # (the file holds the embedding once), and its MatMul runs faster than Gemm(transB=1) on it (SmolLM2,
             # H 576, V 49152, one token: measured 23.4 vs 25.8 ms on a loaded 2-core machine, equal logits)
             return b.op("MatMul", hidden, b.op("Transpose", embed, perm=[1, 0]))
         # Gemm reads the [V, H] embedding transposed in place; MatMul would need a [H, V] copy.
-        flat = b.op("Reshape", hidden, b.const([-1, arch.hidden_size]))
+        flat = b.op("Reshape", hidden, b.const([-1, f.hidden_size]))
         logits = b.op("Gemm", flat, embed, transB=1)
-        out_shape = b.op("Concat", b.op("Shape", hidden, end=2), b.const([arch.vocab_size]), axis=0)
+        out_shape = b.op("Concat", b.op("Shape", hidden, end=2), b.const([f.vocab_size]), axis=0)
         return b.op("Reshape", logits, out_shape)

@@ -195,7 +195,7 @@ def plan_export(request: ExportRequest, source: Source, *, static: StaticLike | 
     check_opset(request.opset)
     arch, facts = read_facts(source)
     scheme = request.scheme
-    scheme.check_model(facts.num_layers, facts.head_dim)
+    scheme.check_model(facts)
     flavor = get_flavor(request.flavor)
     flavor.check(scheme, facts)
     static = None if static is None else Calibration.of(static)
@@ -261,7 +261,8 @@ def build_graph(plan: ExportPlan, source: Source, static: Calibration | None) ->
 
     request = plan.request
     cache = plan.flavor.build(request.scheme, plan.facts, static=static)
-    graph = build_decoder(source.model, plan.arch, cache, dtype=request.dtype, opset=request.opset)
+    graph = build_decoder(source.model, plan.arch, cache, dtype=request.dtype, opset=request.opset,
+                          facts=plan.facts)
     # the graph carries what it fixes (scheme, model facts, flavor, layout, dtype, embedded scales, EOS/pad ids):
     # a loader compares it with the manifest, so an edited kvq.json or calibration file is refused
     digest = static.digest() if static is not None and request.scheme.needs_calibration else None

@@ -122,10 +122,12 @@ from kvq_export.cache_layout import BUFFER
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
+from kvq_export.export.cache_graph import DecoderSpec
 from kvq_export.export.gqa_capability import unsupported
 from kvq_export.export.gqa_plan import HighSplit, plan_layer
 from kvq_export.export.graph_codec import static_name
 from kvq_export.export.kv_graph import LaidOutCache, name_packed_probe, name_probes
+from kvq_export.model_facts import CacheGeometry, ModelFacts
 from kvq_export.naming import PARTS, ROTARY_TABLES, tensor_name
 from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import KVQuantScheme
@@ -141,7 +143,7 @@ class GQACacheGraph(LaidOutCache):
 
     Args:
         scheme: the cache description (see :func:`unsupported` for what GQA can hold).
-        num_layers, kv_heads, head_dim: the model's cache geometry.
+        geometry: the model's cache geometry.
         static: calibrated static scales ``{layer: {"key"|"value": {"scales": [H, n]}}}``.
         fuse_rotary: apply RoPE inside the node (default; refused with rotated keys); False leaves it to
             the decoder body.
@@ -159,21 +161,21 @@ class GQACacheGraph(LaidOutCache):
     #: GroupQueryAttention takes q|k|v packed in its query input
     attends_packed = True
 
-    def __init__(self, scheme: KVQuantScheme, *, fuse_rotary: bool = True, fuse_body: bool = True,
-                 fast_prefill: bool = True, **geometry) -> None:
-        super().__init__(scheme, **geometry)
-        reasons = unsupported(scheme, self.num_layers, self.head_dim)
+    def __init__(self, scheme: KVQuantScheme, geometry: CacheGeometry, *, fuse_rotary: bool = True,
+                 fuse_body: bool = True, fast_prefill: bool = True, **options) -> None:
+        super().__init__(scheme, geometry, **options)
+        reasons = unsupported(scheme, self.geometry.num_layers, self.geometry.head_dim)
         if reasons:
             raise ExportError(f"flavor ort-gqa cannot hold scheme {scheme.name or 'custom'}: " + "; ".join(reasons))
-        if fuse_rotary and rope_in_body(scheme, self.num_layers):
+        if fuse_rotary and rope_in_body(scheme, self.geometry.num_layers):
             raise ExportError("ort-gqa: rotated keys, keys with zero points and high channels are transformed "
                               "after RoPE, so RoPE cannot be fused into GroupQueryAttention (use fuse_rotary=False)")
         self.fuses_rotary = fuse_rotary
         self.fuses_body = fuse_body
         self.fast_prefill = fast_prefill
-        self.kv_row = self.kv_heads * self.head_dim  # one stream's packed row
-        self.plans = [plan_layer(layer, key, value, self.static, self.kv_heads, self.head_dim)
-                      for layer, (key, value) in enumerate(scheme.streams(self.num_layers))]
+        self.kv_row = self.geometry.num_kv_heads * self.geometry.head_dim  # one stream's packed row
+        self.plans = [plan_layer(layer, key, value, self.static, geometry)
+                      for layer, (key, value) in enumerate(scheme.streams(self.geometry.num_layers))]
 
     @classmethod
     def unsupported(cls, scheme: KVQuantScheme, num_layers: int, head_dim: int | None = None) -> list[str]:
@@ -181,22 +183,21 @@ class GQACacheGraph(LaidOutCache):
         return unsupported(scheme, num_layers, head_dim)
 
     @classmethod
-    def for_model(cls, scheme: KVQuantScheme, facts, *, static: Mapping | None = None) -> GQACacheGraph:
+    def for_model(cls, scheme: KVQuantScheme, facts: ModelFacts, *, static: Mapping | None = None) -> GQACacheGraph:
         """RoPE fused into the node unless the keys are transformed after it (:func:`rope_in_body`)."""
-        return cls(scheme, fuse_rotary=not rope_in_body(scheme, facts.num_layers), num_layers=facts.num_layers,
-                   kv_heads=facts.num_kv_heads, head_dim=facts.head_dim, static=static)
+        return cls(scheme, facts, fuse_rotary=not rope_in_body(scheme, facts.num_layers), static=static)
 
     # -- CacheGraph protocol --------------------------------------------------------------------------
     def rotation(self, layer: int, part: str) -> np.ndarray | None:
         """``R`` of ``layer``'s ``key``/``value`` stream (the body rotates q/k and folds v with it)."""
-        return stream_rotation(self.scheme, layer, part, self.head_dim)
+        return stream_rotation(self.scheme, layer, part, self.geometry.head_dim)
 
-    def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, facts) -> ir.Value | None:
+    def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, spec: DecoderSpec) -> ir.Value | None:
         """Declare the past buffers; compute GQA's length inputs and the left/right realignment."""
-        self.facts = facts
-        self.compute_type = facts.dtype
-        for spec in self.cache_specs("past"):
-            self.past[spec.name] = b.input(spec.name, DType.get(spec.dtype).ir, spec.shape)
+        self.spec = spec
+        self.compute_type = spec.dtype
+        for tensor in self.cache_specs("past"):
+            self.past[tensor.name] = b.input(tensor.name, DType.get(tensor.dtype).ir, tensor.shape)
         n0 = self.past[tensor_name("past", None, None, "seq_lengths")]
         mask = b.op("Cast", attention_mask, to=ir.DataType.INT64)
         m = b.op("ReduceSum", mask, b.const([1]), keepdims=0)  # new real tokens per row [B]
@@ -228,10 +229,10 @@ class GQACacheGraph(LaidOutCache):
         self.zero = b.const(np.array(0, dtype=np_type))
         self.tables: dict[int, tuple[ir.Value, ir.Value]] = {}
         if self.fuses_rotary:
-            for layer in range(facts.num_layers):  # one table pair per distinct RoPE (Gemma3: local, global)
-                rope = facts.rope_for(layer)
+            for layer in range(spec.facts.num_layers):  # one table pair per distinct RoPE (Gemma3: local, global)
+                rope = spec.rope_for(layer)
                 if id(rope) not in self.tables:
-                    self.tables[id(rope)] = self._rotary_caches(b, facts, np_type, rope)
+                    self.tables[id(rope)] = self._rotary_caches(b, spec, np_type, rope)
             return None
         # positions of the new tokens for the body's RoPE (pads clamp to 0), as in the reference flavour
         offset = b.op("Sub", b.op("Unsqueeze", n0, b.const([1])), shift)
@@ -265,7 +266,7 @@ class GQACacheGraph(LaidOutCache):
         the rotation); otherwise it hands the packed q|k|v to :meth:`attend_packed`.
         """
         name_probes(b, layer, q, k, v)
-        f = self.facts
+        f = self.spec.facts
         with b.scope(f"gqa{layer}"):
             flat = [b.op("Reshape", b.op("Transpose", x, perm=[0, 2, 1, 3]), b.const([0, 0, heads * f.head_dim]))
                     for x, heads in ((q, f.num_heads), (k, f.num_kv_heads), (v, f.num_kv_heads))]
@@ -276,25 +277,25 @@ class GQACacheGraph(LaidOutCache):
     def end(self, b: GraphBuilder) -> None:
         """Declare the present outputs in manifest order."""
         self.present[tensor_name("present", None, None, "seq_lengths")] = self.n1
-        for spec in self.cache_specs("present"):
-            b.output(self.present[spec.name], spec.name, DType.get(spec.dtype).ir, spec.shape)
+        for tensor in self.cache_specs("present"):
+            b.output(self.present[tensor.name], tensor.name, DType.get(tensor.dtype).ir, tensor.shape)
 
     # -- pieces --------------------------------------------------------------------------------------------
-    def _rotary_caches(self, b: GraphBuilder, facts, np_type, rope) -> tuple[ir.Value, ir.Value]:
+    def _rotary_caches(self, b: GraphBuilder, spec: DecoderSpec, np_type, rope) -> tuple[ir.Value, ir.Value]:
         """cos/sin tables [max_positions, R/2] in the compute dtype (computed in float32, like the body).
 
         R is the rotary dim (GQA rotates the first 2 * table width channels); the global RoPE's tables are
         :data:`ROTARY_TABLES`, another layer type's (Gemma3's local layers) ``rope.<layer_type>.*_cache``.
         """
-        if rope is None or not facts.max_positions:
+        if rope is None or not spec.facts.max_position_embeddings:
             raise ExportError("ort-gqa with fused rotary needs the model's RoPE and max_position_embeddings")
-        pos = np.arange(facts.max_positions, dtype=np.float32)[:, None]
+        pos = np.arange(spec.facts.max_position_embeddings, dtype=np.float32)[:, None]
         freqs = pos * rope.inv_freq.astype(np.float32)[None, :]
         cos, sin = np.cos(freqs), np.sin(freqs)
         if rope.attention_scaling != 1.0:
             cos, sin = cos * np.float32(rope.attention_scaling), sin * np.float32(rope.attention_scaling)
         names = ROTARY_TABLES
-        if rope is not facts.rope:
+        if rope is not spec.rope:
             names = tuple(name.replace("rope.", f"rope.{rope.layer_type}.", 1) for name in ROTARY_TABLES)
         return (b.initializer(names[0], cos.astype(np_type)), b.initializer(names[1], sin.astype(np_type)))
 
@@ -315,7 +316,7 @@ class GQACacheGraph(LaidOutCache):
         offset = self._value_offset(b, layer)
         high = plan.k_high is not None  # (the body's RoPE: q is the packed q|k|v)
         if high:
-            width = (self.facts.num_heads + 2 * self.facts.num_kv_heads) * self.head_dim
+            width = (self.spec.facts.num_heads + 2 * self.spec.facts.num_kv_heads) * self.geometry.head_dim
             codes = {role: b.initializer(static_name(layer, "kv", f"high_channels.{role}"), array) for role, array
                      in plan.high_code_constants((width - 2 * self.kv_row, width - self.kv_row), width).items()}
         else:  # the node's input, offsets subtracted: both branches read it
@@ -352,14 +353,14 @@ class GQACacheGraph(LaidOutCache):
               past: list[ir.Value | None], scales: tuple[ir.Value | None, ir.Value | None], *,
               rotary: bool, query_seqlens: ir.Value | None = None) -> list[ir.Value]:
         """One GroupQueryAttention node: (output, present key, present value); no ``scales``: unquantized."""
-        f, plan = self.facts, self.plans[layer]
+        f, plan = self.spec.facts, self.plans[layer]
         attrs = {}
         if scales[0] is not None:
             attrs = {"k_quant_type": plan.k_quant, "v_quant_type": plan.v_quant, "kv_cache_bit_width": plan.bits}
         window = f.window(layer)
-        cos, sin = self.tables[id(f.rope_for(layer))] if rotary else (None, None)
-        if f.attn_softcap:
-            attrs["softcap"] = float(f.attn_softcap)
+        cos, sin = self.tables[id(self.spec.rope_for(layer))] if rotary else (None, None)
+        if self.spec.attn_softcap:
+            attrs["softcap"] = float(self.spec.attn_softcap)
         return b.op_multi(
             "GroupQueryAttention", q, k, v, past[0], past[1], self.seqlens_k, self.total,
             cos, sin,
@@ -378,10 +379,10 @@ class GQACacheGraph(LaidOutCache):
 
         sum_j a_j (v_j - c) + c = sum_j a_j v_j: each query head's kv head's offset c.
         """
-        plan, f = self.plans[layer], self.facts
+        plan, f = self.plans[layer], self.spec.facts
         if plan.out_offset is None:
             return None
-        per_query_head = np.repeat(plan.out_offset.reshape(f.num_kv_heads, -1), f.num_heads // f.num_kv_heads, 0)
+        per_query_head = np.repeat(plan.out_offset.reshape(f.num_kv_heads, -1), f.kv_groups, 0)
         return self._offset(b, layer, "value.output", per_query_head.reshape(-1))
 
     def _prefill(self, b: GraphBuilder, layer: int, node_in: tuple[ir.Value | None, ...],
@@ -396,10 +397,10 @@ class GQACacheGraph(LaidOutCache):
         or with high channels (``codes``: their constants; ``node_in``: the exact packed projections) the
         nibbles of its widened rows (:meth:`_high_nibbles`).
         """
-        plan, f = self.plans[layer], self.facts
+        plan, f = self.plans[layer], self.spec.facts
         # a past that holds no token (the node takes query_seqlens only with a past)
         batch = b.op("Gather", b.op("Shape", node_in[0]), b.const([0]), axis=0)
-        shape = b.op("Concat", batch, b.const([f.num_kv_heads, 0, self.head_dim]), axis=0)
+        shape = b.op("Concat", batch, b.const([f.num_kv_heads, 0, self.geometry.head_dim]), axis=0)
         empty = b.op("ConstantOfShape", shape, value=ir.tensor(np.zeros(1, self.np_type)))
         out, present_k, present_v = self._node(b, layer, *node_in, [empty, empty], (None, None), rotary=rotary,
                                                query_seqlens=self.prefill_seqlens)
@@ -463,16 +464,16 @@ class GQACacheGraph(LaidOutCache):
         scale), -8, 7) + 8`` at the node's scale, the difference first rounded to the compute dtype (the node's
         input).
         """
-        f, plan = self.facts, self.plans[layer]
+        f, plan = self.spec.facts, self.plans[layer]
         heads, n = f.num_kv_heads, plan.k_high.channels.shape[1]
-        q_size = f.num_heads * self.head_dim
+        q_size = f.num_heads * self.geometry.head_dim
         x = b.op("Slice", qkv, b.const([q_size]), b.const([2**62]), b.const([2]))  # [B, t, key | value]
         x = x if self.compute_type == ir.DataType.FLOAT else b.op("Cast", x, to=ir.DataType.FLOAT)
         c = self._high_code(b, x, codes, q_size)
         hi = b.op("Floor", b.op("Mul", c, b.const(1 / 16)))
         lo = b.op("Sub", c, b.op("Mul", hi, b.const(16.0)))
         highs = (plan.k_high, plan.v_high)
-        own = np.concatenate([s.reshape(1, heads, 1, -1)[0, :, 0, :self.head_dim].reshape(-1)
+        own = np.concatenate([s.reshape(1, heads, 1, -1)[0, :, 0, :self.geometry.head_dim].reshape(-1)
                               for s in (plan.k_scale, plan.v_scale)])
         places = np.concatenate([start + high.places().reshape(-1) for start, high in zip((0, self.kv_row), highs)])
         # q + 8 clipped to 0..15, but to 0 at the high channels' places, where hi (0 elsewhere) then wins a Max
@@ -489,7 +490,7 @@ class GQACacheGraph(LaidOutCache):
                  const("top", top))
         own_nibbles = b.op("Max", b.op("Add", q, b.const(8.0)), hi)
         lower = b.op("Gather", lo, const("lower", places), axis=2)
-        return b.op("Concat", b.op("Reshape", own_nibbles, b.const([0, 0, 2, heads, self.head_dim])),
+        return b.op("Concat", b.op("Reshape", own_nibbles, b.const([0, 0, 2, heads, self.geometry.head_dim])),
                     b.op("Reshape", lower, b.const([0, 0, 2, heads, n])), axis=4)
 
     def _widen(self, b: GraphBuilder, layer: int, qkv: ir.Value, codes: dict[str, ir.Value]) -> ir.Value:
@@ -505,9 +506,9 @@ class GQACacheGraph(LaidOutCache):
         ``lo - 8``, and subtract asymmetric streams' offsets from the other channels (minus 0, times 1 elsewhere:
         exact). Decode steps run it (a prefill stores :meth:`_high_nibbles` instead).
         """
-        f, plan = self.facts, self.plans[layer]
+        f, plan = self.spec.facts, self.plans[layer]
         highs = (plan.k_high, plan.v_high)
-        q_size, row = f.num_heads * self.head_dim, self.kv_row
+        q_size, row = f.num_heads * self.geometry.head_dim, self.kv_row
         width = q_size + 2 * row
         starts = (q_size, q_size + row)  # where the key and value rows start in the packed row
 
@@ -540,7 +541,7 @@ class GQACacheGraph(LaidOutCache):
         adds the two (no matmul over the whole row).
         """
         padded = b.op("Pad", out, b.const([0, 0, 0, 0, 0, 1]))  # one zero column at the end
-        index = np.stack(high.folded(self.facts.num_heads))  # [2, Hq * D]: main, extra
+        index = np.stack(high.folded(self.spec.facts.num_heads))  # [2, Hq * D]: main, extra
         pairs = b.op("Gather", padded, b.initializer(static_name(layer, "value", "high_channels.fold"), index), axis=2)
         return b.op("ReduceSum", pairs, b.const([2]), keepdims=0)
 
@@ -550,7 +551,7 @@ class GQACacheGraph(LaidOutCache):
     def _offset_inputs(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value | None,
                        v: ir.Value | None) -> tuple[ir.Value, ir.Value | None, ir.Value | None]:
         """Subtract asymmetric streams' offsets from the new keys/values (k = v = None: from GQA's packed q)."""
-        plan, f = self.plans[layer], self.facts
+        plan, f = self.plans[layer], self.spec.facts
         if plan.k_offset is None and plan.v_offset is None:
             return q, k, v
         if k is None:  # packed q | k | v: one offset over the whole row

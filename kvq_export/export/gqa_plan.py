@@ -16,6 +16,7 @@ import numpy as np
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.graph_codec import high_channel_choice, static_scales
+from kvq_export.model_facts import CacheGeometry
 from kvq_export.naming import PARTS
 from kvq_export.reference.codec import check_high_channels, high_channel_levels
 from kvq_export.scheme import TensorQuant
@@ -42,11 +43,12 @@ class HighSplit:
     head_dim: int
 
     @classmethod
-    def of(cls, tq: TensorQuant, static: Mapping, layer: int, part: str, kv_heads: int, head_dim: int) -> HighSplit:
+    def of(cls, tq: TensorQuant, static: Mapping, layer: int, part: str, geometry: CacheGeometry) -> HighSplit:
         """The split of one calibrated stream (``static[layer][part]``: its scales, zero points and high channels)."""
+        kv_heads, head_dim = geometry.num_kv_heads, geometry.head_dim
         channels = check_high_channels(high_channel_choice(static, layer, part, tq), tq, kv_heads, head_dim).numpy()
         meta = static[layer][part]
-        pick = [per_channel(tq, meta[role], kv_heads, head_dim, role)[np.arange(kv_heads)[:, None], channels]
+        pick = [per_channel(tq, meta[role], geometry, role)[np.arange(kv_heads)[:, None], channels]
                 if role in meta else np.zeros(channels.shape, np.float32) for role in (Role.SCALES, Role.ZERO_POINTS)]
         low, top, offset = high_channel_levels(tq)
         return cls(channels, pick[0], pick[1], float(low), float(top), float(offset), head_dim)
@@ -142,11 +144,12 @@ class LayerPlan:
                 "offset": by_place((h.offset for h in highs), 0)}
 
 
-def per_channel(tq: TensorQuant, meta: np.ndarray, kv_heads: int, head_dim: int, role: str = "scales") -> np.ndarray:
+def per_channel(tq: TensorQuant, meta: np.ndarray, geometry: CacheGeometry, role: str = "scales") -> np.ndarray:
     """Static metadata ``[kv_heads, n]`` as float32 ``[kv_heads, head_dim]``, first rounded to ``scale_dtype``.
 
     The rounding is what kvq's codec quantizes with; token-axis groups repeat over their channels.
     """
+    kv_heads, head_dim = geometry.num_kv_heads, geometry.head_dim
     sdtype = DType.get(tq.scale_dtype).numpy
     m = np.asarray(meta, dtype=np.float32).astype(sdtype).astype(np.float32)
     if m.shape[0] != kv_heads:
@@ -158,15 +161,15 @@ def per_channel(tq: TensorQuant, meta: np.ndarray, kv_heads: int, head_dim: int,
     return m
 
 
-def gqa_scale(tq: TensorQuant, scales: np.ndarray, kv_heads: int, head_dim: int) -> tuple[str, np.ndarray]:
+def gqa_scale(tq: TensorQuant, scales: np.ndarray, geometry: CacheGeometry) -> tuple[str, np.ndarray]:
     """Map kvq static scales ``[kv_heads, n]`` to (``PER_TENSOR`` | ``PER_CHANNEL``, float32 GQA scale tensor)."""
-    s = per_channel(tq, scales, kv_heads, head_dim)
+    s = per_channel(tq, scales, geometry)
     if np.all(s == s.flat[0]):
         return "PER_TENSOR", s.reshape(-1)[:1].copy()
-    return "PER_CHANNEL", np.ascontiguousarray(s.reshape(1, kv_heads, 1, head_dim))
+    return "PER_CHANNEL", np.ascontiguousarray(s.reshape(1, geometry.num_kv_heads, 1, geometry.head_dim))
 
 
-def gqa_offset(tq: TensorQuant, meta: Mapping, kv_heads: int, head_dim: int) -> np.ndarray | None:
+def gqa_offset(tq: TensorQuant, meta: Mapping, geometry: CacheGeometry) -> np.ndarray | None:
     """The float32 ``[kv_heads * head_dim]`` offset an asymmetric stream subtracts before the node (else None).
 
     kvq's ``int`` codes are ``c = clip(round((x - zero) / scale), 0, 2^b - 1)``; with ``x - offset`` for
@@ -175,26 +178,27 @@ def gqa_offset(tq: TensorQuant, meta: Mapping, kv_heads: int, head_dim: int) -> 
     """
     if not tq.has_zero_point:
         return None
-    scale, zero = (per_channel(tq, meta[role], kv_heads, head_dim, role) for role in (Role.SCALES, Role.ZERO_POINTS))
+    scale, zero = (per_channel(tq, meta[role], geometry, role) for role in (Role.SCALES, Role.ZERO_POINTS))
     return (zero + np.float32(1 << (tq.bits - 1)) * scale).reshape(-1)
 
 
-def plan_layer(layer: int, key: TensorQuant, value: TensorQuant, static: Mapping, kv_heads: int,
-               head_dim: int) -> LayerPlan:
+def plan_layer(layer: int, key: TensorQuant, value: TensorQuant, static: Mapping,
+               geometry: CacheGeometry) -> LayerPlan:
     """How ``layer``'s node stores its keys and values (``static``: the calibration, unread when unquantized)."""
     if not key.quantized:
         return LayerPlan(bits=None)
+    kv_heads, head_dim = geometry.num_kv_heads, geometry.head_dim
     types, arrays = [], []
     for part, tq in zip(PARTS, (key, value)):
-        kind, array = gqa_scale(tq, static_scales(static, layer, part), kv_heads, head_dim)
+        kind, array = gqa_scale(tq, static_scales(static, layer, part), geometry)
         types.append(kind)
         arrays.append(array)
-    offsets = [gqa_offset(tq, static[layer][part], kv_heads, head_dim) for part, tq in zip(PARTS, (key, value))]
+    offsets = [gqa_offset(tq, static[layer][part], geometry) for part, tq in zip(PARTS, (key, value))]
     out_offset = offsets[1]
-    highs = [HighSplit.of(tq, static, layer, part, kv_heads, head_dim) if tq.high_channels else None
+    highs = [HighSplit.of(tq, static, layer, part, geometry) if tq.high_channels else None
              for part, tq in zip(PARTS, (key, value))]
     if highs[0] is not None:  # the node's head grows by n channels: the nibbles' scales (see HighSplit)
-        arrays = [_node_scales(a, high, kv_heads, head_dim) for a, high in zip(arrays, highs)]
+        arrays = [_node_scales(a, high, geometry) for a, high in zip(arrays, highs)]
         types = ["PER_CHANNEL", "PER_CHANNEL"]
         out_offset = np.zeros(kv_heads * head_dim, np.float32) if out_offset is None else out_offset.copy()
         out_offset[highs[1].places().reshape(-1)] = highs[1].output_offset.reshape(-1)
@@ -206,9 +210,9 @@ def plan_layer(layer: int, key: TensorQuant, value: TensorQuant, static: Mapping
     return LayerPlan(key.bits, types[0], types[1], arrays[0], arrays[1], *offsets, out_offset, *highs)
 
 
-def _node_scales(scales: np.ndarray, high: HighSplit, kv_heads: int, head_dim: int) -> np.ndarray:
+def _node_scales(scales: np.ndarray, high: HighSplit, geometry: CacheGeometry) -> np.ndarray:
     """float32 ``[1, kv_heads, 1, head_dim + n]``: 16x the scale at a high channel, its scale at its extra."""
-    heads, d = kv_heads, head_dim
+    heads, d = geometry.num_kv_heads, geometry.head_dim
     s = np.broadcast_to(scales.reshape(-1)[0] if scales.size == 1 else scales.reshape(heads, d), (heads, d)).copy()
     s[np.arange(heads)[:, None], high.channels] = np.float32(16) * high.scale
     return np.ascontiguousarray(np.concatenate([s, high.scale], axis=1).reshape(1, heads, 1, -1))

@@ -7,10 +7,15 @@ padding, future tokens and (for sliding-window layers) tokens outside the window
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import onnx_ir as ir
 
 from kvq_export.export.builder import GraphBuilder
+
+if TYPE_CHECKING:
+    from kvq_export.export.cache_graph import DecoderSpec
 
 
 def attention_mask(b: GraphBuilder, *, positions: ir.Value, total_len: ir.Value, stored: ir.Value,
@@ -34,20 +39,21 @@ def attention_mask(b: GraphBuilder, *, positions: ir.Value, total_len: ir.Value,
     return b.op("Unsqueeze", mask, b.const([1, 2]))
 
 
-def grouped_query_attention(b: GraphBuilder, facts, q: ir.Value, keys: ir.Value, values: ir.Value, mask: ir.Value,
-                            *, total_len: ir.Value, compute_type: ir.DataType) -> ir.Value:
+def grouped_query_attention(b: GraphBuilder, spec: DecoderSpec, q: ir.Value, keys: ir.Value, values: ir.Value,
+                            mask: ir.Value, *, total_len: ir.Value, compute_type: ir.DataType) -> ir.Value:
     """Grouped-query attention without repeating K/V: q heads of one kv head share a MatMul.
 
     q [B, Hq, t, D], keys/values [B, Hkv, N, D] in the compute dtype -> [B, Hq, t, D]. Applies
-    ``facts.attn_softcap`` (Gemma2) before the mask; softmax runs in float32 as Hugging Face does.
+    ``spec.attn_softcap`` (Gemma2) before the mask; softmax runs in float32 as Hugging Face does.
     """
-    groups = facts.num_heads // facts.num_kv_heads
+    facts = spec.facts
+    groups = facts.kv_groups
     d = facts.head_dim
     qg = b.op("Reshape", q, b.const([0, facts.num_kv_heads, -1, d]))  # [B,Hkv,g*t,D]
     scores = b.op("MatMul", qg, b.op("Transpose", keys, perm=[0, 1, 3, 2]))
     np_type = ir.DataType(compute_type).numpy()
     scores = b.op("Mul", scores, b.const(np.array(facts.scaling, dtype=np_type)))
-    cap = getattr(facts, "attn_softcap", None)
+    cap = spec.attn_softcap
     if cap:  # Gemma2: cap * tanh(scores / cap), before the mask (transformers' eager order)
         c = b.const(np.array(cap, dtype=np_type))
         scores = b.op("Mul", b.op("Tanh", b.op("Div", scores, c)), c)

@@ -18,6 +18,7 @@ from kvq_export.calibration.artifact import static_name
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
+from kvq_export.model_facts import CacheGeometry
 from kvq_export.reference.codec import channel_levels, channel_order, check_high_channels, int_levels
 from kvq_export.scheme import FP8_E4M3_MAX, PLANE_BITS, TensorQuant, code_planes
 from kvq_export.vocab import Axis, Format, Quantizer, ScaleMode
@@ -121,13 +122,13 @@ class GraphCodec:
     """Quantize, pack, unpack and dequantize one stream's tokens in the graph.
 
     Args:
-        head_dim, kv_heads: the cache geometry.
+        geometry: the cache geometry (its ``num_kv_heads`` and ``head_dim``).
         static: calibrated static scales ``{layer: {"key"|"value": {"scales": [H, n], "zero_points": ...}}}``;
             each stream's become initializers once (:meth:`static_meta`).
     """
 
-    def __init__(self, *, head_dim: int, kv_heads: int, static: Mapping) -> None:
-        self.head_dim, self.kv_heads, self.static = head_dim, kv_heads, static
+    def __init__(self, geometry: CacheGeometry, *, static: Mapping) -> None:
+        self.geometry, self.static = geometry, static
         self._made: dict[tuple[int, str], tuple[ir.Value, ir.Value | None]] = {}
         self._orders: dict[tuple[int, str], HighChannels] = {}
 
@@ -136,7 +137,7 @@ class GraphCodec:
 
         Static channel-axis scales span all tokens: x stays [B,H,T,D] and broadcasts against [H,1,D].
         """
-        d = self.head_dim
+        d = self.geometry.head_dim
         tokens = dim(b, x, 2)
         if tq.axis == Axis.TOKEN:
             g = tq.token_group(d)
@@ -170,9 +171,9 @@ class GraphCodec:
             return made
         import torch
 
-        d = self.head_dim
+        d = self.geometry.head_dim
         chosen = torch.as_tensor(high_channel_choice(self.static, layer, part, tq))
-        high = check_high_channels(chosen, tq, self.kv_heads, d)
+        high = check_high_channels(chosen, tq, self.geometry.num_kv_heads, d)
         levels = tuple(t.numpy() for t in channel_levels(tq, high, d))
         made = HighChannels(b, layer, part, channel_order(high, d).numpy(), levels, tq.scales == ScaleMode.STATIC)
         self._orders[(layer, part)] = made
@@ -180,7 +181,7 @@ class GraphCodec:
 
     def _static_view(self, b: GraphBuilder, tq: TensorQuant, meta: ir.Value) -> ir.Value:
         """[H, n] static metadata as fp32, broadcastable against the grouped view."""
-        h = self.kv_heads
+        h = self.geometry.num_kv_heads
         shape = [h, 1, -1, 1] if tq.axis == Axis.TOKEN else [h, 1, -1]
         return b.op("Reshape", b.op("Cast", meta, to=ir.DataType.FLOAT), b.const(shape))
 
@@ -220,7 +221,7 @@ class GraphCodec:
             scales = b.op("Squeeze", scale_s, axes)
             scale = b.op("Cast", scale_s, to=f32)
         safe = b.op("Where", b.op("Equal", scale, b.const(0.0)), b.const(1.0), scale)
-        d = self.head_dim
+        d = self.geometry.head_dim
         if tq.format == Format.FP8_E4M3:
             clipped = b.op("Clip", b.op("Div", xg, safe), b.const(-FP8_E4M3_MAX), b.const(FP8_E4M3_MAX))
             # fp8 codes travel inside the graph as fp16 (exact for every e4m3 value): ONNX Runtime's
@@ -279,7 +280,7 @@ class GraphCodec:
             bias = b.const(half + 0.5 if mn is None else 0.5)
             codes = b.op("Min", b.op("Floor", b.op("Add", b.op("Mul", shifted, inv), bias)), b.const(float(top)))
         codes = reshape_tokens(b, b.op("Cast", codes, to=ir.DataType.UINT8), dim(b, block, 2),
-                                        [self.head_dim])
+                                        [self.geometry.head_dim])
         scales = b.op("Squeeze", b.op("Cast", d, to=ir.DataType.FLOAT16), axes)
         zeros = None if mn is None else b.op("Squeeze", b.op("Cast", mn, to=ir.DataType.FLOAT16), axes)
         return self.pack(b, tq, codes), scales, zeros
@@ -291,12 +292,12 @@ class GraphCodec:
             ordered = b.op("MatMul", b.op("Cast", codes, to=ir.DataType.FLOAT), high.to_stored)
             first = b.op("Cast", b.op("Slice", ordered, b.const([0]), b.const([n]), b.const([-1])),
                          to=ir.DataType.UINT8)
-            rest = b.op("Cast", b.op("Slice", ordered, b.const([n]), b.const([self.head_dim]), b.const([-1])),
+            rest = b.op("Cast", b.op("Slice", ordered, b.const([n]), b.const([self.geometry.head_dim]), b.const([-1])),
                         to=ir.DataType.INT32)
-            return b.op("Concat", first, self._pack_planes(b, rest, tq.bits, self.head_dim - n), axis=-1)
+            return b.op("Concat", first, self._pack_planes(b, rest, tq.bits, self.geometry.head_dim - n), axis=-1)
         if tq.bits == 8:
             return codes
-        return self._pack_planes(b, b.op("Cast", codes, to=ir.DataType.INT32), tq.bits, self.head_dim)
+        return self._pack_planes(b, b.op("Cast", codes, to=ir.DataType.INT32), tq.bits, self.geometry.head_dim)
 
     def _pack_planes(self, b: GraphBuilder, codes: ir.Value, bits: int, width: int) -> ir.Value:
         """int32 codes [B,H,T,W] -> their planes' bytes (3/5/6 bits: low bits, then the higher bits; see the codec)."""
@@ -313,7 +314,7 @@ class GraphCodec:
         """int32 codes [B,H,T,W] of ``bits`` each -> uint8 [B,H,T,W*bits/8], lowest bits first (W: head_dim)."""
         per = 8 // bits
         weights = np.array([1 << (bits * i) for i in range(per)], dtype=np.int32)
-        grouped = b.op("Reshape", codes, b.const([0, 0, 0, (width or self.head_dim) // per, per]))
+        grouped = b.op("Reshape", codes, b.const([0, 0, 0, (width or self.geometry.head_dim) // per, per]))
         packed = b.op("ReduceSum", b.op("Mul", grouped, b.const(weights)), b.const([-1]), keepdims=0)
         return b.op("Cast", packed, to=ir.DataType.UINT8)
 
@@ -326,14 +327,14 @@ class GraphCodec:
         """
         values = b.op("Cast", packed, to=ir.DataType.FLOAT)
         if high is not None:
-            n, d = tq.high_channels, self.head_dim
+            n, d = tq.high_channels, self.geometry.head_dim
             first = b.op("Slice", values, b.const([0]), b.const([n]), b.const([-1]))
             rest = b.op("Slice", values, b.const([n]), b.const([n + (d - n) * tq.bits // 8]), b.const([-1]))
             ordered = b.op("Concat", first, self._unpack_planes(b, rest, tq.bits, d - n), axis=-1)
             return b.op("MatMul", ordered, high.to_channels)
         if tq.bits == 8:
             return values
-        return self._unpack_planes(b, values, tq.bits, self.head_dim)
+        return self._unpack_planes(b, values, tq.bits, self.geometry.head_dim)
 
     def _unpack_planes(self, b: GraphBuilder, values: ir.Value, bits: int, width: int) -> ir.Value:
         """float32 bytes of ``width`` codes -> float32 codes [B,H,T,W] (two planes for 3/5/6 bits)."""
@@ -357,7 +358,7 @@ class GraphCodec:
         fields.append(rest)  # the top field: nothing above it
         last = b.const([-1])
         stacked = b.op("Concat", *(b.op("Unsqueeze", f, last) for f in fields), axis=-1)
-        return b.op("Reshape", stacked, b.const([0, 0, 0, width or self.head_dim]))
+        return b.op("Reshape", stacked, b.const([0, 0, 0, width or self.geometry.head_dim]))
 
     def dequantize(self, b: GraphBuilder, tq: TensorQuant, codes: ir.Value, scales, zeros,
                    high: HighChannels | None = None) -> ir.Value:
@@ -379,4 +380,4 @@ class GraphCodec:
         out = b.op("Mul", xg, scale)
         if zero is not None:
             out = b.op("Add", out, zero)
-        return reshape_tokens(b, out, dim(b, codes, 2), [self.head_dim])
+        return reshape_tokens(b, out, dim(b, codes, 2), [self.geometry.head_dim])

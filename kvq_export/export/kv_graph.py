@@ -34,10 +34,10 @@ import onnx_ir as ir
 from kvq_export.cache_layout import REGIONS, CacheLayout, RegionSplit
 from kvq_export.dtypes import DType
 from kvq_export.export.builder import GraphBuilder
-from kvq_export.export.cache_graph import CacheGraph
+from kvq_export.export.cache_graph import CacheGraph, DecoderSpec
 from kvq_export.export.graph_attention import attention_mask, grouped_query_attention
 from kvq_export.export.graph_codec import GraphCodec, HighChannels, dim, high_channel_choice, static_scales
-from kvq_export.model_facts import Geometry
+from kvq_export.model_facts import CacheGeometry
 from kvq_export.naming import PARTS, PROBES, CacheTensor, packed_probe_name, probe_name, tensor_name
 from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import KVQuantScheme, TensorQuant
@@ -67,11 +67,6 @@ def name_probes(b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Val
 def name_packed_probe(b: GraphBuilder, layer: int, qkv: ir.Value, *, projected: bool = False) -> None:
     """:func:`name_probes` for a packed q|k|v (:func:`naming.packed_probe_name`)."""
     b.op("Identity", qkv).name = packed_probe_name(layer, projected=projected)
-
-
-def facts_window(facts, layer: int) -> int | None:
-    """Sliding window of ``layer`` (None: full causal attention)."""
-    return facts.window(layer)
 
 
 @dataclass
@@ -188,7 +183,8 @@ class LaidOutCache(CacheGraph):
 
     Args:
         scheme: the cache description.
-        num_layers, kv_heads, head_dim: the model's cache geometry.
+        geometry: the model's cache geometry (its :class:`~kvq_export.model_facts.ModelFacts`, or any
+            :class:`~kvq_export.model_facts.CacheGeometry`).
         static: calibrated static scales ``{layer: {"key"|"value": {"scales": [H, n], "zero_points": ...}}}``
             for streams with ``scales="static"`` (numpy arrays).
     """
@@ -196,18 +192,18 @@ class LaidOutCache(CacheGraph):
     #: How the cache crosses the graph boundary (each flavour's graph class sets its own).
     layout: CacheLayout
 
-    def __init__(self, scheme: KVQuantScheme, *, num_layers: int, kv_heads: int, head_dim: int,
+    def __init__(self, scheme: KVQuantScheme, geometry: CacheGeometry, *,
                  static: Mapping[int, Mapping[str, Mapping[str, np.ndarray]]] | None = None) -> None:
-        scheme.check_model(num_layers, head_dim)
+        scheme.check_model(geometry)
         self.scheme = scheme
-        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.geometry = geometry
         self.static = static or {}
         self.past: dict[str, ir.Value] = {}
         self.present: dict[str, ir.Value] = {}
 
     def cache_specs(self, direction: str) -> list[CacheTensor]:
         """The cache tensors crossing the graph boundary in ``direction``, as :attr:`layout` names them."""
-        return self.layout.tensors(self.scheme, Geometry(self.num_layers, self.kv_heads, self.head_dim), direction)
+        return self.layout.tensors(self.scheme, self.geometry, direction)
 
 
 class QuantizedCacheGraph(LaidOutCache):
@@ -215,38 +211,38 @@ class QuantizedCacheGraph(LaidOutCache):
 
     Args:
         scheme: the cache description.
-        num_layers, kv_heads, head_dim: the model's cache geometry.
+        geometry: the model's cache geometry.
         static: calibrated static scales ``{layer: {"key"|"value": {"scales": [H, n], "zero_points": ...}}}``
             for streams with ``scales="static"`` (numpy arrays).
     """
 
     #: How the cache crosses the graph boundary.
     layout = REGIONS
-    #: its attention applies ``facts.attn_softcap`` (Gemma2's attention soft-capping).
+    #: its attention applies ``spec.attn_softcap`` (Gemma2's attention soft-capping).
     supports_attn_softcap = True
 
-    def __init__(self, scheme: KVQuantScheme, **geometry) -> None:
-        super().__init__(scheme, **geometry)
-        for layer, streams in enumerate(scheme.streams(self.num_layers)):
+    def __init__(self, scheme: KVQuantScheme, geometry: CacheGeometry, **options) -> None:
+        super().__init__(scheme, geometry, **options)
+        for layer, streams in enumerate(scheme.streams(self.geometry.num_layers)):
             for part, tq in zip(PARTS, streams):
                 if tq.quantized and tq.scales == ScaleMode.STATIC:
                     static_scales(self.static, layer, part)
                 if tq.quantized and tq.high_channels:
                     high_channel_choice(self.static, layer, part, tq)
         self.hp_type = DType.get(scheme.hp_dtype).ir
-        self.codec = GraphCodec(head_dim=self.head_dim, kv_heads=self.kv_heads, static=self.static)
+        self.codec = GraphCodec(geometry, static=self.static)
 
     # -- CacheGraph protocol --------------------------------------------------------------------------
     def rotation(self, layer: int, part: str) -> np.ndarray | None:
         """``R`` of ``layer``'s ``key``/``value`` stream (the body rotates q/k and folds v with it)."""
-        return stream_rotation(self.scheme, layer, part, self.head_dim)
+        return stream_rotation(self.scheme, layer, part, self.geometry.head_dim)
 
-    def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, facts) -> ir.Value:
+    def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, spec: DecoderSpec) -> ir.Value:
         """Declare past inputs; compute per-row counts, positions and the attention mask."""
-        self.ops, self.facts = _Ops(b), facts
-        self.compute_type = DType.get(facts.dtype).ir if isinstance(facts.dtype, str) else facts.dtype
-        for spec in self.cache_specs("past"):
-            self.past[spec.name] = b.input(spec.name, DType.get(spec.dtype).ir, spec.shape)
+        self.ops, self.spec = _Ops(b), spec
+        self.compute_type = spec.dtype
+        for tensor in self.cache_specs("past"):
+            self.past[tensor.name] = b.input(tensor.name, DType.get(tensor.dtype).ir, tensor.shape)
         n0 = self.past[tensor_name("past", None, None, "seq_lengths")]
         mask = b.op("Cast", attention_mask, to=ir.DataType.INT64)
         self.new_count = b.op("ReduceSum", mask, b.const([1]), keepdims=0)  # m [B]
@@ -271,20 +267,20 @@ class QuantizedCacheGraph(LaidOutCache):
         with b.scope(f"kv{layer}"):
             keys = self.read(b, self.store(b, layer, "key", key_tq, k))
             values = self.read(b, self.store(b, layer, "value", value_tq, v))
-            window = facts_window(self.facts, layer)
+            window = self.spec.facts.window(layer)
             if window not in self._masks:
                 with b.scope(f"mask_w{window}"):
                     self._masks[window] = attention_mask(b, positions=self.positions, total_len=self.total_len,
                                                          stored=self.n1, window=window,
                                                          compute_type=self.compute_type)
-            return grouped_query_attention(b, self.facts, q, keys, values, self._masks[window],
+            return grouped_query_attention(b, self.spec, q, keys, values, self._masks[window],
                                            total_len=self.total_len, compute_type=self.compute_type)
 
     def end(self, b: GraphBuilder) -> None:
         """Declare the present outputs in manifest order."""
         self.present[tensor_name("present", None, None, "seq_lengths")] = self.n1
-        for spec in self.cache_specs("present"):
-            b.output(self.present[spec.name], spec.name, DType.get(spec.dtype).ir, spec.shape)
+        for tensor in self.cache_specs("present"):
+            b.output(self.present[tensor.name], tensor.name, DType.get(tensor.dtype).ir, tensor.shape)
 
     # -- per-row counts -------------------------------------------------------------------------------
     def _split(self, b: GraphBuilder, tq: TensorQuant, n: ir.Value) -> _Counts:

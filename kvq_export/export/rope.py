@@ -23,6 +23,8 @@ from kvq_export.export.builder import GraphBuilder
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from kvq_export.model_facts import ModelFacts
+
 #: RoPE variants whose frequencies depend on the sequence length at run time: one static graph can't.
 DYNAMIC_ROPE_TYPES = frozenset({"dynamic", "longrope"})
 
@@ -91,14 +93,13 @@ def rope_spec(config: PretrainedConfig, params: dict[str, Any], layer_type: str 
 class RotaryGraph:
     """RoPE in a decoder graph: tables built once per distinct :class:`RopeSpec`, applied per layer.
 
-    ``from_float`` casts a float32 value to the body's compute dtype (the tables are computed in float32, as
-    transformers computes them, then cast).
+    ``facts`` gives the head counts and ``head_dim``; ``from_float`` casts a float32 value to the body's compute
+    dtype (the tables are computed in float32, as transformers computes them, then cast).
     """
 
-    def __init__(self, b: GraphBuilder, *, num_heads: int, num_kv_heads: int, head_dim: int,
-                 from_float: Callable[[ir.Value], ir.Value]) -> None:
+    def __init__(self, b: GraphBuilder, facts: ModelFacts, *, from_float: Callable[[ir.Value], ir.Value]) -> None:
         self.b = b
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.facts = facts  # the head counts and head_dim the tables are laid out for
         self.from_float = from_float
         self.tables: dict[int, tuple[ir.Value, ir.Value]] = {}  # id(RopeSpec) -> (cos, sin)
 
@@ -132,15 +133,15 @@ class RotaryGraph:
         """
         b = self.b
         cos, sin = self._float_tables(positions, rope)
-        half, rest = rope.rotary_dim // 2, self.head_dim - rope.rotary_dim
+        half, rest = rope.rotary_dim // 2, self.facts.head_dim - rope.rotary_dim
         sin = b.op("Mul", sin, b.const(np.repeat(np.float32([-1, 1]), half)))
         tables = []
         for table, fill in ((cos, 1.0), (sin, 0.0)):
             if rest:
                 table = b.op("Pad", table, b.const([0, 0, 0, 0, 0, rest]), b.const(np.float32(fill)))
             table = b.op("Expand", b.op("Unsqueeze", table, b.const([2, 3])),
-                         b.const([1, 1, self.num_heads + self.num_kv_heads, 1, 1]))  # the q and k heads
-            table = b.op("Pad", table, b.const([0, 0, 0, 0, 0, 0, 0, self.num_kv_heads, 0, 0]),
+                         b.const([1, 1, self.facts.num_heads + self.facts.num_kv_heads, 1, 1]))  # the q and k heads
+            table = b.op("Pad", table, b.const([0, 0, 0, 0, 0, 0, 0, self.facts.num_kv_heads, 0, 0]),
                          b.const(np.float32(fill)))  # the value heads
             # flat like the packed row, so no layer reshapes the row for them
             tables.append(self.from_float(b.op("Reshape", table, b.const([0, 0, -1]))))
@@ -153,7 +154,7 @@ class RotaryGraph:
         """
         b = self.b
         cos, sin = self.tables[id(rope)]
-        rot, d = rope.rotary_dim, self.head_dim
+        rot, d = rope.rotary_dim, self.facts.head_dim
         passed = None
         if rot < d:
             x, passed = b.op_multi("Split", x, b.const([rot, d - rot]), num_outputs=2, axis=-1)
@@ -174,9 +175,9 @@ class RotaryGraph:
         test models.)
         """
         b = self.b
-        heads = self.num_heads + 2 * self.num_kv_heads
+        heads = self.facts.num_heads + 2 * self.facts.num_kv_heads
         cos, sin = self.tables[id(rope)]
-        half, d = rope.rotary_dim // 2, self.head_dim
+        half, d = rope.rotary_dim // 2, self.facts.head_dim
         if 2 * half == d:  # every head's two halves swapped as blocks (a Gather of single floats is ~25x slower)
             halves = b.op("Reshape", qkv, b.const([0, 0, heads, 2, half]))
             swapped = b.op("Reshape", b.op("Gather", halves, b.const([1, 0]), axis=3), b.const([0, 0, heads * d]))

@@ -22,7 +22,8 @@ import onnx_ir as ir
 
 from kvq_export.dtypes import DType
 from kvq_export.export.builder import GraphBuilder
-from kvq_export.export.kv_graph import QuantizedCacheGraph, StoredStream, facts_window, name_probes
+from kvq_export.export.kv_graph import QuantizedCacheGraph, StoredStream, name_probes
+from kvq_export.model_facts import CacheGeometry
 from kvq_export.scheme import KVQuantScheme
 from kvq_export.trt.signature import PluginSignature, plugin_signature
 
@@ -38,17 +39,14 @@ class TrtCacheGraph(QuantizedCacheGraph):
     #: the plugin kernel computes the scores itself and has no soft-capping
     supports_attn_softcap = False
 
-    def __init__(self, scheme: KVQuantScheme, *, aot: bool = True, **geometry) -> None:
-        super().__init__(scheme, **geometry)
+    def __init__(self, scheme: KVQuantScheme, geometry: CacheGeometry, *, aot: bool = True, **options) -> None:
+        super().__init__(scheme, geometry, **options)
         self.aot = aot
         self.signatures: dict[int, PluginSignature] = {}
 
     def signature(self, layer: int) -> PluginSignature:
         """The plugin signature of ``layer`` for this graph's model facts."""
-        f = self.facts
-        return plugin_signature(self.scheme, layer, num_heads=f.num_heads, kv_heads=self.kv_heads,
-                                head_dim=self.head_dim, scaling=f.scaling, window=facts_window(f, layer),
-                                dtype=DType.of_onnx(self.compute_type).short)
+        return plugin_signature(self.scheme, layer, self.spec.facts, dtype=DType.of_onnx(self.compute_type).short)
 
     def attend(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
         """Store k/v with standard ops, then one plugin node reads the stored cache and attends for ``q``."""

@@ -70,6 +70,7 @@ from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import EXTERNAL_DATA_SUFFIX
 from kvq_export.manifest import MODEL_NAME
+from kvq_export.model_facts import ModelFacts
 from kvq_export.vocab import WeightFormat
 
 logger = logging.getLogger(__name__)
@@ -354,8 +355,9 @@ def dequantized_model(model: Any, spec: Any) -> Any:
     from kvq_export.export.arch import get_arch
 
     arch = get_arch(model.config)
+    facts = ModelFacts.from_config(model.config, arch)
     names = [arch.embed_name(), *([arch.lm_head_name()] if arch.lm_head_name() else [])]
-    for layer in range(arch.num_layers):
+    for layer in range(facts.num_layers):
         parts = arch.layer_names(layer)
         names += [linear.weight for linear in (parts.q, parts.k, parts.v, parts.o, parts.gate, parts.up, parts.down)]
     copied = copy.deepcopy(model)
@@ -365,7 +367,7 @@ def dequantized_model(model: Any, spec: Any) -> Any:
             try:
                 param = copied.get_parameter(name)
             except AttributeError:
-                raise ExportError(f"{arch.model_type}: weight {name!r} is not a parameter of the model") from None
+                raise ExportError(f"{facts.model_type}: weight {name!r} is not a parameter of the model") from None
             weight = param.detach().to(device="cpu", dtype=torch.float32).numpy()  # [out, in]
             run = dequantized_blocks(weight.T, bits=BITS[spec.format], block_size=spec.block_size,
                                      symmetric=spec.symmetric).T

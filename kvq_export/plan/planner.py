@@ -170,12 +170,10 @@ def measure_candidates(
 
 def _stream_bytes_at(facts: ModelFacts, context: int, sink_tokens: int) -> Callable[[TensorQuant], int]:
     """A stream's cache bytes at ``context`` tokens (batch 1, ``sink_tokens`` exact), as a function of its format."""
-    heads, dim = facts.num_kv_heads, facts.head_dim
 
     def nbytes(tq: TensorQuant) -> int:
-        return sum(stream_bytes(tq, KVQuantScheme(key=tq, value=tq, sink_tokens=sink_tokens), seq_len=context,
-                                batch=1, kv_heads=heads,
-                                head_dim=dim).values())
+        scheme = KVQuantScheme(key=tq, value=tq, sink_tokens=sink_tokens)
+        return sum(stream_bytes(tq, scheme, facts, seq_len=context, batch=1).values())
 
     return nbytes
 

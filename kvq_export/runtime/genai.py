@@ -34,6 +34,7 @@ from kvq_export.manifest import (
     resolve_inside,
 )
 from kvq_export.manifest import verify_weights as check_weights
+from kvq_export.model_facts import CacheGeometry
 from kvq_export.model_source import load_model, model_facts
 from kvq_export.naming import PARTS
 from kvq_export.presets import resolve_scheme
@@ -63,9 +64,9 @@ GRANULARITIES = ("per_channel", "per_tensor")
 SCALE_FORMATS = ("genai-scales", "npz")
 
 
-def builder_scale_file(static, scheme, *, num_layers: int, kv_heads: int, head_dim: int,
+def builder_scale_file(static, scheme, geometry: CacheGeometry, *,
                        granularity: str = "per_channel") -> dict[str, Any]:
-    """The static scales kvq calibrated, in the builder's ``kv_cache_scale_file`` format.
+    """The static scales kvq calibrated, for the model of ``geometry``, in the builder's ``kv_cache_scale_file`` format.
 
     ``{"qmax": q, "scales": {"k_scales": [per layer], "v_scales": [per layer]}}``: per layer a flat
     ``kv_heads * head_dim`` list (head-major, GroupQueryAttention's ``[1, kv_heads, 1, head_dim]``) for
@@ -78,8 +79,9 @@ def builder_scale_file(static, scheme, *, num_layers: int, kv_heads: int, head_d
 
     if granularity not in GRANULARITIES:
         raise ExportError(f"unknown granularity {granularity!r}; allowed: {', '.join(GRANULARITIES)}")
-    reasons = unsupported(scheme, num_layers)
-    streams = scheme.streams(num_layers)
+    kv_heads, head_dim = geometry.num_kv_heads, geometry.head_dim
+    reasons = unsupported(scheme, geometry.num_layers)
+    streams = scheme.streams(geometry.num_layers)
     if reasons or not scheme.quantized or any(not k.quantized or not v.quantized for k, v in streams):
         why = "; ".join(reasons) or "some layer keeps an unquantized cache"
         raise ExportError(f"scheme {scheme.name or 'custom'} has no builder kv_cache_quant_scheme: {why} (use a "
@@ -103,7 +105,7 @@ def builder_scale_file(static, scheme, *, num_layers: int, kv_heads: int, head_d
             meta = (static or {}).get(layer, {}).get(part)
             if meta is None or "scales" not in meta:
                 raise ExportError(f"no calibrated scales for layer {layer} {part}")
-            _, array = gqa_scale(tq, np.asarray(meta["scales"]), kv_heads, head_dim)
+            _, array = gqa_scale(tq, np.asarray(meta["scales"]), geometry)
             flat = np.broadcast_to(array.reshape(-1), (kv_heads * head_dim,)) if array.size == 1 else array.reshape(-1)
             values = [float(flat.max())] if granularity == "per_tensor" else [float(x) for x in flat]
             scales[key].append(values)
@@ -136,9 +138,7 @@ def calibrate_to_file(model_spec: str, scheme, out: str | os.PathLike[str], *, c
     out = Path(out)
     if file_format == "npz":
         return static.save(out)
-    facts = model_facts(model.config)
-    data = builder_scale_file(static, scheme, num_layers=facts.num_layers, kv_heads=facts.num_kv_heads,
-                              head_dim=facts.head_dim, granularity=granularity)
+    data = builder_scale_file(static, scheme, model_facts(model.config), granularity=granularity)
     data["kvq"].update(corpus=str(corpus), tokens=sum(len(w) for w in windows), offset=offset, method=method,
                        **({"percentile": percentile} if method == CalibrationMethod.PERCENTILE else {}),
                        weights=None if static.weights is None else dict(static.weights),

@@ -33,6 +33,7 @@ from kvq_plugins.layout import StreamLayout
 
 from kvq_export.cache_layout import REGIONS
 from kvq_export.dtypes import DType, onnx_name
+from kvq_export.model_facts import ModelFacts
 from kvq_export.naming import PARTS, tensor_name
 from kvq_export.scheme import KVQuantScheme
 from kvq_export.vocab import plain
@@ -91,18 +92,8 @@ class PluginSignature:
                 tuple((k, type(v).__name__) for k, v in self.attributes))
 
 
-def plugin_signature(
-    scheme: KVQuantScheme,
-    layer: int,
-    *,
-    num_heads: int,
-    kv_heads: int,
-    head_dim: int,
-    scaling: float | None = None,
-    window: int | None = None,
-    dtype: str = "fp32",
-) -> PluginSignature:
-    """The signature of ``layer``'s plugin node (``scaling`` defaults to ``head_dim ** -0.5``)."""
+def plugin_signature(scheme: KVQuantScheme, layer: int, facts: ModelFacts, *, dtype: str = "fp32") -> PluginSignature:
+    """The signature of ``layer``'s plugin node for the model of ``facts`` (heads, head_dim, scaling, window)."""
     from kvq_export.export.graph_codec import static_name  # lazy: imports torch and onnx
 
     compute = onnx_name(dtype)
@@ -110,15 +101,14 @@ def plugin_signature(
     inputs = [PluginInput("q", "query", None, compute, None),
               PluginInput("seq_lengths", "seq_lengths", None, "int64", lengths)]
     attributes: dict[str, Any] = {
-        "num_heads": int(num_heads), "num_kv_heads": int(kv_heads), "head_dim": int(head_dim),
-        "scale": float(head_dim ** -0.5 if scaling is None else scaling), "window": int(window or 0),
+        "num_heads": int(facts.num_heads), "num_kv_heads": int(facts.num_kv_heads), "head_dim": int(facts.head_dim),
+        "scale": float(facts.scaling), "window": int(facts.window(layer) or 0),
         "sink_tokens": scheme.sink_tokens, "hp_dtype": scheme.hp_dtype,
     }
     tags = []
     for part, tq in zip(PARTS, scheme.for_layer(layer)):
-        layout = StreamLayout.of(tq, scheme, head_dim)
-        stored = {t.role: t for t in REGIONS.stream_tensors("present", layer, part, tq, scheme,
-                                                            kv_heads=kv_heads, head_dim=head_dim)}
+        layout = StreamLayout.of(tq, scheme, facts.head_dim)
+        stored = {t.role: t for t in REGIONS.stream_tensors("present", layer, part, tq, scheme, facts)}
         for role in layout.roles:
             if role in stored:
                 inputs.append(PluginInput(f"{part}_{role}", role, part, stored[role].dtype, stored[role].name))
@@ -134,8 +124,5 @@ def plugin_signature(
 
 def manifest_signatures(manifest) -> list[PluginSignature]:
     """Every layer's signature for an export's :class:`~kvq_export.manifest.Manifest` (its model facts)."""
-    model = manifest.model
-    return [plugin_signature(manifest.scheme, layer, num_heads=model.num_heads, kv_heads=model.num_kv_heads,
-                             head_dim=model.head_dim, scaling=model.scaling, window=model.sliding_windows[layer],
-                             dtype=manifest.dtype)
+    return [plugin_signature(manifest.scheme, layer, manifest.model, dtype=manifest.dtype)
             for layer in range(manifest.num_layers)]

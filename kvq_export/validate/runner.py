@@ -332,7 +332,7 @@ def _sample_attention(acc, quant, cache, exact, position, scaling, config, stati
         q = quant.last_extra[f"probe.{layer}.q"][:, :, -1].astype(np.float64)  # [B, Hq, D]
         keys = np.concatenate(exact[layer, "key"], axis=2)
         values = np.concatenate(exact[layer, "value"], axis=2)
-        window = quant.manifest.model.sliding_windows[layer]
+        window = quant.manifest.model.window(layer)
         for row in range(q.shape[0]):
             k_hat, v_hat = decoded[row][layer]
             n = k_hat.shape[1]
