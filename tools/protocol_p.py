@@ -45,8 +45,7 @@ import torch
 from kvq_export.calibration import calibrate_static_scales, calibration_windows
 from kvq_export.corpus import load_corpus, token_windows
 from kvq_export.memory import predict
-from kvq_export.model_facts import Geometry
-from kvq_export.model_source import load_model
+from kvq_export.model_source import load_model, model_facts
 from kvq_export.presets import resolve_scheme
 from kvq_export.reference.codec import dequantize, quantize
 from kvq_export.reference.hf_cache import reference_hf_cache
@@ -172,9 +171,7 @@ def main() -> None:
     model.eval()
     if args.activations_q8:
         quantize_activations_like_llama_cpp(model)
-    cfg = model.config
-    geometry = Geometry(cfg.num_hidden_layers, cfg.num_key_value_heads,
-                        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    facts = model_facts(model.config)
     ids = torch.tensor(token_windows(tokenizer, load_corpus(args.corpus), args.windows, args.window_len,
                                        offset=args.offset))
     with torch.no_grad():
@@ -192,11 +189,11 @@ def main() -> None:
             static = calibrate_static_scales(model, scheme, calib, method=calibration.method,
                                              percentile=calibration.percentile).to_torch()
         if args.query_q8_0:
-            quantize_queries_like_llama_cpp(model, scheme, geometry.head_dim)
-        bits = {tokens: predict(scheme, geometry, tokens).bits_per_element for tokens in (512, 4096)}
+            quantize_queries_like_llama_cpp(model, scheme, facts.head_dim)
+        bits = {tokens: predict(scheme, facts, tokens).bits_per_element for tokens in (512, 4096)}
         for seed in seeds:
             start = time.time()
-            cache, ref = reference_hf_cache(scheme, cfg.num_hidden_layers, static)
+            cache, ref = reference_hf_cache(scheme, facts.num_layers, static)
             if seed is not None:
                 jitter_cache(ref, seed, args.jitter_scale)
             ppl, kl, top1 = strict_decode_scores(model, ids, base, cache)
