@@ -13,6 +13,7 @@ from kvq_export.dtypes import DType
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.cache_graph import DecoderSpec
 from kvq_export.export.kv_graph import QuantizedCacheGraph
+from kvq_export.model_facts import ModelFacts
 from kvq_export.naming import present_name
 from kvq_export.presets import PRESETS
 from kvq_export.reference.cache import LayerCache, StreamCache
@@ -21,16 +22,18 @@ from kvq_export.vocab import Axis, Part, Role, ScaleMode
 
 
 class CacheOnly:
-    """One-layer cache graph: inputs q [B,Hq,t,D], k/v [B,Hkv,t,D], attention_mask [B,t] + past."""
+    """One-layer cache graph: inputs q [B,Hq,t,D], k/v [B,Hkv,t,D], attention_mask [B,t] + past.
 
-    def __init__(self, scheme, *, heads: int, kv_heads: int, head_dim: int, static=None, window=None):
-        self.scheme, self.kv_heads, self.head_dim = scheme, kv_heads, head_dim
+    ``facts``: a one-layer model's (:func:`tiny_models.attention_facts`): heads, head_dim, scaling and window.
+    """
+
+    def __init__(self, scheme, facts: ModelFacts, *, static=None):
+        heads, kv_heads, head_dim = facts.num_heads, facts.num_kv_heads, facts.head_dim
         b = GraphBuilder(opset=23)
         q = b.input("q", ir.DataType.FLOAT, ["batch", heads, "seq", head_dim])
         k = b.input("k", ir.DataType.FLOAT, ["batch", kv_heads, "seq", head_dim])
         v = b.input("v", ir.DataType.FLOAT, ["batch", kv_heads, "seq", head_dim])
         mask = b.input("attention_mask", ir.DataType.INT64, ["batch", "seq"])
-        facts = attention_facts(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, window=window)
         cg = QuantizedCacheGraph(scheme, facts, static=static)
         cg.begin(b, attention_mask=mask, spec=DecoderSpec(facts, ir.DataType.FLOAT))
         b.output(cg.attend(b, 0, q, k, v), "attn", ir.DataType.FLOAT, ["batch", heads, "seq", head_dim])
@@ -173,7 +176,8 @@ def _attention_reference(q: np.ndarray, ref: LayerCache, positions: np.ndarray, 
 def run_schedule(scheme, schedule, *, heads=4, kv_heads=2, dim=32, seed=0, window=None):
     """Feed per-row token counts ``schedule`` ([steps][rows]); check state + attention every step."""
     static = _static(scheme, kv_heads, dim)
-    graph = CacheOnly(scheme, heads=heads, kv_heads=kv_heads, head_dim=dim, static=static, window=window)
+    facts = attention_facts(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, window=window)
+    graph = CacheOnly(scheme, facts, static=static)
     rows = len(schedule[0])
     refs = [_reference_streams(scheme, static) for _ in range(rows)]
     rng = np.random.default_rng(seed)

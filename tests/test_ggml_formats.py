@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from kvgraph_harness import CacheOnly
+from tiny_models import attention_facts
 
 from kvq_export.errors import QuantizationError, SchemeError
 from kvq_export.export.gqa_flavor import unsupported
@@ -256,7 +257,7 @@ def test_ort_gqa_refuses_ggml_formats():
 # -- the reference flavour's graph: present cache bit-exact with the reference cache ----------
 def _graph_vs_reference(scheme: KVQuantScheme, k_rows: list[np.ndarray], *, kv_heads=2, dim=64):
     """Feed K rows one token at a time (V = -K / 3) and compare every present tensor with the reference cache."""
-    graph = CacheOnly(scheme, heads=kv_heads * 2, kv_heads=kv_heads, head_dim=dim)
+    graph = CacheOnly(scheme, attention_facts(num_heads=kv_heads * 2, num_kv_heads=kv_heads, head_dim=dim))
     key_tq, value_tq = scheme.for_layer(0)
     ref = LayerCache(StreamCache(key_tq, scheme), StreamCache(value_tq, scheme))
     cache = graph.empty(1)

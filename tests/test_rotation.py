@@ -21,7 +21,7 @@ import torch
 from gqa_harness import PROMPTS, calibration, compare, sequences
 from kvgraph_harness import CacheOnly
 from state_harness import compare_state, reference_run
-from tiny_models import COMMON, VOCAB, tiny_model
+from tiny_models import COMMON, VOCAB, attention_facts, tiny_model
 
 from kvq_export.errors import ExportError, SchemeError
 from kvq_export.export.exporter import export_model
@@ -299,7 +299,7 @@ def test_static_calibration_measures_the_rotated_basis():
 def test_cache_graph_is_bit_exact_with_the_reference_on_rotated_tokens(scheme):
     """The graph gets the body's rotated tokens; the reference rotates the same tokens itself: same bits."""
     rk, rv = (rotation_matrix(tq.rotation, 32) for tq in (scheme.key, scheme.value))
-    graph = CacheOnly(scheme, heads=4, kv_heads=2, head_dim=32)
+    graph = CacheOnly(scheme, attention_facts(num_heads=4, num_kv_heads=2, head_dim=32))
     ref = LayerCache(StreamCache(scheme.key, scheme), StreamCache(scheme.value, scheme))
     gen = torch.Generator().manual_seed(2)
     cache = graph.empty(1)
