@@ -13,10 +13,13 @@ from typing import TYPE_CHECKING
 
 from kvq_plugins.layout import StreamLayout, stack_streams
 
+from kvq_export.errors import KVQError
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
 if TYPE_CHECKING:
     import torch
+
+    from kvq_export.model_facts import CacheGeometry
 
 
 @dataclass
@@ -61,18 +64,24 @@ def widest_channels(tq: TensorQuant, sample: torch.Tensor) -> torch.Tensor:
 def random_layer_cache(
     scheme: KVQuantScheme,
     lengths: Sequence[int],
+    geometry: CacheGeometry,
     *,
-    kv_heads: int,
-    head_dim: int,
     layer: int = 0,
     generator: torch.Generator | None = None,
     device=None,
 ) -> LayerCase:
-    """A batch whose row ``b`` holds ``lengths[b]`` random tokens, stored by the reference cache."""
+    """A batch whose row ``b`` holds ``lengths[b]`` random tokens of ``layer``, stored by the reference cache.
+
+    ``geometry``: the model's cache geometry (:class:`kvq_export.model_facts.ModelFacts`, or a plain
+    :class:`~kvq_export.model_facts.Geometry`); its kv heads and head size shape each token.
+    """
     import torch
 
     from kvq_export.reference.cache import LayerCache, StreamCache
 
+    if not 0 <= layer < geometry.num_layers:
+        raise KVQError(f"layer {layer} outside the geometry's {geometry.num_layers} layer(s)")
+    kv_heads, head_dim = geometry.num_kv_heads, geometry.head_dim
     key_tq, value_tq = scheme.for_layer(layer)
     longest = max(lengths)
     where = device if generator is None else None  # a CPU generator draws on the CPU; else draw (and quantize) there

@@ -21,6 +21,8 @@ from kvq_plugins.synthetic import random_layer_cache  # noqa: E402
 from triton_harness import ALL, check_append, rel_err, row_lengths, seeded  # noqa: E402
 from triton_kernel_harness import DEVICE, TOLERANCE, run_attention  # noqa: E402
 
+from kvq_export.model_facts import Geometry  # noqa: E402
+
 HEAD_DIM, HEADS = 256, 4  # MQA: 4 query heads on 1 KV head
 
 
@@ -30,7 +32,7 @@ def test_decode_attention_one_kv_head_head_dim_256(preset):
     seed, gen = seeded()
     scheme = ALL[preset]
     lengths = row_lengths(scheme, random.Random(seed), rows=2)
-    case = random_layer_cache(scheme, lengths, kv_heads=1, head_dim=HEAD_DIM, generator=gen, device=DEVICE)
+    case = random_layer_cache(scheme, lengths, Geometry(1, 1, HEAD_DIM), generator=gen, device=DEVICE)
     for t, splits, window in ((1, 2, None), (2, 1, 5)):
         q = torch.randn(2, HEADS, t, HEAD_DIM, generator=gen).to(DEVICE)
         out, ref = run_attention(case, q, scale=HEAD_DIM**-0.5, window=window, num_splits=splits)

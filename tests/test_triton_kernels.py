@@ -32,6 +32,7 @@ from triton_kernel_harness import (  # noqa: E402
 )
 
 from kvq_export.errors import QuantizationError  # noqa: E402
+from kvq_export.model_facts import Geometry  # noqa: E402
 
 
 @pytest.mark.parametrize("gqa", [1, 3, 8])
@@ -41,7 +42,7 @@ def test_decode_attention_every_preset(preset, gqa):
     seed, gen = seeded()
     scheme = ALL[preset]
     lengths = row_lengths(scheme, random.Random(seed), rows=2)
-    case = random_layer_cache(scheme, lengths, kv_heads=2, head_dim=64, generator=gen, device=DEVICE)
+    case = random_layer_cache(scheme, lengths, Geometry(1, 2, 64), generator=gen, device=DEVICE)
     for t, splits in ((1, 3), (3, 1)):
         q = torch.randn(2, 2 * gqa, t, 64, generator=gen).to(DEVICE)
         out, ref = run_attention(case, q, scale=0.125, num_splits=splits)
@@ -55,7 +56,7 @@ def test_decode_attention_sinks_windows_and_empty_rows(name):
     seed, gen = seeded()
     scheme = SMALL[name]
     lengths = row_lengths(scheme, random.Random(seed)) + [0]
-    case = random_layer_cache(scheme, lengths, kv_heads=2, head_dim=32, generator=gen, device=DEVICE)
+    case = random_layer_cache(scheme, lengths, Geometry(1, 2, 32), generator=gen, device=DEVICE)
     for window, splits, dtype in ((None, 2, torch.float32), (5, 3, torch.float32), (None, 1, torch.float16)):
         q = torch.randn(4, 6, 2, 32, generator=gen).to(DEVICE, dtype)
         out, ref = run_attention(case, q, scale=32**-0.5, window=window, num_splits=splits)
@@ -81,7 +82,7 @@ def test_decode_attention_rotated_streams(preset):
     scheme = dataclasses.replace(base, key=dataclasses.replace(base.key, rotation="hadamard"),
                                  value=dataclasses.replace(base.value, rotation="hadamard"))
     lengths = row_lengths(scheme, random.Random(seed), rows=2)
-    case = random_layer_cache(scheme, lengths, kv_heads=2, head_dim=64, generator=gen, device=DEVICE)
+    case = random_layer_cache(scheme, lengths, Geometry(1, 2, 64), generator=gen, device=DEVICE)
     r = rotation_matrix("hadamard", 64)
     q = torch.randn(2, 6, 1, 64, generator=gen)
     q_stored = rotate_torch(q, r).to(DEVICE)
@@ -105,7 +106,7 @@ def test_append_kernel_is_bit_exact(name):
 
 def test_quantize_kernel_matches_its_reference():
     seed, gen = seeded()
-    case = random_layer_cache(ALL["kivi-2"], [3], kv_heads=2, head_dim=64, generator=gen)
+    case = random_layer_cache(ALL["kivi-2"], [3], Geometry(1, 2, 64), generator=gen)
     x = torch.randn(3, 2, 64, 64, generator=gen) * 3
     counts = torch.tensor([64, 0, 32])
     for layout in (case.key_layout, case.value_layout):
@@ -118,7 +119,7 @@ def test_quantize_kernel_matches_its_reference():
 @pytest.mark.parametrize("preset", ["q4_0", "q4_1", "q5_0", "q8_0"])
 def test_ggml_quantize_kernel_where_the_block_inverse_overflows(preset):
     # blocks of tiny subnormals: 1/d overflows, where ggml's C is undefined and kvq takes id = 0
-    case = random_layer_cache(ALL[preset], [1], kv_heads=1, head_dim=32)
+    case = random_layer_cache(ALL[preset], [1], Geometry(1, 1, 32))
     x = torch.zeros(1, 1, 2, 32)
     x[0, 0, 0, 31] = 6e-43
     x[0, 0, 1] = 1e-45
@@ -130,7 +131,7 @@ def test_ggml_quantize_kernel_where_the_block_inverse_overflows(preset):
 
 
 def test_kernels_refuse_tensors_on_the_wrong_device():
-    case = random_layer_cache(ALL["int4-sym-g32"], [5], kv_heads=1, head_dim=32)
+    case = random_layer_cache(ALL["int4-sym-g32"], [5], Geometry(1, 1, 32))
     other = "cuda" if DEVICE == "cpu" else "cpu"
     if other == "cuda":
         q = torch.zeros(1, 1, 1, 32).to("meta")  # any non-CPU tensor is refused before launching
@@ -149,7 +150,7 @@ def test_gpu_decode_attention_real_sizes(preset):
     seed, gen = seeded()
     scheme = ALL[preset]
     lengths = [4096 + 37, 1500, 8000 + 5, 129]
-    case = random_layer_cache(scheme, lengths, kv_heads=8, head_dim=128, generator=gen, device=DEVICE)
+    case = random_layer_cache(scheme, lengths, Geometry(1, 8, 128), generator=gen, device=DEVICE)
     for t in (1, 4):
         q = torch.randn(4, 32, t, 128, generator=gen).to(DEVICE, torch.float16)
         out, ref = run_attention(case, q, scale=128**-0.5)

@@ -16,6 +16,7 @@ from kvq_plugins.synthetic import random_layer_cache
 from triton_harness import ALL, check_append, float64_attention, rel_err, row_lengths, seeded
 
 from kvq_export.errors import KVQError
+from kvq_export.model_facts import Geometry
 from kvq_export.vocab import Part
 
 
@@ -24,7 +25,7 @@ def test_dequantize_stream_is_the_reference_cache(name):
     seed, gen = seeded()
     scheme = ALL[name]
     lengths = row_lengths(scheme, random.Random(seed)) + [0]
-    case = random_layer_cache(scheme, lengths, kv_heads=2, head_dim=32, generator=gen)
+    case = random_layer_cache(scheme, lengths, Geometry(1, 2, 32), generator=gen)
     total = max(lengths)
     for part in Part:
         got = dequantize_stream(getattr(case, f"{part}_layout"), getattr(case, part), case.seq_lengths, total)
@@ -39,7 +40,7 @@ def test_dequantize_stream_is_the_reference_cache(name):
 def test_registered_attention_reference_matches_the_cache(name):
     seed, gen = seeded()
     scheme = ALL[name]
-    case = random_layer_cache(scheme, row_lengths(scheme, random.Random(seed)), kv_heads=2, head_dim=32,
+    case = random_layer_cache(scheme, row_lengths(scheme, random.Random(seed)), Geometry(1, 2, 32),
                               generator=gen)
     q = torch.randn(3, 6, 3, 32, generator=gen)
     want = float64_attention(q, case, 32**-0.5, window=5)
@@ -52,7 +53,7 @@ def test_registered_attention_reference_matches_the_cache(name):
 def test_prefill_path_matches_the_reference(name):
     seed, gen = seeded()
     scheme = ALL[name]
-    case = random_layer_cache(scheme, row_lengths(scheme, random.Random(seed)), kv_heads=2, head_dim=32,
+    case = random_layer_cache(scheme, row_lengths(scheme, random.Random(seed)), Geometry(1, 2, 32),
                               generator=gen)
     q = torch.randn(3, 4, 20, 32, generator=gen)
     want = float64_attention(q, case, 0.2)

@@ -81,7 +81,7 @@ def build_case(scheme, context: int, batch: int, kv_heads: int, head_dim: int):
     """A batch of identical rows of ``context`` random tokens stored by kvq's reference cache (on the GPU)."""
     import torch
 
-    one = random_layer_cache(scheme, [context], kv_heads=kv_heads, head_dim=head_dim, device="cuda")
+    one = random_layer_cache(scheme, [context], Geometry(1, kv_heads, head_dim), device="cuda")
 
     def widen(tensors, layout):
         out = {}
