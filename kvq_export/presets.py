@@ -44,14 +44,16 @@ def _rotated(tq: TensorQuant) -> TensorQuant:
     return dataclasses.replace(tq, rotation="hadamard")
 
 
-def _ort(bits: int, *, key_zero_points: bool = False, high_channels: int = 0) -> KVQuantScheme:
-    # GroupQueryAttention's quantized cache: static float32 scales per (kv head, channel); keys with zero
-    # points reach the node as symmetric codes through a post-RoPE offset, 8-bit high channels as two
-    # nibbles of a wider node head (see the ort-gqa flavor).
-    tq = _int(bits, None, sym=True, axis="channel", scales="static", scale_dtype="fp32", high_channels=high_channels)
-    key = _int(bits, None, sym=False, axis="channel", scales="static", scale_dtype="fp32",
-               high_channels=high_channels) if key_zero_points else tq
-    return KVQuantScheme(key=key, value=tq)
+def _ort(bits: int, *, key_zero_points: bool = False, value_zero_points: bool = False,
+         high_channels: int = 0) -> KVQuantScheme:
+    # GroupQueryAttention's quantized cache: static float32 scales per (kv head, channel); streams with zero
+    # points reach the node as symmetric codes through an offset (keys' after RoPE; values' added back to the
+    # node's output), 8-bit high channels as two nibbles of a wider node head (see the ort-gqa flavor).
+    def stream(zero_points: bool):
+        return _int(bits, None, sym=not zero_points, axis="channel", scales="static", scale_dtype="fp32",
+                    high_channels=high_channels)
+
+    return KVQuantScheme(key=stream(key_zero_points), value=stream(value_zero_points))
 
 
 #: name -> (scheme, one-line description). The single source of preset truth.
@@ -124,6 +126,9 @@ PRESETS: dict[str, tuple[KVQuantScheme, str]] = {
         "fp8 e4m3, one dynamic scale per token head vector",
     ),
     "ort-int8": (_ort(8), "ORT GroupQueryAttention int8: sym, static fp32 per-channel scales"),
+    "ort-int8-asymv": (_ort(8, value_zero_points=True),
+                       "ORT GroupQueryAttention int8: sym keys, values with static per-channel zero points (the "
+                       "most accurate int8 cache the node holds with RoPE fused)"),
     "ort-int4": (_ort(4), "ORT GroupQueryAttention int4: sym, static fp32 per-channel scales"),
     "ort-int4-asymk": (_ort(4, key_zero_points=True),
                        "ORT GroupQueryAttention int4: keys with static per-channel zero points, sym values"),

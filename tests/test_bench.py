@@ -420,6 +420,8 @@ def _deploy_rows(peers):
             row("genai builder", "fp32 (no kv quant)", "fp32-cache", ppl=21.0, weights="int4", **timed(9.0, 400.0)),
             row("kvq ort-gqa", "ort-int8 (kvq absmax scales)", "ort-int8", ppl=20.1, weights="int4",
                 bits_4096=8.008, **timed(8.0, 150.0)),
+            row("kvq ort-gqa", "ort-int8-asymv (kvq absmax scales)", "ort-int8-asymv", ppl=20.3, weights="int4",
+                bits_4096=8.012),
             row("kvq ort-gqa", "plan (kvq absmax scales)", "plan", ppl=20.3, weights="int4", bits_4096=4.978),
             row("genai builder", "int8_per_channel (kvq absmax scales)", "ort-int8", ppl=21.21, weights="int4",
                 cache_bytes_at={512: 6_000_000, 8000: 94_348_800}, **timed(8.0, 100.0)),
@@ -462,7 +464,9 @@ def test_peer_compare_deploy_table_ratios_and_targets():
     assert by_cache["q4_0"]["Δppl vs own unquantized cache"] == "+1.8200 (+7.00%)"
 
     targets = peers.deploy_targets(rows)
+    # each kvq int8 cache against the builder's (not against the plans' 5-bit target)
     assert targets == ["kvq ort-int8 Δppl +0.50% ≤ builder int8_per_channel Δppl +1.00%: met",
+                       "kvq ort-int8-asymv Δppl +1.50% ≤ builder int8_per_channel Δppl +1.00%: missed",
                        "kvq plan Δppl +1.50% ≤ +1% at 4.978 ≤ 5 bits/elem: missed"]
     builder = next(r for r in rows if r.engine == "genai builder" and r.kvq_counterpart == "ort-int8")
     builder.ppl_delta = None

@@ -182,7 +182,8 @@ def test_presets_table_is_complete_and_valid():
                              "q4_1", "q4_0", "k-q8_0-v-q4_0", "q8_0-rot", "q5_1-rot", "q5_0-rot",
                              "q4_1-rot", "q4_0-rot", "k-q8_0-v-q4_0-rot", "kivi-4-r0", "kivi-4-r0-g64", "k8v4-r0-g64",
                              "k-int4-hc4-v-q4_0-rot", "k-int6-v-int6-rot", "k-int3-v-int3-rot", "k-int4-v-int2-rot-r64",
-                             "kivi-4", "kivi-2", "fp8", "ort-int8", "ort-int4", "ort-int4-asymk", "ort-int4-hc16"]
+                             "kivi-4", "kivi-2", "fp8", "ort-int8", "ort-int8-asymv", "ort-int4", "ort-int4-asymk",
+                                 "ort-int4-hc16"]
     for name, (scheme, about) in PRESETS.items():
         assert scheme.name == name and about
         scheme.check_model(Geometry(num_layers=30, num_kv_heads=2, head_dim=64))

@@ -34,7 +34,7 @@ own loops, on protocol P (8 x 512 britannica tokens from token 0) and at several
 scales from kvq's calibration and from its own calibrator.
 
 The deployer's comparison (``--peers deploy``, :func:`run_deploy`) puts each runtime's 4-bit weights side by side:
-kvq ``--flavor ort-gqa`` with int4 weights (unquantized buffer, ``ort-int8``, the ≤ 5-bit plan
+kvq ``--flavor ort-gqa`` with int4 weights (unquantized buffer, ``ort-int8`` and ``ort-int8-asymv``, the ≤ 5-bit plan
 ``models/smollm2-plan-gqa-5-hc.json``; scales measured on the int4 weights it runs), the builder at ``-p int4`` (fp32
 cache, ``int8_per_channel`` on kvq's scale file of the same int4-weight calibration) and llama.cpp on the GGUF (f16,
 q8_0, q4_0 caches): decode step per context and prefill, interleaved in one process at batch 1, file and cache
@@ -878,6 +878,9 @@ def protocol_text(model: str, contexts: Sequence[int]) -> list[int]:
 #: kvq's fast-path plan (≤ 5 bits/element at 4096 tokens) beside its int8 cache
 DEPLOY_PLAN = Path(__file__).resolve().parents[1] / "models" / "smollm2-plan-gqa-5-hc.json"
 DEPLOY_LLAMA_CACHES = ("q8_0", "q4_0")
+#: kvq's int8 caches beside the builder's: ``ort-int8`` its exact twin (symmetric, the same scales), ``ort-int8-asymv``
+#: what only kvq's graph gives the node (values with zero points, added back after attention)
+DEPLOY_INT8 = ("ort-int8", "ort-int8-asymv")
 #: the plan's targets on protocol P: Δppl at most PLAN_DELTA_PCT % within PLAN_BITS bits/element at 4096 tokens
 PLAN_DELTA_PCT, PLAN_BITS = 1.0, 5.0
 
@@ -897,7 +900,7 @@ def run_deploy(model: str, p_windows: list[list[int]], contexts: Sequence[int], 
                on_update: Callable[[list[Row]], None] | None = None) -> list[Row]:
     """What a deployer weighs, side by side: each runtime's 4-bit weights, with and without a quantized cache.
 
-    kvq ``--flavor ort-gqa`` with int4 weights (fp32 buffer, ``ort-int8``, ``plans``), onnxruntime-genai's builder
+    kvq ``--flavor ort-gqa`` with int4 weights (fp32 buffer, the :data:`DEPLOY_INT8` caches, ``plans``), onnxruntime-genai's builder
     at ``-p int4`` (fp32 cache, ``int8_per_channel`` on kvq's scale file) and llama.cpp on the model's GGUF (f16
     cache and ``llama_caches``; ``threads`` threads, flash attention), all timed interleaved at batch 1 in one
     process and scored on protocol P against their own unquantized cache.
@@ -910,7 +913,7 @@ def run_deploy(model: str, p_windows: list[list[int]], contexts: Sequence[int], 
     if llama_caches:
         import_llama_cpp()  # before the long builds: a missing peer is a one-line error, not a late one
     engines = genai_engines(model, work, None, "int4", "int4", ("int8_per_channel",), own_scales=False,
-                            spin_twins=False, kvq_schemes=plans)
+                            spin_twins=False, kvq_schemes=(*DEPLOY_INT8[1:], *plans))
     for cache in ("f16", *(c for c in llama_caches if c != "f16")) if llama_caches else ():
         row = Row("llama.cpp", cache, _llama_cpp_counterpart(cache), weights=f"{gguf_file_type(gguf)} (GGUF)",
                   dir_bytes=gguf.stat().st_size)
@@ -1038,13 +1041,16 @@ def deploy_targets(rows: list[Row]) -> list[str]:
     def verdict(ok: bool | None) -> str:
         return "not measured" if ok is None else "met" if ok else "missed"
 
-    kvq8 = next((r for r in rows if r.engine == "kvq ort-gqa" and r.kvq_counterpart == "ort-int8"), None)
     ref = _deploy_reference(rows)
-    a, b = (_pct(kvq8) if kvq8 else None), (_pct(ref) if ref else None)
-    lines = [f"kvq ort-int8 Δppl {_fmt_pct(a)} ≤ builder int8_per_channel Δppl {_fmt_pct(b)}: "
-             f"{verdict(None if a is None or b is None else a <= b)}"]
+    b = _pct(ref) if ref else None
+    lines = []
+    for name in DEPLOY_INT8:
+        kvq8 = next((r for r in rows if r.engine == "kvq ort-gqa" and r.kvq_counterpart == name), None)
+        a = _pct(kvq8) if kvq8 else None
+        lines.append(f"kvq {name} Δppl {_fmt_pct(a)} ≤ builder int8_per_channel Δppl {_fmt_pct(b)}: "
+                     f"{verdict(None if a is None or b is None else a <= b)}")
     for r in rows:
-        if r.engine == "kvq ort-gqa" and r.kvq_counterpart not in ("ort-int8", "fp32-cache") and r.bits_4096:
+        if r.engine == "kvq ort-gqa" and r.kvq_counterpart not in (*DEPLOY_INT8, "fp32-cache") and r.bits_4096:
             pct = _pct(r)
             ok = None if pct is None else pct <= PLAN_DELTA_PCT and r.bits_4096 <= PLAN_BITS
             lines.append(f"kvq {r.kvq_counterpart} Δppl {_fmt_pct(pct)} ≤ +{PLAN_DELTA_PCT:g}% at {r.bits_4096:.3f} "
@@ -1131,7 +1137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--deploy-llama-caches", default=",".join(DEPLOY_LLAMA_CACHES),
                         help="deploy peer: llama.cpp caches beside its f16 one ('' for no llama.cpp rows)")
     parser.add_argument("--deploy-plans", default=str(DEPLOY_PLAN),
-                        help="deploy peer: comma list of kvq schemes or plan files beside ort-int8")
+                        help="deploy peer: comma list of kvq schemes or plan files beside the int8 caches (DEPLOY_INT8)")
     parser.add_argument("--deploy-merge", default=None, metavar="JSON,JSON",
                         help="deploy peer: measure nothing; one table from the --json files of runs that split its "
                              "work (--genai-ppl-engines / --genai-timed-engines)")
