@@ -50,7 +50,7 @@ def test_unsupported_gives_the_reasons_and_build_refuses_with_them():
     with pytest.raises(ExportError, match="flavor ort-gqa cannot hold scheme kivi-4: .*dynamic scales"):
         gqa.build(kivi, facts)
     graph = reference.build(kivi, facts)
-    assert type(graph).__name__ == "QuantizedCacheGraph" and graph.num_layers == facts.num_layers
+    assert type(graph).__name__ == "QuantizedCacheGraph" and graph.geometry.num_layers == facts.num_layers
 
 
 def test_unknown_flavour_names_the_allowed_ones():

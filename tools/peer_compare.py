@@ -900,10 +900,10 @@ def run_deploy(model: str, p_windows: list[list[int]], contexts: Sequence[int], 
                on_update: Callable[[list[Row]], None] | None = None) -> list[Row]:
     """What a deployer weighs, side by side: each runtime's 4-bit weights, with and without a quantized cache.
 
-    kvq ``--flavor ort-gqa`` with int4 weights (fp32 buffer, the :data:`DEPLOY_INT8` caches, ``plans``), onnxruntime-genai's builder
-    at ``-p int4`` (fp32 cache, ``int8_per_channel`` on kvq's scale file) and llama.cpp on the model's GGUF (f16
-    cache and ``llama_caches``; ``threads`` threads, flash attention), all timed interleaved at batch 1 in one
-    process and scored on protocol P against their own unquantized cache.
+    kvq ``--flavor ort-gqa`` with int4 weights (fp32 buffer, the :data:`DEPLOY_INT8` caches, ``plans``),
+    onnxruntime-genai's builder at ``-p int4`` (fp32 cache, ``int8_per_channel`` on kvq's scale file) and llama.cpp
+    on the model's GGUF (f16 cache and ``llama_caches``; ``threads`` threads, flash attention), all timed interleaved
+    at batch 1 in one process and scored on protocol P against their own unquantized cache.
     """
     if not _has("onnxruntime_genai"):
         raise SystemExit("the deploy peer needs onnxruntime_genai: pip install onnxruntime-genai==0.18.0")
@@ -1137,7 +1137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--deploy-llama-caches", default=",".join(DEPLOY_LLAMA_CACHES),
                         help="deploy peer: llama.cpp caches beside its f16 one ('' for no llama.cpp rows)")
     parser.add_argument("--deploy-plans", default=str(DEPLOY_PLAN),
-                        help="deploy peer: comma list of kvq schemes or plan files beside the int8 caches (DEPLOY_INT8)")
+                        help="deploy peer: comma list of kvq schemes or plan files beside the int8 caches "
+                             "(DEPLOY_INT8)")
     parser.add_argument("--deploy-merge", default=None, metavar="JSON,JSON",
                         help="deploy peer: measure nothing; one table from the --json files of runs that split its "
                              "work (--genai-ppl-engines / --genai-timed-engines)")

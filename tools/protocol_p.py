@@ -11,6 +11,10 @@ bit-exact against. The baseline is one full fp32 forward per window (token by to
 token), so only the quantized side is decoded step by step: about half the work of ``kvq validate``, without
 its attention analysis or latency.
 
+``--weights int4`` (or ``int8``) scores the model with the weights ``kvq export --weights`` computes with (ONNX
+Runtime's blocks of 32 dequantized, :func:`kvq_export.export.weights.dequantized_model`), against a baseline with the
+same weights; static scales are measured on those weights too, or on the fp32 model with ``--calib-weights fp32``.
+
 One JSON line per scheme (and jitter seed) is appended to ``OUT`` (bits/element at 512 and 4096 tokens from
 the memory model).
 
@@ -44,15 +48,16 @@ import torch
 
 from kvq_export.calibration import calibrate_static_scales, calibration_windows
 from kvq_export.corpus import load_corpus, token_windows
+from kvq_export.export.weights import dequantized_model
 from kvq_export.memory import predict
 from kvq_export.model_source import load_model, model_facts
 from kvq_export.presets import resolve_scheme
 from kvq_export.reference.codec import dequantize, quantize
 from kvq_export.reference.hf_cache import reference_hf_cache
-from kvq_export.request import DEFAULT_CALIBRATION, CalibrationMethod, CalibrationSpec
+from kvq_export.request import DEFAULT_CALIBRATION, CalibrationMethod, CalibrationSpec, WeightSpec
 from kvq_export.rotation import rotate_torch, rotation_matrix
 from kvq_export.scheme import TensorQuant
-from kvq_export.vocab import Quantizer
+from kvq_export.vocab import Quantizer, WeightFormat
 
 #: the values of ggml's ``vec_dot_type`` for every quantized K type llama.cpp caches in (q8_0; q8_1 adds a sum)
 Q8_0 = TensorQuant(format="int_sym", bits=8, group_size=32, quantizer="ggml")
@@ -152,6 +157,13 @@ def main() -> None:
                         help="static-scale schemes: calibration tokens")
     parser.add_argument("--calib-offset", type=int, default=DEFAULT_CALIBRATION.offset,
                         help="static-scale schemes: corpus token the calibration text starts at (apart from P's)")
+    parser.add_argument("--weights", choices=[str(f) for f in WeightFormat], default=str(WeightFormat.FP32),
+                        help="the weights scored and calibrated on: int8/int4 are ONNX Runtime's blocks of 32 "
+                             "(symmetric) dequantized, what `kvq export --weights` computes with; the baseline has "
+                             "the same weights")
+    parser.add_argument("--calib-weights", choices=("same", "fp32"), default="same",
+                        help="static scales measured on the scored weights (same, as `kvq export` does) or on the "
+                             "model's fp32 weights")
     parser.add_argument("--query-q8_0", action="store_true",
                         help="quantize the query to q8_0 before the key dot product in layers with ggml-quantized "
                              "keys, as llama.cpp's CPU flash attention does")
@@ -167,8 +179,11 @@ def main() -> None:
                                   method=args.calib_method, percentile=args.percentile)
 
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model)
-    model.eval()
+    fp32_model, tokenizer = load_model(args.model)
+    fp32_model.eval()
+    weights = WeightSpec(args.weights)
+    model = dequantized_model(fp32_model, weights)  # the model itself for fp32 / fp16
+    calibrated_on, calibrated_weights = (fp32_model, None) if args.calib_weights == "fp32" else (model, weights)
     if args.activations_q8:
         quantize_activations_like_llama_cpp(model)
     facts = model_facts(model.config)
@@ -178,7 +193,8 @@ def main() -> None:
         base = torch.stack([model(ids[w:w + 1]).logits[0].float().log_softmax(-1) for w in range(args.windows)])
     targets = ids[:, 1:]
     base_ppl = math.exp(float(-base[:, :-1].gather(-1, targets[..., None]).double().mean()))
-    print(f"fp32 baseline ppl {base_ppl:.4f} over {targets.numel()} tokens", flush=True)
+    print(f"unquantized-cache baseline ({args.weights} weights) ppl {base_ppl:.4f} over {targets.numel()} tokens",
+          flush=True)
 
     seeds = [None] if args.jitter is None else args.jitter
     for spec in args.schemes:
@@ -186,8 +202,8 @@ def main() -> None:
         static = None
         if scheme.needs_calibration:  # calibrated on held-out text, as ``kvq export`` would
             calib = calibration_windows(tokenizer, calibration.corpus, calibration.tokens, offset=calibration.offset)
-            static = calibrate_static_scales(model, scheme, calib, method=calibration.method,
-                                             percentile=calibration.percentile).to_torch()
+            static = calibrate_static_scales(calibrated_on, scheme, calib, method=calibration.method,
+                                             percentile=calibration.percentile, weights=calibrated_weights).to_torch()
         if args.query_q8_0:
             quantize_queries_like_llama_cpp(model, scheme, facts.head_dim)
         bits = {tokens: predict(scheme, facts, tokens).bits_per_element for tokens in (512, 4096)}
@@ -202,11 +218,13 @@ def main() -> None:
                 "mean_kl": kl, "top1": top1,
                 "bits_512": bits[512], "bits_4096": bits[4096],
                 "windows": args.windows, "window_len": args.window_len, "offset": args.offset,
-                "scored": int(targets.numel()), **({"query": "q8_0"} if args.query_q8_0 else {}),
+                "scored": int(targets.numel()), "weights": args.weights,
+                **({"query": "q8_0"} if args.query_q8_0 else {}),
                 **({"activations": "q8"} if args.activations_q8 else {}),
                 **({"jitter": {"seed": seed, "scale": args.jitter_scale}} if seed is not None else {}),
                 **({"calibration": {"method": str(calibration.method), "tokens": calibration.tokens,
-                                    "offset": calibration.offset,
+                                    "offset": calibration.offset, "weights": args.weights
+                                    if args.calib_weights == "same" else "fp32",
                                     **({"percentile": calibration.percentile}
                                        if calibration.method == CalibrationMethod.PERCENTILE else {})}}
                    if static is not None else {}),
