@@ -178,12 +178,13 @@ def cache_dir(*parts: str) -> Path:
 
 
 def gguf_cache_dir(gguf_path: Path) -> Path:
-    """Return the fp32 cache folder of a GGUF file, keyed by its content: size, mtime and sha256.
+    """Return the fp32 cache folder of a GGUF file, keyed by its content: size and sha256.
 
-    The name is only there for a reader: two files of one name (or one file changed) never share a folder.
+    The name is only there for a reader: two files of one name (or one file changed) never share a folder, and
+    copies of one file (each virtualenv installs the built-in model anew, with a new mtime) share one conversion.
     """
-    size, mtime_ns, digest = file_fingerprint(gguf_path)
-    return cache_root() / f"{gguf_path.stem[:100]}-{size}-{mtime_ns}-{digest[:16]}"
+    size, _, digest = file_fingerprint(gguf_path)
+    return cache_root() / f"{gguf_path.stem[:100]}-{size}-{digest[:16]}"
 
 
 def file_fingerprint(path: Path) -> tuple[int, int, str]:

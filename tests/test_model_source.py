@@ -73,7 +73,10 @@ def test_changed_gguf_gets_a_new_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_
     assert resolve_spec(gguf).kind == "gguf"
     before = gguf_cache_dir(gguf)
     os.utime(gguf, ns=(0, gguf.stat().st_mtime_ns + 1_000_000_000))
-    assert gguf_cache_dir(gguf) != before
+    assert gguf_cache_dir(gguf) == before  # the same content touched (a fresh install of it): one conversion
+    gguf.write_bytes(b"GGUg")
+    os.utime(gguf, ns=(0, gguf.stat().st_mtime_ns + 2_000_000_000))
+    assert gguf_cache_dir(gguf) != before  # new content of the same size: a new folder
     assert before.parent == tmp_path / "cache" and before.name.startswith("m-4-")
 
 

@@ -66,7 +66,7 @@ def test_gguf_caches_are_keyed_by_content_not_by_name(two_ggufs, tmp_path, monke
     root, models = two_ggufs
     monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))
     a, b = models["a"][1], models["b"][1]
-    assert gguf_cache_dir(a) != gguf_cache_dir(b)  # same name, size and mtime: the digest tells them apart
+    assert gguf_cache_dir(a) != gguf_cache_dir(b)  # same name and size: the digest tells them apart
     for folder in ("a", "b"):
         loaded, _ = load_model(models[folder][1])
         assert torch.equal(loaded.model.embed_tokens.weight, models[folder][0].model.embed_tokens.weight)
