@@ -183,7 +183,7 @@ def main() -> None:
     fp32_model.eval()
     weights = WeightSpec(args.weights)
     model = dequantized_model(fp32_model, weights)  # the model itself for fp32 / fp16
-    calibrated_on, calibrated_weights = (fp32_model, None) if args.calib_weights == "fp32" else (model, weights)
+    calibrated_weights = None if args.calib_weights == "fp32" else weights  # calibration dequantizes them itself
     if args.activations_q8:
         quantize_activations_like_llama_cpp(model)
     facts = model_facts(model.config)
@@ -202,7 +202,7 @@ def main() -> None:
         static = None
         if scheme.needs_calibration:  # calibrated on held-out text, as ``kvq export`` would
             calib = calibration_windows(tokenizer, calibration.corpus, calibration.tokens, offset=calibration.offset)
-            static = calibrate_static_scales(calibrated_on, scheme, calib, method=calibration.method,
+            static = calibrate_static_scales(fp32_model, scheme, calib, method=calibration.method,
                                              percentile=calibration.percentile, weights=calibrated_weights).to_torch()
         if args.query_q8_0:
             quantize_queries_like_llama_cpp(model, scheme, facts.head_dim)
