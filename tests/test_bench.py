@@ -218,7 +218,8 @@ def _protocol_p(tmp_path, out, *args: str) -> list[dict]:
 def test_protocol_p_tool_scores_schemes_and_calibrates_static_ones(tmp_path):
     """tools/protocol_p.py on a tiny model: one JSON line per scheme, static-scale schemes calibrated first.
 
-    The calibration uses the held-out text it is told; without it a static scheme's reference cache refuses to run.
+    The calibration uses the held-out text it is told, on the weights it is told; without it a static scheme's
+    reference cache refuses to run.
     """
     fp16, int4 = _protocol_p(tmp_path, tmp_path / "p.jsonl", "fp16", "ort-int4", "--calib-tokens", "64",
                              "--calib-offset", "1000")
@@ -227,19 +228,13 @@ def test_protocol_p_tool_scores_schemes_and_calibrates_static_ones(tmp_path):
     assert int4["calibration"] == {"method": "absmax", "tokens": 64, "offset": 1000, "weights": "fp32"}
     assert int4["mean_kl"] > fp16["mean_kl"] and int4["bits_4096"] < 4.1
 
-
-def test_protocol_p_tool_scores_and_calibrates_on_the_weights_an_export_runs(tmp_path):
-    """``--weights int4``: the model scored (and its baseline) has ONNX Runtime's int4 blocks; scales follow it.
-
-    ``--calib-weights fp32`` measures the scales on the model's own weights instead, and says so.
-    """
-    common = ("fp16", "ort-int4", "--calib-tokens", "64", "--calib-offset", "1000")
-    fp32_fp16, fp32_int4 = _protocol_p(tmp_path, tmp_path / "w32.jsonl", *common)
-    w4_fp16, w4_int4 = _protocol_p(tmp_path, tmp_path / "w4.jsonl", *common, "--weights", "int4")
-    (mixed,) = _protocol_p(tmp_path, tmp_path / "mixed.jsonl", "ort-int4", "--calib-tokens", "64", "--calib-offset",
-                           "1000", "--weights", "int4", "--calib-weights", "fp32")
-    assert (w4_fp16["weights"], fp32_fp16["weights"]) == ("int4", "fp32")
-    assert w4_fp16["baseline_ppl"] != fp32_fp16["baseline_ppl"]  # the int4 blocks change the model's logits
+    # --weights int4: the model scored (and its baseline) has ONNX Runtime's int4 blocks, and the scales follow it;
+    # --calib-weights fp32 measures them on the model's own weights instead, and says so
+    calibrated = ("--calib-tokens", "64", "--calib-offset", "1000", "--weights", "int4")
+    w4_fp16, w4_int4 = _protocol_p(tmp_path, tmp_path / "w4.jsonl", "fp16", "ort-int4", *calibrated)
+    (mixed,) = _protocol_p(tmp_path, tmp_path / "mixed.jsonl", "ort-int4", *calibrated, "--calib-weights", "fp32")
+    assert (w4_fp16["weights"], fp16["weights"]) == ("int4", "fp32")
+    assert w4_fp16["baseline_ppl"] != fp16["baseline_ppl"]  # the int4 blocks change the model's logits
     assert w4_int4["calibration"]["weights"] == "int4" and mixed["calibration"]["weights"] == "fp32"
     assert mixed["baseline_ppl"] == w4_int4["baseline_ppl"] and mixed["ppl"] != w4_int4["ppl"]
 
