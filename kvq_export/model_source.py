@@ -183,15 +183,8 @@ def gguf_cache_dir(gguf_path: Path) -> Path:
     The name is only there for a reader: two files of one name (or one file changed) never share a folder, and
     copies of one file (each virtualenv installs the built-in model anew, with a new mtime) share one conversion.
     """
-    size, _, digest = file_fingerprint(gguf_path)
-    return cache_root() / f"{gguf_path.stem[:100]}-{size}-{digest[:16]}"
-
-
-def file_fingerprint(path: Path) -> tuple[int, int, str]:
-    """``(size, mtime_ns, sha256)`` of a file's content (the digest hashed once per file version)."""
-    digest = file_sha256(path)
-    st = os.stat(path)
-    return st.st_size, st.st_mtime_ns, digest
+    digest = file_sha256(gguf_path)  # hashed once per file version
+    return cache_root() / f"{gguf_path.stem[:100]}-{os.path.getsize(gguf_path)}-{digest[:16]}"
 
 
 def canonical_spec(spec: str | os.PathLike[str]) -> str:
