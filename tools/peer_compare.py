@@ -913,7 +913,8 @@ def run_deploy(model: str, p_windows: list[list[int]], contexts: Sequence[int], 
     if llama_caches:
         import_llama_cpp()  # before the long builds: a missing peer is a one-line error, not a late one
     engines = genai_engines(model, work, None, "int4", "int4", ("int8_per_channel",), own_scales=False,
-                            spin_twins=False, kvq_schemes=(*DEPLOY_INT8[1:], *plans))
+                            spin_twins=False,  # ort-int8 comes with the builder's int8_per_channel twin
+                            kvq_schemes=(*(s for s in DEPLOY_INT8 if s not in GENAI_SCHEMES.values()), *plans))
     for cache in ("f16", *(c for c in llama_caches if c != "f16")) if llama_caches else ():
         row = Row("llama.cpp", cache, _llama_cpp_counterpart(cache), weights=f"{gguf_file_type(gguf)} (GGUF)",
                   dir_bytes=gguf.stat().st_size)
