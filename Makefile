@@ -22,12 +22,13 @@ $(STAMP): pyproject.toml Makefile
 
 # One pytest worker per usable core (at most 4, tests/conftest.py); a test file stays on one worker, so its
 # module fixtures are built once, and files go out in collection order, where tests/conftest.py puts the slowest
-# first (xdist's own order is by test count). TEST_WORKERS=0 runs in one process.
+# first (xdist's own order is by test count). TEST_WORKERS=0 runs in one process. A crashed worker ends the run
+# with the test it crashed on named: xdist's file-grouped scheduling can wait forever on a replaced worker.
 TEST_WORKERS ?= auto
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check kvq_export plugins tests tools
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0
 
 demo: $(STAMP)
 	$(VENV)/bin/kvq demo

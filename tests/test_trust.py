@@ -344,6 +344,19 @@ def test_an_export_replaced_while_a_session_opens_is_refused(model_dir, tmp_path
         KVQSession(directory)
 
 
+def test_a_tokenizer_onnxruntime_genai_cannot_read_is_never_handed_to_it(gqa, monkeypatch):
+    """onnxruntime-genai parses a WordLevel tokenizer as BPE merges and fails; that failure has crashed a process."""
+    og = pytest.importorskip("onnxruntime_genai")
+    from kvq_export.errors import RuntimeInputError
+    from kvq_export.runtime.genai import GenaiSession
+
+    monkeypatch.setattr(og, "Tokenizer", lambda model: pytest.fail("og.Tokenizer was given a WordLevel tokenizer"))
+    session = GenaiSession(gqa)
+    with pytest.raises(RuntimeInputError, match="tokenizer.json model is WordLevel; onnxruntime-genai reads BPE"):
+        session.encode("w1 w2")
+    assert len(session.generate([[1, 2, 3]], 2)[0].tokens) == 2  # token ids still run
+
+
 def test_a_genai_session_reads_nothing_from_a_replaced_export(root, model_dir, gqa, tmp_path):
     pytest.importorskip("onnxruntime_genai")
     from kvq_export.errors import RuntimeInputError

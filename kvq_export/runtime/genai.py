@@ -57,6 +57,25 @@ def serve_command(directory: str | os.PathLike[str], prompt: str, max_length: in
     return f'python -c "{code}"' if plain else f"python -c {shlex.quote(code)}"
 
 
+#: The tokenizer.json models onnxruntime-genai's tokenizer reads: it parses every other kind (WordLevel, WordPiece,
+#: Unigram) as BPE merges and fails, and that failure has taken the whole process down.
+GENAI_TOKENIZER_MODELS = ("BPE",)
+
+
+def _tokenizer_model_type(directory: Path) -> str | None:
+    """``model.type`` of an export's tokenizer.json; None without such a file or field (og says what it misses)."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        data = read_json(path, "tokenizer file", limit=TOKENIZER_LIMIT, error=RuntimeInputError)
+    except RuntimeInputError:
+        return None
+    model = data.get("model") if isinstance(data, dict) else None
+    kind = model.get("type") if isinstance(model, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
 # -- scales for the builder ------------------------------------------------------------------------------------------
 #: The builder's ``qmax`` per bit width (a file's scale = threshold / qmax; it rescales by file qmax / its own).
 BUILDER_QMAX = {8: 128.0, 4: 8.0}
@@ -245,6 +264,11 @@ class GenaiSession:
 
     def _load_tokenizer(self):
         """(tokenizer, None), or (None, why og cannot read it): the error is raised when text is used."""
+        kind = _tokenizer_model_type(self.directory)
+        if kind is not None and kind not in GENAI_TOKENIZER_MODELS:  # og fails on these, and has crashed doing so
+            return None, (f"onnxruntime-genai cannot read the tokenizer of {self.directory}: its tokenizer.json model "
+                          f"is {kind}; onnxruntime-genai reads {', '.join(GENAI_TOKENIZER_MODELS)} (pass token ids "
+                          "instead)")
         try:
             return self.og.Tokenizer(self.model), None
         except RuntimeError as err:
