@@ -195,7 +195,11 @@ def test_profile_step_tool_splits_a_step_by_operator(tmp_path):
 
 
 def _protocol_p(tmp_path, out, *args: str) -> list[dict]:
-    """Run tools/protocol_p.py on a tiny model over 1500 random words; return its JSON lines."""
+    """Run tools/protocol_p.py on a loud tiny model over 1500 random words; return its JSON lines.
+
+    Loud: with transformers' quiet init every cache's KL is float noise (1e-7), and which is larger depends on
+    the CPU's kernels.
+    """
     import random
     import subprocess
     import sys
@@ -205,7 +209,7 @@ def _protocol_p(tmp_path, out, *args: str) -> list[dict]:
 
     model = tmp_path / "tiny"
     if not model.exists():
-        save_tiny_model_dir(model)
+        save_tiny_model_dir(model, loud=True)
     corpus = tmp_path / "text.txt"
     corpus.write_text(" ".join(random.Random(0).choice(WORDS) for _ in range(1500)))
     tool = Path(__file__).resolve().parents[1] / "tools" / "protocol_p.py"

@@ -128,9 +128,9 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
 
 
-def save_tiny_model_dir(path, kind: str = "llama"):
-    """Write a tiny model plus a word-level tokenizer (``w0 w1 ...``) as a Hugging Face directory."""
-    tiny_model(kind).save_pretrained(path)
+def save_tiny_model_dir(path, kind: str = "llama", *, loud: bool = False):
+    """Write a tiny model (``loud``: :func:`loud_model`) and a word-level tokenizer (``w0 w1 ...``) as an HF folder."""
+    (loud_model if loud else tiny_model)(kind).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
 
