@@ -57,8 +57,8 @@ def serve_command(directory: str | os.PathLike[str], prompt: str, max_length: in
     return f'python -c "{code}"' if plain else f"python -c {shlex.quote(code)}"
 
 
-#: The tokenizer.json models onnxruntime-genai's tokenizer reads: it parses every other kind (WordLevel, WordPiece,
-#: Unigram) as BPE merges and fails, and that failure has taken the whole process down.
+#: The tokenizer.json models onnxruntime-genai's tokenizer reads. It fails on the others (WordLevel and WordPiece
+#: parsed as BPE merges, Unigram on its vocabulary's form), and that failure has taken the whole process down.
 GENAI_TOKENIZER_MODELS = ("BPE",)
 
 
