@@ -131,6 +131,11 @@ def test_genai_files_follow_the_manifest(exports):
     assert locations == {MODEL_NAME + ".data"}
     assert not (directory / (GENAI_MODEL + ".data")).exists()
     assert (directory / GENAI_MODEL).stat().st_size < 2 * (directory / MODEL_NAME).stat().st_size
+    # og pads on the right: its graph has none of the nodes that realign kvq's left-padded rows
+    realigning = {"GatherND", "Where"}
+    kvq_graph = onnx.load(str(directory / MODEL_NAME), load_external_data=False).graph
+    assert realigning <= {node.op_type for node in kvq_graph.node}
+    assert not realigning & {node.op_type for node in graph.node}
 
 
 #: (prompt, tokens to generate) of the og.Engine tests: lengths 3 to 11, rows finishing at different steps, one prompt

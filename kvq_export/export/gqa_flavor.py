@@ -56,7 +56,8 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   projection too (:meth:`~kvq_export.export.decoder._Body.apply_packed_rope`: no per-head transposes, no
   Split), and the node still gets one packed input. So left-padded batches are fully supported and a batched
   prompt gives what it gives alone; right-padded rows (onnxruntime-genai's prompts, see
-  :mod:`kvq_export.export.genai_package`) work too.
+  :mod:`kvq_export.export.genai_package`) work too, and onnxruntime-genai's variant of the graph, whose rows are
+  never left-padded, bypasses the realignment (its values are named for that).
 * ``seqlens_k = max(seq_lengths + new - 1, 0)`` (int32), ``total_sequence_length = max(longest row, t)``,
   ``query_seqlens = new tokens per row``, all computed in-graph from ``past.seq_lengths`` and the mask.
 * **Buffer sharing**: when ``past_key`` and ``present_key`` are the same memory (IO binding), the kernel
@@ -123,6 +124,7 @@ from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.builder import GraphBuilder
 from kvq_export.export.cache_graph import DecoderSpec
+from kvq_export.export.genai_package import REAL_TOKENS, ROWS_BACK, ROWS_TO_FRONT
 from kvq_export.export.gqa_capability import unsupported
 from kvq_export.export.gqa_plan import HighSplit, plan_layer
 from kvq_export.export.graph_codec import static_name
@@ -220,6 +222,8 @@ class GQACacheGraph(LaidOutCache):
         self.to_right = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, shift), t), b.const([-1]))  # [B, t, 1]
         self.to_left = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, b.op("Sub", t, shift)), t), b.const([-1]))
         self.valid = b.op("Unsqueeze", b.op("Cast", mask, to=ir.DataType.BOOL), b.const([-1]))  # [B, t, 1]
+        # named: onnxruntime-genai's variant of the graph (right-padded rows only) bypasses what reads them
+        self.to_right.name, self.to_left.name, self.valid.name = ROWS_TO_FRONT, ROWS_BACK, REAL_TOKENS
         self.np_type = np_type = ir.DataType(self.compute_type).numpy()
         hp, compute = DType.get(self.scheme.hp_dtype).ir, ir.DataType(self.compute_type)
         if any(plan.bits is None for plan in self.plans) and hp != compute:
