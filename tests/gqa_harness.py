@@ -116,16 +116,24 @@ class Comparison:
 
 
 def compare(session: KVQSession, arch: str, scheme, static, prompts, *, steps: int = STEPS,
-            capacity: int = 16, exact_prefill: bool = True) -> Comparison:
+            capacity: int = 16, exact_prefill: bool = True, split: int | None = None) -> Comparison:
     """Teacher-force prompts + random tokens through ``session`` and the PyTorch reference cache.
 
     ``exact_prefill``: the reference's prompt attends over its exact K/V (the ort-gqa export's prefill rule);
-    False: over its codes (an export with ``fast_prefill=False``).
+    False: over its codes (an export with ``fast_prefill=False``). ``split``: the left-padded prompts go in two
+    chunks, the columns before ``split`` and the rest (each row's piece of the prompt goes to the reference
+    likewise, so no row may get one token after a past: one call decides exact or not for all its rows).
     """
     model = tiny_model(arch)
     stream = token_stream(prompts, steps)
     ids, mask = left_pad(prompts)
-    got, cache = teacher_force(session, prompts, stream, session.empty_cache(len(prompts), capacity=capacity))
+    cache = session.empty_cache(len(prompts), capacity=capacity)
+    if split is None:
+        got, cache = teacher_force(session, prompts, stream, cache)
+    else:
+        first, cache = session.step(ids[:, :split], mask[:, :split], cache)
+        got, cache = teacher_force(session, [list(row[split:]) for row in ids], stream, cache)
+        got[0] = np.concatenate([first, got[0]], axis=1)
     arrays = session.cache_arrays(cache)
     decoded = decode_cache(session.manifest, arrays, direction="past", static=static)
     out = Comparison()
@@ -134,8 +142,10 @@ def compare(session: KVQSession, arch: str, scheme, static, prompts, *, steps: i
         cache_hf, ref = reference_hf_cache(scheme, model.config.num_hidden_layers,
                                            Calibration.of(static).to_torch() if static else None,
                                            exact_prefill=exact_prefill)
+        pieces = [prompt] if split is None else [p for p in (prompt[:max(split - (width - len(prompt)), 0)],
+                                                              prompt[max(split - (width - len(prompt)), 0):]) if p]
         with torch.no_grad():
-            want = [model(torch.tensor([prompt]), cache=cache_hf).logits[0].numpy()]
+            want = [np.concatenate([model(torch.tensor([p]), cache=cache_hf).logits[0].numpy() for p in pieces])]
             for token in stream[:, row]:
                 want.append(model(torch.tensor([[token]]), cache=cache_hf).logits[0].numpy())
         mine = [got[0][row, width - len(prompt):]] + [g[row] for g in got[1:]]

@@ -24,25 +24,28 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   compute-dtype values: kvq's reference rounds them to ``hp_dtype`` (fp16) first, so with the fp16 presets
   about 0.02-3% of codes differ by one (with ``hp_dtype=fp32`` they are identical). fp8 caches are not
   implemented on CPU.
-* **Prefill**: the quantized kernel dequantizes the cache for every query, so a prompt attending over its own
-  codes runs 3-5x slower than over an unquantized buffer (one node, 9 query and 3 kv heads of 64, two threads:
-  int8 3.1x / 3.7x, int4 3.6x / 4.7x at 512 / 2048 tokens; the quantization itself is cheap). So a quantized
-  layer runs its node under an ``If`` on the *prefill* condition, every row starting from an empty cache
-  (``max(past.seq_lengths) == 0``; idle rows included, any number of new tokens). Then an unquantized node
-  with a past of no tokens attends over the new tokens' exact keys and values (after its RoPE and the
-  offsets below; with high channels, over the body's exact projections), and the graph writes the buffers
-  once: ``clip(round_half_even(x / scale), ..)`` of what the quantized node would have quantized (its
-  present: the rotated keys, the offset values), packed to the node's bytes and padded to the buffer's capacity
-  (:meth:`GQACacheGraph._quantize`). With high channels the node's widened rows are never made at prompt length:
-  the nibbles it would store are computed from the exact keys and values directly
-  (:meth:`GQACacheGraph._high_nibbles`), the same bytes. Any other call (a decode step, a
-  second chunk, a batch where some row holds tokens already) runs the quantized node on the shared buffers
-  as before, in place. **The rule**: a prompt's tokens see each other's exact K/V (as a high-precision window
-  would during prefill); from the first decode step on, every token attends over the stored codes. The codes
-  are the node's: the same K/V give the same bytes (bit for bit, checked per scheme), but the K/V of layer
-  ``l > 0`` follow from the exact attention below, so they are the codes of the unquantized model's prompt
-  K/V (kvq's reference cache with ``exact_prefill``). A prompt prefilled in one call next to a row that
-  already holds tokens attends over its codes (the old rule) and gives other logits than alone.
+* **Prefill and chunks**: the quantized kernel dequantizes the cache for every query, so a prompt attending
+  over codes runs 3-5x slower than over an unquantized buffer (one node, 9 query and 3 kv heads of 64, two
+  threads: int8 3.1x / 3.7x, int4 3.6x / 4.7x at 512 / 2048 tokens; the quantization itself is cheap). So a
+  quantized layer runs its node under an ``If`` on the *exact* condition: a call of more than one new token (a
+  prompt, or a chunk of one after earlier chunks), or any call into empty caches (``t > 1 or
+  max(past.seq_lengths) == 0``). Then the buffers are decoded once up to the longest row (the values the node
+  would read back; with high channels kvq's values, offsets included) and an unquantized node attends over
+  them followed by the new tokens' exact keys and values (after its RoPE and the offsets below; with high
+  channels, over the body's exact projections). The graph writes the new tokens' codes once, at each row's
+  new places (ScatterElements into the buffers): ``clip(round_half_even(x / scale), ..)`` of what the
+  quantized node would have quantized (its present: the rotated keys, the offset values), packed to the node's
+  bytes (:meth:`GQACacheGraph._quantize`). With high channels the node's widened rows are never made at prompt
+  length: the nibbles it would store are computed from the exact keys and values directly
+  (:meth:`GQACacheGraph._high_nibbles`), the same bytes. A decode step (one new token after a past) runs the
+  quantized node on the shared buffers, in place. **The rule**: a call's new tokens see each other's exact
+  K/V and the codes of every earlier call (as a high-precision window of the call's length would); a decode
+  step sees codes only, its own token's included. The codes are the node's: the same K/V give the same bytes
+  (bit for bit, checked per scheme), but the K/V of layer ``l > 0`` follow from the exact attention below
+  (kvq's reference cache with ``exact_prefill`` follows the same rule). The branch is chosen per call, so a
+  row given one new token after a past in a call where another row gets several attends over its own exact
+  token, not its code, and gives other logits than alone (by its own token's rounding; onnxruntime-genai and
+  kvq's loop never mix the two: a batch's rows prefill together, then step one token each).
   ``fast_prefill=False`` keeps the quantized node on every call.
 * **Padding**: the kernel takes *right*-padded chunks through ``query_seqlens`` (ragged batched prefill and
   multi-token steps work, and an idle row has ``query_seqlens = 0``); positions follow from
@@ -153,8 +156,8 @@ class GQACacheGraph(LaidOutCache):
             one for gate/up, RMSNorm as ``RMSNormalization`` and residual + norm as
             ``com.microsoft.SkipSimplifiedLayerNormalization`` (see :class:`kvq_export.export.decoder._Body`).
             The graph needs ONNX Runtime anyway; False gives the portable body of the reference flavour.
-        fast_prefill: a quantized layer attends exactly during a prefill and writes its codes once (default;
-            see the module notes); False runs the quantized node on every call.
+        fast_prefill: a quantized layer attends exactly over a prompt's or chunk's own tokens and writes their
+            codes once (default; see the module notes); False runs the quantized node on every call.
     """
 
     layout = BUFFER
@@ -209,15 +212,27 @@ class GQACacheGraph(LaidOutCache):
         int32 = ir.DataType.INT32
         self.seqlens_k = b.op("Cast", b.op("Max", b.op("Sub", self.n1, b.const(1)), b.const(0)), to=int32)
         self.query_seqlens = b.op("Cast", m, to=int32)
-        # a prefill: every row starts from an empty cache (the quantized layers' If takes the exact branch)
-        self.prefill = b.op("Equal", b.op("ReduceMax", n0, keepdims=0), b.const(0))
-        # the prefill's node has a past of no tokens, so an idle row takes one (padding) token: never read
-        self.prefill_seqlens = b.op("Cast", b.op("Max", m, b.const(1)), to=int32)
+        # an exact call (the quantized layers' If takes the exact branch): a prompt or a chunk of one, more than
+        # one new token, or any call into empty caches; a decode step after a past runs the quantized node
+        held = b.op("ReduceMax", n0, b.const([0]), keepdims=1)  # [1]: the longest row already held
+        self.exact = b.op("Or", b.op("Equal", b.op("Squeeze", held, b.const([0])), b.const(0)),
+                          b.op("Greater", t_scalar, b.const(1)))
+        self.held = held
+        # the exact node's present holds every row's padded chunk after the longest past
+        self.exact_total = b.op("Cast", b.op("Add", b.op("Squeeze", held, b.const([0])), t_scalar), to=int32)
+        # the exact node takes query_seqlens only with a past; a row holding no token at all takes one
+        # (padding) token then: never read
+        self.exact_seqlens = b.op("Cast", b.op("Add", m, b.op("Cast", b.op("Equal", self.n1, b.const(0)),
+                                                             to=ir.DataType.INT64)), to=int32)
         longest = b.op("ReduceMax", self.n1, b.const([0]), keepdims=1)
         self.total = b.op("Cast", b.op("Squeeze", b.op("Max", longest, t), b.const([0])), to=int32)
         # row b holds its m_b tokens contiguously from `first` (t - m_b when left-padded as kvq feeds them,
         # 0 when right-padded as onnxruntime-genai feeds a prompt); GQA wants them at [0, m_b)
         s = b.op("Unsqueeze", b.op("Range", b.const(0), t_scalar, b.const(1)), b.const([0]))  # [1, t]
+        # where an exact call's new tokens go in the buffers: row b's j-th at n0_b + j, [B, 1, t, 1] (a
+        # padding token's place lies past the row's length, inside the capacity a step needs)
+        self.new_places = b.op("Unsqueeze", b.op("Add", b.op("Unsqueeze", n0, b.const([1])), s), b.const([1, 3]))
+        self.new_real = b.op("Unsqueeze", b.op("Less", s, b.op("Unsqueeze", m, b.const([1]))), b.const([1, 3]))
         shift = b.op("ArgMax", b.op("Cast", mask, to=ir.DataType.INT32), axis=1, keepdims=1)  # [B, 1]; 0 if idle
         self.to_right = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, shift), t), b.const([-1]))  # [B, t, 1]
         self.to_left = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, b.op("Sub", t, shift)), t), b.const([-1]))
@@ -307,10 +322,11 @@ class GQACacheGraph(LaidOutCache):
              rotary: bool) -> ir.Value:
         """Realign to right padding, run the node on the shared buffers, realign back (k = v = None: packed q).
 
-        A quantized layer runs it under an ``If`` on :attr:`prefill`: a prefill attends exactly and writes the
-        codes once (:meth:`_prefill`), any other call runs the quantized node on the buffers. With high channels
-        the node's widened row (:meth:`_widen`) is made in the step branch only: a prefill attends over the
-        exact projections and computes the stored nibbles from them directly (:meth:`_high_nibbles`).
+        A quantized layer runs it under an ``If`` on :attr:`exact`: a prompt or a chunk attends exactly over its
+        own tokens and the held codes and writes its codes once (:meth:`_exact`), a decode step runs the
+        quantized node on the buffers. With high channels the node's widened row (:meth:`_widen`) is made in the
+        step branch only: an exact call attends over the exact projections and computes the stored nibbles from
+        them directly (:meth:`_high_nibbles`).
         """
         plan = self.plans[layer]
         scales: tuple[ir.Value | None, ir.Value | None] = (None, None)
@@ -334,17 +350,17 @@ class GQACacheGraph(LaidOutCache):
                 out = self._fold(b, layer, out, plan.v_high)
             return [out if offset is None else b.op("Add", out, offset), present_k, present_v]
 
-        def prefill() -> list[ir.Value]:
+        def exact() -> list[ir.Value]:
             if high:
-                return self._prefill(b, layer, self._right(b, q, None, None), scales, None, rotary, codes)
-            return self._prefill(b, layer, node_in, scales, offset, rotary)
+                return self._exact(b, layer, self._right(b, q, None, None), scales, None, rotary, codes)
+            return self._exact(b, layer, node_in, scales, offset, rotary)
 
         if plan.bits is None or not self.fast_prefill:
             out, present_k, present_v = step()
         else:
-            branches = {"then_branch": b.subgraph(f"gqa{layer}_prefill", prefill),
+            branches = {"then_branch": b.subgraph(f"gqa{layer}_exact", exact),
                         "else_branch": b.subgraph(f"gqa{layer}_step", step)}
-            out, present_k, present_v = b.op_multi("If", self.prefill, num_outputs=3, **branches)
+            out, present_k, present_v = b.op_multi("If", self.exact, num_outputs=3, **branches)
         for part, value in zip(PARTS, (present_k, present_v)):
             self.present[self.layout.buffer_name("present", layer, part)] = value
         return b.op("Where", self.valid, b.op("GatherND", out, self.to_left, batch_dims=1), self.zero)
@@ -355,7 +371,7 @@ class GQACacheGraph(LaidOutCache):
 
     def _node(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value | None, v: ir.Value | None,
               past: list[ir.Value | None], scales: tuple[ir.Value | None, ir.Value | None], *,
-              rotary: bool, query_seqlens: ir.Value | None = None) -> list[ir.Value]:
+              rotary: bool, query_seqlens: ir.Value | None = None, total: ir.Value | None = None) -> list[ir.Value]:
         """One GroupQueryAttention node: (output, present key, present value); no ``scales``: unquantized."""
         f, plan = self.spec.facts, self.plans[layer]
         attrs = {}
@@ -366,7 +382,7 @@ class GQACacheGraph(LaidOutCache):
         if self.spec.attn_softcap:
             attrs["softcap"] = float(self.spec.attn_softcap)
         return b.op_multi(
-            "GroupQueryAttention", q, k, v, past[0], past[1], self.seqlens_k, self.total,
+            "GroupQueryAttention", q, k, v, past[0], past[1], self.seqlens_k, self.total if total is None else total,
             cos, sin,
             None, None, None,  # position_ids (implied by query_seqlens), attention_bias, head_sink
             scales[0], scales[1],
@@ -389,35 +405,83 @@ class GQACacheGraph(LaidOutCache):
         per_query_head = np.repeat(plan.out_offset.reshape(f.num_kv_heads, -1), f.kv_groups, 0)
         return self._offset(b, layer, "value.output", per_query_head.reshape(-1))
 
-    def _prefill(self, b: GraphBuilder, layer: int, node_in: tuple[ir.Value | None, ...],
-                 scales: tuple[ir.Value | None, ir.Value | None], offset: ir.Value | None, rotary: bool,
-                 codes: dict[str, ir.Value] | None = None) -> list[ir.Value]:
-        """A prefill's attention and buffers: exact attention among the new tokens, then the node's codes.
+    def _exact(self, b: GraphBuilder, layer: int, node_in: tuple[ir.Value | None, ...],
+               scales: tuple[ir.Value | None, ir.Value | None], offset: ir.Value | None, rotary: bool,
+               codes: dict[str, ir.Value] | None = None) -> list[ir.Value]:
+        """An exact call's attention and buffers: the new tokens' exact K/V after the held codes, then their codes.
 
-        An unquantized node with no past attends over the new tokens (ONNX Runtime's quantized kernel
-        dequantizes the cache per query, several times slower at prompt length); the buffers get the codes
-        the quantized node would have stored, padded to the buffer's capacity: :meth:`_quantize` of the keys
-        and values it would have quantized (the unquantized node's present: after its RoPE and the offsets),
-        or with high channels (``codes``: their constants; ``node_in``: the exact packed projections) the
-        nibbles of its widened rows (:meth:`_high_nibbles`).
+        An unquantized node attends over the held tokens' values (:meth:`_held`: the buffers up to the longest
+        row, decoded once, where ONNX Runtime's quantized kernel dequantizes the cache for every query, several
+        times slower at prompt length) and the new tokens' exact keys and values. The buffers get the codes the
+        quantized node would have stored, at each row's new places (:meth:`_write`): :meth:`_quantize` of the
+        keys and values it would have quantized (the unquantized node's present there: after its RoPE and the
+        offsets), or with high channels (``codes``: their constants; ``node_in``: the exact packed projections)
+        the nibbles of its widened rows (:meth:`_high_nibbles`).
         """
-        plan, f = self.plans[layer], self.spec.facts
-        # a past that holds no token (the node takes query_seqlens only with a past)
-        batch = b.op("Gather", b.op("Shape", node_in[0]), b.const([0]), axis=0)
-        shape = b.op("Concat", batch, b.const([f.num_kv_heads, 0, self.geometry.head_dim]), axis=0)
-        empty = b.op("ConstantOfShape", shape, value=ir.tensor(np.zeros(1, self.np_type)))
-        out, present_k, present_v = self._node(b, layer, *node_in, [empty, empty], (None, None), rotary=rotary,
-                                               query_seqlens=self.prefill_seqlens)
-        capacity = b.op("Gather", b.op("Shape", self.past[self.layout.buffer_name("past", layer, "key")]),
-                        b.const([2]), axis=0)
+        plan = self.plans[layer]
+        buffers = [self.past[self.layout.buffer_name("past", layer, part)] for part in PARTS]
+        held = [self._held(b, layer, part, buffer) for part, buffer in zip(PARTS, buffers)]
+        out, present_k, present_v = self._node(b, layer, *node_in, held, (None, None), rotary=rotary,
+                                               query_seqlens=self.exact_seqlens, total=self.exact_total)
         if codes is not None:  # [B, t, 2, kv_heads, node head / 2] -> [2, B, kv_heads, t, ..]: key, value
             both = b.op("Transpose", self._pack(b, self._high_nibbles(b, layer, node_in[0], codes)),
                         perm=[2, 0, 3, 1, 4])
             stored = [b.op("Squeeze", b.op("Gather", both, b.const([i]), axis=0), b.const([0])) for i in range(2)]
         else:
             out = out if offset is None else b.op("Add", out, offset)
-            stored = [self._quantize(b, x, scale, plan.bits) for x, scale in zip((present_k, present_v), scales)]
-        return [out] + [self._pad(b, x, capacity) for x in stored]
+            stored = [self._quantize(b, self._new_rows(b, x), scale, plan.bits)
+                      for x, scale in zip((present_k, present_v), scales)]
+        return [out] + [self._write(b, buffer, x, plan.bits) for buffer, x in zip(buffers, stored)]
+
+    def _held(self, b: GraphBuilder, layer: int, part: str, buffer: ir.Value) -> ir.Value:
+        """The values one stream's buffer holds, up to the longest row: ``[B, kv_heads, held, head_dim]``.
+
+        ``u * a + c`` of the stored numbers (:meth:`LayerPlan.stored_values`), with high channels plus each
+        extra channel's lower nibble times its scale at its place (a ``[n, head_dim]`` MatMul per kv head).
+        """
+        plan, heads, head_dim = self.plans[layer], self.geometry.num_kv_heads, self.geometry.head_dim
+        a, c, lower = plan.stored_values(part, heads, head_dim)
+        codes = b.op("Slice", buffer, b.const([0]), self.held, b.const([2]))
+
+        def const(role: str, array: np.ndarray) -> ir.Value:
+            return b.initializer(static_name(layer, part, f"held_{role}"), array)
+
+        if plan.bits == 8:
+            u = b.op("Cast", codes, to=ir.DataType.FLOAT)
+        else:  # two nibbles to a byte, low first -> [B, kv_heads, held, node head]
+            low = b.op("BitwiseAnd", codes, b.const(np.array(15, np.uint8)))
+            high = b.op("BitShift", codes, b.const(np.array(4, np.uint8)), direction="RIGHT")
+            pairs = b.op("Concat", *(b.op("Unsqueeze", x, b.const([-1])) for x in (low, high)), axis=-1)
+            width = head_dim + (0 if lower is None else lower.shape[1])  # (no -1: the slice may hold no token)
+            u = b.op("Cast", b.op("Reshape", pairs, b.const([0, 0, 0, width])), to=ir.DataType.FLOAT)
+        if lower is None:
+            x = b.op("Mul", u, const("scale", a[:, None, :]))
+        else:
+            own = b.op("Slice", u, b.const([0]), b.const([head_dim]), b.const([3]))
+            extra = b.op("Slice", u, b.const([head_dim]), b.const([2**62]), b.const([3]))
+            x = b.op("Add", b.op("Mul", own, const("scale", a[:, None, :])),
+                     b.op("MatMul", extra, const("lower", lower)))
+        if np.any(c):
+            x = b.op("Add", x, const("offset", c[:, None, :]))
+        return x if self.compute_type == ir.DataType.FLOAT else b.op("Cast", x, to=self.compute_type)
+
+    def _new_rows(self, b: GraphBuilder, present: ir.Value) -> ir.Value:
+        """The new tokens' rows of the exact node's ``present`` [B, kv_heads, held + t, D]: [B, kv_heads, t, D]."""
+        shape = b.op("Shape", present)
+        t = b.op("Gather", b.op("Shape", self.new_places), b.const([2]), axis=0)
+        wide = b.op("Concat", b.op("Slice", shape, b.const([0]), b.const([2])), t,
+                    b.op("Slice", shape, b.const([3]), b.const([4])), axis=0)
+        return b.op("GatherElements", present, b.op("Expand", self.new_places, wide), axis=2)
+
+    def _write(self, b: GraphBuilder, buffer: ir.Value, codes: ir.Value, bits: int) -> ir.Value:
+        """``buffer`` with ``codes`` [B, kv_heads, t, ..] written at each row's new places (zero bytes for padding).
+
+        A padding token's place lies past its row's length (never read); zeros keep the buffer's bytes a function
+        of the tokens alone.
+        """
+        zero = b.const(np.array(0, np.int8 if bits == 8 else np.uint8))
+        codes = b.op("Where", self.new_real, codes, zero)
+        return b.op("ScatterElements", buffer, b.op("Expand", self.new_places, b.op("Shape", codes)), codes, axis=2)
 
     def _quantize(self, b: GraphBuilder, x: ir.Value, scale: ir.Value, bits: int) -> ir.Value:
         """The node's cache bytes of ``x`` [B, kv_heads, t, head_dim] (unpadded).
@@ -439,13 +503,6 @@ class GQACacheGraph(LaidOutCache):
         even, odd = (b.op("Slice", nibbles, b.const([start]), b.const([2**62]), b.const([-1]), b.const([2]))
                      for start in (0, 1))
         return b.op("Cast", b.op("Add", even, b.op("Mul", odd, b.const(16.0))), to=ir.DataType.UINT8)
-
-    @staticmethod
-    def _pad(b: GraphBuilder, codes: ir.Value, capacity: ir.Value) -> ir.Value:
-        """Codes [B, kv_heads, t, ..] padded with zeros to ``capacity`` positions (the buffer's shape)."""
-        t = b.op("Gather", b.op("Shape", codes), b.const([2]), axis=0)
-        pads = b.op("Concat", b.const([0, 0, 0, 0, 0, 0]), b.op("Sub", capacity, t), b.const([0]), axis=0)
-        return b.op("Pad", codes, pads)
 
     def _high_code(self, b: GraphBuilder, x: ir.Value, codes: dict[str, ir.Value], start: int = 0) -> ir.Value:
         """The 8-bit code ``c`` kvq stores of each high channel in float32 rows ``x`` (elsewhere 0), as its codec does.

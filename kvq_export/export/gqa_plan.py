@@ -125,6 +125,31 @@ class LayerPlan:
         """The key and value offsets, float32 ``[width]`` zeros for a stream that has none."""
         return tuple(np.zeros(width, np.float32) if o is None else o for o in (self.k_offset, self.v_offset))
 
+    def stored_values(self, part: str, kv_heads: int, head_dim: int) -> tuple[np.ndarray, np.ndarray,
+                                                                                np.ndarray | None]:
+        """``(a, c, lower)``: the values a stream's stored codes stand for, ``u * a + c`` per (kv head, channel).
+
+        ``u`` is the node's stored number: the signed code at 8 bits, the nibble ``q + 8`` at 4 bits; ``a`` and
+        ``c`` are float32 ``[kv_heads, head_dim]``. Without high channels the values are what the node reads
+        back, ``q * scale`` (offsets stay subtracted, as on the node's input). With high channels they are
+        kvq's values themselves, offsets included (what a prefill attends over): a high channel stores ``hi`` in
+        its place and ``lo`` in an extra channel, kvq's ``(16 hi + lo - offset) * scale + zero``, so ``lower``
+        (float32 ``[kv_heads, n, head_dim]``) carries each extra channel's ``scale`` to its place; else None.
+        """
+        index = PARTS.index(part)
+        scale, high = (self.k_scale, self.v_scale)[index], (self.k_high, self.v_high)[index]
+        a = np.broadcast_to(scale.reshape(-1)[0] if scale.size == 1 else scale.reshape(kv_heads, -1)[:, :head_dim],
+                            (kv_heads, head_dim)).astype(np.float32)
+        c = np.zeros_like(a) if self.bits == 8 else np.float32(-8) * a
+        if high is None:
+            return a, c, None
+        c = c + self.stream_offsets(kv_heads * head_dim)[index].reshape(kv_heads, head_dim)
+        heads = np.arange(kv_heads)[:, None]
+        c[heads, high.channels] = high.zero - np.float32(high.offset) * high.scale  # a there is 16 * scale
+        lower = np.zeros((kv_heads, high.channels.shape[1], head_dim), np.float32)
+        lower[heads, np.arange(high.channels.shape[1])[None, :], high.channels] = high.scale
+        return a, c, lower
+
     def high_code_constants(self, starts: tuple[int, int], width: int) -> dict[str, np.ndarray]:
         """float32 ``[width]`` constants of kvq's 8-bit code ``c`` at each high channel's place in a row.
 

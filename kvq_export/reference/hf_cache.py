@@ -10,9 +10,10 @@ layer stores ``x @ R`` and hands attention the dequantized K/V rotated back (``@
 equal the exported graphs' rotated-basis attention up to float32 rounding, and the stored tensors equal
 the graphs' present cache.
 
-``exact_prefill=True`` models ``--flavor ort-gqa``'s prefill (see :mod:`kvq_export.export.gqa_flavor`): the
-first update stores the prompt's K/V as usual but hands attention the K/V themselves, so the prompt's tokens
-attend exactly among themselves; later updates attend over the stored cache.
+``exact_prefill=True`` models ``--flavor ort-gqa``'s prefill (see :mod:`kvq_export.export.gqa_flavor`): an
+update of more than one token (a prompt, or a chunk of one), or the first, stores its K/V as usual but hands
+attention the stored cache's earlier tokens followed by the new K/V themselves, so a call's tokens attend
+exactly among themselves; a later one-token update attends over the stored cache, its own token's codes included.
 """
 
 from __future__ import annotations
@@ -35,14 +36,18 @@ class ReferenceLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store the new K/V and return what attention sees (dequantized, in the model dtype).
 
-        With ``exact_prefill`` the first update returns the new K/V unchanged (they are stored all the same).
+        With ``exact_prefill`` an update of several tokens, or the first, returns the earlier tokens' dequantized
+        K/V followed by the new K/V unchanged (they are stored all the same).
         """
         first = not self.is_initialized
         if first:
             self.lazy_initialization(key_states, value_states)
         self.keys, self.values = self.kvq.update(key_states, value_states, key_states.dtype)
-        if first and self.exact_prefill:
-            return key_states, value_states
+        new = key_states.shape[-2]
+        if self.exact_prefill and (first or new > 1):
+            held = self.keys.shape[-2] - new
+            return (torch.cat([self.keys[..., :held, :], key_states], dim=-2),
+                    torch.cat([self.values[..., :held, :], value_states], dim=-2))
         return self.keys, self.values
 
 
