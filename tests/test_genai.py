@@ -497,3 +497,24 @@ def test_smollm2_text_prompts_through_genai(tmp_path):
     assert [r.prompt_tokens for r in theirs] == [r.prompt_tokens for r in ours]
     assert [r.tokens for r in theirs] == [r.tokens for r in ours]
     assert [r.text for r in theirs] == [r.text for r in ours]
+
+
+@pytest.mark.parametrize("name", ["ort-int8", "ort-int4-asymk", "int4-high/hp-fp32"])
+def test_a_prompt_appended_in_chunks_gives_kvq_the_same_chunks_logits(exports, name):
+    """onnxruntime-genai appending a prompt in pieces gets the logits kvq's loop gets stepping the same pieces.
+
+    og's graph (no left-padding realignment) takes each chunk after the first down the same exact branch: the held
+    codes decoded, the chunk's own exact K/V, its codes written at the row's next places (test_gqa_flavor.py checks
+    that rule against the reference cache).
+    """
+    genai = GenaiSession(exports[name])
+    params = genai.og.GeneratorParams(genai.model)
+    params.set_search_options(max_length=32, do_sample=False)
+    generator = genai.og.Generator(genai.model, params)
+    session = KVQSession(exports[name])
+    cache = session.empty_cache(1, capacity=32)
+    for chunk in ([5, 17, 99, 3, 42], [8, 77, 60, 61], [2, 9, 100]):
+        generator.append_tokens(np.asarray([chunk], np.int32))
+        logits, cache = session.step(np.asarray([chunk]), None, cache)
+        theirs = np.asarray(generator.get_logits(), np.float32).reshape(-1)
+        np.testing.assert_allclose(theirs, logits[0, -1], rtol=0, atol=1e-4 * np.abs(logits[0, -1]).max())
