@@ -37,7 +37,8 @@ from kvq_export.validate.runner import validate as run_validation
 @click.option("--offset", type=click.IntRange(0), default=0, show_default=True,
               help="Corpus tokens skipped before the first window (e.g. past a static scheme's calibration text).")
 @click.option("--chunk", type=click.IntRange(1), default=None,
-              help="Feed C tokens per step instead of strict one-token decode (faster, less strict).")
+              help="Feed C tokens per step instead of strict one-token decode (faster, less strict: on ort-gqa "
+                   "exports a chunk's tokens attend over each other's exact K/V).")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Greedy-agreement prompts, one per line (default: a built-in set of 8).")
 @click.option("--gen-tokens", type=click.IntRange(0), default=64, show_default=True,

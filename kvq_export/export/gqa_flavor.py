@@ -214,12 +214,11 @@ class GQACacheGraph(LaidOutCache):
         self.query_seqlens = b.op("Cast", m, to=int32)
         # an exact call (the quantized layers' If takes the exact branch): a prompt or a chunk of one, more than
         # one new token, or any call into empty caches; a decode step after a past runs the quantized node
-        held = b.op("ReduceMax", n0, b.const([0]), keepdims=1)  # [1]: the longest row already held
-        self.exact = b.op("Or", b.op("Equal", b.op("Squeeze", held, b.const([0])), b.const(0)),
-                          b.op("Greater", t_scalar, b.const(1)))
-        self.held = held
+        self.held = b.op("ReduceMax", n0, b.const([0]), keepdims=1)  # [1]: the longest row already held
+        held = b.op("Squeeze", self.held, b.const([0]))
+        self.exact = b.op("Or", b.op("Equal", held, b.const(0)), b.op("Greater", t_scalar, b.const(1)))
         # the exact node's present holds every row's padded chunk after the longest past
-        self.exact_total = b.op("Cast", b.op("Add", b.op("Squeeze", held, b.const([0])), t_scalar), to=int32)
+        self.exact_total = b.op("Cast", b.op("Add", held, t_scalar), to=int32)
         # the exact node takes query_seqlens only with a past; a row holding no token at all takes one
         # (padding) token then: never read
         self.exact_seqlens = b.op("Cast", b.op("Add", m, b.op("Cast", b.op("Equal", self.n1, b.const(0)),
