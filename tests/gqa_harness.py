@@ -142,8 +142,8 @@ def compare(session: KVQSession, arch: str, scheme, static, prompts, *, steps: i
         cache_hf, ref = reference_hf_cache(scheme, model.config.num_hidden_layers,
                                            Calibration.of(static).to_torch() if static else None,
                                            exact_prefill=exact_prefill)
-        pieces = [prompt] if split is None else [p for p in (prompt[:max(split - (width - len(prompt)), 0)],
-                                                              prompt[max(split - (width - len(prompt)), 0):]) if p]
+        cut = None if split is None else max(split - (width - len(prompt)), 0)  # the row's tokens before split
+        pieces = [prompt] if cut is None else [p for p in (prompt[:cut], prompt[cut:]) if p]
         with torch.no_grad():
             want = [np.concatenate([model(torch.tensor([p]), cache=cache_hf).logits[0].numpy() for p in pieces])]
             for token in stream[:, row]:

@@ -130,7 +130,7 @@ from kvq_export.export.cache_graph import DecoderSpec
 from kvq_export.export.genai_package import REAL_TOKENS, ROWS_BACK, ROWS_TO_FRONT
 from kvq_export.export.gqa_capability import unsupported
 from kvq_export.export.gqa_plan import HighSplit, plan_layer
-from kvq_export.export.graph_codec import static_name
+from kvq_export.export.graph_codec import static_name, unpack_fields
 from kvq_export.export.kv_graph import LaidOutCache, name_packed_probe, name_probes
 from kvq_export.model_facts import CacheGeometry, ModelFacts
 from kvq_export.naming import PARTS, ROTARY_TABLES, tensor_name
@@ -445,14 +445,9 @@ class GQACacheGraph(LaidOutCache):
         def const(role: str, array: np.ndarray) -> ir.Value:
             return b.initializer(static_name(layer, part, f"held_{role}"), array)
 
-        if plan.bits == 8:
-            u = b.op("Cast", codes, to=ir.DataType.FLOAT)
-        else:  # two nibbles to a byte, low first -> [B, kv_heads, held, node head]
-            low = b.op("BitwiseAnd", codes, b.const(np.array(15, np.uint8)))
-            high = b.op("BitShift", codes, b.const(np.array(4, np.uint8)), direction="RIGHT")
-            pairs = b.op("Concat", *(b.op("Unsqueeze", x, b.const([-1])) for x in (low, high)), axis=-1)
-            width = head_dim + (0 if lower is None else lower.shape[1])  # (no -1: the slice may hold no token)
-            u = b.op("Cast", b.op("Reshape", pairs, b.const([0, 0, 0, width])), to=ir.DataType.FLOAT)
+        u = b.op("Cast", codes, to=ir.DataType.FLOAT)
+        if plan.bits == 4:  # two nibbles to a byte, low first -> [B, kv_heads, held, node head]
+            u = unpack_fields(b, u, 4, head_dim + (0 if lower is None else lower.shape[1]))
         if lower is None:
             x = b.op("Mul", u, const("scale", a[:, None, :]))
         else:
