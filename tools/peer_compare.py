@@ -70,6 +70,7 @@ from kvq_export.bench_config import BenchConfig
 from kvq_export.calibration import Calibration, calibrate_static_scales, calibration_windows
 from kvq_export.corpus import load_corpus, token_windows
 from kvq_export.export.exporter import ensure_export
+from kvq_export.measure.builder import build_with_builder, builder_calibration, model_hf_dir, stamp_matches, write_stamp
 from kvq_export.memory import predict
 from kvq_export.model_source import _ensure_fp32_cache, load_model, model_facts, resolve_spec
 from kvq_export.presets import resolve_scheme
@@ -346,7 +347,7 @@ def dequantized_gguf(source: Path, out: Path) -> Path:
     from gguf.quants import dequantize
 
     stamp = {"source": str(source), "bytes": source.stat().st_size, "mtime_ns": source.stat().st_mtime_ns}
-    if _reuse(out.parent, stamp) and out.is_file():
+    if stamp_matches(out.parent, stamp) and out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     reader = gguf.GGUFReader(source)
@@ -371,7 +372,7 @@ def dequantized_gguf(source: Path, out: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     partial.replace(out)
-    _stamp(out.parent, stamp)
+    write_stamp(out.parent, stamp)
     logger.info("llama.cpp weights: %s dequantized to F32 at %s", source, out)
     return out
 
@@ -430,62 +431,6 @@ def run_hf(model: str, windows: list[list[int]], context: int, steps: int, ppl: 
 GENAI_SCHEMES = {"int8_per_channel": "ort-int8", "int4_per_channel": "ort-int4"}
 PREFILL_CHUNK = 512
 FP32_CACHE = Path(__file__).resolve().parent / "schemes" / "fp32-cache.json"
-
-
-def model_hf_dir(model: str) -> Path:
-    """The Hugging Face directory the builder reads (kvq's cached fp32 conversion for a GGUF model)."""
-    source = resolve_spec(model)
-    return source.path if source.kind == "hf_dir" else _ensure_fp32_cache(source.path)
-
-
-def _reuse(out: Path, stamp: dict) -> bool:
-    """Whether ``out`` was built with exactly ``stamp`` (written beside the build as peer_stamp.json)."""
-    import json
-
-    path = out / "peer_stamp.json"
-    return path.is_file() and json.loads(path.read_text()) == stamp
-
-
-def _stamp(out: Path, stamp: dict) -> None:
-    import json
-
-    (out / "peer_stamp.json").write_text(json.dumps(stamp))
-
-
-def build_with_builder(hf: Path, out: Path, quant: str | None = None, scale_file: Path | None = None,
-                       precision: str = "fp32") -> Path:
-    """``python -m onnxruntime_genai.models.builder -i HF -o OUT -p PRECISION -e cpu`` (+ a quantized cache)."""
-    import shutil
-    import subprocess
-
-    stamp = {"quant": quant, "scales": scale_file.read_text() if scale_file else None}
-    if precision != "fp32":  # (builds made before the precision was a choice are fp32 and keep their stamp)
-        stamp["precision"] = precision
-    if _reuse(out, stamp):
-        return out
-    shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p", precision,
-           "-e", "cpu", "-c", str(out.parent / "builder-cache")]
-    if quant:
-        cmd += ["--extra_options", f"kv_cache_quant_scheme={quant}", f"kv_cache_scale_file={scale_file}"]
-    logger.info("builder: %s", " ".join(cmd))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f"{out.name}.log", "w") as log:
-        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
-    _stamp(out, stamp)
-    return out
-
-
-def builder_calibration(baseline: Path, hf: Path, out: Path, quant: str) -> Path:
-    """The builder's own calibrator, its defaults, on the unquantized build: the builder's default scale file.
-
-    Its defaults: the 99.99th percentile, a RoPE pair envelope for keys, 24 x 512 tokens of its built-in corpus.
-    """
-    from onnxruntime_genai.models.quantization.kv_cache_calibration import calibrate_kv_scales
-
-    if not out.is_file():
-        calibrate_kv_scales(str(baseline / "model.onnx"), str(hf), str(out), quant_type=quant)
-    return out
 
 
 class GenaiEngine:

@@ -1,0 +1,302 @@
+"""Closed-loop load on any OpenAI-compatible endpoint, driven by the official ``openai`` client (``AsyncOpenAI``).
+
+For each client count, that many clients each send one prompt after another (a new one as soon as the last one
+ends), streaming, greedy (temperature 0), for ``duration`` seconds or until ``max_requests`` were sent. Each
+request records its time to first token and its latency; the point reports generated tokens/s (completion tokens
+from each reply's ``usage``, over the point's wall time), TTFT and latency p50/p99, requests done, errors, and how
+many answers differ from the same prompt's *solo* answer: each prompt served once with no other load, before the
+loaded points. Greedy decoding gives equal text unless batching changes the arithmetic.
+
+Beside the clients, optionally: a hostile client (:mod:`~kvq_export.measure.hostile`), the server's resident
+memory and a gauge from its metrics page (:mod:`~kvq_export.measure.watch`). Every request has a timeout and the
+whole run a bound (:meth:`LoadConfig.run_bound`); a run cut by its bound keeps the points it finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvq_export.errors import DependencyError, KVQError
+from kvq_export.measure.hostile import HOSTILE_TIMEOUT, HostileResult, hostile_cases, hostile_loop
+from kvq_export.measure.watch import GaugeWatch, RssSummary, RssWatch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CLIENTS = (1, 4, 8, 16, 32, 64)
+#: the gauge of running sequences kvq serve exports
+DEFAULT_GAUGE = "kvq_sequences_running"
+#: distinct error messages kept per point
+ERROR_SAMPLES = 5
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A server to load: base URL (with or without ``/v1``), the model name clients send, and what else is known.
+
+    ``pid``: the server's process (its RSS is sampled); ``metrics_url``: a Prometheus text page scraped for
+    ``gauge``.
+    """
+
+    base_url: str
+    model: str
+    api_key: str | None = None
+    pid: int | None = None
+    metrics_url: str | None = None
+    gauge: str = DEFAULT_GAUGE
+
+    @property
+    def v1(self) -> str:
+        """The OpenAI base URL (ending in ``/v1``)."""
+        url = self.base_url.rstrip("/")
+        return url if url.endswith("/v1") else f"{url}/v1"
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """What load to apply: client counts, seconds (and at most how many requests) per count, tokens per answer.
+
+    ``context_tokens``: the server's context, which the hostile client's long prompt exceeds.
+    """
+
+    clients: tuple[int, ...] = DEFAULT_CLIENTS
+    duration: float = 60.0
+    max_requests: int | None = None
+    max_tokens: int = 32
+    request_timeout: float = 300.0
+    hostile: bool = False
+    context_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "clients", tuple(self.clients))
+        if not self.clients or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.clients):
+            raise KVQError(f"invalid clients={self.clients!r}: allowed: one or more integers >= 1")
+        for name in ("duration", "request_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise KVQError(f"invalid {name}={value!r}: allowed: a number of seconds > 0")
+        for name, least in (("max_tokens", 1), ("context_tokens", 1), ("max_requests", 1)):
+            value = getattr(self, name)
+            if value is None and name == "max_requests":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise KVQError(f"invalid {name}={value!r}: allowed: an integer >= {least}")
+
+    def run_bound(self, prompts: int) -> float:
+        """Seconds the whole run may take: every solo answer and every point at their longest, plus a minute."""
+        hostile = HOSTILE_TIMEOUT if self.hostile else 0.0
+        point = self.duration + self.request_timeout + hostile + 5.0
+        return prompts * self.request_timeout + len(self.clients) * point + 60.0
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One request: its text, seconds to the first text and to the end, completion tokens (from usage), error."""
+
+    text: str = ""
+    ttft: float | None = None
+    latency: float | None = None
+    completion_tokens: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class PointResult:
+    """One client count's figures."""
+
+    clients: int
+    wall_s: float
+    requests: int
+    errors: int
+    completion_tokens: int
+    compared: int  # answers whose prompt has a solo answer
+    differ: int  # of those, answers that differ from it
+    missing_usage: int  # answers that came without a usage block (their tokens are not counted)
+    ttft_p50: float | None = None
+    ttft_p99: float | None = None
+    latency_p50: float | None = None
+    latency_p99: float | None = None
+    error_samples: dict[str, int] = field(default_factory=dict)
+    hostile: HostileResult | None = None
+    gauge_max: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of wall time."""
+        return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "hostile"}
+        data["tokens_per_s"] = self.tokens_per_s
+        data["hostile"] = None if self.hostile is None else self.hostile.to_dict()
+        return data
+
+
+@dataclass
+class LoadResult:
+    """A whole run on one endpoint: the solo answers' count and errors, each point, the server's RSS."""
+
+    name: str
+    model: str
+    solo_answers: int = 0
+    solo_errors: int = 0
+    points: list[PointResult] = field(default_factory=list)
+    rss: RssSummary | None = None
+    incomplete: str | None = None  # why the run stopped before its last point
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"name": self.name, "model": self.model, "solo_answers": self.solo_answers,
+                "solo_errors": self.solo_errors, "points": [p.to_dict() for p in self.points],
+                "rss": None if self.rss is None else self.rss.to_dict(), "incomplete": self.incomplete}
+
+
+def percentiles(values: list[float]) -> tuple[float | None, float | None]:
+    """(p50, p99) of ``values`` (linear interpolation), (None, None) for none."""
+    if not values:
+        return None, None
+    p50, p99 = np.percentile(np.asarray(values, dtype=np.float64), [50, 99])
+    return float(p50), float(p99)
+
+
+def _openai():
+    try:
+        import openai
+    except ImportError:
+        raise DependencyError("the load driver needs the openai client: pip install openai") from None
+    return openai
+
+
+def open_client(endpoint: Endpoint, config: LoadConfig):
+    """An ``AsyncOpenAI`` client for ``endpoint``: no retries, ``request_timeout`` per request."""
+    openai = _openai()
+    return openai.AsyncOpenAI(base_url=endpoint.v1, api_key=endpoint.api_key or "none", max_retries=0,
+                              timeout=config.request_timeout)
+
+
+async def complete(client, model: str, prompt: str, max_tokens: int, timeout: float) -> Answer:
+    """One streamed greedy completion of ``prompt``, bounded by ``timeout`` seconds as a whole."""
+    start = time.perf_counter()
+    first, parts, tokens = None, [], None
+    try:
+        async with asyncio.timeout(timeout):
+            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                                     temperature=0, stream=True,
+                                                     stream_options={"include_usage": True})
+            async for chunk in stream:
+                text = chunk.choices[0].text if chunk.choices else None
+                if text:
+                    first = first or time.perf_counter()
+                    parts.append(text)
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+    except TimeoutError:
+        return Answer(error=f"no complete answer in {timeout:g} s")
+    except Exception as err:  # noqa: BLE001 - any failure of the server or the connection is counted, not raised
+        return Answer(error=f"{type(err).__name__}: {err}"[:200])
+    end = time.perf_counter()
+    return Answer("".join(parts), (first or end) - start, end - start, tokens)
+
+
+async def solo_answers(client, endpoint: Endpoint, prompts: list[str], config: LoadConfig) -> list[Answer]:
+    """Each prompt's answer with no other request in flight, one after another."""
+    return [await complete(client, endpoint.model, prompt, config.max_tokens, config.request_timeout)
+            for prompt in prompts]
+
+
+def summarize_point(clients: int, wall: float, answers: list[tuple[int, Answer]], solo: list[Answer]) -> PointResult:
+    """A point's figures from its ``(prompt index, answer)`` pairs and the solo answers."""
+    good = [(i, a) for i, a in answers if a.error is None]
+    compared = [(i, a) for i, a in good if solo[i].error is None]
+    errors = Counter(a.error for _, a in answers if a.error is not None)
+    ttft = percentiles([a.ttft for _, a in good])
+    latency = percentiles([a.latency for _, a in good])
+    return PointResult(clients=clients, wall_s=wall, requests=len(good), errors=sum(errors.values()),
+                       completion_tokens=sum(a.completion_tokens or 0 for _, a in good), compared=len(compared),
+                       differ=sum(a.text != solo[i].text for i, a in compared),
+                       missing_usage=sum(a.completion_tokens is None for _, a in good),
+                       ttft_p50=ttft[0], ttft_p99=ttft[1], latency_p50=latency[0], latency_p99=latency[1],
+                       error_samples=dict(errors.most_common(ERROR_SAMPLES)))
+
+
+async def run_point(client, endpoint: Endpoint, prompts: list[str], solo: list[Answer], clients: int,
+                    config: LoadConfig) -> PointResult:
+    """``clients`` closed-loop clients for ``config.duration`` seconds (at most ``config.max_requests`` requests).
+
+    Client ``c`` sends prompts ``c, c + clients, c + 2 * clients, ...`` (modulo their count): clients in flight
+    together send different prompts while there are enough.
+    """
+    deadline = time.monotonic() + config.duration
+    answers: list[tuple[int, Answer]] = []
+    issued = 0
+
+    async def one_client(c: int) -> None:
+        nonlocal issued
+        k = 0
+        while time.monotonic() < deadline and (config.max_requests is None or issued < config.max_requests):
+            index = (c + k * clients) % len(prompts)
+            k, issued = k + 1, issued + 1
+            answers.append((index, await complete(client, endpoint.model, prompts[index], config.max_tokens,
+                                                  config.request_timeout)))
+
+    hostile, stop = (HostileResult() if config.hostile else None), asyncio.Event()
+    gauge = GaugeWatch(endpoint.metrics_url, endpoint.gauge) if endpoint.metrics_url else None
+    cases = hostile_cases(endpoint.model, prompts[0], config.context_tokens, api_key=endpoint.api_key)
+    async with gauge or _nothing():
+        rogue = asyncio.create_task(hostile_loop(endpoint.v1, cases, endpoint.api_key, stop, hostile)) \
+            if hostile is not None else None
+        start = time.perf_counter()
+        await asyncio.gather(*(one_client(c) for c in range(clients)))
+        wall = time.perf_counter() - start
+        stop.set()
+        if rogue is not None:
+            await rogue
+    point = summarize_point(clients, wall, answers, solo)
+    point.hostile, point.gauge_max = hostile, None if gauge is None else gauge.max
+    logger.info("%d client(s): %d requests, %d errors, %.1f tok/s, %d of %d answers differ from solo", clients,
+                point.requests, point.errors, point.tokens_per_s, point.differ, point.compared)
+    return point
+
+
+class _nothing:
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+async def run_load(endpoint: Endpoint, prompts: list[str], config: LoadConfig, name: str = "") -> LoadResult:
+    """Solo answers, then every client count in ``config.clients``, within :meth:`LoadConfig.run_bound` seconds."""
+    if not prompts:
+        raise KVQError("the load needs at least one prompt")
+    result = LoadResult(name=name or endpoint.model, model=endpoint.model)
+    rss = RssWatch(endpoint.pid) if endpoint.pid is not None else None
+    client = open_client(endpoint, config)
+    bound = config.run_bound(len(prompts))
+    try:
+        async with rss or _nothing(), asyncio.timeout(bound):
+            solo = await solo_answers(client, endpoint, prompts, config)
+            result.solo_answers = sum(a.error is None for a in solo)
+            result.solo_errors = len(solo) - result.solo_answers
+            for clients in config.clients:
+                result.points.append(await run_point(client, endpoint, prompts, solo, clients, config))
+    except TimeoutError:
+        result.incomplete = f"the run passed its bound of {bound:.0f} s"
+        logger.warning("%s: %s after %d point(s)", result.name, result.incomplete, len(result.points))
+    finally:
+        await client.close()
+    result.rss = None if rss is None else rss.summary()
+    return result
+
+
+def measure_endpoint(endpoint: Endpoint, prompts: list[str], config: LoadConfig, name: str = "") -> LoadResult:
+    """:func:`run_load` in its own event loop (for callers that are not async)."""
+    return asyncio.run(run_load(endpoint, prompts, config, name))

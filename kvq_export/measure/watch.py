@@ -1,0 +1,186 @@
+"""What a server holds while it is loaded: its resident memory and a gauge from its metrics page.
+
+:class:`RssWatch` reads ``VmRSS`` of a process and of its descendants from ``/proc`` once a second;
+:class:`GaugeWatch` scrapes a Prometheus text page (``/metrics``) once a second for the largest value of one
+gauge (every series of that name, whatever its labels). Both run as asyncio tasks beside the load and never fail
+it: a vanished process or an unreachable page is a sample missed, counted, not an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PROC = Path("/proc")
+#: seconds between samples
+INTERVAL = 1.0
+
+
+def rss_bytes(pid: int, proc: Path = PROC) -> int | None:
+    """Resident memory of ``pid`` and every descendant (``VmRSS`` from ``/proc/PID/status``), None if it is gone."""
+    own = _vm_rss(proc / str(pid) / "status")
+    if own is None:
+        return None
+    return own + sum(_vm_rss(proc / str(child) / "status") or 0 for child in descendants(pid, proc))
+
+
+def _vm_rss(status: Path) -> int | None:
+    try:
+        text = status.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("VmRSS:"):
+            value, unit = line.split()[1:3]
+            return int(value) * {"kB": 1024, "mB": 1024**2, "gB": 1024**3}.get(unit, 1)
+    return None  # a zombie has no VmRSS line
+
+
+def descendants(pid: int, proc: Path = PROC) -> list[int]:
+    """Every process below ``pid`` (children, their children, ...), from the parent ids in ``/proc/*/stat``."""
+    parents: dict[int, list[int]] = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after its last ")"
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+@dataclass(frozen=True)
+class RssSummary:
+    """Resident memory over a run (bytes): the first sample, the second minute's and the last minute's medians, max."""
+
+    start: int
+    second_minute: int | None  # None when the run was shorter than two minutes
+    last_minute: int
+    max: int
+    samples: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return asdict(self)
+
+
+def summarize_rss(samples: list[tuple[float, int]]) -> RssSummary | None:
+    """:class:`RssSummary` of ``(seconds since the start, bytes)`` samples; None without any."""
+    if not samples:
+        return None
+    end = samples[-1][0]
+    second = [rss for t, rss in samples if 60.0 <= t < 120.0]
+    last = [rss for t, rss in samples if t >= end - 60.0]
+    return RssSummary(start=samples[0][1], second_minute=int(statistics.median(second)) if second and end >= 120.0
+                      else None, last_minute=int(statistics.median(last)), max=max(r for _, r in samples),
+                      samples=len(samples))
+
+
+def gauge_max(text: str, name: str) -> float | None:
+    """The largest value of gauge ``name`` on a Prometheus text page (any labels); None if it has no such series."""
+    values = []
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        rest = line[len(name):]
+        if rest[:1] not in ("{", " "):
+            continue  # another metric whose name starts with this one
+        if rest.startswith("{"):
+            rest = rest[rest.find("}") + 1 :]
+        with contextlib.suppress(ValueError, IndexError):
+            values.append(float(rest.split()[0]))
+    return max(values) if values else None
+
+
+class RssWatch:
+    """Samples :func:`rss_bytes` of ``pid`` once a second while running (``async with``)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.samples: list[tuple[float, int]] = []
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> RssWatch:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await _stop(self._task)
+
+    async def _run(self) -> None:
+        start = time.monotonic()
+        while True:
+            rss = await asyncio.to_thread(rss_bytes, self.pid)
+            if rss is not None:
+                self.samples.append((time.monotonic() - start, rss))
+            await asyncio.sleep(INTERVAL)
+
+    def summary(self) -> RssSummary | None:
+        """The samples so far, summarized."""
+        return summarize_rss(self.samples)
+
+
+class GaugeWatch:
+    """Scrapes ``url`` once a second for the largest value of gauge ``name`` while running (``async with``)."""
+
+    def __init__(self, url: str, name: str, timeout: float = 5.0) -> None:
+        self.url, self.name, self.timeout = url, name, timeout
+        self.max: float | None = None
+        self.scrapes = 0
+        self.missed = 0
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> GaugeWatch:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await _stop(self._task)
+
+    async def _run(self) -> None:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=self.timeout) as client:
+            while True:
+                await self._scrape(client)
+                await asyncio.sleep(INTERVAL)
+
+    async def _scrape(self, client) -> None:
+        import httpx
+
+        try:
+            reply = await client.get(self.url)
+        except httpx.HTTPError as err:
+            self.missed += 1
+            logger.debug("metrics %s: %s", self.url, err)
+            return
+        value = gauge_max(reply.text, self.name) if reply.status_code == 200 else None
+        if value is None:
+            self.missed += 1
+            return
+        self.scrapes += 1
+        self.max = value if self.max is None else max(self.max, value)
+
+
+async def _stop(task: asyncio.Task | None) -> None:
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
