@@ -90,8 +90,11 @@ def _timing(ms: list[float]) -> dict[str, float]:
 
 
 @dataclass
-class _Scores:
-    """Two graphs' predictions of the same targets: each one's NLL, KL(reference || scored) and top-1 agreement."""
+class TokenScores:
+    """Two graphs' predictions of the same targets: each one's NLL, KL(reference || scored) and top-1 agreement.
+
+    ``kvq validate`` scores its windows with it, and ``kvq demo`` its teacher-forced continuation.
+    """
 
     nll: list[np.ndarray] = field(default_factory=list)
     nll_ref: list[np.ndarray] = field(default_factory=list)
@@ -114,15 +117,16 @@ class _Scores:
         nll, nll_ref = np.concatenate(self.nll, axis=1), np.concatenate(self.nll_ref, axis=1)
         kl = np.concatenate(self.kl, axis=1)
         ppl, ppl_ref = float(np.exp(nll.mean())), float(np.exp(nll_ref.mean()))
+        top1 = np.concatenate(self.top1, axis=1)
         return {"perplexity": ppl, f"perplexity_{reference}": ppl_ref, "perplexity_delta_rel": ppl / ppl_ref - 1.0,
                 "predictions": int(nll.size), "kl": _stats(kl.ravel()), "kl_by_position": kl.mean(axis=0).tolist(),
-                "top1_agreement": float(np.concatenate(self.top1, axis=1).mean())}
+                "top1_agreement": float(top1.mean()), "top1_by_position": top1.mean(axis=0).tolist()}
 
 
 @dataclass
 class _Accumulator:
-    tokens: _Scores = field(default_factory=_Scores)  # the export against the baseline
-    weights: _Scores = field(default_factory=_Scores)  # the baseline against its fp32-weight twin
+    tokens: TokenScores = field(default_factory=TokenScores)  # the export against the baseline
+    weights: TokenScores = field(default_factory=TokenScores)  # the baseline against its fp32-weight twin
     times: dict[str, list[tuple[int, float]]] = field(default_factory=lambda: defaultdict(list))
     attention: list[tuple[int, int, dict[str, np.ndarray]]] = field(default_factory=list)  # (layer, pos, metrics)
 
@@ -393,6 +397,7 @@ def _weight_only_section(acc: _Accumulator, weights: WeightSpec, reference, skip
         return {"weights": weights_label(weights), "skipped": skipped}
     section = acc.weights.summary("reference")
     section.pop("kl_by_position")
+    section.pop("top1_by_position")
     return {"weights": weights_label(weights), "reference_weights": weights_label(WeightSpec()),
             "reference": str(reference.directory), "reference_weight_bytes": weight_bytes(reference.directory).total,
             **section}
