@@ -50,6 +50,29 @@ class FiniteFloat(click.ParamType):
         return f"FiniteFloat({self.allowed()})"
 
 
+class ByteSize(click.ParamType):
+    """A size in bytes: an integer, or a number with a unit (``2GiB``, ``512MiB``, ``1.5GB``, ``64KiB``)."""
+
+    name = "size"
+    UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+             "GIB": 2**30, "TIB": 2**40}
+
+    def convert(self, value, param, ctx) -> int:
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        text = str(value).strip()
+        digits = text.rstrip("KMGTBIkmgtbi ")
+        unit = text[len(digits):].strip().upper()
+        try:
+            number = float(digits)
+        except ValueError:
+            number = math.nan
+        if unit not in self.UNITS or not math.isfinite(number) or int(number * self.UNITS[unit]) < 1:
+            self.fail(f"{value!r} is not a size; allowed: a positive number of bytes, optionally with a unit "
+                      "(KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. 2GiB", param, ctx)
+        return int(number * self.UNITS[unit])
+
+
 #: ``>= 0``: tolerances, thresholds, temperatures.
 NON_NEGATIVE = FiniteFloat(0.0)
 #: ``> 0``: budgets, penalties.

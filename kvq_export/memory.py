@@ -203,6 +203,18 @@ def available_bytes() -> int | None:
         return None
 
 
+def resident_bytes() -> int | None:
+    """The resident set of this process (Linux's ``VmRSS``), or None where the system does not say."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def check_fits(needed: int, what: str, advice: str) -> None:
     """Refuse up front a run whose estimated allocation (``needed`` bytes) exceeds the memory available."""
     available = available_bytes()

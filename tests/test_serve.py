@@ -1,7 +1,7 @@
 """``kvq serve``: a real server on 127.0.0.1, driven by the official ``openai`` client.
 
-Two servers run for the module, each in a thread: the tiny ort-gqa export on onnxruntime-genai's ``og.Engine``,
-and a tiny reference-flavour export on one KVQSession. Every answer is compared with
+Two servers run for the module, each in a thread: the tiny ort-gqa export batched continuously over its cache
+rows, and a tiny reference-flavour export on one KVQSession. Every answer is compared with
 ``KVQSession.generate`` (what ``kvq generate`` prints) for the same prompt run alone. Every request has a client
 timeout and every wait a deadline.
 """
@@ -19,6 +19,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -43,7 +44,7 @@ NAME = "tiny"
 TIMEOUT = 30.0  # seconds, any one request
 #: the tiny tokenizer has no chat template: this one writes each message as ``w1 <content>`` and ends with ``w2``
 CHAT_TEMPLATE = "{% for m in messages %}w1 {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w2{% endif %}"
-KINDS = ("engine", "session")
+KINDS = ("batch", "session")
 
 
 def words(n: int, start: int = 0) -> str:
@@ -61,7 +62,7 @@ def _tokenizer():
 def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     scheme = SCHEMES["ort-int8"]
-    return {"engine": export_model(tiny_model("llama"), scheme, root / "gqa", flavor="ort-gqa",
+    return {"batch": export_model(tiny_model("llama"), scheme, root / "gqa", flavor="ort-gqa",
                                    tokenizer=_tokenizer(), static=calibration("llama", scheme)),
             "session": export_model(tiny_model("llama"), "q4_0", root / "ref", tokenizer=_tokenizer())}
 
@@ -98,8 +99,9 @@ def running(backend):
 
 @pytest.fixture(scope="module")
 def servers(exports):
-    with running(open_backend(exports["engine"])) as engine, running(open_backend(exports["session"])) as session:
-        yield {"engine": engine, "session": session}
+    with running(open_backend(exports["batch"], max_seqs=8)) as batch, \
+            running(open_backend(exports["session"])) as session:
+        yield {"batch": batch, "session": session}
 
 
 def client(url: str):
@@ -186,21 +188,14 @@ def test_stop_string_cuts_the_text_and_frees_the_request(servers, sessions, kind
     _wait_idle(servers[kind])
 
 
-def test_seeded_sampling_repeats_where_the_backend_supports_it(servers, sessions):
+def test_seeded_sampling_repeats_on_every_backend(servers, sessions):
     prompt, sampling = words(5), SamplingConfig(temperature=0.9, top_p=0.95, seed=7)
     ask = dict(model=NAME, prompt=prompt, max_tokens=12, temperature=0.9, top_p=0.95, seed=7)
-    api = client(servers["session"])
-    first, second = (api.completions.create(**ask).choices[0].text for _ in range(2))
-    # kvq's own sampler with the request's seed: kvq generate's sample, every time
-    assert first == second == sessions["session"].generate([prompt], 12, sampling)[0].text
-    api = client(servers["engine"])
-    with pytest.raises(openai.BadRequestError, match="seed is not supported") as info:
-        api.completions.create(**ask)
-    assert info.value.body["param"] == "seed"
-    unseeded = api.completions.create(**{k: v for k, v in ask.items() if k != "seed"})
-    # onnxruntime-genai ends a row at the pad id (0 here: the tiny export has no EOS), which sampling may draw
-    assert unseeded.choices[0].finish_reason == ("length" if unseeded.usage.completion_tokens == 12 else "stop")
-    assert unseeded.usage.completion_tokens <= 12
+    for kind in KINDS:
+        api = client(servers[kind])
+        first, second = (api.completions.create(**ask).choices[0].text for _ in range(2))
+        # kvq's own sampler with the request's seed: kvq generate's sample, every time
+        assert first == second == sessions[kind].generate([prompt], 12, sampling)[0].text, kind
 
 
 # -- refusals --------------------------------------------------------------------------------------------------------
@@ -271,17 +266,19 @@ def test_sampling_at_the_ends_of_the_accepted_ranges_answers(servers, kind):
 
 # -- the server itself --------------------------------------------------------------------------------------------
 def test_health_and_models_say_how_requests_run(servers):
-    engine = httpx.get(f"{servers['engine']}/health", timeout=TIMEOUT).json()
+    batch = httpx.get(f"{servers['batch']}/health", timeout=TIMEOUT).json()
     session = httpx.get(f"{servers['session']}/health", timeout=TIMEOUT).json()
-    assert engine["status"] == session["status"] == "ok"
-    assert engine["batching"] is True and engine["max_batch_size"] >= 2 and engine["flavor"] == "ort-gqa"
+    assert batch["status"] == session["status"] == "ok"
+    assert batch["batching"] is True and batch["max_seqs"] == 8 and batch["flavor"] == "ort-gqa"
+    assert batch["decode"] == "batched" and batch["batch_invariance"]["invariant"] is True
+    assert batch["batch_invariance"]["batch_sizes"] == [2, 3, 8]
     assert session["batching"] is False and "one request at a time" in session["backend"]
-    assert "onnxruntime-genai cannot serve this export" in session["reason"]
-    assert engine["max_positions"] == session["max_positions"] == 1024
+    assert "regions cache layout" in session["reason"]
+    assert batch["max_positions"] == session["max_positions"] == 1024
     for kind in KINDS:
         models = client(servers[kind]).models.list().data
         assert [m.id for m in models] == [NAME]
-        assert models[0].model_extra["kvq"]["batching"] is (kind == "engine")
+        assert models[0].model_extra["kvq"]["batching"] is (kind == "batch")
 
 
 def _active(url: str) -> int:
@@ -305,7 +302,7 @@ def test_a_client_that_goes_away_frees_its_slot(servers, sessions, kind, caplog)
             assert next(response.iter_lines()).startswith("data:")
         # the stream is closed after its first event: the request is cancelled, the backend is free again
     _wait_idle(url)
-    if kind == "session":  # 1000 tokens take seconds here (the engine may be done first): both requests cancelled
+    if kind == "session":  # 1000 tokens take seconds here (a batch may be done first): both requests cancelled
         assert any(re.match(r"stream closed early .* after \d+ tokens", r.getMessage()) for r in caplog.records)
         with httpx.Client(base_url=url, timeout=httpx.Timeout(TIMEOUT, read=0.5)) as http, \
                 pytest.raises(httpx.ReadTimeout):
@@ -415,26 +412,27 @@ def test_every_sampling_value_the_protocol_accepts_fits_float32_and_int32():
 
 def test_streamed_text_holds_back_a_possible_stop_string():
     tokenizer = _tokenizer()
+    decode = partial(tokenizer.decode, skip_special_tokens=True)
     ids = tokenizer("w1 w2")["input_ids"]
-    tracker = TextTracker(tokenizer, ids, stop=["w7 w8"])
+    tracker = TextTracker(decode, ids, stop=["w7 w8"])
     deltas = [tracker.add(t, stream=True) for t in tokenizer("w5 w7 w9 w7")["input_ids"]]
     assert deltas == [" w5", " ", "w7 w9", " "]  # a trailing "w7" may begin the stop string: held back
     assert not tracker.stopped
     assert tracker.add(tokenizer("w8")["input_ids"][0], stream=True) == ""
     assert tracker.stopped and tracker.text == " w5 w7 w9 " and tracker.finish() == ""
     assert tracker.add(tokenizer("w3")["input_ids"][0], stream=True) == "" and tracker.text == " w5 w7 w9 "
-    quiet = TextTracker(tokenizer, ids)
+    quiet = TextTracker(decode, ids)
     for token in tokenizer("w3 w4")["input_ids"]:
         assert quiet.add(token, stream=False) == ""
     assert quiet.finish() == quiet.text == " w3 w4"
 
 
 def test_backend_choice_and_a_taken_port_are_one_line_errors(exports):
-    with pytest.raises(KVQError, match="onnxruntime-genai cannot serve .*regions"):
-        open_backend(exports["session"], kind="engine")
-    with pytest.raises(KVQError, match="unknown backend 'gpu'; allowed: auto, engine, session"):
+    with pytest.raises(KVQError, match="continuous batching needs .* has the regions layout"):
+        open_backend(exports["session"], kind="batch")
+    with pytest.raises(KVQError, match="unknown backend 'gpu'; allowed: auto, batch, session"):
         open_backend(exports["session"], kind="gpu")
-    assert open_backend(exports["engine"], kind="session").batching is False
+    assert open_backend(exports["batch"], kind="session").batching is False
     taken = bind("127.0.0.1", 0)
     try:
         with pytest.raises(KVQError, match=f"cannot listen on 127.0.0.1:{taken.getsockname()[1]}"):

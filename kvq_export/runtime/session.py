@@ -138,6 +138,8 @@ class KVQSession:
             export (a corrupted or edited file is refused). Hashing reads every byte once per process
             (about a second per GB); pass False to skip it for speed on trusted storage.
         spinning: keep ONNX Runtime's intra-op thread spinning between runs (see :func:`session_options`).
+        tokenizer: load the export's transformers tokenizer (False: token ids only; ``kvq serve`` reads the
+            tokenizer files itself through :class:`~kvq_export.runtime.text_codec.TextCodec`).
 
     An export is data, never code: every file it uses must lie inside ``directory``, its tokenizer loads
     with remote code disabled, the calibration file must match its digest and the graph's own constants, and the
@@ -149,7 +151,7 @@ class KVQSession:
 
     def __init__(self, directory: str | Path, *, providers: Sequence[str] | None = None,
                  threads: int | None = None, capacity: int | None = None, verify_weights: bool = True,
-                 spinning: bool = False) -> None:
+                 spinning: bool = False, tokenizer: bool = True) -> None:
         self.directory = Path(directory)
         opened = export_identity(self.directory) if self.directory.is_dir() else None
         self.manifest = Manifest.load(self.directory)
@@ -170,7 +172,8 @@ class KVQSession:
         self.extra_outputs: tuple[str, ...] = ()
         self.last_extra: dict[str, np.ndarray] = {}
         # everything the session reads is read now: an export replaced later (--force) cannot mix into it
-        self._tokenizer, self._tokenizer_error = self._load_tokenizer()
+        self._tokenizer, self._tokenizer_error = (self._load_tokenizer() if tokenizer else
+                                                  (None, f"{self.directory} was opened without its tokenizer"))
         self._opened = opened
         check_same_export(self.directory, opened, "while this session opened it")
 

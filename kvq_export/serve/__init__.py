@@ -3,17 +3,20 @@
 Three lines of Python do what the command does::
 
     from kvq_export.serve import serve
-    serve("exports/smollm2-ort-int8", host="127.0.0.1", port=8000)
+    serve("exports/smollm2-ort-int8", host="127.0.0.1", port=8000, cache_budget=2 << 30)
 
-:mod:`~kvq_export.serve.protocol` checks requests and shapes replies, :mod:`~kvq_export.serve.backends` runs them
-(onnxruntime-genai's continuous-batching engine for ort-gqa exports, one ``KVQSession`` request at a time for
-the other flavors), :mod:`~kvq_export.serve.text` turns tokens into streamed text and :mod:`~kvq_export.serve.app`
-is the FastAPI app and its uvicorn runner. Nothing else in kvq imports this package (fastapi loads with it).
+:mod:`~kvq_export.serve.protocol` checks requests and shapes replies; :mod:`~kvq_export.serve.scheduler` batches
+requests continuously over the rows of an ort-gqa export's cache (:mod:`~kvq_export.serve.selfcheck` checks at
+start that a row's answer does not depend on its batch), and :mod:`~kvq_export.serve.backends` runs other flavors
+one request at a time; :mod:`~kvq_export.serve.text` turns tokens into streamed text,
+:mod:`~kvq_export.serve.metrics` holds the Prometheus metrics and :mod:`~kvq_export.serve.app` is the FastAPI app
+and its uvicorn runner. Nothing else in kvq imports this package (fastapi loads with it). Which runtime serves
+what, and why: docs/design/serving.md.
 """
 
 from __future__ import annotations
 
 from kvq_export.serve.app import create_app, serve
-from kvq_export.serve.backends import Backend, EngineBackend, Job, SessionBackend, open_backend
+from kvq_export.serve.backends import Backend, Job, ServeLimits, SessionBackend, open_backend
 
-__all__ = ["Backend", "EngineBackend", "Job", "SessionBackend", "create_app", "open_backend", "serve"]
+__all__ = ["Backend", "Job", "ServeLimits", "SessionBackend", "create_app", "open_backend", "serve"]

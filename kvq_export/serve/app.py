@@ -1,15 +1,21 @@
 """The HTTP layer: an OpenAI-compatible FastAPI app over a backend, and :func:`serve`, which runs it with uvicorn.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` sends
-server-sent events, ending with ``data: [DONE]``) and ``GET /health``. A request's prompt plus ``max_tokens``
-must fit the model's positions (else 400, with the numbers), so no request holds a batch slot past its context. A
-client that goes away cancels its request. On shutdown uvicorn lets in-flight requests finish for
-``shutdown_timeout`` seconds, then cancels them; the backend's thread stops last.
+server-sent events, ending with ``data: [DONE]``), ``GET /health`` and ``GET /metrics`` (Prometheus). With an API
+key, the ``/v1`` endpoints want ``Authorization: Bearer <key>`` (else 401); ``/health`` and ``/metrics`` stay open
+to the supervisor and the scraper. A request's prompt plus ``max_tokens`` must fit the context (else 400, with the
+numbers), so no request holds a row past it; a full wait queue answers 429 with ``Retry-After``; a request past
+its deadline ends with 504. A client that goes away cancels its request. ``/health`` answers 503 once the
+generation thread has died, and :func:`serve` then stops and raises, so the process exits non-zero for its
+supervisor to restart it. On SIGTERM or SIGINT uvicorn stops accepting connections and lets in-flight requests
+finish for ``shutdown_timeout`` seconds, then cancels them; the backend's thread stops last. Nothing of a
+request's text is logged (uvicorn's access log holds the method, path and status).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -19,11 +25,21 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 
 from kvq_export.errors import KVQError
-from kvq_export.serve.backends import Backend, GenerationError, Job, StreamEnd, TokenStream, open_backend
+from kvq_export.serve.backends import (
+    Backend,
+    GenerationError,
+    Job,
+    QueueFull,
+    ServeLimits,
+    StreamEnd,
+    TokenStream,
+    open_backend,
+)
+from kvq_export.serve.metrics import CONTENT_TYPE
 from kvq_export.serve.protocol import (
     GenerationRequest,
     Reply,
@@ -39,21 +55,23 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between checks that a non-streaming client is still connected.
 DISCONNECT_POLL = 0.25
+#: The environment variable ``kvq serve`` reads its API key from when ``--api-key`` is not given.
+API_KEY_ENV = "KVQ_API_KEY"
 
 
 def prompt_tokens(backend: Backend, request: GenerationRequest) -> list[int]:
     """Token ids of a request's prompt: text as ``kvq generate`` encodes it, ids checked, chat through the template."""
-    tokenizer = backend.tokenizer
+    codec = backend.codec
     if request.chat:
-        if not getattr(tokenizer, "chat_template", None):
+        if not codec.chat_template:
             raise RequestError("this export's tokenizer has no chat template; use /v1/completions", param="messages")
         try:
-            text = tokenizer.apply_chat_template(list(request.prompt), add_generation_prompt=True, tokenize=False)
+            text = codec.chat_prompt(request.prompt)
         except Exception as err:  # noqa: BLE001 - the template (jinja) rejects a conversation with its own errors
             raise RequestError(f"the chat template refused these messages: {err}", param="messages") from None
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template wrote the special tokens
+        ids = codec.encode(text, add_special_tokens=False)  # the template wrote the special tokens
     elif isinstance(request.prompt, str):
-        ids = list(tokenizer(request.prompt)["input_ids"])
+        ids = codec.encode(request.prompt)
     else:
         ids = list(request.prompt)
         bad = [t for t in ids if not 0 <= t < backend.vocab_size]
@@ -65,8 +83,11 @@ def prompt_tokens(backend: Backend, request: GenerationRequest) -> list[int]:
     return ids
 
 
-def create_app(backend: Backend, *, model_name: str) -> FastAPI:
-    """The FastAPI app serving ``backend`` as model ``model_name``; the app's shutdown closes the backend."""
+def create_app(backend: Backend, *, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving ``backend`` as model ``model_name``; the app's shutdown closes the backend.
+
+    ``api_key``: the bearer token the ``/v1`` endpoints want (None: open).
+    """
     from starlette.exceptions import HTTPException
 
     @asynccontextmanager
@@ -74,11 +95,22 @@ def create_app(backend: Backend, *, model_name: str) -> FastAPI:
         yield
         await asyncio.to_thread(backend.close)
 
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def authorize(request: Request) -> None:
+        """The ``/v1`` endpoints' dependency (a dependency, not a middleware: those hide a client's disconnect)."""
+        if expected is not None and not hmac.compare_digest(request.headers.get("authorization", "").encode(),
+                                                            expected):
+            raise RequestError("missing or wrong API key: send Authorization: Bearer <key>", status=401,
+                               code="invalid_api_key", kind="authentication_error",
+                               headers={"WWW-Authenticate": "Bearer"})
+
     app = FastAPI(title="kvq", lifespan=lifespan)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, err: RequestError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> JSONResponse:
@@ -86,24 +118,41 @@ def create_app(backend: Backend, *, model_name: str) -> FastAPI:
         return JSONResponse(error_body(str(err.detail), kind=kind), status_code=err.status_code)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model_name, "active_requests": backend.active, **backend.describe()}
+    async def health() -> JSONResponse:
+        alive = backend.alive
+        body = {"status": "ok" if alive else "failed", "model": model_name, "active_requests": backend.active,
+                "waiting_requests": backend.waiting, **backend.describe()}
+        return JSONResponse(body, status_code=200 if alive else 503)
 
-    @app.get("/v1/models")
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(backend.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @v1.get("/models")
     async def models() -> dict[str, Any]:
         card = {"id": model_name, "object": "model", "created": int(os.path.getmtime(backend.directory)),
                 "owned_by": "kvq", "kvq": backend.describe()}
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def completions(request: Request):
         return await _generate(backend, request, parse_completion(await _body(request), served=model_name))
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         return await _generate(backend, request, parse_chat(await _body(request), served=model_name))
 
+    app.include_router(v1)
     return app
+
+
+def _refusal(err: GenerationError) -> JSONResponse:
+    """The JSON error of a request that could not run (queue full: 429 with ``Retry-After``)."""
+    if isinstance(err, QueueFull):
+        return JSONResponse(error_body(str(err), kind="rate_limit_error", code="queue_full"), status_code=429,
+                            headers={"Retry-After": str(err.retry_after)})
+    kind = "timeout_error" if err.status == 504 else "server_error"
+    return JSONResponse(error_body(str(err), kind=kind), status_code=err.status)
 
 
 async def _body(request: Request) -> Any:
@@ -124,14 +173,14 @@ async def _generate(backend: Backend, http_request: Request, request: Generation
     ids = prompt_tokens(backend, request)
     max_tokens = bounded_max_tokens(request, len(ids), backend.max_positions)
     job = Job(tuple(ids), max_tokens, request.sampling)
-    tracker = TextTracker(backend.tokenizer, ids, request.stop)
+    tracker = TextTracker(backend.codec.decode, ids, request.stop)
     reply = Reply(request.chat, request.model)
-    if request.stream:  # submitted when the response starts: a client gone before then never runs
-        return EventSourceResponse(_events(backend, job, tracker, reply, request), ping=15)
-    try:
+    try:  # before any response starts: a full queue is a 429, streamed or not
         stream = backend.submit(job)
     except GenerationError as err:
-        return JSONResponse(error_body(str(err), kind="server_error"), status_code=503)
+        return _refusal(err)
+    if request.stream:
+        return EventSourceResponse(_events(stream, tracker, reply, request), ping=15)
     collect = asyncio.ensure_future(_collect(stream, tracker))
     try:
         while not collect.done():  # a client that goes away cancels its request
@@ -141,8 +190,7 @@ async def _generate(backend: Backend, http_request: Request, request: Generation
                 return JSONResponse(error_body("client disconnected"), status_code=499)
         finish = collect.result()
     except GenerationError as err:
-        return JSONResponse(error_body(str(err), kind="server_error"), status_code=503 if stream.cancelled.is_set()
-                            else 500)
+        return _refusal(GenerationError(str(err), 503) if stream.cancelled.is_set() and err.status == 500 else err)
     finally:
         collect.cancel()
         stream.cancel()
@@ -161,17 +209,12 @@ async def _collect(stream: TokenStream, tracker: TextTracker) -> StreamEnd:
     return stream.finish_reason
 
 
-async def _events(backend: Backend, job: Job, tracker: TextTracker, reply: Reply,
+async def _events(stream: TokenStream, tracker: TextTracker, reply: Reply,
                   request: GenerationRequest) -> AsyncIterator[dict[str, str]]:
     """The server-sent events of a streamed request; leaving early (client gone, shutdown) cancels it."""
     def event(data: dict[str, Any]) -> dict[str, str]:
         return {"data": json.dumps(data)}
 
-    try:
-        stream = backend.submit(job)
-    except GenerationError as err:
-        yield event(error_body(str(err), kind="server_error"))
-        return
     complete = False
     try:
         if request.chat:
@@ -196,7 +239,7 @@ async def _events(backend: Backend, job: Job, tracker: TextTracker, reply: Reply
         complete = True
     except GenerationError as err:
         complete = True
-        yield event(error_body(str(err), kind="server_error"))
+        yield event(error_body(str(err), kind="timeout_error" if err.status == 504 else "server_error"))
     finally:
         if not complete:
             logger.info("stream closed early (client gone or server stopping): request cancelled after %d tokens",
@@ -206,34 +249,48 @@ async def _events(backend: Backend, job: Job, tracker: TextTracker, reply: Reply
 
 def serve(export_dir: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int = 8000,
           model_name: str | None = None, backend: str = "auto", verify_weights: bool = True,
-          threads: int | None = None, shutdown_timeout: float = 10.0, providers: Sequence[str] | None = None) -> None:
+          threads: int | None = None, shutdown_timeout: float = 10.0, providers: Sequence[str] | None = None,
+          api_key: str | None = None, limits: ServeLimits | None = None, **batch_options: Any) -> None:
     """Serve an export over HTTP until SIGINT/SIGTERM (``kvq serve``).
 
     The port is bound before the model loads, so a taken port is a one-line :class:`KVQError`; ``port=0`` picks a
-    free one (logged).
+    free one (logged). ``api_key``: the bearer token clients must send (None: :data:`API_KEY_ENV` when set, else
+    open). ``limits`` and ``batch_options`` (``max_seqs``, ``cache_budget``, ``prefill_chunk``,
+    ``allow_batch_variance``) go to :func:`~kvq_export.serve.backends.open_backend`. Raises :class:`KVQError`
+    after stopping when the generation thread died, so the process exits non-zero.
     """
     import uvicorn
 
+    api_key = api_key or os.environ.get(API_KEY_ENV) or None
     sock = bind(host, port)
     try:
         runner = open_backend(export_dir, kind=backend, verify_weights=verify_weights, threads=threads,
-                              providers=providers)
+                              providers=providers, limits=limits, **batch_options)
         runner.start()
     except BaseException:
         sock.close()
         raise
     name = model_name or Path(export_dir).resolve().name
     bound_host, bound_port = sock.getsockname()[:2]
-    logger.info("model %r on http://%s:%d/v1 (%s)", name, bound_host, bound_port, runner.description)
+    logger.info("model %r on http://%s:%d/v1 (%s%s)", name, bound_host, bound_port, runner.description,
+                ", API key required" if api_key else "")
+    config = uvicorn.Config(create_app(runner, model_name=name, api_key=api_key),
+                            timeout_graceful_shutdown=shutdown_timeout, log_level="info")
+    server = uvicorn.Server(config)
+
+    def stop() -> None:  # the generation thread died: /health says so, then the server stops
+        server.should_exit = True
+
+    runner.on_failure = stop
     try:
-        config = uvicorn.Config(create_app(runner, model_name=name), timeout_graceful_shutdown=shutdown_timeout,
-                                log_level="info")
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled once it has shut down: a clean stop
         logger.info("stopped by SIGINT")
     finally:
         runner.close()  # also when uvicorn stopped before the app's shutdown ran
         sock.close()
+    if runner.failed:
+        raise KVQError("the generation thread failed (see the log above); the server stopped")
 
 
 def bind(host: str, port: int) -> socket.socket:

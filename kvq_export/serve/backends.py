@@ -1,14 +1,12 @@
-"""Where served requests run: onnxruntime-genai's continuous-batching ``og.Engine``, or one ``KVQSession``.
+"""Where served requests run: a thread of their own, fed through :class:`TokenStream` s, never the event loop.
 
-Both run generation in one thread of their own and hand each request's tokens to a :class:`TokenStream`, which
-the asyncio handler reads; neither ever blocks the event loop.
-
-- :class:`EngineBackend` (exports onnxruntime-genai can serve: ``--flavor ort-gqa``): every ``og.Engine`` call
-  must come from the thread that created it, so one thread owns the model and the engine. It takes new requests
-  and cancellations from a queue, steps the engine while any request is pending and routes each token event to
-  its request's stream. Concurrent requests decode as one batch.
+- :class:`~kvq_export.serve.scheduler.BatchBackend` (``buffer``-layout exports, ``--flavor ort-gqa``): continuous
+  batching over rows of one cache (:mod:`kvq_export.serve.scheduler`).
 - :class:`SessionBackend` (every other flavor): a worker thread runs a :class:`~kvq_export.runtime.base.Session`
   (kvq's loop) for one request at a time, in arrival order; a cancelled request stops at its next token.
+
+Both share what :class:`Backend` does: the export's :class:`~kvq_export.runtime.text_codec.TextCodec`, the bounded
+wait queue (:class:`ServeLimits`), per-request deadlines, the Prometheus metrics and the thread's health.
 """
 
 from __future__ import annotations
@@ -17,8 +15,9 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -28,20 +27,54 @@ from kvq_export.errors import KVQError
 from kvq_export.manifest import Manifest
 from kvq_export.runtime import open_session
 from kvq_export.runtime.base import Session
-from kvq_export.runtime.genai import GENAI_CONFIG, RUNTIME, GenaiSession, unsupported_reason
 from kvq_export.runtime.sampling import SamplingConfig
-from kvq_export.runtime.session import load_tokenizer
-from kvq_export.vocab import FinishReason
+from kvq_export.runtime.text_codec import TextCodec
+from kvq_export.serve.metrics import ServeMetrics
+from kvq_export.vocab import FinishReason, LayoutName
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "engine", "session")
+#: ``--backend`` values: ``batch`` (continuous batching, buffer-layout exports), ``session`` (one at a time)
+BACKENDS = ("auto", "batch", "session")
 #: Seconds :meth:`Backend.close` waits for its thread.
 CLOSE_TIMEOUT = 10.0
 
 
 class GenerationError(KVQError):
-    """A request failed while generating (the runtime raised, or the server is shutting down)."""
+    """A request failed while generating (the runtime raised, its deadline passed, or the server is stopping)."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class QueueFull(GenerationError):
+    """Every row is busy and the wait queue is full: the client should retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message, status=429)
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """What the server holds back: waiting requests, a request's time, and its tokens."""
+
+    #: requests waiting for a row (beyond those running) before new ones get 429
+    max_waiting: int = 256
+    #: seconds from arrival a request may take before it fails (None: no deadline)
+    request_timeout: float | None = None
+    #: tokens one request may hold, prompt plus generated (None: the export's positions)
+    context: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_waiting, bool) or not isinstance(self.max_waiting, int) or self.max_waiting < 0:
+            raise KVQError(f"invalid max_waiting={self.max_waiting!r}: allowed: an integer >= 0")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise KVQError(f"invalid request_timeout={self.request_timeout!r}: allowed: seconds > 0, or None")
+        if self.context is not None and (isinstance(self.context, bool) or not isinstance(self.context, int)
+                                         or self.context < 2):
+            raise KVQError(f"invalid context={self.context!r}: allowed: an integer >= 2, or None")
 
 
 @dataclass(frozen=True)
@@ -67,13 +100,18 @@ class TokenStream:
 
     The stream ends with a :class:`StreamEnd`: ``stop`` (end of sequence), ``length`` (``max_tokens``) or
     ``cancelled``; a failure raises :class:`GenerationError` in the reader. :meth:`cancel` frees the request's
-    slot (a batch row, or the session's turn); it is idempotent and safe after the end.
+    slot (a cache row, or the session's turn); it is idempotent and safe after the end.
     """
 
     def __init__(self, job: Job, backend: Backend, loop: asyncio.AbstractEventLoop) -> None:
         self.job = job
         self.finish_reason: StreamEnd | None = None
         self.cancelled = threading.Event()
+        self.arrival = time.monotonic()
+        timeout = backend.limits.request_timeout
+        self.deadline = None if timeout is None else self.arrival + timeout
+        self.running = False  # admitted to generation (a row, or the session's turn); False while waiting
+        self.generated = 0
         self._backend = backend
         self._loop = loop
         self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -82,21 +120,30 @@ class TokenStream:
     # -- producer side (the backend's thread) -------------------------------------------------------------
     def put(self, token: int) -> None:
         """Hand one generated token to the reader."""
+        if self.generated == 0:
+            self._backend.metrics.time_to_first_token.observe(time.monotonic() - self.arrival)
+        self.generated += 1
+        self._backend.metrics.generation_tokens.inc()
         self._post(("token", int(token)))
 
     def end(self, reason: StreamEnd) -> None:
         """The last item: the finish reason."""
-        self._close(("end", reason))
+        self._close(("end", reason), reason)
 
-    def fail(self, message: str) -> None:
-        """The last item: an error the reader raises."""
-        self._close(("error", message))
+    def fail(self, message: str, status: int = 500) -> None:
+        """The last item: an error the reader raises (``status``: the HTTP status it answers with)."""
+        self._close(("error", (message, status)), StreamEnd.ERROR)
 
-    def _close(self, item: tuple[str, Any]) -> None:
+    @property
+    def overdue(self) -> bool:
+        """Its deadline has passed."""
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def _close(self, item: tuple[str, Any], reason: StreamEnd) -> None:
         if not self._ended.is_set():
             self._ended.set()
             self._post(item)
-            self._backend._forget(self)
+            self._backend._forget(self, reason)
 
     def _post(self, item: tuple[str, Any]) -> None:
         try:
@@ -114,7 +161,7 @@ class TokenStream:
                 self.finish_reason = value
             else:
                 self.finish_reason = StreamEnd.ERROR
-                raise GenerationError(value)
+                raise GenerationError(*value)
 
     def cancel(self) -> None:
         """Stop generating for this request (a client went away, a stop string matched, the server stops)."""
@@ -134,14 +181,20 @@ class Backend(ABC):
     supports_seed: ClassVar[bool] = True
 
     def __init__(self, directory: str | Path, *, verify_weights: bool = True, threads: int | None = None,
-                 reason: str | None = None, providers: Sequence[str] | None = None) -> None:
+                 reason: str | None = None, providers: Sequence[str] | None = None,
+                 limits: ServeLimits | None = None, metrics: ServeMetrics | None = None) -> None:
         self.directory = Path(directory)
         self.manifest = Manifest.load(self.directory)
         self.verify_weights = verify_weights
         self.threads = threads
         self.providers = providers  # ONNX Runtime providers (None: the runtime's default choice)
         self.reason = reason  # why this backend serves the export (shown in /health)
-        self.tokenizer = load_tokenizer(self.directory, self.manifest)
+        self.limits = limits or ServeLimits()
+        self.metrics = metrics or ServeMetrics()
+        self.codec = TextCodec(self.directory) if self.manifest.tokenizer.files else None
+        #: called (from the backend's thread) when that thread fails: the server then stops
+        self.on_failure: Callable[[], None] | None = None
+        self.failed = False
         self._streams: set[TokenStream] = set()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -150,7 +203,7 @@ class Backend(ABC):
     @property
     def max_positions(self) -> int:
         """Tokens one request may hold (prompt plus generated)."""
-        return self.manifest.model.max_position_embeddings
+        return self.limits.context or self.manifest.model.max_position_embeddings
 
     @property
     def vocab_size(self) -> int:
@@ -159,15 +212,26 @@ class Backend(ABC):
 
     @property
     def active(self) -> int:
-        """Requests submitted and not finished (queued or generating)."""
+        """Requests submitted and not finished (waiting or generating)."""
         with self._lock:
             return len(self._streams)
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not yet generating."""
+        with self._lock:
+            return sum(not s.running for s in self._streams)
+
+    @property
+    def alive(self) -> bool:
+        """The generation thread runs (False once it failed or the backend closed)."""
+        return self._thread is not None and self._thread.is_alive() and not self.failed
 
     def describe(self) -> dict[str, Any]:
         """What ``/health`` and ``/v1/models`` say about how requests run."""
         info: dict[str, Any] = {"backend": self.description, "batching": self.batching,
                                 "flavor": self.manifest.flavor, "scheme": self.manifest.scheme.name or "custom",
-                                "max_positions": self.max_positions}
+                                "max_positions": self.max_positions, "max_waiting": self.limits.max_waiting}
         if self.reason:
             info["reason"] = self.reason
         return info
@@ -175,12 +239,22 @@ class Backend(ABC):
     def submit(self, job: Job) -> TokenStream:
         """Queue a job; call from the event loop that reads the returned stream."""
         if self._closed:
-            raise GenerationError("the server is shutting down")
-        stream = TokenStream(job, self, asyncio.get_running_loop())
+            raise GenerationError("the server is shutting down", status=503)
         with self._lock:
+            waiting = sum(not s.running for s in self._streams)
+            if waiting >= self.limits.max_waiting + self.free_slots():
+                raise QueueFull(f"{waiting} requests are waiting, the most this server queues "
+                                f"(--max-waiting {self.limits.max_waiting}); retry later", retry_after=1)
+            stream = TokenStream(job, self, asyncio.get_running_loop())
             self._streams.add(stream)
+        self.metrics.prompt_tokens.inc(len(job.prompt_tokens))
         self._enqueue(stream)
+        self._update_gauges()
         return stream
+
+    def free_slots(self) -> int:
+        """Requests that could start generating now (a waiting request takes one)."""
+        return 0
 
     def start(self) -> None:
         """Load the model in the backend's thread and start serving; a load error is raised here."""
@@ -199,11 +273,9 @@ class Backend(ABC):
                 self._serve(state)
             except BaseException:  # a bug in the loop: fail what waits instead of leaving it waiting forever
                 logger.exception("the %s thread failed; the server answers no more requests", type(self).__name__)
-                self._closed = True
-                with self._lock:
-                    left = list(self._streams)
-                for stream in left:
-                    stream.fail("the server's generation thread failed")
+                self._fail_all("the server's generation thread failed")
+                if self.on_failure is not None:
+                    self.on_failure()
 
         self._thread = threading.Thread(target=main, name=f"kvq-{type(self).__name__}", daemon=True)
         self._thread.start()
@@ -214,14 +286,21 @@ class Backend(ABC):
         logger.info("serving %s: %s%s", self.directory, self.description,
                     f" ({self.reason})" if self.reason else "")
 
+    def _fail_all(self, message: str) -> None:
+        self.failed = self._closed = True
+        with self._lock:
+            left = list(self._streams)
+        for stream in left:
+            stream.fail(message, status=503)
+
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Cancel what is queued or running, stop the thread and wait for it (at most ``timeout`` seconds)."""
-        if self._closed:
+        if self._closed and not self.failed:
             return
         self._closed = True
         with self._lock:
             running = list(self._streams)
-        for stream in running:  # a session's generation stops at its next token, the engine cancels every turn
+        for stream in running:  # generation stops at the stream's next token
             stream.cancelled.set()
         self._enqueue(None)  # the thread's signal to stop
         if self._thread is not None:
@@ -231,12 +310,27 @@ class Backend(ABC):
         with self._lock:
             left = list(self._streams)
         for stream in left:
-            stream.fail("the server is shutting down")
+            stream.fail("the server is shutting down", status=503)
         logger.info("stopped %s", self.description)
 
-    def _forget(self, stream: TokenStream) -> None:
+    def _started(self, stream: TokenStream) -> None:
+        """``stream`` leaves the wait queue and starts generating (the backend's thread calls this)."""
+        stream.running = True
+        self._update_gauges()
+
+    def _forget(self, stream: TokenStream, reason: StreamEnd) -> None:
         with self._lock:
             self._streams.discard(stream)
+        self.metrics.requests.labels(finish=str(reason)).inc()
+        self.metrics.request_latency.observe(time.monotonic() - stream.arrival)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        with self._lock:
+            running = sum(s.running for s in self._streams)
+            waiting = len(self._streams) - running
+        self.metrics.sequences_running.set(running)
+        self.metrics.sequences_waiting.set(waiting)
 
     @abstractmethod
     def _load(self) -> Any:
@@ -255,8 +349,8 @@ class Backend(ABC):
         """Ask the thread to stop generating for ``stream``."""
 
 
-class _Cancelled(Exception):
-    """Raised from the token callback to end a cancelled generation early."""
+class _Stopped(Exception):
+    """Raised from the token callback to end a cancelled or overdue generation early."""
 
 
 class SessionBackend(Backend):
@@ -271,7 +365,7 @@ class SessionBackend(Backend):
 
     def _load(self):
         return open_session(self.directory, "kvq", threads=self.threads, verify_weights=self.verify_weights,
-                            providers=self.providers)
+                            providers=self.providers, tokenizer=False)
 
     def _enqueue(self, stream: TokenStream | None) -> None:
         self._jobs.put(stream)
@@ -283,8 +377,11 @@ class SessionBackend(Backend):
         while (stream := self._jobs.get()) is not None:
             if stream.cancelled.is_set():
                 stream.end(StreamEnd.CANCELLED)
-                continue
-            self._generate(session, stream)
+            elif stream.overdue:
+                stream.fail("the request's deadline passed before it started", status=504)
+            else:
+                self._started(stream)
+                self._generate(session, stream)
         while True:  # stopping: whatever is still queued never starts
             try:
                 left = self._jobs.get_nowait()
@@ -295,15 +392,18 @@ class SessionBackend(Backend):
 
     def _generate(self, session: Session, stream: TokenStream) -> None:
         def on_token(row: int, token: int) -> None:
-            if stream.cancelled.is_set():
-                raise _Cancelled
+            if stream.cancelled.is_set() or stream.overdue:
+                raise _Stopped
             stream.put(token)
 
         job = stream.job
         try:
             result = session.generate([list(job.prompt_tokens)], job.max_tokens, job.sampling, on_token=on_token)[0]
-        except _Cancelled:
-            stream.end(StreamEnd.CANCELLED)
+        except _Stopped:
+            if stream.cancelled.is_set():
+                stream.end(StreamEnd.CANCELLED)
+            else:
+                stream.fail("the request's deadline passed", status=504)
         except KVQError as err:
             logger.warning("a request failed: %s", err)
             stream.fail(str(err))
@@ -314,181 +414,28 @@ class SessionBackend(Backend):
             stream.end(StreamEnd.STOP if result.finish_reason == FinishReason.EOS else StreamEnd.LENGTH)
 
 
-@dataclass
-class _Turn:
-    """A request the engine holds."""
-
-    stream: TokenStream
-    request: Any  # og.Request
-    turn: int
-
-
-class EngineBackend(Backend):
-    """onnxruntime-genai's ``og.Engine``: concurrent requests decode together, one step for the whole batch.
-
-    The Engine schedules continuously (a request joins at any step) only with a paged cache (``engine.
-    dynamic_batching``), which a kvq graph, holding one contiguous buffer per layer, does not have: onnxruntime-genai
-    then runs its static scheduler, where waiting requests start together once the running batch has finished, and
-    a request cannot be reseeded.
-    """
-
-    description = "onnxruntime-genai Engine, static batches (a request joins when the running batch ends)"
-    batching = True
-    supports_seed = False
-    #: engine events fetched per step (tokens of one step: one per running request)
-    EVENT_CAPACITY = 256
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._inbox: queue.SimpleQueue[tuple[str, TokenStream | None]] = queue.SimpleQueue()
-        self.max_batch_size: int | None = None
-
-    def describe(self) -> dict[str, Any]:
-        """Adds the engine's batch size."""
-        return {**super().describe(), "max_batch_size": self.max_batch_size}
-
-    def _load(self):
-        # GenaiSession itself, not open_session: the engine needs its og model, not only the Session protocol
-        session = GenaiSession(self.directory, threads=self.threads, verify_weights=self.verify_weights,
-                               providers=self.providers)
-        engine = session.og.Engine(session.model)
-        self.max_batch_size = int(engine.get_capabilities().configured_max_batch_size)
-        return session, engine
-
-    def _enqueue(self, stream: TokenStream | None) -> None:
-        self._inbox.put(("submit", stream))
-
-    def _cancel(self, stream: TokenStream) -> None:
-        self._inbox.put(("cancel", stream))
-
-    def _serve(self, state) -> None:
-        session, engine = state
-        og = session.og
-        events = engine.create_event_buffer(self.EVENT_CAPACITY)
-        turns: list[_Turn] = []
-        stopping = False
-        while not stopping:
-            # block while idle; between steps take whatever arrived without waiting
-            commands = [self._inbox.get()] if not turns else []
-            while True:
-                try:
-                    commands.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
-            for command, stream in commands:
-                if stream is None:
-                    stopping = True
-                elif command == "cancel":
-                    self._cancel_turn(turns, stream)
-                elif stream.cancelled.is_set():
-                    stream.end(StreamEnd.CANCELLED)
-                else:
-                    self._begin(og, engine, turns, stream, self.vocab_size)
-            if stopping:
-                for turn in list(turns):
-                    self._cancel_turn(turns, turn.stream)
-            self._step(og, engine, events, turns, drain=stopping)
-        for turn in turns:  # the engine did not report these finished while draining
-            turn.request.close()
-            turn.stream.end(StreamEnd.CANCELLED)
-        del events, engine, session  # released in the thread that owns them
-
-    @staticmethod
-    def _begin(og, engine, turns: list[_Turn], stream: TokenStream, vocab_size: int) -> None:
-        import numpy as np
-
-        job = stream.job
-        try:
-            options = og.RequestOptions()
-            options.set_max_session_tokens(len(job.prompt_tokens) + job.max_tokens)
-            request = engine.create_request(options=options)
-            turn = og.TurnOptions(request)
-            turn.set_max_generated_tokens(job.max_tokens)
-            sampling = job.sampling
-            turn.set_do_sample(not sampling.greedy)
-            if not sampling.greedy:
-                turn.set_temperature(float(sampling.temperature))
-                # 0: no top-k, as kvq's sampler without one; og refuses top_k > vocab, which keeps every token anyway
-                turn.set_top_k(min(int(sampling.top_k or 0), vocab_size))
-                turn.set_top_p(float(sampling.top_p or 1.0))
-                if sampling.seed is not None:
-                    turn.set_seed(int(sampling.seed))
-            if sampling.repetition_penalty != 1:
-                turn.set_repetition_penalty(float(sampling.repetition_penalty))
-            turn_id = request.begin_turn(np.asarray(job.prompt_tokens, dtype=np.int32), turn)
-        except Exception as err:  # noqa: BLE001 - og raises untyped errors; the request fails, the server stays
-            logger.warning("onnxruntime-genai refused a request: %s", err)
-            stream.fail(f"onnxruntime-genai refused the request: {err}")
-            return
-        turns.append(_Turn(stream, request, turn_id))
-
-    @staticmethod
-    def _cancel_turn(turns: list[_Turn], stream: TokenStream) -> None:
-        for turn in turns:
-            if turn.stream is stream:
-                try:
-                    turn.request.cancel_turn(turn.turn)  # the engine reports it finished (cancelled) at its next step
-                except Exception as err:  # noqa: BLE001 - og's own error: the turn ended meanwhile
-                    logger.debug("cancelling a turn: %s", err)
-                return
-
-    def _step(self, og, engine, events, turns: list[_Turn], *, drain: bool) -> None:
-        """One engine step (all of them when ``drain``, bounded): route tokens, close finished requests."""
-        flags = og.EngineEventFlags
-        for _ in range(100 if drain else 1):
-            if not turns:
-                return
-            if not engine.has_pending_requests():  # never reported finished: end them rather than spin on them
-                for turn in turns:
-                    turn.request.close()
-                    turn.stream.fail("onnxruntime-genai dropped the request without finishing it")
-                turns.clear()
-                return
-            try:
-                fired = list(engine.run(events))
-            except Exception as err:  # noqa: BLE001 - a failed step fails the requests it held, not the server
-                logger.exception("an onnxruntime-genai engine step failed")
-                for turn in turns:
-                    turn.request.close()
-                    turn.stream.fail(f"the engine step failed: {err}")
-                turns.clear()
-                return
-            for event in fired:
-                turn = next((t for t in turns if t.request == event.request), None)
-                if turn is None:
-                    continue
-                if event.flags & flags.TOKEN:
-                    turn.stream.put(event.token)
-                if event.flags & flags.FAILED:
-                    turn.stream.fail(f"onnxruntime-genai failed the request: {event.error_code.name}")
-                elif event.flags & flags.TURN_FINISHED:
-                    turn.stream.end(_FINISH.get(event.finish_reason.name, StreamEnd.STOP))
-                else:
-                    continue
-                turn.request.close()
-                turns.remove(turn)
-
-
-#: og's finish reasons as OpenAI's
-_FINISH = {"EOS": StreamEnd.STOP, "STOP_STRING": StreamEnd.STOP, "MAX_GENERATED_TOKENS": StreamEnd.LENGTH,
-           "MAX_SESSION_TOKENS": StreamEnd.LENGTH, "CANCELLED": StreamEnd.CANCELLED}
-
-
 def open_backend(directory: str | Path, *, kind: str = "auto", verify_weights: bool = True,
-                 threads: int | None = None, providers: Sequence[str] | None = None) -> Backend:
-    """The backend for an export: ``engine`` where onnxruntime-genai can serve it (``auto``), else ``session``."""
+                 threads: int | None = None, providers: Sequence[str] | None = None,
+                 limits: ServeLimits | None = None, metrics: ServeMetrics | None = None,
+                 **batch_options: Any) -> Backend:
+    """The backend for an export: ``batch`` for a buffer-layout export (``auto``), else ``session``.
+
+    ``batch_options`` (``max_seqs``, ``cache_budget``, ``prefill_chunk``, ``allow_batch_variance``) go to
+    :class:`~kvq_export.serve.scheduler.BatchBackend`.
+    """
     if kind not in BACKENDS:
         raise KVQError(f"unknown backend {kind!r}; allowed: {', '.join(BACKENDS)}")
     directory = Path(directory)
-    manifest = Manifest.load(directory)
-    entry = manifest.runtimes.get(RUNTIME)
-    servable = entry is not None and entry.supported and (directory / GENAI_CONFIG).is_file()
-    why_not = None if servable else ((entry and entry.reason) or unsupported_reason(manifest)
-                                     or f"it has no {GENAI_CONFIG}: re-export it")
-    if kind == "engine" and not servable:
-        raise KVQError(f"onnxruntime-genai cannot serve {directory}: {why_not}")
-    if kind == "engine" or kind == "auto" and servable:
-        return EngineBackend(directory, verify_weights=verify_weights, threads=threads, providers=providers)
-    reason = f"onnxruntime-genai cannot serve this export: {why_not}" if why_not else "chosen with --backend session"
-    return SessionBackend(directory, verify_weights=verify_weights, threads=threads, reason=reason,
-                          providers=providers)
+    layout = Manifest.load(directory).cache_layout.name
+    batchable = layout == LayoutName.BUFFER
+    if kind == "batch" and not batchable:
+        raise KVQError(f"continuous batching needs an export whose cache rows are independent (--flavor ort-gqa, "
+                       f"the buffer layout); {directory} has the {layout} layout: serve it with --backend session")
+    common = dict(verify_weights=verify_weights, threads=threads, providers=providers, limits=limits, metrics=metrics)
+    if kind in ("batch", "auto") and batchable:
+        from kvq_export.serve.scheduler import BatchBackend  # lazy: it imports the row cache
+
+        return BatchBackend(directory, **common, **batch_options)
+    reason = ("chosen with --backend session" if kind == "session" else
+              f"its {layout} cache layout keeps every row's regions aligned to the longest: one request at a time")
+    return SessionBackend(directory, reason=reason, **common)

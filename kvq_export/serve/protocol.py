@@ -42,9 +42,10 @@ class RequestError(KVQError):
     """A request the server refuses: its HTTP status, OpenAI error type, the field at fault and an error code."""
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.param, self.code, self.kind = status, param, code, kind
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         """The JSON error body."""

@@ -8,8 +8,7 @@ of a stop string, since either may still change.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from functools import partial
+from collections.abc import Callable, Sequence
 
 from kvq_export.runtime.base import continuation_text
 
@@ -19,8 +18,9 @@ _INCOMPLETE = "\ufffd"
 class TextTracker:
     """Follows one request's tokens: its text so far, the part already sent, and whether a stop string matched."""
 
-    def __init__(self, tokenizer, prompt_tokens: Sequence[int], stop: Sequence[str] = ()) -> None:
-        self.decode = partial(tokenizer.decode, skip_special_tokens=True)  # as KVQSession.decode
+    def __init__(self, decode: Callable[[Sequence[int]], str], prompt_tokens: Sequence[int],
+                 stop: Sequence[str] = ()) -> None:
+        self.decode = decode  # token ids to text, special tokens left out (as KVQSession.decode)
         self.prompt_tokens = list(prompt_tokens)
         self.prompt_text = self.decode(self.prompt_tokens)
         self.stop = tuple(stop)

@@ -1,0 +1,174 @@
+"""Cache rows for serving: a ``buffer``-layout export's cache as N independent rows, run in any contiguous range.
+
+A ``--flavor ort-gqa`` export holds one buffer per layer and stream, ``[batch, kv_heads, capacity, packed
+head_dim]``, and each row's tokens sit at ``[0, seq_lengths[b])`` of its own row. Rows never read each other, so a
+server can give each sequence a row of one large buffer and run any contiguous range of rows ``[start, stop)``
+through the graph by binding the range's slice of every buffer (its address and shape) as past input and present
+output: a prompt chunk runs on its one row, a decode step on the range of running rows, and nothing is copied.
+
+:class:`RowCache` owns those buffers (allocated once, on the session's device: host memory, or the GPU under
+CUDAExecutionProvider), the host's copy of every row's length, and the runs. Its bytes are the memory model's
+(:func:`kvq_export.memory.predict`) less the static scales, which live in the graph: :func:`rows_within` says how
+many rows of ``capacity`` tokens a byte budget holds, and the tests check the allocation against it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvq_export.dtypes import DType
+from kvq_export.errors import RuntimeInputError
+from kvq_export.memory import predict
+from kvq_export.naming import CacheTensor, present_name, tensor_name
+from kvq_export.runtime.session import KVQSession
+from kvq_export.vocab import Role
+
+logger = logging.getLogger(__name__)
+
+SEQ_LENGTHS = tensor_name("past", None, None, "seq_lengths")
+CUDA = "CUDAExecutionProvider"
+
+
+@dataclass(frozen=True)
+class RowBudget:
+    """How many rows of ``capacity`` tokens a byte budget holds, by the memory model."""
+
+    budget_bytes: int
+    capacity: int
+    rows: int
+    #: one row's buffers (every layer's keys and values at ``capacity`` tokens)
+    row_bytes: int
+    #: the static scales and zero points the cache reads, held once (in the graph's constants)
+    static_bytes: int
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes the rows' buffers hold."""
+        return self.rows * self.row_bytes
+
+
+def rows_within(session: KVQSession, budget_bytes: int, capacity: int) -> RowBudget:
+    """The rows of ``capacity`` tokens whose cache (:func:`~kvq_export.memory.predict`) fits ``budget_bytes``."""
+    scheme, model = session.manifest.scheme, session.manifest.model
+    one, two = predict(scheme, model, capacity, 1), predict(scheme, model, capacity, 2)
+    row = two.total_bytes - one.total_bytes  # the per-sequence part; the rest is static metadata
+    static = one.total_bytes - row
+    rows = max(0, (budget_bytes - static) // row) if row else 0
+    return RowBudget(budget_bytes, capacity, int(rows), int(row), int(static))
+
+
+class RowCache:
+    """``rows`` cache rows of ``capacity`` tokens each for one ``buffer``-layout export, on the session's device.
+
+    :meth:`run` feeds new tokens to a contiguous range of rows and returns each row's last logits; :meth:`clear`
+    empties a row for its next sequence. Not thread-safe: one thread (the server's scheduler) owns it.
+    """
+
+    def __init__(self, session: KVQSession, rows: int, capacity: int) -> None:
+        import onnxruntime as ort
+
+        layout = session.layout
+        if not layout.shares_buffers:
+            raise RuntimeInputError(f"{session.directory}: rows of one shared cache need the buffer layout (an "
+                                    f"--flavor ort-gqa export); this export's layout is {layout.name}")
+        if not 1 <= capacity <= session.max_positions:
+            raise RuntimeInputError(f"invalid capacity {capacity}: allowed: 1 .. {session.max_positions} (the "
+                                    "export's positions)")
+        if rows < 1:
+            raise RuntimeInputError(f"invalid rows {rows}: allowed: an integer >= 1")
+        self.session, self.rows, self.capacity = session, rows, capacity
+        self.vocab = session.manifest.model.vocab_size
+        providers = session.session.get_providers()
+        self.device = "cuda" if providers and providers[0] == CUDA else "cpu"
+        self.buffers: list[tuple[CacheTensor, object, int]] = []  # (spec, OrtValue, bytes per row)
+        for spec in session.past:
+            if not layout.shared(spec):
+                if spec.role != Role.SEQ_LENGTHS:
+                    raise RuntimeInputError(f"{session.directory}: cache tensor {spec.name} is neither a shared "
+                                            "buffer nor seq_lengths; rows cannot hold it")
+                continue
+            shape = [rows, *(capacity if dim == "capacity" else dim for dim in spec.shape[1:])]
+            dtype = DType.get(spec.dtype).bits_numpy
+            value = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, self.device, 0)
+            row_bytes = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
+            self.buffers.append((spec, value, row_bytes))
+        if self.device == "cpu":  # touch every page now: the cache's memory is held from the start, not as rows fill
+            for _, value, row_bytes in self.buffers:
+                np.ctypeslib.as_array(_byte_pointer(value.data_ptr()), shape=(rows * row_bytes,))[:] = 0
+        self.lengths = np.zeros(rows, dtype=np.int64)
+        self._logits = np.empty(0, dtype=np.float32)
+        logger.info("cache rows: %d x %d tokens, %.1f MiB on %s", rows, capacity, self.nbytes / 2**20, self.device)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one row's buffers hold."""
+        return sum(row_bytes for _, _, row_bytes in self.buffers)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes every row's buffers hold."""
+        return self.rows * self.row_bytes
+
+    def copy_row(self, source: int, target: int) -> None:
+        """Make ``target`` hold what ``source`` holds (host memory only; on a GPU, prefill the row instead)."""
+        import ctypes
+
+        if self.device != "cpu":
+            raise RuntimeInputError(f"copy_row works on host memory; this cache is on {self.device}")
+        for _, value, row_bytes in self.buffers:
+            base = value.data_ptr()
+            ctypes.memmove(base + target * row_bytes, base + source * row_bytes, row_bytes)
+        self.lengths[target] = self.lengths[source]
+
+    def clear(self, row: int) -> None:
+        """Empty ``row`` (its buffer contents beyond the length are never read)."""
+        self.lengths[row] = 0
+
+    def run(self, start: int, input_ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        """Feed ``input_ids [k, t]`` (left-padded, ``mask`` 0 = padding) to rows ``[start, start + k)``.
+
+        Returns the last position's logits ``[k, vocab]`` (a view, valid until the next run). A row whose mask is all
+        zeros stores nothing and its logits are meaningless.
+        """
+        k, t = input_ids.shape
+        stop = start + k
+        if not (0 <= start and stop <= self.rows):
+            raise RuntimeInputError(f"rows [{start}, {stop}) are outside the cache's {self.rows} rows")
+        mask = np.ones_like(input_ids) if mask is None else mask
+        need = self.lengths[start:stop] + mask.sum(axis=1)
+        if int(need.max()) > self.capacity:
+            row = start + int(np.argmax(need))
+            raise RuntimeInputError(f"row {row} would hold {int(need.max())} tokens, beyond the cache rows' "
+                                    f"capacity of {self.capacity}")
+        binding = self.session.session.io_binding()
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
+        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask, dtype=np.int64))
+        binding.bind_cpu_input(SEQ_LENGTHS, self.lengths[start:stop].copy())
+        lengths = np.empty(k, dtype=np.int64)
+        binding.bind_output(present_name(SEQ_LENGTHS), "cpu", 0, np.int64, [k], lengths.ctypes.data)
+        logits = self._logits_buffer(k * t).reshape(k, t, self.vocab)
+        binding.bind_output("logits", "cpu", 0, np.float32, [k, t, self.vocab], logits.ctypes.data)
+        for spec, value, row_bytes in self.buffers:
+            shape = [k, *value.shape()[1:]]
+            address = value.data_ptr() + start * row_bytes
+            dtype = DType.get(spec.dtype).bits_numpy
+            binding.bind_input(spec.name, self.device, 0, dtype, shape, address)
+            binding.bind_output(present_name(spec.name), self.device, 0, dtype, shape, address)
+        self.session.session.run_with_iobinding(binding)
+        self.lengths[start:stop] = lengths
+        return logits[:, -1]
+
+    def _logits_buffer(self, positions: int) -> np.ndarray:
+        """A float32 buffer for ``positions`` rows of logits, reused between runs (grown when a run needs more)."""
+        if self._logits.size < positions * self.vocab:
+            self._logits = np.empty(positions * self.vocab, dtype=np.float32)
+        return self._logits[:positions * self.vocab]
+
+
+def _byte_pointer(address: int):
+    import ctypes
+
+    return ctypes.cast(address, ctypes.POINTER(ctypes.c_uint8))
