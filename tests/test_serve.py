@@ -18,21 +18,21 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
 import httpx
 import pytest
 from gqa_harness import SCHEMES, calibration
-from tiny_models import WORDS, tiny_model, tiny_tokenizer
+from serve_harness import NAME, TIMEOUT, chat_tokenizer, client, running, words
+from tiny_models import tiny_model
 
 from kvq_export.errors import KVQError
 from kvq_export.export.exporter import export_model
 from kvq_export.runtime.base import continuation_text
 from kvq_export.runtime.sampling import SamplingConfig
 from kvq_export.runtime.session import KVQSession
-from kvq_export.serve import create_app, open_backend
+from kvq_export.serve import open_backend
 from kvq_export.serve.app import bind
 from kvq_export.serve.protocol import RequestError, parse_chat, parse_completion
 from kvq_export.serve.text import TextTracker
@@ -40,22 +40,7 @@ from kvq_export.serve.text import TextTracker
 openai = pytest.importorskip("openai")
 pytest.importorskip("onnxruntime_genai")
 
-NAME = "tiny"
-TIMEOUT = 30.0  # seconds, any one request
-#: the tiny tokenizer has no chat template: this one writes each message as ``w1 <content>`` and ends with ``w2``
-CHAT_TEMPLATE = "{% for m in messages %}w1 {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w2{% endif %}"
 KINDS = ("batch", "session")
-
-
-def words(n: int, start: int = 0) -> str:
-    """``n`` vocabulary words: a prompt of ``n`` tokens."""
-    return " ".join(WORDS[(start + 13 * j) % len(WORDS)] for j in range(n))
-
-
-def _tokenizer():
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +48,8 @@ def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     scheme = SCHEMES["ort-int8"]
     return {"batch": export_model(tiny_model("llama"), scheme, root / "gqa", flavor="ort-gqa",
-                                   tokenizer=_tokenizer(), static=calibration("llama", scheme)),
-            "session": export_model(tiny_model("llama"), "q4_0", root / "ref", tokenizer=_tokenizer())}
+                                   tokenizer=chat_tokenizer(), static=calibration("llama", scheme)),
+            "session": export_model(tiny_model("llama"), "q4_0", root / "ref", tokenizer=chat_tokenizer())}
 
 
 @pytest.fixture(scope="module")
@@ -73,39 +58,11 @@ def sessions(exports):
     return {kind: KVQSession(directory) for kind, directory in exports.items()}
 
 
-@contextmanager
-def running(backend):
-    """Uvicorn serving ``backend`` in a thread on a free 127.0.0.1 port; yields the base URL."""
-    import uvicorn
-
-    backend.start()
-    sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(backend, model_name=NAME), log_level="warning",
-                                           timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        sock.close()
-        assert not thread.is_alive(), "the server did not stop"
-
-
 @pytest.fixture(scope="module")
 def servers(exports):
     with running(open_backend(exports["batch"], max_seqs=8)) as batch, \
             running(open_backend(exports["session"])) as session:
         yield {"batch": batch, "session": session}
-
-
-def client(url: str):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
 
 
 def alone(session: KVQSession, prompt, max_tokens: int) -> str:
@@ -411,7 +368,7 @@ def test_every_sampling_value_the_protocol_accepts_fits_float32_and_int32():
 
 
 def test_streamed_text_holds_back_a_possible_stop_string():
-    tokenizer = _tokenizer()
+    tokenizer = chat_tokenizer()
     decode = partial(tokenizer.decode, skip_special_tokens=True)
     ids = tokenizer("w1 w2")["input_ids"]
     tracker = TextTracker(decode, ids, stop=["w7 w8"])

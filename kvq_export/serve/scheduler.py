@@ -122,7 +122,7 @@ class BatchBackend(Backend):
         if self.resident_before_cache and after:
             logger.info("resident memory: %.0f MiB with the model loaded, %.0f MiB with the cache rows",
                         self.resident_before_cache / 2**20, after / 2**20)
-        self.invariance = check_batch_invariance(cache)
+        self.invariance = self.self_check(cache)
         self.metrics.batch_invariant.set(int(self.invariance.invariant))
         if not self.invariance.invariant:
             if self.allow_batch_variance:
@@ -139,6 +139,10 @@ class BatchBackend(Backend):
         heapq.heapify(self._free)
         self._rows_gauges()
         return cache
+
+    def self_check(self, cache: RowCache) -> InvarianceCheck:
+        """Whether a row's logits in a batch equal the same sequence alone (:func:`check_batch_invariance`)."""
+        return check_batch_invariance(cache)
 
     def _row_count(self, session: KVQSession, context: int) -> int:
         """``max_seqs``, checked against the budget when both are given; else what the budget holds."""
