@@ -313,3 +313,76 @@ def test_rows_on_cuda_give_the_logits_of_the_host(export):
         cache.run(1, np.array([prompt_ids(9)]))
     np.testing.assert_allclose(cuda.run(0, np.array([[0], [7]]), np.array([[0], [1]]))[1],
                                host.run(0, np.array([[0], [7]]), np.array([[0], [1]]))[1], atol=1e-3)
+
+
+def test_serve_raises_after_stopping_when_the_generation_thread_dies(export, monkeypatch, caplog):
+    """The library's ``serve`` (what ``kvq serve`` runs) stops by itself and raises, so the process exits 1."""
+    import re
+
+    from kvq_export.serve import scheduler, serve
+
+    monkeypatch.setattr(scheduler._Loop, "_decode", lambda self: (_ for _ in ()).throw(RuntimeError("a bug")))
+    caplog.set_level(logging.INFO, logger="kvq_export.serve.app")
+    outcome: list[BaseException | None] = []
+
+    def main():
+        try:
+            serve(export, port=0, model_name=NAME, max_seqs=2, prefill_chunk=CHUNK, shutdown_timeout=1)
+            outcome.append(None)
+        except BaseException as err:  # noqa: BLE001 - what the thread ended with is the test's subject
+            outcome.append(err)
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT
+    while not (found := re.search(r"on http://127\.0\.0\.1:(\d+)/v1", caplog.text)):
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{found.group(1)}"
+    while True:  # uvicorn may still be starting
+        try:
+            httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": words(3)}, timeout=TIMEOUT)
+            break
+        except httpx.ConnectError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    thread.join(TIMEOUT)
+    assert not thread.is_alive() and isinstance(outcome[0], KVQError)
+    assert "generation thread failed" in str(outcome[0])
+
+
+@pytest.mark.slow
+def test_smollm2_prompts_of_many_lengths_get_their_answers_alone_under_load():
+    """SmolLM2 as a deployer exports it, prompts of 12 to 700 tokens at once: every answer is the one alone.
+
+    The ort-int8 cache with int4 weights; 10 corpus prompts sent together to 4 rows with 128-token chunks.
+    """
+    from kvq_export.corpus import load_corpus
+    from kvq_export.export.exporter import cached_export_dir, ensure_export
+    from kvq_export.export.flavors import FlavorName
+    from kvq_export.model_source import cache_dir
+    from kvq_export.request import DEFAULT_CALIBRATION, ExportRequest, WeightSpec
+    from kvq_export.runtime.text_codec import TextCodec
+    from kvq_export.vocab import WeightFormat
+
+    request = ExportRequest(model="smollm2", scheme="ort-int8", flavor=FlavorName.ORT_GQA,
+                            weights=WeightSpec(format=WeightFormat.INT4), calibration=DEFAULT_CALIBRATION)
+    directory = ensure_export(request, cached_export_dir(request, cache_dir("exports")))
+    codec = TextCodec(directory)
+    text = load_corpus("britannica")[20000:60000]
+    ids = codec.encode(text)
+    lengths = (12, 40, 77, 128, 129, 200, 256, 333, 512, 700)
+    jobs = [Job(tuple(ids[300 * i:300 * i + n]), 24, GREEDY) for i, n in enumerate(lengths)]
+    backend = open_backend(directory, max_seqs=4, prefill_chunk=128, limits=ServeLimits(context=1024),
+                           verify_weights=False)
+    backend.start()
+    try:
+        assert backend.invariance.invariant and backend.mode is DecodeMode.BATCHED
+        solo = [served(backend, [job])[0] for job in jobs]
+        loaded = served(backend, jobs, delays=[0.05 * (i % 3) for i in range(len(jobs))])
+    finally:
+        backend.close()
+    differ = [n for n, a, b in zip(lengths, solo, loaded) if a != b]
+    assert not differ, f"prompts of {differ} tokens got other answers under load"
+    assert all(reason is StreamEnd.LENGTH or tokens[-1] in backend.manifest.tokenizer.eos_ids
+               for tokens, reason in loaded)
