@@ -17,6 +17,7 @@ what, and why: docs/design/serving.md.
 from __future__ import annotations
 
 from kvq_export.serve.app import create_app, serve
-from kvq_export.serve.backends import Backend, Job, ServeLimits, SessionBackend, open_backend
+from kvq_export.serve.backends import Backend, Job, ServeLimits, SessionBackend
+from kvq_export.serve.factory import open_backend
 
 __all__ = ["Backend", "Job", "ServeLimits", "SessionBackend", "create_app", "open_backend", "serve"]

@@ -37,8 +37,8 @@ from kvq_export.serve.backends import (
     ServeLimits,
     StreamEnd,
     TokenStream,
-    open_backend,
 )
+from kvq_export.serve.factory import open_backend
 from kvq_export.serve.metrics import CONTENT_TYPE
 from kvq_export.serve.protocol import (
     GenerationRequest,

@@ -30,12 +30,10 @@ from kvq_export.runtime.base import Session
 from kvq_export.runtime.sampling import SamplingConfig
 from kvq_export.runtime.text_codec import TextCodec
 from kvq_export.serve.metrics import ServeMetrics
-from kvq_export.vocab import FinishReason, LayoutName
+from kvq_export.vocab import FinishReason
 
 logger = logging.getLogger(__name__)
 
-#: ``--backend`` values: ``batch`` (continuous batching, buffer-layout exports), ``session`` (one at a time)
-BACKENDS = ("auto", "batch", "session")
 #: Seconds :meth:`Backend.close` waits for its thread.
 CLOSE_TIMEOUT = 10.0
 
@@ -412,30 +410,3 @@ class SessionBackend(Backend):
             stream.fail(f"{type(err).__name__}: {err}")
         else:
             stream.end(StreamEnd.STOP if result.finish_reason == FinishReason.EOS else StreamEnd.LENGTH)
-
-
-def open_backend(directory: str | Path, *, kind: str = "auto", verify_weights: bool = True,
-                 threads: int | None = None, providers: Sequence[str] | None = None,
-                 limits: ServeLimits | None = None, metrics: ServeMetrics | None = None,
-                 **batch_options: Any) -> Backend:
-    """The backend for an export: ``batch`` for a buffer-layout export (``auto``), else ``session``.
-
-    ``batch_options`` (``max_seqs``, ``cache_budget``, ``prefill_chunk``, ``allow_batch_variance``) go to
-    :class:`~kvq_export.serve.scheduler.BatchBackend`.
-    """
-    if kind not in BACKENDS:
-        raise KVQError(f"unknown backend {kind!r}; allowed: {', '.join(BACKENDS)}")
-    directory = Path(directory)
-    layout = Manifest.load(directory).cache_layout.name
-    batchable = layout == LayoutName.BUFFER
-    if kind == "batch" and not batchable:
-        raise KVQError(f"continuous batching needs an export whose cache rows are independent (--flavor ort-gqa, "
-                       f"the buffer layout); {directory} has the {layout} layout: serve it with --backend session")
-    common = dict(verify_weights=verify_weights, threads=threads, providers=providers, limits=limits, metrics=metrics)
-    if kind in ("batch", "auto") and batchable:
-        from kvq_export.serve.scheduler import BatchBackend  # lazy: it imports the row cache
-
-        return BatchBackend(directory, **common, **batch_options)
-    reason = ("chosen with --backend session" if kind == "session" else
-              f"its {layout} cache layout keeps every row's regions aligned to the longest: one request at a time")
-    return SessionBackend(directory, reason=reason, **common)
