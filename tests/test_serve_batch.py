@@ -148,6 +148,28 @@ def test_the_rows_hold_what_the_memory_model_predicts(export):
         BatchBackend(export, max_seqs=5, cache_budget=3 * cache.row_bytes * 1024 // 96 + 4096)._load()
 
 
+def test_last_position_logits_equal_the_full_graphs_bit_for_bit(export, tmp_path):
+    from onnx import TensorProto, helper, save
+
+    from kvq_export.runtime.last_logits import last_position_model
+
+    full, last = (KVQSession(export, tokenizer=False, last_logits=flag) for flag in (False, True))
+    assert last.last_logits and not full.last_logits
+    prompt = np.array([prompt_ids(11)])
+    (want, cache), (got, _) = (session.step(prompt) for session in (full, last))
+    assert got.shape == (1, 1, want.shape[-1]) and np.array_equal(got[:, -1], want[:, -1])
+    token = np.array([[int(np.argmax(want[0, -1]))]])
+    stepped = last.step(token, cache=last.step(prompt)[1])[0]
+    assert np.array_equal(stepped[:, -1], full.step(token, cache=cache)[0][:, -1])
+    assert last.generate([list(prompt[0])], 6)[0].tokens == full.generate([list(prompt[0])], 6)[0].tokens
+    # a head of another form (a Gemm here) keeps the full graph
+    gemm = helper.make_graph([helper.make_node("Gemm", ["h", "w"], ["logits"], transB=1)], "g",
+                             [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 2]) for n in ("h", "w")],
+                             [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2, 2])])
+    save(helper.make_model(gemm), tmp_path / "gemm.onnx")
+    assert last_position_model(tmp_path / "gemm.onnx") is None
+
+
 def test_the_self_check_sees_a_row_that_differs_in_a_batch(export):
     """A cache whose batched calls move a logit by 1e-3 fails the check; the unchanged cache passes it."""
     session = KVQSession(export, tokenizer=False)
@@ -359,7 +381,7 @@ def test_smollm2_prompts_of_many_lengths_get_their_answers_alone_under_load():
     """
     from kvq_export.corpus import load_corpus
     from kvq_export.export.exporter import cached_export_dir, ensure_export
-    from kvq_export.export.flavors import FlavorName
+    from kvq_export.flavors import FlavorName
     from kvq_export.model_source import cache_dir
     from kvq_export.request import DEFAULT_CALIBRATION, ExportRequest, WeightSpec
     from kvq_export.runtime.text_codec import TextCodec

@@ -149,8 +149,9 @@ class RowCache:
         binding.bind_cpu_input(SEQ_LENGTHS, self.lengths[start:stop].copy())
         lengths = np.empty(k, dtype=np.int64)
         binding.bind_output(present_name(SEQ_LENGTHS), "cpu", 0, np.int64, [k], lengths.ctypes.data)
-        logits = self._logits_buffer(k * t).reshape(k, t, self.vocab)
-        binding.bind_output("logits", "cpu", 0, np.float32, [k, t, self.vocab], logits.ctypes.data)
+        positions = 1 if self.session.last_logits else t
+        logits = self._logits_buffer(k * positions).reshape(k, positions, self.vocab)
+        binding.bind_output("logits", "cpu", 0, np.float32, [k, positions, self.vocab], logits.ctypes.data)
         for spec, value, row_bytes in self.buffers:
             shape = [k, *value.shape()[1:]]
             address = value.data_ptr() + start * row_bytes

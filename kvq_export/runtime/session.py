@@ -140,6 +140,10 @@ class KVQSession:
         spinning: keep ONNX Runtime's intra-op thread spinning between runs (see :func:`session_options`).
         tokenizer: load the export's transformers tokenizer (False: token ids only; ``kvq serve`` reads the
             tokenizer files itself through :class:`~kvq_export.runtime.text_codec.TextCodec`).
+        last_logits: run the graph with the head on each row's last position only
+            (:func:`~kvq_export.runtime.last_logits.last_position_model`): ``step`` then returns logits
+            ``[batch, 1, vocab]``. Where the graph's head has another form the full graph runs
+            (:attr:`last_logits` says which).
 
     An export is data, never code: every file it uses must lie inside ``directory``, its tokenizer loads
     with remote code disabled, the calibration file must match its digest and the graph's own constants, and the
@@ -151,7 +155,7 @@ class KVQSession:
 
     def __init__(self, directory: str | Path, *, providers: Sequence[str] | None = None,
                  threads: int | None = None, capacity: int | None = None, verify_weights: bool = True,
-                 spinning: bool = False, tokenizer: bool = True) -> None:
+                 spinning: bool = False, tokenizer: bool = True, last_logits: bool = False) -> None:
         self.directory = Path(directory)
         opened = export_identity(self.directory) if self.directory.is_dir() else None
         self.manifest = Manifest.load(self.directory)
@@ -161,7 +165,15 @@ class KVQSession:
         if verify_weights:
             check_weights(self.directory, self.manifest)
         self.static = load_static(self.directory, self.manifest)  # checks the calibration digest
-        self.session = open_onnx(model_path, session_options(threads, spinning=spinning), choose_providers(providers))
+        rewritten = None
+        if last_logits:
+            from kvq_export.runtime.last_logits import last_position_model
+
+            rewritten = last_position_model(model_path)
+        #: whether the graph computes the logits of each row's last position only
+        self.last_logits = rewritten is not None
+        self.session = open_onnx(model_path, session_options(threads, spinning=spinning), choose_providers(providers),
+                                 rewritten)
         self.past: list[CacheTensor] = self.manifest.cache("past")
         self.layout = self.manifest.cache_layout
         self.capacity = capacity
@@ -412,7 +424,8 @@ class KVQSession:
         binding.bind_ortvalue_input("input_ids", _ort_value(input_ids, "int64"))
         binding.bind_ortvalue_input("attention_mask", _ort_value(mask, "int64"))
         # outputs of a known shape go into fresh arrays of ours: nothing to wrap or copy after the run
-        logits = np.empty((*input_ids.shape, self.manifest.model.vocab_size), dtype=np.float32)
+        positions = 1 if self.last_logits else input_ids.shape[1]
+        logits = np.empty((input_ids.shape[0], positions, self.manifest.model.vocab_size), dtype=np.float32)
         binding.bind_ortvalue_output("logits", _ort_value(logits, "float32"))
         values = {}
         for spec in bound.rebound:
@@ -568,11 +581,20 @@ def _declared(values: Sequence[GraphValue], kind: str) -> dict[str, str]:
     return out
 
 
-def open_onnx(path: Path, options, providers: Sequence[str]):
-    """An ONNX Runtime session of ``path``; a file it cannot load is a one-line :class:`RuntimeInputError`."""
+def open_onnx(path: Path, options, providers: Sequence[str], model=None):
+    """An ONNX Runtime session of ``path``; a file it cannot load is a one-line :class:`RuntimeInputError`.
+
+    ``model``: a ``ModelProto`` to run instead of the file (a rewrite of it), whose external data ONNX Runtime reads
+    from ``path``'s folder.
+    """
     import onnxruntime as ort
 
     try:
+        if model is not None:
+            from kvq_export.runtime.last_logits import EXTERNAL_DATA_FOLDER
+
+            options.add_session_config_entry(EXTERNAL_DATA_FOLDER, str(Path(path).parent))
+            return ort.InferenceSession(model.SerializeToString(), options, providers=list(providers))
         return ort.InferenceSession(str(path), options, providers=list(providers))
     except Exception as err:  # noqa: BLE001 - ONNX Runtime raises its own untyped errors for unreadable models
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

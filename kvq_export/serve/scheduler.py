@@ -109,7 +109,7 @@ class BatchBackend(Backend):
     # -- loading ----------------------------------------------------------------------------------------------
     def _load(self) -> RowCache:
         session = KVQSession(self.directory, providers=self.providers, threads=self.threads,
-                             verify_weights=self.verify_weights, tokenizer=False)
+                             verify_weights=self.verify_weights, tokenizer=False, last_logits=True)
         context = self.max_positions
         if context > session.max_positions:
             raise KVQError(f"a context of {context} tokens is beyond the {session.max_positions} positions of "
