@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -150,12 +151,14 @@ class LoadResult:
     points: list[PointResult] = field(default_factory=list)
     rss: RssSummary | None = None
     incomplete: str | None = None  # why the run stopped before its last point
+    load_average: tuple[float, float] | None = None  # the machine's 1-minute load average at the start and the end
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
         return {"name": self.name, "model": self.model, "solo_answers": self.solo_answers,
                 "solo_errors": self.solo_errors, "points": [p.to_dict() for p in self.points],
-                "rss": None if self.rss is None else self.rss.to_dict(), "incomplete": self.incomplete}
+                "rss": None if self.rss is None else self.rss.to_dict(), "incomplete": self.incomplete,
+                "load_average": self.load_average}
 
 
 def percentiles(values: list[float]) -> tuple[float | None, float | None]:
@@ -281,6 +284,7 @@ async def run_load(endpoint: Endpoint, prompts: list[str], config: LoadConfig, n
     rss = RssWatch(endpoint.pid) if endpoint.pid is not None else None
     client = open_client(endpoint, config)
     bound = config.run_bound(len(prompts))
+    start_load = os.getloadavg()[0]
     try:
         async with rss or _nothing(), asyncio.timeout(bound):
             solo = await solo_answers(client, endpoint, prompts, config)
@@ -294,6 +298,7 @@ async def run_load(endpoint: Endpoint, prompts: list[str], config: LoadConfig, n
     finally:
         await client.close()
     result.rss = None if rss is None else rss.summary()
+    result.load_average = (start_load, os.getloadavg()[0])
     return result
 
 

@@ -237,7 +237,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     engine = EngineThread(args.model_dir)
     engine.start()
     try:
-        uvicorn.run(create_app(engine, args.model_name), host=args.host, port=args.port, log_level="warning")
+        # in-flight requests get 5 s after SIGTERM (a request og runs to the end of the context would hold it)
+        uvicorn.run(create_app(engine, args.model_name), host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=5)
     finally:
         engine.stop()
 

@@ -99,13 +99,15 @@ def llama_spec(binary: str | os.PathLike[str], gguf: str | os.PathLike[str], *, 
                threads: int = 2, extra_args: Sequence[str] = ()) -> ServerSpec:
     """``llama-server -m GGUF -np SLOTS -c SLOTS*1024 -ctk q8_0 -ctv q8_0 -fa on -t THREADS --metrics``.
 
-    Each of the ``slots`` requests in flight gets 1024 positions (a longer prompt is refused).
+    Each of the ``slots`` requests in flight gets 1024 positions (a longer prompt is refused). Prompt caching is
+    off (``--no-cache-prompt``): the benchmark sends each prompt again after its solo answer, which would let
+    llama-server skip the prefill that kvq and og.Engine (no prefix cache on CPU) do for every request.
     """
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise KVQError(f"invalid slots={slots!r}: allowed: an integer >= 1")
     argv = (os.fspath(binary), "-m", os.fspath(gguf), "-np", str(slots), "-c", str(slots * SLOT_CONTEXT),
             "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on", "-t", str(threads), "--host", HOST, "--port", "{port}",
-            "--alias", name, "--metrics", "--no-webui", *extra_args)
+            "--alias", name, "--metrics", "--no-webui", "--no-cache-prompt", *extra_args)
     return ServerSpec(name=name, argv=argv, model=name, api_key=_option(extra_args, "--api-key"),
                       metrics_path="/metrics", gauge=LLAMA_GAUGE, context_tokens=SLOT_CONTEXT)
 
@@ -129,6 +131,15 @@ def llama_server_binary(version: str = LLAMA_CPP_VERSION) -> Path:
     if not os.access(path, os.X_OK):
         raise KVQError(f"no llama-server at {path}: build it with tools/build_llama_server.sh (about 15 minutes)")
     return path
+
+
+def _end_with_parent() -> None:
+    """In the child before it runs the server: SIGTERM it when this process dies (Linux), so none is left behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 class ServerProcess:
@@ -166,7 +177,8 @@ class ServerProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env={**os.environ, **self.spec.env}, start_new_session=True)
+                                            env={**os.environ, **self.spec.env}, start_new_session=True,
+                                            preexec_fn=_end_with_parent)
         try:
             self._wait_ready()
         except BaseException:

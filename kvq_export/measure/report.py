@@ -38,6 +38,9 @@ def markdown_table(results: Sequence[LoadResult]) -> str:
     for result in results:
         if result.incomplete:
             notes.append(f"- {result.name}: {result.incomplete}")
+        if result.load_average is not None:
+            notes.append(f"- {result.name}: the machine's load average {result.load_average[0]:.1f} at the start, "
+                         f"{result.load_average[1]:.1f} at the end")
         if result.solo_errors:
             notes.append(f"- {result.name}: {result.solo_errors} solo answer(s) failed (their prompts not compared)")
         if result.rss is not None:
@@ -70,8 +73,11 @@ def write_plot(results: Sequence[LoadResult], path: str | os.PathLike[str], titl
         speed.plot(clients, [p.tokens_per_s for p in result.points], marker="o", label=result.name)
         latency.plot(clients, [p.latency_p99 if p.latency_p99 is not None else float("nan") for p in result.points],
                      marker="o", label=result.name)
+    counts = sorted({p.clients for r in results for p in r.points})
     for axis, label in ((speed, "generated tokens/s"), (latency, "request latency p99 (s)")):
         axis.set_xscale("log", base=2)
+        axis.set_xticks(counts, [str(n) for n in counts])
+        axis.set_ylim(bottom=0)
         axis.set_xlabel("concurrent clients")
         axis.set_ylabel(label)
         axis.grid(True, alpha=0.3)
