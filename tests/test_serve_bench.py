@@ -38,6 +38,7 @@ pytest.importorskip("onnxruntime_genai")
 
 TIMEOUT = 30.0  # seconds, any one request
 MAX_TOKENS = 6
+API_KEY = "bench-key"
 #: the tiny models' positions (the hostile client's long prompt goes beyond them)
 CONTEXT = 1024
 
@@ -52,12 +53,13 @@ PROMPTS = [words(10, start) for start in range(5)]
 
 @pytest.fixture(scope="module")
 def kvq_server(tmp_path_factory):
-    """``kvq serve`` on the tiny ort-gqa export (og.Engine behind it), as a subprocess."""
+    """``kvq serve`` on the tiny ort-gqa export with an API key, as a subprocess."""
     root = tmp_path_factory.mktemp("serve_bench")
     scheme = SCHEMES["ort-int8"]
     export = export_model(tiny_model("llama"), scheme, root / "gqa", flavor="ort-gqa", tokenizer=tiny_tokenizer(),
                           static=calibration("llama", scheme))
-    with ServerProcess(kvq_spec(export, name="tiny"), root / "kvq.log") as server:
+    spec = kvq_spec(export, name="tiny", extra_args=("--api-key", API_KEY))
+    with ServerProcess(spec, root / "kvq.log") as server:
         yield server
 
 
@@ -70,6 +72,7 @@ def load(endpoint: Endpoint, clients: tuple[int, ...], **kwargs) -> LoadResult:
 
 # -- against kvq serve ---------------------------------------------------------------------------------------------
 def test_load_on_kvq_serve_reports_consistent_figures(kvq_server):
+    assert kvq_server.endpoint().api_key == API_KEY  # the clients send the server's key
     result = load(kvq_server.endpoint(), (1, 3))
     assert result.incomplete is None and result.solo_answers == len(PROMPTS) and result.solo_errors == 0
     assert [p.clients for p in result.points] == [1, 3]
@@ -88,7 +91,8 @@ def test_load_on_kvq_serve_reports_consistent_figures(kvq_server):
 def test_every_hostile_request_gets_a_4xx_from_kvq_serve(kvq_server):
     result = load(kvq_server.endpoint(), (2,), hostile=True, duration=2.5, max_requests=500)
     point = result.points[0]
-    cases = hostile_cases("tiny", PROMPTS[0], CONTEXT)
+    cases = hostile_cases("tiny", PROMPTS[0], CONTEXT, api_key=API_KEY)
+    assert {"no API key", "wrong API key"} <= {c.name for c in cases}
     assert point.hostile.sent >= len(cases), point.hostile  # every case at least once
     assert point.hostile.refused == point.hostile.sent and not point.hostile.failures, point.hostile
     assert point.errors == 0 and point.differ == 0  # the bad requests cost the others nothing
@@ -246,7 +250,7 @@ def test_llama_server_command_line():
     command = spec.command(8123)
     line = " ".join(command)
     for part in ("-m /m/model.gguf", "-np 8", "-c 8192", "-ctk q8_0", "-ctv q8_0", "-fa on", "-t 2",
-                 "--host 127.0.0.1", "--port 8123", "--metrics", "--api-key k"):
+                 "--host 127.0.0.1", "--port 8123", "--metrics", "--no-cache-prompt", "--api-key k"):
         assert f" {part}" in f" {line}", part
     assert command[0] == "/opt/llama-server" and spec.api_key == "k" and spec.context_tokens == 1024
     assert spec.metrics_path == "/metrics" and spec.gauge == "llamacpp:requests_processing"
