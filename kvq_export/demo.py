@@ -1,6 +1,6 @@
-"""The demo behind ``make demo``: three exports of the built-in model, one prompt, side by side.
+"""The demo behind ``make demo``: exports of the built-in model, one prompt, measured the way ``kvq validate`` does.
 
-1. the **fp16 baseline** (reference flavor: standard ONNX ops, any ONNX Runtime);
+1. the **fp16 baseline** (reference flavor, fp32 weights: standard ONNX ops, any ONNX Runtime);
 2. the **most accurate preset at <= 5 bits per element for a short prompt** (:data:`ACCURATE_SCHEME`: KIVI-style
    4-bit keys per channel and values per token, asymmetric groups of 64, no fp16 window; +0.99% perplexity on
    protocol P at 4.5 bits/element (`kvq validate`), +0.86% in the PyTorch reference), also reference flavor.
@@ -8,34 +8,49 @@
    more accurate on P (+0.54% / +0.32%), but its key groups of 128 tokens keep up to 127 tokens in fp16: 6.6
    bits/element at the demo's 200 tokens against 4.7;
 3. the **ort-gqa fast path** (``ort-int8`` with calibrated static scales): ONNX Runtime's fused
-   GroupQueryAttention reading an int8 buffer in place, which onnxruntime-genai serves as it is.
+   GroupQueryAttention reading an int8 buffer in place, with fp32 weights;
+4. **int4 weights with an fp16 cache** (ort-gqa): the weights' error alone, against the baseline;
+5. **the deployer's export**: ``ort-int8`` with int4 weights, as ``kvq export --weights int4`` writes it, whose
+   cache's error is measured against (4), an fp16 cache on the same int4 weights (as ``kvq validate`` pairs them).
 
-Each generates from the same prompt with the same decoding settings (:data:`DEMO_SAMPLING`: greedy with a mild
-repetition penalty, so a 135M model does not repeat one clause) and reports its continuation, how many leading
-tokens agree with the baseline, the cache bytes held, the median decode time per token and its ratio to the
-baseline, and how to serve the export with onnxruntime-genai (or why that export cannot be). Exports are cached
-under ``$KVQ_CACHE_DIR/exports``, keyed by the model's content digest, and reused while the same kvq source made
-them from the same request.
+Every run continues the prompt greedily (:data:`DEMO_SAMPLING`: a mild repetition penalty, so a 135M model does
+not repeat one clause); that text is kept for reading, with the first token where it departs from its reference
+run's text. Agreement is measured as ``kvq validate`` measures it: the baseline's continuation is fed to every
+export one token per step after the prompt's prefill (teacher-forced), and each run's next-token distributions
+are scored against its reference run's with :class:`~kvq_export.validate.runner.TokenScores` (top-1 agreement
+and mean KL(reference || run) of the raw logits). Leading tokens equal would say more about where the first
+near-tie fell than about the cache: one flipped token changes every token after it.
+
+Each row also says the export directory's size, the cache's bits per element, and the median decode time per
+token with its ratio to the baseline's; the demo ends with the ``kvq serve`` line and one request that serve
+the deployer's export. Exports are cached under ``$KVQ_CACHE_DIR/exports``, keyed by the model's content digest,
+and reused while the same kvq source made them from the same request.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shlex
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from kvq_export.errors import KVQError
 from kvq_export.export.exporter import cached_export_dir, ensure_export
 from kvq_export.memory import predict
 from kvq_export.model_source import cache_dir
-from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec, ExportRequest
-from kvq_export.runtime import open_session
-from kvq_export.runtime.base import Generation, Session
-from kvq_export.runtime.genai import RUNTIME, serve_command
+from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec, ExportRequest, WeightSpec
+from kvq_export.runtime.base import Generation, continuation_text
 from kvq_export.runtime.sampling import SamplingConfig
+from kvq_export.runtime.session import KVQSession
+from kvq_export.validate.runner import TokenScores
+from kvq_export.vocab import WeightFormat
 
 logger = logging.getLogger(__name__)
 
@@ -50,25 +65,42 @@ DEMO_PROMPT = (
     "nobody in it, but under the seat he found a sealed glass bottle with a letter inside. He broke the "
     "seal, unfolded the paper and began to read."
 )
-#: Greedy (so the three runs are comparable token by token) with a mild CTRL repetition penalty.
+#: Greedy (so the runs are comparable token by token) with a mild CTRL repetition penalty.
 DEMO_SAMPLING = SamplingConfig(repetition_penalty=1.3)
 #: kivi-4 with groups of 64 and no fp16 recent window (a preset).
 ACCURATE_SCHEME = "kivi-4-r0-g64"
+#: The weights a deployer ships: ``kvq export --weights int4`` (blocks of 32, symmetric, int8 activations).
+DEPLOY_WEIGHTS = WeightSpec(format=WeightFormat.INT4)
+#: Where ``kvq serve`` listens by default.
+SERVE_URL = "http://127.0.0.1:8000"
+#: The mark printed where a run's greedy text first departs from its reference run's.
+DEPARTS = "‖"
+#: The columns of the table ``kvq demo`` prints, one row per run.
+TABLE_COLUMNS = ("", "scheme (flavor)", "weights", "size", "bits/elem", "against", "top-1", "KL", "greedy departs",
+                 "ms/token", "x base")
 
 
 @dataclass(frozen=True)
 class DemoRun:
-    """One export of the demo: what it shows, its scheme and flavor."""
+    """One export of the demo: what it shows, its scheme, flavor and weights, and the run it is measured against.
+
+    ``against``: the role of an earlier run whose cache is fp16 on the same weights (the cache's error), or of
+    the baseline (``""``: the first run).
+    """
 
     role: str
     scheme: str
     flavor: str = "reference"
+    weights: WeightSpec = WeightSpec()
+    against: str = ""
 
 
 DEMO_RUNS = (
     DemoRun("fp16 baseline", "fp16"),
     DemoRun("most accurate <= 5 bits", ACCURATE_SCHEME),
     DemoRun("ort-gqa fast path", "ort-int8", "ort-gqa"),
+    DemoRun("int4 weights, fp16 cache", "fp16", "ort-gqa", DEPLOY_WEIGHTS),
+    DemoRun("deployer's export", "ort-int8", "ort-gqa", DEPLOY_WEIGHTS, against="int4 weights, fp16 cache"),
 )
 
 
@@ -76,22 +108,54 @@ DEMO_RUNS = (
 class DemoRow:
     """One run's generation and measurements."""
 
+    role: str
     scheme: str
-    text: str
+    flavor: str
+    weights: str  # how the export stores its weights: fp32, int4, ...
+    against: str  # the role of the run it is scored against (the baseline's own row: its own role)
+    text: str  # its own greedy continuation
     tokens: list[int]
-    agree_with_baseline: int  # leading tokens identical to the baseline run
+    departs: int | None  # first token where its greedy text differs from its reference run's (None: never)
+    shared: str  # the text before that token (all of ``text`` when it never departs)
+    top1: float  # teacher-forced top-1 agreement with the reference run (raw logits, as kvq validate scores)
+    kl: float  # mean KL(reference || run) of the next-token distributions, nats
+    kl_max: float
+    predictions: int
     cache_bytes: int
     prompt_tokens: int
-    role: str = ""
-    flavor: str = "reference"
-    bits_per_element: float = 0.0  # the memory model's bits per K/V element at the final length
-    decode_ms: float = 0.0  # median time from one generated token to the next
-    decode_ratio: float = 1.0  # decode_ms / the baseline's
-    directory: str = ""
-    serve: str = ""  # one shell line serving the export with onnxruntime-genai, or why it cannot
+    bits_per_element: float  # the memory model's bits per K/V element at the final length
+    directory_bytes: int  # the export directory's size on disk
+    decode_ms: float  # median time from one generated token to the next
+    decode_ratio: float  # decode_ms / the baseline's
+    directory: str
 
 
-def _timed_generate(session: Session, prompt: str, max_new_tokens: int,
+@dataclass(frozen=True)
+class DemoResult:
+    """Every run's row, and the deployer's export against the baseline (its weights' and cache's error together)."""
+
+    rows: list[DemoRow]
+    combined_top1: float | None = None
+    combined_kl: float | None = None
+
+    def row(self, role: str) -> DemoRow:
+        """The row of ``role``."""
+        return next(r for r in self.rows if r.role == role)
+
+
+def check_runs(runs: Sequence[DemoRun]) -> None:
+    """Refuse, in one line, runs whose ``against`` names no earlier run or whose roles repeat."""
+    roles: list[str] = []
+    for run in runs:
+        if run.role in roles:
+            raise KVQError(f"demo run role {run.role!r} appears twice; allowed: distinct roles")
+        if run.against and run.against not in roles:
+            raise KVQError(f"demo run {run.role!r} is measured against {run.against!r}; allowed: an earlier run's "
+                           f"role ({', '.join(map(repr, roles)) or 'none'}) or '' (the baseline)")
+        roles.append(run.role)
+
+
+def _timed_generate(session: KVQSession, prompt: str, max_new_tokens: int,
                     sampling: SamplingConfig) -> tuple[Generation, float]:
     """Generate and return (result, median ms between consecutive tokens)."""
     stamps: list[float] = []
@@ -101,38 +165,95 @@ def _timed_generate(session: Session, prompt: str, max_new_tokens: int,
     return result, statistics.median(gaps) if gaps else 0.0
 
 
-def run_demo(model_spec: str, prompt: str, max_new_tokens: int, workdir: str | os.PathLike[str] | None = None,
-             sampling: SamplingConfig = DEMO_SAMPLING, runs: tuple[DemoRun, ...] = DEMO_RUNS,
-             calibration: CalibrationSpec = DEFAULT_CALIBRATION,
-             providers: Sequence[str] | None = None) -> list[DemoRow]:
-    """Export (or reuse) each of ``runs`` and generate from ``prompt``; the first run is the baseline.
+def teacher_forced_logits(session: KVQSession, prompt_tokens: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+    """Logits ``[1, n, vocab]`` predicting each of ``tokens`` after ``prompt_tokens``, as generation computes them.
 
-    Static-scale runs are calibrated as ``calibration`` says (``kvq export``'s defaults: held-out britannica text).
-    ``providers``: ONNX Runtime providers of the sessions (None: the runtime's default choice).
+    The prompt is prefilled in one call; then each of ``tokens`` but the last is fed one per step, so every
+    prediction after the first reads the stored (quantized) cache, as a decode step does.
     """
+    cache = session.empty_cache(1, capacity=len(prompt_tokens) + len(tokens))
+    logits, cache = session.step(np.asarray([prompt_tokens], dtype=np.int64), None, cache)
+    rows = [logits[:, -1]]
+    for token in tokens[:-1]:
+        logits, cache = session.step(np.asarray([[token]], dtype=np.int64), None, cache)
+        rows.append(logits[:, -1])
+    return np.stack(rows, axis=1)
+
+
+def score(logits: np.ndarray, reference: np.ndarray, targets: Sequence[int]) -> dict:
+    """``kvq validate``'s token summary of ``logits`` against ``reference`` (both ``[1, n, vocab]``)."""
+    scores = TokenScores()
+    scores.add(logits, reference, np.asarray([targets], dtype=np.int64))
+    return scores.summary("reference")
+
+
+def departure(tokens: Sequence[int], reference: Sequence[int]) -> int | None:
+    """The first index where ``tokens`` differs from ``reference`` (None: equal over their common length)."""
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+
+
+def directory_bytes(directory: str | os.PathLike[str]) -> int:
+    """Bytes of every file under ``directory`` (what a deployer copies)."""
+    return sum(p.stat().st_size for p in Path(directory).rglob("*") if p.is_file())
+
+
+def run_demo(model_spec: str, prompt: str, max_new_tokens: int, workdir: str | os.PathLike[str] | None = None,
+             sampling: SamplingConfig = DEMO_SAMPLING, runs: Sequence[DemoRun] = DEMO_RUNS,
+             calibration: CalibrationSpec = DEFAULT_CALIBRATION,
+             providers: Sequence[str] | None = None) -> DemoResult:
+    """Export (or reuse) each of ``runs``, generate from ``prompt`` and score it; the first run is the baseline.
+
+    Static-scale runs are calibrated as ``calibration`` says (``kvq export``'s defaults: held-out britannica text),
+    on the weights they store. ``providers``: ONNX Runtime providers of the sessions (None: the runtime's default).
+    """
+    check_runs(runs)
     root = Path(workdir) if workdir else cache_dir("exports")
     rows: list[DemoRow] = []
+    logits: dict[str, np.ndarray] = {}
+    base: DemoRow | None = None
     for run in runs:
-        request = ExportRequest(model=model_spec, scheme=run.scheme, flavor=run.flavor, calibration=calibration)
-        directory = ensure_export(request, cached_export_dir(request, root))
-        session = open_session(directory, providers=providers)  # kvq's loop: every flavor, timed per token
+        request = ExportRequest(model=model_spec, scheme=run.scheme, flavor=run.flavor, weights=run.weights,
+                                calibration=calibration)
+        directory = ensure_export(request, cached_export_dir(request, root))  # checks the weights it reuses
+        session = KVQSession(directory, verify_weights=False, providers=providers)
         result, decode_ms = _timed_generate(session, prompt, max_new_tokens, sampling)
-        base = rows[0] if rows else None
-        tokens = base.tokens if base else result.tokens
-        agree = next((i for i, (a, b) in enumerate(zip(tokens, result.tokens)) if a != b),
-                     min(len(tokens), len(result.tokens)))
+        forced = base.tokens if base else result.tokens  # every run is fed the baseline's continuation
+        logits[run.role] = teacher_forced_logits(session, result.prompt_tokens, forced)
+        against = run.against or (base.role if base else run.role)
+        ref = next((r for r in rows if r.role == against), None)
+        scores = score(logits[run.role], logits[against], forced)
+        departs = departure(result.tokens, ref.tokens) if ref else None
+        text = result.text or ""
+        shared = text if departs is None else continuation_text(session.decode, result.prompt_tokens,
+                                                                result.tokens[:departs])
         held = predict(session.manifest.scheme, session.manifest.model, len(result.prompt_tokens) + len(result.tokens))
-        genai = session.manifest.runtimes.get(RUNTIME)
-        first_sentence = prompt.split(". ")[0].rstrip(".") + "."
-        serve = (serve_command(directory, first_sentence, len(result.prompt_tokens) + max_new_tokens)
-                 if genai is not None and genai.supported else
-                 f"not servable ({((genai and genai.reason) or '?').split(';')[0]}; details in kvq.json 'runtimes')")
-        rows.append(DemoRow(
-            scheme=session.manifest.scheme.name or run.scheme, text=result.text or "", tokens=result.tokens,
-            agree_with_baseline=agree, cache_bytes=result.cache_bytes, prompt_tokens=len(result.prompt_tokens),
-            role=run.role, flavor=run.flavor, bits_per_element=held.bits_per_element,
-            decode_ms=decode_ms, decode_ratio=decode_ms / base.decode_ms if base and base.decode_ms else 1.0,
-            directory=str(directory), serve=serve))
-        logger.info("%s (%s, %s): %.2f ms/token, %d cache bytes", run.role, rows[-1].scheme, run.flavor, decode_ms,
-                    result.cache_bytes)
-    return rows
+        row = DemoRow(
+            role=run.role, scheme=session.manifest.scheme.name or run.scheme, flavor=run.flavor,
+            weights=str(run.weights.format), against=against, text=text, tokens=result.tokens,
+            departs=departs, shared=shared if text.startswith(shared) else "", top1=scores["top1_agreement"],
+            kl=scores["kl"]["mean"], kl_max=scores["kl"]["max"], predictions=scores["predictions"],
+            cache_bytes=result.cache_bytes, prompt_tokens=len(result.prompt_tokens),
+            bits_per_element=held.bits_per_element, directory_bytes=directory_bytes(directory), decode_ms=decode_ms,
+            decode_ratio=decode_ms / base.decode_ms if base and base.decode_ms else 1.0, directory=str(directory))
+        rows.append(row)
+        base = base or row
+        logger.info("%s (%s, %s, %s weights): top-1 %.3f, KL %.3g against %s; %.2f ms/token", run.role, row.scheme,
+                    run.flavor, row.weights, row.top1, row.kl, against, decode_ms)
+    last = rows[-1]
+    if last.against == base.role:
+        return DemoResult(rows)
+    together = score(logits[last.role], logits[base.role], base.tokens)
+    return DemoResult(rows, together["top1_agreement"], together["kl"]["mean"])
+
+
+def serve_lines(directory: str | os.PathLike[str], prompt: str, max_tokens: int, url: str = SERVE_URL) -> list[str]:
+    """Shell lines that serve ``directory`` with ``kvq serve``, then ask it for one completion with ``curl``.
+
+    The export's absolute path sits in ``$EXPORT``; the request names the model as ``kvq serve`` does by default
+    (the directory's name). The server runs in the foreground: the ``curl`` line is for a second shell.
+    """
+    path = Path(directory).resolve()
+    body = json.dumps({"model": path.name, "prompt": prompt, "max_tokens": int(max_tokens)})
+    return [f"EXPORT={shlex.quote(str(path))}",
+            'kvq serve "$EXPORT"',
+            f"curl -s {url}/v1/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}"]

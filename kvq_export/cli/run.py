@@ -18,7 +18,7 @@ from kvq_export.cli._base import (
     write_json_output,
 )
 from kvq_export.cli_types import NON_NEGATIVE, FiniteFloat, outside_exports
-from kvq_export.demo import DEMO_PROMPT, DEMO_SAMPLING, run_demo
+from kvq_export.demo import DEMO_PROMPT, DEMO_SAMPLING, DEPARTS, TABLE_COLUMNS, run_demo, serve_lines
 from kvq_export.runtime import RUNTIMES, open_session
 from kvq_export.runtime.base import continuation_text
 from kvq_export.runtime.sampling import SamplingConfig
@@ -109,37 +109,54 @@ class _TextStream:
 @device_option()
 @calibration_options()
 def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir, providers, calibration) -> None:
-    """fp16 baseline, the most accurate <= 5-bit scheme and the ort-gqa fast path: text, bytes, speed, serving."""
+    """fp16 baseline, the most accurate <= 5-bit cache, the ort-gqa fast path and the deployer's int4-weight export.
+
+    Each is fed the baseline's continuation (top-1 agreement and KL, as kvq validate scores them) and continues the
+    prompt greedily; the demo ends with the kvq serve line of the deployer's export.
+    """
     import dataclasses
 
+    from rich.markup import escape
     from rich.table import Table
 
     console = make_console()
     prompt = prompt or DEMO_PROMPT
     sampling = DEMO_SAMPLING if repetition_penalty is None else dataclasses.replace(
         DEMO_SAMPLING, repetition_penalty=repetition_penalty)
-    rows = run_demo(model_spec, prompt, max_new_tokens, workdir, sampling, calibration=calibration, providers=providers)
+    result = run_demo(model_spec, prompt, max_new_tokens, workdir, sampling, calibration=calibration,
+                      providers=providers)
+    rows, base = result.rows, result.rows[0]
     where = choose_providers(providers)[0].removesuffix("ExecutionProvider")
-    from rich.markup import escape
-
-    console.print(f"[bold]prompt[/bold] ({rows[0].prompt_tokens} tokens): {escape(prompt)}")
+    console.print(f"[bold]prompt[/bold] ({base.prompt_tokens} tokens): {escape(prompt)}")
     console.print(f"greedy, repetition penalty {sampling.repetition_penalty:g}, {max_new_tokens} new tokens, "
-                  f"ONNX Runtime on this machine's {where}\n")
-    base = rows[0]
+                  f"ONNX Runtime on this machine's {where}; {DEPARTS} marks where a text first departs from the "
+                  "text of the run it is measured against\n")
     for r in rows:
-        console.print(f"[bold]{escape(r.role)}[/bold] — {escape(r.scheme)} ({r.flavor}): {escape(r.text.strip())}\n")
-    table = Table(title=f"{model_spec}: one prompt, three caches")
-    for col in ("", "scheme (flavor)", "tokens = base", "cache bytes", "vs base", "bits/elem", "ms/token",
-                "x base"):
-        table.add_column(col, justify="left" if col in ("", "scheme (flavor)") else "right")
+        text = escape(r.text.strip()) if r.departs is None else (
+            f"{escape(r.shared.lstrip())}[bold red]{DEPARTS}[/bold red]{escape(r.text[len(r.shared):].rstrip())}")
+        console.print(f"[bold]{escape(r.role)}[/bold] — {escape(r.scheme)} ({r.flavor}, {r.weights} weights): {text}\n")
+    table = Table(title=f"{model_spec}: the baseline's {base.predictions} tokens fed to every export; top-1 and KL "
+                        "against the fp16 cache on the same weights")
+    for col in TABLE_COLUMNS:
+        table.add_column(col, justify="left" if col in ("", "scheme (flavor)", "weights", "against") else "right")
     for r in rows:
-        table.add_row(escape(r.role), escape(f"{r.scheme} ({r.flavor})"), f"{r.agree_with_baseline}/{len(r.tokens)}",
-                      str(r.cache_bytes), f"{base.cache_bytes / r.cache_bytes:.2f}x smaller" if r.cache_bytes else "-",
-                      f"{r.bits_per_element:.2f}", f"{r.decode_ms:.1f}", f"{r.decode_ratio:.2f}")
+        own = r.against == r.role
+        departs = "-" if own else "never" if r.departs is None else f"token {r.departs + 1}"
+        table.add_row(escape(r.role), escape(f"{r.scheme} ({r.flavor})"), r.weights,
+                      f"{r.directory_bytes / 1e6:.0f} MB", f"{r.bits_per_element:.2f}",
+                      "-" if own else escape(r.against),
+                      "-" if own else f"{r.top1:.3f}", "-" if own else f"{r.kl:.2g}", departs, f"{r.decode_ms:.1f}",
+                      f"{r.decode_ratio:.2f}")
     console.print(table)
-    for r in rows:
-        console.print(f"[bold]serve {escape(r.scheme)} with onnxruntime-genai[/bold]: {escape(r.serve)}",
-                      soft_wrap=True)
+    last = rows[-1]
+    if result.combined_top1 is not None:
+        console.print(f"{escape(last.role)} against the {escape(base.role)} (its weights' and its cache's error "
+                      f"together): top-1 {result.combined_top1:.3f}, KL {result.combined_kl:.2g}")
+    console.print(f"\n[bold]serve the {escape(last.role)}[/bold] (an OpenAI-compatible API; the curl line from a "
+                  "second shell):")
+    first_sentence = prompt.split(". ")[0].rstrip(".") + "."
+    for line in serve_lines(last.directory, first_sentence, max_new_tokens):
+        console.print(f"  {escape(line)}", soft_wrap=True, highlight=False)
 
 
 @cli.command()
