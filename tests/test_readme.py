@@ -23,6 +23,7 @@ from cli_harness import kvq
 from tiny_models import WORDS, save_tiny_model_dir
 
 from kvq_export import corpus
+from kvq_export.demo import DEMO_RUNS, DEPARTS, TABLE_COLUMNS
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -116,6 +117,26 @@ def test_console_blocks_hold_kvq_commands_only():
     # what cannot run in a test stays out of console blocks
     for blocked in ("serve", "build", "bench-serve", "demo"):
         assert not any(shlex.split(c, comments=True)[1] == blocked for c in commands), blocked
+
+
+def test_readme_shows_the_demo_as_it_prints():
+    """The demo's sample output in the README has the columns and rows ``kvq demo`` prints, and its serve lines.
+
+    (``tests/test_demo.py`` checks that ``kvq demo`` prints these same columns, rows and lines.)
+    """
+    text = README.read_text()
+    section = text[text.index("`make demo` (`kvq demo`)"):text.index("`make test` also runs")]
+    sample = next(body for lang, body in fenced_blocks(section) if lang == "text")
+    table = [line for line in sample.splitlines() if line.startswith("|")]
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in table]
+    assert tuple(cells[0]) == TABLE_COLUMNS
+    assert [row[0] for row in cells[2:]] == [run.role for run in DEMO_RUNS]
+    assert [row[1] for row in cells[2:]] == [f"{run.scheme} ({run.flavor})" for run in DEMO_RUNS]
+    assert [row[2] for row in cells[2:]] == [str(run.weights.format) for run in DEMO_RUNS]
+    assert [row[5] for row in cells[2:]] == ["-", *(run.against or DEMO_RUNS[0].role for run in DEMO_RUNS[1:])]
+    for line in ("EXPORT=/", 'kvq serve "$EXPORT"', "curl -s http://127.0.0.1:8000/v1/completions"):
+        assert line in sample, line
+    assert DEPARTS in section and "python -c" not in section
 
 
 def test_console_argv_replaces_the_model_and_shortens_windows():
