@@ -17,7 +17,7 @@ from kvq_export.cli._base import (
     utf8_arg,
     write_json_output,
 )
-from kvq_export.cli_types import NON_NEGATIVE, FiniteFloat, outside_exports
+from kvq_export.cli_types import NON_NEGATIVE, ByteSize, FiniteFloat, outside_exports
 from kvq_export.demo import DEMO_PROMPT, DEMO_SAMPLING, DEPARTS, TABLE_COLUMNS, run_demo, serve_lines
 from kvq_export.runtime import RUNTIMES, open_session
 from kvq_export.runtime.base import continuation_text
@@ -164,21 +164,46 @@ def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir, provid
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (127.0.0.1: this machine).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0 picks a free port.")
 @click.option("--model-name", default=None, help="The `model` clients name (default: the export directory's name).")
-@click.option("--backend", type=click.Choice(["auto", "engine", "session"]), default="auto", show_default=True,
-              help="engine: onnxruntime-genai's og.Engine, requests batched (ort-gqa exports); session: kvq's loop, "
-                   "one request at a time; auto: engine where onnxruntime-genai can serve the export.")
+@click.option("--backend", type=click.Choice(["auto", "batch", "session"]), default="auto", show_default=True,
+              help="batch: continuous batching over the cache's rows (ort-gqa exports); session: kvq's loop, one "
+                   "request at a time (every flavor); auto: batch where the export allows it.")
+@click.option("--max-seqs", type=click.IntRange(1), default=None,
+              help="Sequences generating at once (cache rows) [default: what --cache-budget holds at --context].")
+@click.option("--cache-budget", type=ByteSize(), default=None,
+              help="Bytes of KV cache the rows may hold, e.g. 2GiB [default: 2GiB unless --max-seqs is given].")
+@click.option("--context", type=click.IntRange(2), default=None,
+              help="Tokens one request may hold, prompt plus generated [default: the export's positions].")
+@click.option("--prefill-chunk", type=click.IntRange(1), default=256, show_default=True,
+              help="Prompt tokens per call and per scheduling round: a long prompt is prefilled in chunks between "
+                   "decode steps.")
+@click.option("--max-waiting", type=click.IntRange(0), default=256, show_default=True,
+              help="Requests waiting for a row beyond those running; more get 429 with Retry-After.")
+@click.option("--request-timeout", type=FiniteFloat(0.0, min_open=True), default=None,
+              help="Seconds from arrival a request may take before it ends with 504 [default: no deadline].")
+@click.option("--api-key", envvar="KVQ_API_KEY", default=None, show_envvar=True,
+              help="Bearer token the /v1 endpoints require (401 otherwise); never logged.")
+@click.option("--allow-batch-variance", is_flag=True,
+              help="Batch decode steps even where the start-up self-check finds a row's logits in a batch differ from "
+                   "alone (answers may then depend on the load); without it such a CPU decodes row by row.")
 @click.option("--shutdown-timeout", type=NON_NEGATIVE, default=10.0, show_default=True,
               help="Seconds in-flight requests may finish after SIGINT/SIGTERM before they are cancelled.")
 @device_option()
 @click.option("--no-verify", "no_verify", is_flag=True,
               help="Skip checking the weight files against the checksums in kvq.json (faster on trusted storage).")
-def serve(export_dir, host, port, model_name, backend, shutdown_timeout, providers, no_verify) -> None:
-    """Serve an export over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).
+def serve(export_dir, host, port, model_name, backend, max_seqs, cache_budget, context, prefill_chunk, max_waiting,
+          request_timeout, api_key, allow_batch_variance, shutdown_timeout, providers, no_verify) -> None:
+    """Serve an export over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics).
 
     EXPORT_DIR: a kvq export directory.
     """
     from kvq_export.serve import serve as run_server  # lazy: imports fastapi
+    from kvq_export.serve.backends import ServeLimits
 
     logging.getLogger("kvq_export.serve").setLevel(min(logging.getLogger().getEffectiveLevel(), logging.INFO))
+    logging.getLogger("kvq_export.runtime.rows").setLevel(min(logging.getLogger().getEffectiveLevel(), logging.INFO))
+    limits = ServeLimits(max_waiting=max_waiting, request_timeout=request_timeout, context=context)
+    batch = dict(max_seqs=max_seqs, cache_budget=cache_budget, prefill_chunk=prefill_chunk,
+                 allow_batch_variance=allow_batch_variance) if backend != "session" else {}
     run_server(export_dir, host=host, port=port, model_name=model_name, backend=backend,
-               verify_weights=not no_verify, shutdown_timeout=shutdown_timeout, providers=providers)
+               verify_weights=not no_verify, shutdown_timeout=shutdown_timeout, providers=providers,
+               api_key=api_key, limits=limits, **batch)
