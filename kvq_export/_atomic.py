@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from kvq_export.errors import OutputWriteError
+from kvq_export.errors import ExportError, OutputWriteError
 
 logger = logging.getLogger(__name__)
 
@@ -258,3 +258,51 @@ def write_dir_atomically(target: Path, write: Callable[[Path], None], *, stale_a
         logger.info("%s was written concurrently; keeping that copy", target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def target_lock(out: Path, *, wait: bool = False) -> Iterator[None]:
+    """Hold ``.<name>.lock`` beside ``out`` for the whole export.
+
+    A second export of ``out`` fails at once, or with ``wait`` blocks until the first has finished. The lock is
+    never a symbolic link (opening one would create or lock the file it points to) and never anything but a
+    plain file of one link; a directory that cannot hold it is one ExportError.
+    """
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = out.parent / f".{aside_name(out.name)}.lock"
+    while True:
+        try:  # O_NONBLOCK: a FIFO or a device put there must not hang the open
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, file_mode())
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise ExportError(f"the lock file {lock} is a symbolic link; kvq never follows one: remove it "
+                                  "if no kvq export is running") from None
+            if err.errno == errno.EISDIR:
+                raise ExportError(f"the lock file {lock} is a directory; remove it if no kvq export is running"
+                                  ) from None
+            raise ExportError(f"cannot create the lock file {lock} ({err.strerror}): the directory that holds "
+                              "the export must be writable") from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            os.close(fd)
+            raise ExportError(f"the lock file {lock} is not a plain file of its own; remove it if no kvq export "
+                              "is running")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            raise ExportError(f"another kvq export is writing {out} right now; run again when it has finished"
+                              ) from None
+        try:  # the holder before us may have removed the file after we opened it: lock the current one
+            if info.st_ino == os.lstat(lock).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+        os.close(fd)

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvq_export.dtypes import COMPUTE_DTYPES
 from kvq_export.errors import KVQError
-from kvq_export.export.flavors import flavor_names, get_flavor
+from kvq_export.flavors import flavor_names, get_flavor
 from kvq_export.model_facts import known_fields
 from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec, _int
 

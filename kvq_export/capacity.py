@@ -118,7 +118,7 @@ def footprint(directory: str | os.PathLike[str], name: str | None = None) -> Foo
 
 def _weight_bytes(directory: Path, graph) -> int:
     """Initializer bytes the decoder holds (kvq's entry graph reads model.onnx's, which :func:`weight_bytes` reads)."""
-    from kvq_export.export.weights import weight_bytes  # lazy: imports onnx
+    from kvq_export.weight_bytes import weight_bytes  # lazy: imports onnx
 
     if (directory / MODEL_NAME).is_file():
         return weight_bytes(directory).total

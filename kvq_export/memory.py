@@ -3,7 +3,7 @@
 The cache prediction is derived from the scheme alone (no tensors are made) and must equal the ``nbytes`` of
 the reference cache's stored tensors; the tests check that for many scheme x length cases. The weight prediction
 (:func:`predict_weights`) is derived from the model's parameter shapes and the weight format alone, and must equal
-the initializer bytes an export with those weights holds (:func:`kvq_export.export.weights.weight_bytes`).
+the initializer bytes an export with those weights holds (:func:`kvq_export.weight_bytes.weight_bytes`).
 """
 
 from __future__ import annotations

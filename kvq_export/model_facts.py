@@ -154,7 +154,7 @@ class ModelFacts:
     def from_config(cls, config: PretrainedConfig, arch: Any, *, source: str | None = None) -> ModelFacts:
         """The facts of ``config`` as ``arch``, its registered architecture reader (an ``Arch``), reads them.
 
-        The caller picks the reader (``kvq_export.export.arch.get_arch(config)``, or
+        The caller picks the reader (``kvq_export.arch.get_arch(config)``, or
         :func:`kvq_export.model_source.model_facts` which does both), so the facts sit below the exporter.
         """
         rope = arch.rope()

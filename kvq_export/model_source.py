@@ -37,8 +37,8 @@ from kvq_export._read import (
     read_json,
     warn_shadowed,
 )
+from kvq_export.arch import get_arch
 from kvq_export.errors import ModelError
-from kvq_export.export.arch import get_arch
 from kvq_export.gguf_header import GgufHeader, read_gguf_header
 from kvq_export.model_facts import ModelFacts
 

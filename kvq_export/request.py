@@ -25,7 +25,7 @@ from typing import Any
 
 from kvq_export.dtypes import COMPUTE_DTYPES
 from kvq_export.errors import ExportError, KVQError
-from kvq_export.export.flavors import FlavorName, get_flavor
+from kvq_export.flavors import FlavorName, get_flavor
 from kvq_export.model_facts import known_fields
 from kvq_export.presets import resolve_scheme
 from kvq_export.scheme import KVQuantScheme
@@ -226,7 +226,7 @@ class ExportRequest:
         model: a model spec (built-in name, Hugging Face directory or ``.gguf`` file); None when the caller hands
             :func:`~kvq_export.export.exporter.export` an already loaded model.
         scheme: the cache scheme, or a preset name / scheme JSON file; None when ``plan`` is given.
-        flavor: the graph flavor (:mod:`kvq_export.export.flavors`).
+        flavor: the graph flavor (:mod:`kvq_export.flavors`).
         weights: how the weights are stored.
         dtype: compute dtype of the graph (``fp32``, ``fp16``).
         opset: ONNX opset of the graph.

@@ -13,7 +13,7 @@ Modules (none imports triton or tensorrt at import time; kernels are jitted at t
 * :mod:`kvq_plugins.reference` — plain-torch references of every op, registered by op name;
 * :mod:`kvq_plugins.registry` — op name -> kernel / reference;
 * :mod:`kvq_plugins.trt_plugin` — the TensorRT Python plugin (``tensorrt.plugin``), registered from
-  :func:`kvq_export.trt.signature.plugin_signature`.
+  :func:`kvq_export.flavors.trt.signature.plugin_signature`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The TensorRT Python plugin (``tensorrt.plugin``, TensorRT >= 10.9) around the fused attention kernel.
 
-For each :class:`~kvq_export.trt.signature.PluginSignature` (one per distinct plugin name), :func:`register`
+For each :class:`~kvq_export.flavors.trt.signature.PluginSignature` (one per distinct plugin name), :func:`register`
 defines the three small functions of a quickly deployable plugin plus its JIT fallback:
 
 * ``@trtp.register`` — shape/dtype description: the output is shaped and typed like ``q``;
@@ -30,7 +30,7 @@ from kvq_plugins.layout import StreamLayout
 
 from kvq_export._lazy import require
 from kvq_export.errors import KVQError
-from kvq_export.trt.signature import PluginSignature
+from kvq_export.flavors.trt.signature import PluginSignature
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +165,8 @@ def register(signatures: Iterable[PluginSignature]) -> list[str]:
 
 def register_for_export(export_dir) -> list[str]:
     """Register every plugin an export directory's graph uses (from its manifest)."""
+    from kvq_export.flavors.trt.signature import manifest_signatures
     from kvq_export.manifest import Manifest
-    from kvq_export.trt.signature import manifest_signatures
 
     return register(manifest_signatures(Manifest.load(export_dir)))
 

@@ -10,9 +10,9 @@ from tiny_models import attention_facts
 
 from kvq_export.cache_layout import REGIONS
 from kvq_export.dtypes import DType
-from kvq_export.export.builder import GraphBuilder
-from kvq_export.export.cache_graph import DecoderSpec
-from kvq_export.export.kv_graph import QuantizedCacheGraph
+from kvq_export.flavors.reference.graph import QuantizedCacheGraph
+from kvq_export.graph.builder import GraphBuilder
+from kvq_export.graph.decoder_spec import DecoderSpec
 from kvq_export.model_facts import ModelFacts
 from kvq_export.naming import present_name
 from kvq_export.presets import PRESETS

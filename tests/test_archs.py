@@ -29,16 +29,16 @@ from state_harness import (
 from tiny_models import NEW_ARCHS, VOCAB, loud_model, tiny_model
 from transformers import AutoConfig
 
+from kvq_export.arch import get_arch, supported_model_types
 from kvq_export.errors import ExportError, ModelError
-from kvq_export.export.arch import get_arch, supported_model_types
 from kvq_export.export.exporter import export_model
+from kvq_export.flavors.trt.signature import PLUGIN_NAMESPACE, manifest_signatures
 from kvq_export.manifest import Manifest, decode_cache, load_static
 from kvq_export.memory import predict
 from kvq_export.model_source import model_facts
 from kvq_export.presets import PRESETS, resolve_scheme
 from kvq_export.runtime.session import KVQSession
 from kvq_export.scheme import KVQuantScheme
-from kvq_export.trt.signature import PLUGIN_NAMESPACE, manifest_signatures
 from kvq_export.vocab import Axis, Part, Role
 
 logger = logging.getLogger(__name__)

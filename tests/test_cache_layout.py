@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from kvq_export.cache_layout import BUFFER, LAYOUTS, REGIONS, RegionSplit, layout_named
 from kvq_export.errors import KVQError
-from kvq_export.export.builder import GraphBuilder
-from kvq_export.export.kv_graph import _SplitOps
+from kvq_export.flavors.reference.graph import _SplitOps
+from kvq_export.graph.builder import GraphBuilder
 from kvq_export.model_facts import Geometry
 from kvq_export.naming import CAPACITY_AXIS
 from kvq_export.presets import get_preset

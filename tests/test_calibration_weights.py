@@ -1,6 +1,6 @@
 """Calibration on the weights that run: int4 / int8 exports are calibrated (and planned) on the dequantized blocks.
 
-The model calibration runs for an export with int blocks is :func:`kvq_export.export.weights.dequantized_model`:
+The model calibration runs for an export with int blocks is :func:`kvq_export.calibration.weights.dequantized_model`:
 its logits equal the int4 export's (MatMulNBits with float activations), and a calibration records the weights it
 was measured on, so one measured on other weights than an export runs is refused.
 """
@@ -21,15 +21,16 @@ from tiny_models import VOCAB, save_tiny_model_dir, tiny_model, tiny_tokenizer
 
 from kvq_export.calibration import Calibration, calibrate_static_scales, calibration_windows
 from kvq_export.calibration.artifact import WEIGHTS_MEMBER
+from kvq_export.calibration.weights import dequantized_model
 from kvq_export.cli import cli
 from kvq_export.errors import CalibrationWeightsError, KVQError
 from kvq_export.export.exporter import export, export_model
-from kvq_export.export.weights import BITS, _block_quantizer, dequantized_blocks, dequantized_model
 from kvq_export.manifest import CALIBRATION_NAME, Manifest
 from kvq_export.presets import get_preset
 from kvq_export.request import CalibrationSpec, ExportRequest, WeightSpec
 from kvq_export.runtime.session import KVQSession
 from kvq_export.scheme import KVQuantScheme, TensorQuant
+from kvq_export.weight_blocks import BITS, block_quantizer, dequantized_blocks
 
 PROMPT = np.array([[5, 17, 99, 3, 42, 8, 77, 1, 64, 120, 33, 2, 90, 11]], np.int64)
 #: an unquantized cache (the ort-gqa flavour's fp32 buffer), so only the weights differ
@@ -51,7 +52,7 @@ def test_dequantized_blocks_are_what_matmulnbits_computes_with(fmt, symmetric, r
     bits, cols, block = BITS[fmt], 24, 32
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((rows, cols)).astype(np.float32)
-    packed, scales, zero_points = _block_quantizer(bits, block, symmetric).qbits_block_quant(weight)
+    packed, scales, zero_points = block_quantizer(bits, block, symmetric).qbits_block_quant(weight)
     inits = [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales, "S")]
     inits += [] if symmetric else [numpy_helper.from_array(zero_points, "Z")]
     node = helper.make_node("MatMulNBits", ["A", "B", "S", *([] if symmetric else ["Z"])], ["Y"],

@@ -24,7 +24,7 @@ from kvq_export.capacity import (
     run_capacity,
 )
 from kvq_export.export.exporter import export_model
-from kvq_export.export.weights import weight_bytes
+from kvq_export.weight_bytes import weight_bytes
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32  # tiny_models.COMMON
 
@@ -154,7 +154,7 @@ def test_symbolic_cache_widths_come_from_the_config(exports, tmp_path, name):
 
     import onnx
 
-    from kvq_export.export.genai_package import GENAI_MODEL
+    from kvq_export.flavors.ort_gqa.genai import GENAI_MODEL
 
     copy = tmp_path / "copy"
     shutil.copytree(exports[name], copy)

@@ -18,10 +18,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from kvq_export.arch import get_arch, supported_model_types
 from kvq_export.errors import ExportError, ModelError
-from kvq_export.export.arch import get_arch, supported_model_types
-from kvq_export.export.builder import GraphBuilder, save
 from kvq_export.export.decoder import CacheGraph, DecoderSpec, build_decoder
+from kvq_export.graph.builder import GraphBuilder, save
 from kvq_export.model_facts import ModelFacts
 
 logger = logging.getLogger(__name__)

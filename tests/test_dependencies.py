@@ -55,7 +55,7 @@ def test_every_kvq_plugins_module_imports_without_gpu_stacks():
     names = [m.name for m in pkgutil.walk_packages(kvq_plugins.__path__, "kvq_plugins.")]
     assert {"kvq_plugins.triton_kernels", "kvq_plugins.trt_plugin", "kvq_plugins.attention"} <= set(names)
     proc = _python("import importlib\n" + "".join(f"importlib.import_module({n!r})\n" for n in names)
-                   + "import kvq_export.trt, kvq_export.export.trt_flavor\n"
+                   + "import kvq_export.trt, kvq_export.flavors.trt.graph\n"
                    + "assert not any(sys.modules.get(m) for m in ('triton', 'tensorrt')), 'a GPU stack was imported'\n")
     assert proc.returncode == 0, proc.stderr
 

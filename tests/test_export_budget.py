@@ -15,8 +15,9 @@ from tiny_models import VOCAB, WORDS, save_tiny_model_dir, tiny_model, tiny_toke
 from kvq_export.calibration import calibrate_static_scales, calibration_windows
 from kvq_export.cli import cli
 from kvq_export.errors import ExportError, KVQError
-from kvq_export.export import exporter
-from kvq_export.export.exporter import export, load_source, plan_export
+from kvq_export.export import stages
+from kvq_export.export.exporter import export
+from kvq_export.export.stages import load_source, plan_export
 from kvq_export.manifest import Manifest
 from kvq_export.plan import CandidateSet, plan_scheme
 from kvq_export.presets import get_preset
@@ -141,7 +142,7 @@ def test_a_budget_export_calibrates_once(tmp_path, monkeypatch):
     def calibrates(*args, **kwargs):
         raise AssertionError("a planned export calibrated a second time")
 
-    monkeypatch.setattr(exporter, "calibrate_static_scales", calibrates)
+    monkeypatch.setattr(stages, "calibrate_static_scales", calibrates)
     request = ExportRequest(model=None, plan=PlanSpec(budget=5.0, context=1024, name="small"), flavor="ort-gqa",
                             calibration=calibration)
     manifest = export(request, tmp_path / "x", model=tiny_model("llama"), tokenizer=tiny_tokenizer())

@@ -9,7 +9,7 @@ import pytest
 
 from kvq_export.cache_layout import BUFFER, REGIONS
 from kvq_export.errors import ExportError
-from kvq_export.export.flavors import FLAVORS, FlavorName, Runtime, flavor_names, get_flavor
+from kvq_export.flavors import FLAVORS, FlavorName, Runtime, flavor_names, get_flavor
 from kvq_export.presets import get_preset
 
 
@@ -59,9 +59,9 @@ def test_unknown_flavour_names_the_allowed_ones():
 
 
 def test_the_registry_imports_no_graph_code():
-    code = ("import sys, kvq_export.export.flavors as f\n"
+    code = ("import sys, kvq_export.flavors as f\n"
             "f.get_flavor('ort-gqa')\n"
-            "assert not any(m in sys.modules for m in ('onnx_ir', 'kvq_export.export.gqa_flavor', 'torch')), "
+            "assert not any(m in sys.modules for m in ('onnx_ir', 'kvq_export.flavors.ort_gqa.graph', 'torch')), "
             "sorted(m for m in sys.modules if m.startswith(('onnx', 'kvq_export.export')))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

@@ -25,7 +25,7 @@ from tiny_models import VOCAB, WORDS, byte_model, byte_tokenizer, layered_model,
 from kvq_export.calibration import calibrate_static_scales
 from kvq_export.errors import ExportError, KVQError, RuntimeInputError
 from kvq_export.export.exporter import export_model
-from kvq_export.export.genai_package import (
+from kvq_export.flavors.ort_gqa.genai import (
     GENAI_CONFIG,
     GENAI_MODEL,
     RUNTIME,

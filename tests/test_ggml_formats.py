@@ -19,7 +19,7 @@ from kvgraph_harness import CacheOnly
 from tiny_models import attention_facts
 
 from kvq_export.errors import QuantizationError, SchemeError
-from kvq_export.export.gqa_flavor import unsupported
+from kvq_export.flavors.ort_gqa.capability import unsupported
 from kvq_export.memory import predict
 from kvq_export.model_facts import Geometry
 from kvq_export.presets import PRESETS, get_preset

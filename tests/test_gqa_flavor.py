@@ -42,8 +42,9 @@ from tiny_models import ARCHS, VOCAB, tiny_model
 
 from kvq_export.errors import ExportError, RuntimeInputError, SchemeError
 from kvq_export.export.exporter import export_model
-from kvq_export.export.gqa_flavor import GQACacheGraph, unsupported
-from kvq_export.export.gqa_plan import gqa_scale
+from kvq_export.flavors.ort_gqa.capability import unsupported
+from kvq_export.flavors.ort_gqa.graph import GQACacheGraph
+from kvq_export.flavors.ort_gqa.plan import gqa_scale
 from kvq_export.model_facts import Geometry
 from kvq_export.presets import PRESETS
 from kvq_export.runtime.session import KVQSession
@@ -389,7 +390,7 @@ def test_fp16_buffer_with_fp32_compute_warns_about_cpu_casts(tmp_path, caplog):
     import onnx
     import onnxruntime as ort
 
-    with caplog.at_level(logging.WARNING, logger="kvq_export.export.gqa_flavor"):
+    with caplog.at_level(logging.WARNING, logger="kvq_export.flavors.ort_gqa.graph"):
         out = export_model(tiny_model("llama"), SCHEMES["fp16"], tmp_path / "fp16", flavor="ort-gqa")
     assert "casts the whole buffer to float32 and back every step" in caplog.text
     options = ort.SessionOptions()
@@ -399,7 +400,7 @@ def test_fp16_buffer_with_fp32_compute_warns_about_cpu_casts(tmp_path, caplog):
                 if n.op_type == "Cast" and any("buffer" in name for name in n.input)]
     assert inserted  # what the warning is about; an fp32 buffer gets none, and no warning:
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="kvq_export.export.gqa_flavor"):
+    with caplog.at_level(logging.WARNING, logger="kvq_export.flavors.ort_gqa.graph"):
         out = export_model(tiny_model("llama"), SCHEMES["fp32"], tmp_path / "fp32", flavor="ort-gqa")
     assert "casts the whole buffer" not in caplog.text
     ort.InferenceSession(str(out / "model.onnx"), options, providers=["CPUExecutionProvider"])
@@ -415,7 +416,7 @@ PREFILL_SCHEMES = ["ort-int8", "ort-int4", "ort-int4-asymk", "int8-asymv/hp-fp32
 def _every_call_quantized(tmp_path_factory, monkeypatch, arch, scheme, static):
     """The same export with ``fast_prefill=False``: the quantized node runs on every call, prefills too."""
     from kvq_export.export.exporter import export_model
-    from kvq_export.export.gqa_flavor import rope_in_body
+    from kvq_export.flavors.ort_gqa.capability import rope_in_body
 
     def for_model(cls, scheme, facts, *, static=None):
         return cls(scheme, facts, fast_prefill=False, fuse_rotary=not rope_in_body(scheme, facts.num_layers),

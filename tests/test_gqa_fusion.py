@@ -22,7 +22,8 @@ from gqa_harness import PROMPTS, SCHEMES, calibration, left_pad
 from tiny_models import ARCHS, NEW_ARCHS, VOCAB, loud_model
 
 from kvq_export.export.exporter import export_model
-from kvq_export.export.gqa_flavor import GQACacheGraph, rope_in_body
+from kvq_export.flavors.ort_gqa.capability import rope_in_body
+from kvq_export.flavors.ort_gqa.graph import GQACacheGraph
 from kvq_export.runtime.session import KVQSession
 
 LAYERS = 2  # tests/tiny_models.py

@@ -10,7 +10,7 @@ from tiny_models import save_tiny_model_dir, tiny_model
 
 from kvq_export.errors import RuntimeInputError
 from kvq_export.export.exporter import export, export_model
-from kvq_export.export.genai_package import RUNTIME
+from kvq_export.flavors.ort_gqa.genai import RUNTIME
 from kvq_export.manifest import MANIFEST_NAME, Manifest
 from kvq_export.manifest_sections import CalibrationRecord, GraphValue, RuntimeSupport, TokenizerFacts
 from kvq_export.request import CalibrationSpec, ExportRequest

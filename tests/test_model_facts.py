@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import ARCHS, NEW_ARCHS, _config, save_tiny_model_dir
 
+from kvq_export.arch import get_arch
 from kvq_export.errors import KVQError, RuntimeInputError
-from kvq_export.export.arch import get_arch
 from kvq_export.manifest import MANIFEST_NAME, Manifest
 from kvq_export.model_facts import INT_FACTS, ModelFacts
 from kvq_export.model_source import model_facts

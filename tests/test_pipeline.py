@@ -6,15 +6,8 @@ import pytest
 from tiny_models import WORDS, save_tiny_model_dir, tiny_model
 
 from kvq_export.errors import ExportError
-from kvq_export.export.exporter import (
-    build_graph,
-    calibrate,
-    export,
-    load_source,
-    package,
-    plan_export,
-    read_facts,
-)
+from kvq_export.export.exporter import export
+from kvq_export.export.stages import build_graph, calibrate, load_source, package, plan_export, read_facts
 from kvq_export.manifest import Manifest
 from kvq_export.request import CalibrationSpec, ExportRequest, WeightSpec
 from kvq_export.vocab import LayoutName

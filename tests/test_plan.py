@@ -17,7 +17,7 @@ from kvq_export.calibration import calibrate_static_scales
 from kvq_export.cli import cli
 from kvq_export.errors import KVQError, SchemeError
 from kvq_export.export.exporter import export_model
-from kvq_export.export.gqa_flavor import unsupported
+from kvq_export.flavors.ort_gqa.capability import unsupported
 from kvq_export.memory import predict
 from kvq_export.model_facts import Geometry
 from kvq_export.model_source import model_facts

@@ -68,7 +68,7 @@ def test_an_existing_export_needs_force(tmp_path):
 
 def test_a_second_export_of_the_same_directory_fails_at_once(tmp_path):
     out = tmp_path / "exp"
-    with exporter._target_lock(out):  # another process is exporting here
+    with _atomic.target_lock(out):  # another process is exporting here
         with pytest.raises(ExportError, match="another kvq export is writing"):
             export_model("/nonexistent-model", "fp16", out)
     assert not out.exists() and not list(tmp_path.iterdir())  # the lock file goes with its holder

@@ -244,14 +244,14 @@ def test_ensure_export_waits_for_a_concurrent_writer_then_reuses_its_export(mode
     import threading
     import time
 
-    from kvq_export.export import exporter
+    from kvq_export import _atomic
 
     request = ExportRequest(model=str(model_dir), scheme="fp16")
     out = ensure_export(request, tmp_path / "shared")
     code = Manifest.load(out).build.kvq_code
     stamp = os.stat(out / "model.onnx").st_mtime_ns
     result = {}
-    with exporter._target_lock(out):  # another process is (re)making the shared baseline
+    with _atomic.target_lock(out):  # another process is (re)making the shared baseline
         _edit(out, lambda m: m["build"].update(kvq_code="stale"))
         waiter = threading.Thread(target=lambda: result.update(path=ensure_export(request, out)))
         waiter.start()

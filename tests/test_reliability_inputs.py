@@ -256,7 +256,7 @@ def test_config_values_that_make_the_graph_non_finite_are_refused(tiny_dir, tmp_
     """Before, each of these exported with exit 0 and a graph whose every logit was NaN (or empty)."""
     from transformers import AutoConfig
 
-    from kvq_export.export.arch import get_arch
+    from kvq_export.arch import get_arch
 
     config = AutoConfig.from_pretrained(tiny_dir)
     if field == "rope_theta":
@@ -506,7 +506,8 @@ def test_a_disk_that_fills_during_the_export_is_one_line_and_keeps_the_old_expor
     import errno
     import shutil
 
-    from kvq_export.export import builder, exporter
+    from kvq_export.export import exporter
+    from kvq_export.graph import builder
 
     out = tmp_path / "e"
     shutil.copytree(tiny_export, out)
@@ -624,7 +625,7 @@ def test_a_lock_in_a_directory_that_cannot_be_written_is_one_line(tiny_dir, tmp_
 @given(opset=st.integers(-5, 300) | st.sampled_from([99999, 2**63]))
 def test_an_opset_is_accepted_exactly_when_onnx_and_onnx_runtime_load_it(opset):
     from kvq_export.errors import ExportError
-    from kvq_export.export.exporter import check_opset, supported_opsets
+    from kvq_export.export.stages import check_opset, supported_opsets
 
     low, high = supported_opsets()
     if low <= opset <= high:
@@ -635,7 +636,7 @@ def test_an_opset_is_accepted_exactly_when_onnx_and_onnx_runtime_load_it(opset):
 
 
 def test_export_refuses_an_opset_it_could_only_write_broken(tiny_dir, tmp_path):
-    from kvq_export.export.exporter import supported_opsets
+    from kvq_export.export.stages import supported_opsets
 
     line = _one_line_error(CliRunner().invoke(cli, [*_export_args(tiny_dir, str(tmp_path / "e")), "--opset", "99999"]))
     low, high = supported_opsets()

@@ -25,7 +25,7 @@ from tiny_models import COMMON, VOCAB, attention_facts, tiny_model
 
 from kvq_export.errors import ExportError, SchemeError
 from kvq_export.export.exporter import export_model
-from kvq_export.export.projections import fold_rotation
+from kvq_export.graph.projections import fold_rotation
 from kvq_export.manifest import Manifest, decode_cache, load_static
 from kvq_export.memory import predict
 from kvq_export.model_facts import Geometry
@@ -179,7 +179,7 @@ def test_unquantized_rotated_export_equals_unrotated(tmp_path, arch, flavor):
 
 
 def test_gqa_rotated_keys_unfuse_rope_and_name_probes(tmp_path):
-    from kvq_export.export.gqa_flavor import GQACacheGraph
+    from kvq_export.flavors.ort_gqa.graph import GQACacheGraph
 
     model = tiny_model("llama")
     with pytest.raises(ExportError, match="RoPE cannot be fused"):
@@ -214,10 +214,10 @@ def test_value_rotation_in_graph_when_the_arch_cannot_fold(tmp_path):
     """An architecture that cannot fold the value rotation rotates v and the output in the graph instead."""
     import onnx_ir as ir
 
-    from kvq_export.export.arch import get_arch
-    from kvq_export.export.builder import save
+    from kvq_export.arch import get_arch
     from kvq_export.export.decoder import build_decoder
-    from kvq_export.export.kv_graph import QuantizedCacheGraph
+    from kvq_export.flavors.reference.graph import QuantizedCacheGraph
+    from kvq_export.graph.builder import save
 
     model = tiny_model("qwen2")
     scheme = rotated(Q4_TOKEN)

@@ -29,7 +29,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from kvq_export.model_facts import ModelFacts, RopeFacts
 from kvq_export.presets import PRESETS
 from kvq_export.scheme import KVQuantScheme, TensorQuant
-from kvq_export.trt.signature import plugin_signature
+from kvq_export.flavors.trt.signature import plugin_signature
 from kvq_plugins import triton_kernels as tk
 from kvq_plugins.layout import StreamLayout
 from kvq_plugins.quantize import quantize_constants

@@ -1,7 +1,7 @@
 """``kvq export --flavor trt``: one plugin node per layer, checked against the plugin's declared signature.
 
 CPU only (TensorRT is not needed to check the graph): every plugin node's op, domain, inputs (names,
-count, order, dtypes) and attributes must be exactly what :func:`kvq_export.trt.signature.plugin_signature`
+count, order, dtypes) and attributes must be exactly what :func:`kvq_export.flavors.trt.signature.plugin_signature`
 declares; the model carries no local function; the cache inputs/outputs equal the reference flavour's,
 and the cache update (the subgraph computing layer 0's present state) gives bit-identical results on
 ONNX Runtime.
@@ -21,12 +21,13 @@ from tiny_models import attention_facts, tiny_model
 
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
-from kvq_export.export.exporter import export_model, flavor_names
+from kvq_export.export.exporter import export_model
+from kvq_export.flavors import flavor_names
+from kvq_export.flavors.trt.signature import PLUGIN_NAMESPACE, manifest_signatures, plugin_signature
 from kvq_export.manifest import Manifest
 from kvq_export.naming import tensor_name
 from kvq_export.presets import PRESETS
 from kvq_export.scheme import KVQuantScheme, LayerOverride, TensorQuant
-from kvq_export.trt.signature import PLUGIN_NAMESPACE, manifest_signatures, plugin_signature
 
 CASES = {  # (arch, scheme): presets of every stream kind, a mixed-precision override, a sliding window
     "llama-kivi-4": ("llama", PRESETS["kivi-4"][0]),

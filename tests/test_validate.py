@@ -282,7 +282,7 @@ def int4_weights(tiny):
 def test_automatic_baseline_carries_the_exports_weights_and_the_weight_error_is_its_own_line(
         tiny, int4_weights, monkeypatch, tmp_path):
     """int4 weights: the cache is compared with an fp16 cache on int4 weights; int4 vs fp32 weights is apart."""
-    from kvq_export.export.weights import weight_bytes
+    from kvq_export.weight_bytes import weight_bytes
 
     monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path))
     config = _config(tiny, window_len=200, attention_samples=0, gen_tokens=0)

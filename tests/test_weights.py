@@ -14,13 +14,14 @@ from tiny_models import VOCAB, tiny_model
 
 from kvq_export.calibration import calibrate_static_scales
 from kvq_export.errors import ExportError
-from kvq_export.export.builder import save
 from kvq_export.export.exporter import export_model
-from kvq_export.export.genai_package import GENAI_MODEL, adapt_graph
-from kvq_export.export.weights import WEIGHTS_KEY, quantize_weights, weight_bytes
+from kvq_export.flavors.ort_gqa.genai import GENAI_MODEL, adapt_graph
+from kvq_export.graph.builder import save
+from kvq_export.graph.weights import WEIGHTS_KEY, quantize_weights
 from kvq_export.manifest import MODEL_NAME, Manifest, weight_checksums
 from kvq_export.presets import PRESETS
 from kvq_export.runtime.session import KVQSession
+from kvq_export.weight_bytes import weight_bytes
 
 #: (flavour, preset): the portable graph (tied head: Gemm(transB=1)) and ONNX Runtime's GroupQueryAttention
 #: (tied head: MatMul on the embedding's Transpose); the rotated preset keeps float32 rotation MatMuls in the body

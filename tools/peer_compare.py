@@ -646,7 +646,7 @@ def genai_engines(model: str, work: Path, int4_percentile: float | None = DEFAUL
     calibrates), the builder's file on ``precision`` (``kvq calibrate --weights``).
     ``kvq_schemes`` (presets or scheme/plan files) are further kvq exports with the default calibration and no
     builder twin. ``precision`` is the builder's ``-p`` (its CPU default is int4), ``kvq_weights`` the format kvq's
-    exports' weights are converted to (:mod:`kvq_export.export.weights`, with MatMulNBits' ``kvq_accuracy_level``
+    exports' weights are converted to (:mod:`kvq_export.graph.weights`, with MatMulNBits' ``kvq_accuracy_level``
     when given: 4 is the builder's int8 activations). ``spin_twins`` adds every kvq export once more with ONNX
     Runtime's thread spinning on.
     """
@@ -1095,7 +1095,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--genai-precision", choices=("fp32", "int4"), default="fp32",
                         help="genai peer: the builder's -p (its CPU default is int4)")
     parser.add_argument("--kvq-weights", choices=("fp32", "fp16", "int8", "int4"), default="fp32",
-                        help="genai peer: kvq exports' weight format (kvq_export.export.weights)")
+                        help="genai peer: kvq exports' weight format (kvq_export.graph.weights)")
     parser.add_argument("--kvq-accuracy-level", type=int, choices=(1, 2, 3, 4), default=None,
                         help="genai peer: MatMulNBits accuracy_level of kvq's int weights (4: int8 activations, the "
                              "builder's CPU default; kvq's default is 1)")

@@ -12,8 +12,9 @@ token), so only the quantized side is decoded step by step: about half the work 
 its attention analysis or latency.
 
 ``--weights int4`` (or ``int8``) scores the model with the weights ``kvq export --weights`` computes with (ONNX
-Runtime's blocks of 32 dequantized, :func:`kvq_export.export.weights.dequantized_model`), against a baseline with the
-same weights; static scales are measured on those weights too, or on the fp32 model with ``--calib-weights fp32``.
+Runtime's blocks of 32 dequantized, :func:`kvq_export.calibration.weights.dequantized_model`), against a baseline
+with the same weights; static scales are measured on those weights too, or on the fp32 model with
+``--calib-weights fp32``.
 
 One JSON line per scheme (and jitter seed) is appended to ``OUT`` (bits/element at 512 and 4096 tokens from
 the memory model).
@@ -47,8 +48,8 @@ import time
 import torch
 
 from kvq_export.calibration import calibrate_static_scales, calibration_windows
+from kvq_export.calibration.weights import dequantized_model
 from kvq_export.corpus import load_corpus, token_windows
-from kvq_export.export.weights import dequantized_model
 from kvq_export.memory import predict
 from kvq_export.model_source import load_model, model_facts
 from kvq_export.presets import resolve_scheme

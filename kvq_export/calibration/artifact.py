@@ -11,7 +11,7 @@ the only reader and writer of ``calibration.npz`` (keys ``"<layer>.<key|value>.<
   one-line error (never a ``MemoryError`` for a file that claims a huge array);
 * :meth:`Calibration.digest` fingerprints it for ``kvq.json`` and the graph's metadata;
 * :attr:`Calibration.weights` says which weights the model ran on while it was measured: None for the model's own
-  (as loaded), else the int block settings of :func:`kvq_export.export.weights.dequantized_model` (the weights an
+  (as loaded), else the int block settings of :func:`kvq_export.calibration.weights.dequantized_model` (the weights an
   int4 / int8 export computes with); it is part of the digest and of the file (member ``kvq.weights``), and
   :meth:`Calibration.check_weights` refuses the calibration for an export that runs other weights;
 * :meth:`Calibration.check` refuses it for a scheme and model it does not fit (at export and at load);
@@ -210,7 +210,7 @@ class Calibration(Mapping[int, Mapping[str, Mapping[str, np.ndarray]]]):
 
         None: the model's own weights, as loaded (every calibration file without a record is one); else
         ``{"format": "int4"|"int8", "block_size": n, "symmetric": bool}``: the model with its weights replaced by what
-        an export storing them so computes with (:func:`kvq_export.export.weights.dequantized_model`).
+        an export storing them so computes with (:func:`kvq_export.calibration.weights.dequantized_model`).
         """
         return None if self._weights is None else MappingProxyType(self._weights)
 

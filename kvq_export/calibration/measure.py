@@ -112,13 +112,13 @@ def measured_model(model: PreTrainedModel, weights: WeightSpec | None) -> tuple[
     """The model calibration and planning run for an export storing its weights as ``weights``, and its record.
 
     Int blocks: a copy with the weights the export computes with (ONNX Runtime's codes and scales dequantized,
-    :func:`kvq_export.export.weights.dequantized_model`) and their settings (:attr:`Calibration.weights`); else
+    :func:`kvq_export.calibration.weights.dequantized_model`) and their settings (:attr:`Calibration.weights`); else
     ``model`` itself and None (its own weights).
     """
     measured_on = None if weights is None else weights.calibration_weights
     if measured_on is None:
         return model, None
-    from kvq_export.export.weights import dequantized_model
+    from kvq_export.calibration.weights import dequantized_model
 
     return dequantized_model(model, weights), measured_on
 

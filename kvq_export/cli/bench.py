@@ -20,7 +20,7 @@ from kvq_export.cli._base import (
 )
 from kvq_export.cli_types import outside_exports
 from kvq_export.dtypes import COMPUTE_DTYPES
-from kvq_export.export.flavors import flavor_names, get_flavor
+from kvq_export.flavors import flavor_names, get_flavor
 from kvq_export.progress import tqdm_bars
 
 

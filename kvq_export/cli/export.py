@@ -24,7 +24,7 @@ from kvq_export.cli._base import (
 from kvq_export.cli_types import POSITIVE, outside_exports
 from kvq_export.errors import KVQError
 from kvq_export.export.exporter import export
-from kvq_export.export.flavors import FLAVORS, flavor_names
+from kvq_export.flavors import FLAVORS, flavor_names
 from kvq_export.model_source import load_model
 from kvq_export.plan import plan_scheme
 from kvq_export.progress import tqdm_bars

@@ -1,9 +1,10 @@
-"""Build ONNX decoder graphs directly from a model's weights (no tracing).
+"""The export pipeline: an :class:`~kvq_export.request.ExportRequest` -> a deployable export directory.
 
-* :mod:`kvq_export.export.builder` -- :class:`GraphBuilder`, a thin layer over ``onnx_ir``, and :func:`save`.
-* :mod:`kvq_export.export.arch` -- the architecture registry: each family's weights, RoPE, windows.
-* :mod:`kvq_export.export.rope` -- RoPE frequencies (transformers' own) and the graph's cos/sin tables.
-* :mod:`kvq_export.export.projections` -- state-dict weights read as MatMuls (fused or one per projection).
-* :mod:`kvq_export.export.cache_graph` -- ``CacheGraph``, the contract a flavour's KV cache fulfils.
-* :mod:`kvq_export.export.decoder` -- the model body; the KV cache is plugged in through ``CacheGraph``.
+* :mod:`kvq_export.export.exporter` -- ``export()`` and the other entry points; the directory it writes;
+* :mod:`kvq_export.export.stages` -- the stages, from loading the model to packaging its files;
+* :mod:`kvq_export.export.budget` -- the scheme planned under a bit budget (``kvq export --budget``);
+* :mod:`kvq_export.export.decoder` -- the model body; the flavour's KV cache is plugged in through ``CacheGraph``.
+
+The graph toolkit is :mod:`kvq_export.graph`, the flavours :mod:`kvq_export.flavors`, the architectures
+:mod:`kvq_export.arch`.
 """

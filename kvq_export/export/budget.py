@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvq_export.calibration import calibration_windows
 from kvq_export.errors import ExportError
-from kvq_export.export.flavors import Flavor, Runtime
+from kvq_export.flavors import Flavor, Runtime
 from kvq_export.plan import CandidateSet, Plan, candidate_set, fitting, plan_scheme, with_value_window
 from kvq_export.request import (
     DEFAULT_CALIBRATION,

@@ -30,7 +30,7 @@ flavour with keys transformed after RoPE) gets RoPE on the packed projection in 
 same products and sums as the per-head form (:meth:`_Body.apply_packed_rope`), and no per-head transposes:
 decode steps of small models are dominated by per-node overhead, so that layout saves about 20 nodes a layer.
 
-Family differences are the :class:`~kvq_export.export.arch.Arch` declarations (norm placement and
+Family differences are the :class:`~kvq_export.arch.Arch` declarations (norm placement and
 style, q/k norms, embedding scale, logit soft-capping, activation, per-layer RoPE). Soft-capping of
 attention scores is the cache graph's job (it computes the scores): a cache graph that implements
 ``spec.attn_softcap`` says so with ``supports_attn_softcap = True``; others are refused for such models.
@@ -47,7 +47,7 @@ body feeds it that basis, so every flavour's cache, kernel and probes see rotate
   projection) and each query head's block of ``o_proj`` input columns becomes ``W_o[:, block] @ R`` (the
   rotated attention output is rotated back inside ``o_proj``), computed in float64 and cast. This holds
   whenever attention's output goes straight into ``o_proj`` and v straight from ``v_proj`` into the cache
-  -- true of every registered architecture. An :class:`~kvq_export.export.arch.Arch` that puts something
+  -- true of every registered architecture. An :class:`~kvq_export.arch.Arch` that puts something
   between them (a norm or gate on v or on the attention output) sets ``folds_value_rotation = False``;
   the body then rotates v and un-rotates the output with float32 MatMuls in the graph instead.
 """
@@ -62,20 +62,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx_ir as ir
 
+from kvq_export.arch import GELU_TANH_ACTIVATIONS, Arch, LinearNames, get_arch
 from kvq_export.dtypes import COMPUTE_DTYPES, DType
 from kvq_export.errors import ExportError
-from kvq_export.export.arch import GELU_TANH_ACTIVATIONS, Arch, LinearNames, get_arch
-from kvq_export.export.builder import GraphBuilder
-from kvq_export.export.cache_graph import (
+from kvq_export.flavors.cache_graph import (
     CacheGraph,
-    DecoderSpec,
     attends_packed,
     cache_rotation,
     fuses_body,
     fuses_rotary,
 )
-from kvq_export.export.projections import Part, Projections, StateWeights, block_diag
-from kvq_export.export.rope import RotaryGraph
+from kvq_export.graph.builder import GraphBuilder
+from kvq_export.graph.decoder_spec import DecoderSpec
+from kvq_export.graph.projections import Part, Projections, StateWeights, block_diag
+from kvq_export.graph.rope import RotaryGraph
 from kvq_export.model_facts import ModelFacts
 
 if TYPE_CHECKING:
@@ -294,7 +294,7 @@ class _Body:
     def apply_packed_rope(self, qkv: ir.Value, layer: int, key_rotation: np.ndarray | None) -> ir.Value:
         """RoPE on the q and k heads of a packed ``[B, t, (Hq + 2 Hkv) * D]`` projection, then the key rotation.
 
-        RoPE runs on the flat row (:meth:`~kvq_export.export.rope.RotaryGraph.apply_packed`: the same products and
+        RoPE runs on the flat row (:meth:`~kvq_export.graph.rope.RotaryGraph.apply_packed`: the same products and
         sums as the per-head form, no reshapes). A key rotation ``R`` then multiplies each q and k head (a float32
         MatMul per head, the identity on the value heads).
         """

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvq_export.cache_layout import BUFFER
 from kvq_export.errors import KVQError
-from kvq_export.export.genai_package import mixed_types_reason
-from kvq_export.export.gqa_capability import unsupported
+from kvq_export.flavors.ort_gqa.capability import unsupported
+from kvq_export.flavors.ort_gqa.genai import mixed_types_reason
 from kvq_export.memory import predict
 from kvq_export.model_facts import Geometry
 from kvq_export.plan.allocation import RESOLUTION, Option, allocate, scheme_from_choice
@@ -24,7 +24,7 @@ def genai_view(scheme: KVQuantScheme, options: Sequence[Sequence[Option]], budge
                ) -> tuple[dict[str, Any] | None, KVQuantScheme | None]:
     """Whether onnxruntime-genai serves a plan, and if not, the nearest plan it serves.
 
-    og allocates one cache element type for every layer (:func:`kvq_export.export.genai_package.mixed_types_reason`),
+    og allocates one cache element type for every layer (:func:`kvq_export.flavors.ort_gqa.genai.mixed_types_reason`),
     so a plan mixing 8-bit and 4-bit layers is not served. The nearest plan is the least damage under the same
     budget with every layer's option of one element type: the plan ``kvq plan`` gives with only those candidates
     (``ort-gqa-int4`` / ``ort-gqa-int8`` for the ``ort-gqa`` set). Returns (the report's entry, that scheme);

@@ -10,7 +10,7 @@ layer stores ``x @ R`` and hands attention the dequantized K/V rotated back (``@
 equal the exported graphs' rotated-basis attention up to float32 rounding, and the stored tensors equal
 the graphs' present cache.
 
-``exact_prefill=True`` models ``--flavor ort-gqa``'s prefill (see :mod:`kvq_export.export.gqa_flavor`): an
+``exact_prefill=True`` models ``--flavor ort-gqa``'s prefill (see :mod:`kvq_export.flavors.ort_gqa.graph`): an
 update of more than one token (a prompt, or a chunk of one), or the first, stores its K/V as usual but hands
 attention the stored cache's earlier tokens followed by the new K/V themselves, so a call's tokens attend
 exactly among themselves; a later one-token update attends over the stored cache, its own token's codes included.

@@ -1,7 +1,7 @@
 """Run a kvq export on onnxruntime-genai (``og``): a thin generation loop over its C++ one, and scales for its builder.
 
 The files og reads (``genai_config.json``, the entry graph ``model.genai.onnx``) are written at export by
-:mod:`kvq_export.export.genai_package`, which also says what og can serve and how it feeds the graph.
+:mod:`kvq_export.flavors.ort_gqa.genai`, which also says what og can serve and how it feeds the graph.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from kvq_export._read import TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes, read
 from kvq_export.calibration import calibrate_static_scales, calibration_windows
 from kvq_export.calibration.artifact import describe_weights
 from kvq_export.errors import ExportError, RuntimeInputError
-from kvq_export.export.genai_package import GENAI_CONFIG, GENAI_MODEL, RUNTIME, genai_config, unsupported_reason
-from kvq_export.export.gqa_capability import unsupported
+from kvq_export.flavors.ort_gqa.capability import unsupported
+from kvq_export.flavors.ort_gqa.genai import GENAI_CONFIG, GENAI_MODEL, RUNTIME, genai_config, unsupported_reason
 from kvq_export.graph_facts import check_graph_facts
 from kvq_export.manifest import (
     Manifest,
@@ -94,7 +94,7 @@ def builder_scale_file(static, scheme, geometry: CacheGeometry, *,
     ``kv_cache_quant_scheme=int{bits}_{granularity}`` uses exactly kvq's scales (the ones ``kvq export --flavor
     ort-gqa`` writes into its graph); the builder rescales them for another bit width.
     """
-    from kvq_export.export.gqa_plan import gqa_scale  # lazy: imports torch and onnx
+    from kvq_export.flavors.ort_gqa.plan import gqa_scale  # lazy: imports torch and onnx
 
     if granularity not in GRANULARITIES:
         raise ExportError(f"unknown granularity {granularity!r}; allowed: {', '.join(GRANULARITIES)}")

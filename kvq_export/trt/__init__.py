@@ -11,9 +11,9 @@ to install when TensorRT is missing::
 
 from __future__ import annotations
 
+from kvq_export.flavors.trt.signature import PLUGIN_NAMESPACE, PluginSignature, manifest_signatures, plugin_signature
 from kvq_export.trt.compare import compare_with_onnxruntime
 from kvq_export.trt.engine import ENGINE_NAME, build_engine, engine_profiles
-from kvq_export.trt.signature import PLUGIN_NAMESPACE, PluginSignature, manifest_signatures, plugin_signature
 
 __all__ = [
     "ENGINE_NAME",

@@ -25,7 +25,7 @@ from kvq_export._lazy import require
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.export.exporter import export
-from kvq_export.export.flavors import FlavorName, get_flavor
+from kvq_export.flavors import FlavorName, get_flavor
 from kvq_export.manifest import Manifest, load_static
 from kvq_export.model_digest import recorded_source
 from kvq_export.naming import present_name

@@ -27,7 +27,7 @@ from kvq_export._atomic import atomic_write
 from kvq_export._lazy import require
 from kvq_export.cache_layout import RegionSplit
 from kvq_export.errors import ExportError
-from kvq_export.export.flavors import Runtime, get_flavor
+from kvq_export.flavors import Runtime, get_flavor
 from kvq_export.manifest import MODEL_NAME, Manifest, check_output_path
 from kvq_export.vocab import Part
 

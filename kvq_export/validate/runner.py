@@ -133,7 +133,7 @@ class _Accumulator:
 
 def export_weights(directory: str | os.PathLike[str]) -> WeightSpec:
     """How an export's graph stores its weights, as the graph records it (a graph as built: ``fp32``)."""
-    from kvq_export.export.weights import weight_bytes  # lazy: imports onnx
+    from kvq_export.weight_bytes import weight_bytes  # lazy: imports onnx
 
     return WeightSpec.from_dict(weight_bytes(directory).settings)
 
@@ -391,7 +391,7 @@ def _token_section(acc: _Accumulator, greedy: dict) -> dict[str, Any]:
 
 def _weight_only_section(acc: _Accumulator, weights: WeightSpec, reference, skipped: str | None) -> dict[str, Any]:
     """The baseline (the export's weights) against its fp32-weight twin, both with the baseline's cache."""
-    from kvq_export.export.weights import weight_bytes  # lazy: imports onnx
+    from kvq_export.weight_bytes import weight_bytes  # lazy: imports onnx
 
     if reference is None:
         return {"weights": weights_label(weights), "skipped": skipped}
@@ -441,7 +441,7 @@ def _attention_section(acc: _Accumulator, manifest) -> dict[str, Any]:
 
 def _memory_section(quant, base, cache, shape) -> dict[str, Any]:
     """The cache bytes held vs the memory model's, with both graphs' weight bytes beside them."""
-    from kvq_export.export.weights import weight_bytes  # lazy: imports onnx
+    from kvq_export.weight_bytes import weight_bytes  # lazy: imports onnx
 
     rows, length = shape
     geo = quant.manifest.model

@@ -17,7 +17,7 @@ import onnx_ir as ir
 from kvq_export.calibration.artifact import static_name
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
-from kvq_export.export.builder import GraphBuilder
+from kvq_export.graph.builder import GraphBuilder
 from kvq_export.model_facts import CacheGeometry
 from kvq_export.reference.codec import channel_levels, channel_order, check_high_channels, int_levels
 from kvq_export.scheme import FP8_E4M3_MAX, PLANE_BITS, TensorQuant, code_planes

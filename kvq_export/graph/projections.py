@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from kvq_export.arch import LinearNames
 from kvq_export.dtypes import DType
 from kvq_export.errors import ModelError
-from kvq_export.export.arch import LinearNames
-from kvq_export.export.builder import GraphBuilder
+from kvq_export.graph.builder import GraphBuilder
 
 #: One projection of a shared input: its names, its output features and the rotation folded into its outputs.
 Part = tuple[LinearNames, int, "np.ndarray | None"]

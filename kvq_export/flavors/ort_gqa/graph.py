@@ -59,7 +59,7 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   projection too (:meth:`~kvq_export.export.decoder._Body.apply_packed_rope`: no per-head transposes, no
   Split), and the node still gets one packed input. So left-padded batches are fully supported and a batched
   prompt gives what it gives alone; right-padded rows (onnxruntime-genai's prompts, see
-  :mod:`kvq_export.export.genai_package`) work too, and onnxruntime-genai's variant of the graph, whose rows are
+  :mod:`kvq_export.flavors.ort_gqa.genai`) work too, and onnxruntime-genai's variant of the graph, whose rows are
   never left-padded, bypasses the realignment (its values are named for that).
 * ``seqlens_k = max(seq_lengths + new - 1, 0)`` (int32), ``total_sequence_length = max(longest row, t)``,
   ``query_seqlens = new tokens per row``, all computed in-graph from ``past.seq_lengths`` and the mask.
@@ -125,18 +125,18 @@ import onnx_ir as ir
 from kvq_export.cache_layout import BUFFER
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
-from kvq_export.export.builder import GraphBuilder
-from kvq_export.export.cache_graph import DecoderSpec
-from kvq_export.export.genai_package import REAL_TOKENS, ROWS_BACK, ROWS_TO_FRONT
-from kvq_export.export.gqa_capability import unsupported
-from kvq_export.export.gqa_plan import HighSplit, plan_layer
-from kvq_export.export.graph_codec import static_name, unpack_fields
-from kvq_export.export.kv_graph import LaidOutCache, name_packed_probe, name_probes
+from kvq_export.flavors.ort_gqa.capability import rope_in_body, unsupported
+from kvq_export.flavors.ort_gqa.genai import REAL_TOKENS, ROWS_BACK, ROWS_TO_FRONT
+from kvq_export.flavors.ort_gqa.high_nodes import NodeShape, fold, high_nibbles, pack, quantize, widen
+from kvq_export.flavors.ort_gqa.plan import plan_layer
+from kvq_export.flavors.reference.graph import LaidOutCache, name_packed_probe, name_probes
+from kvq_export.graph.builder import GraphBuilder
+from kvq_export.graph.codec import static_name, unpack_fields
+from kvq_export.graph.decoder_spec import DecoderSpec
 from kvq_export.model_facts import CacheGeometry, ModelFacts
 from kvq_export.naming import PARTS, ROTARY_TABLES, tensor_name
 from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import KVQuantScheme
-from kvq_export.vocab import Rotation
 
 logger = logging.getLogger(__name__)
 
@@ -342,11 +342,11 @@ class GQACacheGraph(LaidOutCache):
             node_in = self._right(b, *self._offset_inputs(b, layer, q, k, v))
 
         def step() -> list[ir.Value]:
-            inputs = self._right(b, self._widen(b, layer, q, codes), None, None) if high else node_in
+            inputs = self._right(b, widen(b, self.node_shape, layer, plan, q, codes), None, None) if high else node_in
             past = [self.past[self.layout.buffer_name("past", layer, part)] for part in PARTS]
             out, present_k, present_v = self._node(b, layer, *inputs, past, scales, rotary=rotary)
             if plan.v_high is not None:
-                out = self._fold(b, layer, out, plan.v_high)
+                out = fold(b, self.node_shape, layer, out, plan.v_high)
             return [out if offset is None else b.op("Add", out, offset), present_k, present_v]
 
         def exact() -> list[ir.Value]:
@@ -423,12 +423,12 @@ class GQACacheGraph(LaidOutCache):
         out, present_k, present_v = self._node(b, layer, *node_in, held, (None, None), rotary=rotary,
                                                query_seqlens=self.exact_seqlens, total=self.exact_total)
         if codes is not None:  # [B, t, 2, kv_heads, node head / 2] -> [2, B, kv_heads, t, ..]: key, value
-            both = b.op("Transpose", self._pack(b, self._high_nibbles(b, layer, node_in[0], codes)),
-                        perm=[2, 0, 3, 1, 4])
+            nibbles = high_nibbles(b, self.node_shape, layer, self.plans[layer], node_in[0], codes)
+            both = b.op("Transpose", pack(b, nibbles), perm=[2, 0, 3, 1, 4])
             stored = [b.op("Squeeze", b.op("Gather", both, b.const([i]), axis=0), b.const([0])) for i in range(2)]
         else:
             out = out if offset is None else b.op("Add", out, offset)
-            stored = [self._quantize(b, self._new_rows(b, x), scale, plan.bits)
+            stored = [quantize(b, self._new_rows(b, x), scale, plan.bits, self.compute_type)
                       for x, scale in zip((present_k, present_v), scales)]
         return [out] + [self._write(b, buffer, x, plan.bits) for buffer, x in zip(buffers, stored)]
 
@@ -477,128 +477,10 @@ class GQACacheGraph(LaidOutCache):
         codes = b.op("Where", self.new_real, codes, zero)
         return b.op("ScatterElements", buffer, b.op("Expand", self.new_places, b.op("Shape", codes)), codes, axis=2)
 
-    def _quantize(self, b: GraphBuilder, x: ir.Value, scale: ir.Value, bits: int) -> ir.Value:
-        """The node's cache bytes of ``x`` [B, kv_heads, t, head_dim] (unpadded).
-
-        ``clip(round_half_even(x / scale), -2^(b-1), 2^(b-1) - 1)`` as int8, or at 4 bits ``q + 8`` two to a
-        uint8, low nibble first: the bytes GroupQueryAttention writes.
-        """
-        if self.compute_type != ir.DataType.FLOAT:
-            x = b.op("Cast", x, to=ir.DataType.FLOAT)
-        half = float(1 << (bits - 1))
-        q = b.op("Clip", b.op("Round", b.op("Div", x, scale)), b.const(-half), b.const(half - 1))
-        if bits == 8:
-            return b.op("Cast", q, to=ir.DataType.INT8)
-        return self._pack(b, b.op("Add", q, b.const(half)))
-
-    @staticmethod
-    def _pack(b: GraphBuilder, nibbles: ir.Value) -> ir.Value:
-        """Float nibbles 0..15 along the last axis -> uint8, two to a byte, low nibble first (half the last axis)."""
-        even, odd = (b.op("Slice", nibbles, b.const([start]), b.const([2**62]), b.const([-1]), b.const([2]))
-                     for start in (0, 1))
-        return b.op("Cast", b.op("Add", even, b.op("Mul", odd, b.const(16.0))), to=ir.DataType.UINT8)
-
-    def _high_code(self, b: GraphBuilder, x: ir.Value, codes: dict[str, ir.Value], start: int = 0) -> ir.Value:
-        """The 8-bit code ``c`` kvq stores of each high channel in float32 rows ``x`` (elsewhere 0), as its codec does.
-
-        ``codes``: :meth:`LayerPlan.high_code_constants` over the packed row; ``x`` holds its columns from ``start``.
-        """
-        def const(role: str) -> ir.Value:  # (a Slice of an initializer: folded when the session loads)
-            return codes[role] if not start else b.op("Slice", codes[role], b.const([start]), b.const([2**62]))
-
-        c = b.op("Round", b.op("Div", b.op("Sub", x, const("zero")), const("scale")))
-        return b.op("Add", b.op("Min", b.op("Max", c, const("low")), const("top")), const("offset"))
-
-    def _high_nibbles(self, b: GraphBuilder, layer: int, qkv: ir.Value, codes: dict[str, ir.Value]) -> ir.Value:
-        """The 4-bit values ``q + 8`` the node stores of a prefill's keys and values, ``[B, t, 2, kv_heads, D + n]``.
-
-        From the exact packed projections ``qkv`` (right-aligned, after RoPE), only their key and value columns,
-        without widening the row: the node's codes of the widened rows :meth:`_widen` makes, bit for bit. At a
-        high channel's place ``hi = floor(c / 16)`` and after ``head_dim`` ``lo = c - 16 hi`` (the node's rounding
-        of ``(c - 135.5) s / 16 s`` and ``(lo - 8) s / s``); at every other channel ``clip(round((x - offset) /
-        scale), -8, 7) + 8`` at the node's scale, the difference first rounded to the compute dtype (the node's
-        input).
-        """
-        f, plan = self.spec.facts, self.plans[layer]
-        heads, n = f.num_kv_heads, plan.k_high.channels.shape[1]
-        q_size = f.num_heads * self.geometry.head_dim
-        x = b.op("Slice", qkv, b.const([q_size]), b.const([2**62]), b.const([2]))  # [B, t, key | value]
-        x = x if self.compute_type == ir.DataType.FLOAT else b.op("Cast", x, to=ir.DataType.FLOAT)
-        c = self._high_code(b, x, codes, q_size)
-        hi = b.op("Floor", b.op("Mul", c, b.const(1 / 16)))
-        lo = b.op("Sub", c, b.op("Mul", hi, b.const(16.0)))
-        highs = (plan.k_high, plan.v_high)
-        own = np.concatenate([s.reshape(1, heads, 1, -1)[0, :, 0, :self.geometry.head_dim].reshape(-1)
-                              for s in (plan.k_scale, plan.v_scale)])
-        places = np.concatenate([start + high.places().reshape(-1) for start, high in zip((0, self.kv_row), highs)])
-        # q + 8 clipped to 0..15, but to 0 at the high channels' places, where hi (0 elsewhere) then wins a Max
-        low, top = np.full(2 * self.kv_row, -8.0, np.float32), np.full(2 * self.kv_row, 7.0, np.float32)
-        top[places] = -8.0
-
-        def const(role: str, array: np.ndarray) -> ir.Value:
-            return b.initializer(static_name(layer, "kv", f"high_channels.prefill_{role}"), array)
-
-        shifted = b.op("Sub", x, const("offset", np.concatenate(plan.stream_offsets(self.kv_row))))
-        if self.compute_type != ir.DataType.FLOAT:  # the node quantizes its compute-dtype input
-            shifted = b.op("Cast", b.op("Cast", shifted, to=self.compute_type), to=ir.DataType.FLOAT)
-        q = b.op("Min", b.op("Max", b.op("Round", b.op("Div", shifted, const("scale", own))), const("low", low)),
-                 const("top", top))
-        own_nibbles = b.op("Max", b.op("Add", q, b.const(8.0)), hi)
-        lower = b.op("Gather", lo, const("lower", places), axis=2)
-        return b.op("Concat", b.op("Reshape", own_nibbles, b.const([0, 0, 2, heads, self.geometry.head_dim])),
-                    b.op("Reshape", lower, b.const([0, 0, 2, heads, n])), axis=4)
-
-    def _widen(self, b: GraphBuilder, layer: int, qkv: ir.Value, codes: dict[str, ir.Value]) -> ir.Value:
-        """Packed q|k|v rows with the node's head of ``head_dim + n`` channels (see :class:`HighSplit`).
-
-        ``qkv``: ``[B, t, (Hq + 2 Hkv) * D]`` after RoPE. kvq's 8-bit codes ``c`` of both streams' high channels
-        are computed as the reference codec does (fp32, round half to even; ``codes``: their constants), over the
-        whole row at once (off the high channels the constants are inert and the codes unread: no Gather to pick
-        the channels out), and join the row with their lower nibbles ``c mod 16``. One Gather lays out each
-        widened row: each query head's channels and again its kv head's high key channels, then each key and
-        value head with ``c`` in the high channel's place and ``c mod 16`` after ``head_dim``. One Sub and one Mul
-        over the widened row then turn those into values the node's quantizer rounds to exactly ``hi - 8`` and
-        ``lo - 8``, and subtract asymmetric streams' offsets from the other channels (minus 0, times 1 elsewhere:
-        exact). Decode steps run it (a prefill stores :meth:`_high_nibbles` instead).
-        """
-        f, plan = self.spec.facts, self.plans[layer]
-        highs = (plan.k_high, plan.v_high)
-        q_size, row = f.num_heads * self.geometry.head_dim, self.kv_row
-        width = q_size + 2 * row
-        starts = (q_size, q_size + row)  # where the key and value rows start in the packed row
-
-        def const(role: str, array: np.ndarray) -> ir.Value:
-            return b.initializer(static_name(layer, "kv", f"high_channels.{role}"), array)
-
-        x = qkv if self.compute_type == ir.DataType.FLOAT else b.op("Cast", qkv, to=ir.DataType.FLOAT)
-        c = self._high_code(b, x, codes)  # kvq's stored code c
-        source = b.op("Concat", x, c, b.op("Mod", c, b.const(16.0), fmod=1), axis=2)  # [row | c | c mod 16]
-        own, query = np.arange(width), highs[0].query_widened(f.num_heads)
-        index = np.concatenate([query] + [
-            high.widened(own[start:start + row], width + start + high.places(), 2 * width + start + high.places())
-            for start, high in zip(starts, highs)])
-        wide = b.op("Gather", source, b.initializer(static_name(layer, "qkv", "high_channels.widen"), index), axis=2)
-        # [c - 135.5 | lo - 8] * s: at node scale 16 s the first rounds to hi - 8, being (c - 128) / 16 - 0.47 with
-        # c - 128 = 16 (hi - 8) + lo, always 1/32 or more from a tie
-        offsets = plan.stream_offsets(row)
-        centre = np.concatenate([np.zeros(query.size, np.float32)] + [
-            high.widened(offset.astype(np.float32), 135.5, 8.0) for offset, high in zip(offsets, highs)])
-        scale = np.concatenate([np.ones(query.size, np.float32)] + [
-            high.widened(np.ones(row, np.float32), high.scale, high.scale) for high in highs])
-        wide = b.op("Mul", b.op("Sub", wide, const("centre", centre)), const("nibble_scale", scale))
-        return wide if self.compute_type == ir.DataType.FLOAT else b.op("Cast", wide, to=self.compute_type)
-
-    def _fold(self, b: GraphBuilder, layer: int, out: ir.Value, high: HighSplit) -> ir.Value:
-        """The node's output ``[B, t, Hq * (D + n)]`` -> ``[B, t, Hq * D]``.
-
-        Each query head's n extra channels are added onto its kv head's high value channels: one Gather reads
-        each channel and the extra channel added to it (a zero column appended for the others), one ReduceSum
-        adds the two (no matmul over the whole row).
-        """
-        padded = b.op("Pad", out, b.const([0, 0, 0, 0, 0, 1]))  # one zero column at the end
-        index = np.stack(high.folded(self.spec.facts.num_heads))  # [2, Hq * D]: main, extra
-        pairs = b.op("Gather", padded, b.initializer(static_name(layer, "value", "high_channels.fold"), index), axis=2)
-        return b.op("ReduceSum", pairs, b.const([2]), keepdims=0)
+    @property
+    def node_shape(self) -> NodeShape:
+        """The rows of this graph's nodes, as the high-channel nodes read them (known once :meth:`begin` ran)."""
+        return NodeShape(self.spec.facts, self.geometry.head_dim, self.kv_row, self.compute_type)
 
     def _offset(self, b: GraphBuilder, layer: int, what: str, array: np.ndarray) -> ir.Value:
         return b.initializer(static_name(layer, what, "offset"), array.astype(self.np_type))
@@ -616,13 +498,3 @@ class GQACacheGraph(LaidOutCache):
         k, v = (x if o is None else b.op("Sub", x, self._offset(b, layer, part, o))
                 for x, o, part in zip((k, v), (plan.k_offset, plan.v_offset), PARTS))
         return q, k, v
-
-
-def rope_in_body(scheme: KVQuantScheme, num_layers: int) -> bool:
-    """Whether RoPE must run in the body, before the node.
-
-    True when some layer's keys are rotated or offset after RoPE, or its node's head is wider than the model's
-    (high channels).
-    """
-    return any(key.rotation != Rotation.NONE or key.has_zero_point or key.high_channels
-               for key, _ in scheme.streams(num_layers))

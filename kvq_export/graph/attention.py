@@ -1,6 +1,6 @@
 """Attention over the dequantized cache in standard ONNX ops (the reference flavour's attention).
 
-The cache bookkeeping (:mod:`kvq_export.export.kv_graph`) hands over every stored token of a layer in one
+The cache bookkeeping (:mod:`kvq_export.flavors.reference.graph`) hands over every stored token of a layer in one
 token-ordered tensor ``[B, Hkv, N, D]``, each row's real tokens right-aligned; the mask built here keeps
 padding, future tokens and (for sliding-window layers) tokens outside the window out of the softmax.
 """
@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx_ir as ir
 
-from kvq_export.export.builder import GraphBuilder
+from kvq_export.graph.builder import GraphBuilder
 
 if TYPE_CHECKING:
-    from kvq_export.export.cache_graph import DecoderSpec
+    from kvq_export.graph.decoder_spec import DecoderSpec
 
 
 def attention_mask(b: GraphBuilder, *, positions: ir.Value, total_len: ir.Value, stored: ir.Value,

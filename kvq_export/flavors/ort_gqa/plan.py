@@ -1,6 +1,6 @@
 """How each ``ort-gqa`` layer's GroupQueryAttention node stores its cache: kvq's calibration as node constants.
 
-Numpy only (the graph that uses these is :mod:`kvq_export.export.gqa_flavor`): per layer a :class:`LayerPlan` with
+Numpy only (the graph that uses these is :mod:`kvq_export.flavors.ort_gqa.graph`): per layer a :class:`LayerPlan` with
 the node's cache type, its ``PER_TENSOR``/``PER_CHANNEL`` scales (:func:`gqa_scale`), the offsets an asymmetric
 stream subtracts before the node (:func:`gqa_offset`) and, for int4 streams with 8-bit high channels, how those
 travel as two nibbles of a node head of ``head_dim + n`` channels (:class:`HighSplit`).
@@ -15,7 +15,7 @@ import numpy as np
 
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
-from kvq_export.export.graph_codec import high_channel_choice, static_scales
+from kvq_export.graph.codec import high_channel_choice, static_scales
 from kvq_export.model_facts import CacheGeometry
 from kvq_export.naming import PARTS
 from kvq_export.reference.codec import check_high_channels, high_channel_levels

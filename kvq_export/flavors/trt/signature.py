@@ -94,7 +94,7 @@ class PluginSignature:
 
 def plugin_signature(scheme: KVQuantScheme, layer: int, facts: ModelFacts, *, dtype: str = "fp32") -> PluginSignature:
     """The signature of ``layer``'s plugin node for the model of ``facts`` (heads, head_dim, scaling, window)."""
-    from kvq_export.export.graph_codec import static_name  # lazy: imports torch and onnx
+    from kvq_export.graph.codec import static_name  # lazy: imports torch and onnx
 
     compute = onnx_name(dtype)
     lengths = tensor_name("present", None, None, "seq_lengths")

@@ -4,11 +4,11 @@ Per layer and per stream (keys, values) the graph
 
 1. merges the past recent window with this call's new tokens (left padding dropped),
 2. fills the sink region, quantizes whatever leaves the recent window (a token, or a whole
-   channel-axis group of tokens) with the in-graph codec (:mod:`kvq_export.export.graph_codec`, exactly
+   channel-axis group of tokens) with the in-graph codec (:mod:`kvq_export.graph.codec`, exactly
    the arithmetic of :mod:`kvq_export.reference.codec`),
 3. emits the present state (the ``regions`` layout of :mod:`kvq_export.cache_layout`), and
 4. dequantizes the whole stored state into one token-ordered tensor for attention
-   (:mod:`kvq_export.export.graph_attention`).
+   (:mod:`kvq_export.graph.attention`).
 
 A rotated stream (``rotation`` of the scheme) is stored exactly like any other: the decoder body hands
 :meth:`QuantizedCacheGraph.attend` q/k/v already in the rotated basis (it asks :meth:`rotation` which
@@ -33,10 +33,11 @@ import onnx_ir as ir
 
 from kvq_export.cache_layout import REGIONS, CacheLayout, RegionSplit
 from kvq_export.dtypes import DType
-from kvq_export.export.builder import GraphBuilder
-from kvq_export.export.cache_graph import CacheGraph, DecoderSpec
-from kvq_export.export.graph_attention import attention_mask, grouped_query_attention
-from kvq_export.export.graph_codec import GraphCodec, HighChannels, dim, high_channel_choice, static_scales
+from kvq_export.flavors.cache_graph import CacheGraph
+from kvq_export.graph.attention import attention_mask, grouped_query_attention
+from kvq_export.graph.builder import GraphBuilder
+from kvq_export.graph.codec import GraphCodec, HighChannels, dim, high_channel_choice, static_scales
+from kvq_export.graph.decoder_spec import DecoderSpec
 from kvq_export.model_facts import CacheGeometry
 from kvq_export.naming import PARTS, PROBES, CacheTensor, packed_probe_name, probe_name, tensor_name
 from kvq_export.rotation import stream_rotation
@@ -207,7 +208,7 @@ class LaidOutCache(CacheGraph):
 
 
 class QuantizedCacheGraph(LaidOutCache):
-    """:class:`~kvq_export.export.cache_graph.CacheGraph` for any :class:`KVQuantScheme` (reference flavour).
+    """:class:`~kvq_export.flavors.cache_graph.CacheGraph` for any :class:`KVQuantScheme` (reference flavour).
 
     Args:
         scheme: the cache description.

@@ -5,11 +5,11 @@ the reference flavour (so the cache inputs/outputs and the stored state are iden
 dequantizing the whole cache and running attention in the graph, one node calls the fused kernel:
 ``op_type`` = plugin name, ``domain`` = plugin namespace, the plugin attributes plus
 ``plugin_namespace`` and ``aot`` (TensorRT's ONNX parser maps such a node to the registered
-``tensorrt.plugin``), all from :func:`kvq_export.trt.signature.plugin_signature`.
+``tensorrt.plugin``), all from :func:`kvq_export.flavors.trt.signature.plugin_signature`.
 
 Rotated schemes need nothing from the plugin: the decoder body rotates q (and the stored k) after RoPE and
 folds the value rotation into ``v_proj``/``o_proj``, so the plugin attends in the stored basis and its output
-comes back rotated for ``o_proj`` to undo (see :mod:`kvq_export.trt.signature`).
+comes back rotated for ``o_proj`` to undo (see :mod:`kvq_export.flavors.trt.signature`).
 
 The model carries no local function body for the plugin op: TensorRT's parser would inline a body instead
 of calling the plugin. ONNX Runtime therefore cannot run this flavour; compare it with the reference
@@ -21,11 +21,11 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from kvq_export.dtypes import DType
-from kvq_export.export.builder import GraphBuilder
-from kvq_export.export.kv_graph import QuantizedCacheGraph, StoredStream, name_probes
+from kvq_export.flavors.reference.graph import QuantizedCacheGraph, StoredStream, name_probes
+from kvq_export.flavors.trt.signature import PluginSignature, plugin_signature
+from kvq_export.graph.builder import GraphBuilder
 from kvq_export.model_facts import CacheGeometry
 from kvq_export.scheme import KVQuantScheme
-from kvq_export.trt.signature import PluginSignature, plugin_signature
 
 
 class TrtCacheGraph(QuantizedCacheGraph):

@@ -1,6 +1,6 @@
 """What ONNX Runtime's ``com.microsoft.GroupQueryAttention`` can hold: the ``ort-gqa`` flavour's limits, by layer.
 
-Kept apart from the flavour's graph code (:mod:`kvq_export.export.gqa_flavor`) so that what only asks whether a
+Kept apart from the flavour's graph code (:mod:`kvq_export.flavors.ort_gqa.graph`) so that what only asks whether a
 scheme fits (the onnxruntime-genai packaging, the planner, the builder's scale file) needs no graph builder.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvq_export.naming import PARTS
 from kvq_export.scheme import KVQuantScheme
-from kvq_export.vocab import Format, Quantizer, ScaleMode
+from kvq_export.vocab import Format, Quantizer, Rotation, ScaleMode
 
 #: ``kv_cache_bit_width`` values the node accepts.
 GQA_BITS = (8, 4)
@@ -70,3 +70,13 @@ def layer_span(layers: list[int], num_layers: int) -> str:
             runs.append([layer, layer])
     text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
     return f"layer {text}" if len(layers) == 1 else f"layers {text}"
+
+
+def rope_in_body(scheme: KVQuantScheme, num_layers: int) -> bool:
+    """Whether RoPE must run in the body, before the node.
+
+    True when some layer's keys are rotated or offset after RoPE, or its node's head is wider than the model's
+    (high channels).
+    """
+    return any(key.rotation != Rotation.NONE or key.has_zero_point or key.high_channels
+               for key, _ in scheme.streams(num_layers))

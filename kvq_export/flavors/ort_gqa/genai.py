@@ -58,7 +58,7 @@ import numpy as np
 
 from kvq_export.cache_layout import BUFFER
 from kvq_export.errors import ExportError
-from kvq_export.export.gqa_capability import layer_span, unsupported
+from kvq_export.flavors.ort_gqa.capability import layer_span, unsupported
 from kvq_export.manifest import MODEL_NAME, Manifest
 from kvq_export.manifest_sections import RuntimeSupport
 from kvq_export.naming import CacheTensor, tensor_name

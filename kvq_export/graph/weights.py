@@ -1,7 +1,7 @@
 """Weight storage formats of an export: fp32 as built, fp16, or block-quantized int8 / int4.
 
 :func:`quantize_weights` rewrites a built decoder graph after :func:`~kvq_export.export.decoder.build_decoder`
-and before :func:`~kvq_export.export.builder.save`::
+and before :func:`~kvq_export.graph.builder.save`::
 
     graph = build_decoder(model, arch, cache)
     graph = quantize_weights(graph, format="int4")      # block_size=32, symmetric, fp32 activations
@@ -46,61 +46,33 @@ fp32 weights (top-1 0.625 vs 0.633 on 255 predictions, the same perplexity). ONN
 1.32 has no fast CPU kernel for 8-bit weights with float32 activations (SmolLM2 int8 at level 1 decoded more than 10x
 slower than with fp32 weights): int8 weights on CPU want ``accuracy_level=4``, and kvq warns otherwise.
 
-:func:`weight_bytes` reports what an export directory's initializers hold: the quantized payload, the scales and
-zero points, and the unquantized rest (by dtype), for showing beside the cache's bytes.
+The block arithmetic (ONNX Runtime's quantizer and its dequantization) is :mod:`kvq_export.weight_blocks`;
+:mod:`kvq_export.weight_bytes` reports what an export directory's weights hold.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
-import os
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 
-from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
-from kvq_export.export.builder import EXTERNAL_DATA_SUFFIX
-from kvq_export.manifest import MODEL_NAME
-from kvq_export.model_facts import ModelFacts
 from kvq_export.vocab import WeightFormat
+from kvq_export.weight_blocks import BITS, DEFAULT_ACCURACY_LEVEL, block_quantizer, check_weight_options, ort_quantizer
 
 logger = logging.getLogger(__name__)
 
-WEIGHT_FORMATS = tuple(WeightFormat)
-BITS = {WeightFormat.INT8: 8, WeightFormat.INT4: 4}
-#: block sizes MatMulNBits and GatherBlockQuantized take on CPU (a power of two, at least 16)
-BLOCK_SIZES = (16, 32, 64, 128, 256)
-#: MatMulNBits ``accuracy_level``: the activations' compute type
-ACCURACY_LEVELS = {1: "float32", 2: "float16", 3: "bfloat16", 4: "int8"}
-#: int8 activations: rows of a batch computed bit for bit alike, and the fast CPU kernels
-DEFAULT_ACCURACY_LEVEL = 4
 #: graph metadata key recording how the weights are stored (JSON)
 WEIGHTS_KEY = "kvq.weights"
 MS_DOMAIN = "com.microsoft"
 
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
-
-
-def check_weight_options(format: str, block_size: int, symmetric: bool, accuracy_level: int | None) -> None:
-    """Raise a one-line :class:`ExportError` unless every option is one kvq can store."""
-    if format not in WEIGHT_FORMATS:
-        raise ExportError(f"unknown weight format {format!r}; allowed: {', '.join(WEIGHT_FORMATS)}")
-    if isinstance(block_size, bool) or block_size not in BLOCK_SIZES:
-        raise ExportError(f"invalid weight block size {block_size!r}; allowed: {', '.join(map(str, BLOCK_SIZES))}")
-    if not isinstance(symmetric, bool):
-        raise ExportError(f"invalid symmetric={symmetric!r}; allowed: True, False")
-    if accuracy_level is not None and (isinstance(accuracy_level, bool) or accuracy_level not in ACCURACY_LEVELS):
-        allowed = ", ".join(f"{level} ({name} activations)" for level, name in ACCURACY_LEVELS.items())
-        raise ExportError(f"invalid accuracy_level {accuracy_level!r}; allowed: {allowed}, or None (ONNX Runtime's)")
 
 
 def quantize_weights(
@@ -164,7 +136,7 @@ def _is_weight(name: str) -> bool:
     return base.endswith(".weight")
 
 
-def _is_parameter(name: str) -> bool:
+def is_parameter(name: str) -> bool:
     """Whether initializer ``name`` holds a model parameter: a weight (``<name>.fp16`` once stored as fp16), a bias."""
     base = name.removesuffix(".fp16")
     return _is_weight(base) or (base.rsplit("[", 1)[0] if base.endswith("]") else base).endswith(".bias")
@@ -206,7 +178,7 @@ class _Graph:
                 and self.inits[n.input[1]].data_type in _FLOATS]
 
 
-def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
+def attribute(node: onnx.NodeProto, name: str, default: Any) -> Any:
     for a in node.attribute:
         if a.name == name:
             return onnx.helper.get_attribute_value(a)
@@ -256,126 +228,25 @@ def _find_embeddings(g: _Graph) -> list[_Embedding]:
         if not _is_weight(name) or len(tensor.dims) != 2 or tensor.data_type not in _FLOATS:
             continue
         uses = g.consumers(name)
-        if not any(n.op_type == "Gather" and i == 0 and _attr(n, "axis", 0) == 0 for n, i in uses):
+        if not any(n.op_type == "Gather" and i == 0 and attribute(n, "axis", 0) == 0 for n, i in uses):
             continue
         emb = _Embedding(name)
         for node, index in uses:
-            if node.op_type == "Gather" and index == 0 and _attr(node, "axis", 0) == 0:
+            if node.op_type == "Gather" and index == 0 and attribute(node, "axis", 0) == 0:
                 emb.gathers.append(node)
-            elif node.op_type == "Transpose" and list(_attr(node, "perm", [])) == [1, 0]:
+            elif node.op_type == "Transpose" and list(attribute(node, "perm", [])) == [1, 0]:
                 readers = g.consumers(node.output[0])
                 if readers and all(r.op_type == "MatMul" and i == 1 for r, i in readers):
                     emb.heads.extend((r, node) for r, _ in readers)
                 else:
                     emb.others += 1
-            elif (node.op_type == "Gemm" and index == 1 and len(node.input) == 2 and _attr(node, "transB", 0) == 1
-                  and _attr(node, "transA", 0) == 0 and _attr(node, "alpha", 1.0) == 1.0):
+            elif (node.op_type == "Gemm" and index == 1 and len(node.input) == 2 and attribute(node, "transB", 0) == 1
+                  and attribute(node, "transA", 0) == 0 and attribute(node, "alpha", 1.0) == 1.0):
                 emb.heads.append((node, None))
             else:
                 emb.others += 1
         found.append(emb)
     return found
-
-
-def _block_quantizer(bits: int, block_size: int, symmetric: bool):
-    """ONNX Runtime's block quantizer, the one MatMulNBitsQuantizer calls for each MatMul weight."""
-    ort = _ort_quantizer()
-    return ort.DefaultWeightOnlyQuantizer(ort.DefaultWeightOnlyQuantConfig(block_size=block_size,
-                                                                           is_symmetric=symmetric, bits=bits))
-
-
-def _ort_quantizer():
-    """ONNX Runtime's ``matmul_nbits_quantizer`` module, imported without letting it configure the root logger.
-
-    The module calls ``logging.basicConfig(level=INFO)`` when imported, which would turn on every library's INFO
-    lines in the application, and logs one INFO line per graph node: both are held back to kvq's own logging.
-    """
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        from onnxruntime.quantization import matmul_nbits_quantizer as module
-    finally:
-        for handler in root.handlers[:]:
-            if handler not in handlers:
-                root.removeHandler(handler)
-        root.setLevel(level)
-    logging.getLogger(module.__name__).setLevel(logging.WARNING)
-    return module
-
-
-def dequantized_blocks(weight: np.ndarray, *, bits: int, block_size: int, symmetric: bool) -> np.ndarray:
-    """The ``[K, N]`` float32 weight MatMulNBits (and GatherBlockQuantized) computes with for ``weight`` ``[K, N]``.
-
-    ONNX Runtime's block quantizer (the one :func:`quantize_weights` runs) gives the codes, scales and zero points;
-    they are dequantized as MatMulNBits does: ``(q - zero_point) * scale`` per block of ``block_size`` rows, the
-    zero point ``2^(bits-1)`` when ``symmetric`` (none stored).
-    """
-    check_weight_options(f"int{bits}", block_size, symmetric, None)
-    rows, cols = weight.shape
-    packed, scales, zero_points = _block_quantizer(bits, block_size, symmetric).qbits_block_quant(
-        np.ascontiguousarray(weight, dtype=np.float32))
-    blocks = packed.shape[1]
-    codes = _unpack(packed.reshape(cols, -1), bits)[:, :blocks * block_size].reshape(cols, blocks, block_size)
-    if symmetric:
-        zero = np.float32(1 << (bits - 1))
-    else:
-        zero = _unpack(zero_points, bits)[:, :blocks, None].astype(np.float32)
-    scale = np.asarray(scales, np.float32).reshape(cols, blocks, 1)
-    values = (codes.astype(np.float32) - zero) * scale
-    return np.ascontiguousarray(values.reshape(cols, -1)[:, :rows].T)
-
-
-def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
-    """uint8 bytes ``[n, bytes]`` -> codes ``[n, bytes * 8 / bits]`` (4 bits: low nibble first)."""
-    if bits == 8:
-        return packed.astype(np.int16)
-    return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.int16)
-
-
-def dequantized_model(model: Any, spec: Any) -> Any:
-    """A copy of Hugging Face ``model`` whose weights are what an export with ``spec``'s weights computes with.
-
-    ``spec`` (a :class:`~kvq_export.request.WeightSpec`) of an int format: every weight :func:`quantize_weights`
-    quantizes -- each layer's q/k/v/o and MLP projections, the embedding and an untied lm_head (a tied one shares
-    the embedding, as in the graph) -- is replaced by :func:`dequantized_blocks` of it. Blocks run along each
-    weight's input dimension, per output row, so a fused projection's slices are quantized alike whole or apart.
-    Calibration and planning run this model, so the cache's static scales are measured on the keys and values the
-    export computes (MatMulNBits' ``accuracy_level`` rounds activations at run time, which no weight copy holds).
-    Other formats return ``model`` itself: fp16 storage rounds weights far below any cache format's step.
-
-    A layer whose values are stored rotated has the rotation folded into ``v_proj`` / ``o_proj`` before the export
-    quantizes them; this copy quantizes the unrotated weights (the same block error, other rounding).
-    """
-    if spec.format not in BITS:
-        return model
-    import copy
-
-    import torch
-
-    from kvq_export.export.arch import get_arch
-
-    arch = get_arch(model.config)
-    facts = ModelFacts.from_config(model.config, arch)
-    names = [arch.embed_name(), *([arch.lm_head_name()] if arch.lm_head_name() else [])]
-    for layer in range(facts.num_layers):
-        parts = arch.layer_names(layer)
-        names += [linear.weight for linear in (parts.q, parts.k, parts.v, parts.o, parts.gate, parts.up, parts.down)]
-    copied = copy.deepcopy(model)
-    start = time.perf_counter()
-    with torch.no_grad():
-        for name in dict.fromkeys(names):  # a fused tensor (Phi3's qkv_proj) is named by each of its slices
-            try:
-                param = copied.get_parameter(name)
-            except AttributeError:
-                raise ExportError(f"{facts.model_type}: weight {name!r} is not a parameter of the model") from None
-            weight = param.detach().to(device="cpu", dtype=torch.float32).numpy()  # [out, in]
-            run = dequantized_blocks(weight.T, bits=BITS[spec.format], block_size=spec.block_size,
-                                     symmetric=spec.symmetric).T
-            param.copy_(torch.from_numpy(np.ascontiguousarray(run)).to(param.dtype))
-    logger.info("dequantized %d weights of the model as %s blocks of %d (%s) in %.1f s", len(set(names)),
-                spec.format, spec.block_size, "symmetric" if spec.symmetric else "asymmetric",
-                time.perf_counter() - start)
-    return copied
 
 
 def _quantize_embedding(g: _Graph, emb: _Embedding, bits: int, block_size: int, symmetric: bool,
@@ -384,7 +255,7 @@ def _quantize_embedding(g: _Graph, emb: _Embedding, bits: int, block_size: int, 
     table = onnx.numpy_helper.to_array(g.inits[emb.name])
     vocab, hidden = table.shape
     # [V, H] is MatMulNBits' [N, K]: quantize its transpose as the K x N weight of a MatMul
-    packed, scales, zero_points = _block_quantizer(bits, block_size, symmetric).qbits_block_quant(
+    packed, scales, zero_points = block_quantizer(bits, block_size, symmetric).qbits_block_quant(
         np.ascontiguousarray(table.T))
     blocks, width = packed.shape[1], packed.shape[1] * packed.shape[2]
     data = g.add_initializer(packed, f"{emb.name}_Q{bits}")
@@ -437,7 +308,7 @@ def _quantize_blocks(proto: onnx.ModelProto, bits: int, block_size: int, symmetr
     chosen = {n.name for n in weights}
     # other MatMuls with a constant B (rotations, channel permutations) stay in float32: they are exact transforms
     keep = [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.name not in chosen]
-    quantizer = _ort_quantizer().MatMulNBitsQuantizer(
+    quantizer = ort_quantizer().MatMulNBitsQuantizer(
         proto, bits=bits, block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level,
         nodes_to_exclude=keep, op_types_to_quantize=("MatMul",))
     quantizer.process()
@@ -469,114 +340,3 @@ def _set_metadata(proto: onnx.ModelProto, key: str, value: str) -> None:
             prop.value = value
             return
     proto.metadata_props.add(key=key, value=value)
-
-
-# -- what an export's weights weigh ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class WeightBytes:
-    """Initializer bytes of one graph, by role (shared initializers counted once).
-
-    ``quantized``: the integer payload of MatMulNBits / GatherBlockQuantized; ``scales``: their scales and zero
-    points; ``unquantized``: every other initializer by dtype (``fp32``, ``fp16``, ``int64``, ...): float weights,
-    norms, small constants. ``constants``: the part of ``unquantized`` that is the graph's own (rope tables,
-    rotations, shape constants), not the model's weights. ``settings``: what :func:`quantize_weights` recorded in the
-    graph (empty if nothing). ``files``: bytes of ``model.onnx`` and its external data on disk.
-    """
-
-    format: str
-    quantized: int
-    scales: int
-    unquantized: dict[str, int]
-    files: int
-    settings: dict[str, Any] = field(default_factory=dict)
-    constants: int = 0
-
-    @property
-    def total(self) -> int:
-        """All initializer bytes."""
-        return self.quantized + self.scales + sum(self.unquantized.values())
-
-    @property
-    def parameters(self) -> int:
-        """Bytes of the model's weights (what :func:`kvq_export.memory.predict_weights` predicts)."""
-        return self.total - self.constants
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return {"format": self.format, "quantized": self.quantized, "scales": self.scales,
-                "unquantized": dict(self.unquantized), "total": self.total, "parameters": self.parameters,
-                "constants": self.constants, "files": self.files, "settings": dict(self.settings)}
-
-    def describe(self) -> str:
-        """One line: ``int4 weights 77.9 MB: 62.1 MB quantized + 15.5 MB scales/zero points + 0.3 MB unquantized``."""
-        rest = sum(self.unquantized.values())
-        biggest = ", ".join(f"{name} {_mb(n)}" for name, n in sorted(self.unquantized.items(), key=lambda kv: -kv[1])
-                            if n >= 0.05 * rest)
-        return (f"{self.format} weights {_mb(self.total)}: {_mb(self.quantized)} quantized + {_mb(self.scales)} "
-                f"scales/zero points + {_mb(rest)} unquantized ({biggest or 'none'})")
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
-
-
-def weight_bytes(directory: str | os.PathLike[str]) -> WeightBytes:
-    """:class:`WeightBytes` of an export directory's ``model.onnx`` (reads the graph, not the weight data)."""
-    path = Path(directory) / MODEL_NAME
-    if not path.is_file():
-        raise ExportError(f"{directory} has no {MODEL_NAME}")
-    proto = onnx.load(str(path), load_external_data=False)
-    graph = proto.graph
-    made_by = {o: n for n in graph.node for o in n.output}
-
-    def source(name: str) -> str:  # through the Reshape a shared gather table is read by
-        node = made_by.get(name)
-        return node.input[0] if node is not None and node.op_type == "Reshape" else name
-
-    payload, scales, bits = set(), set(), set()
-    for node in graph.node:
-        if node.domain == MS_DOMAIN and node.op_type in ("MatMulNBits", "GatherBlockQuantized"):
-            payload.add(source(node.input[0] if node.op_type == "GatherBlockQuantized" else node.input[1]))
-            scales.update(x for x in node.input[2:4] if x)
-            bits.add(_attr(node, "bits", 4))
-    quantized = scale_bytes = constants = 0
-    unquantized: dict[str, int] = {}
-    for tensor in graph.initializer:
-        size = _tensor_bytes(tensor)
-        if tensor.name in payload:
-            quantized += size
-        elif tensor.name in scales:
-            scale_bytes += size
-        else:
-            dtype = _dtype_name(tensor.data_type)
-            unquantized[dtype] = unquantized.get(dtype, 0) + size
-            constants += 0 if _is_parameter(tensor.name) else size
-    settings = {}
-    for prop in proto.metadata_props:
-        if prop.key == WEIGHTS_KEY:
-            settings = json.loads(prop.value)
-    if settings.get("format"):
-        fmt = settings["format"]
-    elif bits:
-        fmt = "+".join(f"int{b}" for b in sorted(bits))
-    else:  # as built: the float dtype holding most bytes
-        floats = {k: v for k, v in unquantized.items() if k in ("fp32", "fp16", "bf16")}
-        fmt = max(floats, key=floats.get) if floats else "none"
-    data = path.with_name(path.name + EXTERNAL_DATA_SUFFIX)
-    files = path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
-    return WeightBytes(fmt, quantized, scale_bytes, unquantized, files, settings, constants)
-
-
-def _dtype_name(element_type: int) -> str:
-    """An initializer's element type as the report names it: fp32/fp16 (DType's names), bf16, else ONNX's name."""
-    if element_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
-        return DType.of_onnx(element_type).short
-    name = onnx.TensorProto.DataType.Name(element_type).lower()
-    return "bf16" if name == "bfloat16" else name  # kvq writes no bf16 tensor, so DType has no row for it
-
-
-def _tensor_bytes(tensor: onnx.TensorProto) -> int:
-    count = math.prod(tensor.dims)
-    if tensor.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
-        return (count + 1) // 2
-    return count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize

@@ -1,4 +1,6 @@
-"""The contract between the decoder body and a flavour's KV cache: :class:`CacheGraph` and :class:`DecoderSpec`.
+"""The contract between the decoder body and a flavour's KV cache: :class:`CacheGraph`.
+
+What the cache graph is told about the decoder it serves is a :class:`~kvq_export.graph.decoder_spec.DecoderSpec`.
 
 The body (:mod:`kvq_export.export.decoder`) owns the weights, norms, projections and RoPE; a cache graph declares
 the past/present cache tensors and computes attention over them. What a cache graph can take (raw projections,
@@ -10,49 +12,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx_ir as ir
 
-from kvq_export.errors import ExportError
-from kvq_export.export.builder import GraphBuilder
-from kvq_export.export.rope import RopeSpec
+from kvq_export.graph.builder import GraphBuilder
+from kvq_export.graph.decoder_spec import DecoderSpec
 
 if TYPE_CHECKING:
-    from kvq_export.export.arch import Arch
     from kvq_export.model_facts import ModelFacts
     from kvq_export.scheme import KVQuantScheme
-
-
-@dataclass(frozen=True)
-class DecoderSpec:
-    """What a cache graph needs to know about the decoder it serves: the model's facts and how the graph computes.
-
-    The model's numbers are :attr:`facts`, the same object ``kvq.json``'s ``model`` section records (a layer's
-    sliding window is ``facts.window(layer)``); the other fields are what only the graph needs: the compute dtype,
-    the RoPE tables and the attention soft-cap.
-    """
-
-    facts: ModelFacts
-    dtype: ir.DataType  # compute dtype of q/k/v and of the attention output
-    rope: RopeSpec | None = field(default=None, compare=False)  # the global layers' RoPE
-    layer_ropes: tuple[RopeSpec, ...] = field(default=(), compare=False)  # per layer; empty: ``rope`` everywhere
-    attn_softcap: float | None = None  # cap * tanh(scores / cap) on the scaled scores, before the mask
-
-    def rope_for(self, layer: int) -> RopeSpec | None:
-        """The RoPE of ``layer`` (Gemma3's local layers have their own base)."""
-        return self.layer_ropes[layer] if self.layer_ropes else self.rope
-
-    @classmethod
-    def of(cls, facts: ModelFacts, arch: Arch, dtype: ir.DataType) -> DecoderSpec:
-        """The spec of a body computed in ``dtype`` for the model of ``facts``, with ``arch``'s RoPE and soft-cap."""
-        distinct = {w for w in facts.sliding_windows if w is not None}
-        if len(distinct) > 1:
-            raise ExportError(f"{facts.model_type}: layers use different sliding windows {sorted(distinct)}")
-        ropes = tuple(arch.layer_rope(i) for i in range(facts.num_layers))
-        return cls(facts, dtype, rope=arch.rope(), layer_ropes=ropes, attn_softcap=arch.attn_logit_softcap)
 
 
 class CacheGraph(ABC):
@@ -69,7 +39,7 @@ class CacheGraph(ABC):
     fuses_rotary: bool = False
     #: its kernel reads rope-applied q|k|v packed in one value, through :meth:`attend_packed` (ONNX Runtime's
     #: packed GQA input; the body then applies RoPE on the packed projection, see
-    #: :meth:`kvq_export.export.rope.RotaryGraph.apply_packed`)
+    #: :meth:`kvq_export.graph.rope.RotaryGraph.apply_packed`)
     attends_packed: bool = False
     #: it runs on ONNX Runtime anyway, so the body may use ONNX Runtime's fused nodes (see
     #: :class:`kvq_export.export.decoder._Body`)

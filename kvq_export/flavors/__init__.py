@@ -1,13 +1,20 @@
-"""The export flavors, declared: what each one builds, holds, refuses and runs on.
+"""The export flavours, declared: what each one builds, holds, refuses and runs on; one folder each.
 
-A flavor is one way of putting the KV cache into the decoder graph. Each :class:`Flavor` states its cache
-layout, the :class:`~kvq_export.export.cache_graph.CacheGraph` class that builds it (named by module path and
-imported only when a graph is built or a scheme checked, so ``import kvq_export`` stays light), the runtimes
-that can serve its exports and whether it needs kvq's plugins. Callers ask the flavor, never its name::
+A flavour is one way of putting the KV cache into the decoder graph, and lives in its own package:
+``reference/`` (standard ONNX ops), ``ort_gqa/`` (ONNX Runtime's GroupQueryAttention, and the onnxruntime-genai
+package of its exports), ``trt/`` (kvq's TensorRT plugin nodes). Each :class:`Flavor` row states its cache
+layout, the :class:`~kvq_export.flavors.cache_graph.CacheGraph` class that builds it and checks what it can hold
+(named by module path and imported only when a graph is built or a scheme checked, so ``import kvq_export``
+stays light), the runtimes that can serve its exports and whether it needs kvq's plugins. Callers ask the
+flavor, never its name::
 
     flavor = get_flavor("ort-gqa")
     flavor.unsupported(scheme, facts)  # [] or one reason per line
     graph = flavor.build(scheme, facts, static=static)
+
+Adding a flavour is one folder and one :func:`register_flavor` line (``docs/howto/add-a-flavour.md``).
+:data:`RUNTIME_FILES` names the step that writes what a runtime with files of its own reads (or says why it
+cannot serve an export), run for every export.
 """
 
 from __future__ import annotations
@@ -23,13 +30,13 @@ from kvq_export.errors import ExportError
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from kvq_export.export.cache_graph import CacheGraph
+    from kvq_export.flavors.cache_graph import CacheGraph
     from kvq_export.model_facts import ModelFacts
     from kvq_export.scheme import KVQuantScheme
 
 
 class FlavorName(StrEnum):
-    """The flavors kvq can export (a plain string in ``kvq.json``)."""
+    """The flavors kvq ships (a plain string in ``kvq.json``; a registered flavour may bring its own name)."""
 
     REFERENCE = "reference"
     ORT_GQA = "ort-gqa"
@@ -48,7 +55,7 @@ class Runtime(StrEnum):
 class Flavor:
     """One export flavor and its declared capabilities."""
 
-    name: FlavorName
+    name: FlavorName | str
     layout: CacheLayout  # how the cache crosses the graph boundary
     graph: str  # "module:Class" of its CacheGraph (imported on first use)
     runtimes: tuple[Runtime, ...]
@@ -56,9 +63,8 @@ class Flavor:
     about: str
 
     def graph_class(self) -> type[CacheGraph]:
-        """The :class:`~kvq_export.export.cache_graph.CacheGraph` subclass that builds this flavor."""
-        module, _, name = self.graph.partition(":")
-        return getattr(importlib.import_module(module), name)
+        """The :class:`~kvq_export.flavors.cache_graph.CacheGraph` subclass that builds this flavor."""
+        return _resolve(self.graph)
 
     def unsupported(self, scheme: KVQuantScheme, facts: ModelFacts | None = None) -> list[str]:
         """Why this flavor cannot hold ``scheme`` (for the model of ``facts``, when given); empty when it can."""
@@ -87,15 +93,41 @@ def _layers_named(scheme: KVQuantScheme) -> int:
     return 1 + max((o.layer for o in scheme.layer_overrides), default=0)
 
 
-FLAVORS: dict[FlavorName, Flavor] = {flavor.name: flavor for flavor in (
-    Flavor(FlavorName.REFERENCE, REGIONS, "kvq_export.export.kv_graph:QuantizedCacheGraph",
-           (Runtime.ONNXRUNTIME, Runtime.TENSORRT), needs_plugins=False, about="standard ONNX ops, any ONNX Runtime"),
-    Flavor(FlavorName.ORT_GQA, BUFFER, "kvq_export.export.gqa_flavor:GQACacheGraph",
-           (Runtime.ONNXRUNTIME, Runtime.GENAI), needs_plugins=False,
-           about="ONNX Runtime's fused GroupQueryAttention, static int8/int4"),
-    Flavor(FlavorName.TRT, REGIONS, "kvq_export.export.trt_flavor:TrtCacheGraph", (Runtime.TENSORRT,),
-           needs_plugins=True, about="Triton/TensorRT plugin nodes"),
-)}
+def _resolve(target: str) -> Any:
+    """The object ``"module:name"`` names (its module imported on first use)."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+#: name -> flavour: every flavour kvq can export (:func:`register_flavor` adds one)
+FLAVORS: dict[str, Flavor] = {}
+
+
+def register_flavor(flavor: Flavor) -> Flavor:
+    """Add ``flavor`` to the table (a name taken already is refused); returns it."""
+    if str(flavor.name) in FLAVORS:
+        raise ExportError(f"flavor {flavor.name!r} is registered already")
+    FLAVORS[str(flavor.name)] = flavor
+    return flavor
+
+
+register_flavor(Flavor(FlavorName.REFERENCE, REGIONS, "kvq_export.flavors.reference.graph:QuantizedCacheGraph",
+                       (Runtime.ONNXRUNTIME, Runtime.TENSORRT), needs_plugins=False,
+                       about="standard ONNX ops, any ONNX Runtime"))
+register_flavor(Flavor(FlavorName.ORT_GQA, BUFFER, "kvq_export.flavors.ort_gqa.graph:GQACacheGraph",
+                       (Runtime.ONNXRUNTIME, Runtime.GENAI), needs_plugins=False,
+                       about="ONNX Runtime's fused GroupQueryAttention, static int8/int4"))
+register_flavor(Flavor(FlavorName.TRT, REGIONS, "kvq_export.flavors.trt.graph:TrtCacheGraph", (Runtime.TENSORRT,),
+                       needs_plugins=True, about="Triton/TensorRT plugin nodes"))
+
+#: runtime -> "module:function" writing the files it reads into an export directory, or saying why it cannot
+#: serve that export: ``(directory, manifest) -> RuntimeSupport`` (recorded in the manifest's ``runtimes``)
+RUNTIME_FILES: dict[str, str] = {str(Runtime.GENAI): "kvq_export.flavors.ort_gqa.genai:write_genai_files"}
+
+
+def write_runtime_files(directory: Any, manifest: Any) -> dict[str, Any]:
+    """Run every :data:`RUNTIME_FILES` step on an export directory; runtime -> what each recorded."""
+    return {runtime: _resolve(step)(directory, manifest) for runtime, step in RUNTIME_FILES.items()}
 
 
 def flavor_names() -> list[str]:
@@ -106,6 +138,6 @@ def flavor_names() -> list[str]:
 def get_flavor(name: FlavorName | str) -> Flavor:
     """The flavor called ``name``; an unknown name is refused with the allowed ones."""
     try:
-        return FLAVORS[FlavorName(name)]
-    except ValueError:
+        return FLAVORS[str(name)]
+    except KeyError:
         raise ExportError(f"unknown flavor {name!r}; allowed: {', '.join(flavor_names())}") from None

@@ -1,0 +1,7 @@
+"""The ``ort-gqa`` flavour: ONNX Runtime's fused GroupQueryAttention over a static int8 / int4 cache buffer.
+
+* :mod:`kvq_export.flavors.ort_gqa.graph` -- :class:`GQACacheGraph`, its cache graph;
+* :mod:`kvq_export.flavors.ort_gqa.capability` -- which schemes one GroupQueryAttention node holds;
+* :mod:`kvq_export.flavors.ort_gqa.plan` -- each layer's node settings (scales, offsets, high channels);
+* :mod:`kvq_export.flavors.ort_gqa.genai` -- the onnxruntime-genai package of its exports.
+"""
