@@ -61,8 +61,10 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx_ir as ir
+from onnx_ir.passes import FunctionalPass, PassResult
 
 from kvq_export.errors import ExportError
+from kvq_export.graph.passes import run_passes
 from kvq_export.vocab import WeightFormat
 from kvq_export.weight_blocks import BITS, DEFAULT_ACCURACY_LEVEL, block_quantizer, check_weight_options, ort_quantizer
 
@@ -85,6 +87,8 @@ def quantize_weights(
 ) -> onnx.ModelProto | ir.Model:
     """Store ``model``'s weights in ``format`` (see the module docstring); returns the same kind of model.
 
+    An ``onnx_ir.Model`` goes through :class:`QuantizeWeightsPass` (a new model); a ModelProto is changed in place.
+
     Args:
         model: a built decoder graph with its weights in memory.
         format: ``fp32`` (unchanged), ``fp16``, ``int8`` or ``int4``.
@@ -103,26 +107,60 @@ def quantize_weights(
         logger.warning("int8 weights with accuracy_level %s: ONNX Runtime's CPU kernel for them is slow (more than 10x "
                        "fp32 weights per decode step); accuracy_level=4 (int8 activations) is the fast one",
                        accuracy_level)
-    as_ir = isinstance(model, ir.Model)
-    metadata = model.metadata_props if as_ir else {prop.key: prop.value for prop in model.metadata_props}
+    rewrite = QuantizeWeightsPass(format=format, block_size=block_size, symmetric=symmetric,
+                                  accuracy_level=accuracy_level)
+    if isinstance(model, ir.Model):
+        return run_passes(model, [rewrite]).model
+    _refuse_stored({prop.key: prop.value for prop in model.metadata_props})
+    external = [t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    if external:
+        raise ExportError(f"weight {external[0]} is still in external data: load the model with its weights "
+                          "(onnx.load(path), load_external_data=True) before converting them")
+    return rewrite.rewrite(model)
+
+
+class QuantizeWeightsPass(FunctionalPass):
+    """The graph's weights stored as fp16 or int8 / int4 blocks (not fp32: the graph as built); a new model.
+
+    Requires weights not converted already; ensures the graph records how its weights are stored
+    (``kvq.weights``). A graph with no weight to convert is refused with the reason.
+    """
+
+    def __init__(self, *, format: str, block_size: int = 32, symmetric: bool = True,
+                 accuracy_level: int | None = DEFAULT_ACCURACY_LEVEL) -> None:
+        check_weight_options(format, block_size, symmetric, accuracy_level)
+        if format == WeightFormat.FP32:
+            raise ExportError("fp32 weights are the graph as built: no pass rewrites them")
+        self.format, self.block_size, self.symmetric = WeightFormat(format), block_size, symmetric
+        self.accuracy_level = accuracy_level
+
+    def requires(self, model: ir.Model) -> None:
+        _refuse_stored(model.metadata_props)
+
+    def call(self, model: ir.Model) -> PassResult:
+        ir.external_data.load_to_model(model)  # a loaded model may still point into its data file
+        return PassResult(ir.from_proto(self.rewrite(ir.to_proto(model))), modified=True)
+
+    def ensures(self, model: ir.Model) -> None:
+        if WEIGHTS_KEY not in model.metadata_props:
+            raise ExportError(f"{type(self).__name__}: the graph does not record how its weights are stored")
+
+    def rewrite(self, proto: onnx.ModelProto) -> onnx.ModelProto:
+        """The rewrite itself, on a ModelProto with its weights in memory (changed in place and returned)."""
+        if self.format == WeightFormat.FP16:
+            record = _store_fp16(proto)
+        else:
+            proto, record = _quantize_blocks(proto, BITS[self.format], self.block_size, self.symmetric,
+                                             self.accuracy_level)
+        _set_metadata(proto, WEIGHTS_KEY, json.dumps(record, sort_keys=True))
+        return proto
+
+
+def _refuse_stored(metadata) -> None:
+    """Refuse a graph whose weights were converted already (it records how, under ``kvq.weights``)."""
     if WEIGHTS_KEY in metadata:
         done = json.loads(metadata[WEIGHTS_KEY]).get("format")
         raise ExportError(f"the graph's weights are stored as {done} already; convert the graph as built")
-    if as_ir:
-        ir.external_data.load_to_model(model)  # a loaded model may still point into its data file
-        proto = ir.to_proto(model)
-    else:
-        proto = model
-        external = [t.name for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
-        if external:
-            raise ExportError(f"weight {external[0]} is still in external data: load the model with its weights "
-                              "(onnx.load(path), load_external_data=True) before converting them")
-    if format == WeightFormat.FP16:
-        record = _store_fp16(proto)
-    else:
-        proto, record = _quantize_blocks(proto, BITS[format], block_size, symmetric, accuracy_level)
-    _set_metadata(proto, WEIGHTS_KEY, json.dumps(record, sort_keys=True))
-    return ir.from_proto(proto) if as_ir else proto
 
 
 # -- which initializers are weights ---------------------------------------------------------------------
