@@ -15,7 +15,8 @@ from tiny_models import VOCAB, tiny_model
 from kvq_export.calibration import calibrate_static_scales
 from kvq_export.errors import ExportError
 from kvq_export.export.exporter import export_model
-from kvq_export.flavors.ort_gqa.genai import GENAI_MODEL, adapt_graph
+from kvq_export.flavors.ort_gqa.genai import GENAI_MODEL
+from kvq_export.flavors.ort_gqa.genai_graph import adapt_graph
 from kvq_export.graph.builder import save
 from kvq_export.graph.weights import WEIGHTS_KEY, quantize_weights
 from kvq_export.manifest import MODEL_NAME, Manifest, weight_checksums

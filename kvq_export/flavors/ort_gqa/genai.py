@@ -54,14 +54,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kvq_export.cache_layout import BUFFER
 from kvq_export.errors import ExportError
 from kvq_export.flavors.ort_gqa.capability import layer_span, unsupported
 from kvq_export.manifest import MODEL_NAME, Manifest
 from kvq_export.manifest_sections import RuntimeSupport
-from kvq_export.naming import CacheTensor, tensor_name
+from kvq_export.naming import CacheTensor
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +71,6 @@ GENAI_MODEL = "model.genai.onnx"
 #: as ``llama``, which selects the same generic state (kvq's graph needs nothing model-specific from og).
 GENAI_TYPES = ("llama", "mistral", "qwen2")
 #: Names the prologue gives its values (unique in any kvq graph: they carry this prefix).
-_PREFIX = "genai."
-#: The ort-gqa graph's values that realign left-padded rows: the gather indices moving each row's tokens to the
-#: front (GroupQueryAttention's right padding) and back, and the mask of real tokens that zeroes padding. og pads
-#: on the right, so in its graph they are the identity, and :func:`adapt_graph` bypasses the nodes reading them.
-ROWS_TO_FRONT, ROWS_BACK, REAL_TOKENS = "gqa.rows_to_front", "gqa.rows_back", "gqa.real_tokens"
 
 
 # -- what can be served ---------------------------------------------------------------------------------------
@@ -181,91 +174,6 @@ def genai_config(manifest: Manifest, *, filename: str = GENAI_MODEL) -> dict[str
 
 
 # -- the graph og runs ----------------------------------------------------------------------------------------
-def adapt_graph(model_path: str | os.PathLike[str], out_path: str | os.PathLike[str]) -> Path:
-    """Write og's variant of a ``buffer``-layout graph (see the module docstring) beside ``model_path``.
-
-    The weights stay in ``model_path``'s external-data file: the new graph references it, so the two graphs share
-    one copy. Raises :class:`ExportError` if the graph lacks the inputs/outputs the rewrite replaces.
-    """
-    import onnx_ir as ir
-    from onnx_ir.passes.common import RemoveUnusedNodesPass
-
-    model = ir.load(str(model_path))
-    graph = model.graph
-    inputs = {value.name: value for value in graph.inputs}
-    seq_name = tensor_name("past", None, None, "seq_lengths")
-    out_seq_name = tensor_name("present", None, None, "seq_lengths")
-    missing = [name for name in ("input_ids", "attention_mask", seq_name) if name not in inputs]
-    present_seq = [value for value in graph.outputs if value.name == out_seq_name]
-    if missing or not present_seq:
-        raise ExportError(f"{model_path}: not a kvq buffer-layout graph (missing {missing or [out_seq_name]})")
-    call_mask_in, past_lengths_in = inputs["attention_mask"], inputs[seq_name]
-    call_mask_in.name = _PREFIX + "unused_call_mask"  # frees the name for og's whole-sequence mask
-    full = ir.Value(name="attention_mask", type=ir.TensorType(ir.DataType.INT64),
-                    shape=ir.Shape(["batch", "total_sequence_length"]))
-
-    nodes: list[ir.Node] = []
-
-    def op(op_type: str, *args: ir.Value, name: str, **attrs: Any) -> ir.Value:
-        node = ir.node(op_type, list(args), attributes=attrs, outputs=[ir.Value(name=_PREFIX + name)],
-                       name=_PREFIX + name)
-        nodes.append(node)
-        return node.outputs[0]
-
-    def const(name: str, values: list[int]) -> ir.Value:
-        return op("Constant", name=name, value=ir.tensor(np.array(values, dtype=np.int64), name=_PREFIX + name))
-
-    axis1 = const("axis1", [1])
-    t = op("Shape", inputs["input_ids"], name="new_tokens", start=1, end=2)
-    width = op("Shape", full, name="mask_width", start=1, end=2)
-    # 1 on every call after the prompt, where each row brings t tokens: the last t of its own ones, wherever
-    # they sit in the mask (og.Generator's last column, og.Engine's ragged rows with trailing zeros)
-    later = op("Cast", op("Not", op("Equal", width, t, name="is_prompt"), name="not_prompt"), name="later",
-               to=ir.DataType.INT64)
-    prompt_mask = op("Slice", full, op("Neg", t, name="minus_new_tokens"), const("end", [np.iinfo(np.int64).max]),
-                     axis1, name="prompt_mask")
-    call = op("Max", prompt_mask, later, name="call_mask")
-    past_lengths = op("Sub", op("ReduceSum", full, axis1, name="held", keepdims=0),
-                      op("ReduceSum", call, axis1, name="new", keepdims=0), name="past_lengths")
-    call_mask_in.replace_all_uses_with(call)
-    past_lengths_in.replace_all_uses_with(past_lengths)
-    graph.inputs.remove(call_mask_in)
-    graph.inputs.remove(past_lengths_in)
-    graph.inputs.insert(1, full)
-    for value in present_seq:
-        graph.outputs.remove(value)
-    graph.insert_before(next(iter(graph)), nodes)
-    bypassed = _bypass_realignment(graph)
-    RemoveUnusedNodesPass()(model)  # and what computed the realignment
-    out = Path(out_path)
-    ir.save(model, out)  # external tensors stay references into model.onnx.data
-    logger.debug("wrote %s (%d prologue nodes, %d realignment nodes bypassed)", out, len(nodes), bypassed)
-    return out
-
-
-def _bypass_realignment(graph) -> int:
-    """Drop the GatherND and Where nodes that realign left-padded rows; return how many.
-
-    og's rows are right-padded (a prompt's padding after its tokens; every later call all ones, og.Engine's
-    shorter rows included, see the module docstring), so each row's tokens already sit where GroupQueryAttention
-    wants them and the gathers are the identity. Padding positions then keep what the node leaves there instead
-    of zeros, as in og's own graphs: nothing reads them (og takes each row's logits at its own last token, and
-    the node never attends past a row's length).
-    """
-    realign = {v for node in graph for v in node.outputs if v.name in (ROWS_TO_FRONT, ROWS_BACK, REAL_TOKENS)}
-    bypassed = 0
-    for value in realign:
-        for node, index in list(value.uses()):
-            keep = {("GatherND", 1): 0, ("Where", 0): 1}.get((node.op_type, index))
-            result = node.outputs[0]
-            if keep is None or result.is_graph_output():
-                continue
-            result.replace_all_uses_with(node.inputs[keep])
-            node.graph.remove(node, safe=True)
-            bypassed += 1
-    return bypassed
-
-
 def engine_reason(manifest: Manifest) -> str | None:
     """Why ``og.Engine`` cannot batch this export's requests correctly (None when it can).
 
@@ -295,6 +203,8 @@ def write_genai_files(directory: str | os.PathLike[str], manifest: Manifest) -> 
         return RuntimeSupport(supported=False, reason=reason)
     directory = Path(directory)
     config = genai_config(manifest)
+    from kvq_export.flavors.ort_gqa.genai_graph import adapt_graph  # lazy: imports onnx_ir
+
     adapt_graph(directory / MODEL_NAME, directory / GENAI_MODEL)
     (directory / GENAI_CONFIG).write_text(json.dumps(config, indent=2))
     note = None

@@ -126,7 +126,7 @@ from kvq_export.cache_layout import BUFFER
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.flavors.ort_gqa.capability import rope_in_body, unsupported
-from kvq_export.flavors.ort_gqa.genai import REAL_TOKENS, ROWS_BACK, ROWS_TO_FRONT
+from kvq_export.flavors.ort_gqa.genai_graph import REAL_TOKENS, ROWS_BACK, ROWS_TO_FRONT
 from kvq_export.flavors.ort_gqa.high_nodes import NodeShape, fold, high_nibbles, pack, quantize, widen
 from kvq_export.flavors.ort_gqa.plan import plan_layer
 from kvq_export.flavors.reference.graph import LaidOutCache, name_packed_probe, name_probes
