@@ -70,6 +70,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/kvq-serve-bench"),
                         help="builds and server logs (the og build is reused from here)")
     parser.add_argument("--llama-server", type=Path, default=None, help="llama-server binary (default: kvq's cache)")
+    parser.add_argument("--llama-threads", type=int, default=2,
+                        help="llama-server's -t (its threads wait on each other: on cores other jobs use, fewer)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
@@ -93,7 +95,7 @@ def server_specs(args: argparse.Namespace) -> list:
         specs.append(og_spec(int4_int8_cache_build(args.model, args.work_dir / "og")))
     if "llama" in args.servers:
         binary = args.llama_server or llama_server_binary()
-        specs.append(llama_spec(binary, smollm2_gguf(), slots=max(args.clients)))
+        specs.append(llama_spec(binary, smollm2_gguf(), slots=max(args.clients), threads=args.llama_threads))
     return specs
 
 

@@ -203,7 +203,8 @@ async def complete(client, model: str, prompt: str, max_tokens: int, timeout: fl
     except TimeoutError:
         return Answer(error=f"no complete answer in {timeout:g} s")
     except Exception as err:  # noqa: BLE001 - any failure of the server or the connection is counted, not raised
-        return Answer(error=f"{type(err).__name__}: {err}"[:200])
+        cause = f" ({type(err.__cause__).__name__}: {err.__cause__})" if err.__cause__ is not None else ""
+        return Answer(error=f"{type(err).__name__}: {err}{cause}"[:240])
     end = time.perf_counter()
     return Answer("".join(parts), (first or end) - start, end - start, tokens)
 
