@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 from kvq_export.cli import cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,7 +21,13 @@ def gen_cli_docs():
 
 
 def test_docs_cli_md_is_current():
-    assert gen_cli_docs().main(["--check"]) == 0, "docs/cli.md is stale: run python tools/gen_cli_docs.py"
+    tool = gen_cli_docs()
+    if tool.main(["--check"]) != 0:
+        old, new = tool.TARGET.read_text().splitlines(), tool.render().splitlines()
+        first = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+        pytest.fail(f"docs/cli.md is stale from its line {first + 1}: run python tools/gen_cli_docs.py\n"
+                    f"  page: {old[first] if first < len(old) else '(end)'}\n"
+                    f"  now:  {new[first] if first < len(new) else '(end)'}")
 
 
 def test_every_command_and_option_is_on_the_page():

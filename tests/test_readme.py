@@ -1,7 +1,8 @@
-"""The README's commands run as written, in order, on a tiny model; models/README.md names every file of models/.
+"""The documented commands run as written, in order, on a tiny model; models/README.md names every file of models/.
 
-Every ``$ kvq ...`` line of a ```console block of README.md runs in one temporary directory, in order, through
-click's CliRunner, and must exit 0; its Python API snippet then runs in the same directory. ```bash blocks hold
+Every ``$ kvq ...`` line of a ```console block of README.md and of docs/ (:data:`PAGES`, in that order: the
+quickstart first, then every other page by path) runs in one temporary directory, in order, through click's
+CliRunner, and must exit 0; the quickstart's Python API snippet then runs in the same directory. ```bash blocks hold
 what cannot run here (the real model for minutes, a server, TensorRT, tools outside kvq) and are not run; a
 ```console block may hold nothing else than ``$ kvq`` commands and their printed output.
 
@@ -27,10 +28,16 @@ from kvq_export.demo import DEMO_RUNS, DEPARTS, TABLE_COLUMNS
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+QUICKSTART = DOCS / "quickstart.md"
 MODELS = ROOT / "models"
 
-#: a link to a heading of models/smollm2.md (from the root, models/ or tools/), or to one of the page itself
-LINK = r"\]\((?:\.\./models/|models/)?smollm2\.md#([^)]+)\)|\]\(#([^)]+)\)"
+#: the pages whose commands run, in order: README, the quickstart, then docs/ by path (the generated CLI reference
+#: holds help texts, not commands)
+PAGES = [README, QUICKSTART, *sorted(p for p in DOCS.rglob("*.md") if p not in (QUICKSTART, DOCS / "cli.md"))]
+
+#: pages whose python snippets are self-contained (they export nothing and read no model)
+SNIPPET_PAGES = [README, *sorted((DOCS / "concepts").glob("*.md"))]
 
 #: option values the README keeps at the real model's size, and what the tiny run uses instead
 SHORTER = {("validate", "--windows"): "2", ("validate", "--window-len"): "64"}
@@ -79,13 +86,13 @@ def python_blocks(text: str) -> list[str]:
     return [body for lang, body in fenced_blocks(text) if lang == "python"]
 
 
-def github_anchor(heading: str) -> str:
-    """The fragment GitHub gives a Markdown heading: lower case, punctuation dropped, spaces as hyphens."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+def all_console_commands() -> list[str]:
+    """The ``$ kvq`` lines of every page of :data:`PAGES`, in order."""
+    return [command for page in PAGES for command in console_commands(page.read_text())]
 
 
 def python_api_snippet(text: str) -> str:
-    """The ```python block of the README's "Python API" section."""
+    """The ```python block of the quickstart's "Python API" section."""
     section = text[text.index("\n## Python API"):]
     section = section[:section.index("\n## ", 1)]
     blocks = python_blocks(section)
@@ -110,7 +117,7 @@ def tiny_world(tmp_path, monkeypatch):
 
 
 def test_console_blocks_hold_kvq_commands_only():
-    commands = console_commands(README.read_text())
+    commands = all_console_commands()
     assert len(commands) >= 15
     for command in commands:
         assert shlex.split(command, comments=True)[0] == "kvq", command
@@ -147,35 +154,20 @@ def test_console_argv_replaces_the_model_and_shortens_windows():
         tiny_argv("python -c 'print(1)'", Path("/m"))
 
 
-def test_readme_commands_and_python_api_run_in_order(tiny_world):
-    text = README.read_text()
-    for command in console_commands(text):
+def test_documented_commands_and_python_api_run_in_order(tiny_world):
+    for command in all_console_commands():
         result = kvq(*tiny_argv(command, tiny_world))
         assert result.returncode == 0, f"{command}\n{result.stdout}\n{result.stderr}"
-    snippet = python_api_snippet(text).replace('"smollm2"', repr(str(tiny_world)))
-    exec(compile(snippet, "README.md (Python API)", "exec"), {})
+    snippet = python_api_snippet(QUICKSTART.read_text()).replace('"smollm2"', repr(str(tiny_world)))
+    exec(compile(snippet, "docs/quickstart.md (Python API)", "exec"), {})
     assert (Path("out/kivi4") / "kvq.json").is_file()
 
 
-def test_every_python_snippet_runs_or_is_the_api_one():
-    text = README.read_text()
-    api = python_api_snippet(text)
-    others = [block for block in python_blocks(text) if block != api]
-    assert others, "the README's scheme snippet"
-    for block in others:  # self-contained: they export nothing and read no model
-        exec(compile(block, "README.md", "exec"), {})
-
-
-def test_links_into_models_smollm2_md_name_its_headings():
-    card = (MODELS / "smollm2.md").read_text()
-    anchors = {github_anchor(h) for h in re.findall(r"^#+ (.*)$", card, re.M)}
-    for source in (README, MODELS / "smollm2.md", MODELS / "README.md", ROOT / "tools" / "README.md"):
-        for link in re.findall(LINK, source.read_text()):
-            fragment = link[0] or link[1]
-            if source != MODELS / "smollm2.md" and link[1]:
-                continue  # a fragment of the linking page itself
-            assert fragment in anchors, f"{source.name}: no heading for #{fragment}"
-    assert "protocol-p" in anchors
+def test_self_contained_python_snippets_run():
+    snippets = [(page, block) for page in SNIPPET_PAGES for block in python_blocks(page.read_text())]
+    assert snippets, "the scheme page's snippet"
+    for page, block in snippets:
+        exec(compile(block, str(page.relative_to(ROOT)), "exec"), {})
 
 
 def test_models_readme_names_every_file_of_models():
