@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -201,6 +202,64 @@ def test_the_hostile_client_counts_every_request_that_is_not_refused():
         asyncio.run(drive(url))
     assert result.sent >= len(cases) and result.refused == 0 and result.failed == result.sent
     assert {f"{c.name}: HTTP 200" for c in cases} == set(result.failures)
+
+
+@contextmanager
+def dropping_server(drops: int):
+    """A raw HTTP server on 127.0.0.1 that closes its first ``drops`` connections unanswered, then streams " ok"."""
+    events = "".join(f"data: {json.dumps(d)}\n\n" for d in (
+        {"id": "x", "object": "text_completion", "created": 0, "model": "m",
+         "choices": [{"index": 0, "text": " ok", "finish_reason": "length"}]},
+        {"id": "x", "object": "text_completion", "created": 0, "model": "m", "choices": [],
+         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})) + "data: [DONE]\n\n"
+    reply = ("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n"
+             f"Content-Length: {len(events)}\r\n\r\n{events}").encode()
+    seen = {"connections": 0}
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(5)
+                conn.recv(65536)  # the request (small enough for one read here)
+                seen["connections"] += 1
+                if seen["connections"] > drops:
+                    conn.sendall(reply)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", seen
+    finally:
+        stop.set()
+        thread.join(10)
+        listener.close()
+
+
+@pytest.mark.parametrize("drops", [1, 2])
+def test_a_request_dropped_before_any_answer_is_sent_once_more_and_only_once(drops):
+    from kvq_export.measure.load import complete, open_client
+
+    async def one(url: str):
+        client = open_client(Endpoint(url, "m"), LoadConfig(request_timeout=TIMEOUT))
+        try:
+            return await complete(client, "m", "a prompt", 1, TIMEOUT)
+        finally:
+            await client.close()
+
+    with dropping_server(drops) as (url, seen):
+        answer = asyncio.run(one(url))
+    assert seen["connections"] == 2  # never a third try
+    if drops == 1:
+        assert answer.error is None and answer.resent and answer.text == " ok" and answer.completion_tokens == 1
+    else:
+        assert answer.error is not None and "APIConnectionError" in answer.error and answer.text == ""
 
 
 # -- the thin og.Engine server ---------------------------------------------------------------------------------------

@@ -105,6 +105,7 @@ class Answer:
     latency: float | None = None
     completion_tokens: int | None = None
     error: str | None = None
+    resent: bool = False  # sent a second time after the connection failed before any answer
 
 
 @dataclass
@@ -119,6 +120,7 @@ class PointResult:
     compared: int  # answers whose prompt has a solo answer
     differ: int  # of those, answers that differ from it
     missing_usage: int  # answers that came without a usage block (their tokens are not counted)
+    resent: int = 0  # requests sent a second time after a connection failed before any answer (see open_stream)
     ttft_p50: float | None = None
     ttft_p99: float | None = None
     latency_p50: float | None = None
@@ -148,6 +150,8 @@ class LoadResult:
     model: str
     solo_answers: int = 0
     solo_errors: int = 0
+    solo_error_samples: dict[str, int] = field(default_factory=dict)
+    solo_resent: int = 0
     points: list[PointResult] = field(default_factory=list)
     rss: RssSummary | None = None
     incomplete: str | None = None  # why the run stopped before its last point
@@ -156,7 +160,9 @@ class LoadResult:
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
         return {"name": self.name, "model": self.model, "solo_answers": self.solo_answers,
-                "solo_errors": self.solo_errors, "points": [p.to_dict() for p in self.points],
+                "solo_errors": self.solo_errors, "solo_error_samples": self.solo_error_samples,
+                "solo_resent": self.solo_resent,
+                "points": [p.to_dict() for p in self.points],
                 "rss": None if self.rss is None else self.rss.to_dict(), "incomplete": self.incomplete,
                 "load_average": self.load_average}
 
@@ -184,15 +190,31 @@ def open_client(endpoint: Endpoint, config: LoadConfig):
                               timeout=config.request_timeout)
 
 
+async def open_stream(client, **request: Any) -> tuple[Any, bool]:
+    """``client.completions.create(**request)``, sent once more if the connection failed before any answer.
+
+    As every OpenAI client does by default: a kept-alive connection the server closed just as the request went out
+    ("Server disconnected without sending a response") is a race of HTTP, not a refusal. Returns (the stream,
+    whether it was sent again); a second failure, a timeout or an HTTP error is raised.
+    """
+    openai = _openai()
+    try:
+        return await client.completions.create(**request), False
+    except openai.APITimeoutError:
+        raise
+    except openai.APIConnectionError as err:
+        logger.debug("sent again after a connection error: %s (%s)", err, err.__cause__)
+    return await client.completions.create(**request), True
+
+
 async def complete(client, model: str, prompt: str, max_tokens: int, timeout: float) -> Answer:
     """One streamed greedy completion of ``prompt``, bounded by ``timeout`` seconds as a whole."""
     start = time.perf_counter()
     first, parts, tokens = None, [], None
     try:
         async with asyncio.timeout(timeout):
-            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                                     temperature=0, stream=True,
-                                                     stream_options={"include_usage": True})
+            stream, resent = await open_stream(client, model=model, prompt=prompt, max_tokens=max_tokens,
+                                               temperature=0, stream=True, stream_options={"include_usage": True})
             async for chunk in stream:
                 text = chunk.choices[0].text if chunk.choices else None
                 if text:
@@ -206,7 +228,7 @@ async def complete(client, model: str, prompt: str, max_tokens: int, timeout: fl
         cause = f" ({type(err.__cause__).__name__}: {err.__cause__})" if err.__cause__ is not None else ""
         return Answer(error=f"{type(err).__name__}: {err}{cause}"[:240])
     end = time.perf_counter()
-    return Answer("".join(parts), (first or end) - start, end - start, tokens)
+    return Answer("".join(parts), (first or end) - start, end - start, tokens, resent=resent)
 
 
 async def solo_answers(client, endpoint: Endpoint, prompts: list[str], config: LoadConfig) -> list[Answer]:
@@ -226,6 +248,7 @@ def summarize_point(clients: int, wall: float, answers: list[tuple[int, Answer]]
                        completion_tokens=sum(a.completion_tokens or 0 for _, a in good), compared=len(compared),
                        differ=sum(a.text != solo[i].text for i, a in compared),
                        missing_usage=sum(a.completion_tokens is None for _, a in good),
+                       resent=sum(a.resent for _, a in answers),
                        ttft_p50=ttft[0], ttft_p99=ttft[1], latency_p50=latency[0], latency_p99=latency[1],
                        error_samples=dict(errors.most_common(ERROR_SAMPLES)))
 
@@ -291,6 +314,9 @@ async def run_load(endpoint: Endpoint, prompts: list[str], config: LoadConfig, n
             solo = await solo_answers(client, endpoint, prompts, config)
             result.solo_answers = sum(a.error is None for a in solo)
             result.solo_errors = len(solo) - result.solo_answers
+            failed = Counter(a.error for a in solo if a.error is not None)
+            result.solo_error_samples = dict(failed.most_common(ERROR_SAMPLES))
+            result.solo_resent = sum(a.resent for a in solo)
             for clients in config.clients:
                 result.points.append(await run_point(client, endpoint, prompts, solo, clients, config))
     except TimeoutError:

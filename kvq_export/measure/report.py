@@ -43,6 +43,11 @@ def markdown_table(results: Sequence[LoadResult]) -> str:
                          f"{result.load_average[1]:.1f} at the end")
         if result.solo_errors:
             notes.append(f"- {result.name}: {result.solo_errors} solo answer(s) failed (their prompts not compared)")
+            notes += [f"- {result.name} solo: {count} x {message}"
+                      for message, count in result.solo_error_samples.items()]
+        if result.solo_resent:
+            notes.append(f"- {result.name} solo: {result.solo_resent} request(s) sent again after the connection "
+                         "closed before any answer")
         if result.rss is not None:
             mb = [f"{label} {value / 2**20:.0f}" for label, value in (("start", result.rss.start), (
                 "second minute", result.rss.second_minute), ("last minute", result.rss.last_minute),
@@ -54,6 +59,9 @@ def markdown_table(results: Sequence[LoadResult]) -> str:
             if point.hostile is not None:
                 notes += [f"- {result.name} at {point.clients} client(s), hostile: {count} x {failure}"
                           for failure, count in point.hostile.failures.items()]
+            if point.resent:
+                notes.append(f"- {result.name} at {point.clients} client(s): {point.resent} request(s) sent again "
+                             "after the connection closed before any answer")
             if point.missing_usage:
                 notes.append(f"- {result.name} at {point.clients} client(s): {point.missing_usage} answer(s) "
                              "without usage (their tokens are not counted)")
