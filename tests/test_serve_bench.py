@@ -367,8 +367,9 @@ def test_report_writes_the_table_the_plot_and_json(tmp_path):
                            completion_tokens=int(speed * 10), compared=clients * 3, differ=1, missing_usage=0,
                            ttft_p50=0.1, ttft_p99=0.2, latency_p50=p99 / 2, latency_p99=p99,
                            hostile=HostileResult(sent=4, refused=3, failures={"bad JSON: HTTP 200": 1}))
-    results = [LoadResult("kvq", "m", 5, 0, [point(1, 20.0, 1.5), point(4, 50.0, 3.0)]),
-               LoadResult("llama", "m", 5, 0, [point(1, 40.0, 0.8)], incomplete="the run passed its bound of 9 s")]
+    results = [LoadResult("kvq", "m", solo_answers=5, points=[point(1, 20.0, 1.5), point(4, 50.0, 3.0)]),
+               LoadResult("llama", "m", solo_answers=5, points=[point(1, 40.0, 0.8)],
+                          incomplete="the run passed its bound of 9 s")]
     table = markdown_table(results)
     assert "| kvq | 4 | 12 | 0 | 1/12 | 50.0 | 0.10 | 0.20 | 1.50 | 3.00 | 3/4 | - | - |" in table
     assert "- llama: the run passed its bound of 9 s" in table and "hostile: 1 x bad JSON: HTTP 200" in table
