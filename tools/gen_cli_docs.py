@@ -28,12 +28,16 @@ in order of use: [quickstart](quickstart.md).
 
 def command_help(group: click.Group, name: str | None) -> str:
     """``kvq [name] --help`` as click prints it at :data:`WIDTH` columns."""
-    root = click.Context(group, info_name="kvq", terminal_width=WIDTH, max_content_width=WIDTH)
+    root = click.Context(group, info_name="kvq", **settings(group))
     if name is None:
         return group.get_help(root)
     command = group.commands[name]
-    ctx = click.Context(command, info_name=name, parent=root, terminal_width=WIDTH, max_content_width=WIDTH)
-    return command.get_help(ctx)
+    return command.get_help(click.Context(command, info_name=name, parent=root, **settings(command)))
+
+
+def settings(command: click.Command) -> dict:
+    """The command's own context settings (its help option names among them) at the page's fixed width."""
+    return {**command.context_settings, "terminal_width": WIDTH, "max_content_width": WIDTH}
 
 
 def render() -> str:
