@@ -10,6 +10,7 @@ from tiny_models import attention_facts
 
 from kvq_export.cache_layout import REGIONS
 from kvq_export.dtypes import DType
+from kvq_export.flavors.cache_graph import AttentionForm, AttentionInputs
 from kvq_export.flavors.reference.graph import QuantizedCacheGraph
 from kvq_export.graph.builder import GraphBuilder
 from kvq_export.graph.decoder_spec import DecoderSpec
@@ -35,9 +36,10 @@ class CacheOnly:
         v = b.input("v", ir.DataType.FLOAT, ["batch", kv_heads, "seq", head_dim])
         mask = b.input("attention_mask", ir.DataType.INT64, ["batch", "seq"])
         cg = QuantizedCacheGraph(scheme, facts, static=static)
-        cg.begin(b, attention_mask=mask, spec=DecoderSpec(facts, ir.DataType.FLOAT))
-        b.output(cg.attend(b, 0, q, k, v), "attn", ir.DataType.FLOAT, ["batch", heads, "seq", head_dim])
-        cg.end(b)
+        call = cg.begin(b, attention_mask=mask, spec=DecoderSpec(facts, ir.DataType.FLOAT))
+        attn = cg.attend(b, 0, AttentionInputs(AttentionForm.HEADS, call, q, k, v))
+        b.output(attn, "attn", ir.DataType.FLOAT, ["batch", heads, "seq", head_dim])
+        cg.end(b, call)
         model = ir.serde.serialize_model(b.build())
         self.session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
         self.past = REGIONS.tensors(scheme, facts)

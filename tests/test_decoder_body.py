@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from kvq_export.arch import get_arch, supported_model_types
 from kvq_export.errors import ExportError, ModelError
 from kvq_export.export.decoder import CacheGraph, DecoderSpec, build_decoder
+from kvq_export.flavors.cache_graph import AttentionInputs, CallValues
 from kvq_export.graph.builder import GraphBuilder, save
 from kvq_export.model_facts import ModelFacts
 
@@ -78,61 +80,71 @@ CASES = {
 
 
 # ------------------------------------------------------------------------------------ test-only cache
-class SimpleFloatCache(CacheGraph):
+@dataclass(frozen=True, kw_only=True)
+class FloatCall(CallValues):
+    """TEST-ONLY: the per-call values of :class:`SimpleFloatCache`."""
+
+    layers: list[tuple[ir.Value, ir.Value]]  # past key, value per layer
+    k_pos: ir.Value
+    k_valid: ir.Value
+    masks: dict[int | None, ir.Value] = field(default_factory=dict)
+    kv: list[tuple[ir.Value, ir.Value]] = field(default_factory=list)  # present key, value per layer
+
+
+class SimpleFloatCache(CacheGraph[FloatCall]):
     """TEST-ONLY CacheGraph: float past/present K/V, eager attention with an additive finite mask."""
 
-    def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, spec: DecoderSpec) -> ir.Value:
-        self.spec, facts = spec, spec.facts
+    def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, spec: DecoderSpec) -> FloatCall:
+        facts = spec.facts
         dt, hkv, d = spec.dtype, facts.num_kv_heads, facts.head_dim
-        self.past = [
+        layers = [
             (
                 b.input(f"past.{i}.key", dt, ["batch", hkv, "past", d]),
                 b.input(f"past.{i}.value", dt, ["batch", hkv, "past", d]),
             )
             for i in range(facts.num_layers)
         ]
-        self.present: list[tuple[ir.Value, ir.Value]] = []
 
-        past_len = b.op("Shape", self.past[0][0], start=2, end=3)  # [1]
+        past_len = b.op("Shape", layers[0][0], start=2, end=3)  # [1]
         # HF: position = (tokens before) - 1; left pads get clipped to 0 (their rows are garbage anyway).
         cumsum = b.op("CumSum", attention_mask, b.const(1))
-        self.q_pos = b.op("Max", b.op("Add", cumsum, b.op("Sub", past_len, b.const([1]))), b.const([0]))
+        q_pos = b.op("Max", b.op("Add", cumsum, b.op("Sub", past_len, b.const([1]))), b.const([0]))
 
         batch = b.op("Shape", attention_mask, end=1)
         past_shape = b.op("Concat", batch, past_len, axis=0)  # [B, P]
         past_pos = b.op(
             "Unsqueeze", b.op("Range", b.const(0), b.op("Squeeze", past_len), b.const(1)), b.const([0])
         )
-        self.k_pos = b.op("Concat", b.op("Expand", past_pos, past_shape), self.q_pos, axis=1)  # [B, P+t]
-        self.k_valid = b.op(
+        k_pos = b.op("Concat", b.op("Expand", past_pos, past_shape), q_pos, axis=1)  # [B, P+t]
+        k_valid = b.op(
             "Concat",
             b.op("Expand", b.const(True), past_shape),
             b.op("Equal", attention_mask, b.const(1)),
             axis=1,
         )
-        self.masks: dict[int | None, ir.Value] = {}
-        return self.q_pos
+        return FloatCall(spec=spec, positions=q_pos, layers=layers, k_pos=k_pos, k_valid=k_valid)
 
-    def _mask(self, b: GraphBuilder, window: int | None) -> ir.Value:
+    def _mask(self, b: GraphBuilder, call: FloatCall, window: int | None) -> ir.Value:
         """Additive mask [B, 1, t, P+t]: 0 where allowed, the dtype's most negative finite value elsewhere."""
-        if window in self.masks:
-            return self.masks[window]
-        q = b.op("Unsqueeze", self.q_pos, b.const([1, 3]))  # [B, 1, t, 1]
-        k = b.op("Unsqueeze", self.k_pos, b.const([1, 2]))  # [B, 1, 1, T]
-        allowed = b.op("And", b.op("Unsqueeze", self.k_valid, b.const([1, 2])), b.op("LessOrEqual", k, q))
+        if window in call.masks:
+            return call.masks[window]
+        q = b.op("Unsqueeze", call.positions, b.const([1, 3]))  # [B, 1, t, 1]
+        k = b.op("Unsqueeze", call.k_pos, b.const([1, 2]))  # [B, 1, 1, T]
+        allowed = b.op("And", b.op("Unsqueeze", call.k_valid, b.const([1, 2])), b.op("LessOrEqual", k, q))
         if window is not None:
             allowed = b.op("And", allowed, b.op("Greater", k, b.op("Sub", q, b.const(window))))
-        np_dtype = np.dtype(self.spec.dtype.numpy())
+        np_dtype = np.dtype(call.spec.dtype.numpy())
         mask = b.op("Where", allowed, b.const(0.0, np_dtype), b.const(np.finfo(np_dtype).min, np_dtype))
-        self.masks[window] = mask
+        call.masks[window] = mask
         return mask
 
-    def attend(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
-        f, dtype = self.spec.facts, self.spec.dtype
-        past_k, past_v = self.past[layer]
+    def attend(self, b: GraphBuilder, layer: int, inputs: AttentionInputs[FloatCall]) -> ir.Value:
+        call, (q, k, v) = inputs.call, inputs.qkv
+        f, dtype = call.spec.facts, call.spec.dtype
+        past_k, past_v = call.layers[layer]
         k_all = b.op("Concat", past_k, k, axis=2)
         v_all = b.op("Concat", past_v, v, axis=2)
-        self.present.append((k_all, v_all))
+        call.kv.append((k_all, v_all))
         if f.kv_groups > 1:  # GQA: repeat each kv head for its group of query heads (HF repeat_kv)
             reps = b.const([1, 1, f.kv_groups, 1, 1])
             shape = b.const([0, f.num_heads, -1, f.head_dim])
@@ -144,14 +156,14 @@ class SimpleFloatCache(CacheGraph):
             b.op("MatMul", q, b.op("Transpose", k_all, perm=[0, 1, 3, 2])),
             b.const(f.scaling, np_dtype),
         )
-        scores = b.op("Add", scores, self._mask(b, f.window(layer)))
+        scores = b.op("Add", scores, self._mask(b, call, f.window(layer)))
         probs = b.op("Softmax", b.op("Cast", scores, to=ir.DataType.FLOAT), axis=-1)
         return b.op("MatMul", b.op("Cast", probs, to=dtype), v_all)
 
-    def end(self, b: GraphBuilder) -> None:
-        f, dtype = self.spec.facts, self.spec.dtype
+    def end(self, b: GraphBuilder, call: FloatCall) -> None:
+        f, dtype = call.spec.facts, call.spec.dtype
         shape = ["batch", f.num_kv_heads, "total", f.head_dim]
-        for i, (k_all, v_all) in enumerate(self.present):
+        for i, (k_all, v_all) in enumerate(call.kv):
             b.output(k_all, f"present.{i}.key", dtype, shape)
             b.output(v_all, f"present.{i}.value", dtype, shape)
 

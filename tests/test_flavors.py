@@ -30,9 +30,14 @@ def test_graph_classes_share_one_base_with_declared_flags():
     classes = {name: get_flavor(name).graph_class() for name in flavor_names()}
     assert all(issubclass(cls, CacheGraph) for cls in classes.values())
     assert [classes[n].__name__ for n in flavor_names()] == ["QuantizedCacheGraph", "GQACacheGraph", "TrtCacheGraph"]
-    assert classes["ort-gqa"].attends_packed and not classes["reference"].attends_packed
+    from kvq_export.flavors.cache_graph import AttentionForm
+    from kvq_export.flavors.ort_gqa.graph import GQABodyRopeCacheGraph
+
+    assert classes["ort-gqa"].attention == AttentionForm.PROJECTED  # RoPE in the node
+    assert GQABodyRopeCacheGraph.attention == AttentionForm.PACKED  # RoPE in the body, q|k|v packed
+    assert classes["reference"].attention == classes["trt"].attention == AttentionForm.HEADS
     assert classes["reference"].supports_attn_softcap and not classes["trt"].supports_attn_softcap
-    assert not any(cls.fuses_rotary or cls.fuses_body for cls in classes.values())  # per instance for ort-gqa
+    assert not any(cls.fuses_body for cls in classes.values())  # an ort-gqa option, on by default
     assert CacheGraph.rotation(None, 0, "key") is None  # the base hook: no rotation
 
 

@@ -43,7 +43,7 @@ from tiny_models import ARCHS, VOCAB, tiny_model
 from kvq_export.errors import ExportError, RuntimeInputError, SchemeError
 from kvq_export.export.exporter import export_model
 from kvq_export.flavors.ort_gqa.capability import unsupported
-from kvq_export.flavors.ort_gqa.graph import GQACacheGraph
+from kvq_export.flavors.ort_gqa.graph import GQABodyRopeCacheGraph, GQACacheGraph
 from kvq_export.flavors.ort_gqa.plan import gqa_scale
 from kvq_export.model_facts import Geometry
 from kvq_export.presets import PRESETS
@@ -201,7 +201,7 @@ def test_fp16_compute_graph_tracks_the_fp32_graph(tmp_path_factory, name):
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3", "phi3"])
 def test_unfused_rotary_path_matches_and_names_probes(tmp_path_factory, monkeypatch, arch):
-    """fuse_rotary=False: RoPE in the body on the packed q|k|v, do_rotary=0 in the node, one packed probe.
+    """GQABodyRopeCacheGraph: RoPE in the body on the packed q|k|v, do_rotary=0 in the node, one packed probe.
 
     The fused graph names only the raw projections; its probed session rotates them with each layer's own
     tables (Gemma3: local and global RoPE) over each layer's rotary channels (Phi3: half of each head) at
@@ -216,7 +216,7 @@ def test_unfused_rotary_path_matches_and_names_probes(tmp_path_factory, monkeypa
     fused = ProbedSession(_export(tmp_path_factory, arch, scheme, static).directory)
     out = tmp_path_factory.mktemp("unfused") / "m"
     monkeypatch.setattr(GQACacheGraph, "for_model", classmethod(
-        lambda cls, scheme, facts, static=None: cls(scheme, facts, fuse_rotary=False, static=static)))
+        lambda cls, scheme, facts, static=None: GQABodyRopeCacheGraph(scheme, facts, static=static)))
     unfused = ProbedSession(export_model(tiny_model(arch), scheme, out, static=static, flavor="ort-gqa"))
     ids, mask = left_pad(PROMPTS["padded"])
     a, ca = fused.step(ids, mask)
@@ -416,13 +416,10 @@ PREFILL_SCHEMES = ["ort-int8", "ort-int4", "ort-int4-asymk", "int8-asymv/hp-fp32
 def _every_call_quantized(tmp_path_factory, monkeypatch, arch, scheme, static):
     """The same export with ``fast_prefill=False``: the quantized node runs on every call, prefills too."""
     from kvq_export.export.exporter import export_model
-    from kvq_export.flavors.ort_gqa.capability import rope_in_body
 
-    def for_model(cls, scheme, facts, *, static=None):
-        return cls(scheme, facts, fast_prefill=False, fuse_rotary=not rope_in_body(scheme, facts.num_layers),
-                   static=static)
-
-    monkeypatch.setattr(GQACacheGraph, "for_model", classmethod(for_model))
+    original = GQACacheGraph.for_model
+    monkeypatch.setattr(GQACacheGraph, "for_model", classmethod(
+        lambda cls, scheme, facts, *, static=None: original(scheme, facts, static=static, fast_prefill=False)))
     out = tmp_path_factory.mktemp("every-call") / f"{arch}-{(scheme.name or 'custom').replace('/', '_')}"
     return KVQSession(export_model(tiny_model(arch), scheme, out, static=static, flavor="ort-gqa"))
 

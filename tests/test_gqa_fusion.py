@@ -22,8 +22,8 @@ from gqa_harness import PROMPTS, SCHEMES, calibration, left_pad
 from tiny_models import ARCHS, NEW_ARCHS, VOCAB, loud_model
 
 from kvq_export.export.exporter import export_model
-from kvq_export.flavors.ort_gqa.capability import rope_in_body
-from kvq_export.flavors.ort_gqa.graph import GQACacheGraph
+from kvq_export.flavors.cache_graph import AttentionForm
+from kvq_export.flavors.ort_gqa.graph import GQABodyRopeCacheGraph, GQACacheGraph
 from kvq_export.runtime.session import KVQSession
 
 LAYERS = 2  # tests/tiny_models.py
@@ -46,13 +46,12 @@ PRIMITIVE_NORM = ("ReduceMean", "Sqrt", "Reciprocal")
 @pytest.fixture
 def unfused():
     """Export with the ort-gqa cache graph and the portable (unfused) body: ``unfused(model, scheme, out, **kw)``."""
-    def for_model(cls, scheme, facts, *, static=None):
-        return cls(scheme, facts, fuse_rotary=not rope_in_body(scheme, facts.num_layers), fuse_body=False,
-                   static=static)
+    original = GQACacheGraph.for_model
 
     def export_unfused(model, scheme, out, **options):
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(GQACacheGraph, "for_model", classmethod(for_model))
+            patch.setattr(GQACacheGraph, "for_model", classmethod(
+                lambda cls, scheme, facts, *, static=None: original(scheme, facts, static=static, fuse_body=False)))
             return export_model(model, scheme, out, flavor="ort-gqa", **options)
 
     return export_unfused
@@ -154,13 +153,11 @@ def test_packed_rope_gives_the_per_head_ropes_floats(tmp_path, monkeypatch, arch
     Same products and sums, so the same floats: identical codes and logits, with partial rotary (phi3) and a
     local and a global RoPE (gemma3); and about 20 fewer nodes per layer (no per-head transposes or Split).
     """
-    from kvq_export.export import decoder
-
     scheme = SCHEMES["ort-int4-asymk/hp-fp32"]
     static = calibration(arch, scheme)
     model = loud_model(arch)
     packed_dir = export_model(model, scheme, tmp_path / "packed", static=static, flavor="ort-gqa")
-    monkeypatch.setattr(decoder, "attends_packed", lambda cache: False)
+    monkeypatch.setattr(GQABodyRopeCacheGraph, "attention", AttentionForm.HEADS)  # the per-head RoPE
     heads_dir = export_model(model, scheme, tmp_path / "heads", static=static, flavor="ort-gqa")
     packed, heads = _ops(packed_dir), _ops(heads_dir)
     assert packed["Transpose"] == (arch in TIED) < heads["Transpose"]  # a tied lm_head's only

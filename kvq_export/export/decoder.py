@@ -1,9 +1,10 @@
 """The decoder body, written straight from the weights: embedding, layers, final norm, lm_head.
 
 The KV cache is not part of the body. A :class:`CacheGraph` declares the past/present cache tensors
-and computes attention; the body hands it rope-applied q/k/v per layer (or, to a cache graph with
-``fuses_rotary = True`` such as a fused attention kernel, the raw projections through
-:meth:`CacheGraph.attend_projected`; it applies RoPE itself from ``spec.rope``)::
+and computes attention; the body hands it one :class:`~kvq_export.flavors.cache_graph.AttentionInputs` per
+layer through :meth:`CacheGraph.attend`, in the :class:`~kvq_export.flavors.cache_graph.AttentionForm` the cache
+graph declares: rope-applied q/k/v heads (``heads``), or the raw projections (``projected``: a fused attention
+kernel applies RoPE itself from ``spec.rope``), or a rope-applied packed q|k|v (``packed``)::
 
     arch = get_arch(model.config)
     model_ir = build_decoder(model, arch, MyCache(...), dtype="fp32")
@@ -25,7 +26,7 @@ well, for a kernel that takes a packed q|k|v) and one for gate/up, and in fp32 b
 ``com.microsoft.SkipSimplifiedLayerNormalization`` for the norms (see :class:`_Body`). Other cache graphs get
 the portable body of standard ONNX primitives.
 
-A cache graph whose kernel reads q|k|v packed but needs RoPE applied before it (``attend_packed``: the ort-gqa
+A cache graph whose kernel reads q|k|v packed but needs RoPE applied before it (``packed``: the ort-gqa
 flavour with keys transformed after RoPE) gets RoPE on the packed projection in ``[B, t, H*D]`` form, with the
 same products and sums as the per-head form (:meth:`_Body.apply_packed_rope`), and no per-head transposes:
 decode steps of small models are dominated by per-node overhead, so that layout saves about 20 nodes a layer.
@@ -41,7 +42,7 @@ body feeds it that basis, so every flavour's cache, kernel and probes see rotate
 
 * keys: q and k are multiplied by ``R`` (a float32 MatMul per layer) after RoPE, before the cache graph
   gets them; scores are unchanged in exact arithmetic. A cache graph that applies RoPE itself
-  (``fuses_rotary``) cannot take rotated keys and is refused: it must let the body apply RoPE.
+  (``projected``) cannot take rotated keys and is refused: it must let the body apply RoPE.
 * values: the rotation is folded into the weights at export, at zero run-time cost: each kv head's block of
   ``v_proj`` output rows (and of its bias) becomes ``R.T @ W_v[block]`` (``v R`` comes out of the
   projection) and each query head's block of ``o_proj`` input columns becomes ``W_o[:, block] @ R`` (the
@@ -65,13 +66,7 @@ import onnx_ir as ir
 from kvq_export.arch import GELU_TANH_ACTIVATIONS, Arch, LinearNames, get_arch
 from kvq_export.dtypes import COMPUTE_DTYPES, DType
 from kvq_export.errors import ExportError
-from kvq_export.flavors.cache_graph import (
-    CacheGraph,
-    attends_packed,
-    cache_rotation,
-    fuses_body,
-    fuses_rotary,
-)
+from kvq_export.flavors.cache_graph import AttentionForm, AttentionInputs, CacheGraph, CallValues
 from kvq_export.graph.builder import GraphBuilder
 from kvq_export.graph.decoder_spec import DecoderSpec
 from kvq_export.graph.projections import Part, Projections, StateWeights, block_diag
@@ -112,64 +107,66 @@ def build_decoder(
     state, config = _split_source(source)
     arch = arch if arch is not None else get_arch(config)
     facts = facts if facts is not None else ModelFacts.from_config(config, arch)
-    if dtype not in COMPUTE_DTYPES:
-        raise ExportError(f"unknown dtype {dtype!r}; expected one of {', '.join(COMPUTE_DTYPES)}")
-    if opset < MIN_OPSET:
-        raise ExportError(f"opset {opset} is too old; the decoder needs opset >= {MIN_OPSET}")
+    _check_request(facts, arch, cache, dtype, opset)
     start = time.perf_counter()
     compute = DType.get(dtype).ir
     spec = DecoderSpec.of(facts, arch, compute)
-    if spec.attn_softcap and not cache.supports_attn_softcap:
-        raise ExportError(
-            f"{facts.model_type} soft-caps its attention scores (attn_logit_softcapping={spec.attn_softcap}), "
-            f"which the {type(cache).__name__} attention does not implement"
-        )
     b = GraphBuilder(opset=opset, name=f"kvq_{facts.model_type}")
-    body = _Body(b, arch, spec, StateWeights(state, compute, facts.model_type), fused=fuses_body(cache))
+    body = _Body(b, arch, spec, StateWeights(state, compute, facts.model_type), fused=cache.fuses_body)
 
     input_ids = b.input("input_ids", ir.DataType.INT64, ["batch", "seq"])
     attention_mask = b.input("attention_mask", ir.DataType.INT64, ["batch", "seq"])
     with b.scope("cache"):
-        positions = cache.begin(b, attention_mask=attention_mask, spec=spec)
-    body.packed_attention = attends_packed(cache) and not any(
-        body.value_rotation_in_graph(cache, layer) is not None for layer in range(facts.num_layers))
-    if not fuses_rotary(cache):
+        call = cache.begin(b, attention_mask=attention_mask, spec=spec)
+    body.form = attention_form(cache, body, facts.num_layers)
+    if body.form is not AttentionForm.PROJECTED:
         with b.scope("rope"):
             for rope in dict.fromkeys(spec.rope_for(i) for i in range(facts.num_layers)):
-                if body.packed_attention:
-                    body.rope.add_packed_tables(positions, rope)
+                if body.form is AttentionForm.PACKED:
+                    body.rope.add_packed_tables(call.positions, rope)
                 else:
-                    body.rope.add_tables(positions, rope)
+                    body.rope.add_tables(call.positions, rope)
 
     with b.scope("embed"):
-        embed = body.weights.initializer(b, arch.embed_name(), (facts.vocab_size, facts.hidden_size))
-        hidden = b.op("Gather", embed, input_ids)
-        if arch.embedding_scale is not None:  # in the weights' dtype, like GemmaTextScaledWordEmbedding
-            hidden = b.op("Mul", hidden, b.const(np.array(arch.embedding_scale, dtype=body.weights.np_dtype)))
+        hidden, embed = body.embed(input_ids)
     pending = None  # each layer leaves its last residual add to the next norm (fused: one node for both)
     for layer in range(facts.num_layers):
         with b.scope(f"layers.{layer}"):
-            hidden, pending = body.layer(layer, hidden, pending, cache)
+            hidden, pending = body.layer(layer, hidden, pending, cache, call)
     with b.scope("head"):
-        hidden, _ = body.add_norm(hidden, pending, arch.final_norm_name())
-        logits = body.lm_head(hidden, embed)
-        if arch.final_logit_softcap is not None:
-            logits = body.softcap(logits, arch.final_logit_softcap)
-        logits = body.to_float(logits)
+        logits = body.head(hidden, pending, embed)
     b.output(logits, "logits", ir.DataType.FLOAT, ["batch", "seq", facts.vocab_size])
     with b.scope("cache"):
-        cache.end(b)
+        cache.end(b, call)
 
     model = b.build(metadata={"kvq.model_type": facts.model_type, "kvq.dtype": dtype})
-    logger.info(
-        "built %s decoder body: %d layers, %s, %d nodes in %.2f s",
-        facts.model_type,
-        facts.num_layers,
-        dtype,
-        len(model.graph),
-        time.perf_counter() - start,
-    )
+    logger.info("built %s decoder body: %d layers, %s, %d nodes in %.2f s", facts.model_type, facts.num_layers,
+                dtype, len(model.graph), time.perf_counter() - start)
     return model
+
+
+def _check_request(facts: ModelFacts, arch: Arch, cache: CacheGraph, dtype: str, opset: int) -> None:
+    """Refuse a dtype, an opset or an attention soft-cap the decoder cannot build (before anything is built)."""
+    if dtype not in COMPUTE_DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}; expected one of {', '.join(COMPUTE_DTYPES)}")
+    if opset < MIN_OPSET:
+        raise ExportError(f"opset {opset} is too old; the decoder needs opset >= {MIN_OPSET}")
+    if arch.attn_logit_softcap and not cache.supports_attn_softcap:
+        raise ExportError(
+            f"{facts.model_type} soft-caps its attention scores (attn_logit_softcapping={arch.attn_logit_softcap}), "
+            f"which the {type(cache).__name__} attention does not implement"
+        )
+
+
+def attention_form(cache: CacheGraph, body: _Body, num_layers: int) -> AttentionForm:
+    """The form the body hands ``cache`` q/k/v in: the one it declares, or ``heads`` in place of ``packed``.
+
+    ``heads`` where a layer rotates values in the graph: the packed form has no place for that rotation.
+    """
+    if cache.attention is AttentionForm.PACKED and any(
+            body.value_rotation_in_graph(cache, layer) is not None for layer in range(num_layers)):
+        return AttentionForm.HEADS
+    return cache.attention
 
 
 def _split_source(source: Any) -> tuple[Mapping[str, Any], Any]:
@@ -213,8 +210,8 @@ class _Body:
             raise ExportError(f"the fused body's RMSNormalization needs opset >= {RMS_NORM_OPSET} (got {b.opset})")
         self.proj = Projections(b, weights, fused=fused)
         self.rope = RotaryGraph(b, spec.facts, from_float=self.from_float)
-        #: RoPE on the packed q|k|v for a cache graph that :func:`attends_packed` (set by :func:`build_decoder`)
-        self.packed_attention = False
+        #: the form attention takes q/k/v in (:func:`attention_form`, set by :func:`build_decoder`)
+        self.form = AttentionForm.HEADS
         self._rotations: dict[bytes, ir.Value] = {}  # one float32 initializer per distinct R
 
     # --------------------------------------------------------------------------------- building blocks
@@ -356,8 +353,25 @@ class _Body:
         """RMSNorm with ``weight_name``, or ``x`` itself where the family has no norm there."""
         return x if weight_name is None else self.rms_norm(x, weight_name)
 
-    def layer(self, layer: int, hidden: ir.Value, pending: ir.Value | None,
-              cache: CacheGraph) -> tuple[ir.Value, ir.Value | None]:
+    def embed(self, input_ids: ir.Value) -> tuple[ir.Value, ir.Value]:
+        """The embedded tokens (scaled where the family scales them) and the embedding (a tied head reuses it)."""
+        b, arch, f = self.b, self.arch, self.facts
+        embed = self.weights.initializer(b, arch.embed_name(), (f.vocab_size, f.hidden_size))
+        hidden = b.op("Gather", embed, input_ids)
+        if arch.embedding_scale is not None:  # in the weights' dtype, like GemmaTextScaledWordEmbedding
+            hidden = b.op("Mul", hidden, b.const(np.array(arch.embedding_scale, dtype=self.weights.np_dtype)))
+        return hidden, embed
+
+    def head(self, hidden: ir.Value, pending: ir.Value | None, embed: ir.Value) -> ir.Value:
+        """The last residual add, the final norm and the lm_head: float32 logits (soft-capped where the family caps)."""
+        hidden, _ = self.add_norm(hidden, pending, self.arch.final_norm_name())
+        logits = self.lm_head(hidden, embed)
+        if self.arch.final_logit_softcap is not None:
+            logits = self.softcap(logits, self.arch.final_logit_softcap)
+        return self.to_float(logits)
+
+    def layer(self, layer: int, hidden: ir.Value, pending: ir.Value | None, cache: CacheGraph,
+              call: CallValues) -> tuple[ir.Value, ir.Value | None]:
         """One decoder layer: attention and gated MLP, each with a residual (norms as ``LayerNames`` says).
 
         ``hidden + pending`` is the residual stream; the layer returns it the same way, and :meth:`add_norm`
@@ -367,12 +381,12 @@ class _Body:
         b, arch, f = self.b, self.arch, self.facts
         names = arch.layer_names(layer)
         q_size = f.num_heads * f.head_dim
-        value_rot = cache_rotation(cache, layer, "value")
+        value_rot = cache.rotation(layer, "value")
         fold = value_rot is not None and self.value_rotation_in_graph(cache, layer) is None
 
         with b.scope("attn"):
             x, hidden = self.add_norm(hidden, pending, names.input_norm)
-            attn = self.attention(x, layer, cache, value_rot if fold else None)  # [B, t, Hq * D]
+            attn = self.attention(x, layer, cache, call, value_rot if fold else None)  # [B, t, Hq * D]
             out = self.proj.linear(attn, names.o, q_size, f.hidden_size, rotate_in=value_rot if fold else None)
             delta = self.maybe_norm(out, names.attention_out_norm)
 
@@ -386,40 +400,56 @@ class _Body:
 
     def value_rotation_in_graph(self, cache: CacheGraph, layer: int) -> np.ndarray | None:
         """``layer``'s value rotation when the weights cannot absorb it (``Arch.folds_value_rotation`` False)."""
-        value_rot = cache_rotation(cache, layer, "value")
+        value_rot = cache.rotation(layer, "value")
         return value_rot if value_rot is not None and not self.arch.folds_value_rotation else None
 
-    def attention(self, x: ir.Value, layer: int, cache: CacheGraph, folded_value_rotation: np.ndarray | None
-                  ) -> ir.Value:
+    def attention(self, x: ir.Value, layer: int, cache: CacheGraph, call: CallValues,
+                  folded_value_rotation: np.ndarray | None) -> ir.Value:
         """q/k/v projections of the normed input ``x``, RoPE where the body applies it, and ``cache``'s attention.
 
         Returns ``[B, t, Hq * D]`` for ``o_proj``. ``folded_value_rotation``: the value rotation folded into
-        ``v_proj`` (``o_proj`` folds its inverse).
+        ``v_proj`` (``o_proj`` folds its inverse). The q/k/v go to the cache graph in :attr:`form`.
         """
-        b, f = self.b, self.facts
-        names = self.arch.layer_names(layer)
+        names, f = self.arch.layer_names(layer), self.facts
         q_size, kv_size = f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim
-        key_rot, in_graph = cache_rotation(cache, layer, "key"), self.value_rotation_in_graph(cache, layer)
         parts = [(names.q, q_size, None), (names.k, kv_size, None), (names.v, kv_size, folded_value_rotation)]
-        if self.packed_attention:
+        if self.form is AttentionForm.PACKED:
             separate, qkv = self.projections(x, layer, parts, split=False)
-            qkv = qkv if separate is None else b.op("Concat", *separate, axis=-1)
-            return cache.attend_packed(b, layer, self.apply_packed_rope(qkv, layer, key_rot))  # type: ignore
-        if fuses_rotary(cache):  # [B, t, H*D] in and out: the cache graph's kernel applies RoPE
-            if key_rot is not None:
-                raise ExportError(f"layer {layer}: rotated keys need RoPE before the rotation, but this "
-                                  "cache graph applies RoPE itself (export it with the body's RoPE)")
-            # packed [B, t, (Hq + 2 Hkv) * D] (fused body): q, k, v side by side, for a kernel that takes them so;
-            # then the parts are not even split out (None)
-            separate, packed = self.projections(x, layer, parts, split=in_graph is not None)
-            q, k, v = separate or (None, None, None)
-            if in_graph is not None:
-                v, packed = self.rotate(v, block_diag(in_graph, f.num_kv_heads)), None
-            attn = cache.attend_projected(b, layer, q, k, v, packed=packed)  # type: ignore[attr-defined]
-            if in_graph is not None:
-                attn = self.rotate(attn, block_diag(in_graph, f.num_heads), inverse=True)
-            return attn
-        (q, k, v), _ = self.projections(x, layer, parts)  # type: ignore[misc]
+            qkv = qkv if separate is None else self.b.op("Concat", *separate, axis=-1)
+            qkv = self.apply_packed_rope(qkv, layer, cache.rotation(layer, "key"))
+            return cache.attend(self.b, layer, AttentionInputs(AttentionForm.PACKED, call, packed=qkv))
+        if self.form is AttentionForm.PROJECTED:
+            return self.projected_attention(x, layer, cache, call, parts)
+        return self.heads_attention(x, layer, cache, call, parts)
+
+    def projected_attention(self, x: ir.Value, layer: int, cache: CacheGraph, call: CallValues,
+                            parts: list[Part]) -> ir.Value:
+        """Attention in the ``projected`` form: [B, t, H*D] in and out, the cache graph's kernel applies RoPE."""
+        f = self.facts
+        if cache.rotation(layer, "key") is not None:
+            raise ExportError(f"layer {layer}: rotated keys need RoPE before the rotation, but this "
+                              "cache graph applies RoPE itself (export it with the body's RoPE)")
+        in_graph = self.value_rotation_in_graph(cache, layer)
+        # packed [B, t, (Hq + 2 Hkv) * D] (fused body): q, k, v side by side, for a kernel that takes them so;
+        # then the parts are not even split out (None)
+        separate, packed = self.projections(x, layer, parts, split=in_graph is not None)
+        q, k, v = separate or (None, None, None)
+        if in_graph is not None:
+            v, packed = self.rotate(v, block_diag(in_graph, f.num_kv_heads)), None
+        inputs = (AttentionInputs(AttentionForm.PROJECTED, call, packed=packed) if packed is not None
+                  else AttentionInputs(AttentionForm.PROJECTED, call, q, k, v))
+        attn = cache.attend(self.b, layer, inputs)
+        if in_graph is not None:
+            attn = self.rotate(attn, block_diag(in_graph, f.num_heads), inverse=True)
+        return attn
+
+    def heads_attention(self, x: ir.Value, layer: int, cache: CacheGraph, call: CallValues,
+                        parts: list[Part]) -> ir.Value:
+        """Attention in the ``heads`` form: RoPE (and the rotations) on [B, H, t, D] heads, then back to [B, t, H*D]."""
+        b, f = self.b, self.facts
+        key_rot, in_graph = cache.rotation(layer, "key"), self.value_rotation_in_graph(cache, layer)
+        separate, _ = self.projections(x, layer, parts)
+        q, k, v = separate or (None, None, None)
         q = self.rope.apply(self.heads(q, f.num_heads), self.spec.rope_for(layer))
         k = self.rope.apply(self.heads(k, f.num_kv_heads), self.spec.rope_for(layer))
         if key_rot is not None:
@@ -427,10 +457,10 @@ class _Body:
         v = self.heads(v, f.num_kv_heads)
         if in_graph is not None:
             v = self.rotate(v, in_graph)
-        attn = cache.attend(b, layer, q, k, v)  # [B, Hq, t, D]
+        attn = cache.attend(b, layer, AttentionInputs(AttentionForm.HEADS, call, q, k, v))  # [B, Hq, t, D]
         if in_graph is not None:
             attn = self.rotate(attn, in_graph, inverse=True)
-        return b.op("Reshape", b.op("Transpose", attn, perm=[0, 2, 1, 3]), b.const([0, 0, q_size]))
+        return b.op("Reshape", b.op("Transpose", attn, perm=[0, 2, 1, 3]), b.const([0, 0, f.num_heads * f.head_dim]))
 
     def lm_head(self, hidden: ir.Value, embed: ir.Value) -> ir.Value:
         """Logits [B, t, V] in the compute dtype; a tied head reuses the embedding instead of a copy."""

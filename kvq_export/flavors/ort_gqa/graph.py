@@ -104,14 +104,14 @@ What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py
   projections (the packed ``probe.<layer>.qkv.projected``, or ``probe.<layer>.<q|key|value>.projected`` where
   q/k norms split them) and a validator applies the graph's own rotary tables to them
   (:mod:`kvq_export.validate.probe`); computing RoPE, or even a Split, in the graph just for probes would run
-  on every step, since ONNX Runtime executes dead branches. With ``fuse_rotary=False`` RoPE runs in the
-  body on the packed q|k|v, the node gets ``do_rotary=0`` and the graph names that packed value
-  (``probe.<layer>.qkv``), which the validator splits.
+  on every step, since ONNX Runtime executes dead branches. With RoPE in the body
+  (:class:`GQABodyRopeCacheGraph`) it runs on the packed q|k|v, the node gets ``do_rotary=0`` and the graph
+  names that packed value (``probe.<layer>.qkv``), which the validator splits.
 * **Rotation** (``rotation`` of a scheme stream): rotated keys must be rotated *after* RoPE, which the node
   cannot do when it applies RoPE itself, so a scheme with any rotated (or offset) key stream is exported with
-  ``fuse_rotary=False`` (RoPE and the q/k rotation run in the body; the node gets ``do_rotary=0``). A value
-  rotation is folded into ``v_proj``/``o_proj`` by the body and keeps the fused RoPE. Static scales are
-  calibrated in the rotated basis, so the node's buffer holds rotated codes.
+  RoPE in the body (:class:`GQABodyRopeCacheGraph`: RoPE and the q/k rotation run in the body; the node gets
+  ``do_rotary=0``). A value rotation is folded into ``v_proj``/``o_proj`` by the body and keeps the fused RoPE.
+  Static scales are calibrated in the rotated basis, so the node's buffer holds rotated codes.
 """
 
 from __future__ import annotations
@@ -125,8 +125,9 @@ import onnx_ir as ir
 from kvq_export.cache_layout import BUFFER
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
+from kvq_export.flavors.cache_graph import AttentionForm, AttentionInputs
+from kvq_export.flavors.ort_gqa.call import GQACall, begin_call
 from kvq_export.flavors.ort_gqa.capability import rope_in_body, unsupported
-from kvq_export.flavors.ort_gqa.genai_graph import REAL_TOKENS, ROWS_BACK, ROWS_TO_FRONT
 from kvq_export.flavors.ort_gqa.high_nodes import NodeShape, fold, high_nibbles, pack, quantize, widen
 from kvq_export.flavors.ort_gqa.plan import plan_layer
 from kvq_export.flavors.reference.graph import LaidOutCache, name_packed_probe, name_probes
@@ -134,7 +135,7 @@ from kvq_export.graph.builder import GraphBuilder
 from kvq_export.graph.codec import static_name, unpack_fields
 from kvq_export.graph.decoder_spec import DecoderSpec
 from kvq_export.model_facts import CacheGeometry, ModelFacts
-from kvq_export.naming import PARTS, ROTARY_TABLES, tensor_name
+from kvq_export.naming import PARTS
 from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import KVQuantScheme
 
@@ -143,15 +144,13 @@ logger = logging.getLogger(__name__)
 GQA_DOMAIN = "com.microsoft"
 
 
-class GQACacheGraph(LaidOutCache):
+class GQACacheGraph(LaidOutCache[GQACall]):
     """:class:`~kvq_export.export.decoder.CacheGraph` built on ``com.microsoft.GroupQueryAttention``.
 
     Args:
         scheme: the cache description (see :func:`unsupported` for what GQA can hold).
         geometry: the model's cache geometry.
         static: calibrated static scales ``{layer: {"key"|"value": {"scales": [H, n]}}}``.
-        fuse_rotary: apply RoPE inside the node (default; refused with rotated keys); False leaves it to
-            the decoder body.
         fuse_body: ask the decoder body for ONNX Runtime's fused nodes (default): one MatMul for q/k/v and
             one for gate/up, RMSNorm as ``RMSNormalization`` and residual + norm as
             ``com.microsoft.SkipSimplifiedLayerNormalization`` (see :class:`kvq_export.export.decoder._Body`).
@@ -163,19 +162,20 @@ class GQACacheGraph(LaidOutCache):
     layout = BUFFER
     #: the node's ``softcap`` attribute is Gemma2's attention soft-capping
     supports_attn_softcap = True
-    #: GroupQueryAttention takes q|k|v packed in its query input
-    attends_packed = True
+    #: the node applies RoPE (``do_rotary``) to the raw projections; :class:`GQABodyRopeCacheGraph` leaves it to
+    #: the body
+    attention = AttentionForm.PROJECTED
 
-    def __init__(self, scheme: KVQuantScheme, geometry: CacheGeometry, *, fuse_rotary: bool = True,
-                 fuse_body: bool = True, fast_prefill: bool = True, **options) -> None:
+    def __init__(self, scheme: KVQuantScheme, geometry: CacheGeometry, *, fuse_body: bool = True,
+                 fast_prefill: bool = True, **options) -> None:
         super().__init__(scheme, geometry, **options)
         reasons = unsupported(scheme, self.geometry.num_layers, self.geometry.head_dim)
         if reasons:
             raise ExportError(f"flavor ort-gqa cannot hold scheme {scheme.name or 'custom'}: " + "; ".join(reasons))
-        if fuse_rotary and rope_in_body(scheme, self.geometry.num_layers):
+        if self.attention is AttentionForm.PROJECTED and rope_in_body(scheme, self.geometry.num_layers):
             raise ExportError("ort-gqa: rotated keys, keys with zero points and high channels are transformed "
-                              "after RoPE, so RoPE cannot be fused into GroupQueryAttention (use fuse_rotary=False)")
-        self.fuses_rotary = fuse_rotary
+                              "after RoPE, so RoPE cannot be fused into GroupQueryAttention "
+                              "(use GQABodyRopeCacheGraph)")
         self.fuses_body = fuse_body
         self.fast_prefill = fast_prefill
         self.kv_row = self.geometry.num_kv_heads * self.geometry.head_dim  # one stream's packed row
@@ -188,136 +188,60 @@ class GQACacheGraph(LaidOutCache):
         return unsupported(scheme, num_layers, head_dim)
 
     @classmethod
-    def for_model(cls, scheme: KVQuantScheme, facts: ModelFacts, *, static: Mapping | None = None) -> GQACacheGraph:
-        """RoPE fused into the node unless the keys are transformed after it (:func:`rope_in_body`)."""
-        return cls(scheme, facts, fuse_rotary=not rope_in_body(scheme, facts.num_layers), static=static)
+    def for_model(cls, scheme: KVQuantScheme, facts: ModelFacts, *, static: Mapping | None = None,
+                  **options) -> GQACacheGraph:
+        """RoPE fused into the node unless the keys are transformed after it (:func:`rope_in_body`).
+
+        ``options``: the constructor's (``fuse_body``, ``fast_prefill``).
+        """
+        graph_class = GQABodyRopeCacheGraph if rope_in_body(scheme, facts.num_layers) else GQACacheGraph
+        return graph_class(scheme, facts, static=static, **options)
 
     # -- CacheGraph protocol --------------------------------------------------------------------------
     def rotation(self, layer: int, part: str) -> np.ndarray | None:
         """``R`` of ``layer``'s ``key``/``value`` stream (the body rotates q/k and folds v with it)."""
         return stream_rotation(self.scheme, layer, part, self.geometry.head_dim)
 
-    def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, spec: DecoderSpec) -> ir.Value | None:
+    def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, spec: DecoderSpec) -> GQACall:
         """Declare the past buffers; compute GQA's length inputs and the left/right realignment."""
-        self.spec = spec
-        self.compute_type = spec.dtype
-        for tensor in self.cache_specs("past"):
-            self.past[tensor.name] = b.input(tensor.name, DType.get(tensor.dtype).ir, tensor.shape)
-        n0 = self.past[tensor_name("past", None, None, "seq_lengths")]
-        mask = b.op("Cast", attention_mask, to=ir.DataType.INT64)
-        m = b.op("ReduceSum", mask, b.const([1]), keepdims=0)  # new real tokens per row [B]
-        self.n1 = b.op("Add", n0, m)
-        t = b.op("Gather", b.op("Shape", mask), b.const([1]), axis=0)  # [1]
-        t_scalar = b.op("Squeeze", t, b.const([0]))
-        int32 = ir.DataType.INT32
-        self.seqlens_k = b.op("Cast", b.op("Max", b.op("Sub", self.n1, b.const(1)), b.const(0)), to=int32)
-        self.query_seqlens = b.op("Cast", m, to=int32)
-        # an exact call (the quantized layers' If takes the exact branch): a prompt or a chunk of one, more than
-        # one new token, or any call into empty caches; a decode step after a past runs the quantized node
-        self.held = b.op("ReduceMax", n0, b.const([0]), keepdims=1)  # [1]: the longest row already held
-        held = b.op("Squeeze", self.held, b.const([0]))
-        self.exact = b.op("Or", b.op("Equal", held, b.const(0)), b.op("Greater", t_scalar, b.const(1)))
-        # the exact node's present holds every row's padded chunk after the longest past
-        self.exact_total = b.op("Cast", b.op("Add", held, t_scalar), to=int32)
-        # the exact node takes query_seqlens only with a past; a row holding no token at all takes one
-        # (padding) token then: never read
-        self.exact_seqlens = b.op("Cast", b.op("Add", m, b.op("Cast", b.op("Equal", self.n1, b.const(0)),
-                                                             to=ir.DataType.INT64)), to=int32)
-        longest = b.op("ReduceMax", self.n1, b.const([0]), keepdims=1)
-        self.total = b.op("Cast", b.op("Squeeze", b.op("Max", longest, t), b.const([0])), to=int32)
-        # row b holds its m_b tokens contiguously from `first` (t - m_b when left-padded as kvq feeds them,
-        # 0 when right-padded as onnxruntime-genai feeds a prompt); GQA wants them at [0, m_b)
-        s = b.op("Unsqueeze", b.op("Range", b.const(0), t_scalar, b.const(1)), b.const([0]))  # [1, t]
-        # where an exact call's new tokens go in the buffers: row b's j-th at n0_b + j, [B, 1, t, 1] (a
-        # padding token's place lies past the row's length, inside the capacity a step needs)
-        self.new_places = b.op("Unsqueeze", b.op("Add", b.op("Unsqueeze", n0, b.const([1])), s), b.const([1, 3]))
-        self.new_real = b.op("Unsqueeze", b.op("Less", s, b.op("Unsqueeze", m, b.const([1]))), b.const([1, 3]))
-        shift = b.op("ArgMax", b.op("Cast", mask, to=ir.DataType.INT32), axis=1, keepdims=1)  # [B, 1]; 0 if idle
-        self.to_right = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, shift), t), b.const([-1]))  # [B, t, 1]
-        self.to_left = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, b.op("Sub", t, shift)), t), b.const([-1]))
-        self.valid = b.op("Unsqueeze", b.op("Cast", mask, to=ir.DataType.BOOL), b.const([-1]))  # [B, t, 1]
-        # named: onnxruntime-genai's variant of the graph (right-padded rows only) bypasses what reads them
-        self.to_right.name, self.to_left.name, self.valid.name = ROWS_TO_FRONT, ROWS_BACK, REAL_TOKENS
-        self.np_type = np_type = ir.DataType(self.compute_type).numpy()
-        hp, compute = DType.get(self.scheme.hp_dtype).ir, ir.DataType(self.compute_type)
+        hp, compute = DType.get(self.scheme.hp_dtype).ir, ir.DataType(spec.dtype)
         if any(plan.bits is None for plan in self.plans) and hp != compute:
             logger.warning("ort-gqa: unquantized %s cache with %s compute; ONNX Runtime's CPU GroupQueryAttention "
                            "has no float16 kernel, so on CPU it casts the whole buffer to float32 and back every "
                            "step (use hp_dtype fp32 for a copy-free CPU baseline)", hp.name, compute.name)
-        self.zero = b.const(np.array(0, dtype=np_type))
-        self.tables: dict[int, tuple[ir.Value, ir.Value]] = {}
-        if self.fuses_rotary:
-            for layer in range(spec.facts.num_layers):  # one table pair per distinct RoPE (Gemma3: local, global)
-                rope = spec.rope_for(layer)
-                if id(rope) not in self.tables:
-                    self.tables[id(rope)] = self._rotary_caches(b, spec, np_type, rope)
-            return None
-        # positions of the new tokens for the body's RoPE (pads clamp to 0), as in the reference flavour
-        offset = b.op("Sub", b.op("Unsqueeze", n0, b.const([1])), shift)
-        return b.op("Max", b.op("Add", s, offset), b.const(0))
+        shape = NodeShape(spec.facts, self.geometry.head_dim, self.kv_row, spec.dtype)
+        return begin_call(b, spec, self.declare_past(b), attention_mask, shape,
+                          fused_rotary=self.attention is AttentionForm.PROJECTED)
 
-    def attend_projected(self, b: GraphBuilder, layer: int, q: ir.Value | None, k: ir.Value | None,
-                         v: ir.Value | None, *, packed: ir.Value | None = None) -> ir.Value:
-        """Attend: q [B,t,Hq*D], k/v [B,t,Hkv*D] before RoPE -> [B,t,Hq*D] (GQA applies RoPE).
+    def attend(self, b: GraphBuilder, layer: int, inputs: AttentionInputs[GQACall]) -> ir.Value:
+        """One GroupQueryAttention over the shared buffers, in any :class:`AttentionForm`.
 
-        With ``packed`` (q, k, v side by side; q/k/v None) the node takes GQA's packed query, one realignment
-        moves all three, and the packed value is the probe.
+        ``projected`` (q/k/v before RoPE, or packed; the node applies RoPE) and ``packed`` (q|k|v with the body's
+        RoPE) -> [B, t, Hq * D]: the node takes GQA's packed query, one realignment moves all three, and the packed
+        value is the probe. ``heads`` (q [B,Hq,t,D], k/v [B,Hkv,t,D] with RoPE applied) -> [B,Hq,t,D]: the body
+        hands it only where it rotates values in the graph (an architecture whose weights cannot absorb the
+        rotation).
         """
-        if packed is not None:
-            name_packed_probe(b, layer, packed, projected=True)
+        call, rotary = inputs.call, inputs.form is AttentionForm.PROJECTED
+        if inputs.packed is not None:
+            name_packed_probe(b, layer, inputs.packed, projected=rotary)
             with b.scope(f"gqa{layer}"):
-                return self._gqa(b, layer, packed, None, None, rotary=True)
-        name_probes(b, layer, q, k, v, projected=True)
-        with b.scope(f"gqa{layer}"):
-            return self._gqa(b, layer, q, k, v, rotary=True)
-
-    def attend_packed(self, b: GraphBuilder, layer: int, qkv: ir.Value) -> ir.Value:
-        """Attend: ``qkv`` [B, t, (Hq + 2 Hkv) * D] with RoPE applied (the body's RoPE) -> [B, t, Hq * D]."""
-        name_packed_probe(b, layer, qkv)
-        with b.scope(f"gqa{layer}"):
-            return self._gqa(b, layer, qkv, None, None, rotary=False)
-
-    def attend(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
-        """Attend: q [B,Hq,t,D], k/v [B,Hkv,t,D] with RoPE applied -> [B,Hq,t,D].
-
-        The body calls it only where it rotates values in the graph (an architecture whose weights cannot absorb
-        the rotation); otherwise it hands the packed q|k|v to :meth:`attend_packed`.
-        """
-        name_probes(b, layer, q, k, v)
-        f = self.spec.facts
+                return self._gqa(b, call, layer, inputs.packed, None, None, rotary=rotary)
+        q, k, v = inputs.qkv
+        name_probes(b, layer, q, k, v, projected=rotary)
+        if rotary:
+            with b.scope(f"gqa{layer}"):
+                return self._gqa(b, call, layer, q, k, v, rotary=True)
+        f = call.spec.facts
         with b.scope(f"gqa{layer}"):
             flat = [b.op("Reshape", b.op("Transpose", x, perm=[0, 2, 1, 3]), b.const([0, 0, heads * f.head_dim]))
                     for x, heads in ((q, f.num_heads), (k, f.num_kv_heads), (v, f.num_kv_heads))]
-            out = self._gqa(b, layer, b.op("Concat", *flat, axis=-1), None, None, rotary=False)
+            out = self._gqa(b, call, layer, b.op("Concat", *flat, axis=-1), None, None, rotary=False)
             out = b.op("Reshape", out, b.const([0, 0, f.num_heads, f.head_dim]))
             return b.op("Transpose", out, perm=[0, 2, 1, 3])
 
-    def end(self, b: GraphBuilder) -> None:
-        """Declare the present outputs in manifest order."""
-        self.present[tensor_name("present", None, None, "seq_lengths")] = self.n1
-        for tensor in self.cache_specs("present"):
-            b.output(self.present[tensor.name], tensor.name, DType.get(tensor.dtype).ir, tensor.shape)
-
     # -- pieces --------------------------------------------------------------------------------------------
-    def _rotary_caches(self, b: GraphBuilder, spec: DecoderSpec, np_type, rope) -> tuple[ir.Value, ir.Value]:
-        """cos/sin tables [max_positions, R/2] in the compute dtype (computed in float32, like the body).
-
-        R is the rotary dim (GQA rotates the first 2 * table width channels); the global RoPE's tables are
-        :data:`ROTARY_TABLES`, another layer type's (Gemma3's local layers) ``rope.<layer_type>.*_cache``.
-        """
-        if rope is None or not spec.facts.max_position_embeddings:
-            raise ExportError("ort-gqa with fused rotary needs the model's RoPE and max_position_embeddings")
-        pos = np.arange(spec.facts.max_position_embeddings, dtype=np.float32)[:, None]
-        freqs = pos * rope.inv_freq.astype(np.float32)[None, :]
-        cos, sin = np.cos(freqs), np.sin(freqs)
-        if rope.attention_scaling != 1.0:
-            cos, sin = cos * np.float32(rope.attention_scaling), sin * np.float32(rope.attention_scaling)
-        names = ROTARY_TABLES
-        if rope is not spec.rope:
-            names = tuple(name.replace("rope.", f"rope.{rope.layer_type}.", 1) for name in ROTARY_TABLES)
-        return (b.initializer(names[0], cos.astype(np_type)), b.initializer(names[1], sin.astype(np_type)))
-
-    def _gqa(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value | None, v: ir.Value | None, *,
+    def _gqa(self, b: GraphBuilder, call: GQACall, layer: int, q: ir.Value, k: ir.Value | None, v: ir.Value | None, *,
              rotary: bool) -> ir.Value:
         """Realign to right padding, run the node on the shared buffers, realign back (k = v = None: packed q).
 
@@ -332,79 +256,79 @@ class GQACacheGraph(LaidOutCache):
         if plan.bits is not None:
             scales = tuple(b.initializer(static_name(layer, part, "scales"), array)
                            for part, array in zip(PARTS, (plan.k_scale, plan.v_scale)))
-        offset = self._value_offset(b, layer)
+        offset = self._value_offset(b, call, layer)
         high = plan.k_high is not None  # (the body's RoPE: q is the packed q|k|v)
         if high:
-            width = (self.spec.facts.num_heads + 2 * self.spec.facts.num_kv_heads) * self.geometry.head_dim
+            width = (call.spec.facts.num_heads + 2 * call.spec.facts.num_kv_heads) * self.geometry.head_dim
             codes = {role: b.initializer(static_name(layer, "kv", f"high_channels.{role}"), array) for role, array
                      in plan.high_code_constants((width - 2 * self.kv_row, width - self.kv_row), width).items()}
         else:  # the node's input, offsets subtracted: both branches read it
-            node_in = self._right(b, *self._offset_inputs(b, layer, q, k, v))
+            node_in = self._right(b, call, *self._offset_inputs(b, call, layer, q, k, v))
 
         def step() -> list[ir.Value]:
-            inputs = self._right(b, widen(b, self.node_shape, layer, plan, q, codes), None, None) if high else node_in
-            past = [self.past[self.layout.buffer_name("past", layer, part)] for part in PARTS]
-            out, present_k, present_v = self._node(b, layer, *inputs, past, scales, rotary=rotary)
+            inputs = self._right(b, call, widen(b, call.shape, layer, plan, q, codes), None, None) if high else node_in
+            past = [call.past[self.layout.buffer_name("past", layer, part)] for part in PARTS]
+            out, present_k, present_v = self._node(b, call, layer, *inputs, past, scales, rotary=rotary)
             if plan.v_high is not None:
-                out = fold(b, self.node_shape, layer, out, plan.v_high)
+                out = fold(b, call.shape, layer, out, plan.v_high)
             return [out if offset is None else b.op("Add", out, offset), present_k, present_v]
 
         def exact() -> list[ir.Value]:
             if high:
-                return self._exact(b, layer, self._right(b, q, None, None), scales, None, rotary, codes)
-            return self._exact(b, layer, node_in, scales, offset, rotary)
+                return self._exact(b, call, layer, self._right(b, call, q, None, None), scales, None, rotary, codes)
+            return self._exact(b, call, layer, node_in, scales, offset, rotary)
 
         if plan.bits is None or not self.fast_prefill:
             out, present_k, present_v = step()
         else:
             branches = {"then_branch": b.subgraph(f"gqa{layer}_exact", exact),
                         "else_branch": b.subgraph(f"gqa{layer}_step", step)}
-            out, present_k, present_v = b.op_multi("If", self.exact, num_outputs=3, **branches)
+            out, present_k, present_v = b.op_multi("If", call.exact, num_outputs=3, **branches)
         for part, value in zip(PARTS, (present_k, present_v)):
-            self.present[self.layout.buffer_name("present", layer, part)] = value
-        return b.op("Where", self.valid, b.op("GatherND", out, self.to_left, batch_dims=1), self.zero)
+            call.present[self.layout.buffer_name("present", layer, part)] = value
+        return b.op("Where", call.valid, b.op("GatherND", out, call.to_left, batch_dims=1), call.zero)
 
-    def _right(self, b: GraphBuilder, *values: ir.Value | None) -> tuple[ir.Value | None, ...]:
+    def _right(self, b: GraphBuilder, call: GQACall, *values: ir.Value | None) -> tuple[ir.Value | None, ...]:
         """Each row's new tokens moved to the front (GQA's right padding)."""
-        return tuple(None if x is None else b.op("GatherND", x, self.to_right, batch_dims=1) for x in values)
+        return tuple(None if x is None else b.op("GatherND", x, call.to_right, batch_dims=1) for x in values)
 
-    def _node(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value | None, v: ir.Value | None,
+    def _node(self, b: GraphBuilder, call: GQACall, layer: int, q: ir.Value, k: ir.Value | None, v: ir.Value | None,
               past: list[ir.Value | None], scales: tuple[ir.Value | None, ir.Value | None], *,
               rotary: bool, query_seqlens: ir.Value | None = None, total: ir.Value | None = None) -> list[ir.Value]:
         """One GroupQueryAttention node: (output, present key, present value); no ``scales``: unquantized."""
-        f, plan = self.spec.facts, self.plans[layer]
+        f, plan = call.spec.facts, self.plans[layer]
         attrs = {}
         if scales[0] is not None:
             attrs = {"k_quant_type": plan.k_quant, "v_quant_type": plan.v_quant, "kv_cache_bit_width": plan.bits}
         window = f.window(layer)
-        cos, sin = self.tables[id(self.spec.rope_for(layer))] if rotary else (None, None)
-        if self.spec.attn_softcap:
-            attrs["softcap"] = float(self.spec.attn_softcap)
+        cos, sin = call.tables[id(call.spec.rope_for(layer))] if rotary else (None, None)
+        if call.spec.attn_softcap:
+            attrs["softcap"] = float(call.spec.attn_softcap)
         return b.op_multi(
-            "GroupQueryAttention", q, k, v, past[0], past[1], self.seqlens_k, self.total if total is None else total,
+            "GroupQueryAttention", q, k, v, past[0], past[1], call.seqlens_k, call.total if total is None else total,
             cos, sin,
             None, None, None,  # position_ids (implied by query_seqlens), attention_bias, head_sink
             scales[0], scales[1],
             None, None,  # q_norm_weight, k_norm_weight
-            self.query_seqlens if query_seqlens is None else query_seqlens,
+            call.query_seqlens if query_seqlens is None else query_seqlens,
             num_outputs=3, domain=GQA_DOMAIN,
             num_heads=f.num_heads, kv_num_heads=f.num_kv_heads, scale=float(f.scaling),
             do_rotary=int(rotary), rotary_interleaved=0, local_window_size=int(window) if window else -1,
             **attrs,
         )
 
-    def _value_offset(self, b: GraphBuilder, layer: int) -> ir.Value | None:
+    def _value_offset(self, b: GraphBuilder, call: GQACall, layer: int) -> ir.Value | None:
         """What the attention output gets back for value offsets (None: no offset).
 
         sum_j a_j (v_j - c) + c = sum_j a_j v_j: each query head's kv head's offset c.
         """
-        plan, f = self.plans[layer], self.spec.facts
+        plan, f = self.plans[layer], call.spec.facts
         if plan.out_offset is None:
             return None
         per_query_head = np.repeat(plan.out_offset.reshape(f.num_kv_heads, -1), f.kv_groups, 0)
-        return self._offset(b, layer, "value.output", per_query_head.reshape(-1))
+        return self._offset(b, call, layer, "value.output", per_query_head.reshape(-1))
 
-    def _exact(self, b: GraphBuilder, layer: int, node_in: tuple[ir.Value | None, ...],
+    def _exact(self, b: GraphBuilder, call: GQACall, layer: int, node_in: tuple[ir.Value | None, ...],
                scales: tuple[ir.Value | None, ir.Value | None], offset: ir.Value | None, rotary: bool,
                codes: dict[str, ir.Value] | None = None) -> list[ir.Value]:
         """An exact call's attention and buffers: the new tokens' exact K/V after the held codes, then their codes.
@@ -418,21 +342,21 @@ class GQACacheGraph(LaidOutCache):
         the nibbles of its widened rows (:meth:`_high_nibbles`).
         """
         plan = self.plans[layer]
-        buffers = [self.past[self.layout.buffer_name("past", layer, part)] for part in PARTS]
-        held = [self._held(b, layer, part, buffer) for part, buffer in zip(PARTS, buffers)]
-        out, present_k, present_v = self._node(b, layer, *node_in, held, (None, None), rotary=rotary,
-                                               query_seqlens=self.exact_seqlens, total=self.exact_total)
+        buffers = [call.past[self.layout.buffer_name("past", layer, part)] for part in PARTS]
+        held = [self._held(b, call, layer, part, buffer) for part, buffer in zip(PARTS, buffers)]
+        out, present_k, present_v = self._node(b, call, layer, *node_in, held, (None, None), rotary=rotary,
+                                               query_seqlens=call.exact_seqlens, total=call.exact_total)
         if codes is not None:  # [B, t, 2, kv_heads, node head / 2] -> [2, B, kv_heads, t, ..]: key, value
-            nibbles = high_nibbles(b, self.node_shape, layer, self.plans[layer], node_in[0], codes)
+            nibbles = high_nibbles(b, call.shape, layer, self.plans[layer], node_in[0], codes)
             both = b.op("Transpose", pack(b, nibbles), perm=[2, 0, 3, 1, 4])
             stored = [b.op("Squeeze", b.op("Gather", both, b.const([i]), axis=0), b.const([0])) for i in range(2)]
         else:
             out = out if offset is None else b.op("Add", out, offset)
-            stored = [quantize(b, self._new_rows(b, x), scale, plan.bits, self.compute_type)
+            stored = [quantize(b, self._new_rows(b, call, x), scale, plan.bits, call.compute_type)
                       for x, scale in zip((present_k, present_v), scales)]
-        return [out] + [self._write(b, buffer, x, plan.bits) for buffer, x in zip(buffers, stored)]
+        return [out] + [self._write(b, call, buffer, x, plan.bits) for buffer, x in zip(buffers, stored)]
 
-    def _held(self, b: GraphBuilder, layer: int, part: str, buffer: ir.Value) -> ir.Value:
+    def _held(self, b: GraphBuilder, call: GQACall, layer: int, part: str, buffer: ir.Value) -> ir.Value:
         """The values one stream's buffer holds, up to the longest row: ``[B, kv_heads, held, head_dim]``.
 
         ``u * a + c`` of the stored numbers (:meth:`LayerPlan.stored_values`), with high channels plus each
@@ -440,7 +364,7 @@ class GQACacheGraph(LaidOutCache):
         """
         plan, heads, head_dim = self.plans[layer], self.geometry.num_kv_heads, self.geometry.head_dim
         a, c, lower = plan.stored_values(part, heads, head_dim)
-        codes = b.op("Slice", buffer, b.const([0]), self.held, b.const([2]))
+        codes = b.op("Slice", buffer, b.const([0]), call.held, b.const([2]))
 
         def const(role: str, array: np.ndarray) -> ir.Value:
             return b.initializer(static_name(layer, part, f"held_{role}"), array)
@@ -457,44 +381,49 @@ class GQACacheGraph(LaidOutCache):
                      b.op("MatMul", extra, const("lower", lower)))
         if np.any(c):
             x = b.op("Add", x, const("offset", c[:, None, :]))
-        return x if self.compute_type == ir.DataType.FLOAT else b.op("Cast", x, to=self.compute_type)
+        return x if call.compute_type == ir.DataType.FLOAT else b.op("Cast", x, to=call.compute_type)
 
-    def _new_rows(self, b: GraphBuilder, present: ir.Value) -> ir.Value:
+    def _new_rows(self, b: GraphBuilder, call: GQACall, present: ir.Value) -> ir.Value:
         """The new tokens' rows of the exact node's ``present`` [B, kv_heads, held + t, D]: [B, kv_heads, t, D]."""
         shape = b.op("Shape", present)
-        t = b.op("Gather", b.op("Shape", self.new_places), b.const([2]), axis=0)
+        t = b.op("Gather", b.op("Shape", call.new_places), b.const([2]), axis=0)
         wide = b.op("Concat", b.op("Slice", shape, b.const([0]), b.const([2])), t,
                     b.op("Slice", shape, b.const([3]), b.const([4])), axis=0)
-        return b.op("GatherElements", present, b.op("Expand", self.new_places, wide), axis=2)
+        return b.op("GatherElements", present, b.op("Expand", call.new_places, wide), axis=2)
 
-    def _write(self, b: GraphBuilder, buffer: ir.Value, codes: ir.Value, bits: int) -> ir.Value:
+    def _write(self, b: GraphBuilder, call: GQACall, buffer: ir.Value, codes: ir.Value, bits: int) -> ir.Value:
         """``buffer`` with ``codes`` [B, kv_heads, t, ..] written at each row's new places (zero bytes for padding).
 
         A padding token's place lies past its row's length (never read); zeros keep the buffer's bytes a function
         of the tokens alone.
         """
         zero = b.const(np.array(0, np.int8 if bits == 8 else np.uint8))
-        codes = b.op("Where", self.new_real, codes, zero)
-        return b.op("ScatterElements", buffer, b.op("Expand", self.new_places, b.op("Shape", codes)), codes, axis=2)
+        codes = b.op("Where", call.new_real, codes, zero)
+        return b.op("ScatterElements", buffer, b.op("Expand", call.new_places, b.op("Shape", codes)), codes, axis=2)
 
-    @property
-    def node_shape(self) -> NodeShape:
-        """The rows of this graph's nodes, as the high-channel nodes read them (known once :meth:`begin` ran)."""
-        return NodeShape(self.spec.facts, self.geometry.head_dim, self.kv_row, self.compute_type)
+    def _offset(self, b: GraphBuilder, call: GQACall, layer: int, what: str, array: np.ndarray) -> ir.Value:
+        return b.initializer(static_name(layer, what, "offset"), array.astype(call.np_type))
 
-    def _offset(self, b: GraphBuilder, layer: int, what: str, array: np.ndarray) -> ir.Value:
-        return b.initializer(static_name(layer, what, "offset"), array.astype(self.np_type))
-
-    def _offset_inputs(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value | None,
+    def _offset_inputs(self, b: GraphBuilder, call: GQACall, layer: int, q: ir.Value, k: ir.Value | None,
                        v: ir.Value | None) -> tuple[ir.Value, ir.Value | None, ir.Value | None]:
         """Subtract asymmetric streams' offsets from the new keys/values (k = v = None: from GQA's packed q)."""
-        plan, f = self.plans[layer], self.spec.facts
+        plan, f = self.plans[layer], call.spec.facts
         if plan.k_offset is None and plan.v_offset is None:
             return q, k, v
         if k is None:  # packed q | k | v: one offset over the whole row
             whole = np.concatenate([np.zeros(f.num_heads * f.head_dim, np.float32),
                                     *plan.stream_offsets(f.num_kv_heads * f.head_dim)])
-            return b.op("Sub", q, self._offset(b, layer, "packed", whole)), None, None
-        k, v = (x if o is None else b.op("Sub", x, self._offset(b, layer, part, o))
+            return b.op("Sub", q, self._offset(b, call, layer, "packed", whole)), None, None
+        k, v = (x if o is None else b.op("Sub", x, self._offset(b, call, layer, part, o))
                 for x, o, part in zip((k, v), (plan.k_offset, plan.v_offset), PARTS))
         return q, k, v
+
+
+class GQABodyRopeCacheGraph(GQACacheGraph):
+    """:class:`GQACacheGraph` with RoPE in the decoder body: the node gets q|k|v packed, RoPE applied (``do_rotary=0``).
+
+    Rotated keys, keys with zero points and high channels are transformed after RoPE, so RoPE cannot run in the
+    node for them (:func:`rope_in_body`; :meth:`GQACacheGraph.for_model` picks this class then).
+    """
+
+    attention = AttentionForm.PACKED

@@ -26,14 +26,15 @@ every channel-axis group range.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import numpy as np
 import onnx_ir as ir
 
 from kvq_export.cache_layout import REGIONS, CacheLayout, RegionSplit
 from kvq_export.dtypes import DType
-from kvq_export.flavors.cache_graph import CacheGraph
+from kvq_export.flavors.cache_graph import AttentionInputs, CacheGraph, CallValues
 from kvq_export.graph.attention import attention_mask, grouped_query_attention
 from kvq_export.graph.builder import GraphBuilder
 from kvq_export.graph.codec import GraphCodec, HighChannels, dim, high_channel_choice, static_scales
@@ -179,7 +180,34 @@ class _Ops:
         return b.op("GatherElements", src, index, axis=2)
 
 
-class LaidOutCache(CacheGraph):
+@dataclass(frozen=True, kw_only=True)
+class LaidOutCall(CallValues):
+    """:class:`CallValues` of a laid-out cache: ``n1`` [B] int64, the tokens each row holds after this call."""
+
+    n1: ir.Value
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegionCall(LaidOutCall):
+    """What the reference cache graph's :meth:`~QuantizedCacheGraph.begin` computes once per call.
+
+    [B] int64 unless noted: tokens held before the call, new real tokens per row, the call's length ``t`` ([1]),
+    the new tokens' validity ([B, t] bool), the attention's token axis ``N`` ([1]) and one additive mask per
+    sliding window (made by the first layer that needs it).
+    """
+
+    n0: ir.Value
+    new_count: ir.Value
+    new_len: ir.Value
+    new_valid: ir.Value
+    total_len: ir.Value
+    masks: dict[int | None, ir.Value] = field(default_factory=dict)
+
+
+L = TypeVar("L", bound=LaidOutCall)
+
+
+class LaidOutCache(CacheGraph[L], Generic[L]):
     """What every flavour's cache graph shares: its layout and the tensors that layout puts at the boundary.
 
     Args:
@@ -199,15 +227,24 @@ class LaidOutCache(CacheGraph):
         self.scheme = scheme
         self.geometry = geometry
         self.static = static or {}
-        self.past: dict[str, ir.Value] = {}
-        self.present: dict[str, ir.Value] = {}
 
     def cache_specs(self, direction: str) -> list[CacheTensor]:
         """The cache tensors crossing the graph boundary in ``direction``, as :attr:`layout` names them."""
         return self.layout.tensors(self.scheme, self.geometry, direction)
 
+    def declare_past(self, b: GraphBuilder) -> dict[str, ir.Value]:
+        """Declare the past inputs in manifest order: the graph values by name."""
+        return {tensor.name: b.input(tensor.name, DType.get(tensor.dtype).ir, tensor.shape)
+                for tensor in self.cache_specs("past")}
 
-class QuantizedCacheGraph(LaidOutCache):
+    def end(self, b: GraphBuilder, call: L) -> None:
+        """Declare the present outputs in manifest order."""
+        call.present[tensor_name("present", None, None, "seq_lengths")] = call.n1
+        for tensor in self.cache_specs("present"):
+            b.output(call.present[tensor.name], tensor.name, DType.get(tensor.dtype).ir, tensor.shape)
+
+
+class QuantizedCacheGraph(LaidOutCache[RegionCall]):
     """:class:`~kvq_export.flavors.cache_graph.CacheGraph` for any :class:`KVQuantScheme` (reference flavour).
 
     Args:
@@ -238,50 +275,41 @@ class QuantizedCacheGraph(LaidOutCache):
         """``R`` of ``layer``'s ``key``/``value`` stream (the body rotates q/k and folds v with it)."""
         return stream_rotation(self.scheme, layer, part, self.geometry.head_dim)
 
-    def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, spec: DecoderSpec) -> ir.Value:
+    def begin(self, b: GraphBuilder, *, attention_mask: ir.Value, spec: DecoderSpec) -> RegionCall:
         """Declare past inputs; compute per-row counts, positions and the attention mask."""
-        self.ops, self.spec = _Ops(b), spec
-        self.compute_type = spec.dtype
-        for tensor in self.cache_specs("past"):
-            self.past[tensor.name] = b.input(tensor.name, DType.get(tensor.dtype).ir, tensor.shape)
-        n0 = self.past[tensor_name("past", None, None, "seq_lengths")]
+        ops, past = _Ops(b), self.declare_past(b)
+        n0 = past[tensor_name("past", None, None, "seq_lengths")]
         mask = b.op("Cast", attention_mask, to=ir.DataType.INT64)
-        self.new_count = b.op("ReduceSum", mask, b.const([1]), keepdims=0)  # m [B]
-        self.n0, self.n1 = n0, b.op("Add", n0, self.new_count)
-        self.new_len = self.ops.dim(attention_mask, 1)  # t
+        new_count = b.op("ReduceSum", mask, b.const([1]), keepdims=0)  # m [B]
+        n1 = b.op("Add", n0, new_count)
+        new_len = ops.dim(attention_mask, 1)  # t
         # new token j of row b (right-aligned real tokens) sits at position n0 + j - (t - m)
-        j = b.op("Unsqueeze", b.op("Range", b.const(0), b.op("Squeeze", self.new_len, b.const([0])), b.const(1)),
+        j = b.op("Unsqueeze", b.op("Range", b.const(0), b.op("Squeeze", new_len, b.const([0])), b.const(1)),
                  b.const([0]))
         offset = b.op("Sub", b.op("Unsqueeze", n0, b.const([1])),
-                      b.op("Sub", self.new_len, b.op("Unsqueeze", self.new_count, b.const([1]))))
+                      b.op("Sub", new_len, b.op("Unsqueeze", new_count, b.const([1]))))
         positions = b.op("Max", b.op("Add", j, offset), b.const(0))  # pads clamp to 0: never stored
-        self.new_valid = b.op("Cast", mask, to=ir.DataType.BOOL)
-        self.total_len = self.ops.scalar_max(self.n1)  # N: canonical token axis for attention
-        self.positions = positions
-        self._masks: dict[int | None, ir.Value] = {}  # one additive mask per distinct sliding window
-        return positions
+        new_valid = b.op("Cast", mask, to=ir.DataType.BOOL)
+        total_len = ops.scalar_max(n1)  # N: canonical token axis for attention
+        return RegionCall(spec=spec, positions=positions, past=past, n0=n0, n1=n1, new_count=new_count,
+                          new_len=new_len, new_valid=new_valid, total_len=total_len)
 
-    def attend(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
-        """Store k/v, dequantize the cache and run grouped attention for ``q``."""
+    def attend(self, b: GraphBuilder, layer: int, inputs: AttentionInputs[RegionCall]) -> ir.Value:
+        """Store k/v, dequantize the cache and run grouped attention for q (``heads`` form)."""
+        call, (q, k, v) = inputs.call, inputs.qkv
         key_tq, value_tq = self.scheme.for_layer(layer)
         name_probes(b, layer, q, k, v)
         with b.scope(f"kv{layer}"):
-            keys = self.read(b, self.store(b, layer, "key", key_tq, k))
-            values = self.read(b, self.store(b, layer, "value", value_tq, v))
-            window = self.spec.facts.window(layer)
-            if window not in self._masks:
+            keys = self.read(b, call, self.store(b, call, layer, "key", key_tq, k))
+            values = self.read(b, call, self.store(b, call, layer, "value", value_tq, v))
+            window = call.spec.facts.window(layer)
+            if window not in call.masks:
                 with b.scope(f"mask_w{window}"):
-                    self._masks[window] = attention_mask(b, positions=self.positions, total_len=self.total_len,
-                                                         stored=self.n1, window=window,
-                                                         compute_type=self.compute_type)
-            return grouped_query_attention(b, self.spec, q, keys, values, self._masks[window],
-                                           total_len=self.total_len, compute_type=self.compute_type)
-
-    def end(self, b: GraphBuilder) -> None:
-        """Declare the present outputs in manifest order."""
-        self.present[tensor_name("present", None, None, "seq_lengths")] = self.n1
-        for tensor in self.cache_specs("present"):
-            b.output(self.present[tensor.name], tensor.name, DType.get(tensor.dtype).ir, tensor.shape)
+                    call.masks[window] = attention_mask(b, positions=call.positions, total_len=call.total_len,
+                                                        stored=call.n1, window=window,
+                                                        compute_type=call.compute_type)
+            return grouped_query_attention(b, call.spec, q, keys, values, call.masks[window],
+                                           total_len=call.total_len, compute_type=call.compute_type)
 
     # -- per-row counts -------------------------------------------------------------------------------
     def _split(self, b: GraphBuilder, tq: TensorQuant, n: ir.Value) -> _Counts:
@@ -289,23 +317,24 @@ class QuantizedCacheGraph(LaidOutCache):
         return _Counts(*RegionSplit.of(tq, self.scheme).lengths(n, _SplitOps(b)))
 
     # -- one stream ---------------------------------------------------------------------------------------
-    def store(self, b: GraphBuilder, layer: int, part: str, tq: TensorQuant, x: ir.Value) -> StoredStream:
+    def store(self, b: GraphBuilder, call: RegionCall, layer: int, part: str, tq: TensorQuant,
+              x: ir.Value) -> StoredStream:
         """Append this call's tokens ``x`` [B,H,t,D] to one stream; emit and return its present state.
 
         Flavours that read the stored state themselves (a fused attention plugin) call this and skip
         :meth:`read`.
         """
-        ops, hp = self.ops, self.hp_type
-        past = {role: self.past.get(tensor_name("past", layer, part, role))
+        ops, hp = _Ops(b), self.hp_type
+        past = {role: call.past.get(tensor_name("past", layer, part, role))
                 for role in (Role.SINKS, Role.CODES, Role.SCALES, Role.ZERO_POINTS, Role.RECENT)}
-        before, after = self._split(b, tq, self.n0), self._split(b, tq, self.n1)
+        before, after = self._split(b, tq, call.n0), self._split(b, tq, call.n1)
         x_hp = b.op("Cast", x, to=hp)
         # the new tokens are right-aligned (left padding): count m per row
-        pending_count = b.op("Add", before.recent, self.new_count)
-        pending_parts = [(past["recent"], before.recent), (x_hp, self.new_count)]
+        pending_count = b.op("Add", before.recent, call.new_count)
+        pending_parts = [(past["recent"], before.recent), (x_hp, call.new_count)]
         if not tq.quantized:
             recent = ops.take(pending_parts, None, after.recent, ops.scalar_max(after.recent), hp)
-            return self._emit(layer, part, StoredStream(tq, after, recent=recent))
+            return self._emit(call, layer, part, StoredStream(tq, after, recent=recent))
 
         pending = ops.take(pending_parts, None, pending_count, ops.scalar_max(pending_count), hp)
         pend = [(pending, pending_count)]
@@ -336,26 +365,26 @@ class QuantizedCacheGraph(LaidOutCache):
                 zeros = ops.take([(past["zero_points"], q0), (zeros_new, dq)], None, q1, meta_len, sdtype)
         else:
             scales, zeros = self.codec.static_meta(b, layer, part, tq)
-        return self._emit(layer, part, StoredStream(tq, after, sinks, codes, scales, zeros, recent,
+        return self._emit(call, layer, part, StoredStream(tq, after, sinks, codes, scales, zeros, recent,
                                                     self.codec.high_channels(b, layer, part, tq)))
 
-    def _emit(self, layer: int, part: str, state: StoredStream) -> StoredStream:
+    def _emit(self, call: RegionCall, layer: int, part: str, state: StoredStream) -> StoredStream:
         """Record the present outputs of one stream (static metadata is a constant, not an output)."""
         for role, value in state.roles().items():
-            self.present[tensor_name("present", layer, part, role)] = value
+            call.present[tensor_name("present", layer, part, role)] = value
         return state
 
-    def read(self, b: GraphBuilder, state: StoredStream) -> ir.Value:
+    def read(self, b: GraphBuilder, call: RegionCall, state: StoredStream) -> ir.Value:
         """Dequantize a stored stream into one token-ordered tensor [B,H,N,D] in the compute dtype."""
-        ct, counts = self.compute_type, state.counts
+        ct, counts = call.compute_type, state.counts
         if not state.tq.quantized:
             return b.op("Cast", state.recent, to=ct)
         codes = state.codes
         if state.tq.format == Format.FP8_E4M3:  # see GraphCodec.quantize: float8 moves as fp16
             codes = b.op("Cast", codes, to=ir.DataType.FLOAT16)
         deq = self.codec.dequantize(b, state.tq, codes, state.scales, state.zeros, state.high)
-        return self.ops.take(
+        return _Ops(b).take(
             [(b.op("Cast", state.sinks, to=ct), counts.sinks), (b.op("Cast", deq, to=ct), counts.quantized),
              (b.op("Cast", state.recent, to=ct), counts.recent)],
-            None, self.n1, self.total_len, ct,
+            None, call.n1, call.total_len, ct,
         )

@@ -21,9 +21,11 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from kvq_export.dtypes import DType
-from kvq_export.flavors.reference.graph import QuantizedCacheGraph, StoredStream, name_probes
+from kvq_export.flavors.cache_graph import AttentionInputs
+from kvq_export.flavors.reference.graph import QuantizedCacheGraph, RegionCall, StoredStream, name_probes
 from kvq_export.flavors.trt.signature import PluginSignature, plugin_signature
 from kvq_export.graph.builder import GraphBuilder
+from kvq_export.graph.decoder_spec import DecoderSpec
 from kvq_export.model_facts import CacheGeometry
 from kvq_export.scheme import KVQuantScheme
 
@@ -42,23 +44,22 @@ class TrtCacheGraph(QuantizedCacheGraph):
     def __init__(self, scheme: KVQuantScheme, geometry: CacheGeometry, *, aot: bool = True, **options) -> None:
         super().__init__(scheme, geometry, **options)
         self.aot = aot
-        self.signatures: dict[int, PluginSignature] = {}
 
-    def signature(self, layer: int) -> PluginSignature:
-        """The plugin signature of ``layer`` for this graph's model facts."""
-        return plugin_signature(self.scheme, layer, self.spec.facts, dtype=DType.of_onnx(self.compute_type).short)
+    def signature(self, layer: int, spec: DecoderSpec) -> PluginSignature:
+        """The plugin signature of ``layer`` for the decoder of ``spec``."""
+        return plugin_signature(self.scheme, layer, spec.facts, dtype=DType.of_onnx(spec.dtype).short)
 
-    def attend(self, b: GraphBuilder, layer: int, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Value:
-        """Store k/v with standard ops, then one plugin node reads the stored cache and attends for ``q``."""
+    def attend(self, b: GraphBuilder, layer: int, inputs: AttentionInputs[RegionCall]) -> ir.Value:
+        """Store k/v with standard ops, then one plugin node reads the stored cache and attends for q."""
+        call, (q, k, v) = inputs.call, inputs.qkv
         key_tq, value_tq = self.scheme.for_layer(layer)
         name_probes(b, layer, q, k, v)
         with b.scope(f"kv{layer}"):
-            states = {"key": self.store(b, layer, "key", key_tq, k),
-                      "value": self.store(b, layer, "value", value_tq, v)}
-            sig = self.signature(layer)
-            inputs = [q, self.n1] + [_role_value(states[i.part], i.role) for i in sig.inputs[2:]]
-            out = b.op(sig.name, *inputs, domain=sig.namespace, **sig.node_attributes(aot=self.aot))
-        self.signatures[layer] = sig
+            states = {"key": self.store(b, call, layer, "key", key_tq, k),
+                      "value": self.store(b, call, layer, "value", value_tq, v)}
+            sig = self.signature(layer, call.spec)
+            node_inputs = [q, call.n1] + [_role_value(states[i.part], i.role) for i in sig.inputs[2:]]
+            out = b.op(sig.name, *node_inputs, domain=sig.namespace, **sig.node_attributes(aot=self.aot))
         return out
 
 
