@@ -12,10 +12,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvq_export.cache_layout import split_lengths
 from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError, SchemeError
 from kvq_export.model_facts import CacheGeometry
+from kvq_export.region_split import split_lengths
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
 BREAKDOWN_KEYS = ("payload", "scales", "zero_points", "high_precision", "padding")

@@ -3,7 +3,7 @@
 The stored layout is the one :mod:`kvq_export.naming` describes (the ``regions`` layout): per layer and
 stream, ``sinks`` / ``codes`` + ``scales`` (+ ``zero_points``) / ``recent``, every region sized to the
 longest row with each row's valid entries right-aligned, and the per-row counts derived from
-``seq_lengths`` by :class:`kvq_export.cache_layout.RegionSplit`. A stream with high channels also carries
+``seq_lengths`` by :class:`kvq_export.region_split.RegionSplit`. A stream with high channels also carries
 its ``channel_order`` ``[kv_heads, head_dim]`` int32 constant (stored position -> channel: each head's
 high channels, then the rest; :func:`kvq_export.reference.codec.channel_order`). :class:`StreamLayout` carries
 exactly the facts of a :class:`~kvq_export.scheme.TensorQuant` (and its scheme) that a kernel needs, so
@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvq_export.cache_layout import REGION_ROLES, RegionSplit
 from kvq_export.errors import QuantizationError
+from kvq_export.region_split import REGION_ROLES, RegionSplit
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 
 if TYPE_CHECKING:

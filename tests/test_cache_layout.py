@@ -9,13 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvq_export.cache_layout import BUFFER, LAYOUTS, REGIONS, RegionSplit, layout_named
+from kvq_export.cache_layout import BUFFER, LAYOUTS, REGIONS, layout_named
 from kvq_export.errors import KVQError
 from kvq_export.flavors.reference.graph import _SplitOps
 from kvq_export.graph.builder import GraphBuilder
 from kvq_export.model_facts import Geometry
 from kvq_export.naming import CAPACITY_AXIS
 from kvq_export.presets import get_preset
+from kvq_export.region_split import RegionSplit
 from kvq_export.vocab import Axis, Direction, Format, LayoutName, Part, Role
 
 splits = st.builds(RegionSplit, sink_tokens=st.integers(0, 6), residual_length=st.integers(0, 40),

@@ -7,11 +7,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvq_export.cache_layout import split_lengths
 from kvq_export.calibration.methods import fit_metadata
 from kvq_export.presets import PRESETS
 from kvq_export.reference.cache import LayerCache, ReferenceCache, StreamCache
 from kvq_export.reference.codec import dequantize_packed, quantize_packed
+from kvq_export.region_split import split_lengths
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 from kvq_export.vocab import Axis, ScaleMode
 

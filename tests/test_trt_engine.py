@@ -13,11 +13,11 @@ import pytest
 from tiny_models import tiny_model
 
 from kvq_export._lazy import available, require
-from kvq_export.cache_layout import split_lengths
 from kvq_export.errors import DependencyError
 from kvq_export.export.exporter import export_model
 from kvq_export.manifest import Manifest
 from kvq_export.presets import PRESETS
+from kvq_export.region_split import split_lengths
 from kvq_export.trt import build_engine, compare_with_onnxruntime, engine_profiles
 
 

@@ -37,10 +37,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvq_export.cache_layout import REGION_ROLES, RegionSplit
 from kvq_export.dtypes import DType
 from kvq_export.errors import QuantizationError
 from kvq_export.reference.codec import Quantized, check_finite, dequantize_packed, quantize_packed
+from kvq_export.region_split import REGION_ROLES, RegionSplit
 from kvq_export.rotation import rotate_torch, rotation_matrix
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 from kvq_export.vocab import Format, ScaleMode

@@ -8,7 +8,7 @@ optimization profiles over every dynamic axis the manifest names:
 * profile 1, ``decode``: ``seq`` = 1 (optimized for a long held cache).
 
 Cache region lengths range over what the scheme can hold at ``max_context`` tokens
-(:class:`kvq_export.cache_layout.RegionSplit`): sinks up to ``sink_tokens``, the recent window up to
+(:class:`kvq_export.region_split.RegionSplit`): sinks up to ``sink_tokens``, the recent window up to
 ``residual_length + flush unit - 1``, the quantized region (and its groups) up to the rest.
 
 Nothing here imports TensorRT until :func:`build_engine` runs; without TensorRT it raises a one-line
@@ -25,10 +25,10 @@ from pathlib import Path
 
 from kvq_export._atomic import atomic_write
 from kvq_export._lazy import require
-from kvq_export.cache_layout import RegionSplit
 from kvq_export.errors import ExportError
 from kvq_export.flavors import Runtime, get_flavor
 from kvq_export.manifest import MODEL_NAME, Manifest, check_output_path
+from kvq_export.region_split import RegionSplit
 from kvq_export.vocab import Part
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ A rotated stream (``rotation`` of the scheme) is stored exactly like any other: 
 graph computes the same codes as the reference cache fed the same rotated tokens.
 
 Layout rule: every region of a batch is sized to its longest row and each row's valid entries are
-right-aligned; per-row counts come from ``seq_lengths`` through :class:`~kvq_export.cache_layout.RegionSplit`,
+right-aligned; per-row counts come from ``seq_lengths`` through :class:`~kvq_export.region_split.RegionSplit`,
 the split the reference cache uses. All moves are one primitive, :meth:`_Ops.take`: pick consecutive valid
 entries out of a list of right-aligned segments into a new right-aligned tensor (a GatherElements with
 computed indices, padding read from an appended zero slot). That keeps padded positions out of every stored code and
@@ -32,7 +32,7 @@ from typing import Generic, TypeVar
 import numpy as np
 import onnx_ir as ir
 
-from kvq_export.cache_layout import REGIONS, CacheLayout, RegionSplit
+from kvq_export.cache_layout import REGIONS, CacheLayout
 from kvq_export.dtypes import DType
 from kvq_export.flavors.cache_graph import AttentionInputs, CacheGraph, CallValues
 from kvq_export.graph.attention import attention_mask, grouped_query_attention
@@ -41,6 +41,7 @@ from kvq_export.graph.codec import GraphCodec, HighChannels, dim, high_channel_c
 from kvq_export.graph.decoder_spec import DecoderSpec
 from kvq_export.model_facts import CacheGeometry
 from kvq_export.naming import PARTS, PROBES, CacheTensor, packed_probe_name, probe_name, tensor_name
+from kvq_export.region_split import RegionSplit
 from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 from kvq_export.vocab import Axis, Format, Role, ScaleMode
