@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvq_export.scheme import code_planes
+from kvq_export.scheme_rules import code_planes
 from kvq_export.vocab import Axis, Direction, Format, Part, Quantizer, Role, plain
 
 DIRECTIONS = tuple(Direction)

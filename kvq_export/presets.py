@@ -12,7 +12,8 @@ from pathlib import Path
 
 from kvq_export._read import read_text, warn_shadowed
 from kvq_export.errors import SchemeError
-from kvq_export.scheme import INT_BITS, KVQuantScheme, TensorQuant
+from kvq_export.scheme import KVQuantScheme, TensorQuant
+from kvq_export.scheme_rules import INT_BITS
 
 _FP16 = TensorQuant.fp16()
 

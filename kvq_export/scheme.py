@@ -23,56 +23,17 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from kvq_export._read import parse_json
 from kvq_export.dtypes import DType
 from kvq_export.errors import SchemeError
 from kvq_export.rotation import check_rotation
-from kvq_export.vocab import Axis, Format, Part, Quantizer, Rotation, ScaleMode, parse_enum, plain
+from kvq_export.scheme_rules import GGML_TYPES, HP_DTYPES, check_tensor_quant, fail, pack_unit
+from kvq_export.vocab import Axis, Format, Part, Quantizer, Rotation, ScaleMode, plain
 
 if TYPE_CHECKING:
     from kvq_export.model_facts import CacheGeometry
-
-SCALE_DTYPES = ("fp16", "fp32")
-HP_DTYPES = ("fp16", "fp32")
-INT_BITS = (2, 3, 4, 6, 8)
-#: quantizer ggml: (format, bits) -> ggml block type it reproduces bit for bit (blocks of GGML_BLOCK along head_dim)
-GGML_TYPES = {(Format.INT_SYM, 4): "q4_0", (Format.INT, 4): "q4_1", (Format.INT_SYM, 5): "q5_0",
-              (Format.INT, 5): "q5_1", (Format.INT_SYM, 8): "q8_0"}
-GGML_BLOCK = 32
-#: Code widths stored as two planes along head_dim: the low bits packed, then the remaining bits packed
-#: (:func:`code_planes`).
-PLANE_BITS = (3, 5, 6)
-#: Code widths of the channels beside a stream's 8-bit high channels, and the formats that can keep them.
-HIGH_CHANNEL_BITS = (2, 3, 4)
-HIGH_CHANNEL_FORMATS = (Format.INT, Format.INT_SYM)
-
-#: Largest finite float8 e4m3fn value.
-FP8_E4M3_MAX = 448.0
-
-
-def code_planes(bits: int) -> tuple[int, ...]:
-    """Bit widths of the planes an integer code of ``bits`` is stored in, lowest bits first.
-
-    2/4/8-bit codes are one plane (packed ``8 // bits`` per byte); 3-bit codes a 2-bit plane then a 1-bit
-    plane; 5- and 6-bit codes a plane of low nibbles then a 1- or 2-bit plane (ggml's q5 layout).
-    """
-    if bits in PLANE_BITS:
-        low = 2 if bits == 3 else 4
-        return low, bits - low
-    return (bits,)
-
-
-def pack_unit(bits: int) -> int:
-    """How many ``bits``-wide codes fill whole bytes in every plane (a packed width must be a multiple)."""
-    return max(8 // width for width in code_planes(bits))
-
-
-def _fail(field_name: str, value: Any, allowed: str) -> SchemeError:
-    return SchemeError(f"invalid {field_name}={plain(value)!r}: {allowed}")
-
 
 @dataclass(frozen=True)
 class TensorQuant:
@@ -127,7 +88,7 @@ class TensorQuant:
     residual_length: int | None = None
 
     def __post_init__(self) -> None:
-        self._validate()
+        check_tensor_quant(self)
 
     # -- derived facts ---------------------------------------------------------------------------
     @property
@@ -197,94 +158,6 @@ class TensorQuant:
         return code_bits + meta_bits / group  # type: ignore[operator]
 
     # -- validation ------------------------------------------------------------------------------
-    def _validate(self) -> None:
-        for name in ("format", "axis", "scale_dtype", "scales", "quantizer", "rotation"):  # not a name: refuse
-            if not isinstance(getattr(self, name), str):
-                raise _fail(name, getattr(self, name), "allowed: a string")
-        self._parse("rotation", Rotation)
-        self._parse("format", Format)
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int):  # 4.0 or "4" is refused everywhere
-            raise _fail("bits", self.bits, "allowed: an integer (2, 3, 4, 5, 6, 8, or 16 for fp16)")
-        self._parse("quantizer", Quantizer)
-        if self.quantizer == Quantizer.GGML:
-            self._validate_ggml()  # pins format/bits/axis/group/scales; the generic checks below still run
-        if self.format == Format.FP16:
-            if self.bits != 16:
-                raise _fail("bits", self.bits, "allowed for format fp16: 16")
-            meaningless = [(name, getattr(self, name)) for name, default in _FP16_DEFAULTS.items()
-                           if isinstance(getattr(self, name), bool) or getattr(self, name) != default]
-            if meaningless:
-                name, value = meaningless[0]
-                raise _fail(name, value, f"format fp16 is not quantized: leave {name} out (it would mean nothing)")
-            self._parse("axis", Axis)  # the defaults: valid
-            self._parse("scales", ScaleMode)
-            return
-        if self.format == Format.FP8_E4M3 and self.bits != 8:
-            raise _fail("bits", self.bits, "allowed for format fp8_e4m3: 8")
-        if self.is_int and self.bits not in INT_BITS and self.quantizer != Quantizer.GGML:
-            raise _fail("bits", self.bits, f"allowed for {self.format} with quantizer kvq: 2, 3, 4, 6, 8 "
-                        "(5 bits: quantizer ggml)")
-        self._parse("axis", Axis)
-        if self.scale_dtype not in SCALE_DTYPES:
-            raise _fail("scale_dtype", self.scale_dtype, f"allowed: {', '.join(SCALE_DTYPES)}")
-        self._parse("scales", ScaleMode)
-        if self.group_size is not None and (
-            isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1
-        ):
-            raise _fail("group_size", self.group_size, "allowed: a positive integer, or null for the whole axis")
-        if self.axis == Axis.CHANNEL and self.scales == ScaleMode.DYNAMIC and self.group_size is None:
-            raise _fail(
-                "group_size", None, "allowed with axis=channel and dynamic scales: a positive integer "
-                "(a whole-axis channel group needs static scales)"
-            )
-        if self.axis == Axis.CHANNEL and self.scales == ScaleMode.STATIC and self.group_size is not None:
-            raise _fail(
-                "group_size", self.group_size,
-                "allowed with axis=channel and static scales: null (one scale per channel)",
-            )
-        if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)) or not (0.0 < self.clip <= 1.0):
-            raise _fail("clip", self.clip, "allowed: a ratio in (0, 1]")
-        self._validate_high_channels()
-        r = self.residual_length
-        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
-            raise _fail("residual_length", r, "allowed: an integer >= 0, or null for the scheme's residual_length")
-
-    def _parse(self, name: str, kind: type[StrEnum]) -> None:
-        """Hold field ``name`` as a member of ``kind`` (a string read from JSON becomes its member)."""
-        object.__setattr__(self, name, parse_enum(kind, getattr(self, name), name, SchemeError))
-
-    def _validate_high_channels(self) -> None:
-        n = self.high_channels
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise _fail("high_channels", n, "allowed: an integer >= 0")
-        if not n:
-            return
-        if self.format not in HIGH_CHANNEL_FORMATS:
-            raise _fail("format", self.format, f"allowed with high_channels > 0: {', '.join(HIGH_CHANNEL_FORMATS)}")
-        needs = (("axis", self.axis, Axis.CHANNEL), ("quantizer", self.quantizer, Quantizer.KVQ),
-                 ("rotation", self.rotation, Rotation.NONE))
-        for name, value, required in needs:
-            if value != required:
-                raise _fail(name, value, f"allowed with high_channels > 0: {plain(required)!r} (8-bit channels are "
-                            "chosen per channel of an unrotated, per-channel stream)")
-        if self.bits not in HIGH_CHANNEL_BITS:
-            raise _fail("bits", self.bits, f"allowed with high_channels > 0: {', '.join(map(str, HIGH_CHANNEL_BITS))} "
-                        "(the other channels' codes)")
-
-    def _validate_ggml(self) -> None:
-        """The ggml quantizer reproduces five fixed block types; anything else has no ggml meaning."""
-        allowed = ", ".join(f"{fmt} {bits} ({name})" for (fmt, bits), name in GGML_TYPES.items())
-        if (self.format, self.bits) not in GGML_TYPES:
-            raise _fail("format/bits", f"{self.format} {self.bits}", f"allowed with quantizer ggml: {allowed}")
-        fixed = (("axis", self.axis, Axis.TOKEN), ("group_size", self.group_size, GGML_BLOCK),
-                 ("scale_dtype", self.scale_dtype, "fp16"), ("scales", self.scales, ScaleMode.DYNAMIC))
-        for name, value, required in fixed:
-            if value != required:
-                raise _fail(name, value, f"allowed with quantizer ggml: {plain(required)!r} (ggml blocks are "
-                            f"{GGML_BLOCK} consecutive head_dim elements with an fp16 scale)")
-        if self.clip != 1.0:
-            raise _fail("clip", self.clip, "allowed with quantizer ggml: 1.0 (ggml never clips)")
-
     def check_head_dim(self, head_dim: int, where: str) -> None:
         """Raise when this stream cannot describe a cache with ``head_dim`` channels."""
         if self.rotation != Rotation.NONE:
@@ -292,7 +165,7 @@ class TensorQuant:
         if not self.quantized:
             return
         if self.axis == Axis.TOKEN and self.group_size is not None and head_dim % self.group_size:
-            raise _fail(
+            raise fail(
                 f"{where}.group_size", self.group_size,
                 f"for axis=token it must divide head_dim={head_dim} (allowed: "
                 f"{', '.join(str(d) for d in range(1, head_dim + 1) if head_dim % d == 0)}, or null)",
@@ -301,10 +174,10 @@ class TensorQuant:
             return
         unit = pack_unit(self.bits)
         if head_dim % unit:
-            raise _fail(f"{where}.bits", self.bits, f"{self.bits}-bit codes fill whole bytes in groups of {unit} "
+            raise fail(f"{where}.bits", self.bits, f"{self.bits}-bit codes fill whole bytes in groups of {unit} "
                         f"channels; head_dim={head_dim} is not a multiple of {unit}")
         if self.high_channels and (self.high_channels >= head_dim or (head_dim - self.high_channels) % unit):
-            raise _fail(f"{where}.high_channels", self.high_channels,
+            raise fail(f"{where}.high_channels", self.high_channels,
                         f"allowed for head_dim={head_dim} and {self.bits}-bit codes: 1..{head_dim - unit} "
                         f"leaving a multiple of {unit} channels to pack")
 
@@ -355,9 +228,6 @@ class TensorQuant:
 _TQ_FIELDS = tuple(f.name for f in dataclasses.fields(TensorQuant))
 #: Fields that mean nothing for an unquantized stream, with the only values it may carry.
 #: Fields that mean nothing on an unquantized stream (rotation does: an fp16 stream may be stored rotated).
-_FP16_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TensorQuant)
-                  if f.name not in ("format", "bits", "rotation")}
-
 
 @dataclass(frozen=True)
 class LayerOverride:
@@ -369,9 +239,9 @@ class LayerOverride:
 
     def __post_init__(self) -> None:
         if isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < 0:
-            raise _fail("layer_overrides.layer", self.layer, "allowed: a layer index >= 0")
+            raise fail("layer_overrides.layer", self.layer, "allowed: a layer index >= 0")
         if self.key is None and self.value is None:
-            raise _fail("layer_overrides", self.layer, "an override must set key, value or both")
+            raise fail("layer_overrides", self.layer, "an override must set key, value or both")
 
 
 @dataclass(frozen=True)
@@ -392,15 +262,15 @@ class KVQuantScheme:
     def __post_init__(self) -> None:
         for label, count in (("residual_length", self.residual_length), ("sink_tokens", self.sink_tokens)):
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-                raise _fail(label, count, "allowed: an integer >= 0")
+                raise fail(label, count, "allowed: an integer >= 0")
         if not isinstance(self.hp_dtype, str) or self.hp_dtype not in HP_DTYPES:
-            raise _fail("hp_dtype", self.hp_dtype, f"allowed: {', '.join(HP_DTYPES)}")
+            raise fail("hp_dtype", self.hp_dtype, f"allowed: {', '.join(HP_DTYPES)}")
         if self.name is not None and not isinstance(self.name, str):
-            raise _fail("name", self.name, "allowed: a string or null")
+            raise fail("name", self.name, "allowed: a string or null")
         overrides = tuple(sorted(self.layer_overrides, key=lambda o: o.layer))
         layers = [o.layer for o in overrides]
         if len(set(layers)) != len(layers):
-            raise _fail("layer_overrides", layers, "each layer may be overridden once")
+            raise fail("layer_overrides", layers, "each layer may be overridden once")
         object.__setattr__(self, "layer_overrides", overrides)
         for layer in range(-1, len(overrides)):
             key, value = (self.key, self.value) if layer < 0 else self.for_layer(overrides[layer].layer)
@@ -408,7 +278,7 @@ class KVQuantScheme:
                 residual = self.residual_for(tq)
                 if tq.quantized and not tq.streaming and residual % tq.flush_unit:
                     label = "residual_length" if tq.residual_length is None else f"{where}.residual_length"
-                    raise _fail(
+                    raise fail(
                         label, residual,
                         f"with {where}.axis=channel it must be a multiple of group_size={tq.group_size}",
                     )
@@ -452,7 +322,7 @@ class KVQuantScheme:
         num_layers, head_dim = geometry.num_layers, geometry.head_dim
         for override in self.layer_overrides:
             if override.layer >= num_layers:
-                raise _fail(
+                raise fail(
                     "layer_overrides.layer", override.layer, f"the model has layers 0..{num_layers - 1}"
                 )
         for layer, (key, value) in enumerate(self.streams(num_layers)):
@@ -511,7 +381,7 @@ class KVQuantScheme:
             )
         overrides = []
         if not isinstance(data.get("layer_overrides") or [], (list, tuple)):
-            raise _fail("layer_overrides", data["layer_overrides"], "allowed: a list of {layer, key, value} objects")
+            raise fail("layer_overrides", data["layer_overrides"], "allowed: a list of {layer, key, value} objects")
         for i, item in enumerate(data.get("layer_overrides") or ()):
             if not isinstance(item, Mapping) or "layer" not in item:
                 raise SchemeError(f"invalid layer_overrides[{i}]: expected an object with 'layer' and key/value")

@@ -19,7 +19,7 @@ from kvq_plugins.registry import register_kernel
 
 from kvq_export.dtypes import DType
 from kvq_export.errors import QuantizationError
-from kvq_export.scheme import FP8_E4M3_MAX, code_planes
+from kvq_export.scheme_rules import FP8_E4M3_MAX, code_planes
 
 if TYPE_CHECKING:
     import torch

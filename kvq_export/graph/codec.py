@@ -20,7 +20,8 @@ from kvq_export.errors import ExportError
 from kvq_export.graph.builder import GraphBuilder
 from kvq_export.model_facts import CacheGeometry
 from kvq_export.reference.codec import channel_levels, channel_order, check_high_channels, int_levels
-from kvq_export.scheme import FP8_E4M3_MAX, PLANE_BITS, TensorQuant, code_planes
+from kvq_export.scheme import TensorQuant
+from kvq_export.scheme_rules import FP8_E4M3_MAX, PLANE_BITS, code_planes
 from kvq_export.vocab import Axis, Format, Quantizer, ScaleMode
 
 

@@ -60,7 +60,8 @@ import torch
 
 from kvq_export.dtypes import DType
 from kvq_export.errors import QuantizationError
-from kvq_export.scheme import FP8_E4M3_MAX, PLANE_BITS, TensorQuant, code_planes
+from kvq_export.scheme import TensorQuant
+from kvq_export.scheme_rules import FP8_E4M3_MAX, PLANE_BITS, code_planes
 from kvq_export.vocab import Axis, Format, Quantizer, ScaleMode
 
 
