@@ -45,18 +45,18 @@ class CacheOnly:
         self.past = REGIONS.tensors(scheme, facts)
 
     def empty(self, batch: int) -> dict:
-        from kvq_export.runtime.session import _ort_value
+        from kvq_export.runtime.ort_setup import ort_value
 
-        return {t.name: _ort_value(np.zeros([batch if d == "batch" else (d if isinstance(d, int) else 0)
+        return {t.name: ort_value(np.zeros([batch if d == "batch" else (d if isinstance(d, int) else 0)
                                              for d in t.shape], DType.get(t.dtype).bits_numpy), t.dtype)
                 for t in self.past}
 
     def step(self, q, k, v, mask, cache):
         """Run one call; return (attention output, new cache as OrtValues, cache as numpy)."""
-        from kvq_export.runtime.session import _ort_value
+        from kvq_export.runtime.ort_setup import ort_value
 
-        feeds = {"q": _ort_value(q, "float32"), "k": _ort_value(k, "float32"), "v": _ort_value(v, "float32"),
-                 "attention_mask": _ort_value(mask, "int64"), **cache}
+        feeds = {"q": ort_value(q, "float32"), "k": ort_value(k, "float32"), "v": ort_value(v, "float32"),
+                 "attention_mask": ort_value(mask, "int64"), **cache}
         names = ["attn", *(present_name(t.name) for t in self.past)]
         outs = self.session.run_with_ort_values(names, feeds)
         new = {t.name: o for t, o in zip(self.past, outs[1:])}

@@ -174,9 +174,9 @@ def test_runtime_checks_inputs(exports):
         session.step(np.array([[4]]), None, wrong)
     with pytest.raises(RuntimeInputError, match=r"past.seq_lengths: expected shape \[2\], got \[1\]"):
         session.step(np.array([[4], [5]]), None, cache)
-    from kvq_export.runtime.session import _ort_value
+    from kvq_export.runtime.ort_setup import ort_value
 
-    narrow = dict(cache, **{"past.0.key.codes": _ort_value(np.zeros((1, 2, 0, 31), np.uint8), "uint8")})
+    narrow = dict(cache, **{"past.0.key.codes": ort_value(np.zeros((1, 2, 0, 31), np.uint8), "uint8")})
     with pytest.raises(RuntimeInputError, match=r"past.0.key.codes: expected shape \[1, 2, 'past.0.key.quantized_tokens"
                                                 r"', 16\], got \[1, 2, 0, 31\]"):
         session.step(np.array([[4]]), None, narrow)

@@ -13,8 +13,9 @@ from tiny_models import VOCAB, WORDS, save_tiny_model_dir
 from kvq_export.errors import KVQError, RuntimeInputError
 from kvq_export.export.exporter import export_model
 from kvq_export.request import CalibrationSpec
+from kvq_export.runtime.ort_setup import ort_value
 from kvq_export.runtime.sampling import Sampler, SamplingConfig
-from kvq_export.runtime.session import KVQSession, ort_value
+from kvq_export.runtime.session import KVQSession
 
 MAX_POSITIONS = 1024  # tiny_models.COMMON
 
@@ -175,7 +176,7 @@ def test_the_tokenizer_never_runs_code_shipped_in_an_export(exports, tmp_path):
     ("0", None, 0),
 ])
 def test_sessions_take_their_threads_from_omp_num_threads(env, explicit, expected, monkeypatch, caplog):
-    from kvq_export.runtime.session import session_options
+    from kvq_export.runtime.ort_setup import session_options
 
     if env is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -21,8 +21,8 @@ from kvq_export.cli_types import NON_NEGATIVE, ByteSize, FiniteFloat, outside_ex
 from kvq_export.demo import DEMO_PROMPT, DEMO_SAMPLING, DEPARTS, TABLE_COLUMNS, run_demo, serve_lines
 from kvq_export.runtime import RUNTIMES, open_session
 from kvq_export.runtime.base import continuation_text
+from kvq_export.runtime.ort_setup import choose_providers
 from kvq_export.runtime.sampling import SamplingConfig
-from kvq_export.runtime.session import choose_providers
 
 
 @cli.command()

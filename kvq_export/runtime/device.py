@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 from kvq_export.errors import RuntimeInputError
 
-#: The devices kvq can be asked for; ``auto`` leaves the choice to :func:`~kvq_export.runtime.session.choose_providers`.
+#: The devices kvq can be asked for; ``auto`` leaves the choice to
+#: :func:`~kvq_export.runtime.ort_setup.choose_providers`.
 DEVICES = ("auto", "cpu", "cuda")
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"

@@ -41,8 +41,8 @@ from kvq_export.presets import resolve_scheme
 from kvq_export.request import CalibrationMethod, WeightSpec
 from kvq_export.runtime.base import Generation, PromptBatch, Rows, TokenCallback, check_prompts
 from kvq_export.runtime.device import genai_providers, set_genai_providers
+from kvq_export.runtime.ort_setup import default_threads
 from kvq_export.runtime.sampling import SamplingConfig
-from kvq_export.runtime.session import default_threads
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class GenaiSession:
     Args:
         directory: a ``kvq export --flavor ort-gqa`` directory (with ``genai_config.json``).
         threads: intra-op threads (default: ``OMP_NUM_THREADS`` when set, else onnxruntime-genai's choice;
-            see :func:`~kvq_export.runtime.session.default_threads`).
+            see :func:`~kvq_export.runtime.ort_setup.default_threads`).
         verify_weights: check the graphs and weights against the checksums in ``kvq.json`` (as
             :class:`~kvq_export.runtime.session.KVQSession` does).
         providers: ONNX Runtime providers (:func:`~kvq_export.runtime.device.providers_for`); None: the ones

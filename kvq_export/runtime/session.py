@@ -19,7 +19,6 @@ needed).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
@@ -50,79 +49,15 @@ from kvq_export.runtime.base import (
     check_prompts,
     eos_token_ids,
 )
+from kvq_export.runtime.io_binding import Binding, BoundCache, CacheState
+from kvq_export.runtime.ort_setup import choose_providers, open_onnx, ort_value, session_options
 from kvq_export.runtime.sampling import Sampler, SamplingConfig
 from kvq_export.vocab import Role
 
 logger = logging.getLogger(__name__)
 
-CacheState = dict  # past tensor name -> onnxruntime.OrtValue
 #: Tokens per row of a new ``buffer``-layout cache when nothing says how many.
 DEFAULT_CAPACITY = 256
-
-
-def choose_providers(requested: Sequence[str] | None = None) -> list[str]:
-    """ONNX Runtime providers: the requested ones (checked), else CUDA when usable, else CPU."""
-    import onnxruntime as ort
-
-    available = ort.get_available_providers()
-    if requested:
-        missing = [p for p in requested if p not in available]
-        if missing:
-            raise RuntimeInputError(
-                f"provider(s) {', '.join(missing)} not available; available: {', '.join(available)}")
-        return list(requested)
-    if "CUDAExecutionProvider" in available:
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    return ["CPUExecutionProvider"]
-
-
-def default_threads() -> int | None:
-    """Intra-op threads for a session that names none: ``OMP_NUM_THREADS`` when set, else None (the runtime's choice).
-
-    torch and the BLAS libraries honour that variable and ONNX Runtime does not, so without this a process told
-    to use one core would still start one ONNX Runtime worker per core. A value that is not a positive integer
-    is ignored with a warning, as torch does.
-    """
-    text = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if not text:
-        return None
-    if text.isdigit() and int(text) > 0:
-        return int(text)
-    logger.warning("OMP_NUM_THREADS=%r is not a positive integer; ignored (ONNX Runtime picks its threads)", text)
-    return None
-
-
-def session_options(threads: int | None = None, *, spinning: bool = False):
-    """ONNX Runtime session options every kvq session uses.
-
-    ``threads``: intra-op threads (None = :func:`default_threads`). ``spinning``: let idle intra-op workers spin
-    between runs (ONNX Runtime's default). Off by default, as in onnxruntime-genai's loop: a generation loop
-    does Python work between steps, and workers that spin through it compete with it for the cores (measured
-    on SmolLM2 ort-int8 at 512 tokens on a loaded 2-core machine: 94.1 ms per step spinning, 62.8 ms not).
-    """
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    threads = threads or default_threads()
-    if threads:
-        options.intra_op_num_threads = threads
-    if not spinning:
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return options
-
-
-def ort_value(array: np.ndarray, dtype: str):
-    """An OrtValue holding ``array`` as the manifest element type ``dtype`` (fp8: from raw uint8 bits)."""
-    return _ort_value(array, dtype)
-
-
-def _ort_value(array: np.ndarray, dtype: str):
-    import onnxruntime as ort
-
-    if dtype == "float8e4m3fn":
-        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(np.ascontiguousarray(array).view(np.uint8),
-                                                               DType.get(dtype).proto)
-    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype=DType.get(dtype).bits_numpy))
 
 
 class KVQSession:
@@ -131,13 +66,13 @@ class KVQSession:
     Args:
         directory: a ``kvq export`` output directory (``kvq.json`` + ``model.onnx``).
         providers: ONNX Runtime providers; default CUDA when onnxruntime-gpu sees a GPU, else CPU.
-        threads: intra-op threads (default: :func:`default_threads`).
+        threads: intra-op threads (default: :func:`~kvq_export.runtime.ort_setup.default_threads`).
         capacity: tokens per row a new ``buffer``-layout cache holds before it must grow (default: what
             ``generate`` needs, else :data:`DEFAULT_CAPACITY`); ignored by the ``regions`` layout.
         verify_weights: check ``model.onnx`` and its weights against the sha256 the manifest recorded at
             export (a corrupted or edited file is refused). Hashing reads every byte once per process
             (about a second per GB); pass False to skip it for speed on trusted storage.
-        spinning: keep ONNX Runtime's intra-op thread spinning between runs (see :func:`session_options`).
+        spinning: keep ONNX Runtime's intra-op thread spinning between runs (see :func:`.ort_setup.session_options`).
         tokenizer: load the export's transformers tokenizer (False: token ids only; ``kvq serve`` reads the
             tokenizer files itself through :class:`~kvq_export.runtime.text_codec.TextCodec`).
         last_logits: run the graph with the head on each row's last position only
@@ -235,7 +170,7 @@ class KVQSession:
                 raise RuntimeInputError(
                     f"cache tensor {spec.name}: expected an onnxruntime.OrtValue (as step/empty_cache return), got "
                     f"{type(value).__module__}.{type(value).__name__}; wrap arrays with "
-                    "kvq_export.runtime.session.ort_value(array, dtype)")
+                    "kvq_export.runtime.ort_setup.ort_value(array, dtype)")
             actual_type = value.data_type()
             if actual_type != DType.get(spec.dtype).ort_type:
                 raise RuntimeInputError(
@@ -258,7 +193,7 @@ class KVQSession:
 
     def cache_from_arrays(self, arrays: dict[str, np.ndarray]) -> CacheState:
         """A cache of OrtValues from numpy arrays keyed by past names (fp8 codes as raw uint8 bits)."""
-        return {spec.name: _ort_value(arrays[spec.name], spec.dtype) for spec in self.past}
+        return {spec.name: ort_value(arrays[spec.name], spec.dtype) for spec in self.past}
 
     @property
     def max_capacity(self) -> int | None:
@@ -286,7 +221,7 @@ class KVQSession:
         size = max(need, 2 * old) if top is None else max(min(2 * old, top), need)
         size = self._capacity(size)  # refuses a need beyond the graph's positions
         logger.info("growing the cache buffers from %d to %d tokens per row (one copy)", old, size)
-        return {spec.name: _ort_value(self.layout.grown(spec, cache[spec.name].numpy(), size), spec.dtype)
+        return {spec.name: ort_value(self.layout.grown(spec, cache[spec.name].numpy(), size), spec.dtype)
                 if self.layout.shared(spec) else cache[spec.name] for spec in self.past}
 
     def cache_nbytes(self, cache: CacheState) -> int:
@@ -314,7 +249,7 @@ class KVQSession:
         mask = self._check_mask(attention_mask, input_ids.shape)
         cache = self.empty_cache(input_ids.shape[0]) if cache is None else cache
         batch = input_ids.shape[0]
-        bound = cache.binding if isinstance(cache, _BoundCache) and cache.binding.holds(self, cache, batch) else None
+        bound = cache.binding if isinstance(cache, BoundCache) and cache.binding.holds(self, cache, batch) else None
         # buffers the last step bound are the checked OrtValues themselves: only the rest is checked again
         self.check_cache(cache, batch, self.past if bound is None else bound.rebound)
         lengths = self.seq_lengths(cache).astype(np.int64)
@@ -411,7 +346,7 @@ class KVQSession:
                                 "weights or the calibration scales are broken")
 
     def _run(self, input_ids: np.ndarray, mask: np.ndarray, cache: CacheState,
-             bound: _Binding | None = None) -> tuple[np.ndarray, CacheState]:
+             bound: Binding | None = None) -> tuple[np.ndarray, CacheState]:
         """One graph run through IO binding; tensors the layout shares are bound as past input and present output.
 
         ``bound``: the binding of the step that returned ``cache`` (its shared buffers are ``cache``'s): only the
@@ -419,14 +354,14 @@ class KVQSession:
         enough for binding every buffer to show). The returned cache carries the binding on to the next step.
         """
         if bound is None:
-            bound = _Binding(self, cache, input_ids.shape[0])
+            bound = Binding(self, cache, input_ids.shape[0])
         binding = bound.binding
-        binding.bind_ortvalue_input("input_ids", _ort_value(input_ids, "int64"))
-        binding.bind_ortvalue_input("attention_mask", _ort_value(mask, "int64"))
+        binding.bind_ortvalue_input("input_ids", ort_value(input_ids, "int64"))
+        binding.bind_ortvalue_input("attention_mask", ort_value(mask, "int64"))
         # outputs of a known shape go into fresh arrays of ours: nothing to wrap or copy after the run
         positions = 1 if self.last_logits else input_ids.shape[1]
         logits = np.empty((input_ids.shape[0], positions, self.manifest.model.vocab_size), dtype=np.float32)
-        binding.bind_ortvalue_output("logits", _ort_value(logits, "float32"))
+        binding.bind_ortvalue_output("logits", ort_value(logits, "float32"))
         values = {}
         for spec in bound.rebound:
             binding.bind_ortvalue_input(spec.name, cache[spec.name])
@@ -434,7 +369,7 @@ class KVQSession:
             if shape is None:
                 binding.bind_output(present_name(spec.name))
             else:
-                values[present_name(spec.name)] = _ort_value(np.empty(shape, DType.get(spec.dtype).bits_numpy),
+                values[present_name(spec.name)] = ort_value(np.empty(shape, DType.get(spec.dtype).bits_numpy),
                                                              spec.dtype)
                 binding.bind_ortvalue_output(present_name(spec.name), values[present_name(spec.name)])
         for name in self.extra_outputs:
@@ -443,7 +378,7 @@ class KVQSession:
         if bound.reads_outputs:  # (wrapping every output in a Python object costs about 15 us each)
             values = dict(zip(bound.names, binding.get_outputs()))
         self.last_extra = {name: values[name].numpy() for name in self.extra_outputs}
-        new = _BoundCache({spec.name: cache[spec.name] if self.layout.shared(spec) else values[present_name(spec.name)]
+        new = BoundCache({spec.name: cache[spec.name] if self.layout.shared(spec) else values[present_name(spec.name)]
                            for spec in self.past}, bound)
         return logits, new
 
@@ -523,52 +458,6 @@ class KVQSession:
         return rows.finish(self.cache_nbytes(cache), self.decode if self._tokenizer is not None else None)
 
 
-class _Binding:
-    """One IO binding kept across steps: the shared cache buffers stay bound as past input and present output.
-
-    The cache a step returns carries it (:class:`_BoundCache`), so it lives exactly as long as that cache. It
-    serves the next step only when that step's cache still holds the very buffers it bound, for the same session
-    object, batch and extra outputs; anything else (a grown cache, a plain dict, another session) binds afresh.
-    """
-
-    def __init__(self, owner: KVQSession, cache: CacheState, batch: int) -> None:
-        self.session, self.batch, self.extra = owner.session, batch, tuple(owner.extra_outputs)
-        self.binding = owner.session.io_binding()
-        self.shared = {spec.name: cache[spec.name] for spec in owner.past if owner.layout.shared(spec)}
-        #: past tensors bound again every step (not shared with the present: a new value each step)
-        self.rebound = [spec for spec in owner.past if spec.name not in self.shared]
-        self.binding.bind_output("logits")
-        for name, value in self.shared.items():
-            self.binding.bind_ortvalue_input(name, value)
-            self.binding.bind_ortvalue_output(present_name(name), value)
-        # get_outputs() follows the order outputs were first bound
-        self.names = ["logits", *(present_name(n) for n in self.shared), *(present_name(s.name) for s in self.rebound),
-                      *self.extra]
-        shapes = {name: value.shape() for name, value in self.shared.items()}
-        #: tokens per row the bound buffers hold (None: a layout without a capacity)
-        self.capacity = owner.layout.capacity_of(shapes) if owner.layout.has_capacity and shapes else None
-        #: whether a run's outputs are read back from the binding (some have no shape known before the run)
-        self.reads_outputs = bool(self.extra) or any(self.fixed_shape(spec) is None for spec in self.rebound)
-
-    def fixed_shape(self, spec: CacheTensor) -> tuple[int, ...] | None:
-        """The shape of ``spec``'s present tensor when the batch alone fixes it (``seq_lengths``), else None."""
-        shape = tuple(self.batch if dim == "batch" else dim for dim in spec.shape)
-        return shape if all(isinstance(dim, int) for dim in shape) else None
-
-    def holds(self, owner: KVQSession, cache: CacheState, batch: int) -> bool:
-        """Whether a step of ``owner`` on ``cache`` with ``batch`` rows can run on this binding."""
-        return (owner.session is self.session and batch == self.batch and tuple(owner.extra_outputs) == self.extra
-                and isinstance(cache, dict) and all(cache.get(name) is value for name, value in self.shared.items()))
-
-
-class _BoundCache(dict):
-    """A cache dict as :meth:`KVQSession.step` returns it: also carries the step's IO binding to the next step."""
-
-    def __init__(self, values: CacheState, binding: _Binding) -> None:
-        super().__init__(values)
-        self.binding = binding
-
-
 def _declared(values: Sequence[GraphValue], kind: str) -> dict[str, str]:
     """``{name: dtype}`` of a manifest's ``inputs`` or ``outputs`` (a dtype kvq does not know is one line)."""
     out = {}
@@ -579,26 +468,6 @@ def _declared(values: Sequence[GraphValue], kind: str) -> dict[str, str]:
             raise RuntimeInputError(f"invalid manifest: {kind}[{i}].dtype: {err}") from None
         out[value.name] = value.dtype
     return out
-
-
-def open_onnx(path: Path, options, providers: Sequence[str], model=None):
-    """An ONNX Runtime session of ``path``; a file it cannot load is a one-line :class:`RuntimeInputError`.
-
-    ``model``: a ``ModelProto`` to run instead of the file (a rewrite of it), whose external data ONNX Runtime reads
-    from ``path``'s folder.
-    """
-    import onnxruntime as ort
-
-    try:
-        if model is not None:
-            from kvq_export.runtime.last_logits import EXTERNAL_DATA_FOLDER
-
-            options.add_session_config_entry(EXTERNAL_DATA_FOLDER, str(Path(path).parent))
-            return ort.InferenceSession(model.SerializeToString(), options, providers=list(providers))
-        return ort.InferenceSession(str(path), options, providers=list(providers))
-    except Exception as err:  # noqa: BLE001 - ONNX Runtime raises its own untyped errors for unreadable models
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise RuntimeInputError(f"ONNX Runtime cannot load {path}: {first}") from None
 
 
 def load_tokenizer(directory: str | Path, manifest: Manifest):

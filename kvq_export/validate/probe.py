@@ -28,7 +28,8 @@ import numpy as np
 from kvq_export.errors import RuntimeInputError
 from kvq_export.manifest import MODEL_NAME, check_same_export
 from kvq_export.naming import PROBES, packed_probe_name, probe_name
-from kvq_export.runtime.session import CacheState, KVQSession, choose_providers, session_options
+from kvq_export.runtime.ort_setup import choose_providers, session_options
+from kvq_export.runtime.session import CacheState, KVQSession
 
 
 def token_positions(seq_lengths: np.ndarray, mask: np.ndarray) -> np.ndarray:
