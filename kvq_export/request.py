@@ -30,6 +30,7 @@ from kvq_export.model_facts import known_fields
 from kvq_export.presets import resolve_scheme
 from kvq_export.scheme import KVQuantScheme
 from kvq_export.vocab import WeightFormat, parse_enum
+from kvq_export.weight_blocks import ACCURACY_LEVELS, BLOCK_SIZES
 
 #: The calibration text every command reads by default (``kvq validate`` scores the same corpus).
 DEFAULT_CORPUS = "britannica"
@@ -40,12 +41,10 @@ DEFAULT_CALIB_TOKENS = 4096
 DEFAULT_CALIB_OFFSET = 60000
 #: The percentile of ``method="percentile"`` (the 99.9th clips the rare outliers that cost 4-bit codes the most).
 DEFAULT_PERCENTILE = 99.9
-#: The opset of an export when none is asked for, and the oldest the decoder graph can be written in.
+#: The opset of an export when none is asked for, and the oldest the decoder graph can be written in (ReduceMean
+#: with axes as an input needs opset 18).
 DEFAULT_OPSET = 23
 MIN_OPSET = 18
-#: Block sizes of quantized weights (MatMulNBits and GatherBlockQuantized on CPU) and MatMulNBits' activation types.
-WEIGHT_BLOCK_SIZES = (16, 32, 64, 128, 256)
-ACCURACY_LEVELS = (1, 2, 3, 4)
 #: The cache length a plan's bit budget is stated at when none is given.
 DEFAULT_PLAN_CONTEXT = 4096
 #: The candidate set ``kvq plan`` chooses from when none is named (:data:`kvq_export.plan.CANDIDATE_SETS`).
@@ -132,9 +131,9 @@ class WeightSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "format", parse_enum(WeightFormat, self.format, "weights.format", ExportError))
-        if isinstance(self.block_size, bool) or self.block_size not in WEIGHT_BLOCK_SIZES:
+        if isinstance(self.block_size, bool) or self.block_size not in BLOCK_SIZES:
             raise ExportError(f"invalid weights.block_size={self.block_size!r}: allowed: "
-                              f"{', '.join(map(str, WEIGHT_BLOCK_SIZES))}")
+                              f"{', '.join(map(str, BLOCK_SIZES))}")
         if not isinstance(self.symmetric, bool):
             raise ExportError(f"invalid weights.symmetric={self.symmetric!r}: allowed: true, false")
         level = self.accuracy_level

@@ -3,20 +3,18 @@
 The scheme's field rules in one place: the bit widths, formats and block types a stream may name, how an integer
 code is stored (:func:`code_planes`, :func:`pack_unit`), and :func:`check_tensor_quant`, which a ``TensorQuant``
 runs on construction and which refuses a description with a one-line :class:`~kvq_export.errors.SchemeError`
-that names the allowed values.
+that names the allowed values. The checks take the ``TensorQuant`` untyped (``Any``): the scheme imports this
+module, not the other way round.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvq_export.errors import SchemeError
 from kvq_export.vocab import Axis, Format, Quantizer, Rotation, ScaleMode, parse_enum, plain
-
-if TYPE_CHECKING:
-    from kvq_export.scheme import TensorQuant
 
 SCALE_DTYPES = ("fp16", "fp32")
 HP_DTYPES = ("fp16", "fp32")
@@ -58,7 +56,7 @@ def fail(field_name: str, value: Any, allowed: str) -> SchemeError:
     return SchemeError(f"invalid {field_name}={plain(value)!r}: {allowed}")
 
 
-def check_tensor_quant(tq: TensorQuant) -> None:
+def check_tensor_quant(tq: Any) -> None:
     """Refuse a :class:`~kvq_export.scheme.TensorQuant` whose fields do not describe a stream.
 
     The error names the allowed values. The enum fields are held as members (a string read from JSON becomes its
@@ -115,12 +113,12 @@ def check_tensor_quant(tq: TensorQuant) -> None:
     if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
         raise fail("residual_length", r, "allowed: an integer >= 0, or null for the scheme's residual_length")
 
-def _parse(tq: TensorQuant, name: str, kind: type[StrEnum]) -> None:
+def _parse(tq: Any, name: str, kind: type[StrEnum]) -> None:
     """Hold field ``name`` as a member of ``kind`` (a string read from JSON becomes its member)."""
     object.__setattr__(tq, name, parse_enum(kind, getattr(tq, name), name, SchemeError))
 
 
-def _check_high_channels(tq: TensorQuant) -> None:
+def _check_high_channels(tq: Any) -> None:
     n = tq.high_channels
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise fail("high_channels", n, "allowed: an integer >= 0")
@@ -138,7 +136,7 @@ def _check_high_channels(tq: TensorQuant) -> None:
         raise fail("bits", tq.bits, f"allowed with high_channels > 0: {', '.join(map(str, HIGH_CHANNEL_BITS))} "
                     "(the other channels' codes)")
 
-def _check_ggml(tq: TensorQuant) -> None:
+def _check_ggml(tq: Any) -> None:
     """The ggml quantizer reproduces five fixed block types; anything else has no ggml meaning."""
     allowed = ", ".join(f"{fmt} {bits} ({name})" for (fmt, bits), name in GGML_TYPES.items())
     if (tq.format, tq.bits) not in GGML_TYPES:
@@ -153,6 +151,6 @@ def _check_ggml(tq: TensorQuant) -> None:
         raise fail("clip", tq.clip, "allowed with quantizer ggml: 1.0 (ggml never clips)")
 
 
-def _fp16_defaults(tq: TensorQuant) -> dict[str, Any]:
+def _fp16_defaults(tq: Any) -> dict[str, Any]:
     """The fields an unquantized stream leaves at their defaults (all but format, bits and rotation)."""
     return {f.name: f.default for f in dataclasses.fields(tq) if f.name not in ("format", "bits", "rotation")}

@@ -17,8 +17,8 @@ import onnx
 
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
-from kvq_export.graph.builder import EXTERNAL_DATA_SUFFIX
-from kvq_export.graph.weights import MS_DOMAIN, WEIGHTS_KEY, attribute, is_parameter
+from kvq_export.graph.builder import CONTRIB_DOMAIN, EXTERNAL_DATA_SUFFIX
+from kvq_export.graph.weights import WEIGHTS_KEY, attribute, is_parameter
 from kvq_export.manifest import MODEL_NAME
 
 
@@ -86,7 +86,7 @@ def weight_bytes(directory: str | os.PathLike[str]) -> WeightBytes:
 
     payload, scales, bits = set(), set(), set()
     for node in graph.node:
-        if node.domain == MS_DOMAIN and node.op_type in ("MatMulNBits", "GatherBlockQuantized"):
+        if node.domain == CONTRIB_DOMAIN and node.op_type in ("MatMulNBits", "GatherBlockQuantized"):
             payload.add(source(node.input[0] if node.op_type == "GatherBlockQuantized" else node.input[1]))
             scales.update(x for x in node.input[2:4] if x)
             bits.add(attribute(node, "bits", 4))

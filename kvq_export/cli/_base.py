@@ -16,8 +16,9 @@ from kvq_export.cli_types import FiniteFloat, outside_exports
 from kvq_export.errors import KVQError, OutputPathError, SchemeError
 from kvq_export.manifest import check_output_path
 from kvq_export.presets import scheme_from_formats, tensor_format_names
-from kvq_export.request import WEIGHT_BLOCK_SIZES, CalibrationMethod, CalibrationSpec, WeightFormat, WeightSpec
+from kvq_export.request import CalibrationMethod, CalibrationSpec, WeightFormat, WeightSpec
 from kvq_export.runtime.device import DEVICES, providers_for
+from kvq_export.weight_blocks import BLOCK_SIZES
 
 
 class KVQGroup(click.Group):
@@ -244,7 +245,7 @@ def weight_options(*, accuracy_level: bool = False, measured: bool = False):
     options = [
         click.option("--weights", "weight_format", type=click.Choice([str(f) for f in WeightFormat]),
                      default=str(default.format), show_default=True, help=about + "."),
-        click.option("--weight-block-size", type=click.Choice([str(b) for b in WEIGHT_BLOCK_SIZES]),
+        click.option("--weight-block-size", type=click.Choice([str(b) for b in BLOCK_SIZES]),
                      default=str(default.block_size), show_default=True, help="int8/int4 weights: input channels per "
                      "scale."),
         click.option("--weight-asymmetric", is_flag=True, help="int8/int4 weights: a zero point per block as well."),

@@ -10,8 +10,9 @@ from kvq_export.memory import BREAKDOWN_KEYS, WEIGHT_BREAKDOWN_KEYS, predict
 from kvq_export.model_facts import Geometry
 from kvq_export.model_source import load_config, model_facts, parameter_shapes
 from kvq_export.presets import PRESETS, presets_json, resolve_scheme
-from kvq_export.request import WEIGHT_BLOCK_SIZES, WeightFormat, WeightSpec
+from kvq_export.request import WeightFormat, WeightSpec
 from kvq_export.scheme import bits_label
+from kvq_export.weight_blocks import BLOCK_SIZES
 
 DEFAULT_CURVE = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -126,7 +127,7 @@ def _weights_table(title: str, weights, cache):
 @click.option("--batch", type=click.IntRange(1), default=1, show_default=True, help="Sequences in the cache.")
 @click.option("--weights", "weight_format", type=click.Choice([str(f) for f in WeightFormat]), default=None,
               help="Also predict the weights' bytes, stored as ``kvq export --weights`` would store them.")
-@click.option("--weight-block-size", type=click.Choice([str(b) for b in WEIGHT_BLOCK_SIZES]), default="32",
+@click.option("--weight-block-size", type=click.Choice([str(b) for b in BLOCK_SIZES]), default="32",
               show_default=True, help="int8/int4 weights: input channels per scale.")
 @click.option("--weight-asymmetric", is_flag=True, help="int8/int4 weights: a zero point per block as well.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,

@@ -67,26 +67,22 @@ from kvq_export.arch import GELU_TANH_ACTIVATIONS, Arch, LinearNames, get_arch
 from kvq_export.dtypes import COMPUTE_DTYPES, DType
 from kvq_export.errors import ExportError
 from kvq_export.flavors.cache_graph import AttentionForm, AttentionInputs, CacheGraph, CallValues
-from kvq_export.graph.builder import GraphBuilder
+from kvq_export.graph.builder import CONTRIB_DOMAIN, GraphBuilder
 from kvq_export.graph.decoder_spec import DecoderSpec
 from kvq_export.graph.projections import Part, Projections, StateWeights, block_diag
 from kvq_export.graph.rope import RotaryGraph
 from kvq_export.model_facts import ModelFacts
+from kvq_export.request import MIN_OPSET
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
-#: ``dtype=`` names accepted by :func:`build_decoder`.
-#: ReduceMean with axes as an input needs opset 18.
-MIN_OPSET = 18
 #: ONNX Gelu (with ``approximate="tanh"``) needs opset 20.
 GELU_OPSET = 20
 #: ONNX RMSNormalization (the fused body's norm) needs opset 23.
 RMS_NORM_OPSET = 23
-#: Domain of ONNX Runtime's contrib ops (SkipSimplifiedLayerNormalization).
-CONTRIB_DOMAIN = "com.microsoft"
 
 
 def build_decoder(

@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 IR_VERSION = 10
 #: Name of the external-data file written next to ``model.onnx`` by :func:`save`.
 EXTERNAL_DATA_SUFFIX = ".data"
+#: Domain of ONNX Runtime's contrib ops (GroupQueryAttention, SkipSimplifiedLayerNormalization, MatMulNBits, ...).
+CONTRIB_DOMAIN = "com.microsoft"
 
 DTypeLike = ir.DataType | np.dtype | type | str
 

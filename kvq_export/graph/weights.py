@@ -64,6 +64,7 @@ import onnx_ir as ir
 from onnx_ir.passes import FunctionalPass, PassResult
 
 from kvq_export.errors import ExportError
+from kvq_export.graph.builder import CONTRIB_DOMAIN
 from kvq_export.graph.passes import run_passes
 from kvq_export.vocab import WeightFormat
 from kvq_export.weight_blocks import BITS, DEFAULT_ACCURACY_LEVEL, block_quantizer, check_weight_options, ort_quantizer
@@ -72,7 +73,6 @@ logger = logging.getLogger(__name__)
 
 #: graph metadata key recording how the weights are stored (JSON)
 WEIGHTS_KEY = "kvq.weights"
-MS_DOMAIN = "com.microsoft"
 
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
@@ -308,7 +308,7 @@ def _quantize_embedding(g: _Graph, emb: _Embedding, bits: int, block_size: int, 
         out = f"{gather.output[0]}/padded" if padded else gather.output[0]
         nodes = [reshape] if number == 0 else []
         nodes.append(onnx.helper.make_node(
-            "GatherBlockQuantized", [rows, gather.input[1], scale, *extra], [out], domain=MS_DOMAIN,
+            "GatherBlockQuantized", [rows, gather.input[1], scale, *extra], [out], domain=CONTRIB_DOMAIN,
             name=f"{gather.name}_Q{bits}", bits=bits, block_size=block_size, gather_axis=0, quantize_axis=1))
         if padded:
             nodes.append(onnx.helper.make_node(
@@ -322,8 +322,8 @@ def _quantize_embedding(g: _Graph, emb: _Embedding, bits: int, block_size: int, 
         if accuracy_level:
             attrs["accuracy_level"] = accuracy_level
         g.replace_node(head, [onnx.helper.make_node("MatMulNBits", [head.input[0], data, scale, *extra],
-                                                    [head.output[0]], domain=MS_DOMAIN, name=f"{head.name}_Q{bits}",
-                                                    **attrs)])
+                                                    [head.output[0]], domain=CONTRIB_DOMAIN,
+                                                    name=f"{head.name}_Q{bits}", **attrs)])
         if transpose is not None and not g.used(transpose.output[0]):
             g.graph.node.remove(transpose)
     g.drop_initializer(emb.name)

@@ -131,7 +131,7 @@ from kvq_export.flavors.ort_gqa.capability import rope_in_body, unsupported
 from kvq_export.flavors.ort_gqa.high_nodes import NodeShape, fold, high_nibbles, pack, quantize, widen
 from kvq_export.flavors.ort_gqa.plan import plan_layer
 from kvq_export.flavors.reference.graph import LaidOutCache, name_packed_probe, name_probes
-from kvq_export.graph.builder import GraphBuilder
+from kvq_export.graph.builder import CONTRIB_DOMAIN, GraphBuilder
 from kvq_export.graph.codec import static_name, unpack_fields
 from kvq_export.graph.decoder_spec import DecoderSpec
 from kvq_export.model_facts import CacheGeometry, ModelFacts
@@ -141,7 +141,6 @@ from kvq_export.scheme import KVQuantScheme
 
 logger = logging.getLogger(__name__)
 
-GQA_DOMAIN = "com.microsoft"
 
 
 class GQACacheGraph(LaidOutCache[GQACall]):
@@ -311,7 +310,7 @@ class GQACacheGraph(LaidOutCache[GQACall]):
             scales[0], scales[1],
             None, None,  # q_norm_weight, k_norm_weight
             call.query_seqlens if query_seqlens is None else query_seqlens,
-            num_outputs=3, domain=GQA_DOMAIN,
+            num_outputs=3, domain=CONTRIB_DOMAIN,
             num_heads=f.num_heads, kv_num_heads=f.num_kv_heads, scale=float(f.scaling),
             do_rotary=int(rotary), rotary_interleaved=0, local_window_size=int(window) if window else -1,
             **attrs,
