@@ -69,7 +69,7 @@ from kvq_export.errors import ExportError
 from kvq_export.flavors.cache_graph import AttentionForm, AttentionInputs, CacheGraph, CallValues
 from kvq_export.graph.builder import CONTRIB_DOMAIN, GraphBuilder
 from kvq_export.graph.decoder_spec import DecoderSpec
-from kvq_export.graph.projections import Part, Projections, StateWeights, block_diag
+from kvq_export.graph.projections import Projections, ProjectionSpec, StateWeights, block_diag
 from kvq_export.graph.rope import RotaryGraph
 from kvq_export.model_facts import ModelFacts
 from kvq_export.request import MIN_OPSET
@@ -300,7 +300,7 @@ class _Body:
                      b.const([0, 0, heads * d]))
         return x
 
-    def projections(self, x: ir.Value, layer: int, parts: list[Part], *,
+    def projections(self, x: ir.Value, layer: int, parts: list[ProjectionSpec], *,
                     split: bool = True) -> tuple[list[ir.Value] | None, ir.Value | None]:
         """q, k, v of the normed input ``x`` (q/k normed where the family norms them), and the packed q|k|v.
 
@@ -419,7 +419,7 @@ class _Body:
         return self.heads_attention(x, layer, cache, call, parts)
 
     def projected_attention(self, x: ir.Value, layer: int, cache: CacheGraph, call: CallValues,
-                            parts: list[Part]) -> ir.Value:
+                            parts: list[ProjectionSpec]) -> ir.Value:
         """Attention in the ``projected`` form: [B, t, H*D] in and out, the cache graph's kernel applies RoPE."""
         f = self.facts
         if cache.rotation(layer, "key") is not None:
@@ -440,7 +440,7 @@ class _Body:
         return attn
 
     def heads_attention(self, x: ir.Value, layer: int, cache: CacheGraph, call: CallValues,
-                        parts: list[Part]) -> ir.Value:
+                        parts: list[ProjectionSpec]) -> ir.Value:
         """Attention in the ``heads`` form: RoPE (and the rotations) on [B, H, t, D] heads, then back to [B, t, H*D]."""
         b, f = self.b, self.facts
         key_rot, in_graph = cache.rotation(layer, "key"), self.value_rotation_in_graph(cache, layer)

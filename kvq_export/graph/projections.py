@@ -21,7 +21,7 @@ from kvq_export.errors import ModelError
 from kvq_export.graph.builder import GraphBuilder
 
 #: One projection of a shared input: its names, its output features and the rotation folded into its outputs.
-Part = tuple[LinearNames, int, "np.ndarray | None"]
+ProjectionSpec = tuple[LinearNames, int, "np.ndarray | None"]
 
 
 def fold_rotation(wt: np.ndarray, rotate_out: np.ndarray | None, rotate_in: np.ndarray | None) -> np.ndarray:
@@ -135,7 +135,7 @@ class Projections:
                 bias = fold_rotation(bias[None, :], rotate_out, None)[0].astype(bias.dtype)
         return wt, bias
 
-    def linears(self, x: ir.Value, in_features: int, parts: list[Part]
+    def linears(self, x: ir.Value, in_features: int, parts: list[ProjectionSpec]
                 ) -> tuple[list[ir.Value], ir.Value | None]:
         """Several projections of the same ``x``: ``(names, out_features, rotate_out)`` each.
 
@@ -152,7 +152,7 @@ class Projections:
         return list(outputs), joined
 
     def fused_projection(self, x: ir.Value, in_features: int,
-                         parts: list[Part]) -> ir.Value:
+                         parts: list[ProjectionSpec]) -> ir.Value:
         """The fused form of :meth:`linears` before its Split: ``x`` times the concatenated weights, plus bias."""
         b = self.b
         arrays = [self.linear_arrays(names, in_features, out, rotate_out=rot) for names, out, rot in parts]
