@@ -8,6 +8,7 @@ the initializer bytes an export with those weights holds (:func:`kvq_export.weig
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -188,8 +189,6 @@ def predict_weights(shapes: Mapping[str, Sequence[int]], weights: WeightStorage,
 # -- what a run may allocate ------------------------------------------------------------------------------------
 def available_bytes() -> int | None:
     """Memory this machine can give a new allocation: Linux's ``MemAvailable``, else physical memory, else None."""
-    import os
-
     try:
         with open("/proc/meminfo") as handle:
             for line in handle:
@@ -203,13 +202,18 @@ def available_bytes() -> int | None:
         return None
 
 
-def resident_bytes() -> int | None:
-    """The resident set of this process (Linux's ``VmRSS``), or None where the system does not say."""
+def resident_bytes(status: str | os.PathLike[str] = "/proc/self/status") -> int | None:
+    """A process's resident set, ``VmRSS`` of its ``/proc/PID/status`` (this process's by default).
+
+    None where the file cannot be read (the process is gone, or the system has no ``/proc``) or has no ``VmRSS``
+    line (a zombie).
+    """
     try:
-        with open("/proc/self/status") as handle:
+        with open(status) as handle:
             for line in handle:
                 if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
+                    value, unit = line.split()[1:3]
+                    return int(value) * {"kB": 1024, "mB": 1024**2, "gB": 1024**3}.get(unit, 1)
     except (OSError, ValueError, IndexError):
         pass
     return None

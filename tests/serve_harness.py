@@ -30,14 +30,12 @@ def chat_tokenizer():
 
 
 @contextmanager
-def running(backend, *, api_key: str | None = None):
-    """Uvicorn serving ``backend`` in a thread on a free 127.0.0.1 port; yields the base URL."""
+def serving(app):
+    """Uvicorn serving the ASGI ``app`` in a thread on a free 127.0.0.1 port; yields the base URL."""
     import uvicorn
 
-    backend.start()
     sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(backend, model_name=NAME, api_key=api_key),
-                                           log_level="warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -51,6 +49,14 @@ def running(backend, *, api_key: str | None = None):
         thread.join(15)
         sock.close()
         assert not thread.is_alive(), "the server did not stop"
+
+
+@contextmanager
+def running(backend, *, api_key: str | None = None):
+    """``backend`` started and served by :func:`serving` as model :data:`NAME`; yields the base URL."""
+    backend.start()
+    with serving(create_app(backend, model_name=NAME, api_key=api_key)) as url:
+        yield url
 
 
 def client(url: str, api_key: str = "unused"):

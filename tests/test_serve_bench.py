@@ -22,6 +22,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from gqa_harness import SCHEMES, calibration
+from serve_harness import serving
 from tiny_models import WORDS, byte_model, byte_tokenizer, tiny_model, tiny_tokenizer
 
 from kvq_export.errors import KVQError
@@ -108,29 +109,6 @@ def test_a_server_that_cannot_start_is_a_one_line_error(tmp_path):
 
 
 # -- fake endpoints: answers that change under load, a server that refuses nothing ---------------------------------
-@contextmanager
-def fake_server(app):
-    """Uvicorn serving ``app`` in a thread on a free 127.0.0.1 port; yields the base URL."""
-    import uvicorn
-
-    from kvq_export.measure.peers import free_port
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the fake server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        assert not thread.is_alive(), "the fake server did not stop"
-
-
 def busy_app(served: list[str]):
     """Streams ``"<prompt's first word> alone"``, or ``"... busy"`` when another request overlapped it in time."""
     app, open_requests, overlapped = FastAPI(), set(), set()
@@ -160,7 +138,7 @@ def busy_app(served: list[str]):
 
 def test_answers_that_differ_from_the_solo_answer_are_counted():
     served: list[str] = []
-    with fake_server(busy_app(served)) as url:
+    with serving(busy_app(served)) as url:
         result = load(Endpoint(url, "m"), (1, 4))
     alone, loaded = result.points
     assert result.solo_answers == len(PROMPTS) and served[: len(PROMPTS)] == ["alone"] * len(PROMPTS)
@@ -198,7 +176,7 @@ def test_the_hostile_client_counts_every_request_that_is_not_refused():
         stop.set()
         await asyncio.wait_for(task, TIMEOUT)
 
-    with fake_server(accept_all_app()) as url:
+    with serving(accept_all_app()) as url:
         asyncio.run(drive(url))
     assert result.sent >= len(cases) and result.refused == 0 and result.failed == result.sent
     assert {f"{c.name}: HTTP 200" for c in cases} == set(result.failures)

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvq_export.memory import resident_bytes
+
 logger = logging.getLogger(__name__)
 
 PROC = Path("/proc")
@@ -26,22 +28,10 @@ INTERVAL = 1.0
 
 def rss_bytes(pid: int, proc: Path = PROC) -> int | None:
     """Resident memory of ``pid`` and every descendant (``VmRSS`` from ``/proc/PID/status``), None if it is gone."""
-    own = _vm_rss(proc / str(pid) / "status")
+    own = resident_bytes(proc / str(pid) / "status")
     if own is None:
         return None
-    return own + sum(_vm_rss(proc / str(child) / "status") or 0 for child in descendants(pid, proc))
-
-
-def _vm_rss(status: Path) -> int | None:
-    try:
-        text = status.read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("VmRSS:"):
-            value, unit = line.split()[1:3]
-            return int(value) * {"kB": 1024, "mB": 1024**2, "gB": 1024**3}.get(unit, 1)
-    return None  # a zombie has no VmRSS line
+    return own + sum(resident_bytes(proc / str(child) / "status") or 0 for child in descendants(pid, proc))
 
 
 def descendants(pid: int, proc: Path = PROC) -> list[int]:
