@@ -5,13 +5,14 @@ For every flavor, the baseline scheme (``fp16`` by default) and the benchmarked 
 opened side by side in this process. For each (context, batch):
 
 * **decode**: every session gets a cache of ``context - warmup - steps`` tokens per row, then all sessions
-  take ``warmup + steps`` single-token steps *interleaved* (one step each, in an order that rotates every
-  step, so drift in machine load hits every scheme alike); the first ``warmup`` steps are not timed. The
-  cache is **synthetic** by default: random codes and values in the exact stored layout
-  (:func:`synthetic_cache`). A step's cost depends on the cache's shapes, not its values (checked: a real
-  chunked prefill, ``fill="prefill"``, gives the same step times within noise, and flushing denormals
-  changes nothing), and it avoids an O(context^2) prefill at 8192 tokens on two cores. Each timed step is a full
-  :meth:`KVQSession.step` (binding, run, logits to numpy), what a caller of the runtime pays.
+  take ``warmup + steps`` single-token steps *interleaved* (one step each per round, in a fresh seeded random
+  order every round, :func:`kvq_export.measure.timing.interleaved`, so drift in machine load hits every scheme
+  alike); the first ``warmup`` steps are not timed. The cache is **synthetic** by default: random codes and
+  values in the exact stored layout (:func:`kvq_export.measure.synthetic.synthetic_cache`). A step's cost
+  depends on the cache's shapes, not its values (checked: a real chunked prefill, ``fill="prefill"``, gives the
+  same step times within noise, and flushing denormals changes nothing), and it avoids an O(context^2) prefill at
+  8192 tokens on two cores. Each timed step is a full :meth:`KVQSession.step` (binding, run, logits to numpy),
+  what a caller of the runtime pays; every scheme runs through a :class:`kvq_export.measure.runners.KvqRunner`.
 * **prefill**: ``min(context, prefill_tokens)`` real tokens per row from an empty cache, one untimed
   warm-up then ``prefill_repeats`` timed runs (median), interleaved the same way; measured once per
   (flavor, scheme, batch, length) and repeated for every context that shares the length.
@@ -38,11 +39,10 @@ import gc
 import io
 import json
 import logging
-import math
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,16 +53,23 @@ from kvq_export._atomic import atomic_write
 from kvq_export.bench_config import BenchConfig
 from kvq_export.capacity import resident_bytes
 from kvq_export.corpus import load_corpus, token_windows
-from kvq_export.errors import DependencyError, KVQError
+from kvq_export.errors import DependencyError
 from kvq_export.export.exporter import ensure_export
+from kvq_export.measure.runners import KvqRunner
+from kvq_export.measure.scoring import perplexity
+from kvq_export.measure.synthetic import synthetic_cache
+from kvq_export.measure.timing import Timing, interleaved, paired_ratio
 from kvq_export.memory import check_fits, check_positions, predict
 from kvq_export.model_source import cache_dir, load_config, load_model, model_facts
 from kvq_export.presets import resolve_scheme
 from kvq_export.progress import task
 from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec, ExportRequest
-from kvq_export.runtime.session import KVQSession
 
 logger = logging.getLogger(__name__)
+
+#: measuring and scoring live in :mod:`kvq_export.measure`; these names stay importable from here
+__all__ = ["BenchReport", "BenchResult", "bench_export", "paired_ratio", "perplexity", "perplexity_table", "plot",
+           "report_table", "run_bench", "synthetic_cache"]
 
 BENCH_VERSION = 2
 #: Text of the perplexity windows starts this many tokens into the corpus: the text ``kvq validate`` scores
@@ -140,33 +147,15 @@ def bench_export(
     return out
 
 
-# -- synthetic caches -----------------------------------------------------------------------------------------
-def synthetic_cache(session: Any, batch: int, length: int, *, capacity: int | None = None, seed: int = 0) -> dict:
-    """A cache of ``length`` tokens per row in ``session``'s exact stored layout, filled with random data.
-
-    The export's cache layout sizes every tensor (:meth:`~kvq_export.cache_layout.CacheLayout.arrays`, the
-    same split the reference cache and the memory model use): codes are random bytes (fp8: finite e4m3
-    values only), high-precision values N(0, 0.5), scales in [0.005, 0.02]. ``capacity`` sizes a
-    fixed-capacity layout (default ``length``).
-    """
-    arrays = session.layout.arrays(session.past, session.manifest.scheme, session.manifest.num_layers, batch, length,
-                                   capacity=capacity, rng=np.random.default_rng(seed))
-    return session.cache_from_arrays(arrays)
-
-
-def _filled(session: Any, batch: int, length: int, capacity: int, fill: str, seed: int, chunk: int,
-            vocab: int) -> dict:
-    """A cache holding ``length`` tokens per row, made by ``fill`` (see :class:`BenchConfig`)."""
-    if fill == "synthetic":
-        return synthetic_cache(session, batch, length, capacity=capacity, seed=seed)
-    rng = np.random.default_rng(seed)
-    cache = session.empty_cache(batch, capacity=capacity)
-    for start in range(0, length, chunk):
-        _, cache = session.step(rng.integers(0, vocab, (batch, min(chunk, length - start))), None, cache)
-    return cache
-
-
 # -- measuring --------------------------------------------------------------------------------------------------
+def _filled(runner: KvqRunner, batch: int, length: int, capacity: int, fill: str, seed: int, vocab: int):
+    """A runner state holding ``length`` tokens per row, made by ``fill`` (see :class:`BenchConfig`)."""
+    rng = np.random.default_rng(seed)
+    if fill == "synthetic":
+        return runner.synthetic(batch, length, capacity, rng)
+    return runner.prefill(rng.integers(0, vocab, (batch, length)), capacity)[0]  # chunked: the runner's chunk
+
+
 def _rss() -> tuple[int, int]:
     """(peak RSS so far, current RSS) of this process in bytes."""
     import resource
@@ -179,56 +168,18 @@ def _rss() -> tuple[int, int]:
     return peak, current
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q))
+def _timed_decode(runners: dict[str, KvqRunner], states: dict, tokens: np.ndarray, warmup: int,
+                  seed: int) -> dict[str, Timing]:
+    """Interleaved single-token steps feeding ``tokens[i]`` in round ``i`` (the states advance)."""
+    return interleaved({name: (lambda i, r=runner, s=states[name]: r.step(s, tokens[i]))
+                        for name, runner in runners.items()}, len(tokens) - warmup, warmup=warmup, seed=seed)
 
 
-def paired_ratio(times: Sequence[float], base_times: Sequence[float], *, level: float = 0.9,
-                 resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """(median, low, high) of the per-step ratios ``times[i] / base_times[i]``.
-
-    ``low``/``high``: the ``level`` bootstrap interval of the median (percentiles of the medians of ``resamples``
-    resamples of the steps).
-    """
-    ratios = np.asarray(times, dtype=np.float64) / np.asarray(base_times, dtype=np.float64)
-    picks = np.random.default_rng(seed).integers(0, ratios.size, (resamples, ratios.size))
-    medians = np.median(ratios[picks], axis=1)
-    tail = 100 * (1 - level) / 2
-    return float(np.median(ratios)), float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
-
-
-def _rotations(names: Sequence[str], i: int) -> list[str]:
-    k = i % len(names)
-    return list(names[k:]) + list(names[:k])
-
-
-def _timed_decode(sessions: dict, caches: dict, tokens: np.ndarray, warmup: int) -> dict[str, list[float]]:
-    """Interleaved single-token steps; returns seconds per timed step by name (caches are updated)."""
-    names = list(sessions)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for i, step_tokens in enumerate(tokens):
-        for name in _rotations(names, i):
-            start = time.perf_counter()
-            _, caches[name] = sessions[name].step(step_tokens, None, caches[name])
-            elapsed = time.perf_counter() - start
-            if i >= warmup:
-                times[name].append(elapsed)
-    return times
-
-
-def _timed_prefill(sessions: dict, ids: np.ndarray, repeats: int) -> dict[str, float]:
+def _timed_prefill(runners: dict[str, KvqRunner], ids: np.ndarray, repeats: int, seed: int) -> dict[str, float]:
     """Median seconds of a prefill of ``ids`` from an empty cache (one untimed warm-up run each)."""
-    names = list(sessions)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(repeats + 1):
-        for name in _rotations(names, i):
-            cache = sessions[name].empty_cache(ids.shape[0], capacity=ids.shape[1])
-            start = time.perf_counter()
-            sessions[name].step(ids, None, cache)
-            elapsed = time.perf_counter() - start
-            if i:
-                times[name].append(elapsed)
-    return {name: statistics.median(values) for name, values in times.items()}
+    timings = interleaved({name: (lambda i, r=runner: r.prefill(ids, ids.shape[1])[1])
+                           for name, runner in runners.items()}, repeats, warmup=1, seed=seed, self_timed=True)
+    return {name: timing.median for name, timing in timings.items()}
 
 
 def run_bench(config: BenchConfig, *, on_result: Callable[[BenchResult], None] | None = None) -> BenchReport:
@@ -303,56 +254,60 @@ class _Run:
     def measure_flavor(self, flavor: str, exports: dict[str, Path]) -> None:
         """Every (batch, context) of one flavor, its schemes' sessions open side by side; then its perplexities."""
         config = self.config
-        sessions = {name: KVQSession(d, threads=config.threads, providers=config.providers)
-                    for name, d in exports.items()}
-        prefills: dict[tuple[int, int], dict[str, float]] = {}  # by (batch, length): shared by contexts
-        for batch in config.batches:
-            for context in config.contexts:
-                length = min(context, config.prefill_tokens)
-                if (batch, length) not in prefills:
-                    ids = self.rng.integers(0, self.facts.vocab_size, (batch, length))
-                    prefills[batch, length] = _timed_prefill(sessions, ids, config.prefill_repeats)
-                group, times = self._measure_decode(flavor, sessions, batch, context, prefills[batch, length])
-                self._add(group, times)
-        if config.ppl_windows > 0:
-            self.report.perplexity.extend(_perplexities(sessions, self.base_name, flavor, config.calibration.corpus,
-                                                        config.ppl_windows, config.ppl_tokens))
-            self.save()
-        del sessions
+        with ExitStack() as stack:
+            runners = {name: stack.enter_context(KvqRunner(d, chunk=config.prefill_tokens, threads=config.threads,
+                                                           providers=config.providers))
+                       for name, d in exports.items()}
+            prefills: dict[tuple[int, int], dict[str, float]] = {}  # by (batch, length): shared by contexts
+            for batch in config.batches:
+                for context in config.contexts:
+                    length = min(context, config.prefill_tokens)
+                    if (batch, length) not in prefills:
+                        ids = self.rng.integers(0, self.facts.vocab_size, (batch, length))
+                        prefills[batch, length] = _timed_prefill(runners, ids, config.prefill_repeats, config.seed)
+                    group, times = self._measure_decode(flavor, runners, batch, context, prefills[batch, length])
+                    self._add(group, times)
+            if config.ppl_windows > 0:
+                sessions = {name: runner.session for name, runner in runners.items()}
+                self.report.perplexity.extend(_perplexities(sessions, self.base_name, flavor,
+                                                            config.calibration.corpus, config.ppl_windows,
+                                                            config.ppl_tokens))
+                self.save()
         gc.collect()
 
-    def _measure_decode(self, flavor: str, sessions: dict, batch: int, context: int,
-                        prefill_s: dict[str, float]) -> tuple[list[BenchResult], dict[str, list[float]]]:
-        """Interleaved decode steps of every session from a cache of the same length: a result per scheme."""
+    def _measure_decode(self, flavor: str, runners: dict[str, KvqRunner], batch: int, context: int,
+                        prefill_s: dict[str, float]) -> tuple[list[BenchResult], dict[str, Timing]]:
+        """Interleaved decode steps of every scheme from a cache of the same length: a result per scheme."""
         config, vocab = self.config, self.facts.vocab_size
-        caches = {name: _filled(s, batch, context - config.warmup - config.steps, context, config.fill, config.seed,
-                                config.prefill_tokens, vocab) for name, s in sessions.items()}
+        states = {name: _filled(r, batch, context - config.warmup - config.steps, context, config.fill, config.seed,
+                                vocab) for name, r in runners.items()}
         tokens = self.rng.integers(0, vocab, (config.warmup + config.steps, batch, 1))
-        times = _timed_decode(sessions, caches, tokens, config.warmup)
+        times = _timed_decode(runners, states, tokens, config.warmup, config.seed)
         peak, current = _rss()
         length = min(context, config.prefill_tokens)
         group = []
-        for name, session in sessions.items():
-            median = statistics.median(times[name])
+        for name, runner in runners.items():
+            timing = times[name]
             predicted = predict(self.schemes[name], self.facts, context, batch)
             static = predicted.breakdown["scales"] + predicted.breakdown["zero_points"] \
                 if self.schemes[name].has_static_scales else 0
+            low, high = timing.spread
             group.append(BenchResult(
                 flavor=flavor, scheme=name, context=context, batch=batch, baseline=self.base_name,
-                decode_ms_median=1e3 * median, decode_ms_p10=1e3 * _percentile(times[name], 10),
-                decode_ms_p90=1e3 * _percentile(times[name], 90), decode_steps=len(times[name]),
-                decode_tok_s=batch / median, prefill_tokens=length, prefill_s=prefill_s[name],
-                prefill_tok_s=batch * length / prefill_s[name], cache_bytes=session.cache_nbytes(caches[name]),
-                cache_bytes_predicted=predicted.total_bytes - static, peak_rss_bytes=peak, rss_bytes=current))
-        del caches
+                decode_ms_median=1e3 * timing.median, decode_ms_p10=1e3 * low, decode_ms_p90=1e3 * high,
+                decode_steps=len(timing.seconds), decode_tok_s=batch / timing.median, prefill_tokens=length,
+                prefill_s=prefill_s[name], prefill_tok_s=batch * length / prefill_s[name],
+                cache_bytes=runner.cache_bytes(states[name]), cache_bytes_predicted=predicted.total_bytes - static,
+                peak_rss_bytes=peak, rss_bytes=current))
+        del states
         gc.collect()
         return group, times
 
-    def _add(self, group: list[BenchResult], times: dict[str, list[float]]) -> None:
+    def _add(self, group: list[BenchResult], times: dict[str, Timing]) -> None:
         """Each result of one (flavor, context, batch) with its ratios to the baseline, saved and reported."""
         base = next(r for r in group if r.scheme == self.base_name)
         for result in group:
-            paired = paired_ratio(times[result.scheme], times[self.base_name])
+            paired = paired_ratio(times[result.scheme].seconds, times[self.base_name].seconds)
             result.ratio = {
                 "decode_ms": result.decode_ms_median / base.decode_ms_median,
                 **dict(zip(("decode_ms_paired", "decode_ms_paired_low", "decode_ms_paired_high"), paired)),
@@ -382,30 +337,6 @@ def _check_bench_size(facts, schemes: Sequence[Any], contexts: Sequence[int], ba
 
 
 # -- quality ----------------------------------------------------------------------------------------------------
-def perplexity(session: Any, windows: Sequence[Sequence[int]]) -> dict[str, float]:
-    """Strict-decode perplexity: every token is fed alone, so each prediction reads the stored cache.
-
-    All windows run as one batch (they must have equal length). Returns ``ppl``, ``nll`` (mean, nats) and
-    ``tokens`` (predictions scored) and ``seconds``.
-    """
-    ids = np.asarray(windows, dtype=np.int64)
-    if ids.ndim != 2 or ids.shape[1] < 2:
-        raise KVQError("perplexity needs windows of equal length >= 2")
-    start = time.perf_counter()
-    capacity = session.layout.capacity_for(ids.shape[1])
-    cache = session.empty_cache(ids.shape[0], capacity=capacity)
-    total = 0.0
-    for i in range(ids.shape[1] - 1):
-        logits, cache = session.step(ids[:, i:i + 1], None, cache)
-        last = logits[:, -1].astype(np.float64)
-        top = last.max(axis=-1, keepdims=True)
-        logz = top[:, 0] + np.log(np.exp(last - top).sum(axis=-1))
-        total += float((logz - last[np.arange(ids.shape[0]), ids[:, i + 1]]).sum())
-    count = ids.shape[0] * (ids.shape[1] - 1)
-    nll = total / count
-    return {"ppl": math.exp(nll), "nll": nll, "tokens": count, "seconds": time.perf_counter() - start}
-
-
 def _perplexities(sessions: dict, base_name: str, flavor: str, corpus: str, n: int, length: int) -> list[dict]:
     tokenizer = sessions[base_name].tokenizer
     windows = token_windows(tokenizer, load_corpus(corpus), n, length, offset=PPL_OFFSET)

@@ -41,15 +41,20 @@ from kvq_export.vocab import Axis, Direction, Format, LayoutName, Part, Role, Sc
 
 
 # -- synthetic values (a benchmark's cache: shapes matter, values only have to be valid) ---------------------
-def _random_values(spec: CacheTensor, shape: list[int], rng: np.random.Generator) -> np.ndarray:
-    """Valid random contents: codes are random bytes (fp8: finite e4m3 only), values N(0, 0.5), scales small."""
-    if spec.dtype == "float8e4m3fn":
+def random_values(dtype: str, shape: list[int] | tuple[int, ...], rng: np.random.Generator, *,
+                  scales: bool = False) -> np.ndarray:
+    """Valid random contents of a ``dtype`` tensor (ONNX name).
+
+    Codes are random bytes (fp8: finite e4m3 only); values are N(0, 0.5) in float32 (a caller casts them to a
+    narrower float type), ``scales`` small positive floats.
+    """
+    if dtype == "float8e4m3fn":
         magnitude = rng.integers(0, 0x77, shape, dtype=np.uint8)  # below the NaN pattern 0x7F
         return magnitude | (rng.integers(0, 2, shape, dtype=np.uint8) << 7)
-    if spec.dtype in ("int8", "uint8"):
-        info = np.iinfo(spec.dtype)
-        return rng.integers(info.min, info.max + 1, shape, dtype=spec.dtype)
-    if spec.role == Role.SCALES:
+    if dtype in ("int8", "uint8"):
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max + 1, shape, dtype=dtype)
+    if scales:
         return rng.uniform(0.005, 0.02, shape).astype(np.float32)
     return (rng.standard_normal(shape, dtype=np.float32) * 0.5).astype(np.float32)
 
@@ -120,7 +125,7 @@ class CacheLayout:
             elif rng is None:
                 out[spec.name] = np.zeros(shape, dtype=DType.get(spec.dtype).bits_numpy)
             else:
-                out[spec.name] = _random_values(spec, shape, rng)
+                out[spec.name] = random_values(spec.dtype, shape, rng, scales=spec.role == Role.SCALES)
         return out
 
     def capacity_for(self, tokens: int) -> int | None:

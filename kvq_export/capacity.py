@@ -19,11 +19,13 @@ Each context's rows are appended to a JSON-lines file once measured, so a stoppe
                         concurrent=4, budget_bytes=8 << 30, out="capacity.jsonl")
     plot_capacity(rows, "capacity.png")
 
-Backends: ``og`` runs ``og.Model`` / ``og.Generator`` with a batch of ``concurrent`` prompts of synthetic token ids
-(prefilled together in one call, then the decode steps); ``session`` (kvq exports only) runs ``KVQSession`` on a
-cache of random valid codes already holding the context, so long contexts cost no prefill; ``ort`` (other og
-directories whose past and present are separate tensors, as the builder's quantized caches) runs the decoder
-graph in ONNX Runtime on random codes the same way, stepping as og's loop does.
+Backends, each a runner of :mod:`kvq_export.measure.runners`: ``og`` (:class:`GenaiRunner`) runs ``og.Model`` /
+``og.Generator`` with a batch of ``concurrent`` prompts of synthetic token ids (prefilled together in one call,
+then the decode steps); ``session`` (:class:`KvqRunner`, kvq exports only) runs ``KVQSession`` on a synthetic
+cache already holding the context (:mod:`kvq_export.measure.synthetic`), so long contexts cost no prefill; ``ort``
+(:class:`OrtGraphRunner`, other og directories whose past and present are separate tensors, as the builder's
+quantized caches) runs the decoder graph in ONNX Runtime on a synthetic cache the same way, stepping as og's loop
+does. The steps are timed by :func:`kvq_export.measure.timing.interleaved`.
 """
 
 from __future__ import annotations
@@ -40,11 +42,10 @@ from typing import Any
 
 import numpy as np
 
-from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError
 from kvq_export.manifest import MANIFEST_NAME, MODEL_NAME
-from kvq_export.runtime.device import set_genai_providers
-from kvq_export.runtime.session import KVQSession
+from kvq_export.measure.runners import GENAI_CONFIG, GenaiRunner, KvqRunner, OrtGraphRunner, Runner
+from kvq_export.measure.timing import interleaved
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,6 @@ BACKENDS = ("og", "session", "ort")
 CONTEXTS = (2048, 8000)
 #: untimed decode rounds before the timed ones (ONNX Runtime's first runs allocate and plan)
 WARMUP = 2
-GENAI_CONFIG = "genai_config.json"
 #: bytes per element of the cache types og allocates
 _ITEMSIZE = {1: 4, 10: 2, 16: 2, 2: 1, 3: 1}  # FLOAT, FLOAT16, BFLOAT16, UINT8, INT8
 
@@ -158,119 +158,43 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _setup_og(directory: str, context: int, concurrent: int, steps: int, threads: int | None,
-              seed: int, providers: Sequence[str] | None = None) -> tuple[Callable[[], None], dict[str, Any]]:
-    """og.Model with ``concurrent`` synthetic prompts prefilled together, leaving room for ``steps`` new tokens."""
-    import onnxruntime_genai as og
-
-    config = og.Config(directory)
-    set_genai_providers(config, providers)
-    overlay: dict[str, Any] = {"model": {"eos_token_id": []}}  # synthetic prompts: no row may stop early
-    if threads:
-        overlay["model"]["decoder"] = {"session_options": {"intra_op_num_threads": int(threads)}}
-    config.overlay(json.dumps(overlay))
-    model = og.Model(config)
-    loaded = resident_bytes()
-    vocab = json.loads((Path(directory) / GENAI_CONFIG).read_text())["model"]["vocab_size"]
-    prompt = np.random.default_rng(seed).integers(1, vocab, (concurrent, context - steps), dtype=np.int32)
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=context, do_sample=False, batch_size=concurrent)
-    generator = og.Generator(model, params)
-    start = time.perf_counter()
-    generator.append_tokens(prompt)  # og takes a batch's prompt in one call (and only once)
-    prefill_s = time.perf_counter() - start
-    return generator.generate_next_token, {"rss_loaded": loaded, "prefill_tokens_per_s": prompt.size / prefill_s}
+def _runner(backend: str, directory: str, threads: int | None, providers: Sequence[str] | None) -> Runner:
+    """The runner of ``backend`` on ``directory`` (not yet entered)."""
+    if backend == "og":
+        return GenaiRunner(directory, threads=threads, providers=providers)
+    if backend == "session":
+        return KvqRunner(directory, threads=threads, verify_weights=False, providers=providers)
+    return OrtGraphRunner(directory, threads=threads, providers=providers)
 
 
-def _setup_session(directory: str, context: int, concurrent: int, steps: int, threads: int | None,
-                   seed: int, providers: Sequence[str] | None = None) -> tuple[Callable[[], None], dict[str, Any]]:
-    """KVQSession on a cache of random valid codes holding ``context - steps`` tokens, with room for ``steps``."""
-    session = KVQSession(directory, threads=threads, verify_weights=False, providers=providers)
-    loaded = resident_bytes()
-    manifest = session.manifest
-    rng = np.random.default_rng(seed)
-    state = {"cache": session.cache_from_arrays(session.layout.arrays(
-        session.past, manifest.scheme, manifest.num_layers, concurrent, context - steps, capacity=context, rng=rng)),
-        "token": rng.integers(1, manifest.model.vocab_size, (concurrent, 1))}
+def _hold(runner: Any, backend: str, directory: str, context: int, concurrent: int, steps: int,
+          seed: int) -> tuple[Any, dict[str, Any]]:
+    """A state of ``concurrent`` sequences holding ``context - steps`` tokens, with room for ``steps`` more.
 
-    def step() -> None:
-        logits, state["cache"] = session.step(state["token"], None, state["cache"])
-        state["token"] = logits[:, -1:].argmax(-1)
-
-    return step, {"rss_loaded": loaded}
-
-
-#: the cache element types :func:`_setup_ort` fills: random floats, or random codes
-_CACHE_DTYPES = {DType.get(name).ort_type: DType.get(name).numpy for name in ("fp32", "fp16", "uint8", "int8")}
-
-
-def _setup_ort(directory: str, context: int, concurrent: int, steps: int, threads: int | None,
-               seed: int, providers: Sequence[str] | None = None) -> tuple[Callable[[], None], dict[str, Any]]:
-    """ONNX Runtime on the decoder graph og loads, fed a cache of random codes holding ``context - steps`` tokens.
-
-    What og's loop does for a graph whose past and present are separate tensors (the builder's quantized caches):
-    feed the past, keep the present as the next past, pick the next token greedily; with no prefill, so long
-    contexts cost only their steps. A shared-buffer graph (og writes present into past's buffer) is refused.
+    ``og``: synthetic prompts prefilled together in one call; the others: a synthetic cache (no prefill).
     """
-    import onnxruntime as ort
-
-    config = json.loads((Path(directory) / GENAI_CONFIG).read_text())
-    decoder = config["model"]["decoder"]
-    if config.get("search", {}).get("past_present_share_buffer", False):
-        raise CapacityError(f"{directory}: past_present_share_buffer is on; the ort backend feeds separate past "
-                            "and present tensors only (allowed: og, or session for a kvq export)")
-    options = ort.SessionOptions()
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as og runs its sessions
-    if threads:
-        options.intra_op_num_threads = int(threads)
-    session = ort.InferenceSession(str(Path(directory) / decoder["filename"]), options,
-                                   providers=list(providers or ["CPUExecutionProvider"]))
-    loaded = resident_bytes()
-    names, outputs = decoder["inputs"], decoder["outputs"]
-    types = {value.name: value.type for value in session.get_inputs()}
     rng = np.random.default_rng(seed)
-    past_len = context - steps
-    shape = (concurrent, int(decoder["num_key_value_heads"]), past_len, int(decoder["head_size"]))
-    cache, present = {}, []
-    for layer in range(int(decoder["num_hidden_layers"])):
-        for kind in ("key", "value"):
-            name = names[f"past_{kind}_names"] % layer
-            dtype = _CACHE_DTYPES.get(types[name])
-            if dtype is None:
-                raise CapacityError(f"{directory}: cache input {name} is {types[name]}; allowed: "
-                                    f"{', '.join(_CACHE_DTYPES)}")
-            codes = (rng.standard_normal(shape) if np.issubdtype(dtype, np.floating) else
-                     rng.integers(np.iinfo(dtype).min, np.iinfo(dtype).max, shape, endpoint=True))
-            cache[name] = codes.astype(dtype)
-            present.append(outputs[f"present_{kind}_names"] % layer)
-    state = {"cache": cache, "length": past_len,
-             "token": rng.integers(1, int(config["model"]["vocab_size"]), (concurrent, 1)).astype(np.int64)}
-
-    def step() -> None:
-        feed = {names["input_ids"]: state["token"],
-                names["attention_mask"]: np.ones((concurrent, state["length"] + 1), np.int64), **state["cache"]}
-        logits, *new = session.run([outputs["logits"], *present], feed)
-        state["cache"] = dict(zip(state["cache"], new))
-        state["length"] += 1
-        state["token"] = logits[:, -1:].argmax(-1).astype(np.int64)
-
-    return step, {"rss_loaded": loaded}
-
-
-_SETUP = {"og": _setup_og, "session": _setup_session, "ort": _setup_ort}
+    if backend != "og":
+        return runner.synthetic(concurrent, context - steps, context, rng), {}
+    vocab = json.loads((Path(directory) / GENAI_CONFIG).read_text())["model"]["vocab_size"]
+    prompt = rng.integers(1, vocab, (concurrent, context - steps), dtype=np.int32)
+    state, seconds = runner.prefill(prompt, context)
+    return state, {"prefill_tokens_per_s": prompt.size / seconds}
 
 
 def _serve(conn, backend: str, directory: str, context: int, concurrent: int, steps: int, threads: int | None,
            seed: int, providers: list[str] | None) -> None:
     """Child process: set one export up, then time one decode step per ``"step"`` until ``"done"``."""
     try:
-        step, info = _SETUP[backend](directory, context, concurrent, steps, threads, seed, providers)
-        conn.send(("ready", info))
-        while conn.recv() == "step":
-            start = time.perf_counter()
-            step()
-            conn.send(("step", time.perf_counter() - start))
-        conn.send(("done", {"rss": resident_bytes()}))
+        with _runner(backend, directory, threads, providers) as runner:
+            loaded = resident_bytes()
+            state, info = _hold(runner, backend, directory, context, concurrent, steps, seed)
+            conn.send(("ready", {"rss_loaded": loaded, **info}))
+            while conn.recv() == "step":
+                start = time.perf_counter()
+                runner.step(state)
+                conn.send(("step", time.perf_counter() - start))
+            conn.send(("done", {"rss": resident_bytes()}))
     except Exception as err:  # noqa: BLE001 - reported as the row's status, the other exports go on
         conn.send(("failed", f"{type(err).__name__}: {err}"))
 
@@ -283,16 +207,29 @@ def _receive(conn, process) -> tuple[str, Any]:
         return "failed", f"the measuring process died (exit code {process.exitcode})"
 
 
+def _remote_step(conn, process, where: str):
+    """A stepper for :func:`~kvq_export.measure.timing.interleaved`: one step in the child, timed there."""
+
+    def step(_: int) -> float:
+        conn.send("step")
+        status, value = _receive(conn, process)
+        if status != "step":
+            raise CapacityError(f"{where}: {value}")
+        return value
+
+    return step
+
+
 def measure(jobs: Mapping[str, tuple[str, str]], context: int, concurrent: int, new_tokens: int,
             threads: int | None = None, seed: int = 0, warmup: int = WARMUP,
             providers: Sequence[str] | None = None) -> dict[str, dict[str, Any] | str]:
     """Measure every ``name -> (backend, directory)`` at ``context``, decode steps interleaved across them.
 
     Each export lives in a process of its own (so its resident memory is its own), set up one after another (a
-    prefill never competes with another); then every round runs one step of each export in a fresh random order
-    while the others wait, so load on a shared machine hits them all alike. ``warmup`` rounds are not timed.
-    Returns per name ``rss_loaded``, ``rss``, per-step ``steps`` seconds (, ``prefill_tokens_per_s``), or the
-    reason it failed.
+    prefill never competes with another); then :func:`~kvq_export.measure.timing.interleaved` runs one step of
+    each export per round in a fresh random order while the others wait, so load on a shared machine hits them all
+    alike. ``warmup`` rounds are not timed. Returns per name ``rss_loaded``, ``rss``, per-step ``steps`` seconds
+    (, ``prefill_tokens_per_s``), or the reason it failed.
     """
     import multiprocessing
 
@@ -310,26 +247,21 @@ def measure(jobs: Mapping[str, tuple[str, str]], context: int, concurrent: int, 
             status, value = _receive(conn, process)
             if status == "ready":
                 live[name] = process, conn
-                results[name] = {**value, "steps": []}
+                results[name] = value
             else:
                 results[name] = f"{directory} at {context} tokens x {concurrent}: {value}"
-        order = np.random.default_rng(seed)
-        for i in range(warmup + new_tokens):
-            for name in order.permutation(list(live)):
-                if not isinstance(results[name], dict):
-                    continue
-                process, conn = live[name]
-                conn.send("step")
-                status, value = _receive(conn, process)
-                if status != "step":
-                    results[name] = f"{jobs[name][1]} at {context} tokens x {concurrent}: {value}"
-                elif i >= warmup:
-                    results[name]["steps"].append(value)
-        for name, (process, conn) in live.items():
-            if isinstance(results[name], dict):
-                conn.send("done")
-                status, value = _receive(conn, process)
-                results[name] = {**results[name], **value} if status == "done" else f"{jobs[name][1]}: {value}"
+        failures: dict[str, str] = {}
+        steppers = {name: _remote_step(conn, process, f"{jobs[name][1]} at {context} tokens x {concurrent}")
+                    for name, (process, conn) in live.items()}
+        timings = (interleaved(steppers, new_tokens, warmup=warmup, seed=seed, self_timed=True, failures=failures)
+                   if live else {})
+        results.update(failures)
+        for name, timing in timings.items():
+            process, conn = live[name]
+            conn.send("done")
+            status, value = _receive(conn, process)
+            results[name] = ({**results[name], "steps": list(timing.seconds), **value} if status == "done"
+                             else f"{jobs[name][1]}: {value}")
     finally:
         for process, conn in live.values():
             conn.close()

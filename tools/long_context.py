@@ -8,11 +8,12 @@ export stays small, which changes only the lm_head's share of a step), saved as 
 with int4 weights (``kvq export --weights int4``). Static scales come from random
 token windows: the weights are random too, so no text would be more realistic.
 
-Each context's cache is random valid codes already holding the context (no prefill: only the step is timed),
-and the steps run interleaved across the caches, one of each per round in a random order, so load drift on a
-shared machine hits them all alike. A quantized cache must never be slower than the unquantized one at
-``>= 8000`` tokens: the summary says whether that held. Rows go to ``--json`` (one object a line) as they are
-measured.
+Each context's cache is random valid codes already holding ``context - warmup - steps`` tokens (no prefill: only
+the steps are timed; the last step reaches the context, as ``kvq bench`` does), and the steps run interleaved
+across the caches, one of each per round in a fresh random order (:func:`kvq_export.measure.timing.interleaved`),
+so load drift on a shared machine hits them all alike. A quantized cache must never be slower than the
+unquantized one at ``>= 8000`` tokens: the summary says whether that held. Rows go to ``--json`` (one object a
+line) as they are measured.
 
     python tools/long_context.py --contexts 8192,16384,32768 --steps 8 --json long.jsonl
 """
@@ -24,18 +25,19 @@ import json
 import logging
 import statistics
 import sys
-import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 
 from kvq_export.calibration import Calibration, calibrate_static_scales
 from kvq_export.export.exporter import ensure_export
+from kvq_export.measure.runners import KvqRunner
+from kvq_export.measure.timing import Timing, interleaved
 from kvq_export.memory import predict
 from kvq_export.presets import resolve_scheme
 from kvq_export.request import ExportRequest, WeightSpec
-from kvq_export.runtime.session import KVQSession
 
 logger = logging.getLogger("long_context")
 
@@ -94,47 +96,41 @@ def exports(hf: Path, work: Path, weights: str, calib_tokens: int) -> dict[str, 
     return out
 
 
-def synthetic_cache(session, context: int, rng: np.random.Generator):
-    """A batch-1 cache of random valid codes holding ``context`` tokens, with room for one more."""
-    manifest = session.manifest
-    return session.cache_from_arrays(session.layout.arrays(session.past, manifest.scheme, manifest.num_layers, 1,
-                                                           context, capacity=context + 1, rng=rng))
-
-
 def measure(directories: dict[str, Path], contexts: Sequence[int], steps: int, warmup: int,
             threads: int | None, out: Path | None) -> list[dict]:
     """Median step (ms) and cache bytes per (cache, context), steps interleaved across caches."""
-    sessions = {name: KVQSession(d, threads=threads, verify_weights=False) for name, d in directories.items()}
     rows = []
     rng = np.random.default_rng(0)
-    order = np.random.default_rng(1)
-    for context in contexts:
-        caches = {name: synthetic_cache(s, context, rng) for name, s in sessions.items()}
-        token = np.asarray([[7]], dtype=np.int64)
-        times: dict[str, list[float]] = {name: [] for name in sessions}
-        for i in range(warmup + steps):
-            for name in order.permutation(list(sessions)):
-                start = time.perf_counter()
-                sessions[name].step(token, None, caches[name])  # the cache is not advanced: same context each step
-                if i >= warmup:
-                    times[name].append(time.perf_counter() - start)
-        for name, session in sessions.items():
-            manifest = session.manifest
-            # each step against the unquantized cache's step of the same round: load drift cancels
-            paired = [t / b for t, b in zip(times[name], times[UNQUANTIZED])] if UNQUANTIZED in times else []
-            row = {"cache": name, "context": context, "step_ms": 1e3 * statistics.median(times[name]),
-                   "paired_ratio": statistics.median(paired) if paired else None,
-                   "step_ms_min": 1e3 * min(times[name]), "step_ms_max": 1e3 * max(times[name]), "steps": steps,
-                   "cache_bytes": session.cache_nbytes(caches[name]),
-                   # the memory model's bytes for the tokens held (the buffer holds one position more)
-                   "predicted_cache_bytes": predict(manifest.scheme, manifest.model, context).total_bytes}
-            rows.append(row)
-            logger.info("%s", json.dumps(row))
-            if out is not None:
-                with open(out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-        del caches
+    with ExitStack() as stack:
+        runners = {name: stack.enter_context(KvqRunner(d, threads=threads, verify_weights=False))
+                   for name, d in directories.items()}
+        for context in contexts:
+            states = {name: r.synthetic(1, context - warmup - steps, context, rng) for name, r in runners.items()}
+            timings = interleaved({name: (lambda i, r=runner, s=states[name]: r.step(s))
+                                   for name, runner in runners.items()}, steps, warmup=warmup, seed=1)
+            for name, runner in runners.items():
+                row = _row(name, context, timings, runner.cache_bytes(states[name]), runner.session.manifest)
+                rows.append(row)
+                logger.info("%s", json.dumps(row))
+                if out is not None:
+                    with open(out, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+            del states
     return rows
+
+
+def _row(name: str, context: int, timings: dict[str, Timing], cache_bytes: int, manifest) -> dict:
+    """One (cache, context) row: the step's median and range, its paired ratio, the bytes held and predicted."""
+    timing = timings[name]
+    # each step against the unquantized cache's step of the same round: load drift cancels
+    base = timings.get(UNQUANTIZED)
+    paired = [t / b for t, b in zip(timing.seconds, base.seconds)] if base else []
+    return {"cache": name, "context": context, "step_ms": 1e3 * timing.median,
+            "paired_ratio": statistics.median(paired) if paired else None,
+            "step_ms_min": 1e3 * timing.fastest, "step_ms_max": 1e3 * timing.slowest, "steps": len(timing.seconds),
+            "cache_bytes": cache_bytes,
+            # the memory model's bytes for the context the buffer holds
+            "predicted_cache_bytes": predict(manifest.scheme, manifest.model, context).total_bytes}
 
 
 def summary(rows: list[dict], floor: int = 8000) -> list[str]:
@@ -174,8 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     contexts = [int(c) for c in args.contexts.split(",") if c]
-    if max(contexts) + 1 > CONFIG["max_position_embeddings"]:
-        parser.error(f"contexts must leave one position of {CONFIG['max_position_embeddings']} for the step")
+    if max(contexts) > CONFIG["max_position_embeddings"] or min(contexts) <= args.warmup + args.steps:
+        parser.error(f"contexts must be within {CONFIG['max_position_embeddings']} positions and longer than "
+                     "--warmup + --steps")
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     hf = random_model_dir(work, args.vocab, args.layers)
