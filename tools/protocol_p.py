@@ -43,7 +43,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -140,7 +142,8 @@ def seed_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"invalid seeds {text!r}: allowed: comma-separated integers") from None
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line entry point (torch's thread count is restored on return, so a caller's process keeps its own)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="JSON-lines file to append results to")
     parser.add_argument("schemes", nargs="+", help="preset names or scheme .json files")
@@ -175,7 +178,17 @@ def main() -> None:
                         help="comma-separated seeds: score each scheme once per seed, each new K/V multiplied by "
                              "1 + SCALE·N(0,1) from that seed (the spread float noise alone gives a figure)")
     parser.add_argument("--jitter-scale", type=float, default=1e-6, metavar="SCALE", help="for --jitter")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    previous = torch.get_num_threads()
+    try:
+        _score(args)
+    finally:
+        torch.set_num_threads(previous)
+    return 0
+
+
+def _score(args: argparse.Namespace) -> None:
+    """Score every scheme ``args`` names, appending one JSON line per scheme (and jitter seed) to ``args.out``."""
     calibration = CalibrationSpec(corpus=args.corpus, tokens=args.calib_tokens, offset=args.calib_offset,
                                   method=args.calib_method, percentile=args.percentile)
 
@@ -237,4 +250,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -13,6 +13,14 @@ starts and stops servers (``kvq serve``, :mod:`~kvq_export.measure.og_server`, l
 :mod:`~kvq_export.measure.side_by_side` runs them one after another; :mod:`~kvq_export.measure.builder` makes
 onnxruntime-genai's builder export; :mod:`~kvq_export.measure.report` writes the table, the plot and JSON.
 ``tools/serve_bench.py`` is the command line. ``openai`` and ``httpx`` are imported only when a load runs.
+
+In-process timing has one harness, after Polygraphy's runners and comparator: :mod:`~kvq_export.measure.runners`
+(``prefill`` / ``step`` / ``cache_bytes`` for kvq sessions, the builder's graphs in ONNX Runtime and
+onnxruntime-genai; :mod:`~kvq_export.measure.llama` for llama.cpp), :mod:`~kvq_export.measure.timing` (the one
+interleaved loop, a fresh seeded random order every round), :mod:`~kvq_export.measure.synthetic` (the one
+synthetic cache) and :mod:`~kvq_export.measure.scoring` (strict-decode perplexity). ``kvq bench``, ``kvq
+bench-serve``, ``tools/long_context.py`` and the peer comparison (:mod:`~kvq_export.measure.peer_compare`,
+command line ``tools/peer_compare.py``) time through them.
 """
 
 from __future__ import annotations
