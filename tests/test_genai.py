@@ -470,7 +470,7 @@ def test_repetition_penalty_follows_ctrl():
     assert Sampler(SamplingConfig())(logits).tolist() == [0]
     sampler = Sampler(SamplingConfig(repetition_penalty=2.0))
     sampler.prime([[0, 1]])  # prompt tokens count: 2.0 -> 1.0, -1.0 -> -2.0
-    np.testing.assert_allclose(sampler._penalize(logits), [[1.0, -2.0, 1.9, 0.5]])
+    np.testing.assert_allclose(sampler.penalized(logits), [[1.0, -2.0, 1.9, 0.5]])
     assert sampler(logits).tolist() == [2]
     assert sampler(np.array([[2.0, -1.0, 1.9, 0.5]], np.float32)).tolist() == [0]  # 2 is now held too: 0.95 < 1
     unprimed = Sampler(SamplingConfig(repetition_penalty=1.5))

@@ -163,11 +163,11 @@ def test_rotated_candidates_are_measured_in_the_model_basis(windows):
     import dataclasses
 
     from kvq_export.calibration.passes import collect_attention_samples
-    from kvq_export.plan import _o_proj, attention_damage
+    from kvq_export.plan import attention_damage, o_proj_weight
 
     model = tiny_model("llama")
     samples = collect_attention_samples(model, windows, [0, 1], 2)
-    weight = _o_proj(model, 1)
+    weight = o_proj_weight(model, 1)
     fp32_rot = dataclasses.replace(KVQuantScheme(hp_dtype="fp32").key, rotation="hadamard")
     assert attention_damage(samples[1], weight, fp32_rot, fp32_rot)[0] < 1e-10
     two = next(v for v in fitting(CANDIDATE_SETS["accuracy"], 32).values if v.bits == 2)
@@ -189,14 +189,14 @@ def test_accuracy_plan_fits_a_three_and_a_half_bit_budget(windows):
 
 def test_sink_tokens_are_measured_and_paid_for(windows):
     from kvq_export.calibration.passes import collect_attention_samples
-    from kvq_export.plan import _o_proj, attention_damage
+    from kvq_export.plan import attention_damage, o_proj_weight
 
     model = tiny_model("llama")
     samples = collect_attention_samples(model, windows, [0, 1], 2)
     two_key, two_value = (next(t for t in streams if t.bits == 2) for streams in
                           (CANDIDATE_SETS["accuracy"].keys, fitting(CANDIDATE_SETS["accuracy"], 32).values))
-    quantized = attention_damage(samples[0], _o_proj(model, 0), two_key, two_value)[0]
-    exact = attention_damage(samples[0], _o_proj(model, 0), two_key, two_value, sink_tokens=len(windows[0]))[0]
+    quantized = attention_damage(samples[0], o_proj_weight(model, 0), two_key, two_value)[0]
+    exact = attention_damage(samples[0], o_proj_weight(model, 0), two_key, two_value, sink_tokens=len(windows[0]))[0]
     assert quantized > 1e-6 and exact < 1e-10  # every token a sink: nothing is quantized
     cset = fitting(CANDIDATE_SETS["accuracy"], 32)
     plan = plan_scheme(model, windows, budget=4.5, context=256, candidates=cset, sink_tokens=4)
@@ -211,18 +211,18 @@ def test_recent_windows_are_measured_per_query_and_paid_for(windows):
     import dataclasses
 
     from kvq_export.calibration.passes import collect_attention_samples
-    from kvq_export.plan import _o_proj, _reference_dequant, attention_damage
+    from kvq_export.plan import attention_damage, o_proj_weight, reference_dequant
 
     model = tiny_model("llama")
     samples = collect_attention_samples(model, windows, [0, 1], 2)
-    weight = _o_proj(model, 0)
+    weight = o_proj_weight(model, 0)
     two = next(v for v in fitting(CANDIDATE_SETS["accuracy"], 32).values if v.bits == 2)
     windowed = dataclasses.replace(two, residual_length=5)
     # by hand: a query at position p reads values p-4..p exactly and the older ones quantized
     induced = []
     for sample in samples[0]:
         a, v = sample.attention(), sample.values
-        v_hat = _reference_dequant(v, two, None)
+        v_hat = reference_dequant(v, two, None)
         positions = sample.positions.repeat(a.shape[1] // sample.positions.shape[0])
         o_hat = torch.stack([torch.stack([a[h, row] @ torch.where((torch.arange(v.shape[1]) > pos - 5)[:, None],
                                                                    v[h], v_hat[h]) for row, pos in

@@ -17,13 +17,23 @@ from tiny_models import save_tiny_model_dir
 
 from kvq_export import _atomic
 from kvq_export.errors import ExportError
-from kvq_export.export import exporter
 from kvq_export.export.exporter import export_model
+from kvq_export.manifest import MANIFEST_NAME
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return save_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+def _is_export(directory: Path) -> bool:
+    """What an export replaces: a directory with a manifest."""
+    return (directory / MANIFEST_NAME).is_file()
+
+
+def _move_into_place(new: Path, target: Path) -> None:
+    """The export's last stage: the finished directory swapped in, replacing only an export."""
+    _atomic.move_dir_into_place(new, target, replaceable=_is_export)
 
 
 def _fake_export(path: Path, label: str) -> Path:
@@ -77,7 +87,7 @@ def test_a_second_export_of_the_same_directory_fails_at_once(tmp_path):
 def test_the_swap_is_atomic_and_leaves_nothing_behind(tmp_path):
     out = _fake_export(tmp_path / "exp", "old")
     new = _fake_export(tmp_path / ".exp.tmp-1", "new")
-    exporter._move_into_place(new, out)
+    _move_into_place(new, out)
     assert (out / "kvq.json").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["exp"]
 
 
@@ -94,10 +104,10 @@ def test_a_crash_between_the_fallback_renames_is_repaired_by_the_next_export(tmp
 
     monkeypatch.setattr(_atomic.os, "replace", killed)
     with pytest.raises(KeyboardInterrupt):
-        exporter._move_into_place(new, out)
+        _move_into_place(new, out)
     monkeypatch.setattr(_atomic.os, "replace", real)
     assert not out.exists()
-    exporter._clean_leftovers(out)  # what the next export does first, holding the lock
+    _atomic.clean_leftovers(out, complete=_is_export)  # what the next export does first, holding the lock
     assert (out / "kvq.json").read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["exp"]
 
 
@@ -106,15 +116,15 @@ def test_a_directory_created_meanwhile_is_never_replaced(tmp_path):
     new = _fake_export(tmp_path / ".exp.tmp-1", "new")
     (out / "x").mkdir(parents=True)  # someone else's files appeared at the target while exporting
     (out / "x" / "f").write_text("theirs")
-    with pytest.raises(ExportError, match="created or filled by someone else"):
-        exporter._move_into_place(new, out)
+    with pytest.raises(FileExistsError, match="filled by someone else"):
+        _move_into_place(new, out)
     assert (out / "x" / "f").read_text() == "theirs"
     other = tmp_path / "other"
     monkey = _atomic.rename_noreplace
     try:  # appears between the last check and the rename: the no-replace rename refuses it
         _atomic.rename_noreplace = lambda a, b: (other.mkdir(), monkey(a, b))
-        with pytest.raises(ExportError, match="created or filled by someone else"):
-            exporter._move_into_place(new, other)
+        with pytest.raises(FileExistsError):
+            _move_into_place(new, other)
     finally:
         _atomic.rename_noreplace = monkey
     assert other.is_dir() and not any(other.iterdir()) and (new / "kvq.json").read_text() == "new"

@@ -660,7 +660,7 @@ def test_a_repetition_penalty_is_bounded_so_penalized_logits_stay_finite(penalty
     sampler = Sampler(SamplingConfig(repetition_penalty=penalty))
     sampler.prime([[0, 1, 2, 3]])
     logits = np.array([[3e4, -3e4, 1e-3, -1e-3, 5.0]], np.float32)
-    assert np.isfinite(sampler._penalize(logits)).all()
+    assert np.isfinite(sampler.penalized(logits)).all()
 
 
 @pytest.mark.parametrize("command", ["generate", "demo"])

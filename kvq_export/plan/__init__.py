@@ -52,12 +52,12 @@ from kvq_export.plan.candidates import (
 from kvq_export.plan.damage import (
     BATCH_ELEMENTS,
     Damage,
-    _o_proj,
-    _reference_dequant,
     attention_damage,
     attention_damages,
     measure_attention,
     measure_kl,
+    o_proj_weight,
+    reference_dequant,
 )
 from kvq_export.plan.genai import genai_view
 from kvq_export.plan.planner import METRICS, measure_candidates, plan_scheme
@@ -67,7 +67,6 @@ __all__ = [
     "BATCH_ELEMENTS", "CANDIDATE_SETS", "GQA_HIGH_CHANNELS", "METRICS", "RECENT_VALUE_WINDOWS", "RESOLUTION",
     "CandidateSet", "Damage", "Option", "Plan", "allocate", "attention_damage", "attention_damages",
     "calibrate_candidates", "candidate_set", "fitting", "genai_view", "layer_options", "measure_attention",
-    "measure_candidates", "measure_kl", "plan_scheme", "scheme_from_choice", "with_value_window",
-    # the layer's output projection and the reference cache's read-back, which tests measure with directly
-    "_o_proj", "_reference_dequant",
+    "measure_candidates", "measure_kl", "o_proj_weight", "plan_scheme", "reference_dequant", "scheme_from_choice",
+    "with_value_window",
 ]

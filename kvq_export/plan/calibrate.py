@@ -12,7 +12,7 @@ from kvq_export.calibration.artifact import HIGH_CHANNELS, PARTS
 from kvq_export.calibration.high_channels import channel_importance, ranging_group, top_channels
 from kvq_export.calibration.methods import stream_from_samples
 from kvq_export.plan.candidates import CandidateSet
-from kvq_export.plan.damage import _o_proj
+from kvq_export.plan.damage import o_proj_weight
 from kvq_export.progress import task
 from kvq_export.request import CalibrationMethod
 from kvq_export.rotation import rotation_matrix
@@ -61,7 +61,7 @@ def calibrate_candidates(model: PreTrainedModel, cset: CandidateSet, samples, nu
                         ranking = (part, ranging_group(tq))
                         if ranking not in rankings:
                             rankings[ranking] = channel_importance(
-                                samples[layer], part, tq, _o_proj(model, layer) if part == Part.VALUE else None)
+                                samples[layer], part, tq, o_proj_weight(model, layer) if part == Part.VALUE else None)
                         high = top_channels(rankings[ranking], tq.high_channels)
                     if tq.scales == ScaleMode.STATIC:
                         basis, stream = bases[tq.rotation], (part, tq.rotation)

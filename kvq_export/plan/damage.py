@@ -52,7 +52,7 @@ def _layer_static(static_by: Mapping, layer: int, key: TensorQuant | None, value
     return out
 
 
-def _reference_dequant(x: torch.Tensor, tq: TensorQuant, meta: Mapping | None, sink_tokens: int = 0) -> torch.Tensor:
+def reference_dequant(x: torch.Tensor, tq: TensorQuant, meta: Mapping | None, sink_tokens: int = 0) -> torch.Tensor:
     """What attention reads for ``x`` [H, T, D] after kvq's reference cache stores it (no recent window).
 
     The first ``sink_tokens`` tokens stay in high precision.
@@ -144,7 +144,7 @@ class _StoredReads:
         key = (part, tq, id(meta))
         if key not in self.cache:
             x = self.sample.keys if part == Part.KEY else self.sample.values
-            self.cache[key] = _reference_dequant(x, tq, meta, self.sink_tokens)
+            self.cache[key] = reference_dequant(x, tq, meta, self.sink_tokens)
             self.held.append(meta)
         return self.cache[key]
 
@@ -198,7 +198,7 @@ def _batch_damages(exact: _ExactAttention, read: _StoredReads, o_proj: torch.Ten
     return out
 
 
-def _o_proj(model: PreTrainedModel, layer: int) -> torch.Tensor:
+def o_proj_weight(model: PreTrainedModel, layer: int) -> torch.Tensor:
     """The layer's attention output projection ``[hidden, Hq * D]`` as float32 (Llama-family layout)."""
     import torch
 
@@ -215,7 +215,7 @@ def measure_attention(
         for layer in range(num_layers):
             configs = [(key, value, _layer_static(static_by, layer, key, value))
                        for key, value in _measured_configs(cset)]
-            damages = attention_damages(samples[layer], _o_proj(model, layer), configs, sink_tokens)
+            damages = attention_damages(samples[layer], o_proj_weight(model, layer), configs, sink_tokens)
             out += [Damage(layer, key, value, *damage) for (key, value, _), damage in zip(configs, damages)]
             advance()
     return out

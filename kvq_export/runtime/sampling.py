@@ -75,12 +75,17 @@ class Sampler:
             return self._choose(logits)
         if self.seen is None:  # not primed: only generated tokens count
             self.seen = [set() for _ in range(len(logits))]
-        chosen = self._choose(self._penalize(logits))
+        chosen = self._choose(self.penalized(logits))
         for row, token in enumerate(chosen):
             self.seen[row].add(int(token))
         return chosen
 
-    def _penalize(self, logits: np.ndarray) -> np.ndarray:
+    def penalized(self, logits: np.ndarray) -> np.ndarray:
+        """The logits a penalized sampler chooses from (``logits`` itself is left alone).
+
+        For each token a row holds, a positive logit is divided by the repetition penalty and a negative one
+        multiplied (CTRL's rule).
+        """
         out = np.array(logits, dtype=np.float32, copy=True)
         penalty = np.float32(self.config.repetition_penalty)
         for row, tokens in enumerate(self.seen or []):
