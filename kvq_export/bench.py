@@ -51,7 +51,6 @@ import numpy as np
 
 from kvq_export._atomic import atomic_write
 from kvq_export.bench_config import BenchConfig
-from kvq_export.capacity import resident_bytes
 from kvq_export.corpus import load_corpus, token_windows
 from kvq_export.errors import DependencyError
 from kvq_export.export.exporter import ensure_export
@@ -59,7 +58,7 @@ from kvq_export.measure.runners import KvqRunner
 from kvq_export.measure.scoring import perplexity
 from kvq_export.measure.synthetic import synthetic_cache
 from kvq_export.measure.timing import Timing, interleaved, paired_ratio
-from kvq_export.memory import check_fits, check_positions, predict
+from kvq_export.memory import check_fits, check_positions, predict, resident_bytes
 from kvq_export.model_source import cache_dir, load_config, load_model, model_facts
 from kvq_export.presets import resolve_scheme
 from kvq_export.progress import task
@@ -161,11 +160,7 @@ def _rss() -> tuple[int, int]:
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    try:
-        current = resident_bytes()
-    except OSError:
-        current = 0
-    return peak, current
+    return peak, resident_bytes() or 0
 
 
 def _timed_decode(runners: dict[str, KvqRunner], states: dict, tokens: np.ndarray, warmup: int,

@@ -46,6 +46,7 @@ from kvq_export.errors import KVQError
 from kvq_export.manifest import MANIFEST_NAME, MODEL_NAME
 from kvq_export.measure.runners import GENAI_CONFIG, GenaiRunner, KvqRunner, OrtGraphRunner, Runner
 from kvq_export.measure.timing import interleaved
+from kvq_export.memory import resident_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -152,12 +153,6 @@ class CapacityRow:
 
 
 # -- measuring (in a child process) -------------------------------------------------------------------------------
-def resident_bytes() -> int:
-    """Resident bytes of this process now (Linux ``/proc/self/statm``)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _runner(backend: str, directory: str, threads: int | None, providers: Sequence[str] | None) -> Runner:
     """The runner of ``backend`` on ``directory`` (not yet entered)."""
     if backend == "og":
@@ -187,14 +182,14 @@ def _serve(conn, backend: str, directory: str, context: int, concurrent: int, st
     """Child process: set one export up, then time one decode step per ``"step"`` until ``"done"``."""
     try:
         with _runner(backend, directory, threads, providers) as runner:
-            loaded = resident_bytes()
+            loaded = resident_bytes() or 0
             state, info = _hold(runner, backend, directory, context, concurrent, steps, seed)
             conn.send(("ready", {"rss_loaded": loaded, **info}))
             while conn.recv() == "step":
                 start = time.perf_counter()
                 runner.step(state)
                 conn.send(("step", time.perf_counter() - start))
-            conn.send(("done", {"rss": resident_bytes()}))
+            conn.send(("done", {"rss": resident_bytes() or 0}))
     except Exception as err:  # noqa: BLE001 - reported as the row's status, the other exports go on
         conn.send(("failed", f"{type(err).__name__}: {err}"))
 
