@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from tool_harness import tool as load_tool
 
 from kvq_export.cli import cli
 
@@ -13,11 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def gen_cli_docs():
-    """tools/gen_cli_docs.py as a module (tools/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("gen_cli_docs", ROOT / "tools" / "gen_cli_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """tools/gen_cli_docs.py as a module."""
+    return load_tool("gen_cli_docs")
 
 
 def test_docs_cli_md_is_current():

@@ -85,13 +85,9 @@ def test_registry_names_its_ops():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present: the benchmark would run")
-def test_kernel_benchmark_refuses_without_a_gpu():
-    import subprocess
-    import sys
-    from pathlib import Path
+def test_kernel_benchmark_refuses_without_a_gpu(capsys):
+    from tool_harness import run_tool
 
-    tool = Path(__file__).resolve().parents[1] / "tools" / "bench_kernel.py"
-    proc = subprocess.run([sys.executable, str(tool), "--contexts", "4096", "--batches", "1"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and not proc.stdout
-    assert "needs a CUDA GPU" in proc.stderr and "no GPU number exists" in proc.stderr
+    assert run_tool("bench_kernel", "--contexts", "4096", "--batches", "1") == 2
+    out, err = capsys.readouterr()
+    assert not out and "needs a CUDA GPU" in err and "no GPU number exists" in err
