@@ -88,3 +88,24 @@ def test_kvq_runner_prefills_steps_and_starts_from_a_synthetic_cache(tmp_path):
         runner.step(held)
         assert runner.cache_bytes(held) == runner.cache_bytes(copies)  # the same capacity, 16 tokens a row
     assert runner.session is None
+
+
+def test_kvq_and_onnxruntime_genai_runners_agree_on_one_export(tmp_path):
+    """The peer comparison's engines on one ort-gqa export: the same perplexity, cache bytes at every context."""
+    pytest.importorskip("onnxruntime_genai")
+    from tiny_models import tiny_model
+
+    from kvq_export.export.exporter import export_model
+    from kvq_export.measure.peer_genai import EngineSet, measure_engines
+    from kvq_export.measure.peer_rows import Row
+    from kvq_export.measure.runners import GenaiRunner, KvqRunner
+
+    directory = export_model(tiny_model("llama"), "fp16", tmp_path / "gqa", flavor="ort-gqa")
+    engines = EngineSet()
+    engines.add("kvq fp16", Row("kvq ort-gqa", "fp32 buffer", "fp16"), lambda: KvqRunner(directory, chunk=16))
+    engines.add("og fp16", Row("genai builder", "fp32 (no kv quant)", "fp16"), lambda: GenaiRunner(directory, chunk=16))
+    text = [int(t) for t in np.random.default_rng(0).integers(1, 120, 80)]
+    kvq, og = measure_engines(engines, [text[:12], text[12:24]], [40, 64], 3, text, batches=(1, 2))
+    assert kvq.ppl == pytest.approx(og.ppl, rel=1e-4) and kvq.ppl_delta == og.ppl_delta == 0.0
+    assert kvq.cache_bytes_at == og.cache_bytes_at and set(kvq.cache_bytes_at) == {40, 64}
+    assert set(kvq.decode_ms_batch) == set(og.decode_ms_batch) == {1, 2} and kvq.prefill_tok_s_at.keys() == {40, 64}
