@@ -29,10 +29,10 @@ from kvq_export.flavors.ort_gqa.genai import (
     GENAI_CONFIG,
     GENAI_MODEL,
     RUNTIME,
-    adapt_graph,
     engine_reason,
     genai_config,
 )
+from kvq_export.flavors.ort_gqa.genai_graph import adapt_graph
 from kvq_export.manifest import MODEL_NAME, Manifest
 from kvq_export.memory import predict
 from kvq_export.model_facts import Geometry

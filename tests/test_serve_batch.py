@@ -145,7 +145,7 @@ def test_the_rows_hold_what_the_memory_model_predicts(export):
     assert cache.nbytes == budget.cache_bytes == predict(scheme, model, 96, budget.rows).total_bytes - \
         budget.static_bytes
     with pytest.raises(KVQError, match=r"5 sequences of 1024 tokens need .* allowed: --max-seqs <= 3"):
-        BatchBackend(export, max_seqs=5, cache_budget=3 * cache.row_bytes * 1024 // 96 + 4096)._load()
+        BatchBackend(export, max_seqs=5, cache_budget=3 * cache.row_bytes * 1024 // 96 + 4096).start()
 
 
 def test_last_position_logits_equal_the_full_graphs_bit_for_bit(export, tmp_path):

@@ -7,9 +7,9 @@
 2. admit waiting requests first come, first served, each to the lowest free row;
 3. one decode step: every sequence that has a sampled token feeds it, all in one call over the range of rows
    they occupy (rows between them feed padding and store nothing);
-4. prompt chunks, first come, first served, until ``prefill_chunk`` tokens ran this round: each is one call on
-   its own row, so a long prompt takes several rounds and never stalls the decoding sequences for longer than
-   one chunk. A prompt's last chunk gives its first token.
+4. prompt chunks, first come, first served, until ``prefill_chunk`` tokens or more ran this round (fewer than
+   two chunks' worth): each is one call on its own row, so a long prompt takes several rounds and stalls the
+   decoding sequences by less than two chunks per round. A prompt's last chunk gives its first token.
 
 What a request gets does not depend on the load. A prompt's chunks start at multiples of ``prefill_chunk`` from
 its first token, whatever else runs, and each chunk is a call of its own on its own row; a row's decode step sees
@@ -252,13 +252,17 @@ class _Loop:
         self._call(ready, low, ids, mask)
 
     def _prefill(self) -> None:
-        """Prompt chunks, first come first served, until this round's ``prefill_chunk`` tokens are spent."""
+        """Prompt chunks, first come first served, until this round ran ``prefill_chunk`` tokens or more.
+
+        A round stops at the first chunk boundary past the budget, so it runs fewer than two chunks' worth: short
+        prompts that arrived together (a burst) share one round instead of waiting a round each.
+        """
         chunk, spent = self.backend.prefill_chunk, 0
         for seq in [s for s in self.running if s.fed < len(s.prompt)]:
             while seq.fed < len(seq.prompt):
-                size = min(chunk, len(seq.prompt) - seq.fed)
-                if spent and spent + size > chunk:
+                if spent >= chunk:
                     return
+                size = min(chunk, len(seq.prompt) - seq.fed)
                 ids = np.asarray(seq.prompt[seq.fed:seq.fed + size], dtype=np.int64)[None]
                 seq.fed += size
                 spent += size
