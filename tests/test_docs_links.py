@@ -14,10 +14,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "models").rglob("*.md")])
 
-#: pages linked before they exist: the serving results page comes with its measurement (`tools/serve_bench.py`).
-#: A link to one passes only while the page is absent; once written, its links are checked like any other.
-NOT_YET_WRITTEN = {ROOT / "models" / "smollm2" / "serving.md"}
-
 #: ``[text](target)`` outside code; the target up to the first space (a title may follow)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)[^)]*\)")
 
@@ -48,8 +44,6 @@ def test_relative_links_resolve(page):
     for target in relative_links(page):
         path, _, fragment = target.partition("#")
         dest = (page.parent / path).resolve() if path else page
-        if not dest.exists() and dest in NOT_YET_WRITTEN:
-            continue
         if not dest.exists():
             broken.append(f"{target}: no such file")
         elif fragment and dest.suffix == ".md" and fragment not in anchors(dest):

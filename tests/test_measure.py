@@ -96,9 +96,9 @@ def test_kvq_and_onnxruntime_genai_runners_agree_on_one_export(tmp_path):
     from tiny_models import tiny_model
 
     from kvq_export.export.exporter import export_model
-    from kvq_export.measure.peer_genai import EngineSet, measure_engines
-    from kvq_export.measure.peer_rows import Row
     from kvq_export.measure.runners import GenaiRunner, KvqRunner
+    from kvq_export.peer_compare.genai import EngineSet, measure_engines
+    from kvq_export.peer_compare.rows import Row
 
     directory = export_model(tiny_model("llama"), "fp16", tmp_path / "gqa", flavor="ort-gqa")
     engines = EngineSet()

@@ -13,7 +13,7 @@ Each engine is compared with *its own* unquantized cache (llama.cpp f16, transfo
 kvq ``fp16``): ``ppl_delta`` and ``speed_ratio`` (step time / baseline step time) are what line up across
 engines; absolute perplexities differ because llama.cpp runs 4-bit weights. ``--llama-weights fp32`` gives llama.cpp
 the same weights as the others (the GGUF with every tensor dequantized to F32,
-:func:`kvq_export.measure.llama.dequantized_gguf`): then its
+:func:`kvq_export.peer_compare.llama.dequantized_gguf`): then its
 cache types compare with kvq's like for like, and ``--ppl-windows 8 --ppl-tokens 512 --ppl-offset 0`` is
 protocol P (llama.cpp rows also report KL and top-1 agreement with its own f16 cache).
 
@@ -30,24 +30,24 @@ transformers            QuantizedCache fp8 (per tensor)     fp8
 onnxruntime-genai       builder int8/int4_per_channel       ort-int8 / ort-int4 (--flavor ort-gqa)
 ======================  ==================================  =====================================
 
-The onnxruntime-genai peer (``--peers genai``, :func:`kvq_export.measure.peer_genai.run_genai`) runs the same fp32
+The onnxruntime-genai peer (``--peers genai``, :func:`kvq_export.peer_compare.genai.run_genai`) runs the same fp32
 weights in both runtimes' own loops, on protocol P (8 x 512 britannica tokens from token 0) and at several
 contexts, with the builder's scales from kvq's calibration and from its own calibrator.
 
-The deployer's comparison (``--peers deploy``, :func:`kvq_export.measure.peer_deploy.run_deploy`) puts each
+The deployer's comparison (``--peers deploy``, :func:`kvq_export.peer_compare.deploy.run_deploy`) puts each
 runtime's 4-bit weights side by side:
 kvq ``--flavor ort-gqa`` with int4 weights (unquantized buffer, ``ort-int8`` and ``ort-int8-asymv``, the ≤ 5-bit plan
 ``models/smollm2-plan-gqa-5-hc.json``; scales measured on the int4 weights it runs), the builder at ``-p int4`` (fp32
 cache, ``int8_per_channel`` on kvq's scale file of the same int4-weight calibration) and llama.cpp on the GGUF (f16,
 q8_0, q4_0 caches): decode step per context and prefill, interleaved in one process at batch 1, file and cache
 bytes, and Δppl on protocol P against each engine's own unquantized cache, with the accuracy targets met or missed
-(:func:`~kvq_export.measure.peer_deploy.deploy_targets`); ``--markdown`` writes the table as it fills.
+(:func:`~kvq_export.peer_compare.deploy.deploy_targets`); ``--markdown`` writes the table as it fills.
 
 Optional dependencies, none needed by kvq itself (install them in a throwaway venv, see tools/README.md):
 ``llama-cpp-python`` (llama.cpp), ``optimum-quanto`` (quanto backend), ``hqq`` (hqq backend). A missing
 one is reported as ``unavailable`` with the reason and the rest still runs.
 
-The comparison itself is :mod:`kvq_export.measure.peer_compare` (:func:`~kvq_export.measure.peer_compare.run_peers`);
+The comparison itself is :mod:`kvq_export.peer_compare.compare` (:func:`~kvq_export.peer_compare.compare.run_peers`);
 this file is its command line.
 
     python tools/peer_compare.py --json peers.json          # everything available
@@ -63,8 +63,7 @@ import sys
 from collections.abc import Sequence
 
 from kvq_export.errors import KVQError
-from kvq_export.measure.llama import LLAMA_CPP_TYPES, LLAMA_WEIGHTS
-from kvq_export.measure.peer_compare import (
+from kvq_export.peer_compare.compare import (
     PEERS,
     PeerSettings,
     deploy_rich_table,
@@ -72,7 +71,8 @@ from kvq_export.measure.peer_compare import (
     peers_table,
     run_peers,
 )
-from kvq_export.measure.peer_deploy import DEPLOY_INT8, deploy_targets
+from kvq_export.peer_compare.deploy import DEPLOY_INT8, deploy_targets
+from kvq_export.peer_compare.llama import LLAMA_CPP_TYPES, LLAMA_WEIGHTS
 
 DEFAULTS = PeerSettings()
 

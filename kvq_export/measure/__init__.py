@@ -1,4 +1,4 @@
-"""kvq's measuring code: serving load on OpenAI-compatible endpoints, and the peers it is compared with.
+"""kvq's measuring code: serving load on OpenAI-compatible endpoints, and the one in-process timing harness.
 
 Three lines of Python load a running server::
 
@@ -16,10 +16,10 @@ onnxruntime-genai's builder export; :mod:`~kvq_export.measure.report` writes the
 
 In-process timing has one harness, after Polygraphy's runners and comparator: :mod:`~kvq_export.measure.runners`
 (``prefill`` / ``step`` / ``cache_bytes`` for kvq sessions, the builder's graphs in ONNX Runtime and
-onnxruntime-genai; :mod:`~kvq_export.measure.llama` for llama.cpp), :mod:`~kvq_export.measure.timing` (the one
+onnxruntime-genai; :mod:`~kvq_export.peer_compare.llama` for llama.cpp), :mod:`~kvq_export.measure.timing` (the one
 interleaved loop, a fresh seeded random order every round), :mod:`~kvq_export.measure.synthetic` (the one
 synthetic cache) and :mod:`~kvq_export.measure.scoring` (strict-decode perplexity). ``kvq bench``, ``kvq
-bench-serve``, ``tools/long_context.py`` and the peer comparison (:mod:`~kvq_export.measure.peer_compare`,
+bench-serve``, ``tools/long_context.py`` and the peer comparison (:mod:`~kvq_export.peer_compare.compare`,
 command line ``tools/peer_compare.py``) time through them.
 """
 

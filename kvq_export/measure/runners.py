@@ -11,7 +11,7 @@ A runner is a context manager (entering loads the model, leaving lets it go) wit
 Runners on a graph kvq can fill (:class:`KvqRunner`, :class:`OrtGraphRunner`) also start from a synthetic cache
 (``synthetic(batch, length, capacity, rng)``, :mod:`~kvq_export.measure.synthetic`), so a long context costs no
 prefill. Runners that score text add ``perplexity(windows) -> float`` (strict decode). Runtimes load lazily:
-``onnxruntime_genai`` in :class:`GenaiRunner`, ``llama_cpp`` in :class:`kvq_export.measure.llama.LlamaCppRunner`.
+``onnxruntime_genai`` in :class:`GenaiRunner`, ``llama_cpp`` in :class:`kvq_export.peer_compare.llama.LlamaCppRunner`.
 :func:`kvq_export.measure.timing.interleaved` times their steps side by side.
 """
 

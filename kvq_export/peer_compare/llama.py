@@ -20,10 +20,10 @@ import numpy as np
 
 from kvq_export.errors import DependencyError, KVQError
 from kvq_export.measure.builder import stamp_matches, write_stamp
-from kvq_export.measure.peer_rows import PREFILL_CHUNK, Row, finish
 from kvq_export.measure.runners import as_ids
 from kvq_export.measure.scoring import NllPool, log_softmax
 from kvq_export.measure.timing import interleaved
+from kvq_export.peer_compare.rows import PREFILL_CHUNK, Row, finish
 
 logger = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ from kvq_export.calibration import Calibration, calibrate_static_scales, calibra
 from kvq_export.errors import DependencyError, KVQError
 from kvq_export.export.exporter import ensure_export
 from kvq_export.measure.builder import build_with_builder, builder_calibration, model_hf_dir
-from kvq_export.measure.peer_rows import PREFILL_CHUNK, Row, own_baseline_deltas
-from kvq_export.measure.peer_runs import has_module, protocol_text
 from kvq_export.measure.runners import GenaiRunner, KvqRunner
 from kvq_export.measure.timing import interleaved
 from kvq_export.memory import predict
 from kvq_export.model_source import load_model, model_facts
+from kvq_export.peer_compare.rows import PREFILL_CHUNK, Row, own_baseline_deltas
+from kvq_export.peer_compare.runs import has_module, protocol_text
 from kvq_export.presets import resolve_scheme
 from kvq_export.request import DEFAULT_CALIBRATION, DEFAULT_PERCENTILE, ExportRequest, WeightSpec
 from kvq_export.runtime.genai import builder_scale_file

@@ -1,6 +1,6 @@
 """The peer comparison's rows: one engine and cache each, compared with the engine's own unquantized cache.
 
-:mod:`kvq_export.measure.peer_compare` runs the comparison; the rows are written as JSON (``--json``), read back
+:mod:`kvq_export.peer_compare.compare` runs the comparison; the rows are written as JSON (``--json``), read back
 (:func:`rows_from_json`) and merged across runs that split the work (:func:`merge_rows`).
 """
 

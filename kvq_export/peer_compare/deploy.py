@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvq_export.errors import KVQError
-from kvq_export.measure.llama import LlamaCppRunner, gguf_file_type, import_llama_cpp, llama_cpp_counterpart
-from kvq_export.measure.peer_genai import GENAI_SCHEMES, genai_engines, measure_engines, require_genai
-from kvq_export.measure.peer_rows import Row, delta_pct
-from kvq_export.measure.peer_runs import gguf_path, protocol_text
+from kvq_export.peer_compare.genai import GENAI_SCHEMES, genai_engines, measure_engines, require_genai
+from kvq_export.peer_compare.llama import LlamaCppRunner, gguf_file_type, import_llama_cpp, llama_cpp_counterpart
+from kvq_export.peer_compare.rows import Row, delta_pct
+from kvq_export.peer_compare.runs import gguf_path, protocol_text
 
 #: kvq's fast-path plan (≤ 5 bits/element at 4096 tokens) beside its int8 cache
 DEPLOY_PLAN = Path(__file__).resolve().parents[2] / "models" / "smollm2-plan-gqa-5-hc.json"

@@ -16,11 +16,11 @@ from typing import Any
 from kvq_export.bench import PPL_OFFSET, run_bench
 from kvq_export.bench_config import BenchConfig
 from kvq_export.corpus import load_corpus, token_windows
-from kvq_export.measure.peer_rows import Row, finish
 from kvq_export.measure.runners import KvqRunner
 from kvq_export.measure.scoring import NllPool
 from kvq_export.measure.timing import interleaved
 from kvq_export.model_source import load_model, resolve_spec
+from kvq_export.peer_compare.rows import Row, finish
 
 logger = logging.getLogger(__name__)
 

@@ -2,14 +2,14 @@
 
 Same model (SmolLM2-135M: kvq and transformers run its fp32 weights; llama.cpp runs the GGUF file they come
 from, whose *weights* are Q4_1, or with ``llama_weights="fp32"`` the same file dequantized), same text
-(:func:`~kvq_export.measure.peer_runs.text_windows`), same protocol: strict-decode perplexity, and the median
+(:func:`~kvq_export.peer_compare.runs.text_windows`), same protocol: strict-decode perplexity, and the median
 single-token step at ``context`` tokens, batch 1, steps interleaved (:mod:`kvq_export.measure.timing`). Each
 engine is compared with *its own* unquantized cache: ``ppl_delta`` and ``speed_ratio`` line up across engines.
 
-The peers: ``kvq`` (:func:`~kvq_export.measure.peer_runs.run_kvq`), ``llama.cpp``
-(:func:`~kvq_export.measure.llama.run_llama_cpp`), ``hf`` (:func:`~kvq_export.measure.peer_runs.run_hf`), ``genai``
-(:func:`~kvq_export.measure.peer_genai.run_genai`) and the deployer's comparison ``deploy``
-(:func:`~kvq_export.measure.peer_deploy.run_deploy`). :func:`run_peers` runs those :class:`PeerSettings` name;
+The peers: ``kvq`` (:func:`~kvq_export.peer_compare.runs.run_kvq`), ``llama.cpp``
+(:func:`~kvq_export.peer_compare.llama.run_llama_cpp`), ``hf`` (:func:`~kvq_export.peer_compare.runs.run_hf`), ``genai``
+(:func:`~kvq_export.peer_compare.genai.run_genai`) and the deployer's comparison ``deploy``
+(:func:`~kvq_export.peer_compare.deploy.run_deploy`). :func:`run_peers` runs those :class:`PeerSettings` name;
 ``tools/peer_compare.py`` is the command line.
 """
 
@@ -25,11 +25,11 @@ from typing import Any
 
 from kvq_export.bench import PPL_OFFSET
 from kvq_export.errors import KVQError
-from kvq_export.measure.llama import LLAMA_CPP_DEFAULT, LLAMA_CPP_TYPES, dequantized_gguf, run_llama_cpp
-from kvq_export.measure.peer_deploy import DEPLOY_LLAMA_CACHES, DEPLOY_PLAN, deploy_markdown, fmt, run_deploy
-from kvq_export.measure.peer_genai import GENAI_SCHEMES, run_genai
-from kvq_export.measure.peer_rows import Row, merge_rows, rows_from_json
-from kvq_export.measure.peer_runs import gguf_path, run_hf, run_kvq, text_windows
+from kvq_export.peer_compare.deploy import DEPLOY_LLAMA_CACHES, DEPLOY_PLAN, deploy_markdown, fmt, run_deploy
+from kvq_export.peer_compare.genai import GENAI_SCHEMES, run_genai
+from kvq_export.peer_compare.llama import LLAMA_CPP_DEFAULT, LLAMA_CPP_TYPES, dequantized_gguf, run_llama_cpp
+from kvq_export.peer_compare.rows import Row, merge_rows, rows_from_json
+from kvq_export.peer_compare.runs import gguf_path, run_hf, run_kvq, text_windows
 from kvq_export.request import DEFAULT_PERCENTILE
 
 logger = logging.getLogger(__name__)
@@ -249,8 +249,8 @@ def genai_table(rows: list[Row], settings: PeerSettings) -> Any:
 
 
 def deploy_rich_table(rows: list[Row], settings: PeerSettings) -> Any:
-    """The deployer's table (:func:`~kvq_export.measure.peer_deploy.deploy_table`) as a rich Table."""
-    from kvq_export.measure.peer_deploy import deploy_table
+    """The deployer's table (:func:`~kvq_export.peer_compare.deploy.deploy_table`) as a rich Table."""
+    from kvq_export.peer_compare.deploy import deploy_table
 
     header, cells = deploy_table(rows, ints(settings.deploy_contexts))
     table = _table(f"the deployer's comparison on {settings.model}: int4 weights, batch 1, steps interleaved "
