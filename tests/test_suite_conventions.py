@@ -55,7 +55,6 @@ OVER_LIMIT = {
     "calibration/measure.py:calibrate_static_scales": 69,
     "plan/planner.py:plan_scheme": 72,
     "reference/codec.py:quantize": 62,
-    "serve/app.py:create_app": 61,
 }
 
 

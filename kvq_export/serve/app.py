@@ -95,18 +95,8 @@ def create_app(backend: Backend, *, model_name: str, api_key: str | None = None)
         yield
         await asyncio.to_thread(backend.close)
 
-    expected = f"Bearer {api_key}".encode() if api_key else None
-
-    async def authorize(request: Request) -> None:
-        """The ``/v1`` endpoints' dependency (a dependency, not a middleware: those hide a client's disconnect)."""
-        if expected is not None and not hmac.compare_digest(request.headers.get("authorization", "").encode(),
-                                                            expected):
-            raise RequestError("missing or wrong API key: send Authorization: Bearer <key>", status=401,
-                               code="invalid_api_key", kind="authentication_error",
-                               headers={"WWW-Authenticate": "Bearer"})
-
     app = FastAPI(title="kvq", lifespan=lifespan)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_check(api_key))])
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, err: RequestError) -> JSONResponse:
@@ -144,6 +134,23 @@ def create_app(backend: Backend, *, model_name: str, api_key: str | None = None)
 
     app.include_router(v1)
     return app
+
+
+def bearer_check(api_key: str | None):
+    """The ``/v1`` endpoints' dependency: 401 unless ``Authorization: Bearer <api_key>`` (None: open).
+
+    A dependency, not a middleware: Starlette's middleware hides a client's disconnect from the endpoint.
+    """
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def authorize(request: Request) -> None:
+        if expected is not None and not hmac.compare_digest(request.headers.get("authorization", "").encode(),
+                                                            expected):
+            raise RequestError("missing or wrong API key: send Authorization: Bearer <key>", status=401,
+                               code="invalid_api_key", kind="authentication_error",
+                               headers={"WWW-Authenticate": "Bearer"})
+
+    return authorize
 
 
 def _refusal(err: GenerationError) -> JSONResponse:
