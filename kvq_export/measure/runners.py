@@ -27,10 +27,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvq_export.errors import KVQError
+from kvq_export.flavors.ort_gqa.genai import GENAI_CONFIG
 from kvq_export.measure.scoring import NllPool, perplexity
 from kvq_export.measure.synthetic import graph_cache, synthetic_cache
-
-GENAI_CONFIG = "genai_config.json"
 
 
 class Runner(Protocol):
