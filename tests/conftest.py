@@ -41,12 +41,14 @@ SLOWEST_FIRST = (
     "test_export_runtime.py",
     "test_triton_kernels.py",
     "test_smollm2_integration.py",
+    "test_serve_batch.py",
+    "test_gqa_flavor.py",
     "test_triton_compile.py",
-    "test_bench.py",
+    "test_validate.py",
     "test_kv_graph.py",
     "test_genai.py",
-    "test_gqa_flavor.py",
-    "test_validate.py",
+    "test_bench.py",
+    "test_serve_bench.py",
 )
 
 
