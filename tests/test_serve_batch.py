@@ -25,6 +25,7 @@ from tiny_models import tiny_model
 
 from kvq_export.errors import KVQError
 from kvq_export.export.exporter import export_model
+from kvq_export.manifest import Manifest
 from kvq_export.memory import predict
 from kvq_export.runtime.rows import RowCache, rows_within
 from kvq_export.runtime.sampling import SamplingConfig
@@ -390,7 +391,7 @@ def test_smollm2_prompts_of_many_lengths_get_their_answers_alone_under_load():
     request = ExportRequest(model="smollm2", scheme="ort-int8", flavor=FlavorName.ORT_GQA,
                             weights=WeightSpec(format=WeightFormat.INT4), calibration=DEFAULT_CALIBRATION)
     directory = ensure_export(request, cached_export_dir(request, cache_dir("exports")))
-    codec = TextCodec(directory)
+    codec = TextCodec(directory, Manifest.load(directory))
     text = load_corpus("britannica")[20000:60000]
     ids = codec.encode(text)
     lengths = (12, 40, 77, 128, 129, 200, 300, 520)

@@ -14,6 +14,7 @@ many rows of ``capacity`` tokens a byte budget holds, and the tests check the al
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass
 
@@ -97,7 +98,7 @@ class RowCache:
             self.buffers.append((spec, value, row_bytes))
         if self.device == "cpu":  # touch every page now: the cache's memory is held from the start, not as rows fill
             for _, value, row_bytes in self.buffers:
-                np.ctypeslib.as_array(_byte_pointer(value.data_ptr()), shape=(rows * row_bytes,))[:] = 0
+                ctypes.memset(value.data_ptr(), 0, rows * row_bytes)
         self.lengths = np.zeros(rows, dtype=np.int64)
         self._logits = np.empty(0, dtype=np.float32)
         logger.info("cache rows: %d x %d tokens, %.1f MiB on %s", rows, capacity, self.nbytes / 2**20, self.device)
@@ -114,8 +115,6 @@ class RowCache:
 
     def copy_row(self, source: int, target: int) -> None:
         """Make ``target`` hold what ``source`` holds (host memory only; on a GPU, prefill the row instead)."""
-        import ctypes
-
         if self.device != "cpu":
             raise RuntimeInputError(f"copy_row works on host memory; this cache is on {self.device}")
         for _, value, row_bytes in self.buffers:
@@ -168,8 +167,3 @@ class RowCache:
             self._logits = np.empty(positions * self.vocab, dtype=np.float32)
         return self._logits[:positions * self.vocab]
 
-
-def _byte_pointer(address: int):
-    import ctypes
-
-    return ctypes.cast(address, ctypes.POINTER(ctypes.c_uint8))

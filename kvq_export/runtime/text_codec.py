@@ -17,6 +17,7 @@ from typing import Any
 
 from kvq_export._read import TOKENIZER_FILES, TOKENIZER_LIMIT, check_sizes
 from kvq_export.errors import RuntimeInputError
+from kvq_export.manifest import Manifest, check_export_files
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -28,14 +29,15 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_t
 class TextCodec:
     """Token ids to text and back for one export directory (``encode``, ``decode``, ``chat_prompt``)."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, manifest: Manifest) -> None:
         from tokenizers import Tokenizer
 
         self.directory = Path(directory)
+        check_export_files(self.directory, manifest)  # an export is data: no file read from outside it
         check_sizes(self.directory, TOKENIZER_FILES, "tokenizer file", limit=TOKENIZER_LIMIT, error=RuntimeInputError)
         path = self.directory / TOKENIZER_JSON
         if not path.is_file():
-            raise RuntimeInputError(f"{self.directory} has no {TOKENIZER_JSON}: pass token ids")
+            raise RuntimeInputError(f"{self.directory} has no {TOKENIZER_JSON} (exported without a tokenizer)")
         try:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as err:  # noqa: BLE001 - the tokenizers library raises its own untyped errors

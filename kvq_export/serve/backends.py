@@ -189,7 +189,7 @@ class Backend(ABC):
         self.reason = reason  # why this backend serves the export (shown in /health)
         self.limits = limits or ServeLimits()
         self.metrics = metrics or ServeMetrics()
-        self.codec = TextCodec(self.directory) if self.manifest.tokenizer.files else None
+        self.codec = TextCodec(self.directory, self.manifest)  # replies are text: a served export has a tokenizer
         #: called (from the backend's thread) when that thread fails: the server then stops
         self.on_failure: Callable[[], None] | None = None
         self.failed = False
@@ -218,7 +218,11 @@ class Backend(ABC):
     def waiting(self) -> int:
         """Requests submitted and not yet generating."""
         with self._lock:
-            return sum(not s.running for s in self._streams)
+            return self._waiting()
+
+    def _waiting(self) -> int:
+        """:attr:`waiting`, with the lock held."""
+        return sum(not s.running for s in self._streams)
 
     @property
     def alive(self) -> bool:
@@ -239,7 +243,7 @@ class Backend(ABC):
         if self._closed:
             raise GenerationError("the server is shutting down", status=503)
         with self._lock:
-            waiting = sum(not s.running for s in self._streams)
+            waiting = self._waiting()
             if waiting >= self.limits.max_waiting + self.free_slots():
                 raise QueueFull(f"{waiting} requests are waiting, the most this server queues "
                                 f"(--max-waiting {self.limits.max_waiting}); retry later", retry_after=1)
@@ -325,9 +329,8 @@ class Backend(ABC):
 
     def _update_gauges(self) -> None:
         with self._lock:
-            running = sum(s.running for s in self._streams)
-            waiting = len(self._streams) - running
-        self.metrics.sequences_running.set(running)
+            waiting, total = self._waiting(), len(self._streams)
+        self.metrics.sequences_running.set(total - waiting)
         self.metrics.sequences_waiting.set(waiting)
 
     @abstractmethod
