@@ -83,35 +83,45 @@ def summarize_rss(samples: list[tuple[float, int]]) -> RssSummary | None:
 
 
 def gauge_max(text: str, name: str) -> float | None:
-    """The largest value of gauge ``name`` on a Prometheus text page (any labels); None if it has no such series."""
-    values = []
-    for line in text.splitlines():
-        if not line.startswith(name) or line.startswith("#"):
-            continue
-        rest = line[len(name):]
-        if rest[:1] not in ("{", " "):
-            continue  # another metric whose name starts with this one
-        if rest.startswith("{"):
-            rest = rest[rest.find("}") + 1 :]
-        with contextlib.suppress(ValueError, IndexError):
-            values.append(float(rest.split()[0]))
+    """The largest value of gauge ``name`` on a Prometheus text page (any labels), read by prometheus_client.
+
+    None when the page has no such series or does not parse.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        values = [sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                  if sample.name == name]
+    except ValueError:
+        return None
     return max(values) if values else None
 
 
-class RssWatch:
+class _EverySecond:
+    """An asyncio task running :meth:`_run` while the watch is entered (``async with``)."""
+
+    _task: asyncio.Task | None = None
+
+    async def __aenter__(self):
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+
+class RssWatch(_EverySecond):
     """Samples :func:`rss_bytes` of ``pid`` once a second while running (``async with``)."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.samples: list[tuple[float, int]] = []
-        self._task: asyncio.Task | None = None
-
-    async def __aenter__(self) -> RssWatch:
-        self._task = asyncio.create_task(self._run())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await _stop(self._task)
 
     async def _run(self) -> None:
         start = time.monotonic()
@@ -126,7 +136,7 @@ class RssWatch:
         return summarize_rss(self.samples)
 
 
-class GaugeWatch:
+class GaugeWatch(_EverySecond):
     """Scrapes ``url`` once a second for the largest value of gauge ``name`` while running (``async with``)."""
 
     def __init__(self, url: str, name: str, timeout: float = 5.0) -> None:
@@ -134,14 +144,6 @@ class GaugeWatch:
         self.max: float | None = None
         self.scrapes = 0
         self.missed = 0
-        self._task: asyncio.Task | None = None
-
-    async def __aenter__(self) -> GaugeWatch:
-        self._task = asyncio.create_task(self._run())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await _stop(self._task)
 
     async def _run(self) -> None:
         import httpx
@@ -167,10 +169,3 @@ class GaugeWatch:
         self.scrapes += 1
         self.max = value if self.max is None else max(self.max, value)
 
-
-async def _stop(task: asyncio.Task | None) -> None:
-    if task is None:
-        return
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
