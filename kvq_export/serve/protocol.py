@@ -33,8 +33,8 @@ CHAT_ROLES = ("system", "user", "assistant")
 MAX_STOP = 4
 #: OpenAI's default ``max_tokens`` for ``/v1/completions`` (chat defaults to the rest of the context).
 COMPLETION_DEFAULT_MAX_TOKENS = 16
-#: What onnxruntime-genai's sampler holds (float32 temperature and top_p, int32 top_k): every backend takes the same
-#: values, so a request's answer does not depend on which one serves it, and none fails inside the engine (500)
+#: What onnxruntime-genai's sampler holds (float32 temperature and top_p, int32 top_k): a request kvq serve accepts
+#: is one the same export also runs under onnxruntime-genai, and no value overflows on the way
 FLOAT32_TINY, FLOAT32_MAX, INT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38, 2**31 - 1
 
 

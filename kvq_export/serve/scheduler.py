@@ -223,14 +223,15 @@ class _Loop:
             self._finish(seq, StreamEnd.CANCELLED if seq.stream.cancelled.is_set() else None)
 
     def _admit(self) -> None:
+        """Waiting requests into free rows, first come first served (a free row is empty: :meth:`_finish`)."""
         free = self.backend._free
+        if not (self.waiting and free):
+            return
         while self.waiting and free:
             stream = self.waiting.popleft()
-            row = heapq.heappop(free)
-            self.cache.clear(row)
             sampler = Sampler(stream.job.sampling)
             sampler.prime([stream.job.prompt_tokens])
-            self.running.append(_Sequence(stream, row, sampler))
+            self.running.append(_Sequence(stream, heapq.heappop(free), sampler))
             self.backend._started(stream)
         self.backend._rows_gauges()
 
