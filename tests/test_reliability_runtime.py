@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from tiny_models import VOCAB, WORDS, save_tiny_model_dir
 
@@ -63,14 +63,31 @@ def test_prompts_and_steps_beyond_the_positions_are_refused_before_work(sessions
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.lists(st.integers(-1, 3), min_size=4, max_size=4), min_size=1, max_size=3))
-def test_masks_must_be_zero_one_and_left_padded(rows):
-    mask = np.array(rows)
+def test_masks_must_be_zero_one_and_left_padded(sessions, rows):
+    session, mask = sessions["kivi"], np.array(rows)
+    ids = np.full(mask.shape, 5)
     valid = np.isin(mask, (0, 1)).all() and (np.diff(mask, axis=1) >= 0).all()
+    assume(not valid or mask.any())  # a batch of padding only: the test below
     if valid:
-        assert (KVQSession._check_mask(mask, mask.shape) == mask).all()
+        _, cache = session.step(ids, mask)
+        assert session.seq_lengths(cache).tolist() == mask.sum(axis=1).tolist()  # a row holds its real tokens
     else:
-        with pytest.raises(RuntimeInputError, match="attention_mask"):
-            KVQSession._check_mask(mask, mask.shape)
+        with pytest.MonkeyPatch.context() as m:
+            _no_run(session, m)
+            with pytest.raises(RuntimeInputError, match="attention_mask"):
+                session.step(ids, mask)
+
+
+@pytest.mark.xfail(strict=True, reason="a step whose batch holds no real token fails in the graph's Reshape "
+                   "(an ONNX Runtime error instead of an empty step or a one-line refusal)")
+@pytest.mark.parametrize("mask", [[[0, 0, 0]], [[0, 0], [0, 0]]])
+def test_a_step_of_padding_only_holds_nothing_or_is_refused(sessions, mask):
+    session = sessions["kivi"]
+    try:
+        _, cache = session.step(np.full((len(mask), len(mask[0])), 5), np.array(mask))
+    except RuntimeInputError:
+        return
+    assert session.seq_lengths(cache).tolist() == [0] * len(mask)
 
 
 @pytest.mark.parametrize("mask, message", [([[2, 1, 1]], "allowed values are 0"), ([[1, 1, 0]], "not left-padded"),
