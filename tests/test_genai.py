@@ -36,6 +36,7 @@ from kvq_export.flavors.ort_gqa.genai_graph import adapt_graph
 from kvq_export.manifest import MODEL_NAME, Manifest
 from kvq_export.memory import predict
 from kvq_export.model_facts import Geometry
+from kvq_export.naming import present_name
 from kvq_export.plan import plan_scheme, scheme_from_choice
 from kvq_export.request import CalibrationSpec
 from kvq_export.runtime.genai import GenaiSession, builder_scale_file, serve_command
@@ -234,8 +235,12 @@ def test_right_padded_rows_give_the_left_padded_result(exports):
         right[row, :len(toks)] = toks
     logits_l, cache_l = session.step(left, (left > 0).astype(np.int64), session.empty_cache(3, capacity=32))
     # KVQSession.step takes kvq's documented left padding only; onnxruntime-genai feeds right padding to the same
-    # graph, so the right-padded batch goes through the session's graph run (IO binding, in place) directly
-    logits_r, cache_r = session._run(right, (right > 0).astype(np.int64), session.empty_cache(3, capacity=32))
+    # graph: the right-padded batch runs on the session's ONNX Runtime graph as onnxruntime-genai feeds it
+    feeds = {"input_ids": right, "attention_mask": (right > 0).astype(np.int64),
+             **session.cache_arrays(session.empty_cache(3, capacity=32))}
+    outputs = dict(zip([o.name for o in session.session.get_outputs()], session.session.run(None, feeds)))
+    logits_r = outputs["logits"]
+    cache_r = session.cache_from_arrays({spec.name: outputs[present_name(spec.name)] for spec in session.past})
     for row, toks in enumerate(prompts):
         n = len(toks)
         np.testing.assert_allclose(logits_r[row, :n], logits_l[row, width - n:], atol=1e-5)
