@@ -28,7 +28,7 @@ from kvq_export.export.exporter import export_model
 from kvq_export.manifest import Manifest
 from kvq_export.memory import predict
 from kvq_export.runtime.rows import RowCache, rows_within
-from kvq_export.runtime.sampling import SamplingConfig
+from kvq_export.runtime.sampling import Sampler, SamplingConfig
 from kvq_export.runtime.session import KVQSession
 from kvq_export.serve import open_backend
 from kvq_export.serve.backends import Job, ServeLimits, StreamEnd
@@ -296,12 +296,10 @@ def test_metrics_count_tokens_and_show_every_sequence_running(server):
 
 
 def test_health_fails_and_the_server_stops_when_the_generation_thread_dies(export, monkeypatch):
-    from kvq_export.serve import scheduler
-
-    def broken(self):
+    def broken(self, token_lists):
         raise RuntimeError("a bug in the loop")
 
-    monkeypatch.setattr(scheduler._Loop, "_decode", broken)
+    monkeypatch.setattr(Sampler, "prime", broken)  # the loop primes each request's sampler as it admits it
     failed = threading.Event()
     backend = open_backend(export, max_seqs=2, prefill_chunk=CHUNK)
     with running(backend) as url:
@@ -342,9 +340,9 @@ def test_serve_raises_after_stopping_when_the_generation_thread_dies(export, mon
     """The library's ``serve`` (what ``kvq serve`` runs) stops by itself and raises, so the process exits 1."""
     import re
 
-    from kvq_export.serve import scheduler, serve
+    from kvq_export.serve import serve
 
-    monkeypatch.setattr(scheduler._Loop, "_decode", lambda self: (_ for _ in ()).throw(RuntimeError("a bug")))
+    monkeypatch.setattr(Sampler, "prime", lambda self, token_lists: (_ for _ in ()).throw(RuntimeError("a bug")))
     caplog.set_level(logging.INFO, logger="kvq_export.serve.app")
     outcome: list[BaseException | None] = []
 

@@ -96,7 +96,10 @@ BAD_PROMPTS = [
 @pytest.mark.parametrize("prompts, message", BAD_PROMPTS)
 def test_prompt_errors_are_the_same_one_line_messages(kvq, genai, prompts, message, monkeypatch):
     for session in (kvq, genai):
-        monkeypatch.setattr(session, "prefill" if session is kvq else "_prefill", _refuse)
+        if session is kvq:
+            monkeypatch.setattr(session, "prefill", _refuse)
+        else:  # onnxruntime-genai's loop starts from GeneratorParams
+            monkeypatch.setattr(session.og, "GeneratorParams", _refuse)
         with pytest.raises(RuntimeInputError) as info:
             session.generate(prompts, 4)
         assert str(info.value) == message, session.runtime

@@ -330,16 +330,17 @@ def test_a_session_keeps_its_tokenizer_when_the_export_is_replaced(root, model_d
 
 def test_an_export_replaced_while_a_session_opens_is_refused(model_dir, tmp_path, monkeypatch):
     from kvq_export.errors import RuntimeInputError
+    from kvq_export.runtime import session as session_module
     from kvq_export.runtime.session import KVQSession
 
     directory = export_model(str(model_dir), "kivi-2", tmp_path / "e")
-    load = KVQSession._load_tokenizer
+    load = session_module.load_tokenizer
 
-    def replace_then_load(self):
+    def replace_then_load(*args):  # the session reads its tokenizer last, after the graph and the scales
         export_model(str(model_dir), "int4-sym-g32", directory, force=True)
-        return load(self)
+        return load(*args)
 
-    monkeypatch.setattr(KVQSession, "_load_tokenizer", replace_then_load)
+    monkeypatch.setattr(session_module, "load_tokenizer", replace_then_load)
     with pytest.raises(RuntimeInputError, match="was replaced or changed while this session opened it"):
         KVQSession(directory)
 
