@@ -1,10 +1,11 @@
 """A GGUF file's header, read without its tensor data and without trusting a single length it states.
 
-:func:`read_gguf_header` streams the header with the gguf package's type codes: ``gguf.GGUFReader`` would also
-decode every vocabulary entry, seconds on a real model (this takes about 0.1 s). Every length, count and tensor
-size the header states is checked against the bytes the file holds before anything is read or allocated
-(:class:`_HeaderStream`), and arrays nest at most :data:`GGUF_MAX_ARRAY_DEPTH` deep, so a hostile header costs no
-memory and no recursion. The gguf package and numpy are imported only when a header is read.
+:func:`read_gguf_header` streams the header with the gguf package's type codes and skips its arrays:
+``gguf.GGUFReader`` would also decode every vocabulary entry, tens of thousands of strings in a real model
+(docs/design/decoder.md). Every length, count and tensor size the header states is checked against the bytes the
+file holds before anything is read or allocated (:class:`_HeaderStream`), and arrays nest at most
+:data:`GGUF_MAX_ARRAY_DEPTH` deep, so a hostile header costs no memory and no recursion. The gguf package and numpy
+are imported only when a header is read.
 """
 
 from __future__ import annotations

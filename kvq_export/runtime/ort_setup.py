@@ -57,8 +57,8 @@ def session_options(threads: int | None = None, *, spinning: bool = False):
 
     ``threads``: intra-op threads (None = :func:`default_threads`). ``spinning``: let idle intra-op workers spin
     between runs (ONNX Runtime's default). Off by default, as in onnxruntime-genai's loop: a generation loop
-    does Python work between steps, and workers that spin through it compete with it for the cores (measured
-    on SmolLM2 ort-int8 at 512 tokens on a loaded 2-core machine: 94.1 ms per step spinning, 62.8 ms not).
+    does Python work between steps, and workers that spin through it compete with it for the cores, which slows
+    every step on a machine whose cores are busy (docs/design/serving.md).
     """
     import onnxruntime as ort
 
