@@ -1,56 +1,23 @@
 """The decoder body, written straight from the weights: embedding, layers, final norm, lm_head.
 
-The KV cache is not part of the body. A :class:`CacheGraph` declares the past/present cache tensors
-and computes attention; the body hands it one :class:`~kvq_export.flavors.cache_graph.AttentionInputs` per
-layer through :meth:`CacheGraph.attend`, in the :class:`~kvq_export.flavors.cache_graph.AttentionForm` the cache
-graph declares: rope-applied q/k/v heads (``heads``), or the raw projections (``projected``: a fused attention
-kernel applies RoPE itself from ``spec.rope``), or a rope-applied packed q|k|v (``packed``)::
+:func:`build_decoder` takes a causal LM (or its state dict and config), its :class:`~kvq_export.arch.Arch` and a
+:class:`~kvq_export.flavors.cache_graph.CacheGraph`, and returns the decoder as an ``onnx_ir.Model``::
 
-    arch = get_arch(model.config)
-    model_ir = build_decoder(model, arch, MyCache(...), dtype="fp32")
+    model_ir = build_decoder(model, get_arch(model.config), MyCache(...), dtype="fp32")
     save(model_ir, "out/model.onnx")
 
-Graph inputs: ``input_ids`` and ``attention_mask`` (int64 [batch, seq]; the mask is 1 for real
-tokens and 0 for left padding of this call's new tokens), then whatever the cache declares.
-Graph outputs: ``logits`` (float32 [batch, seq, vocab]), then the cache's outputs.
+Graph inputs: ``input_ids`` and ``attention_mask`` (int64 [batch, seq]; the mask is 1 for real tokens and 0 for
+left padding of this call's new tokens), then whatever the cache graph declares. Graph outputs: ``logits``
+(float32 [batch, seq, vocab]), then the cache graph's outputs.
 
-Numerics follow transformers' eager code: RMSNorm and the rotary cos/sin tables are computed in
-float32 whatever the body dtype, then cast (like ``LlamaRMSNorm`` / ``LlamaRotaryEmbedding``).
-Linear weights are stored transposed ([in, out], so a plain MatMul applies them) under their
-Hugging Face state-dict names (a slice of a fused projection adds its row range to the name);
-a tied lm_head reuses the embedding through ``Gemm(transB=1)`` (the fused body: a MatMul on its Transpose).
+The KV cache is not part of the body: each layer's attention is one :meth:`CacheGraph.attend` call, in the
+:class:`~kvq_export.flavors.cache_graph.AttentionForm` the cache graph declares, with keys and values in the
+basis its ``rotation`` asks for. The logits follow transformers' eager code. A dtype, an opset or an attention
+soft-cap the cache graph cannot take is refused with an :class:`~kvq_export.errors.ExportError` before anything
+is built.
 
-A cache graph that runs on ONNX Runtime anyway (``fuses_body = True``: the ort-gqa flavour) gets a fused body
-with the same arithmetic up to float reassociation: one MatMul for q/k/v (handed to the cache graph whole as
-well, for a kernel that takes a packed q|k|v) and one for gate/up, and in fp32 bodies ``RMSNormalization`` and
-``com.microsoft.SkipSimplifiedLayerNormalization`` for the norms (see :class:`_Body`). Other cache graphs get
-the portable body of standard ONNX primitives.
-
-A cache graph whose kernel reads q|k|v packed but needs RoPE applied before it (``packed``: the ort-gqa
-flavour with keys transformed after RoPE) gets RoPE on the packed projection in ``[B, t, H*D]`` form, with the
-same products and sums as the per-head form (:meth:`_Body.apply_packed_rope`), and no per-head transposes:
-decode steps of small models are dominated by per-node overhead, so that layout saves about 20 nodes a layer.
-
-Family differences are the :class:`~kvq_export.arch.Arch` declarations (norm placement and
-style, q/k norms, embedding scale, logit soft-capping, activation, per-layer RoPE). Soft-capping of
-attention scores is the cache graph's job (it computes the scores): a cache graph that implements
-``spec.attn_softcap`` says so with ``supports_attn_softcap = True``; others are refused for such models.
-
-Rotated caches (``rotation`` of a scheme stream, :mod:`kvq_export.rotation`): a cache graph that stores a
-layer's keys or values in a rotated basis says so through ``rotation(layer, part) -> R | None``, and the
-body feeds it that basis, so every flavour's cache, kernel and probes see rotated tensors only:
-
-* keys: q and k are multiplied by ``R`` (a float32 MatMul per layer) after RoPE, before the cache graph
-  gets them; scores are unchanged in exact arithmetic. A cache graph that applies RoPE itself
-  (``projected``) cannot take rotated keys and is refused: it must let the body apply RoPE.
-* values: the rotation is folded into the weights at export, at zero run-time cost: each kv head's block of
-  ``v_proj`` output rows (and of its bias) becomes ``R.T @ W_v[block]`` (``v R`` comes out of the
-  projection) and each query head's block of ``o_proj`` input columns becomes ``W_o[:, block] @ R`` (the
-  rotated attention output is rotated back inside ``o_proj``), computed in float64 and cast. This holds
-  whenever attention's output goes straight into ``o_proj`` and v straight from ``v_proj`` into the cache
-  -- true of every registered architecture. An :class:`~kvq_export.arch.Arch` that puts something
-  between them (a norm or gate on v or on the attention output) sets ``folds_value_rotation = False``;
-  the body then rotates v and un-rotates the output with float32 MatMuls in the graph instead.
+Why the body is built this way (numerics, the fused body, packed RoPE, rotated caches):
+docs/design/decoder.md.
 """
 
 from __future__ import annotations

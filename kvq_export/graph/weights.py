@@ -4,50 +4,24 @@
 and before :func:`~kvq_export.graph.builder.save`::
 
     graph = build_decoder(model, arch, cache)
-    graph = quantize_weights(graph, format="int4")      # block_size=32, symmetric, fp32 activations
+    graph = quantize_weights(graph, format="int4")      # block_size=32, symmetric, accuracy_level 4
     save(graph, out / "model.onnx")
 
-It takes that in-memory graph (an ``onnx_ir.Model``, or an ``onnx.ModelProto`` whose weights are loaded, not
-left in external data) and returns the same kind; a ModelProto argument is changed in place. ONNX Runtime's
-quantizer reads and writes initializer bytes in memory, so the graph is never serialized whole and a model
-over protobuf's 2 GB limit is fine as long as it is saved with external data (:func:`save` does), but the fp32
-weights and their quantized copies are both held while it runs.
-
-Formats (the cache and the compute dtype are untouched by all of them):
+Input: the in-memory graph, an ``onnx_ir.Model`` or an ``onnx.ModelProto`` whose weights are loaded (not left in
+external data; a ModelProto is changed in place). Output: the same kind of graph with its weights stored in the
+format, recorded under the graph metadata key :data:`WEIGHTS_KEY`; the cache and the compute dtype are untouched.
 
 * ``fp32``: the weights as the graph was built (an fp16-compute graph keeps its fp16 weights);
-* ``fp16``: every 2-D weight of an fp32 graph is stored as float16 and cast back to float32 by a ``Cast`` in the
-  graph (the file halves; ONNX Runtime folds the casts when it loads the graph, so memory at run time does not);
-* ``int8`` / ``int4``: the weight MatMuls (q/k/v/o, MLP and an untied lm_head) become ``com.microsoft.MatMulNBits``
-  through ONNX Runtime's own ``MatMulNBitsQuantizer`` (blocks of ``block_size`` along the input dimension, one
-  scale per block, zero points when not ``symmetric``); the embedding becomes ``com.microsoft.GatherBlockQuantized``.
+* ``fp16``: every 2-D weight of an fp32 graph stored as float16, with a ``Cast`` back to float32 in the graph;
+* ``int8`` / ``int4``: the weight MatMuls become ``com.microsoft.MatMulNBits`` through ONNX Runtime's own
+  quantizer (blocks of ``block_size`` along the input dimension, zero points when not ``symmetric``), the
+  embedding ``com.microsoft.GatherBlockQuantized``, and a tied lm_head reads that same quantized table. These are
+  ONNX Runtime contrib ops: a graph for another runtime (the ``trt`` flavour) can take ``fp16`` only.
 
-MatMulNBits and GatherBlockQuantized are ONNX Runtime contrib ops: a graph meant for another runtime (the ``trt``
-flavour's TensorRT parser) can take ``fp16`` but not the int formats.
-
-A tied lm_head (a MatMul on the embedding's Transpose, or a ``Gemm(transB=1)`` on it) reads the same quantized
-embedding: the embedding ``[V, H]`` is exactly the ``[N, K]`` matrix MatMulNBits wants, so it is quantized once,
-by the same ONNX Runtime routine ``MatMulNBitsQuantizer`` uses, into MatMulNBits' ``[V, blocks, bytes]`` layout.
-MatMulNBits reads that initializer as it is; GatherBlockQuantized needs it as ``[V, blocks * bytes]`` and reads it
-through a ``Reshape`` that ONNX Runtime folds at load (ONNX Runtime 1.32 refuses a 2-D ``B`` in MatMulNBits, and
-a 3-D gather table would need its scales as ``[V, blocks, 1]``, which MatMulNBits refuses), as onnxruntime-genai's
-builder does with ``shared_embeddings``. Scales and zero points are the same initializers for both. The file holds
-the embedding once, quantized, and no full-precision copy.
-
-``accuracy_level`` is MatMulNBits' compute type for the activations: 1 float32, 2 float16, 3 bfloat16, 4 int8.
-The default is 4, the builder's CPU default. Measured on ONNX Runtime 1.32's CPU kernels (AVX-512 VNNI), level 4
-computes each row of a block-32 int4 MatMulNBits bit for bit alike whatever else is in the batch (1 to 300 rows),
-while level 1 does not (one row takes another kernel than several: about 1e-6 apart), so level 4 is the one that
-keeps a sequence's greedy tokens independent of the rest of the batch (tested bit for bit); kvq's SmolLM2 int4
-ort-gqa export at level 4 gave 8 prompts of 137-237 tokens the same 32 greedy tokens alone and batched by
-og.Engine. It is also the faster one (SmolLM2 int4, decode step at 512 tokens: about 0.7x the time of level 1, and
-the only level at which a batch of rows costs less than that many single rows), at a small cost in agreement with
-fp32 weights (top-1 0.625 vs 0.633 on 255 predictions, the same perplexity). ONNX Runtime
-1.32 has no fast CPU kernel for 8-bit weights with float32 activations (SmolLM2 int8 at level 1 decoded more than 10x
-slower than with fp32 weights): int8 weights on CPU want ``accuracy_level=4``, and kvq warns otherwise.
-
-The block arithmetic (ONNX Runtime's quantizer and its dequantization) is :mod:`kvq_export.weight_blocks`;
-:mod:`kvq_export.weight_bytes` reports what an export directory's weights hold.
+An option kvq does not support, or a graph with no weight to convert, is refused with an
+:class:`~kvq_export.errors.ExportError`. The block arithmetic is :mod:`kvq_export.weight_blocks`;
+:mod:`kvq_export.weight_bytes` reports what an export directory's weights hold. Why each format is stored as it
+is, and why ``accuracy_level`` defaults to 4: docs/design/weights.md.
 """
 
 from __future__ import annotations
