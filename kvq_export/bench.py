@@ -1,36 +1,16 @@
 """``kvq bench``: prefill throughput, decode-step latency, cache bytes and memory, each next to a baseline.
 
-For every flavor, the baseline scheme (``fp16`` by default) and the benchmarked schemes are exported once
-(reused from ``$KVQ_CACHE_DIR/bench`` while their export parameters and kvq's source are unchanged) and
-opened side by side in this process. For each (context, batch):
+:func:`run_bench` takes a :class:`~kvq_export.bench_config.BenchConfig` (model, flavors, schemes, baseline,
+contexts, batches, steps) and returns a :class:`BenchReport`: one :class:`BenchResult` per (flavor, scheme, context,
+batch) with its decode-step times, prefill throughput, cache bytes beside the memory model's prediction and the
+process's memory, and each figure as a ratio to the baseline of the same flavor, context and batch. Exports are
+made once and reused (:func:`bench_export`); ``on_result`` sees each result as it is measured.
+:func:`report_table`, :func:`perplexity_table` and :func:`plot` present a report; :func:`perplexity` adds a
+strict-decode perplexity for quality deltas.
 
-* **decode**: every session gets a cache of ``context - warmup - steps`` tokens per row, then all sessions
-  take ``warmup + steps`` single-token steps *interleaved* (one step each per round, in a fresh seeded random
-  order every round, :func:`kvq_export.measure.timing.interleaved`, so drift in machine load hits every scheme
-  alike); the first ``warmup`` steps are not timed. The cache is **synthetic** by default: random codes and
-  values in the exact stored layout (:func:`kvq_export.measure.synthetic.synthetic_cache`). A step's cost
-  depends on the cache's shapes, not its values (checked: a real chunked prefill, ``fill="prefill"``, gives the
-  same step times within noise, and flushing denormals changes nothing), and it avoids an O(context^2) prefill at
-  8192 tokens on two cores. Each timed step is a full :meth:`KVQSession.step` (binding, run, logits to numpy),
-  what a caller of the runtime pays; every scheme runs through a :class:`kvq_export.measure.runners.KvqRunner`.
-* **prefill**: ``min(context, prefill_tokens)`` real tokens per row from an empty cache, one untimed
-  warm-up then ``prefill_repeats`` timed runs (median), interleaved the same way; measured once per
-  (flavor, scheme, batch, length) and repeated for every context that shares the length.
-* **cache bytes**: what the session holds after the decode steps (:meth:`KVQSession.cache_nbytes`; for the
-  ``buffer`` layout that is the whole preallocated capacity, here exactly ``context``), beside the memory
-  model's prediction for ``context`` tokens.
-* **memory**: the process's peak RSS so far (``ru_maxrss``, a high-water mark over everything measured
-  before, including other sessions) and its current RSS.
-
-Every result is also a ratio to the baseline of the same flavor, context and batch: ``decode_ms`` (< 1: faster;
-the ratio of the medians), ``decode_ms_paired`` with ``decode_ms_paired_low``/``_high`` (the median of the
-per-step ratios -- step ``i`` of a scheme against step ``i`` of the baseline, taken in the same round seconds
-apart, so a change in machine load between rounds cancels -- and its 90% bootstrap interval: on a shared machine
-single steps spread by ±10%, and the interval says whether a ratio is really below 1), ``prefill_tok_s`` (> 1:
-faster), ``cache_bytes`` (< 1: smaller), and ``cache_reduction`` (baseline bytes / bytes). :func:`perplexity`
-adds a strict-decode perplexity (every token fed alone, so it attends to the stored cache) for quality deltas.
-
-Timings are printed, never asserted: tests only check that a bench runs and its JSON is well formed.
+Timings are printed, never asserted: tests only check that a bench runs and its JSON is well formed. How each
+figure is measured, and why (interleaved steps, the synthetic cache, the paired ratio): docs/howto/measure.md
+(section "What each figure is").
 """
 
 from __future__ import annotations
@@ -178,7 +158,7 @@ def _timed_prefill(runners: dict[str, KvqRunner], ids: np.ndarray, repeats: int,
 
 
 def run_bench(config: BenchConfig, *, on_result: Callable[[BenchResult], None] | None = None) -> BenchReport:
-    """Benchmark ``config.schemes`` (and the baseline) for every flavor, context and batch; see the module docstring.
+    """Benchmark ``config.schemes`` (and the baseline) for every flavor, context and batch (docs/howto/measure.md).
 
     The stages: resolve the schemes and check the run fits, export (or reuse) every (flavor, scheme), then per
     flavor open the sessions and measure every (batch, context). ``on_result`` is called with each result as soon

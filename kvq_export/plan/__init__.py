@@ -1,39 +1,18 @@
 """``kvq plan``: choose per-layer key/value formats under a bit budget by measured attention damage.
 
-Layers differ a lot in how much a quantization error hurts (an outlier channel in one layer's keys can
-cost more than every other layer's keys together), so a mixed-precision cache spends bits where the
-damage is. The planner
+:func:`plan_scheme` takes a causal LM, calibration token windows, a ``budget`` in bits per cached element at
+``context`` tokens (the memory model's count, metadata and high-precision windows included) and a candidate set
+(:data:`CANDIDATE_SETS`, or comma-separated presets / scheme files, each one layer option); it returns a
+:class:`Plan`: one candidate per layer, the one with the least summed damage (``metric``: ``attention`` or ``kl``)
+whose cache never exceeds the budget, written as a scheme with ``layer_overrides``, beside every measured damage.
 
-1. runs the model once over calibration text and keeps, per layer, sampled post-RoPE queries, every
-   cached key/value and the size of the residual stream entering the layer
-   (:func:`kvq_export.calibration.passes.collect_attention_samples`);
-2. calibrates every static candidate format from those samples (``--calib-method``, default absmax like
-   ``kvq export``'s, the same arithmetic ``kvq export`` applies);
-3. measures, per layer and candidate, the damage to attention (the ``metric``):
+The stages are submodules, each usable alone: :mod:`.candidates` (what a layer may take), :mod:`.calibrate` (the
+candidates' static metadata), :mod:`.damage` (the metrics), :mod:`.allocation` (the knapsack and the scheme it
+writes), :mod:`.result` (:class:`Plan` and its report), :mod:`.genai` (onnxruntime-genai's view) and
+:mod:`.planner` (:func:`plan_scheme`, which runs them in order). Their names are importable from here.
 
-   * ``attention`` (default, one model pass in all): the candidate's key-induced and value-induced
-     attention-output error (:mod:`kvq_export.validate.attention`'s decomposition, with the exact
-     ``softmax(q Kᵀ s)`` of the sampled queries), carried through the layer's ``o_proj`` into the
-     residual stream and divided by that stream's size: ``mean_q |o_proj(ô - o)|² / |h|²``. Key and
-     value errors are measured together for layers whose two streams are chosen together (``tied``
-     candidate sets) and separately otherwise (then added);
-   * ``kl``: the logit KL divergence from the unquantized model with only that layer's stream(s)
-     quantized in kvq's reference cache (one full forward per layer, stream and candidate: exact end to
-     end, slow on large models);
-
-4. picks one candidate per layer minimising the summed damage with the cache's bits/element at
-   ``context`` tokens (the memory model's count: metadata and high-precision windows included) at most
-   ``budget`` — an exact multiple-choice knapsack over bytes (dynamic programming on a grid of
-   ``budget / resolution`` bytes with costs rounded up, so the result never exceeds the budget);
-5. writes the choice as a scheme with ``layer_overrides`` (the most common choice is the default).
-
-Candidate sets (:data:`CANDIDATE_SETS`) or any comma-separated presets / scheme files (each one a layer
-option: its key and value together).
-
-The stages live in submodules: :mod:`.candidates` (what a layer may take), :mod:`.calibrate` (the candidates'
-static metadata), :mod:`.damage` (the metrics), :mod:`.allocation` (the knapsack and the scheme it writes),
-:mod:`.result` (:class:`Plan` and its report), :mod:`.genai` (onnxruntime-genai's view) and :mod:`.planner`
-(:func:`plan_scheme`, which runs them in order). Their names are importable from here.
+How the damage is measured and the budget allocated, and why: docs/howto/measure.md (section "How a plan is
+chosen").
 """
 
 from __future__ import annotations
