@@ -1,30 +1,15 @@
 """The demo behind ``make demo``: exports of the built-in model, one prompt, measured the way ``kvq validate`` does.
 
-1. the **fp16 baseline** (reference flavor, fp32 weights: standard ONNX ops, any ONNX Runtime);
-2. the **most accurate preset at <= 5 bits per element for a short prompt** (:data:`ACCURATE_SCHEME`: KIVI-style
-   4-bit keys per channel and values per token, asymmetric groups of 64, no fp16 window; +0.99% perplexity on
-   protocol P at 4.5 bits/element (`kvq validate`), +0.86% in the PyTorch reference), also reference flavor.
-   ``k-int4-hc4-v-q4_0-rot`` (int4 keys with 4 calibrated 8-bit channels per head, rotated q4_0 values) is
-   more accurate on P (+0.54% / +0.32%), but its key groups of 128 tokens keep up to 127 tokens in fp16: 6.6
-   bits/element at the demo's 200 tokens against 4.7;
-3. the **ort-gqa fast path** (``ort-int8`` with calibrated static scales): ONNX Runtime's fused
-   GroupQueryAttention reading an int8 buffer in place, with fp32 weights;
-4. **int4 weights with an fp16 cache** (ort-gqa): the weights' error alone, against the baseline;
-5. **the deployer's export**: ``ort-int8`` with int4 weights, as ``kvq export --weights int4`` writes it, whose
-   cache's error is measured against (4), an fp16 cache on the same int4 weights (as ``kvq validate`` pairs them).
+:func:`run_demo` takes a model spec, a prompt and a token count, exports (or reuses: by default
+under ``$KVQ_CACHE_DIR/exports``) each of :data:`DEMO_RUNS` (the fp16 baseline first, then each run with the run it is
+measured against) and returns a :class:`DemoResult`: per run its greedy continuation under :data:`DEMO_SAMPLING`,
+where that text departs from its reference run's, teacher-forced top-1 agreement and KL against its reference run,
+the directory's size, the cache's bits per element and the median decode time per token beside the baseline's.
+:func:`serve_lines` gives the shell lines that serve an export and ask it for one completion. Runs whose reference is
+not an earlier run, or whose roles repeat, are refused with a :class:`~kvq_export.errors.KVQError` before anything
+is exported.
 
-Every run continues the prompt greedily (:data:`DEMO_SAMPLING`: a mild repetition penalty, so a 135M model does
-not repeat one clause); that text is kept for reading, with the first token where it departs from its reference
-run's text. Agreement is measured as ``kvq validate`` measures it: the baseline's continuation is fed to every
-export one token per step after the prompt's prefill (teacher-forced), and each run's next-token distributions
-are scored against its reference run's with :class:`~kvq_export.validate.runner.TokenScores` (top-1 agreement
-and mean KL(reference || run) of the raw logits). Leading tokens equal would say more about where the first
-near-tie fell than about the cache: one flipped token changes every token after it.
-
-Each row also says the export directory's size, the cache's bits per element, and the median decode time per
-token with its ratio to the baseline's; the demo ends with the ``kvq serve`` line and one request that serve
-the deployer's export. Exports are cached under ``$KVQ_CACHE_DIR/exports``, keyed by the model's content digest,
-and reused while the same kvq source made them from the same request.
+Which exports, and why they are compared this way: docs/design/demo.md.
 """
 
 from __future__ import annotations
