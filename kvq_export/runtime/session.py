@@ -296,6 +296,8 @@ class KVQSession:
             unsorted = (mask[:, 1:] < mask[:, :-1]).any(axis=1)
             raise RuntimeInputError(f"attention_mask row {int(np.flatnonzero(unsorted)[0])} is not left-padded "
                                     "(a 0 after a 1); pad on the left: [0, .., 0, 1, .., 1]")
+        if mask.size and not mask.any():  # the graph has no token to take its shapes from
+            raise RuntimeInputError("attention_mask holds no real token (1) in any row: a step needs at least one")
         return mask
 
     @property
