@@ -79,14 +79,14 @@ class CacheTensor:
         return out
 
 
-def tensor_name(direction: str, layer: int | None, part: str | None, role: str) -> str:
+def tensor_name(direction: str, layer: int | None, part: Part | None, role: str) -> str:
     """``past.3.key.codes``; ``past.seq_lengths`` for the per-row lengths."""
     if layer is None:
         return f"{direction}.{role}"
     return f"{direction}.{layer}.{part}.{role}"
 
 
-def region_axis(direction: str, layer: int, part: str, region: str, unit: str = "tokens") -> str:
+def region_axis(direction: str, layer: int, part: Part, region: str, unit: str = "tokens") -> str:
     """Symbolic name of a region's length axis (``past.3.key.quantized_tokens``)."""
     return f"{direction}.{layer}.{part}.{region}_{unit}"
 

@@ -119,7 +119,7 @@ def rotate_numpy(x: np.ndarray, matrix: np.ndarray | None, *, inverse: bool = Fa
     return np.asarray(x, dtype=dtype) @ r.astype(dtype)
 
 
-def stream_rotation(scheme, layer: int, part: str, head_dim: int) -> np.ndarray | None:
+def stream_rotation(scheme, layer: int, part: Part, head_dim: int) -> np.ndarray | None:
     """``R`` of ``layer``'s ``key``/``value`` stream under ``scheme`` (a KVQuantScheme), or None."""
     key, value = scheme.for_layer(layer)
     return rotation_matrix((key if part == Part.KEY else value).rotation, head_dim)

@@ -30,6 +30,7 @@ import onnx_ir as ir
 from kvq_export.errors import ExportError
 from kvq_export.graph.builder import GraphBuilder
 from kvq_export.graph.decoder_spec import DecoderSpec
+from kvq_export.vocab import Part
 
 if TYPE_CHECKING:
     from kvq_export.model_facts import ModelFacts
@@ -152,6 +153,6 @@ class CacheGraph(ABC, Generic[C]):
     def end(self, b: GraphBuilder, call: C) -> None:
         """Declare the present-cache graph outputs."""
 
-    def rotation(self, layer: int, part: str) -> np.ndarray | None:
+    def rotation(self, layer: int, part: Part) -> np.ndarray | None:
         """``R`` [D, D] (float64) ``layer``'s ``key``/``value`` stream is stored in, or None when it is not rotated."""
         return None

@@ -22,10 +22,10 @@ from kvq_export.model_facts import CacheGeometry
 from kvq_export.reference.codec import channel_levels, channel_order, check_high_channels, int_levels
 from kvq_export.scheme import TensorQuant
 from kvq_export.scheme_rules import FP8_E4M3_MAX, PLANE_BITS, code_planes
-from kvq_export.vocab import Axis, Format, Quantizer, ScaleMode
+from kvq_export.vocab import Axis, Format, Part, Quantizer, ScaleMode
 
 
-def static_scales(static: Mapping, layer: int, part: str) -> np.ndarray:
+def static_scales(static: Mapping, layer: int, part: Part) -> np.ndarray:
     """The calibrated ``[H, n]`` scales of one static stream; refuses a stream that was never calibrated."""
     scales = static.get(layer, {}).get(part, {}).get("scales")
     if scales is None:
@@ -34,7 +34,7 @@ def static_scales(static: Mapping, layer: int, part: str) -> np.ndarray:
     return scales
 
 
-def high_channel_choice(static: Mapping, layer: int, part: str, tq: TensorQuant) -> np.ndarray:
+def high_channel_choice(static: Mapping, layer: int, part: Part, tq: TensorQuant) -> np.ndarray:
     """The calibrated ``[H, n]`` high channels of one stream; refuses a stream whose channels were never chosen."""
     chosen = static.get(layer, {}).get(part, {}).get("high_channels")
     if chosen is None:
@@ -87,7 +87,7 @@ class HighChannels:
     that ONNX Runtime warns about.
     """
 
-    def __init__(self, b: GraphBuilder, layer: int, part: str, order: np.ndarray,
+    def __init__(self, b: GraphBuilder, layer: int, part: Part, order: np.ndarray,
                  levels: tuple[np.ndarray, np.ndarray, np.ndarray], static: bool) -> None:
         self._b, self._layer, self._part, self._order = b, layer, part, order
         heads, d = order.shape
@@ -166,7 +166,7 @@ class GraphCodec:
         groups = b.op("Div", tokens, b.const(tq.group_size))
         return reshape_tokens(b, x, groups, [tq.group_size, d]), -2
 
-    def static_meta(self, b: GraphBuilder, layer: int, part: str, tq: TensorQuant):
+    def static_meta(self, b: GraphBuilder, layer: int, part: Part, tq: TensorQuant):
         """The calibrated [H, n] scales (and zero points) as initializers, made once per stream."""
         made = self._made.get((layer, part))
         if made is not None:
@@ -181,7 +181,7 @@ class GraphCodec:
         self._made[(layer, part)] = (scales, zeros)
         return scales, zeros
 
-    def high_channels(self, b: GraphBuilder, layer: int, part: str, tq: TensorQuant) -> HighChannels | None:
+    def high_channels(self, b: GraphBuilder, layer: int, part: Part, tq: TensorQuant) -> HighChannels | None:
         """The stream's calibrated high channels as constants (made once per stream); None without them."""
         if not tq.high_channels:
             return None
@@ -204,7 +204,7 @@ class GraphCodec:
         shape = [h, 1, -1, 1] if tq.axis == Axis.TOKEN else [h, 1, -1]
         return b.op("Reshape", b.op("Cast", meta, to=ir.DataType.FLOAT), b.const(shape))
 
-    def quantize(self, b: GraphBuilder, layer: int, part: str, tq: TensorQuant, block: ir.Value):
+    def quantize(self, b: GraphBuilder, layer: int, part: Part, tq: TensorQuant, block: ir.Value):
         """Quantize a [B,H,F,D] block (F whole groups); return (stored codes, scales, zeros)."""
         f32, sdtype = ir.DataType.FLOAT, DType.get(tq.scale_dtype).ir
         xg, axis = self._grouped(b, tq, b.op("Cast", block, to=f32))

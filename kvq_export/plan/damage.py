@@ -46,7 +46,7 @@ class Damage:
 
 def _layer_static(static_by: Mapping, layer: int, key: TensorQuant | None, value: TensorQuant | None) -> dict:
     out: dict[str, Any] = {}
-    for part, tq in (("key", key), ("value", value)):
+    for part, tq in zip(Part, (key, value)):
         if tq is not None and tq in static_by:
             out[part] = static_by[tq][layer][part]
     return out
@@ -137,10 +137,10 @@ class _StoredReads:
 
     def __init__(self, sample: AttentionSample, sink_tokens: int) -> None:
         self.sample, self.sink_tokens = sample, sink_tokens
-        self.cache: dict[tuple[str, TensorQuant, int], torch.Tensor] = {}
+        self.cache: dict[tuple[Part, TensorQuant, int], torch.Tensor] = {}
         self.held: list[Mapping | None] = []  # keeps each metadata object (and so its id) alive
 
-    def __call__(self, part: str, tq: TensorQuant, meta: Mapping | None) -> torch.Tensor:
+    def __call__(self, part: Part, tq: TensorQuant, meta: Mapping | None) -> torch.Tensor:
         key = (part, tq, id(meta))
         if key not in self.cache:
             x = self.sample.keys if part == Part.KEY else self.sample.values
@@ -161,7 +161,7 @@ def _batch_damages(exact: _ExactAttention, read: _StoredReads, o_proj: torch.Ten
     weights = {}  # config -> its attention weights where its key is quantized (else the exact ones)
     keyed = [i for i, (key, _, _) in enumerate(configs) if key is not None]
     if keyed:
-        k_hat = torch.stack([read("key", configs[i][0], configs[i][2].get("key")) for i in keyed])
+        k_hat = torch.stack([read(Part.KEY, configs[i][0], configs[i][2].get(Part.KEY)) for i in keyed])
         scores = torch.matmul(sample.grouped_queries(), k_hat.transpose(-1, -2)) * sample.scaling
         for row, i in enumerate(keyed):
             recent = configs[i][0].residual_length or 0
@@ -176,7 +176,7 @@ def _batch_damages(exact: _ExactAttention, read: _StoredReads, o_proj: torch.Ten
     # value errors, read through each configuration's weights on the tokens older than its value window
     valued = [i for i, (_, value, _) in enumerate(configs) if value is not None]
     if valued:
-        v_err = torch.stack([read("value", configs[i][1], configs[i][2].get("value")) - v for i in valued])
+        v_err = torch.stack([read(Part.VALUE, configs[i][1], configs[i][2].get(Part.VALUE)) - v for i in valued])
         windows = [sample.recent_mask(configs[i][1].residual_length)[None] if configs[i][1].residual_length
                    else None for i in valued]
         induced = torch.matmul(torch.stack([_older(a, w) for w in windows]), v_err)  # A (V̂ - V) on older tokens

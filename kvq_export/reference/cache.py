@@ -43,7 +43,7 @@ from kvq_export.reference.codec import Quantized, check_finite, dequantize_packe
 from kvq_export.region_split import REGION_ROLES, RegionSplit
 from kvq_export.rotation import rotate_torch, rotation_matrix
 from kvq_export.scheme import KVQuantScheme, TensorQuant
-from kvq_export.vocab import Format, ScaleMode
+from kvq_export.vocab import Format, Part, ScaleMode
 
 ROLES = REGION_ROLES
 #: ``basis=`` values of :meth:`StreamCache.append` / :meth:`StreamCache.dequantized`.
@@ -245,7 +245,7 @@ class ReferenceCache:
         self.layers: list[LayerCache] = []
         for layer, streams in enumerate(scheme.streams(num_layers)):
             made = []
-            for part, tq in zip(("key", "value"), streams):
+            for part, tq in zip(Part, streams):
                 meta = (static or {}).get(layer, {}).get(part, {})
                 made.append(StreamCache(tq, scheme, static_scales=meta.get("scales"),
                                         static_zeros=meta.get("zero_points"),

@@ -60,6 +60,7 @@ from kvq_export.flavors.ort_gqa.capability import layer_span, unsupported
 from kvq_export.manifest import MODEL_NAME, Manifest
 from kvq_export.manifest_sections import RuntimeSupport
 from kvq_export.naming import CacheTensor
+from kvq_export.vocab import Part
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def unsupported_reason(manifest: Manifest) -> str | None:
     return f"{why}: re-export with --flavor ort-gqa"
 
 
-def _template(direction: str, part: str, num_layers: int) -> str:
+def _template(direction: str, part: Part, num_layers: int) -> str:
     """The printf template og expands per layer, checked against the naming function for every layer."""
     template = BUFFER.buffer_name(direction, 0, part).replace(".0.", ".%d.", 1)
     if any(template % layer != BUFFER.buffer_name(direction, layer, part) for layer in range(num_layers)):
@@ -154,13 +155,13 @@ def genai_config(manifest: Manifest, *, filename: str = GENAI_MODEL) -> dict[str
                 "inputs": {
                     "input_ids": "input_ids",
                     "attention_mask": "attention_mask",
-                    "past_key_names": _template("past", "key", layers),
-                    "past_value_names": _template("past", "value", layers),
+                    "past_key_names": _template("past", Part.KEY, layers),
+                    "past_value_names": _template("past", Part.VALUE, layers),
                 },
                 "outputs": {
                     "logits": "logits",
-                    "present_key_names": _template("present", "key", layers),
-                    "present_value_names": _template("present", "value", layers),
+                    "present_key_names": _template("present", Part.KEY, layers),
+                    "present_value_names": _template("present", Part.VALUE, layers),
                 },
             },
         },

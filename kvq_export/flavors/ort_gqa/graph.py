@@ -138,6 +138,7 @@ from kvq_export.model_facts import CacheGeometry, ModelFacts
 from kvq_export.naming import PARTS
 from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import KVQuantScheme
+from kvq_export.vocab import Part
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +198,7 @@ class GQACacheGraph(LaidOutCache[GQACall]):
         return graph_class(scheme, facts, static=static, **options)
 
     # -- CacheGraph protocol --------------------------------------------------------------------------
-    def rotation(self, layer: int, part: str) -> np.ndarray | None:
+    def rotation(self, layer: int, part: Part) -> np.ndarray | None:
         """``R`` of ``layer``'s ``key``/``value`` stream (the body rotates q/k and folds v with it)."""
         return stream_rotation(self.scheme, layer, part, self.geometry.head_dim)
 
@@ -355,7 +356,7 @@ class GQACacheGraph(LaidOutCache[GQACall]):
                       for x, scale in zip((present_k, present_v), scales)]
         return [out] + [self._write(b, call, buffer, x, plan.bits) for buffer, x in zip(buffers, stored)]
 
-    def _held(self, b: GraphBuilder, call: GQACall, layer: int, part: str, buffer: ir.Value) -> ir.Value:
+    def _held(self, b: GraphBuilder, call: GQACall, layer: int, part: Part, buffer: ir.Value) -> ir.Value:
         """The values one stream's buffer holds, up to the longest row: ``[B, kv_heads, held, head_dim]``.
 
         ``u * a + c`` of the stored numbers (:meth:`LayerPlan.stored_values`), with high channels plus each

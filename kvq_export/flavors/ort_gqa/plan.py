@@ -20,7 +20,7 @@ from kvq_export.model_facts import CacheGeometry
 from kvq_export.naming import PARTS
 from kvq_export.reference.codec import check_high_channels, high_channel_levels
 from kvq_export.scheme import TensorQuant
-from kvq_export.vocab import Axis, Role
+from kvq_export.vocab import Axis, Part, Role
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class HighSplit:
     head_dim: int
 
     @classmethod
-    def of(cls, tq: TensorQuant, static: Mapping, layer: int, part: str, geometry: CacheGeometry) -> HighSplit:
+    def of(cls, tq: TensorQuant, static: Mapping, layer: int, part: Part, geometry: CacheGeometry) -> HighSplit:
         """The split of one calibrated stream (``static[layer][part]``: its scales, zero points and high channels)."""
         kv_heads, head_dim = geometry.num_kv_heads, geometry.head_dim
         channels = check_high_channels(high_channel_choice(static, layer, part, tq), tq, kv_heads, head_dim).numpy()
@@ -125,7 +125,7 @@ class LayerPlan:
         """The key and value offsets, float32 ``[width]`` zeros for a stream that has none."""
         return tuple(np.zeros(width, np.float32) if o is None else o for o in (self.k_offset, self.v_offset))
 
-    def stored_values(self, part: str, kv_heads: int, head_dim: int) -> tuple[np.ndarray, np.ndarray,
+    def stored_values(self, part: Part, kv_heads: int, head_dim: int) -> tuple[np.ndarray, np.ndarray,
                                                                                 np.ndarray | None]:
         """``(a, c, lower)``: the values a stream's stored codes stand for, ``u * a + c`` per (kv head, channel).
 

@@ -44,7 +44,7 @@ from kvq_export.naming import PARTS, PROBES, CacheTensor, packed_probe_name, pro
 from kvq_export.region_split import RegionSplit
 from kvq_export.rotation import stream_rotation
 from kvq_export.scheme import KVQuantScheme, TensorQuant
-from kvq_export.vocab import Axis, Format, Role, ScaleMode
+from kvq_export.vocab import Axis, Format, Part, Role, ScaleMode
 
 
 @dataclass
@@ -272,7 +272,7 @@ class QuantizedCacheGraph(LaidOutCache[RegionCall]):
         self.codec = GraphCodec(geometry, static=self.static)
 
     # -- CacheGraph protocol --------------------------------------------------------------------------
-    def rotation(self, layer: int, part: str) -> np.ndarray | None:
+    def rotation(self, layer: int, part: Part) -> np.ndarray | None:
         """``R`` of ``layer``'s ``key``/``value`` stream (the body rotates q/k and folds v with it)."""
         return stream_rotation(self.scheme, layer, part, self.geometry.head_dim)
 
@@ -301,8 +301,8 @@ class QuantizedCacheGraph(LaidOutCache[RegionCall]):
         key_tq, value_tq = self.scheme.for_layer(layer)
         name_probes(b, layer, q, k, v)
         with b.scope(f"kv{layer}"):
-            keys = self.read(b, call, self.store(b, call, layer, "key", key_tq, k))
-            values = self.read(b, call, self.store(b, call, layer, "value", value_tq, v))
+            keys = self.read(b, call, self.store(b, call, layer, Part.KEY, key_tq, k))
+            values = self.read(b, call, self.store(b, call, layer, Part.VALUE, value_tq, v))
             window = call.spec.facts.window(layer)
             if window not in call.masks:
                 with b.scope(f"mask_w{window}"):
@@ -318,7 +318,7 @@ class QuantizedCacheGraph(LaidOutCache[RegionCall]):
         return _Counts(*RegionSplit.of(tq, self.scheme).lengths(n, _SplitOps(b)))
 
     # -- one stream ---------------------------------------------------------------------------------------
-    def store(self, b: GraphBuilder, call: RegionCall, layer: int, part: str, tq: TensorQuant,
+    def store(self, b: GraphBuilder, call: RegionCall, layer: int, part: Part, tq: TensorQuant,
               x: ir.Value) -> StoredStream:
         """Append this call's tokens ``x`` [B,H,t,D] to one stream; emit and return its present state.
 
@@ -369,7 +369,7 @@ class QuantizedCacheGraph(LaidOutCache[RegionCall]):
         return self._emit(call, layer, part, StoredStream(tq, after, sinks, codes, scales, zeros, recent,
                                                     self.codec.high_channels(b, layer, part, tq)))
 
-    def _emit(self, call: RegionCall, layer: int, part: str, state: StoredStream) -> StoredStream:
+    def _emit(self, call: RegionCall, layer: int, part: Part, state: StoredStream) -> StoredStream:
         """Record the present outputs of one stream (static metadata is a constant, not an output)."""
         for role, value in state.roles().items():
             call.present[tensor_name("present", layer, part, role)] = value

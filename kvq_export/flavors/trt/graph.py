@@ -28,6 +28,7 @@ from kvq_export.graph.builder import GraphBuilder
 from kvq_export.graph.decoder_spec import DecoderSpec
 from kvq_export.model_facts import CacheGeometry
 from kvq_export.scheme import KVQuantScheme
+from kvq_export.vocab import Part
 
 
 class TrtCacheGraph(QuantizedCacheGraph):
@@ -55,8 +56,8 @@ class TrtCacheGraph(QuantizedCacheGraph):
         key_tq, value_tq = self.scheme.for_layer(layer)
         name_probes(b, layer, q, k, v)
         with b.scope(f"kv{layer}"):
-            states = {"key": self.store(b, call, layer, "key", key_tq, k),
-                      "value": self.store(b, call, layer, "value", value_tq, v)}
+            states = {Part.KEY: self.store(b, call, layer, Part.KEY, key_tq, k),
+                      Part.VALUE: self.store(b, call, layer, Part.VALUE, value_tq, v)}
             sig = self.signature(layer, call.spec)
             node_inputs = [q, call.n1] + [_role_value(states[i.part], i.role) for i in sig.inputs[2:]]
             out = b.op(sig.name, *node_inputs, domain=sig.namespace, **sig.node_attributes(aot=self.aot))

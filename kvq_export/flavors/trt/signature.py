@@ -36,7 +36,7 @@ from kvq_export.dtypes import DType, onnx_name
 from kvq_export.model_facts import ModelFacts
 from kvq_export.naming import PARTS, tensor_name
 from kvq_export.scheme import KVQuantScheme
-from kvq_export.vocab import plain
+from kvq_export.vocab import Part, plain
 
 PLUGIN_NAMESPACE = "kvq"
 PLUGIN_PREFIX = "kvq_attention"
@@ -48,7 +48,7 @@ class PluginInput:
 
     name: str  # argument name of the plugin functions (q, seq_lengths, key_codes, ...)
     role: str  # query | seq_lengths | sinks | codes | scales | zero_points | recent
-    part: str | None  # key | value | None
+    part: Part | None  # None for the query and seq_lengths
     dtype: str  # ONNX element type name
     source: str | None  # graph value name (present cache tensor / static initializer); None for the query
 
