@@ -10,15 +10,15 @@ from __future__ import annotations
 from kvq_export.arch import families as _families  # noqa: F401 - registers the families
 from kvq_export.arch.base import (
     GELU_TANH_ACTIVATIONS,
-    QK_NORMS,
     SILU_ACTIVATIONS,
     Arch,
     LayerNames,
     LinearNames,
+    QkNorm,
     get_arch,
     register,
     supported_model_types,
 )
 
-__all__ = ["GELU_TANH_ACTIVATIONS", "QK_NORMS", "SILU_ACTIVATIONS", "Arch", "LayerNames", "LinearNames", "get_arch",
+__all__ = ["GELU_TANH_ACTIVATIONS", "SILU_ACTIVATIONS", "Arch", "LayerNames", "LinearNames", "QkNorm", "get_arch",
            "register", "supported_model_types"]

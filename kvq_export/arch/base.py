@@ -15,8 +15,8 @@ class here. What differs between families is declared, and the body switches on 
 * names: :meth:`Arch.layer_names` (a missing norm is None; a fused ``qkv_proj``/``gate_up_proj`` is
   described as row ranges of one tensor, split when the weights are read);
 * norms: ``norm_offset`` (Gemma's ``x * (1 + w)``), ``norm_weight_in_float`` (the weight multiplies the
-  float32 normalized value before the cast back: Gemma, OLMo2), ``qk_norm`` (``"head"``: an RMSNorm over
-  each head's ``head_dim`` (Qwen3, Gemma3); ``"projection"``: over the whole q/k projection (OLMo2));
+  float32 normalized value before the cast back: Gemma, OLMo2), ``qk_norm`` (:class:`QkNorm`: an RMSNorm over
+  each head's ``head_dim`` (Qwen3, Gemma3) or over the whole q/k projection (OLMo2));
 * numbers: :attr:`Arch.scaling` (Gemma's ``query_pre_attn_scalar``), :attr:`Arch.embedding_scale`,
   :attr:`Arch.final_logit_softcap`, :attr:`Arch.attn_logit_softcap`, :attr:`Arch.activation`;
 * RoPE per layer: :meth:`Arch.layer_rope` (Gemma3's local and global bases), partial rotary
@@ -31,10 +31,12 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from kvq_export.arch.rope import RopeSpec, rope_spec
 from kvq_export.errors import ExportError, ModelError
+from kvq_export.vocab import plain
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -45,8 +47,13 @@ logger = logging.getLogger(__name__)
 SILU_ACTIVATIONS = frozenset({"silu", "swish"})
 #: Activations computed as GELU with the tanh approximation (ONNX ``Gelu(approximate="tanh")``).
 GELU_TANH_ACTIVATIONS = frozenset({"gelu_pytorch_tanh", "gelu_python_tanh"})
-#: ``qk_norm`` values: None, an RMSNorm over each head, or over the whole projection.
-QK_NORMS = (None, "head", "projection")
+
+
+class QkNorm(StrEnum):
+    """The RMSNorm a family applies to q and k before RoPE (:attr:`Arch.qk_norm`; None: no norm)."""
+
+    HEAD = "head"  # over each head's head_dim
+    PROJECTION = "projection"  # over the whole q/k projection
 
 
 @dataclass(frozen=True)
@@ -106,8 +113,8 @@ class Arch:
     #: The norm weight multiplies the float32 normalized value, then the result is cast (Gemma, OLMo2);
     #: False: cast first, then multiply in the compute dtype (Llama).
     norm_weight_in_float: ClassVar[bool] = False
-    #: RMSNorm of q and k before RoPE: None, "head" (over head_dim) or "projection" (over the projection).
-    qk_norm: ClassVar[str | None] = None
+    #: RMSNorm of q and k before RoPE (None: none).
+    qk_norm: ClassVar[QkNorm | None] = None
     #: Per-layer-type ``rope_parameters`` entry that :meth:`rope` describes (None: one RoPE for all layers).
     global_rope_layer_type: ClassVar[str | None] = None
     #: The family's default RoPE honours ``partial_rotary_factor`` (Phi3); others rotate the whole head.
@@ -299,8 +306,8 @@ class Arch:
                 f"{self.model_type}: activation {act!r} is not supported "
                 f"(allowed: {', '.join(sorted(SILU_ACTIVATIONS | GELU_TANH_ACTIVATIONS))})"
             )
-        if self.qk_norm not in QK_NORMS:
-            raise ExportError(f"{self.model_type}: qk_norm {self.qk_norm!r}; allowed: {QK_NORMS}")
+        if self.qk_norm is not None and self.qk_norm not in tuple(QkNorm):
+            raise ExportError(f"{self.model_type}: qk_norm {plain(self.qk_norm)!r}; allowed: None, {', '.join(QkNorm)}")
         if getattr(self.config, "use_bidirectional_attention", False):
             raise ExportError(f"{self.model_type}: use_bidirectional_attention is not causal decoding")
         if self.num_heads % self.num_kv_heads:

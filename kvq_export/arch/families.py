@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from kvq_export.arch.base import Arch, LayerNames, LinearNames, register
+from kvq_export.arch.base import Arch, LayerNames, LinearNames, QkNorm, register
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -72,7 +72,7 @@ def _layer_types_window(config: PretrainedConfig, layer: int) -> int | None:
 class Qwen3Arch(Qwen2Arch):
     """Qwen3: Qwen2's layout with an RMSNorm on each q/k head before RoPE; biases follow ``attention_bias``."""
 
-    qk_norm = "head"
+    qk_norm = QkNorm.HEAD
 
     def attention_biases(self) -> tuple[bool, bool]:
         """Every attention projection has a bias iff ``attention_bias``."""
@@ -139,7 +139,7 @@ class Gemma3TextArch(Gemma2Arch):
     RoPE (``rope_parameters["sliding_attention"]`` / ``["full_attention"]``).
     """
 
-    qk_norm = "head"
+    qk_norm = QkNorm.HEAD
     global_rope_layer_type = "full_attention"
 
     def rope_layer_type(self, layer: int) -> str | None:
@@ -194,7 +194,7 @@ class Olmo2Arch(Arch):
     """
 
     norm_weight_in_float = True
-    qk_norm = "projection"
+    qk_norm = QkNorm.PROJECTION
 
     def mlp_bias(self) -> bool:
         """OLMo2 MLPs have no bias."""

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx_ir as ir
 
-from kvq_export.arch import GELU_TANH_ACTIVATIONS, Arch, LinearNames, get_arch
+from kvq_export.arch import GELU_TANH_ACTIVATIONS, Arch, LinearNames, QkNorm, get_arch
 from kvq_export.dtypes import COMPUTE_DTYPES, DType
 from kvq_export.errors import ExportError
 from kvq_export.flavors.cache_graph import AttentionForm, AttentionInputs, CacheGraph, CallValues
@@ -40,6 +40,7 @@ from kvq_export.graph.projections import Projections, ProjectionSpec, StateWeigh
 from kvq_export.graph.rope import RotaryGraph
 from kvq_export.model_facts import ModelFacts
 from kvq_export.request import MIN_OPSET
+from kvq_export.vocab import Part
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -290,7 +291,7 @@ class _Body:
         mode, d = self.arch.qk_norm, self.facts.head_dim
         if mode is None or weight_name is None:
             return x
-        if mode == "projection":
+        if mode == QkNorm.PROJECTION:
             return self.rms_norm(x, weight_name, num_heads * d)
         b = self.b
         per_head = b.op("Reshape", x, b.const([0, 0, num_heads, d]))
@@ -344,7 +345,7 @@ class _Body:
         b, arch, f = self.b, self.arch, self.facts
         names = arch.layer_names(layer)
         q_size = f.num_heads * f.head_dim
-        value_rot = cache.rotation(layer, "value")
+        value_rot = cache.rotation(layer, Part.VALUE)
         fold = value_rot is not None and self.value_rotation_in_graph(cache, layer) is None
 
         with b.scope("attn"):
@@ -363,7 +364,7 @@ class _Body:
 
     def value_rotation_in_graph(self, cache: CacheGraph, layer: int) -> np.ndarray | None:
         """``layer``'s value rotation when the weights cannot absorb it (``Arch.folds_value_rotation`` False)."""
-        value_rot = cache.rotation(layer, "value")
+        value_rot = cache.rotation(layer, Part.VALUE)
         return value_rot if value_rot is not None and not self.arch.folds_value_rotation else None
 
     def attention(self, x: ir.Value, layer: int, cache: CacheGraph, call: CallValues,
@@ -379,7 +380,7 @@ class _Body:
         if self.form is AttentionForm.PACKED:
             separate, qkv = self.projections(x, layer, parts, split=False)
             qkv = qkv if separate is None else self.b.op("Concat", *separate, axis=-1)
-            qkv = self.apply_packed_rope(qkv, layer, cache.rotation(layer, "key"))
+            qkv = self.apply_packed_rope(qkv, layer, cache.rotation(layer, Part.KEY))
             return cache.attend(self.b, layer, AttentionInputs(AttentionForm.PACKED, call, packed=qkv))
         if self.form is AttentionForm.PROJECTED:
             return self.projected_attention(x, layer, cache, call, parts)
@@ -389,7 +390,7 @@ class _Body:
                             parts: list[ProjectionSpec]) -> ir.Value:
         """Attention in the ``projected`` form: [B, t, H*D] in and out, the cache graph's kernel applies RoPE."""
         f = self.facts
-        if cache.rotation(layer, "key") is not None:
+        if cache.rotation(layer, Part.KEY) is not None:
             raise ExportError(f"layer {layer}: rotated keys need RoPE before the rotation, but this "
                               "cache graph applies RoPE itself (export it with the body's RoPE)")
         in_graph = self.value_rotation_in_graph(cache, layer)
@@ -410,7 +411,7 @@ class _Body:
                         parts: list[ProjectionSpec]) -> ir.Value:
         """Attention in the ``heads`` form: RoPE (and the rotations) on [B, H, t, D] heads, then back to [B, t, H*D]."""
         b, f = self.b, self.facts
-        key_rot, in_graph = cache.rotation(layer, "key"), self.value_rotation_in_graph(cache, layer)
+        key_rot, in_graph = cache.rotation(layer, Part.KEY), self.value_rotation_in_graph(cache, layer)
         separate, _ = self.projections(x, layer, parts)
         q, k, v = separate or (None, None, None)
         q = self.rope.apply(self.heads(q, f.num_heads), self.spec.rope_for(layer))
