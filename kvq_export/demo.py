@@ -34,7 +34,7 @@ from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec, ExportReque
 from kvq_export.runtime.base import Generation, continuation_text
 from kvq_export.runtime.sampling import SamplingConfig
 from kvq_export.runtime.session import KVQSession
-from kvq_export.validate.runner import TokenScores
+from kvq_export.validate.scores import TokenScores, TokenSummary
 from kvq_export.vocab import WeightFormat
 
 logger = logging.getLogger(__name__)
@@ -165,11 +165,11 @@ def teacher_forced_logits(session: KVQSession, prompt_tokens: Sequence[int], tok
     return np.stack(rows, axis=1)
 
 
-def score(logits: np.ndarray, reference: np.ndarray, targets: Sequence[int]) -> dict:
+def score(logits: np.ndarray, reference: np.ndarray, targets: Sequence[int]) -> TokenSummary:
     """``kvq validate``'s token summary of ``logits`` against ``reference`` (both ``[1, n, vocab]``)."""
     scores = TokenScores()
     scores.add(logits, reference, np.asarray([targets], dtype=np.int64))
-    return scores.summary("reference")
+    return scores.summary()
 
 
 def departure(tokens: Sequence[int], reference: Sequence[int]) -> int | None:
@@ -215,8 +215,8 @@ def run_demo(model_spec: str, prompt: str, max_new_tokens: int, workdir: str | o
         row = DemoRow(
             role=run.role, scheme=session.manifest.scheme.name or run.scheme, flavor=run.flavor,
             weights=str(run.weights.format), against=against, text=text, tokens=result.tokens,
-            departs=departs, shared=shared if text.startswith(shared) else "", top1=scores["top1_agreement"],
-            kl=scores["kl"]["mean"], kl_max=scores["kl"]["max"], predictions=scores["predictions"],
+            departs=departs, shared=shared if text.startswith(shared) else "", top1=scores.top1_agreement,
+            kl=scores.kl.mean, kl_max=scores.kl.max, predictions=scores.predictions,
             cache_bytes=result.cache_bytes, prompt_tokens=len(result.prompt_tokens),
             bits_per_element=held.bits_per_element, directory_bytes=directory_bytes(directory), decode_ms=decode_ms,
             decode_ratio=decode_ms / base.decode_ms if base and base.decode_ms else 1.0, directory=str(directory))
@@ -228,7 +228,7 @@ def run_demo(model_spec: str, prompt: str, max_new_tokens: int, workdir: str | o
     if last.against == base.role:
         return DemoResult(rows)
     together = score(logits[last.role], logits[base.role], base.tokens)
-    return DemoResult(rows, together["top1_agreement"], together["kl"]["mean"])
+    return DemoResult(rows, together.top1_agreement, together.kl.mean)
 
 
 def serve_lines(directory: str | os.PathLike[str], prompt: str, max_tokens: int, url: str = SERVE_URL) -> list[str]:

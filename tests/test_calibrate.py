@@ -463,12 +463,12 @@ def test_validate_knows_where_offset_calibration_text_lies():
            "tokens": 4096, "offset": 60000, "method": "attention"}
     manifest = SimpleNamespace(calibration=CalibrationRecord.from_dict(cal))
     protocol = ValidateConfig(corpus="britannica", windows=8, window_len=512, offset=0)
-    assert _calibration_section(manifest, protocol)["windows_overlap_calibration"] is False
+    assert _calibration_section(manifest, protocol).windows_overlap_calibration is False
     inside = ValidateConfig(corpus="britannica", windows=2, window_len=512, offset=61000)
-    assert _calibration_section(manifest, inside)["windows_overlap_calibration"] is True
+    assert _calibration_section(manifest, inside).windows_overlap_calibration is True
     before = ValidateConfig(corpus="britannica", windows=8, window_len=512, offset=59000)  # reaches into it
-    assert _calibration_section(manifest, before)["windows_overlap_calibration"] is True
+    assert _calibration_section(manifest, before).windows_overlap_calibration is True
     other = ValidateConfig(corpus="shakespeare", windows=8, window_len=512, offset=60000)
-    assert _calibration_section(manifest, other)["windows_overlap_calibration"] is False
+    assert _calibration_section(manifest, other).windows_overlap_calibration is False
     legacy = SimpleNamespace(calibration=CalibrationRecord.from_dict({k: v for k, v in cal.items() if k != "offset"}))
-    assert _calibration_section(legacy, protocol)["windows_overlap_calibration"] is True
+    assert _calibration_section(legacy, protocol).windows_overlap_calibration is True

@@ -15,6 +15,7 @@ from kvq_export.demo import DEMO_RUNS, DEPARTS, TABLE_COLUMNS, DemoRun, check_ru
 from kvq_export.errors import KVQError
 from kvq_export.presets import resolve_scheme
 from kvq_export.runtime.sampling import SamplingConfig
+from kvq_export.validate.result import ValidationResult
 from kvq_export.validate.runner import ValidateConfig, validate
 
 PROMPT = "w1 w2 w3 w4 w5 w6 w7 w8"
@@ -89,7 +90,7 @@ def _words(tokens) -> list[str]:
     return [WORDS[t - 1] for t in tokens]
 
 
-def _validate_on(row, baseline_dir: str, text: Path, window_len: int, chunk: int | None = None) -> dict:
+def _validate_on(row, baseline_dir: str, text: Path, window_len: int, chunk: int | None = None) -> ValidationResult:
     """``kvq validate`` of ``row``'s export on one window of ``text`` (strict decode unless ``chunk``), no prompts."""
     config = ValidateConfig(corpus=str(text), windows=1, window_len=window_len, chunk=chunk, gen_tokens=0,
                             attention_samples=0)
@@ -105,16 +106,16 @@ def test_one_token_prompt_scores_equal_kvq_validate(model_dir, work, tmp_path, m
     text.write_text(" ".join(["w7", *_words(result.rows[0].tokens)]))
     for row in result.rows[1:]:
         if row.weights != rows[row.against].weights:  # the weights' error: validate's weight-only line
-            got = _validate_on(row, row.directory, text, NEW + 1)["weight_only"]
+            got = _validate_on(row, row.directory, text, NEW + 1).weight_only.scores
             # validate's fp32-weight reference keeps the row's flavor (ort-gqa), the demo's baseline is reference
-            assert got["top1_agreement"] == pytest.approx(row.top1, abs=1.5 / NEW)
-            assert got["kl"]["mean"] == pytest.approx(row.kl, rel=0.05), row.role
+            assert got.top1_agreement == pytest.approx(row.top1, abs=1.5 / NEW)
+            assert got.kl.mean == pytest.approx(row.kl, rel=0.05), row.role
             continue
-        got = _validate_on(row, rows[row.against].directory, text, NEW + 1)["token"]
-        assert got["predictions"] == row.predictions, row.role
-        assert got["top1_agreement"] == row.top1, row.role
-        assert got["kl"]["mean"] == pytest.approx(row.kl, rel=1e-5, abs=1e-9), row.role
-        assert got["kl"]["max"] == pytest.approx(row.kl_max, rel=1e-5, abs=1e-9), row.role
+        got = _validate_on(row, rows[row.against].directory, text, NEW + 1).token.scores
+        assert got.predictions == row.predictions, row.role
+        assert got.top1_agreement == row.top1, row.role
+        assert got.kl.mean == pytest.approx(row.kl, rel=1e-5, abs=1e-9), row.role
+        assert got.kl.max == pytest.approx(row.kl_max, rel=1e-5, abs=1e-9), row.role
 
 
 def test_demo_scores_lie_within_kvq_validates_spread_on_the_same_prompt(demo, tmp_path, monkeypatch):
@@ -134,10 +135,10 @@ def test_demo_scores_lie_within_kvq_validates_spread_on_the_same_prompt(demo, tm
     for row in demo.rows[1:]:
         if row.weights != rows[row.against].weights:
             continue  # validate refuses a baseline with other weights; the one-token test covers this row
-        readings = [_validate_on(row, rows[row.against].directory, text, len(prompt) + NEW, chunk)["token"]
+        readings = [_validate_on(row, rows[row.against].directory, text, len(prompt) + NEW, chunk).token.scores
                     for chunk in (len(prompt), None)]
-        kl = sorted(float(np.mean(r["kl_by_position"][scored])) for r in readings)
-        top1 = sorted(float(np.mean(r["top1_by_position"][scored])) for r in readings)
+        kl = sorted(float(np.mean(r.kl_by_position[scored])) for r in readings)
+        top1 = sorted(float(np.mean(r.top1_by_position[scored])) for r in readings)
         assert kl[0] * (1 - 1e-5) <= row.kl <= kl[1] * (1 + 1e-5), (row.role, kl, row.kl)
         assert top1[0] - 1e-9 <= row.top1 <= top1[1] + 1e-9, (row.role, top1, row.top1)
         checked += 1

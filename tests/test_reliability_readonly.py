@@ -43,7 +43,7 @@ def test_validate_writes_nothing_into_the_export(exports, readonly):
     config = ValidateConfig(corpus=str(exports["corpus"]), windows=1, window_len=16, prompts=("w1 w2",),
                             gen_tokens=2, attention_samples=1)
     result = validate(readonly, exports["fp16"], config, progress=False)
-    assert result["memory"]["prediction_matches"]
+    assert result.memory.prediction_matches
 
 
 def test_compare_writes_nothing_into_the_export(exports, readonly):

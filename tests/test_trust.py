@@ -531,9 +531,14 @@ def test_validate_says_when_nothing_left_the_window(root, pair, tmp_path, monkey
     draw = matplotlib.axes.Axes.axvline
     monkeypatch.setattr(matplotlib.axes.Axes, "axvline",
                         lambda self, x, **kw: (lines.append((x, kw["label"])), draw(self, x, **kw))[1])
-    from kvq_export.validate.report import write_html
+    from dataclasses import replace
 
-    write_html({**result, "token": {**result["token"], "kl_by_position": [0.0] * 200}}, tmp_path / "long.html")
+    from kvq_export.validate.report import write_html
+    from kvq_export.validate.result import ValidationResult
+
+    typed = ValidationResult.from_dict(result)
+    longer = replace(typed.token, scores=replace(typed.token.scores, kl_by_position=(0.0,) * 200))
+    write_html(replace(typed, token=longer), tmp_path / "long.html")
     assert lines == [(128.5, "high-precision window ends (128 tokens)")]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -24,6 +25,7 @@ from kvq_export.manifest import Manifest
 from kvq_export.request import CalibrationSpec
 from kvq_export.scheme import KVQuantScheme, TensorQuant
 from kvq_export.validate.attention import METRICS, AttentionSample, attention_metrics, rank_agreement
+from kvq_export.validate.result import ValidationResult
 from kvq_export.validate.runner import ValidateConfig, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,28 +123,28 @@ def _config(tiny, **kw):
 
 def test_values_only_scheme_leaves_attention_unchanged_on_the_real_graph(tiny):
     r = validate(tiny["values-only"], tiny["fp16"], _config(tiny), progress=False)
-    s = r["attention"]["summary"]
-    assert r["attention"]["samples"] == 3 * 3 * 2  # positions x windows x layers
-    assert s["kl_keys"] == 0 and s["score_shift_max"] == 0 and s["key_induced"] == 0 and s["top1_keys"] == 1
-    assert s["value_induced"] > 0
+    s = r.attention.summary
+    assert r.attention.samples == 3 * 3 * 2  # positions x windows x layers
+    assert s.kl_keys == 0 and s.score_shift_max == 0 and s.key_induced == 0 and s.top1_keys == 1
+    assert s.value_induced > 0
 
 
 def test_keys_only_scheme_has_no_value_induced_term_on_the_real_graph(tiny):
     r = validate(tiny["keys-only"], tiny["fp16"], _config(tiny), progress=False)
-    s = r["attention"]["summary"]
-    assert s["value_induced"] == 0 and s["cross_term"] == 0 and s["key_induced"] > 0 and s["score_shift_max"] > 0
-    assert s["decomposition_residual"] < 1e-12
+    s = r.attention.summary
+    assert s.value_induced == 0 and s.cross_term == 0 and s.key_induced > 0 and s.score_shift_max > 0
+    assert s.decomposition_residual < 1e-12
 
 
 def test_no_quantization_gives_zero_everywhere(tiny):
     r = validate(tiny["fp16"], tiny["fp16"], _config(tiny), progress=False)
-    tok, s = r["token"], r["attention"]["summary"]
-    assert tok["perplexity"] == tok["perplexity_baseline"] and tok["kl"]["max"] == 0 and tok["top1_agreement"] == 1
-    assert tok["greedy"]["identical_fraction"] == 1
+    tok, s = r.token.scores, r.attention.summary
+    assert tok.perplexity == tok.reference_perplexity and tok.kl.max == 0 and tok.top1_agreement == 1
+    assert r.token.greedy.identical_fraction == 1
     for name in ("key_mse", "value_mse", "score_shift_max", "kl_keys", "out_rel_both", "key_induced",
                  "value_induced"):
-        assert s[name] == 0, name
-    assert r["memory"]["prediction_matches"] and r["memory"]["ratio"] == 1
+        assert getattr(s, name) == 0, name
+    assert r.memory.prediction_matches and r.memory.ratio == 1
 
 
 def test_rotated_streams_are_analysed_in_one_basis(tiny):
@@ -156,14 +158,14 @@ def test_rotated_streams_are_analysed_in_one_basis(tiny):
     values = KVQuantScheme(key=fp16, value=TensorQuant(format="int", bits=2, group_size=32, rotation="hadamard"),
                            name="vo-rot")
     dirs = {s.name: export_model(str(tiny["model_dir"]), s, tiny["root"] / s.name) for s in (plain, values)}
-    s = validate(dirs["fp16-rot"], tiny["fp16"], _config(tiny, gen_tokens=0), progress=False)["attention"]["summary"]
+    s = validate(dirs["fp16-rot"], tiny["fp16"], _config(tiny, gen_tokens=0), progress=False).attention.summary
     for name in ("key_mse", "value_mse", "score_shift_max", "key_induced", "value_induced", "out_rel_both"):
-        assert s[name] < 1e-9, name
+        assert getattr(s, name) < 1e-9, name
     r = validate(dirs["vo-rot"], tiny["fp16"], _config(tiny, gen_tokens=0), progress=False)
-    s, plain_values = r["attention"]["summary"], validate(tiny["values-only"], tiny["fp16"], _config(
-        tiny, gen_tokens=0), progress=False)["attention"]["summary"]
-    assert s["kl_keys"] == 0 and s["key_induced"] == 0 and s["value_induced"] > 0
-    assert 0.3 < s["value_mse"] / plain_values["value_mse"] < 3  # same 2-bit error size, not a basis mismatch
+    s, plain_values = r.attention.summary, validate(tiny["values-only"], tiny["fp16"], _config(
+        tiny, gen_tokens=0), progress=False).attention.summary
+    assert s.kl_keys == 0 and s.key_induced == 0 and s.value_induced > 0
+    assert 0.3 < s.value_mse / plain_values.value_mse < 3  # same 2-bit error size, not a basis mismatch
 
 
 def test_strict_decode_perplexity_equals_pytorch_full_forward(tiny):
@@ -181,7 +183,7 @@ def test_strict_decode_perplexity_equals_pytorch_full_forward(tiny):
     with torch.no_grad():
         logits = model(torch.tensor(windows)).logits.double()
     nll = -torch.log_softmax(logits[:, :-1], -1).gather(-1, torch.tensor(windows)[:, 1:, None]).mean()
-    assert r["token"]["perplexity_baseline"] == pytest.approx(float(torch.exp(nll)), rel=1e-4)
+    assert r.token.scores.reference_perplexity == pytest.approx(float(torch.exp(nll)), rel=1e-4)
 
 
 def test_a_window_longer_than_the_positions_is_refused_before_anything_runs(tiny):
@@ -194,10 +196,10 @@ def test_quantized_validation_reports_every_section(tiny, tmp_path):
     from kvq_export.validate.report import summary_rows, write_html, write_json
 
     r = validate(tiny["kivi-2"], tiny["fp16"], _config(tiny, window_len=200), progress=False)
-    assert r["attention"]["summary"]["key_mse"] > 0  # keys past the 128-token window got quantized
-    assert r["memory"]["prediction_matches"] and r["memory"]["measured_bytes"] < r["memory"]["fp16_bytes"]
-    assert len(r["latency"]["buckets"]) == 4 and r["latency"]["ratio"] > 0
-    assert len(r["attention"]["key_error_hurts_most"]) == 8  # 2 layers x 4 heads, top 10 capped
+    assert r.attention.summary.key_mse > 0  # keys past the 128-token window got quantized
+    assert r.memory.prediction_matches and r.memory.measured_bytes < r.memory.fp16_bytes
+    assert len(r.latency.buckets) == 4 and r.latency.ratio > 0
+    assert len(r.attention.key_error_hurts_most) == 8  # 2 layers x 4 heads, top 10 capped
     json.loads(write_json(r, tmp_path / "r.json").read_text())
     page = write_html(r, tmp_path / "r.html").read_text()
     assert page.count("data:image/png;base64,") == 4 and "key error hurts most" in page.lower()
@@ -208,7 +210,7 @@ def test_quantized_validation_reports_every_section(tiny, tmp_path):
 def test_baseline_is_exported_on_the_fly(tiny, monkeypatch, tmp_path):
     monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path))
     r = validate(tiny["int4-sym-g32"], None, _config(tiny, attention_samples=0, gen_tokens=0), progress=False)
-    assert Path(r["baseline"]).parent == tmp_path / "exports" and r["token"]["perplexity_baseline"] > 0
+    assert Path(r.baseline).parent == tmp_path / "exports" and r.token.scores.reference_perplexity > 0
 
 
 def test_ort_gqa_export_validates_like_the_reference_flavour(tiny):
@@ -222,12 +224,73 @@ def test_ort_gqa_export_validates_like_the_reference_flavour(tiny):
                                  **calib) for flavor in ("ort-gqa", "reference")}
     config = _config(tiny, gen_tokens=4)
     got, want = (validate(dirs[f], tiny["fp16"], config, progress=False) for f in ("ort-gqa", "reference"))
-    assert got["flavor"] == "ort-gqa" and got["attention"]["samples"] == want["attention"]["samples"] == 18
-    assert got["memory"]["prediction_matches"]
-    s, w = got["attention"]["summary"], want["attention"]["summary"]
+    assert got.flavor == "ort-gqa" and got.attention.samples == want.attention.samples == 18
+    assert got.memory.prediction_matches
+    s, w = got.attention.summary, want.attention.summary
     for name in ("key_mse", "value_mse", "out_rel_both", "key_induced", "value_induced"):
-        assert s[name] > 0 and s[name] == pytest.approx(w[name], rel=0.1), name
-    assert got["token"]["perplexity"] == pytest.approx(want["token"]["perplexity"], rel=1e-3)
+        assert getattr(s, name) > 0 and getattr(s, name) == pytest.approx(getattr(w, name), rel=0.1), name
+    assert got.token.scores.perplexity == pytest.approx(want.token.scores.perplexity, rel=1e-3)
+    _assert_json_form(got, "calibrated")
+
+
+# -- the result's JSON form ---------------------------------------------------------------------------------
+#: ``kvq validate --json`` files of tiny exports, as written: scored attention, greedy and calibration with the
+#: weight-only line skipped; a scored weight-only line with attention and greedy skipped; constant rankings (NaN).
+PINS = json.loads((ROOT / "tests" / "data" / "validate_pins.json").read_text())
+#: Forms that are another object's own ``to_dict()``: the scheme's and the weights' keys are not validate's.
+OWN_FORMS = {"baseline_scheme", "scheme", "weights", "memory.weights", "memory.baseline_weights"}
+
+
+def _layout(value, path=""):
+    """Every key path of a JSON form in order, with its value's type: a list by its first item, a position as <n>."""
+    if isinstance(value, dict) and path not in OWN_FORMS:
+        paths = [_layout(v, f"{path}.{'<n>' if k.isdigit() else k}".lstrip(".")) for k, v in value.items()]
+        return list(dict.fromkeys(p for item in paths for p in item)) or [f"{path}: dict"]
+    if isinstance(value, list):
+        return _layout(value[0], f"{path}[]") if value else [f"{path}: list"]
+    return [f"{path}: {type(value).__name__}"]
+
+
+def _assert_json_form(result: ValidationResult, pin: str) -> None:
+    """``result``'s JSON form has the layout of the written file ``pin`` and reads back to the same text."""
+    text = result.to_json()
+    assert ValidationResult.from_dict(json.loads(text)).to_json() == text
+    assert _layout(json.loads(text)) == _layout(PINS[pin])
+
+
+@pytest.mark.parametrize("name", sorted(PINS))
+def test_a_written_result_reads_back_byte_for_byte(name):
+    result = ValidationResult.from_dict(PINS[name])
+    assert result.to_json() == json.dumps(PINS[name], indent=2)  # every key, in order, every value
+
+
+def test_the_pins_hold_every_optional_section():
+    layouts = {name: "\n".join(_layout(pin)) for name, pin in PINS.items()}
+    assert "calibration.windows_overlap_calibration: bool" in layouts["calibrated"]
+    assert "calibration: NoneType" in layouts["weight_only"]
+    for name, sections in (("calibrated", ("attention.summary.key_induced", "token.greedy.tokens_to_divergence[]",
+                                           "weight_only.skipped")),
+                           ("weight_only", ("attention.samples", "token.greedy.prompts", "weight_only.reference"))):
+        assert all(f"\n{section}: " in "\n" + layouts[name] for section in sections), name
+    assert "attention.summary" not in layouts["weight_only"] and "weight_only.reference" not in layouts["calibrated"]
+
+
+def test_the_reports_and_gates_read_the_typed_result():
+    from kvq_export.validate.gates import Gates
+    from kvq_export.validate.report import summary_rows
+
+    result = ValidationResult.from_dict(PINS["calibrated"])
+    tok = result.token.scores
+    assert Gates(max_ppl_delta=tok.perplexity_delta_rel, min_top1=tok.top1_agreement, max_kl=tok.kl.mean).misses(
+        result) == []
+    missed = Gates(max_ppl_delta=0, min_top1=1, max_kl=0).misses(result)
+    assert [m.split()[0] for m in missed] == ["perplexity", "top-1", "mean"]
+    rows = dict(summary_rows(result))
+    assert rows["calibration"].startswith("absmax on 512 tokens of ") and "IS calibration text" in rows["calibration"]
+    assert rows["weight-only error"] == "skipped: the export's weights are fp32 (as built): there is no weight error " \
+                                       "to separate"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.token.scores.perplexity = 0.0
 
 
 # -- kvq compare and the plain Polygraphy commands ----------------------------------------------------------
@@ -287,26 +350,28 @@ def test_automatic_baseline_carries_the_exports_weights_and_the_weight_error_is_
     monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path))
     config = _config(tiny, window_len=200, attention_samples=0, gen_tokens=0)
     r = validate(int4_weights, None, config, progress=False)
-    baseline = weight_bytes(r["baseline"])
+    baseline = weight_bytes(r.baseline)
     assert baseline.format == "int4" and baseline.settings == weight_bytes(int4_weights).settings
-    assert r["weights"]["format"] == "int4" and r["baseline_scheme"]["name"] == "fp16"
-    mem = r["memory"]
-    assert mem["weight_format"] == mem["baseline_weight_format"] == "int4"
-    assert mem["weights"]["parameters"] == mem["baseline_weights"]["parameters"] == baseline.parameters
-    assert mem["weight_bytes"] == weight_bytes(int4_weights).total and mem["prediction_matches"]
-    only = r["weight_only"]
-    assert "skipped" not in only and only["weights"].startswith("int4 (blocks of 32")
-    assert only["reference_weights"] == "fp32"
+    assert r.weights.format == "int4" and r.baseline_scheme.name == "fp16"
+    mem = r.memory
+    assert mem.weights.format == mem.baseline_weights.format == "int4"
+    assert mem.weights.parameters == mem.baseline_weights.parameters == baseline.parameters
+    assert mem.weights.total == weight_bytes(int4_weights).total and mem.prediction_matches
+    only, scores = r.weight_only, r.weight_only.scores
+    assert only.skipped is None and only.weights.startswith("int4 (blocks of 32")
+    assert only.reference_weights == "fp32"
     # the weight-only line scores the very baseline the cache was compared with, on the same windows ...
-    assert only["perplexity"] == r["token"]["perplexity_baseline"] and only["predictions"] == r["token"]["predictions"]
-    assert only["kl"]["mean"] > 0 and only["perplexity_reference"] != only["perplexity"]
-    assert only["reference_weight_bytes"] > 3 * mem["baseline_weight_bytes"]
+    assert scores.perplexity == r.token.scores.reference_perplexity
+    assert scores.predictions == r.token.scores.predictions
+    assert scores.kl.mean > 0 and scores.reference_perplexity != scores.perplexity
+    assert only.reference_weight_bytes > 3 * mem.baseline_weights.total
+    _assert_json_form(r, "weight_only")
     # ... against the fp32-weight baseline an fp32-weight export of the same cache is validated against
     fp32 = validate(tiny["kivi-2"], None, config, progress=False)
-    assert Path(only["reference"]) == Path(fp32["baseline"]) != Path(r["baseline"])
-    assert only["perplexity_reference"] == pytest.approx(fp32["token"]["perplexity_baseline"], rel=1e-12)
-    assert fp32["weight_only"]["skipped"].startswith("the export's weights are fp32")
-    assert fp32["memory"]["weight_format"] == fp32["memory"]["baseline_weight_format"] == "fp32"
+    assert Path(only.reference) == Path(fp32.baseline) != Path(r.baseline)
+    assert scores.reference_perplexity == pytest.approx(fp32.token.scores.reference_perplexity, rel=1e-12)
+    assert fp32.weight_only.skipped.startswith("the export's weights are fp32")
+    assert fp32.memory.weights.format == fp32.memory.baseline_weights.format == "fp32"
 
 
 def test_a_baseline_with_other_weights_is_refused_in_one_line(tiny, int4_weights):
@@ -334,7 +399,7 @@ def test_cli_validate_reports_weight_bytes_and_the_weight_only_line(tiny, int4_w
     assert result.exit_code == 0, result.output
     assert "weight bytes" in result.output and "weight-only error" in result.output
     data = json.loads((tmp_path / "r.json").read_text())
-    rows = dict(summary_rows(data))
+    rows = dict(summary_rows(ValidationResult.from_dict(data)))
     assert rows["scheme"].endswith("baseline, both with int4 (blocks of 32, symmetric, accuracy_level 4) weights")
     assert rows["weight bytes"].startswith("export int4 ") and ", baseline int4 " in rows["weight bytes"]
     assert rows["weight-only error"].startswith("int4 (blocks of 32, symmetric, accuracy_level 4) vs fp32 weights")
@@ -355,12 +420,12 @@ def test_a_given_baseline_with_the_same_weights_gets_its_weight_only_line(tiny, 
     given = export_model(str(tiny["model_dir"]), "fp16", tmp_path / "given", weights=int4)
     config = _config(tiny, attention_samples=0, gen_tokens=0)
     r = validate(int4_weights, given, config, progress=False)
-    assert r["baseline"] == str(given) and r["weight_only"]["reference_weights"] == "fp32"
-    assert r["weight_only"]["perplexity"] == r["token"]["perplexity_baseline"]
-    assert Path(r["weight_only"]["reference"]).parent == tmp_path / "cache" / "exports"
+    assert r.baseline == str(given) and r.weight_only.reference_weights == "fp32"
+    assert r.weight_only.scores.perplexity == r.token.scores.reference_perplexity
+    assert Path(r.weight_only.reference).parent == tmp_path / "cache" / "exports"
     # exports of a loaded model record no source to export the fp32-weight twin from: the cache numbers stand
     loaded = {name: export_model(tiny_model("llama"), scheme, tmp_path / name, weights=int4, tokenizer=tiny_tokenizer())
               for name, scheme in (("quant", "kivi-2"), ("base", "fp16"))}
     r = validate(loaded["quant"], loaded["base"], config, progress=False)
-    assert r["weight_only"]["skipped"].startswith("no fp32-weight reference could be exported: ")
-    assert r["token"]["perplexity"] > 0 and "reference" not in r["weight_only"]
+    assert r.weight_only.skipped.startswith("no fp32-weight reference could be exported: ")
+    assert r.token.scores.perplexity > 0 and "reference" not in r.weight_only.as_dict()

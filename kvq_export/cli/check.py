@@ -21,8 +21,8 @@ from kvq_export.manifest import Manifest
 from kvq_export.trt import compare_with_onnxruntime
 from kvq_export.validate import report
 from kvq_export.validate.compare import Tolerances, compare_exports, comparison_prompt_len, warn_unexercised
+from kvq_export.validate.config import DEFAULT_PROMPTS, ValidateConfig
 from kvq_export.validate.gates import Gates
-from kvq_export.validate.runner import DEFAULT_PROMPTS, ValidateConfig
 from kvq_export.validate.runner import validate as run_validation
 
 
@@ -79,10 +79,10 @@ def validate(export_dir, baseline, corpus, windows, window_len, offset, chunk, p
     result = run_validation(export_dir, baseline, config, progress=not quiet, verify_weights=not no_verify,
                             providers=providers)
     if json_out:
-        write_json_output(json_out, result)
+        write_json_output(json_out, result.to_json())
     if report_out:
         report.write_html(result, report_out)
-    table = Table(title=f"kvq validate {export_dir} ({result['seconds']} s)", show_header=False)
+    table = Table(title=f"kvq validate {export_dir} ({result.seconds} s)", show_header=False)
     table.add_column(style="bold")
     table.add_column()
     for label, value in report.summary_rows(result):

@@ -10,12 +10,18 @@ For one decode query ``q`` of a query head and the keys/values its kv head sees,
 
 Everything is float64 and exact algebra, so "values only leaves a unchanged", "keys only has no
 value-induced term" and "the three terms add up to the total" hold to rounding (tested).
+
+:func:`summarize` averages many samples per layer and head into an :class:`AttentionResult`, the attention
+section of a validation result.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from enum import StrEnum
+from typing import Any
 
 import numpy as np
 
@@ -154,3 +160,150 @@ def rank_agreement(a: np.ndarray, b: np.ndarray) -> float:
     rb -= rb.mean()
     denom = np.sqrt((ra**2).sum() * (rb**2).sum())
     return float((ra * rb).sum() / denom) if denom else float("nan")
+
+
+# -- the summary of many samples -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttentionSummary:
+    """Each :class:`AttentionMetric` averaged over every layer, head and sample.
+
+    The fields are the metrics, in their order.
+    """
+
+    # the stored keys' and values' own error
+    key_mse: float
+    value_mse: float
+    key_rel_error: float
+    # what the key error does to the attention scores and probabilities
+    score_shift_mean: float
+    score_shift_max: float
+    kl_keys: float
+    tv_keys: float
+    top1_keys: float
+    topk_keys: float
+    margin: float
+    top2_flip: float
+    # the attention output's relative error: keys only, values only, both
+    out_rel_keys: float
+    out_rel_values: float
+    out_rel_both: float
+    # the total split into key-induced (a'-a)V, value-induced a(V'-V) and their cross term
+    key_induced: float
+    value_induced: float
+    cross_term: float
+    decomposition_residual: float
+
+    def as_dict(self) -> dict[str, float]:
+        """JSON form."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class PositionError:
+    """The attention output's error at one decode position, averaged over layers, heads and windows."""
+
+    position: int
+    out_rel_keys: float
+    out_rel_values: float
+    out_rel_both: float
+    kl_keys: float
+
+    def as_dict(self) -> dict[str, float]:
+        """JSON form (the position is its key in :meth:`AttentionResult.as_dict`)."""
+        return {"out_rel_keys": self.out_rel_keys, "out_rel_values": self.out_rel_values,
+                "out_rel_both": self.out_rel_both, "kl_keys": self.kl_keys}
+
+
+@dataclass(frozen=True)
+class HeadError:
+    """One query head's key error: how much it moves the output, against how large it is (rank 1: largest MSE)."""
+
+    layer: int
+    head: int
+    key_induced: float
+    out_rel_keys: float
+    kl_keys: float
+    key_mse: float
+    mse_rank: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class AttentionResult:
+    """Attention at sampled decode positions: exact K/V against the stored, decoded cache (``samples`` = 0: none)."""
+
+    samples: int = 0
+    summary: AttentionSummary | None = None
+    per_layer_head: Mapping[AttentionMetric, tuple[tuple[float, ...], ...]] | None = None  # [layer][head]
+    by_position: tuple[PositionError, ...] = ()
+    key_error_hurts_most: tuple[HeadError, ...] = ()  # at most 10, largest key-induced error first
+    rank_agreement_mse_vs_key_induced: float | None = None  # Spearman over heads (NaN: a constant ranking)
+    rank_agreement_mse_vs_kl: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON form (``{"samples": 0}`` when nothing was sampled)."""
+        if self.summary is None or self.per_layer_head is None:
+            return {"samples": self.samples}
+        return {
+            "samples": self.samples,
+            "summary": self.summary.as_dict(),
+            "per_layer_head": {m: [list(row) for row in grid] for m, grid in self.per_layer_head.items()},
+            "by_position": {str(p.position): p.as_dict() for p in self.by_position},
+            "key_error_hurts_most": [h.as_dict() for h in self.key_error_hurts_most],
+            "rank_agreement_mse_vs_key_induced": self.rank_agreement_mse_vs_key_induced,
+            "rank_agreement_mse_vs_kl": self.rank_agreement_mse_vs_kl,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> AttentionResult:
+        """Parse :meth:`as_dict`'s form."""
+        if "summary" not in data:
+            return cls(data["samples"])
+        grids = {AttentionMetric(m): tuple(tuple(row) for row in grid) for m, grid in data["per_layer_head"].items()}
+        return cls(data["samples"], AttentionSummary(**data["summary"]), grids,
+                   tuple(PositionError(int(p), **e) for p, e in data["by_position"].items()),
+                   tuple(HeadError(**h) for h in data["key_error_hurts_most"]),
+                   data["rank_agreement_mse_vs_key_induced"], data["rank_agreement_mse_vs_kl"])
+
+
+#: What :attr:`AttentionResult.by_position` reports at each sampled position.
+POSITION_METRICS = (AttentionMetric.OUT_REL_KEYS, AttentionMetric.OUT_REL_VALUES, AttentionMetric.OUT_REL_BOTH,
+                    AttentionMetric.KL_KEYS)
+
+
+def summarize(samples: Sequence[tuple[int, int, Mapping[AttentionMetric, np.ndarray]]], num_layers: int,
+              num_heads: int) -> AttentionResult:
+    """Average :func:`attention_metrics` of ``(layer, position, metrics)`` samples per layer and head, and overall.
+
+    Ranks the heads by key-induced output error, each beside its key MSE's rank: where MSE misleads.
+    """
+    if not samples:
+        return AttentionResult()
+    grid = {m: np.zeros((num_layers, num_heads)) for m in METRICS}
+    counts = np.zeros(num_layers)
+    by_position: dict[int, dict[AttentionMetric, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for layer, position, metrics in samples:
+        counts[layer] += 1
+        for m in METRICS:
+            grid[m][layer] += metrics[m]
+        for m in POSITION_METRICS:
+            by_position[position][m].append(float(np.mean(metrics[m])))
+    for m in METRICS:
+        grid[m] /= np.maximum(counts, 1)[:, None]
+    hurt = grid[AttentionMetric.KEY_INDUCED].ravel()
+    mse = grid[AttentionMetric.KEY_MSE].ravel()
+    order = np.argsort(-hurt)
+    mse_rank = (mse[None, :] > mse[:, None]).sum(axis=1)  # heads with a larger MSE: tied heads share a rank
+    top = tuple(HeadError(int(i // num_heads), int(i % num_heads), float(hurt[i]),
+                          float(grid[AttentionMetric.OUT_REL_KEYS].ravel()[i]),
+                          float(grid[AttentionMetric.KL_KEYS].ravel()[i]), float(mse[i]), int(mse_rank[i]) + 1)
+                for i in order[:10])
+    return AttentionResult(
+        len(samples), AttentionSummary(**{m.value: float(np.mean(grid[m])) for m in METRICS}),
+        {m: tuple(tuple(row) for row in grid[m].tolist()) for m in METRICS},
+        tuple(PositionError(p, **{m.value: float(np.mean(v)) for m, v in ms.items()})
+              for p, ms in sorted(by_position.items())),
+        top, rank_agreement(mse, hurt), rank_agreement(mse, grid[AttentionMetric.KL_KEYS].ravel()))

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvq_export.errors import GateError
+
+if TYPE_CHECKING:
+    from kvq_export.validate.result import ValidationResult
 
 
 @dataclass(frozen=True)
@@ -36,23 +39,23 @@ class Gates:
         """Whether any threshold is set."""
         return any(v is not None for v in (self.max_ppl_delta, self.min_top1, self.max_kl))
 
-    def misses(self, result: dict[str, Any]) -> list[str]:
+    def misses(self, result: ValidationResult) -> list[str]:
         """One phrase per threshold ``result`` misses (empty: every gate passed)."""
-        token = result["token"]
+        token = result.token.scores
         out = []
-        delta = float(token["perplexity_delta_rel"])
+        delta = float(token.perplexity_delta_rel)
         if self.max_ppl_delta is not None and not delta <= self.max_ppl_delta:
             out.append(f"perplexity {delta:+.3%} vs the baseline exceeds --max-ppl-delta {self.max_ppl_delta:g} "
                        f"({self.max_ppl_delta:+.3%})")
-        top1 = float(token["top1_agreement"])
+        top1 = float(token.top1_agreement)
         if self.min_top1 is not None and not top1 >= self.min_top1:
             out.append(f"top-1 agreement {top1:.4f} is below --min-top1 {self.min_top1:g}")
-        kl = float(token["kl"]["mean"])
+        kl = float(token.kl.mean)
         if self.max_kl is not None and not kl <= self.max_kl:
             out.append(f"mean KL {kl:.4g} exceeds --max-kl {self.max_kl:g}")
         return out
 
-    def check(self, result: dict[str, Any]) -> None:
+    def check(self, result: ValidationResult) -> None:
         """Raise :class:`GateError` (one line naming every miss) unless ``result`` passes every gate."""
         missed = self.misses(result)
         if missed:

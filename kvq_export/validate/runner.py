@@ -20,7 +20,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,91 +36,28 @@ from kvq_export.model_digest import recorded_source
 from kvq_export.model_source import cache_dir
 from kvq_export.request import ExportRequest, WeightFormat, WeightSpec
 from kvq_export.runtime.session import KVQSession
-from kvq_export.validate.attention import METRICS, AttentionMetric, AttentionSample, attention_metrics, rank_agreement
+from kvq_export.validate.attention import AttentionMetric, AttentionSample, attention_metrics, summarize
+from kvq_export.validate.config import ValidateConfig
 from kvq_export.validate.probe import probed_session
+from kvq_export.validate.result import (
+    CalibrationResult,
+    CurvePoint,
+    Greedy,
+    LatencyBucket,
+    LatencyResult,
+    MemoryResult,
+    ModelSummary,
+    Timing,
+    TokenResult,
+    ValidationResult,
+    WeightOnlyResult,
+    WindowResult,
+    weights_label,
+)
+from kvq_export.validate.scores import TokenScores
 from kvq_export.vocab import Part
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_PROMPTS = (
-    "Once upon a time",
-    "The capital of France is",
-    "In a small village at the foot of the mountains, there lived an old clockmaker who",
-    "The three most important inventions of the nineteenth century were",
-    "Photosynthesis is the process by which",
-    "def fibonacci(n):",
-    "The recipe calls for two cups of flour, one egg and",
-    "When the war ended, the soldiers returned home to find",
-)
-
-
-@dataclass(frozen=True)
-class ValidateConfig:
-    """What to run; the defaults are protocol P: 8 x 512 britannica tokens from token 0, strict decode."""
-
-    corpus: str = "britannica"
-    windows: int = 8
-    window_len: int = 512
-    offset: int = 0  # tokens skipped at the start of the corpus
-    chunk: int | None = None  # None = strict decode (one token per step)
-    prompts: tuple[str, ...] = DEFAULT_PROMPTS
-    gen_tokens: int = 64
-    attention_samples: int = 4  # decode positions per window for the attention analysis
-    top_k: int = 8
-    latency_buckets: int = 4  # context-length buckets for the latency table
-
-
-def _logsoftmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-
-
-def _stats(values: list[float] | np.ndarray) -> dict[str, float]:
-    v = np.asarray(values, dtype=np.float64)
-    if v.size == 0:
-        return {"mean": float("nan"), "p99": float("nan"), "max": float("nan")}
-    return {"mean": float(v.mean()), "p99": float(np.percentile(v, 99)), "max": float(v.max())}
-
-
-def _timing(ms: list[float]) -> dict[str, float]:
-    v = np.asarray(ms, dtype=np.float64)
-    return {"median_ms": float(np.median(v)), "p10_ms": float(np.percentile(v, 10)),
-            "p90_ms": float(np.percentile(v, 90)), "steps": int(v.size)}
-
-
-@dataclass
-class TokenScores:
-    """Two graphs' predictions of the same targets: each one's NLL, KL(reference || scored) and top-1 agreement.
-
-    ``kvq validate`` scores its windows with it, and ``kvq demo`` its teacher-forced continuation.
-    """
-
-    nll: list[np.ndarray] = field(default_factory=list)
-    nll_ref: list[np.ndarray] = field(default_factory=list)
-    kl: list[np.ndarray] = field(default_factory=list)
-    top1: list[np.ndarray] = field(default_factory=list)
-
-    def add(self, logits: np.ndarray, ref_logits: np.ndarray, targets: np.ndarray) -> None:
-        """Score one step: ``targets`` [rows, n] are the tokens after the first n positions of the logits."""
-        usable = targets.shape[1]
-        lq, lb = _logsoftmax(logits[:, :usable]), _logsoftmax(ref_logits[:, :usable])
-        rows = np.arange(targets.shape[0])[:, None]
-        cols = np.arange(usable)[None, :]
-        self.nll.append(-lq[rows, cols, targets])
-        self.nll_ref.append(-lb[rows, cols, targets])
-        self.kl.append(np.sum(np.exp(lb) * (lb - lq), axis=-1))
-        self.top1.append(lq.argmax(-1) == lb.argmax(-1))
-
-    def summary(self, reference: str) -> dict[str, Any]:
-        """Perplexity of both (the reference's as ``perplexity_<reference>``), KL and top-1 agreement."""
-        nll, nll_ref = np.concatenate(self.nll, axis=1), np.concatenate(self.nll_ref, axis=1)
-        kl = np.concatenate(self.kl, axis=1)
-        ppl, ppl_ref = float(np.exp(nll.mean())), float(np.exp(nll_ref.mean()))
-        top1 = np.concatenate(self.top1, axis=1)
-        return {"perplexity": ppl, f"perplexity_{reference}": ppl_ref, "perplexity_delta_rel": ppl / ppl_ref - 1.0,
-                "predictions": int(nll.size), "kl": _stats(kl.ravel()), "kl_by_position": kl.mean(axis=0).tolist(),
-                "top1_agreement": float(top1.mean()), "top1_by_position": top1.mean(axis=0).tolist()}
 
 
 @dataclass
@@ -128,7 +65,7 @@ class _Accumulator:
     tokens: TokenScores = field(default_factory=TokenScores)  # the export against the baseline
     weights: TokenScores = field(default_factory=TokenScores)  # the baseline against its fp32-weight twin
     times: dict[str, list[tuple[int, float]]] = field(default_factory=lambda: defaultdict(list))
-    attention: list[tuple[int, int, dict[str, np.ndarray]]] = field(default_factory=list)  # (layer, pos, metrics)
+    attention: list[tuple[int, int, dict[AttentionMetric, np.ndarray]]] = field(default_factory=list)  # layer, pos
 
 
 def export_weights(directory: str | os.PathLike[str]) -> WeightSpec:
@@ -136,17 +73,6 @@ def export_weights(directory: str | os.PathLike[str]) -> WeightSpec:
     from kvq_export.weight_bytes import weight_bytes  # lazy: imports onnx
 
     return WeightSpec.from_dict(weight_bytes(directory).settings)
-
-
-def weights_label(spec: WeightSpec) -> str:
-    """``int4 (blocks of 32, symmetric, accuracy_level 4)``; ``fp32`` / ``fp16`` alone (they have no settings).
-
-    Two exports store the same weights exactly when their labels are equal.
-    """
-    if not spec.quantized:
-        return str(spec.format)
-    return (f"{spec.format} (blocks of {spec.block_size}, {'symmetric' if spec.symmetric else 'asymmetric'}, "
-            f"accuracy_level {spec.accuracy_level})")
 
 
 def _cached_export(manifest, scheme: Any, weights: WeightSpec, *, flavor: str | None = None,
@@ -180,8 +106,10 @@ def weight_reference(manifest, baseline) -> Path:
 
 def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike[str] | None = None,
              config: ValidateConfig | None = None, *, progress: bool = True,
-             verify_weights: bool = True, providers: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run the whole validation; return every number as a JSON-ready dict (nothing is written into an export).
+             verify_weights: bool = True, providers: Sequence[str] | None = None) -> ValidationResult:
+    """Run the whole validation; return every number (nothing is written into an export).
+
+    :meth:`ValidationResult.as_dict` is the result's JSON form.
 
     ``providers``: ONNX Runtime providers of both sessions (None: the runtime's default choice).
     """
@@ -202,28 +130,22 @@ def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike
     window = _window(quant.manifest)
     acc, quant_cache = _lockstep(quant, base, tokens, config, progress, reference)
     greedy = _greedy(quant, base, config, window)
-    result = {
-        "export": str(export_dir),
-        "baseline": str(base_dir),
-        "baseline_scheme": base.manifest.scheme.to_dict(),
-        "baseline_flavor": base.manifest.flavor,
-        "weights": weights.to_dict(),
-        "weights_label": weights_label(weights),
-        "scheme": quant.manifest.scheme.to_dict(),
-        "model": {k: getattr(quant.manifest.model, k) for k in ("source", "model_type", "num_layers", "num_heads",
-                                                                  "num_kv_heads", "head_dim")},
-        "flavor": quant.manifest.flavor,
-        "config": {**asdict(config), "prompts": list(config.prompts)},
-        "calibration": _calibration_section(quant.manifest, config),
-        "token": _token_section(acc, greedy),
-        "window": _window_section(window, config, greedy),
-        "attention": _attention_section(acc, quant.manifest),
-        "memory": _memory_section(quant, base, quant_cache, tokens.shape),
-        "weight_only": _weight_only_section(acc, weights, reference, skipped),
-        "latency": _latency_section(acc, config),
-        "seconds": round(time.perf_counter() - start, 1),
-    }
-    return result
+    model = quant.manifest.model
+    return ValidationResult(
+        export=str(export_dir), baseline=str(base_dir), baseline_scheme=base.manifest.scheme,
+        baseline_flavor=base.manifest.flavor, weights=weights, scheme=quant.manifest.scheme,
+        model=ModelSummary(model.source, model.model_type, model.num_layers, model.num_heads, model.num_kv_heads,
+                           model.head_dim),
+        flavor=quant.manifest.flavor, config=config,
+        calibration=_calibration_section(quant.manifest, config),
+        token=TokenResult(acc.tokens.summary(), greedy),
+        window=_window_section(window, config, greedy),
+        attention=summarize(acc.attention, model.num_layers, model.num_heads),
+        memory=_memory_section(quant, base, quant_cache, tokens.shape),
+        weight_only=_weight_only_section(acc, weights, reference, skipped),
+        latency=_latency_section(acc, config),
+        seconds=round(time.perf_counter() - start, 1),
+    )
 
 
 def _check_same_weights(export: WeightSpec, base: WeightSpec, export_dir, base_dir) -> None:
@@ -259,7 +181,7 @@ def _check_same_model(quant, base, export_dir, base_dir) -> None:
                        f"{base.source_digest} vs {quant.source_digest}); pass an fp16 export of the same model")
 
 
-def _calibration_section(manifest, config: ValidateConfig) -> dict[str, Any] | None:
+def _calibration_section(manifest, config: ValidateConfig) -> CalibrationResult | None:
     """How the static scales or high channels were chosen, and whether the scored text is the calibration text."""
     cal = manifest.calibration
     if not cal:
@@ -271,7 +193,7 @@ def _calibration_section(manifest, config: ValidateConfig) -> dict[str, Any] | N
         start = cal.offset or 0
         end = config.offset + config.windows * config.window_len
         overlap = cal.corpus == config.corpus and config.offset < start + used and start < end
-    return {**cal.to_dict(), "windows_overlap_calibration": overlap}
+    return CalibrationResult(cal, overlap)
 
 
 def _lockstep(quant, base, tokens: np.ndarray, config: ValidateConfig, progress: bool, reference=None):
@@ -351,95 +273,48 @@ def _window(manifest) -> int:
     return high_precision_tokens(manifest.scheme, manifest.model, manifest.model.max_position_embeddings)
 
 
-def _window_section(window: int, config: ValidateConfig, greedy: dict[str, Any]) -> dict[str, Any]:
+def _window_section(window: int, config: ValidateConfig, greedy: Greedy) -> WindowResult:
     """Whether the scored windows and the greedy prompts reach past the high-precision span, with warnings.
 
     A row that never holds more than ``window`` tokens never reads a quantized token: its numbers match the
     baseline whatever the quantizer does, and must not read as a clean bill of health.
     """
-    section = {"tokens": window, "windows_exceed": config.window_len > window,
-               "greedy_prompts_exceeding": greedy.get("prompts_exceeding_window")}
-    if window and not section["windows_exceed"]:
+    section = WindowResult(window, config.window_len > window, greedy.prompts_exceeding_window)
+    if window and not section.windows_exceed:
         logger.warning("every scored window (%d tokens) stays within the export's %d-token high-precision window: "
                        "perplexity, KL and top-1 never read a quantized token (raise --window-len above %d)",
                        config.window_len, window, window)
-    if window and greedy.get("prompts") and not greedy.get("prompts_exceeding_window"):
+    if window and greedy.prompts and not greedy.prompts_exceeding_window:
         logger.warning("no greedy prompt plus its %d generated tokens leaves the export's %d-token high-precision "
                        "window: greedy agreement never reads a quantized token (raise --gen-tokens)",
                        config.gen_tokens, window)
     return section
 
 
-def _greedy(quant, base, config: ValidateConfig, window: int = 0) -> dict[str, Any]:
+def _greedy(quant, base, config: ValidateConfig, window: int = 0) -> Greedy:
     if not config.prompts or not config.gen_tokens:
-        return {"prompts": 0}
+        return Greedy()
     got = quant.generate(list(config.prompts), config.gen_tokens, stop_at_eos=False)
     ref = base.generate(list(config.prompts), config.gen_tokens, stop_at_eos=False)
     agree = [next((i for i, (a, b) in enumerate(zip(g.tokens, r.tokens)) if a != b), len(r.tokens))
              for g, r in zip(got, ref)]
     # a row stores its prompt and every generated token but the last: only past the window is one quantized
     exceeding = sum(len(g.prompt_tokens) + config.gen_tokens - 1 > window for g in got)
-    return {"prompts": len(agree), "tokens": config.gen_tokens, "tokens_to_divergence": agree,
-            "mean_tokens_to_divergence": float(np.mean(agree)),
-            "identical_fraction": float(np.mean([a == config.gen_tokens for a in agree])),
-            "prompts_exceeding_window": int(exceeding)}
+    return Greedy(config.gen_tokens, tuple(agree), int(exceeding))
 
 
-def _token_section(acc: _Accumulator, greedy: dict) -> dict[str, Any]:
-    return {**acc.tokens.summary("baseline"), "greedy": greedy}
-
-
-def _weight_only_section(acc: _Accumulator, weights: WeightSpec, reference, skipped: str | None) -> dict[str, Any]:
+def _weight_only_section(acc: _Accumulator, weights: WeightSpec, reference, skipped: str | None) -> WeightOnlyResult:
     """The baseline (the export's weights) against its fp32-weight twin, both with the baseline's cache."""
     from kvq_export.weight_bytes import weight_bytes  # lazy: imports onnx
 
     if reference is None:
-        return {"weights": weights_label(weights), "skipped": skipped}
-    section = acc.weights.summary("reference")
-    section.pop("kl_by_position")
-    section.pop("top1_by_position")
-    return {"weights": weights_label(weights), "reference_weights": weights_label(WeightSpec()),
-            "reference": str(reference.directory), "reference_weight_bytes": weight_bytes(reference.directory).total,
-            **section}
+        return WeightOnlyResult(weights_label(weights), skipped=skipped)
+    scores = replace(acc.weights.summary(), kl_by_position=None, top1_by_position=None)
+    return WeightOnlyResult(weights_label(weights), scores, str(reference.directory),
+                            weight_bytes(reference.directory).total)
 
 
-def _attention_section(acc: _Accumulator, manifest) -> dict[str, Any]:
-    if not acc.attention:
-        return {"samples": 0}
-    layers, heads = manifest.num_layers, manifest.model.num_heads
-    grid = {m: np.zeros((layers, heads)) for m in METRICS}
-    counts = np.zeros(layers)
-    by_position: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for layer, position, metrics in acc.attention:
-        counts[layer] += 1
-        for m in METRICS:
-            grid[m][layer] += metrics[m]
-        for m in (AttentionMetric.OUT_REL_KEYS, AttentionMetric.OUT_REL_VALUES, AttentionMetric.OUT_REL_BOTH,
-                  AttentionMetric.KL_KEYS):
-            by_position[position][m].append(float(np.mean(metrics[m])))
-    for m in METRICS:
-        grid[m] /= np.maximum(counts, 1)[:, None]
-    hurt = grid[AttentionMetric.KEY_INDUCED].ravel()
-    mse = grid[AttentionMetric.KEY_MSE].ravel()
-    order = np.argsort(-hurt)
-    mse_rank = (mse[None, :] > mse[:, None]).sum(axis=1)  # heads with a larger MSE: tied heads share a rank
-    top = [{"layer": int(i // heads), "head": int(i % heads), "key_induced": float(hurt[i]),
-            "out_rel_keys": float(grid[AttentionMetric.OUT_REL_KEYS].ravel()[i]),
-            "kl_keys": float(grid[AttentionMetric.KL_KEYS].ravel()[i]),
-            "key_mse": float(mse[i]), "mse_rank": int(mse_rank[i]) + 1} for i in order[:10]]
-    summary = {m: float(np.mean(grid[m])) for m in METRICS}
-    return {
-        "samples": len(acc.attention),
-        "summary": summary,
-        "per_layer_head": {m: grid[m].tolist() for m in METRICS},
-        "by_position": {str(p): {m: float(np.mean(v)) for m, v in ms.items()} for p, ms in sorted(by_position.items())},
-        "key_error_hurts_most": top,
-        "rank_agreement_mse_vs_key_induced": rank_agreement(mse, hurt),
-        "rank_agreement_mse_vs_kl": rank_agreement(mse, grid[AttentionMetric.KL_KEYS].ravel()),
-    }
-
-
-def _memory_section(quant, base, cache, shape) -> dict[str, Any]:
+def _memory_section(quant, base, cache, shape) -> MemoryResult:
     """The cache bytes held vs the memory model's, with both graphs' weight bytes beside them."""
     from kvq_export.weight_bytes import weight_bytes  # lazy: imports onnx
 
@@ -451,25 +326,15 @@ def _memory_section(quant, base, cache, shape) -> dict[str, Any]:
     measured = quant.cache_nbytes(cache)
     lengths = sorted({64, 128, 256, 512, 1024, 2048, 4096, 8192, length})
     exported, baseline = weight_bytes(quant.directory), weight_bytes(base.directory)
-    return {
-        "weight_bytes": exported.total, "weight_format": exported.format, "weights": exported.to_dict(),
-        "baseline_weight_bytes": baseline.total, "baseline_weight_format": baseline.format,
-        "baseline_weights": baseline.to_dict(),
-        "seq_len": length, "batch": rows,
-        "predicted_bytes": report.total_bytes,
-        "predicted_cache_state_bytes": report.total_bytes - static,  # static scales live in the graph
-        "measured_bytes": measured,
-        "prediction_matches": measured == report.total_bytes - static,
-        "fp16_bytes": report.fp16_bytes,
-        "ratio": report.ratio,
-        "bits_per_element": report.bits_per_element,
-        "breakdown": report.breakdown,
-        "curve": [{"seq_len": r.seq_len, "bytes": r.total_bytes, "fp16_bytes": r.fp16_bytes}
-                  for r in curve(scheme, geo, lengths)],
-    }
+    return MemoryResult(
+        weights=exported, baseline_weights=baseline, seq_len=length, batch=rows, predicted_bytes=report.total_bytes,
+        predicted_cache_state_bytes=report.total_bytes - static,  # static scales live in the graph
+        measured_bytes=measured, fp16_bytes=report.fp16_bytes, ratio=report.ratio,
+        bits_per_element=report.bits_per_element, breakdown=report.breakdown,
+        curve=tuple(CurvePoint(r.seq_len, r.total_bytes, r.fp16_bytes) for r in curve(scheme, geo, lengths)))
 
 
-def _latency_section(acc: _Accumulator, config: ValidateConfig) -> dict[str, Any]:
+def _latency_section(acc: _Accumulator, config: ValidateConfig) -> LatencyResult:
     length = max(pos for pos, _ in acc.times["quant"])
     edges = np.linspace(0, length, config.latency_buckets + 1)
     buckets = []
@@ -477,14 +342,9 @@ def _latency_section(acc: _Accumulator, config: ValidateConfig) -> dict[str, Any
         q = [ms for pos, ms in acc.times["quant"][1:] if lo < pos <= hi]  # first step excluded: warm-up
         b = [ms for pos, ms in acc.times["base"][1:] if lo < pos <= hi]
         if q and b:
-            tq, tb = _timing(q), _timing(b)
-            buckets.append({"context_from": int(lo), "context_to": int(hi), "quantized": tq, "baseline": tb,
-                            "ratio": tq["median_ms"] / tb["median_ms"]})
-    overall_q = _timing([ms for _, ms in acc.times["quant"][1:]])
-    overall_b = _timing([ms for _, ms in acc.times["base"][1:]])
-    return {"buckets": buckets, "quantized": overall_q, "baseline": overall_b,
-            "ratio": overall_q["median_ms"] / overall_b["median_ms"], "batch": config.windows,
-            "tokens_per_step": config.chunk or 1}
+            buckets.append(LatencyBucket(int(lo), int(hi), Timing.of(q), Timing.of(b)))
+    return LatencyResult(tuple(buckets), Timing.of([ms for _, ms in acc.times["quant"][1:]]),
+                         Timing.of([ms for _, ms in acc.times["base"][1:]]), config.windows, config.chunk or 1)
 
 
 def _progress(enabled: bool, total: int, desc: str):
