@@ -41,7 +41,7 @@ from kvq_export.model_facts import json_field as _get
 from kvq_export.naming import PARTS, CacheTensor, tensor_name
 from kvq_export.rotation import describe_rotation, rotate_torch, rotation_matrix
 from kvq_export.scheme import KVQuantScheme
-from kvq_export.vocab import LayoutName, Rotation
+from kvq_export.vocab import Basis, LayoutName, Rotation, parse_enum
 
 MANIFEST_NAME = "kvq.json"
 MODEL_NAME = "model.onnx"
@@ -378,7 +378,7 @@ def load_static(directory: str | os.PathLike[str], manifest: Manifest) -> Calibr
 
 def decode_cache(
     manifest: Manifest, tensors: Mapping[str, np.ndarray], *, direction: str = "present", static: Mapping | None = None,
-    basis: str = "stored",
+    basis: Basis = Basis.STORED,
 ) -> list[list[tuple[np.ndarray, np.ndarray]]]:
     """Dequantize a cache using only the manifest: ``[row][layer] -> (K, V)`` each float32 ``[H, n_row, D]``.
 
@@ -387,10 +387,9 @@ def decode_cache(
     stored (``x @ R``, the basis of the graph's attention and ``probe.*`` values, see :data:`ROTATION_RULES`);
     ``model`` multiplies them by ``R.T`` (float32), e.g. to compare exports whose rotations differ.
     """
-    if basis not in ("stored", "model"):
-        raise RuntimeInputError(f"invalid basis={basis!r}: allowed: stored, model")
+    basis = parse_enum(Basis, basis, "basis", RuntimeInputError)
     rows = _decode_stored(manifest, tensors, direction, static)
-    if basis == "stored":
+    if basis is Basis.STORED:
         return rows
     import torch
 

@@ -66,6 +66,13 @@ class Rotation(StrEnum):
     HADAMARD = "hadamard"
 
 
+class Basis(StrEnum):
+    """Which basis a rotated stream's rows are given or read back in (``x @ R`` is what the cache stores)."""
+
+    MODEL = "model"  # the model's own: keys after RoPE, values as projected
+    STORED = "stored"  # as stored: rotated
+
+
 # -- cache tensors (:mod:`kvq_export.naming`, :mod:`kvq_export.cache_layout`) -------------------------------
 class Direction(StrEnum):
     """Which side of a step a cache tensor is on."""

@@ -23,7 +23,7 @@ from kvgraph_harness import CacheOnly
 from state_harness import compare_state, reference_run
 from tiny_models import COMMON, VOCAB, attention_facts, tiny_model
 
-from kvq_export.errors import ExportError, SchemeError
+from kvq_export.errors import ExportError, QuantizationError, RuntimeInputError, SchemeError
 from kvq_export.export.exporter import export_model
 from kvq_export.graph.projections import fold_rotation
 from kvq_export.manifest import Manifest, decode_cache, load_static
@@ -34,7 +34,7 @@ from kvq_export.reference.cache import LayerCache, StreamCache
 from kvq_export.rotation import hadamard, hadamard_blocks, rotate_torch, rotation_matrix
 from kvq_export.runtime.session import KVQSession
 from kvq_export.scheme import KVQuantScheme, TensorQuant
-from kvq_export.vocab import Part, Rotation
+from kvq_export.vocab import Basis, Part, Rotation
 
 FP32 = TensorQuant(format="fp16", bits=16)
 
@@ -151,6 +151,16 @@ def test_reference_cache_stores_the_rotated_basis():
     assert torch.equal(again.codes, cache.value.codes)
 
 
+def test_an_unknown_basis_is_refused_naming_the_allowed_ones():
+    cache = StreamCache(FP32, KVQuantScheme(key=FP32, value=FP32))
+    with pytest.raises(QuantizationError, match=r"^invalid basis='rotated': allowed: model, stored$"):
+        cache.append(torch.zeros(1, 1, 1, 64), basis="rotated")
+    cache.append(torch.ones(1, 1, 1, 64), basis=Basis.STORED)
+    with pytest.raises(QuantizationError, match=r"^invalid basis='rotated': allowed: model, stored$"):
+        cache.dequantized(basis="rotated")
+    assert torch.equal(cache.dequantized(basis=Basis.STORED), torch.ones(1, 1, 1, 64))
+
+
 # -- exported graphs ------------------------------------------------------------------------------------------
 def _logits(directory, prompts=PROMPTS["padded"], steps=6, verify_weights=True):
     session = KVQSession(directory, verify_weights=verify_weights)
@@ -257,6 +267,8 @@ def test_quantized_rotated_export_tracks_the_reference_cache(tmp_path, scheme):
     compare_state(arrays, 0, ref, scheme, None)
     stored = decode_cache(session.manifest, arrays, direction="past")
     model_basis = decode_cache(session.manifest, arrays, direction="past", basis="model")
+    with pytest.raises(RuntimeInputError, match=r"^invalid basis='rotated': allowed: model, stored$"):
+        decode_cache(session.manifest, arrays, direction="past", basis="rotated")
     for layer, layer_cache in enumerate(ref.layers):
         for index, part in enumerate(("key", "value")):
             stream_ref = getattr(layer_cache, part)

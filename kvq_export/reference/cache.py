@@ -1,33 +1,14 @@
 """The reference quantized KV cache: ground truth for every backend.
 
-One :class:`StreamCache` holds the keys *or* the values of one layer for ``batch x kv_heads`` and
-follows the scheme exactly:
+:class:`StreamCache` holds the keys *or* the values of one layer for ``batch x kv_heads`` and follows the scheme
+exactly: :meth:`~StreamCache.append` takes new tokens ``[B, H, t, D]``, :meth:`~StreamCache.tensors` returns what is
+stored by role (the ``regions`` layout: ``sinks``, ``codes``, ``scales``, ``zero_points``, ``recent``; a static
+stream's scales ``[H, n]``), :meth:`~StreamCache.dequantized` what attention reads ``[B, H, T, D]`` in token order.
+A rotated stream stores ``x @ R``; ``basis`` (:class:`~kvq_export.vocab.Basis`) says whether tokens go in and come
+out in the model's basis (the default) or as stored. :class:`LayerCache` pairs a layer's two streams and
+:class:`ReferenceCache` holds every layer of one scheme, with the calibrated static metadata.
 
-1. incoming tokens are first rounded to the high-precision dtype (``hp_dtype``); everything below
-   works from that rounded copy, so the stored state does not depend on how tokens were chunked;
-2. the first ``sink_tokens`` tokens go to the sink region and stay there;
-3. the rest enter the recent window; whatever is older than the ``residual_length`` newest tokens
-   leaves it in flush units (1 token for token-axis/static streams, ``group_size`` tokens for
-   channel-axis streams) and is quantized, appended to the packed codes and metadata.
-
-Stored tensors (roles; shapes for ``B`` sequences, ``H`` kv heads, ``D`` head_dim, ``Tq`` quantized
-tokens, ``G`` group size, ``P = D * bits / 8``):
-
-* ``sinks``       ``[B, H, S', D]``            hp_dtype
-* ``codes``       ``[B, H, Tq, P]``            uint8 (float8_e4m3fn for fp8)
-* ``scales``      ``[B, H, Tq, D/G]`` (token) | ``[B, H, Tq/G, D]`` (channel) | ``[H, n]`` (static)
-* ``zero_points`` same as ``scales``          (asymmetric ``int`` only)
-* ``recent``      ``[B, H, R', D]``            hp_dtype
-
-An unquantized (``fp16``) stream keeps every token in ``recent``.
-
-Rotation (``tq.rotation``, :mod:`kvq_export.rotation`): a rotated stream stores ``x @ R`` in every region.
-:meth:`StreamCache.append` takes tokens in the model's basis (post-RoPE keys, values as projected) and
-rotates them in float32 first, then rounds to ``hp_dtype`` -- the order of the exported graphs, whose body
-rotates in the compute dtype before the cache stores. :meth:`StreamCache.dequantized` returns the model
-basis by default (``y @ R.T``, so a Hugging Face attention with unrotated queries sees consistent keys and
-values; scores and outputs equal the rotated-basis attention up to float rounding) or the stored basis with
-``basis="stored"``. Tokens that are already rotated (a graph's probes) go in with ``append(x, basis="stored")``.
+The order of rounding, sinks, window and flushes, and of rotation: docs/concepts/flavours.md#the-reference-cache.
 """
 
 from __future__ import annotations
@@ -43,16 +24,9 @@ from kvq_export.reference.codec import Quantized, check_finite, dequantize_packe
 from kvq_export.region_split import REGION_ROLES, RegionSplit
 from kvq_export.rotation import rotate_torch, rotation_matrix
 from kvq_export.scheme import KVQuantScheme, TensorQuant
-from kvq_export.vocab import Format, Part, ScaleMode
+from kvq_export.vocab import Basis, Format, Part, ScaleMode, parse_enum
 
 ROLES = REGION_ROLES
-#: ``basis=`` values of :meth:`StreamCache.append` / :meth:`StreamCache.dequantized`.
-BASES = ("model", "stored")
-
-
-def _check_basis(basis: str) -> None:
-    if basis not in BASES:
-        raise QuantizationError(f"invalid basis={basis!r}: allowed: {', '.join(BASES)}")
 
 
 class StreamCache:
@@ -146,12 +120,12 @@ class StreamCache:
             self.scales = x.new_empty((batch, heads, 0, entries), dtype=sdtype)
             self.zeros = self.scales.clone() if self.tq.has_zero_point else None
 
-    def append(self, x: torch.Tensor, *, basis: str = "model") -> None:
+    def append(self, x: torch.Tensor, *, basis: Basis = Basis.MODEL) -> None:
         """Append ``x`` of shape ``[B, H, t, D]`` (t >= 0 new tokens, any float dtype).
 
         ``basis="model"``: ``x`` is rotated first when the stream is; ``"stored"``: ``x`` is already rotated.
         """
-        _check_basis(basis)
+        basis = parse_enum(Basis, basis, "basis", QuantizationError)
         if x.dim() != 4:
             raise QuantizationError(f"expected new tokens as [batch, kv_heads, tokens, head_dim], got {list(x.shape)}")
         if self.recent is None:
@@ -161,7 +135,7 @@ class StreamCache:
                 f"new tokens of shape {list(x.shape)} do not match the cache's {list(self.recent.shape)}"
             )
         check_finite(x)
-        if basis == "model":
+        if basis is Basis.MODEL:
             x = rotate_torch(x, self.rotation)
         x = x.to(self.hp_dtype)
         if not self.tq.quantized:
@@ -195,19 +169,19 @@ class StreamCache:
         t = self.tensors()
         return Quantized(t["codes"], t["scales"], t.get("zero_points"))
 
-    def dequantized(self, dtype: torch.dtype = torch.float32, *, basis: str = "model") -> torch.Tensor:
+    def dequantized(self, dtype: torch.dtype = torch.float32, *, basis: Basis = Basis.MODEL) -> torch.Tensor:
         """What attention sees: ``[B, H, T, D]``, tokens in their original order.
 
         ``basis="model"`` un-rotates a rotated stream (``y @ R.T`` in float32); ``"stored"`` does not.
         """
-        _check_basis(basis)
+        basis = parse_enum(Basis, basis, "basis", QuantizationError)
         if self.recent is None:
             raise QuantizationError("the cache is empty")
         if not self.tq.quantized:
             out = self.recent
         else:
             out = torch.cat([self.sinks.float(), self._dequantized, self.recent.float()], dim=2)
-        if basis == "model" and self.rotation is not None:
+        if basis is Basis.MODEL and self.rotation is not None:
             out = rotate_torch(out, self.rotation, inverse=True)
         return out.to(dtype)
 
