@@ -1,31 +1,18 @@
 """Capacity: how many sequences an export serves at once within a memory budget, and how fast together.
 
-A quantized cache is worth its accuracy cost when it lets one machine hold more sequences. For each export
-directory onnxruntime-genai loads (a ``kvq export --flavor ort-gqa`` directory, or one its model builder wrote)
-this module
-
-* predicts, from the decoder graph alone, the cache bytes one sequence holds at a fixed context (og allocates
-  every layer's key and value buffer as ``[batch, kv_heads, max_length, head_dim]`` of the graph's cache input
-  type, once when past and present share a buffer) and, with the weights' bytes, how many sequences fit a budget;
-* measures, in a child process of its own (so resident memory is that export's alone), the resident set after
-  loading, after ``concurrent`` sequences decoded together at that context, and their aggregate tokens/s.
-
-The exports of one context are measured together: each process sets its export up in turn, then the decode
-steps run in rounds, one step of every export per round in a fresh random order while the others wait, so
-load from other jobs on a shared machine hits every export alike and their tokens/s compare fairly.
-Each context's rows are appended to a JSON-lines file once measured, so a stopped run keeps what it measured::
+For each directory onnxruntime-genai (og) loads, :func:`run_capacity` predicts from the decoder graph alone
+(:func:`footprint`) the cache bytes one sequence holds at each context and how many sequences fit the budget beside
+the weights, then measures, each export in a child process of its own, the resident set after loading and after
+``concurrent`` sequences decoded together, and their aggregate tokens/s (the exports of one context interleaved by
+:func:`kvq_export.measure.timing.interleaved`). It returns one :class:`CapacityRow` per export and context and
+appends each context's rows to a JSON-lines file once measured; :func:`plot_capacity` draws them::
 
     rows = run_capacity({"int8": "exports/int8", "builder": "exports/builder-int4"}, contexts=(2048, 8000),
                         concurrent=4, budget_bytes=8 << 30, out="capacity.jsonl")
     plot_capacity(rows, "capacity.png")
 
-Backends, each a runner of :mod:`kvq_export.measure.runners`: ``og`` (:class:`GenaiRunner`) runs ``og.Model`` /
-``og.Generator`` with a batch of ``concurrent`` prompts of synthetic token ids (prefilled together in one call,
-then the decode steps); ``session`` (:class:`KvqRunner`, kvq exports only) runs ``KVQSession`` on a synthetic
-cache already holding the context (:mod:`kvq_export.measure.synthetic`), so long contexts cost no prefill; ``ort``
-(:class:`OrtGraphRunner`, other og directories whose past and present are separate tensors, as the builder's
-quantized caches) runs the decoder graph in ONNX Runtime on a synthetic cache the same way, stepping as og's loop
-does. The steps are timed by :func:`kvq_export.measure.timing.interleaved`.
+:class:`Backend` says which runner of :mod:`kvq_export.measure.runners` measures an export. What is measured, how,
+and why: docs/howto/measure.md#capacity-kvq-bench-serve.
 """
 
 from __future__ import annotations
@@ -37,6 +24,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +38,31 @@ from kvq_export.memory import resident_bytes
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("og", "session", "ort")
+
+
+class Backend(StrEnum):
+    """What measures an export (``kvq bench-serve --backend``): a runner, or a rule that picks one per directory."""
+
+    AUTO = "auto"  # session for a kvq export, else og
+    SYNTHETIC = "synthetic"  # every export on a synthetic cache: session for a kvq export, else ort
+    OG = "og"  # og.Model / og.Generator (GenaiRunner), a batch of synthetic prompts prefilled together
+    SESSION = "session"  # KVQSession (KvqRunner) on a synthetic cache already holding the context; kvq exports
+    ORT = "ort"  # the decoder graph in ONNX Runtime (OrtGraphRunner) on a synthetic cache, stepping as og does
+
+
+#: The backends that run an export (``auto`` and ``synthetic`` pick one of them per directory).
+BACKENDS = (Backend.OG, Backend.SESSION, Backend.ORT)
+
+
+class _Message(StrEnum):
+    """What a measuring process and its parent send each other through their pipe."""
+
+    READY = "ready"  # child: the export is set up and holds the context (with the resident set)
+    STEP = "step"  # parent: time one decode step; child: its seconds
+    DONE = "done"  # parent: stop stepping; child: the resident set after the steps
+    FAILED = "failed"  # child: why it cannot go on
+
+
 CONTEXTS = (2048, 8000)
 #: untimed decode rounds before the timed ones (ONNX Runtime's first runs allocate and plan)
 WARMUP = 2
@@ -153,23 +165,23 @@ class CapacityRow:
 
 
 # -- measuring (in a child process) -------------------------------------------------------------------------------
-def _runner(backend: str, directory: str, threads: int | None, providers: Sequence[str] | None) -> Runner:
+def _runner(backend: Backend, directory: str, threads: int | None, providers: Sequence[str] | None) -> Runner:
     """The runner of ``backend`` on ``directory`` (not yet entered)."""
-    if backend == "og":
+    if backend == Backend.OG:
         return GenaiRunner(directory, threads=threads, providers=providers)
-    if backend == "session":
+    if backend == Backend.SESSION:
         return KvqRunner(directory, threads=threads, verify_weights=False, providers=providers)
     return OrtGraphRunner(directory, threads=threads, providers=providers)
 
 
-def _hold(runner: Any, backend: str, directory: str, context: int, concurrent: int, steps: int,
+def _hold(runner: Any, backend: Backend, directory: str, context: int, concurrent: int, steps: int,
           seed: int) -> tuple[Any, dict[str, Any]]:
     """A state of ``concurrent`` sequences holding ``context - steps`` tokens, with room for ``steps`` more.
 
     ``og``: synthetic prompts prefilled together in one call; the others: a synthetic cache (no prefill).
     """
     rng = np.random.default_rng(seed)
-    if backend != "og":
+    if backend != Backend.OG:
         return runner.synthetic(concurrent, context - steps, context, rng), {}
     vocab = json.loads((Path(directory) / GENAI_CONFIG).read_text())["model"]["vocab_size"]
     prompt = rng.integers(1, vocab, (concurrent, context - steps), dtype=np.int32)
@@ -177,45 +189,45 @@ def _hold(runner: Any, backend: str, directory: str, context: int, concurrent: i
     return state, {"prefill_tokens_per_s": prompt.size / seconds}
 
 
-def _serve(conn, backend: str, directory: str, context: int, concurrent: int, steps: int, threads: int | None,
+def _serve(conn, backend: Backend, directory: str, context: int, concurrent: int, steps: int, threads: int | None,
            seed: int, providers: list[str] | None) -> None:
-    """Child process: set one export up, then time one decode step per ``"step"`` until ``"done"``."""
+    """Child process: set one export up, then time one decode step per ``STEP`` message until ``DONE``."""
     try:
         with _runner(backend, directory, threads, providers) as runner:
             loaded = resident_bytes() or 0
             state, info = _hold(runner, backend, directory, context, concurrent, steps, seed)
-            conn.send(("ready", {"rss_loaded": loaded, **info}))
-            while conn.recv() == "step":
+            conn.send((_Message.READY, {"rss_loaded": loaded, **info}))
+            while conn.recv() == _Message.STEP:
                 start = time.perf_counter()
                 runner.step(state)
-                conn.send(("step", time.perf_counter() - start))
-            conn.send(("done", {"rss": resident_bytes() or 0}))
+                conn.send((_Message.STEP, time.perf_counter() - start))
+            conn.send((_Message.DONE, {"rss": resident_bytes() or 0}))
     except Exception as err:  # noqa: BLE001 - reported as the row's status, the other exports go on
-        conn.send(("failed", f"{type(err).__name__}: {err}"))
+        conn.send((_Message.FAILED, f"{type(err).__name__}: {err}"))
 
 
-def _receive(conn, process) -> tuple[str, Any]:
+def _receive(conn, process) -> tuple[_Message, Any]:
     try:
         return conn.recv()
     except EOFError:  # killed (out of memory) or crashed in native code
         process.join(5)
-        return "failed", f"the measuring process died (exit code {process.exitcode})"
+        return _Message.FAILED, f"the measuring process died (exit code {process.exitcode})"
 
 
 def _remote_step(conn, process, where: str):
     """A stepper for :func:`~kvq_export.measure.timing.interleaved`: one step in the child, timed there."""
 
     def step(_: int) -> float:
-        conn.send("step")
+        conn.send(_Message.STEP)
         status, value = _receive(conn, process)
-        if status != "step":
+        if status != _Message.STEP:
             raise CapacityError(f"{where}: {value}")
         return value
 
     return step
 
 
-def measure(jobs: Mapping[str, tuple[str, str]], context: int, concurrent: int, new_tokens: int,
+def measure(jobs: Mapping[str, tuple[Backend, str]], context: int, concurrent: int, new_tokens: int,
             threads: int | None = None, seed: int = 0, warmup: int = WARMUP,
             providers: Sequence[str] | None = None) -> dict[str, dict[str, Any] | str]:
     """Measure every ``name -> (backend, directory)`` at ``context``, decode steps interleaved across them.
@@ -240,7 +252,7 @@ def measure(jobs: Mapping[str, tuple[str, str]], context: int, concurrent: int, 
             process.start()
             child.close()
             status, value = _receive(conn, process)
-            if status == "ready":
+            if status == _Message.READY:
                 live[name] = process, conn
                 results[name] = value
             else:
@@ -253,9 +265,9 @@ def measure(jobs: Mapping[str, tuple[str, str]], context: int, concurrent: int, 
         results.update(failures)
         for name, timing in timings.items():
             process, conn = live[name]
-            conn.send("done")
+            conn.send(_Message.DONE)
             status, value = _receive(conn, process)
-            results[name] = ({**results[name], "steps": list(timing.seconds), **value} if status == "done"
+            results[name] = ({**results[name], "steps": list(timing.seconds), **value} if status == _Message.DONE
                              else f"{jobs[name][1]}: {value}")
     finally:
         for process, conn in live.values():
@@ -267,23 +279,27 @@ def measure(jobs: Mapping[str, tuple[str, str]], context: int, concurrent: int, 
 
 
 # -- the run -----------------------------------------------------------------------------------------------------
-def choose_backend(directory: str | os.PathLike[str], backend: str) -> str:
-    """``og``, ``session`` or ``ort`` for ``directory``.
+def choose_backend(directory: str | os.PathLike[str], backend: Backend | str) -> Backend:
+    """One of :data:`BACKENDS` for ``directory``.
 
     ``auto``: ``session`` for a kvq export (no prefill), else ``og``; ``synthetic``: every export on a cache
     already holding the context, ``session`` for a kvq export, else ``ort``.
     """
-    if backend not in (*BACKENDS, "auto", "synthetic"):
-        raise CapacityError(f"unknown backend {backend!r}; allowed: auto, synthetic, {', '.join(BACKENDS)}")
+    try:
+        backend = Backend(backend)
+    except ValueError:
+        raise CapacityError(f"unknown backend {backend!r}; allowed: {', '.join(Backend)}") from None
     is_kvq = (Path(directory) / MANIFEST_NAME).is_file()
-    if backend == "session" and not is_kvq:
+    if backend is Backend.SESSION and not is_kvq:
         raise CapacityError(f"{directory} is not a kvq export: the session backend needs one (use og or ort)")
-    if backend in ("auto", "synthetic"):
-        return "session" if is_kvq else "og" if backend == "auto" else "ort"
+    if backend is Backend.AUTO:
+        return Backend.SESSION if is_kvq else Backend.OG
+    if backend is Backend.SYNTHETIC:
+        return Backend.SESSION if is_kvq else Backend.ORT
     return backend
 
 
-def capacity_row(print_: Footprint, context: int, concurrent: int, budget_bytes: int, backend: str,
+def capacity_row(print_: Footprint, context: int, concurrent: int, budget_bytes: int, backend: Backend,
                  measured: Mapping[str, Any] | None) -> CapacityRow:
     """A row from a footprint and (optionally) a measurement: the arithmetic, in one place."""
     per_seq = print_.cache_bytes(context)
@@ -309,8 +325,9 @@ def capacity_row(print_: Footprint, context: int, concurrent: int, budget_bytes:
 
 
 def run_capacity(directories: Mapping[str, str | os.PathLike[str]], *, contexts: Sequence[int] = CONTEXTS,
-                 concurrent: int = 4, budget_bytes: int = 8 << 30, new_tokens: int = 8, backend: str = "auto",
-                 threads: int | None = None, out: str | os.PathLike[str] | None = None,
+                 concurrent: int = 4, budget_bytes: int = 8 << 30, new_tokens: int = 8,
+                 backend: Backend | str = Backend.AUTO, threads: int | None = None,
+                 out: str | os.PathLike[str] | None = None,
                  measure_fn: Callable[..., Mapping[str, dict[str, Any] | str]] | None = None,
                  predict_only: bool = False, providers: Sequence[str] | None = None) -> list[CapacityRow]:
     """Predict and measure every directory at every context; each context's rows are appended to ``out`` once measured.

@@ -6,7 +6,7 @@ import click
 
 from kvq_export import bench as kvq_bench
 from kvq_export.bench_config import FILLS, BenchConfig
-from kvq_export.capacity import plot_capacity, run_capacity
+from kvq_export.capacity import Backend, plot_capacity, run_capacity
 from kvq_export.cli._base import (
     STDOUT,
     calibration_options,
@@ -107,7 +107,7 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
 @click.option("--budget-gb", type=click.FloatRange(0, min_open=True), default=8.0, show_default=True,
               help="Memory budget (GiB) the sequences must fit beside the weights.")
 @click.option("--new-tokens", type=click.IntRange(1), default=8, show_default=True, help="Timed decode steps.")
-@click.option("--backend", type=click.Choice(["auto", "synthetic", "og", "session", "ort"]), default="auto",
+@click.option("--backend", type=click.Choice([b.value for b in Backend]), default=Backend.AUTO.value,
               show_default=True,
               help="og: og.Model with a batch prefilled for real; session: KVQSession on a synthetic cache (kvq "
                    "exports); ort: ONNX Runtime on the decoder graph og loads, on a synthetic cache (separate past "
