@@ -57,8 +57,8 @@ def reshape_tokens(b: GraphBuilder, x: ir.Value, tokens: ir.Value, tail: Sequenc
 def unpack_fields(b: GraphBuilder, values: ir.Value, bits: int, width: int) -> ir.Value:
     """float32 byte values [B,H,T,W*bits/8] -> float32 fields [B,H,T,W] of ``bits`` each, lowest first.
 
-    Exact float arithmetic (``x - 2^b * floor(x / 2^b)`` on integers < 256), not BitShift: ONNX Runtime's CPU
-    BitShift made 4-bit unpacking 41% of a decode step at 8192 tokens; this is about 4x faster.
+    Exact float arithmetic (``x - 2^b * floor(x / 2^b)`` on integers < 256), not BitShift, which ONNX Runtime's CPU
+    runs slowly enough to dominate a 4-bit decode step (measured: models/smollm2/bench.md).
     """
     base = b.const(float(1 << bits))
     fields, rest = [], values

@@ -1,48 +1,15 @@
 """Package a kvq export for onnxruntime-genai: ``genai_config.json`` and the entry graph ``model.genai.onnx``.
 
-onnxruntime-genai (``og``) runs a decoder from a directory holding ``genai_config.json``, an ONNX graph and the
-tokenizer files, with its own C++ loop. Each call it feeds ``input_ids`` (``[batch, t]``, rows right-padded
-with ``pad_token_id``), an ``attention_mask`` of the *whole* sequence (``[batch, W]``) and the past cache, found
-through printf templates (``past.%d.key.buffer``). With ``past_present_share_buffer`` it allocates one
-``[batch, kv_heads, max_length, …]`` buffer per layer and stream up front, taking the element type and packed
-width from the graph input (int8, or uint8 holding two 4-bit codes; one type for every layer), and binds it as
-past input and present output, exactly the ``buffer`` layout's contract (:mod:`kvq_export.naming`).
+:func:`write_genai_files` writes both into a ``buffer``-layout (``ort-gqa``) export directory and returns the
+manifest's ``runtimes`` entry for onnxruntime-genai (og): supported, with its files, or not, with the reason
+(:func:`unsupported_reason`: the ``regions`` layout, or layers whose cache element types differ,
+:func:`mixed_types_reason`). :func:`genai_config` names the cache through og's printf templates
+(``past.%d.key.buffer``), checked against kvq's naming for every layer; the entry graph
+(:func:`~kvq_export.flavors.ort_gqa.genai_graph.adapt_graph`) is the same graph and weights file behind a prologue
+that derives each row's held length and this call's mask from the whole-sequence mask og feeds.
+:func:`engine_reason` says whether ``og.Engine`` may batch an export's requests.
 
-Its two loops lay the mask out differently (the same for every kind of cache):
-
-* the prompt, in both: ``t == W``, each row's ones first, then zeros for its padding;
-* ``og.Generator`` after it: one column of ones appended per step for every row (a shorter prompt's padding
-  zeros stay in the middle), so the step's tokens are the mask's last ``t`` columns;
-* ``og.Engine`` (continuous batching; a static batch of up to 4 requests that start together): each row's
-  mask is ones up to that row's own length and zeros after it, so a shorter row's new token sits at column
-  ``sum(mask) - 1``, followed by zeros.
-
-kvq's ``ort-gqa`` graph carries each row's length as cache state (``past.seq_lengths`` in,
-``present.seq_lengths`` out) and takes the mask of this call's tokens only, and og feeds neither.
-:func:`adapt_graph` therefore writes ``model.genai.onnx``: the same graph, referencing the same
-``model.onnx.data`` (no weight is copied), behind a prologue that derives both from og's inputs as og's own
-GroupQueryAttention graphs read them (``seqlens_k = sum(mask) - 1``)::
-
-    call mask   = attention_mask[:, W - t:]   if t == W (the prompt: each row's padding masked)
-                  ones [batch, t]             otherwise (each row's t newest tokens are the last t of its ones)
-    past length = sum(attention_mask) - sum(call mask)   (per row)
-
-Reading the step's tokens off the mask's last columns instead would be right for ``og.Generator`` only: under
-``og.Engine`` a shorter row's token would read as padding (its logits garbage, its key and value never stored).
-A consumer feeds nothing else: ``og.Generator`` and ``og.Engine`` drive the export as they are. Like og's own
-graphs, the prologue cannot tell a row that brings fewer than ``t`` tokens to a later call, and og 0.18 never
-batches one: ``og.Generator`` refuses a second multi-token append for a batch, ``og.Engine`` a second turn while
-its static batch holds more than one request (alone, a second turn continues the sequence exactly).
-
-The GroupQueryAttention graph accepts rows padded on either side (kvq feeds left padding, og right padding), so
-``kvq generate`` keeps running ``model.onnx`` of the same directory. og's graph drops the nodes that move
-left-padded rows into place and back (a GatherND pair and a Where per layer, 3% of a SmolLM2 step at 512 tokens):
-for right-padded rows they are the identity.
-
-What og cannot hold: the reference and trt flavors' ``regions`` layout (sinks / quantized codes with dynamic
-per-token or per-group scales and zero points / a high-precision recent window, each region sized per call),
-and a ``buffer`` layout whose layers differ in element type (8-bit and 4-bit layers: :func:`mixed_types_reason`).
-An export of those writes no og files; its manifest's ``runtimes`` entry and one log line say why.
+How og's two loops lay out the mask, what the prologue computes and what og cannot hold: docs/design/genai.md.
 """
 
 from __future__ import annotations

@@ -1,117 +1,18 @@
 """``--flavor ort-gqa``: ONNX Runtime's fused ``com.microsoft.GroupQueryAttention`` over a shared cache buffer.
 
-Each layer's attention is one GroupQueryAttention (GQA) node that reads the cache in place: int8/int4
-codes with static float32 scales (``ort-int8``/``ort-int4``/``ort-int4-asymk`` and any static int8/int4
-scheme, symmetric or with zero points), or an
-unquantized fp16/fp32 buffer (``fp16``: the like-for-like baseline). RoPE is fused into the node
-(``do_rotary`` with cos/sin tables of ``max_position_embeddings`` rows), and the cache is the ``buffer``
-layout of :mod:`kvq_export.cache_layout`: one ``[batch, kv_heads, capacity, packed head_dim]`` tensor per
-stream, row ``b``'s tokens at ``[0, seq_lengths[b])``. The runtime binds the same buffer as ``past.*``
-input and ``present.*`` output, so the kernel appends in place and no step copies the cache.
+Each layer's attention is one GroupQueryAttention node that reads the cache in place: int8/int4 codes with static
+float32 scales (the static schemes :func:`~kvq_export.flavors.ort_gqa.capability.unsupported` accepts, symmetric or
+with zero points, with or without high channels), or an unquantized fp16/fp32 buffer. The cache is the ``buffer``
+layout of :mod:`kvq_export.cache_layout`: one ``[batch, kv_heads, capacity, packed head_dim]`` tensor per stream,
+row ``b``'s tokens at ``[0, seq_lengths[b])``, which the runtime binds as both ``past.*`` input and ``present.*``
+output, so a step appends in place. Rows may be left- or right-padded. A call of several new tokens (or into empty
+caches) attends exactly over its own tokens and the held codes and writes its tokens' codes once; a decode step runs
+the quantized node; either way the buffers hold the bytes the quantized node writes.
 
-What GQA does on ONNX Runtime 1.32 CPU (measured, see ``tests/test_gqa_flavor.py``):
-
-* **Quantized cache**: ``T_CACHE`` is ``int8`` for ``kv_cache_bit_width=8`` (signed ``q``; a uint8 cache is
-  rejected) and ``uint8`` for 4 bits (two codes per byte, low nibble first, each ``q + 8``). Codes are
-  ``clip(round_half_even(x / scale), -2^(b-1), 2^(b-1) - 1)``: the same rounding as kvq's codec, but the
-  negative end is ``-128``/``-8`` where kvq clamps to ``-127``/``-7`` (only reached by values beyond the
-  calibrated range). Scales: float32 ``[1]`` (``PER_TENSOR``) or ``[1, kv_heads, 1, head_dim]``
-  (``PER_CHANNEL``); kvq's per-(head, channel) static scales map to ``PER_CHANNEL`` exactly, per-head or
-  per-group token-axis static scales by repeating them along head_dim, and a stream whose scales are all
-  equal maps to ``PER_TENSOR`` (the CPU kernel needs ``k_quant_type == v_quant_type``, so a layer with one
-  ``PER_TENSOR`` and one ``PER_CHANNEL`` stream uses ``PER_CHANNEL`` for both). A decode step's new tokens
-  are quantized *before* attention (like kvq's reference cache with no high-precision window), from the
-  compute-dtype values: kvq's reference rounds them to ``hp_dtype`` (fp16) first, so with the fp16 presets
-  about 0.02-3% of codes differ by one (with ``hp_dtype=fp32`` they are identical). fp8 caches are not
-  implemented on CPU.
-* **Prefill and chunks**: the quantized kernel dequantizes the cache for every query, so a prompt attending
-  over codes runs 3-5x slower than over an unquantized buffer (one node, 9 query and 3 kv heads of 64, two
-  threads: int8 3.1x / 3.7x, int4 3.6x / 4.7x at 512 / 2048 tokens; the quantization itself is cheap). So a
-  quantized layer runs its node under an ``If`` on the *exact* condition: a call of more than one new token (a
-  prompt, or a chunk of one after earlier chunks), or any call into empty caches (``t > 1 or
-  max(past.seq_lengths) == 0``). Then the buffers are decoded once up to the longest row (the values the node
-  would read back; with high channels kvq's values, offsets included) and an unquantized node attends over
-  them followed by the new tokens' exact keys and values (after its RoPE and the offsets below; with high
-  channels, over the body's exact projections). The graph writes the new tokens' codes once, at each row's
-  new places (ScatterElements into the buffers): ``clip(round_half_even(x / scale), ..)`` of what the
-  quantized node would have quantized (its present: the rotated keys, the offset values), packed to the node's
-  bytes (:meth:`GQACacheGraph._quantize`). With high channels the node's widened rows are never made at prompt
-  length: the nibbles it would store are computed from the exact keys and values directly
-  (:meth:`GQACacheGraph._high_nibbles`), the same bytes. A decode step (one new token after a past) runs the
-  quantized node on the shared buffers, in place. **The rule**: a call's new tokens see each other's exact
-  K/V and the codes of every earlier call (as a high-precision window of the call's length would); a decode
-  step sees codes only, its own token's included. The codes are the node's: the same K/V give the same bytes
-  (bit for bit, checked per scheme), but the K/V of layer ``l > 0`` follow from the exact attention below
-  (kvq's reference cache with ``exact_prefill`` follows the same rule). The branch is chosen per call, so a
-  row given one new token after a past in a call where another row gets several attends over its own exact
-  token, not its code, and gives other logits than alone (by its own token's rounding; onnxruntime-genai and
-  kvq's loop never mix the two: a batch's rows prefill together, then step one token each).
-  ``fast_prefill=False`` keeps the quantized node on every call.
-* **Padding**: the kernel takes *right*-padded chunks through ``query_seqlens`` (ragged batched prefill and
-  multi-token steps work, and an idle row has ``query_seqlens = 0``); positions follow from
-  ``seqlens_k + 1 - query_seqlens``. kvq's inputs are *left*-padded, so the graph moves each row's tokens
-  (contiguous, starting at the mask's first 1) to the front (GatherND) before the node and back after it;
-  padding rows get zeros (the node leaves whatever was in memory at positions past ``query_seqlens``, so the
-  zeroing is needed even for single-token steps, where an idle row of a batch is the only padding). The
-  decoder body hands the node the fused q|k|v projection whole (GQA's packed query) unless something sits
-  between projection and attention (q/k norms, an in-graph value rotation), so one GatherND realigns all
-  three, and q, k and v are not split out at all. When RoPE runs in the body (below) it runs on the packed
-  projection too (:meth:`~kvq_export.export.decoder._Body.apply_packed_rope`: no per-head transposes, no
-  Split), and the node still gets one packed input. So left-padded batches are fully supported and a batched
-  prompt gives what it gives alone; right-padded rows (onnxruntime-genai's prompts, see
-  :mod:`kvq_export.flavors.ort_gqa.genai`) work too, and onnxruntime-genai's variant of the graph, whose rows are
-  never left-padded, bypasses the realignment (its values are named for that).
-* ``seqlens_k = max(seq_lengths + new - 1, 0)`` (int32), ``total_sequence_length = max(longest row, t)``,
-  ``query_seqlens = new tokens per row``, all computed in-graph from ``past.seq_lengths`` and the mask.
-* **Buffer sharing**: when ``past_key`` and ``present_key`` are the same memory (IO binding), the kernel
-  writes the new tokens in place; otherwise it returns a copy of ``max(capacity, longest row)`` positions.
-  A step needs ``max(seq_lengths) + t <= capacity`` (:class:`~kvq_export.runtime.session.KVQSession` grows
-  the buffer by doubling when it would overflow, and never beyond the rotary table's rows).
-* **fp16 buffers on CPU**: ONNX Runtime 1.32's CPU GroupQueryAttention has no float16 kernel; with an
-  unquantized fp16 buffer it inserts Casts around the node (``InsertedPrecisionFreeCast_past.*``), so every
-  step converts the whole buffer to float32 and back (measured on SmolLM2 at 8192 tokens: Cast is half of
-  the step). The export warns; the copy-free CPU baseline is an fp32 buffer (``hp_dtype="fp32"``,
-  ``tools/schemes/fp32-cache.json``). int8/int4 buffers are read natively.
-* **Sliding windows**: ``local_window_size = sliding_window`` gives exactly Hugging Face Mistral's window
-  (checked past the window in the tests; ``sliding_window - 1`` would drop one key).
-* **Asymmetric codes** (static ``int`` with zero points, e.g. ``ort-int4-asymk``): the node only stores
-  symmetric codes, so the graph subtracts a per-(head, channel) offset ``c = zero_point + 2^(b-1) * scale``
-  from each new key/value before the node and the node quantizes ``x - c`` symmetrically: its codes are
-  exactly kvq's unsigned ``int`` codes minus ``2^(b-1)``, the same bytes the ``buffer`` layout documents.
-  Nothing is added back for keys: ``q·(k - c) = q·k - q·c`` moves every score of a query by the same amount,
-  which softmax ignores, so the offset must be taken *after* RoPE (keys with a zero point run RoPE in the
-  body, ``do_rotary=0``). Values get ``c`` added to the node's output (the attention weights sum to one).
-  Static per-channel keys have channels whose range sits far from zero (SmolLM2: ``ort-int4`` +12.6% on
-  protocol P, keys with zero points +5.4%), which a symmetric scale pays for with half its levels.
-* **High channels** (``high_channels = n`` on static int4 streams, e.g. ``ort-int4-hc16``): the node has one
-  bit width, so each of the n 8-bit channels per kv head travels as two nibbles of a node head of
-  ``head_dim + n`` channels (:class:`HighSplit`): the graph computes kvq's 8-bit code ``c`` of the channel (the
-  codec's arithmetic), and the node stores its upper nibble in the channel's own place (node scale 16x the
-  channel's) and its lower nibble in an extra channel (the channel's scale). The queries' extra channels
-  repeat the query at the kv head's high key channels, so each score reads ``q_c * (c - 136) * scale``: kvq's
-  key up to a per-channel constant, which softmax ignores; each value's extra output channel is folded back
-  onto its channel and the constant added back (as for zero points). The bytes are exactly kvq's (``n +
-  (head_dim - n) / 2`` per token and head), the codes bit-exact with the reference cache. Keys and values of
-  a layer need the same n (one head size per node), ``head_dim + n`` a multiple of 8 (ONNX Runtime), and
-  RoPE runs in the body (the node would rotate the widened head). Speed: the wider head costs the node its
-  width (one node, 8192 cached tokens, int4, one thread: head 80 1.2x head 64), but ONNX Runtime 1.32's CPU
-  kernel takes a slow path for head sizes that are not a multiple of 16 (head 72: 2.0x, head 88: 2.1x), so
-  with head_dim 64 prefer n = 16 or 32.
-* **Not supported** (refused at export with the reason): dynamic scales, fp8, 2 bits,
-  high-precision windows (``residual_length``/``sink_tokens``), a layer whose key and value differ in
-  quantized/bit width (one cache type and ``kv_cache_bit_width`` per node).
-* **Probes**: with fused RoPE the post-RoPE q/k never exist as graph values, so the graph names the raw
-  projections (the packed ``probe.<layer>.qkv.projected``, or ``probe.<layer>.<q|key|value>.projected`` where
-  q/k norms split them) and a validator applies the graph's own rotary tables to them
-  (:mod:`kvq_export.validate.probe`); computing RoPE, or even a Split, in the graph just for probes would run
-  on every step, since ONNX Runtime executes dead branches. With RoPE in the body
-  (:class:`GQABodyRopeCacheGraph`) it runs on the packed q|k|v, the node gets ``do_rotary=0`` and the graph
-  names that packed value (``probe.<layer>.qkv``), which the validator splits.
-* **Rotation** (``rotation`` of a scheme stream): rotated keys must be rotated *after* RoPE, which the node
-  cannot do when it applies RoPE itself, so a scheme with any rotated (or offset) key stream is exported with
-  RoPE in the body (:class:`GQABodyRopeCacheGraph`: RoPE and the q/k rotation run in the body; the node gets
-  ``do_rotary=0``). A value rotation is folded into ``v_proj``/``o_proj`` by the body and keeps the fused RoPE.
-  Static scales are calibrated in the rotated basis, so the node's buffer holds rotated codes.
+:class:`GQACacheGraph` fuses RoPE into the node; :class:`GQABodyRopeCacheGraph` (picked by
+:meth:`GQACacheGraph.for_model`) leaves RoPE to the body, for keys transformed after it (rotation, zero points, high
+channels). What the node does on ONNX Runtime's CPU and how the graph works around it (prefill, padding, offsets,
+high channels, probes, rotation): docs/design/ort-gqa.md.
 """
 
 from __future__ import annotations
@@ -156,7 +57,7 @@ class GQACacheGraph(LaidOutCache[GQACall]):
             ``com.microsoft.SkipSimplifiedLayerNormalization`` (see :class:`kvq_export.export.decoder._Body`).
             The graph needs ONNX Runtime anyway; False gives the portable body of the reference flavour.
         fast_prefill: a quantized layer attends exactly over a prompt's or chunk's own tokens and writes their
-            codes once (default; see the module notes); False runs the quantized node on every call.
+            codes once (default; docs/design/ort-gqa.md); False runs the quantized node on every call.
     """
 
     layout = BUFFER
