@@ -29,7 +29,7 @@ from state_harness import (
 from tiny_models import NEW_ARCHS, VOCAB, loud_model, tiny_model
 from transformers import AutoConfig
 
-from kvq_export.arch import get_arch, supported_model_types
+from kvq_export.arch import QkNorm, get_arch, supported_model_types
 from kvq_export.errors import ExportError, ModelError
 from kvq_export.export.exporter import export_model
 from kvq_export.flavors.trt.signature import PLUGIN_NAMESPACE, manifest_signatures
@@ -264,3 +264,12 @@ def test_unsupported_activation_and_bidirectional_attention_are_refused():
                                                         "use_bidirectional_attention": True})
     with pytest.raises(ExportError, match="use_bidirectional_attention"):
         get_arch(config)
+
+
+def test_qk_norm_is_a_qknorm_or_none():
+    config = tiny_model("qwen3").config
+    family = type(get_arch(config))
+    assert family.qk_norm is QkNorm.HEAD and type(get_arch(tiny_model("olmo2").config)).qk_norm is QkNorm.PROJECTION
+    misdeclared = type("MisdeclaredArch", (family,), {"qk_norm": "rms"})
+    with pytest.raises(ExportError, match=r"^qwen3: qk_norm 'rms'; allowed: None, head, projection$"):
+        misdeclared(config)
