@@ -16,6 +16,7 @@ from kvq_export.flavors.ort_gqa.plan import HighSplit, LayerPlan
 from kvq_export.graph.builder import GraphBuilder
 from kvq_export.graph.codec import static_name
 from kvq_export.model_facts import ModelFacts
+from kvq_export.vocab import Part
 
 
 @dataclass(frozen=True)
@@ -150,5 +151,5 @@ def fold(b: GraphBuilder, node: NodeShape, layer: int, out: ir.Value, high: High
     """
     padded = b.op("Pad", out, b.const([0, 0, 0, 0, 0, 1]))  # one zero column at the end
     index = np.stack(high.folded(node.facts.num_heads))  # [2, Hq * D]: main, extra
-    pairs = b.op("Gather", padded, b.initializer(static_name(layer, "value", "high_channels.fold"), index), axis=2)
+    pairs = b.op("Gather", padded, b.initializer(static_name(layer, Part.VALUE, "high_channels.fold"), index), axis=2)
     return b.op("ReduceSum", pairs, b.const([2]), keepdims=0)
