@@ -457,18 +457,19 @@ def test_calibration_windows_offset(tmp_path):
 
 def test_validate_knows_where_offset_calibration_text_lies():
     from kvq_export.manifest_sections import CalibrationRecord
-    from kvq_export.validate.runner import ValidateConfig, _calibration_section
+    from kvq_export.validate.config import ValidateConfig
+    from kvq_export.validate.result import CalibrationResult
 
     cal = {"file": "calibration.npz", "digest": "0" * 16, "source": "calibrated", "corpus": "britannica",
            "tokens": 4096, "offset": 60000, "method": "attention"}
-    manifest = SimpleNamespace(calibration=CalibrationRecord.from_dict(cal))
+    record = CalibrationRecord.from_dict(cal)
     protocol = ValidateConfig(corpus="britannica", windows=8, window_len=512, offset=0)
-    assert _calibration_section(manifest, protocol).windows_overlap_calibration is False
+    assert CalibrationResult.of(record, protocol).windows_overlap_calibration is False
     inside = ValidateConfig(corpus="britannica", windows=2, window_len=512, offset=61000)
-    assert _calibration_section(manifest, inside).windows_overlap_calibration is True
+    assert CalibrationResult.of(record, inside).windows_overlap_calibration is True
     before = ValidateConfig(corpus="britannica", windows=8, window_len=512, offset=59000)  # reaches into it
-    assert _calibration_section(manifest, before).windows_overlap_calibration is True
+    assert CalibrationResult.of(record, before).windows_overlap_calibration is True
     other = ValidateConfig(corpus="shakespeare", windows=8, window_len=512, offset=60000)
-    assert _calibration_section(manifest, other).windows_overlap_calibration is False
-    legacy = SimpleNamespace(calibration=CalibrationRecord.from_dict({k: v for k, v in cal.items() if k != "offset"}))
-    assert _calibration_section(legacy, protocol).windows_overlap_calibration is True
+    assert CalibrationResult.of(record, other).windows_overlap_calibration is False
+    legacy = CalibrationRecord.from_dict({k: v for k, v in cal.items() if k != "offset"})
+    assert CalibrationResult.of(legacy, protocol).windows_overlap_calibration is True

@@ -326,6 +326,17 @@ class CalibrationResult:
     record: CalibrationRecord
     windows_overlap_calibration: bool | None
 
+    @classmethod
+    def of(cls, record: CalibrationRecord, config: ValidateConfig) -> CalibrationResult:
+        """``record`` beside whether ``config``'s windows read any of the tokens that calibrated it."""
+        overlap = None  # unknown: the export does not say which text calibrated it
+        if record.calibrated and record.tokens is not None:
+            # calibration read tokens [start, start + tokens) of its corpus; validation reads the windows below
+            start = record.offset or 0
+            end = config.offset + config.windows * config.window_len
+            overlap = record.corpus == config.corpus and config.offset < start + record.tokens and start < end
+        return cls(record, overlap)
+
     def as_dict(self) -> dict[str, Any]:
         """JSON form: the record's, and the overlap."""
         return {**self.record.to_dict(), "windows_overlap_calibration": self.windows_overlap_calibration}

@@ -137,7 +137,7 @@ def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike
         model=ModelSummary(model.source, model.model_type, model.num_layers, model.num_heads, model.num_kv_heads,
                            model.head_dim),
         flavor=quant.manifest.flavor, config=config,
-        calibration=_calibration_section(quant.manifest, config),
+        calibration=CalibrationResult.of(quant.manifest.calibration, config) if quant.manifest.calibration else None,
         token=TokenResult(acc.tokens.summary(), greedy),
         window=_window_section(window, config, greedy),
         attention=summarize(acc.attention, model.num_layers, model.num_heads),
@@ -179,21 +179,6 @@ def _check_same_model(quant, base, export_dir, base_dir) -> None:
     if base.source_digest and quant.source_digest and base.source_digest != quant.source_digest:
         raise KVQError(f"baseline {base_dir} was exported from other weights than {export_dir} (model content "
                        f"{base.source_digest} vs {quant.source_digest}); pass an fp16 export of the same model")
-
-
-def _calibration_section(manifest, config: ValidateConfig) -> CalibrationResult | None:
-    """How the static scales or high channels were chosen, and whether the scored text is the calibration text."""
-    cal = manifest.calibration
-    if not cal:
-        return None
-    used = cal.tokens
-    overlap = None  # unknown: the export does not say which text calibrated it
-    if cal.calibrated and used is not None:
-        # calibration read tokens [start, start + used) of its corpus; validation reads the windows below
-        start = cal.offset or 0
-        end = config.offset + config.windows * config.window_len
-        overlap = cal.corpus == config.corpus and config.offset < start + used and start < end
-    return CalibrationResult(cal, overlap)
 
 
 def _lockstep(quant, base, tokens: np.ndarray, config: ValidateConfig, progress: bool, reference=None):
