@@ -18,6 +18,7 @@ import numpy as np
 
 from kvq_export._read import CALIBRATION_LIMIT
 from kvq_export.calibration.artifact import Calibration
+from kvq_export.calibration.graph_check import compare_with_graph, reads_graph_constant
 from kvq_export.errors import KVQError, RuntimeInputError
 from kvq_export.manifest import MANIFEST_NAME, Manifest, resolve_inside
 from kvq_export.manifest_sections import TokenizerFacts
@@ -134,8 +135,8 @@ def check_graph_calibration(directory: str | os.PathLike[str], manifest: Manifes
     """
     if calibration is None:
         return
-    constants = read_graph_constants(graph, Calibration.reads_graph_constant, proto=proto)
-    compared = calibration.check_graph(constants, manifest.scheme, manifest.model, error=RuntimeInputError)
+    constants = read_graph_constants(graph, reads_graph_constant, proto=proto)
+    compared = compare_with_graph(calibration, constants, manifest.scheme, manifest.model, error=RuntimeInputError)
     if not compared:
         raise RuntimeInputError(f"{directory}: {Path(graph).name} holds none of the constants of "
                                 f"{manifest.calibration.file}: the graph was not built from it; export again")

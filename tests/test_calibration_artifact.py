@@ -27,6 +27,7 @@ from kvq_export.graph_facts import check_graph_calibration
 from kvq_export.manifest import Manifest, load_static
 from kvq_export.presets import get_preset
 from kvq_export.request import CalibrationSpec
+from kvq_export.vocab import Part
 
 #: a calibration whose digest kvq.json files and graphs already record: the rule must never change
 FIXED = {0: {"key": {"scales": np.arange(6, dtype=np.float32).reshape(2, 3) / 7 + 0.5,
@@ -80,6 +81,19 @@ def test_the_digest_rule_is_stable():
     assert Calibration.of(reordered).digest() == Calibration.of(as_torch).digest() == calibration.digest()
     changed = {**FIXED, 3: {"value": {"scales": np.full((2, 1), 0.5, np.float32)}}}
     assert Calibration.of(changed).digest() != calibration.digest()
+
+
+def test_parts_index_as_part_members_and_the_file_keeps_its_bytes(tmp_path):
+    """Parts are :class:`Part` members (a StrEnum): names, JSON keys and the bytes of the file stay as they were."""
+    calibration = Calibration.of(FIXED)
+    assert [type(part) for part in calibration[0]] == [Part, Part]
+    assert calibration[0][Part.KEY] is calibration[0]["key"] and list(calibration.arrays)[0] == "0.key.scales"
+    assert json.dumps({part: 0 for part in calibration[0]}) == '{"key": 0, "value": 0}'
+    path = calibration.save(tmp_path / "c.npz")
+    assert zipfile.ZipFile(path).namelist() == ["0.key.scales.npy", "0.key.zero_points.npy",
+                                               "0.value.high_channels.npy", "3.value.scales.npy"]
+    # what kvq wrote before parts were typed (numpy's .npy header and zip layout included)
+    assert hashlib.sha256(path.read_bytes()).hexdigest()[:16] == "fe82b06cc6d0ad4d"
 
 
 def test_the_artifact_is_a_read_only_mapping():

@@ -28,7 +28,7 @@ from kvq_export.reference.codec import (
     quantize_packed,
 )
 from kvq_export.scheme import KVQuantScheme, TensorQuant
-from kvq_export.vocab import Format
+from kvq_export.vocab import Format, Part
 
 HIGH = TensorQuant(format="int", bits=4, axis="channel", group_size=16, high_channels=6)
 CHOSEN = torch.tensor([[0, 5, 10, 20, 40, 63], [1, 2, 3, 4, 5, 6], [58, 59, 60, 61, 62, 63]])
@@ -159,7 +159,7 @@ def test_keys_rank_channels_by_query_energy_times_range():
     q[:2, :, 7] = 3.0
     q[2:, :, 9] = 3.0  # read a lot, narrow: chosen for kv head 1 over the wide unread channel 50
     q[2:, :, 50] = 0.0
-    chosen = choose_high_channels([_sample(keys, q)], "key", dataclasses.replace(HIGH, high_channels=2))
+    chosen = choose_high_channels([_sample(keys, q)], Part.KEY, dataclasses.replace(HIGH, high_channels=2))
     assert chosen.dtype == np.int32 and chosen.shape == (2, 2)
     assert 7 in chosen[0] and 9 in chosen[1] and 50 not in chosen[1]
     assert (np.diff(chosen, axis=1) > 0).all()
@@ -171,7 +171,7 @@ def test_values_rank_channels_by_the_o_proj_columns_that_read_them():
     o_proj = torch.full((16, 2 * 64), 0.01)
     o_proj[:, 64 + 33] = 5.0  # query head 1 (kv head 0) sends channel 33 to the residual stream
     tq = dataclasses.replace(HIGH, high_channels=2)
-    chosen = choose_high_channels([_sample(keys, torch.randn(2, 4, 64, generator=g))], "value", tq, o_proj)
+    chosen = choose_high_channels([_sample(keys, torch.randn(2, 4, 64, generator=g))], Part.VALUE, tq, o_proj)
     assert 33 in chosen[0]
 
 

@@ -7,7 +7,8 @@
 * :mod:`.high_channels` -- which channels a stream keeps at 8 bits;
 * :mod:`.measure` -- :func:`calibrate_static_scales`, the three above run for one scheme on one model;
 * :mod:`.artifact` -- :class:`Calibration`, the frozen result: the only reader and writer of ``calibration.npz``,
-  its digest, and its checks against a scheme and against the graph built from it.
+  its digest, and its check against a scheme;
+* :mod:`.graph_check` -- a calibration compared with the constants of the graph built from it.
 """
 
 from __future__ import annotations

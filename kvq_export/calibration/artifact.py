@@ -14,9 +14,9 @@ the only reader and writer of ``calibration.npz`` (keys ``"<layer>.<key|value>.<
   (as loaded), else the int block settings of :func:`kvq_export.calibration.weights.dequantized_model` (the weights an
   int4 / int8 export computes with); it is part of the digest and of the file (member ``kvq.weights``), and
   :meth:`Calibration.check_weights` refuses the calibration for an export that runs other weights;
-* :meth:`Calibration.check` refuses it for a scheme and model it does not fit (at export and at load);
-* :meth:`Calibration.check_graph` compares it with the constants a graph computes with: the graph is the source of
-  truth, so a calibration file that disagrees with it is refused, whatever digests were recomputed.
+* :meth:`Calibration.check` refuses it for a scheme and model it does not fit (at export and at load).
+
+How it is compared with the constants of the graph built from it: :mod:`kvq_export.calibration.graph_check`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import numpy as np
 
 from kvq_export._atomic import atomic_writer
 from kvq_export._read import CALIBRATION_LIMIT, read_bytes
-from kvq_export.dtypes import DType
 from kvq_export.errors import CalibrationWeightsError, KVQError, SchemeError
 from kvq_export.model_facts import CacheGeometry
 from kvq_export.vocab import Part
@@ -59,20 +58,18 @@ MAX_ARRAYS = 6 * 4096
 WEIGHTS_MEMBER = "kvq.weights"
 #: the keys of :attr:`Calibration.weights`, and their types
 WEIGHTS_FIELDS = {"format": str, "block_size": int, "symmetric": bool}
-#: the graph constants :meth:`Calibration.check_graph` compares (by the last part of their :func:`static_name`)
-GRAPH_ROLES = ("scales", "zero_points", "offset", "channel_order", "high_channels.top", "high_channels.centre")
 
 StaticLike = Mapping[int, Mapping[str, Mapping[str, Any]]]
 """``{layer: {"key"|"value": {role: array}}}`` with numpy arrays, torch tensors or nested lists."""
 
 
-def static_streams(scheme: KVQuantScheme, num_layers: int) -> list[tuple[int, str, TensorQuant]]:
+def static_streams(scheme: KVQuantScheme, num_layers: int) -> list[tuple[int, Part, TensorQuant]]:
     """(layer, ``key``|``value``, stream) for every quantized stream with static scales."""
     return [(layer, part, tq) for layer, streams in enumerate(scheme.streams(num_layers))
             for part, tq in zip(PARTS, streams, strict=True) if tq.quantized and tq.scales == "static"]
 
 
-def high_channel_streams(scheme: KVQuantScheme, num_layers: int) -> list[tuple[int, str, TensorQuant]]:
+def high_channel_streams(scheme: KVQuantScheme, num_layers: int) -> list[tuple[int, Part, TensorQuant]]:
     """(layer, ``key``|``value``, stream) for every stream that keeps calibrated high channels."""
     return [(layer, part, tq) for layer, streams in enumerate(scheme.streams(num_layers))
             for part, tq in zip(PARTS, streams, strict=True) if tq.quantized and tq.high_channels]
@@ -82,7 +79,8 @@ def static_name(layer: int, part: str, role: str) -> str:
     """Name of a graph constant made from one calibrated stream (``static.0.key.scales``).
 
     ``scales`` / ``zero_points`` of a static-scale stream, ``channel_order`` and ``high_channels.*`` of a
-    high-channel stream, and the forms a flavour derives from them (``offset``, ...).
+    high-channel stream, and the forms a flavour derives from them (``offset``, ...). ``part``: a :class:`Part`, or
+    the name of a constant both streams share (``packed``, ``kv``, ``qkv``), hence a plain ``str``.
     """
     return f"static.{layer}.{part}.{role}"
 
@@ -91,13 +89,13 @@ def _role_dtype(role: str) -> type[np.generic]:
     return np.int32 if role == HIGH_CHANNELS else np.float32
 
 
-def _split_name(name: str) -> tuple[int, str, str] | None:
-    """``"3.key.scales"`` -> (3, "key", "scales"); None for any other name."""
+def _split_name(name: str) -> tuple[int, Part, str] | None:
+    """``"3.key.scales"`` -> (3, Part.KEY, "scales"); None for any other name."""
     layer, _, rest = name.partition(".")
     part, _, role = rest.partition(".")
     if not layer.isdigit() or part not in PARTS or role not in ROLES:
         return None
-    return int(layer), part, role
+    return int(layer), Part(part), role
 
 
 def describe_weights(weights: Mapping[str, Any] | None) -> str:
@@ -138,7 +136,7 @@ class Calibration(Mapping[int, Mapping[str, Mapping[str, np.ndarray]]]):
         ``weights``: the weights the model ran on while they were measured (:attr:`weights`).
         """
         self._weights = _checked_weights(weights)
-        flat: dict[tuple[int, str, str], np.ndarray] = {}
+        flat: dict[tuple[int, Part, str], np.ndarray] = {}
         for name, array in arrays.items():
             where = _split_name(name)
             if where is None:
@@ -158,7 +156,7 @@ class Calibration(Mapping[int, Mapping[str, Mapping[str, np.ndarray]]]):
         ordered = sorted(flat, key=lambda k: (k[0], PARTS.index(k[1]), ROLES.index(k[2])))
         self._arrays: dict[str, np.ndarray] = {f"{layer}.{part}.{role}": flat[layer, part, role]
                                                for layer, part, role in ordered}
-        tree: dict[int, dict[str, dict[str, np.ndarray]]] = {}
+        tree: dict[int, dict[Part, dict[str, np.ndarray]]] = {}
         for layer, part, role in ordered:
             tree.setdefault(layer, {}).setdefault(part, {})[role] = flat[layer, part, role]
         self._tree = MappingProxyType({layer: MappingProxyType({part: MappingProxyType(roles)
@@ -341,87 +339,8 @@ class Calibration(Mapping[int, Mapping[str, Mapping[str, np.ndarray]]]):
                 if not np.isfinite(array).all() or (role == "scales" and not (array > 0).all()):
                     raise SchemeError(f"calibration {layer}.{part}.{role} has non-finite or non-positive values")
 
-    def check_graph(self, constants: Mapping[str, np.ndarray], scheme: KVQuantScheme, facts: CacheGeometry,
-                    *, error: type[KVQError] = KVQError) -> int:
-        """Refuse a calibration that disagrees with the constants a graph holds; return how many were compared.
-
-        ``constants``: the graph's initializers named by :func:`static_name` (as read from the ONNX file). Each
-        form a flavour writes is compared with what these arrays make of it: ``scales`` / ``zero_points``
-        ``[H, n]`` in ``scale_dtype`` (the reference and TensorRT graphs), GroupQueryAttention's per-channel
-        ``[1, H, 1, W]`` or per-tensor ``[1]`` scales (head widened by the high channels), the offset an
-        asymmetric stream subtracts before that node (in its packed or widened row), a high-channel stream's
-        ``channel_order`` and the 8-bit channels its ``high_channels.top`` levels mark. The first mismatch is one
-        ``error`` line naming the tensor.
-        """
-        compared = 0
-        streams = [(layer, part, tq) for layer, pair in enumerate(scheme.streams(facts.num_layers))
-                   for part, tq in zip(PARTS, pair, strict=True) if tq.quantized]
-        for layer, part, tq in streams:
-            for name, got, want in self._graph_forms(layer, part, tq, constants, facts):
-                compared += 1
-                if got.shape != want.shape or not np.array_equal(got, want.astype(got.dtype)):
-                    raise error(f"graph constant {name} disagrees with calibration {layer}.{part}: the calibration "
-                                "file does not hold the scales the graph computes with; export again")
-        return compared
-
-    @staticmethod
-    def reads_graph_constant(name: str) -> bool:
-        """Whether :meth:`check_graph` compares the graph constant ``name`` (what a loader reads of a graph)."""
-        return name.startswith("static.") and any(name.endswith("." + role) for role in GRAPH_ROLES)
-
-    def _role(self, layer: int, part: str, role: str) -> np.ndarray | None:
+    def _role(self, layer: int, part: Part, role: str) -> np.ndarray | None:
         return self._arrays.get(f"{layer}.{part}.{role}")
-
-    def _graph_forms(self, layer: int, part: str, tq: TensorQuant, constants: Mapping[str, np.ndarray],
-                     facts: CacheGeometry) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
-        """(constant name, graph array, the array this calibration makes of it) for one stream's constants."""
-        heads, head_dim = facts.num_kv_heads, facts.head_dim
-        scales, zeros, high = (self._role(layer, part, role) for role in ROLES)
-        const = {role: constants.get(static_name(layer, part, role)) for role in
-                 ("scales", "zero_points", "offset", "channel_order", "high_channels.top")}
-        if scales is not None and const["scales"] is not None:
-            got = const["scales"]
-            if got.shape == scales.shape:  # kvq's own [H, n], stored in scale_dtype
-                yield static_name(layer, part, "scales"), got, _rounded(tq, scales)
-            elif got.ndim == 4 or got.size == 1:  # GroupQueryAttention's per-channel or per-tensor scale
-                want = _node_scales(tq, scales, high, head_dim)
-                if got.size == 1:
-                    want = want[:1] if np.all(want == want[0]) else want
-                yield static_name(layer, part, "scales"), got.reshape(-1), want
-        if zeros is not None and const["zero_points"] is not None:
-            yield static_name(layer, part, "zero_points"), const["zero_points"], _rounded(tq, zeros)
-        if zeros is not None and scales is not None:
-            # what an asymmetric stream subtracts before GroupQueryAttention's symmetric codes, per channel
-            offset = (_per_channel(tq, zeros, head_dim) + np.float32(1 << (tq.bits - 1))
-                      * _per_channel(tq, scales, head_dim)).reshape(-1)
-            if high is None and const["offset"] is not None:
-                yield static_name(layer, part, "offset"), const["offset"].reshape(-1), offset
-            packed = constants.get(static_name(layer, "packed", "offset"))
-            if high is None and packed is not None and packed.size >= 2 * offset.size:  # q | k | v: this stream's
-                end = packed.size - (offset.size if part == "key" else 0)
-                yield static_name(layer, "packed", "offset"), packed.reshape(-1)[end - offset.size:end], offset
-            centre = constants.get(static_name(layer, "kv", "high_channels.centre"))
-            width = heads * (head_dim + (0 if high is None else high.shape[1]))
-            if high is not None and centre is not None and centre.size >= 2 * width:
-                # q | k | v rows widened by the high channels: the offset sits in each head's own low channels
-                end = centre.size - (width if part == "key" else 0)
-                row = centre.reshape(-1)[end - width:end].reshape(heads, -1)[:, :head_dim]
-                low = np.ones((heads, head_dim), bool)
-                np.put_along_axis(low, high.astype(np.int64), False, axis=1)
-                yield (static_name(layer, "kv", "high_channels.centre"), row[low],
-                       offset.reshape(heads, head_dim)[low])
-        if high is not None:
-            if const["channel_order"] is not None:
-                rest = [np.setdiff1d(np.arange(head_dim), row) for row in high]
-                order = np.concatenate([high, np.stack(rest)], axis=1).astype(np.int32)
-                yield static_name(layer, part, "channel_order"), const["channel_order"], order
-            top = const["high_channels.top"]
-            if top is not None and top.size == heads * head_dim:  # the 8-bit channels have the highest top level
-                levels = top.reshape(heads, head_dim)
-                marked = (levels == levels.max(axis=1, keepdims=True)).astype(np.int32)
-                want = np.zeros((heads, head_dim), np.int32)
-                np.put_along_axis(want, high.astype(np.int64), 1, axis=1)
-                yield static_name(layer, part, "high_channels.top"), marked, want
 
 
 def _as_numpy(array: Any) -> np.ndarray:
@@ -429,32 +348,6 @@ def _as_numpy(array: Any) -> np.ndarray:
     if hasattr(array, "detach"):
         return array.detach().cpu().numpy()
     return np.asarray(array)
-
-
-def _rounded(tq: TensorQuant, meta: np.ndarray) -> np.ndarray:
-    """Static metadata as the graph stores it: rounded to the stream's ``scale_dtype``."""
-    return np.asarray(meta, np.float32).astype(DType.get(tq.scale_dtype).numpy)
-
-
-def _per_channel(tq: TensorQuant, meta: np.ndarray, head_dim: int) -> np.ndarray:
-    """``[H, n]`` metadata rounded to ``scale_dtype`` as float32 ``[H, head_dim]`` (token groups repeated)."""
-    m = _rounded(tq, meta).astype(np.float32)
-    return np.repeat(m, tq.token_group(head_dim), axis=1) if tq.axis == "token" else m
-
-
-def _node_scales(tq: TensorQuant, scales: np.ndarray, high: np.ndarray | None, head_dim: int) -> np.ndarray:
-    """Flat float32 GroupQueryAttention scales per channel (a node head widened by high channels).
-
-    A high channel's place holds 16x its scale and the extra channel after the head the scale itself.
-    """
-    s = _per_channel(tq, scales, head_dim)
-    if high is None:
-        return s.reshape(-1)
-    index = high.astype(np.int64)
-    picked = np.take_along_axis(s, index, axis=1)
-    s = s.copy()
-    np.put_along_axis(s, index, np.float32(16) * picked, axis=1)
-    return np.concatenate([s, picked], axis=1).reshape(-1)
 
 
 class _Unreadable(Exception):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvq_export.errors import KVQError
+from kvq_export.vocab import Part
 
 if TYPE_CHECKING:
     import torch
@@ -32,22 +33,22 @@ def ranging_group(tq: TensorQuant) -> int | None:
     return None if tq.scales == "static" else int(tq.group_size)
 
 
-def channel_importance(samples: Sequence[AttentionSample], part: str, tq: TensorQuant,
+def channel_importance(samples: Sequence[AttentionSample], part: Part, tq: TensorQuant,
                        o_proj: torch.Tensor | None = None) -> torch.Tensor:
     """``[kv_heads, D]``: how much a channel's quantization error moves attention (see the module docstring)."""
     weight = range_sq = None
     ranging = ranging_group(tq)
     for sample in samples:
-        x = sample.keys if part == "key" else sample.values  # [H, T, D]
+        x = sample.keys if part == Part.KEY else sample.values  # [H, T, D]
         heads, tokens, dim = x.shape
         group = tokens if ranging is None else min(ranging, tokens)  # static: one range
         grouped = x[:, : tokens // group * group].reshape(heads, tokens // group, group, dim)
         r = (grouped.amax(2) - grouped.amin(2)).pow(2).mean(1)  # [H, D]
         range_sq = r if range_sq is None else range_sq + r
-        if part == "key":
+        if part == Part.KEY:
             w = sample.grouped_queries().pow(2).mean(1)  # [H, D]
             weight = w if weight is None else weight + w
-    if part == "value":
+    if part == Part.VALUE:
         if o_proj is None:
             raise KVQError("ranking value channels needs the layer's o_proj weight")
         heads, dim = range_sq.shape
@@ -55,7 +56,7 @@ def channel_importance(samples: Sequence[AttentionSample], part: str, tq: Tensor
     return weight * range_sq
 
 
-def choose_high_channels(samples: Sequence[AttentionSample], part: str, tq: TensorQuant,
+def choose_high_channels(samples: Sequence[AttentionSample], part: Part, tq: TensorQuant,
                          o_proj: torch.Tensor | None = None) -> np.ndarray:
     """The ``tq.high_channels`` most important channels of each kv head, ascending, as int32 ``[H, n]``."""
     return top_channels(channel_importance(samples, part, tq, o_proj), tq.high_channels)

@@ -21,17 +21,19 @@ from kvq_export.model_source import model_facts
 from kvq_export.progress import task
 from kvq_export.request import DEFAULT_PERCENTILE
 from kvq_export.rotation import rotate_torch, rotation_matrix
+from kvq_export.vocab import Part
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
     from kvq_export.calibration.passes import AttentionSample
+    from kvq_export.model_facts import ModelFacts
     from kvq_export.request import WeightSpec
     from kvq_export.scheme import KVQuantScheme, TensorQuant
 
     #: (layer, ``key``|``value``, stream) of the streams to calibrate, and the attention samples per layer
-    Streams = Sequence[tuple[int, str, TensorQuant]]
+    Streams = Sequence[tuple[int, Part, TensorQuant]]
     Samples = Mapping[int, Sequence[AttentionSample]]
 
 logger = logging.getLogger(__name__)
@@ -73,38 +75,18 @@ def calibrate_static_scales(
     """
     check_method(method, percentile)
     model, measured_on = measured_model(model, weights)
-
     facts = model_facts(model.config)
     scheme.check_model(facts)
-    targets = static_streams(scheme, facts.num_layers)
-    high = high_channel_streams(scheme, facts.num_layers)
-    if not targets and not high:
-        raise SchemeError(
-            f"scheme {scheme.name or scheme.describe()!r} has no static-scale or high-channel streams: "
-            "nothing to calibrate"
-        )
+    targets, high = _streams_to_calibrate(scheme, facts.num_layers)
     windows = check_windows(token_windows, facts.vocab_size)
-    static: dict[int, dict[str, dict]] = {}
-    samples = None
-    if high or method == "attention":  # one pass over the windows serves the channel choice and the scales
-        samples = collect_attention_samples(model, windows, sorted({layer for layer, _, _ in (*high, *targets)}),
-                                            facts.num_layers)
+    static: dict[int, dict[Part, dict]] = {}
+    samples = _shared_samples(model, windows, targets, high, method, facts.num_layers)
     if high:
         _choose_high_channels(model, samples, high, static)
         logger.info("chose the high channels of %d stream(s) on %d token(s)", len(high),
                     sum(len(w) for w in windows))
-        if not targets:
-            return _checked(static, scheme, facts, measured_on)
-    if method == "attention":
-        _attention_scales(samples, targets, static, facts.head_dim)
-    else:
-        _stream_scales(model, windows, samples, targets, static, facts.num_layers, facts.head_dim, method, percentile)
-    tokens = sum(len(w) for w in windows)
-    logger.info(
-        "calibrated %d static stream(s) over %d layer(s) on %d token(s) in %d window(s) (method=%s%s)",
-        len(targets), len(static), tokens, len(windows), method,
-        f", percentile={percentile:g}" if method == "percentile" else "",
-    )
+    if targets:
+        _static_scales(model, windows, samples, targets, static, facts, method, percentile)
     return _checked(static, scheme, facts, measured_on)
 
 
@@ -123,20 +105,56 @@ def measured_model(model: PreTrainedModel, weights: WeightSpec | None) -> tuple[
     return dequantized_model(model, weights), measured_on
 
 
+def _streams_to_calibrate(scheme: KVQuantScheme, num_layers: int) -> tuple[Streams, Streams]:
+    """(static-scale streams, high-channel streams) of ``scheme``; a :class:`SchemeError` when there are none."""
+    targets, high = static_streams(scheme, num_layers), high_channel_streams(scheme, num_layers)
+    if not targets and not high:
+        raise SchemeError(
+            f"scheme {scheme.name or scheme.describe()!r} has no static-scale or high-channel streams: "
+            "nothing to calibrate"
+        )
+    return targets, high
+
+
+def _shared_samples(model: PreTrainedModel, windows: list[list[int]], targets: Streams, high: Streams, method: str,
+                    num_layers: int) -> Samples | None:
+    """The attention samples of the layers calibrated, when the channel choice or the method reads them (else None).
+
+    One pass over the windows serves both; without either, :func:`_stream_scales` collects only the K/V it needs.
+    """
+    if not high and method != "attention":
+        return None
+    return collect_attention_samples(model, windows, sorted({layer for layer, _, _ in (*high, *targets)}), num_layers)
+
+
 def _choose_high_channels(model: PreTrainedModel, samples: Samples, high: Streams, static: dict) -> None:
     """Choose each high-channel stream's 8-bit channels into ``static`` (values: weighed through ``o_proj``)."""
     for layer, part, tq in high:
-        o_proj = model.model.layers[layer].self_attn.o_proj.weight.detach().cpu() if part == "value" else None
+        o_proj = model.model.layers[layer].self_attn.o_proj.weight.detach().cpu() if part == Part.VALUE else None
         static.setdefault(layer, {}).setdefault(part, {})[HIGH_CHANNELS] = choose_high_channels(
             samples[layer], part, tq, o_proj)
 
 
-def _chosen(static: dict, layer: int, part: str) -> torch.Tensor | None:
+def _chosen(static: dict, layer: int, part: Part) -> torch.Tensor | None:
     """A static stream's high channels, chosen by :func:`_choose_high_channels` (None without)."""
     import torch
 
     high = static.get(layer, {}).get(part, {}).get(HIGH_CHANNELS)
     return None if high is None else torch.as_tensor(high).to(torch.int64)
+
+
+def _static_scales(model: PreTrainedModel, windows: list[list[int]], samples: Samples | None, targets: Streams,
+                   static: dict, facts: ModelFacts, method: str, percentile: float) -> None:
+    """Each static stream's scales (and zero points) into ``static``, by ``method``."""
+    if method == "attention":
+        _attention_scales(samples, targets, static, facts.head_dim)
+    else:
+        _stream_scales(model, windows, samples, targets, static, facts.num_layers, facts.head_dim, method, percentile)
+    logger.info(
+        "calibrated %d static stream(s) over %d layer(s) on %d token(s) in %d window(s) (method=%s%s)",
+        len(targets), len(static), sum(len(w) for w in windows), len(windows), method,
+        f", percentile={percentile:g}" if method == "percentile" else "",
+    )
 
 
 def _attention_scales(samples: Samples, targets: Streams, static: dict, head_dim: int) -> None:
@@ -159,7 +177,7 @@ def _stream_scales(model: PreTrainedModel, windows: Sequence[Sequence[int]], sam
         with task("calibration: forward passes", total=len(windows)) as advance:
             collected = collect_kv(model, windows, {(layer, part) for layer, part, _ in targets}, num_layers, advance)
     else:  # the samples hold every window's K/V already (the same forward passes)
-        collected = {(layer, part): torch.cat([s.keys if part == "key" else s.values for s in samples[layer]],
+        collected = {(layer, part): torch.cat([s.keys if part == Part.KEY else s.values for s in samples[layer]],
                                               dim=1) for layer, part, _ in targets}
     for layer, part, tq in targets:
         # a rotated stream stores (and so quantizes) x @ R: its static scales belong to that basis

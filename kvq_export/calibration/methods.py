@@ -1,34 +1,18 @@
 """Calibration methods: the static scales (and zero points) of a stream from its calibration K/V.
 
-The arithmetic is the one :func:`kvq_export.reference.codec.quantize` applies to a dynamic group, with the
-group's statistic taken over all calibration tokens instead:
+:data:`METHODS`: ``absmax`` (the group's max: no calibration value is clipped), ``percentile`` (of ``|x|``, or of
+``x`` for the top of an ``int`` range and ``100 - percentile`` for its bottom) and ``attention`` (a clip ratio per
+(kv head, channel or group) from :data:`ATTENTION_CLIP_GRID`, chosen by the error it causes in attention on the
+calibration windows; per kv head the best of those ratios, one shared ratio and absmax by the measured
+attention-output error is kept, so on the calibration text it is never worse than ``absmax`` by that measure).
 
-* ``int_sym``: ``scale = (stat(|x|) * clip) / qmax``, ``qmax = 2**(bits-1) - 1``;
-* ``fp8_e4m3``: ``scale = (stat(|x|) * clip) / 448``;
-* ``int``: ``lo, hi = low/high stat(x)`` shrunk by ``clip`` about their midpoint, then
-  ``scale = (hi - lo) / (2**bits - 1)`` and ``zero_point = lo``;
+The arithmetic is the one :func:`kvq_export.reference.codec.quantize` applies to a dynamic group, the statistic
+taken over all calibration tokens: scales (and zero points) come out rounded to the stream's ``scale_dtype``, every
+scale at least that dtype's smallest positive normal number, as float32 ``{role: [kv_heads, n]}``
+(:func:`stream_metadata`, :func:`attention_metadata`, :func:`stream_from_samples`) or a
+:class:`~kvq_export.calibration.artifact.Calibration` (:func:`static_from_samples`).
 
-all in float32, the ``* clip`` step only when ``clip != 1``. ``stat`` is the max (``absmax``) or the
-``percentile`` (``100 - percentile`` for ``lo``) over the group's values. Values are rounded to the stream's
-``scale_dtype`` (so storing them as that dtype is exact) and every scale is at least the smallest positive
-*normal* number of that dtype (an all-zero channel would otherwise get scale 0; subnormals may be flushed to zero
-by GPU kernels).
-
-``attention`` chooses a clip ratio per (kv head, channel or group) from :data:`ATTENTION_CLIP_GRID`
-(multiplying the absmax statistic; ``int`` shrinks the range about its midpoint) that minimises what the
-error does to attention, not the tensor error. With the exact attention ``A = softmax(q Kᵀ s)`` of the
-model's own (post-RoPE) queries on the calibration windows (causal, every kv group's query heads):
-
-* values: the value-induced output error ``A (V̂ - V)``; output channel ``j`` depends only on value
-  channel ``j``, so ``Σ_q ((A E_c)_qj)²`` (``E_c = V̂_c - V``) is minimised per channel exactly;
-* keys: a quantization error ``e`` shifts the scores by ``δs = s q eᵀ``, and to second order the
-  attention KL is ``½ Var_A(δs)``; its per-channel part ``s² Σ_q q_j² (Σ_n A_qn e_nj² - (Σ_n A_qn e_nj)²)``
-  (cross-channel terms dropped) is minimised per channel.
-
-The per-channel choice is then checked against the real key-/value-induced output error of the whole
-head (``‖(A' - A) V‖²`` and ``‖A (V̂ - V)‖²`` summed over the calibration queries), and per (layer, kv
-head) the best of the per-channel ratios, the best single ratio and absmax is kept, so on the
-calibration text the method is never worse than ``absmax`` by that measure.
+The formulas, and why the ``attention`` objective is what it is: docs/concepts/scheme.md#how-the-methods-choose.
 """
 
 from __future__ import annotations
@@ -43,6 +27,7 @@ from kvq_export.calibration.artifact import HIGH_CHANNELS, META_ROLES, Calibrati
 from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError, QuantizationError
 from kvq_export.request import DEFAULT_PERCENTILE, CalibrationMethod
+from kvq_export.vocab import Part
 
 if TYPE_CHECKING:
     import torch
@@ -68,7 +53,7 @@ def check_method(method: str, percentile: float) -> None:
 
 def static_from_samples(samples: Mapping[int, list[AttentionSample]], scheme: KVQuantScheme, num_layers: int,
                         *, method: str = "attention", percentile: float = DEFAULT_PERCENTILE,
-                        high_channels: Mapping[int, Mapping[str, np.ndarray]] | None = None) -> Calibration:
+                        high_channels: Mapping[int, Mapping[Part, np.ndarray]] | None = None) -> Calibration:
     """Metadata of every static stream of ``scheme`` by ``method`` from already collected samples.
 
     The same numbers :func:`~kvq_export.calibration.measure.calibrate_static_scales` gives on the windows the
@@ -78,7 +63,7 @@ def static_from_samples(samples: Mapping[int, list[AttentionSample]], scheme: KV
     :func:`~kvq_export.calibration.high_channels.choose_high_channels`) and keep them in the result.
     """
     check_method(method, percentile)
-    static: dict[int, dict[str, dict]] = {}
+    static: dict[int, dict[Part, dict]] = {}
     for layer, part, tq in static_streams(scheme, num_layers):
         if layer not in samples:
             raise KVQError(f"no attention samples were collected for layer {layer}")
@@ -88,7 +73,7 @@ def static_from_samples(samples: Mapping[int, list[AttentionSample]], scheme: KV
     return Calibration.of(static)
 
 
-def stream_from_samples(samples: Sequence[AttentionSample], part: str, tq: TensorQuant, *, method: str,
+def stream_from_samples(samples: Sequence[AttentionSample], part: Part, tq: TensorQuant, *, method: str,
                         percentile: float = DEFAULT_PERCENTILE, high_channels: np.ndarray | None = None,
                         stream: torch.Tensor | None = None) -> dict[str, np.ndarray]:
     """Metadata of one static stream (one layer's ``part``) by ``method`` from that layer's samples.
@@ -106,7 +91,7 @@ def stream_from_samples(samples: Sequence[AttentionSample], part: str, tq: Tenso
         meta = attention_metadata(list(samples), part, tq, high)
     else:
         if stream is None:
-            stream = torch.cat([s.keys if part == "key" else s.values for s in samples], dim=1)
+            stream = torch.cat([s.keys if part == Part.KEY else s.values for s in samples], dim=1)
         meta = stream_metadata(stream, tq, method, percentile, high)
     if high is not None:
         meta[HIGH_CHANNELS] = high.numpy().astype(np.int32)
@@ -165,14 +150,14 @@ def _unit_sum(per_channel: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
     return per_channel.reshape(*per_channel.shape[:-1], dim // group, group).sum(dim=-1)
 
 
-def _output_error(samples: list[AttentionSample], part: str, tq: TensorQuant, meta: dict) -> torch.Tensor:
+def _output_error(samples: list[AttentionSample], part: Part, tq: TensorQuant, meta: dict) -> torch.Tensor:
     """Key- or value-induced attention-output error energy per kv head [H] over all sampled queries."""
     import torch
 
     total = None
     for sample in samples:
         a = sample.attention()
-        if part == "key":
+        if part == Part.KEY:
             a_hat = sample.attention_with(fake_quant(sample.keys, tq, meta))
             err = torch.bmm(a_hat - a, sample.values)
         else:
@@ -182,7 +167,7 @@ def _output_error(samples: list[AttentionSample], part: str, tq: TensorQuant, me
     return total
 
 
-def attention_metadata(samples: list[AttentionSample], part: str, tq: TensorQuant,
+def attention_metadata(samples: list[AttentionSample], part: Part, tq: TensorQuant,
                        high: torch.Tensor | None = None) -> dict[str, np.ndarray]:
     """Static metadata of one stream with per-(head, unit) clip ratios chosen by attention error.
 
@@ -190,21 +175,21 @@ def attention_metadata(samples: list[AttentionSample], part: str, tq: TensorQuan
     """
     import torch
 
-    xs = [s.keys if part == "key" else s.values for s in samples]
+    xs = [s.keys if part == Part.KEY else s.values for s in samples]
     values = static_groups(torch.cat(xs, dim=1), tq)
     stats = absmax_stats(values, tq)
     grid = torch.tensor(ATTENTION_CLIP_GRID, dtype=torch.float32)
     objective = None  # [C, H, n]
     for sample, x in zip(samples, xs):
         a = sample.attention()
-        if part == "key":
+        if part == Part.KEY:
             q2 = sample.grouped_queries().pow(2) * sample.scaling ** 2  # [H, G*P, D]
             weight = torch.bmm(a.transpose(1, 2), q2)  # [H, T, D]: attention received x query energy
         rows = []
         for ratio in grid:
             err = fake_quant(x, tq, candidate_metadata(tq, stats, ratio, high)) - x  # [H, T, D]
             moved = torch.bmm(a, err)  # [H, G*P, D]
-            if part == "key":
+            if part == Part.KEY:
                 per_channel = (weight * err.pow(2)).sum(dim=1) - (q2 * moved.pow(2)).sum(dim=1)
             else:
                 per_channel = moved.pow(2).sum(dim=1)

@@ -20,6 +20,7 @@ from kvq_export.corpus import load_corpus, token_windows
 from kvq_export.errors import KVQError, ModelError
 from kvq_export.progress import task
 from kvq_export.rotation import rotate_torch
+from kvq_export.vocab import Part
 
 if TYPE_CHECKING:
     import torch
@@ -57,9 +58,9 @@ def check_windows(token_windows: Sequence[Sequence[int]], vocab_size: int) -> li
 
 
 def collect_kv(
-    model: PreTrainedModel, windows: list[list[int]], needed: set[tuple[int, str]], num_layers: int,
+    model: PreTrainedModel, windows: list[list[int]], needed: set[tuple[int, Part]], num_layers: int,
     advance: Callable[[], None] | None = None,
-) -> dict[tuple[int, str], torch.Tensor]:
+) -> dict[tuple[int, Part], torch.Tensor]:
     """Run every window through ``model``; return the needed K/V streams as float32 ``[H, tokens, D]``.
 
     ``advance`` is called after each window.
@@ -70,7 +71,7 @@ def collect_kv(
     from kvq_export.reference.codec import check_finite  # lazy: imports torch
 
     device = next(model.parameters()).device
-    chunks: dict[tuple[int, str], list[torch.Tensor]] = {key: [] for key in needed}
+    chunks: dict[tuple[int, Part], list[torch.Tensor]] = {key: [] for key in needed}
     was_training = model.training
     model.eval()
     try:
@@ -85,7 +86,7 @@ def collect_kv(
                         f"the model filled {len(cache.layers)} cache layer(s), its config says {num_layers}"
                     )
                 for layer, part in needed:
-                    stored = cache.layers[layer].keys if part == "key" else cache.layers[layer].values
+                    stored = cache.layers[layer].keys if part == Part.KEY else cache.layers[layer].values
                     if stored is None or stored.dim() != 4 or stored.shape[2] != len(window):
                         got = None if stored is None else list(stored.shape)
                         raise ModelError(
@@ -228,7 +229,7 @@ def collect_attention_samples(
                     module = modules[layer]
                     scaling = float(getattr(module, "scaling", module.head_dim ** -0.5))
                     samples[layer].append(AttentionSample(captured[layer][:, positions].contiguous(), positions,
-                                                          kv[(layer, "key")], kv[(layer, "value")], scaling,
+                                                          kv[(layer, Part.KEY)], kv[(layer, Part.VALUE)], scaling,
                                                           residual[layer][positions].contiguous()))
                 advance()
     finally:

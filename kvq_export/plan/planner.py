@@ -48,8 +48,7 @@ def _one_thread() -> Iterator[None]:
     """Run torch at one intra-op thread inside the block (restored after).
 
     Candidate calibration and damage measurement are thousands of small tensor ops: a second thread adds a
-    barrier to each, and on shared cores that barrier waits for a descheduled thread (on a loaded 2-core
-    machine the measurement ran 6x slower with two threads than with one). The results are the same.
+    barrier to each, and on shared cores that barrier waits for a descheduled thread. The results are the same.
     """
     import torch
 
@@ -59,7 +58,6 @@ def _one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
-
 
 
 def plan_scheme(
@@ -107,33 +105,38 @@ def plan_scheme(
 
     """
     metric = _checked_settings(metric, budget, context, sink_tokens)
-    cset = candidate_set(candidates) if isinstance(candidates, str) else candidates
-    if value_window is not None:
-        cset = with_value_window(cset, value_window)
-    model, measured_on = measured_model(model, weights)
-    facts = model_facts(model.config)
-    layers, heads, dim = facts.num_layers, facts.num_kv_heads, facts.head_dim
-    cset = fitting(cset, dim)
-    windows = check_windows(windows, facts.vocab_size)
-    static_by, damages = measure_candidates(model, windows, cset, metric, calibration, layers, sink_tokens)
-    options = layer_options(damages, cset, layers, _stream_bytes_at(facts, context, sink_tokens))
-    elements = 2 * layers * heads * context * dim
-    budget_bytes = int(budget * elements / 8)
-    chosen = _allocated(options, budget_bytes, resolution)
-    choice = [(options[layer][i].key, options[layer][i].value) for layer, i in enumerate(chosen)]
-    scheme = scheme_from_choice(choice, name or f"plan-{budget:g}b", sink_tokens)
+    model, facts, cset, windows, measured_on = _measured_inputs(model, windows, candidates, value_window, weights)
+    static_by, damages = measure_candidates(model, windows, cset, metric, calibration, facts.num_layers, sink_tokens)
+    options = layer_options(damages, cset, facts.num_layers, _stream_bytes_at(facts, context, sink_tokens))
+    budget_bytes = _budget_bytes(budget, facts, context)
+    scheme, total = _allocated_scheme(options, budget_bytes, resolution, name or f"plan-{budget:g}b", sink_tokens)
     bits = predict(scheme, facts, context).bits_per_element
-    total = sum(options[layer][i].damage for layer, i in enumerate(chosen))
     uniform = _uniform(cset, options, facts, context, sink_tokens)
     logger.info("planned %s: %.3f bits/element at %d tokens (budget %g), predicted damage %.4g (%s metric)",
                 scheme.name, bits, context, budget, total, metric)
     genai, nearest = genai_view(scheme, options, budget_bytes, facts, context, about=cset.about,
                                 resolution=resolution)
-    plan = Plan(scheme, bits, total, budget, context, metric, damages, uniform,
-                {"candidates": cset.about, "calib_method": str(calibration.method), "sink_tokens": sink_tokens,
-                 "value_window": value_window, "windows": len(windows),
-                 "tokens": sum(len(w) for w in windows), "weights": measured_on}, genai, nearest, static_by)
+    settings = _recorded_settings(cset, calibration, sink_tokens, value_window, windows, measured_on)
+    plan = Plan(scheme, bits, total, budget, context, metric, damages, uniform, settings, genai, nearest, static_by)
     return _served(plan, servable)
+
+
+def _measured_inputs(
+    model: PreTrainedModel, windows: Sequence[Sequence[int]], candidates: CandidateSet | str, value_window: int | None,
+    weights: WeightSpec | None,
+) -> tuple[PreTrainedModel, ModelFacts, CandidateSet, list[list[int]], dict | None]:
+    """(model, facts, candidates, windows, weights record): what the plan measures, checked and prepared.
+
+    The model runs the weights an export stores as ``weights`` (:func:`measured_model`; the record None for its
+    own); the candidates are ``candidates`` with ``value_window`` applied, fitted to its heads; the windows are
+    checked against its vocabulary.
+    """
+    cset = candidate_set(candidates) if isinstance(candidates, str) else candidates
+    if value_window is not None:
+        cset = with_value_window(cset, value_window)
+    model, measured_on = measured_model(model, weights)
+    facts = model_facts(model.config)
+    return model, facts, fitting(cset, facts.head_dim), check_windows(windows, facts.vocab_size), measured_on
 
 
 def _checked_settings(metric: PlanMetric | str, budget: float, context: int, sink_tokens: int) -> PlanMetric:
@@ -178,12 +181,24 @@ def _stream_bytes_at(facts: ModelFacts, context: int, sink_tokens: int) -> Calla
     return nbytes
 
 
-def _allocated(options: Sequence[Sequence[Option]], budget_bytes: int, resolution: int) -> list[int]:
-    """:func:`allocate`, reported as the plan's progress step."""
+def _budget_bytes(budget: float, facts: ModelFacts, context: int) -> int:
+    """The cache bytes ``budget`` bits per element allow at ``context`` tokens (batch 1, keys and values)."""
+    elements = 2 * facts.num_layers * facts.num_kv_heads * context * facts.head_dim
+    return int(budget * elements / 8)
+
+
+def _allocated_scheme(options: Sequence[Sequence[Option]], budget_bytes: int, resolution: int, name: str,
+                      sink_tokens: int) -> tuple[KVQuantScheme, float]:
+    """The scheme of the options :func:`allocate` chooses per layer, and its predicted damage (summed).
+
+    Allocating is reported as the plan's progress step.
+    """
     with task("plan: allocating bits", total=1) as advance:
         chosen = allocate(options, budget_bytes, resolution)
         advance()
-    return chosen
+    picked = [options[layer][i] for layer, i in enumerate(chosen)]
+    scheme = scheme_from_choice([(option.key, option.value) for option in picked], name, sink_tokens)
+    return scheme, sum(option.damage for option in picked)
 
 
 def _uniform(cset: CandidateSet, options: Sequence[Sequence[Option]], facts: ModelFacts, context: int,
@@ -196,6 +211,14 @@ def _uniform(cset: CandidateSet, options: Sequence[Sequence[Option]], facts: Mod
                         "bits_per_element": predict(same, facts, context).bits_per_element,
                         "damage": sum(row[i].damage for row in options)})
     return uniform
+
+
+def _recorded_settings(cset: CandidateSet, calibration: CalibrationSpec, sink_tokens: int, value_window: int | None,
+                       windows: Sequence[Sequence[int]], measured_on: dict | None) -> dict[str, Any]:
+    """How the plan was made, as :attr:`Plan.settings` records it."""
+    return {"candidates": cset.about, "calib_method": str(calibration.method), "sink_tokens": sink_tokens,
+            "value_window": value_window, "windows": len(windows), "tokens": sum(len(w) for w in windows),
+            "weights": measured_on}
 
 
 def _served(plan: Plan, servable: bool) -> Plan:

@@ -1,54 +1,20 @@
 """The reference codec: quantize / dequantize / pack / unpack in plain torch.
 
-This is the arithmetic every backend (ONNX graph, ONNX Runtime fused path, Triton, TensorRT) must
-reproduce, so it is written as a fixed sequence of IEEE fp32 operations that each has an exact ONNX
-counterpart:
+The arithmetic every backend (ONNX graph, ONNX Runtime fused path, Triton, TensorRT) must reproduce: fixed fp32
+operations, each with an exact ONNX counterpart, whatever the input dtype; scales and minimums rounded to
+``scale_dtype`` before they quantize (codes are computed against exactly the stored metadata); round half to even.
 
-* all math in fp32, whatever the input dtype;
-* scales and minimums are rounded to ``scale_dtype`` *before* they are used to quantize, so the codes
-  are computed against exactly the metadata that will be stored;
-* ``round`` is round-half-to-even (torch.round == ONNX Round), division is a true division.
+* :func:`quantize` ``[..., T, D]`` by a :class:`~kvq_export.scheme.TensorQuant` -> :class:`Quantized`: unpacked
+  codes (uint8, float8_e4m3fn for fp8) and the stored scales (and zero points for ``int``); :func:`dequantize`
+  is its inverse: ``x̂ = code * scale + zero`` (``int``), ``(code - offset) * scale`` (``int_sym``, offset
+  ``2**(bits-1)``), ``float(code) * scale`` (fp8). The ``ggml`` quantizer chooses codes and scales as ggml's
+  reference quantizers do, bit for bit; the stored meaning is the same.
+* :func:`pack` / :func:`unpack`: codes of fewer than 8 bits packed along the last axis into uint8, lowest bits
+  first (3, 5 and 6 bits as two planes); :func:`pack_stream` / :func:`unpack_stream`: a stream's stored bytes, a
+  stream's 8-bit high channels first.
+* :func:`metadata_from_range` / :func:`scale_from_amax`: the metadata arithmetic calibration shares.
 
-Code conventions:
-
-* ``int`` (asymmetric): ``code = clamp(round((x - zero) / scale), 0, 2**b - 1)``, ``x̂ = code * scale + zero``
-  where ``zero`` is the (clipped) group minimum.
-* ``int_sym``: ``code = clamp(round(x / scale), -(2**(b-1) - 1), 2**(b-1) - 1) + 2**(b-1)`` stored
-  unsigned (the ONNX Runtime int4 convention ``q + 8``), ``x̂ = (code - 2**(b-1)) * scale``.
-* ``fp8_e4m3``: ``code = float8_e4m3fn(clamp(x / scale, ±448))``, ``x̂ = float(code) * scale``.
-* A zero-range group has scale 0: quantization divides by 1 instead, so codes are finite and
-  ``x̂`` equals the stored minimum (asymmetric: exact for values representable in ``scale_dtype``) or 0.
-
-The ``ggml`` quantizer (``TensorQuant.quantizer``) replaces how scales and codes are *chosen* by the
-reference quantizers of ggml (``quantize_row_q4_0_ref`` ...), blocks of 32 along head_dim, fp32 arithmetic
-in C's order, the fp32 scale used to quantize and its fp16 rounding stored; the stored meaning is the one
-above (``x̂ = (code - 2**(b-1)) * d`` for q4_0/q5_0/q8_0, ``x̂ = code * d + m`` for q4_1/q5_1):
-
-* q4_0 / q5_0: ``v`` = first element of largest magnitude (0 for an all-zero block), ``d = v / -2**(b-1)``,
-  ``id = 1 / d`` (0 when d is 0), ``code = min(2**b - 1, floor(x * id + (2**(b-1) + 0.5)))``. Where ``1 / d``
-  overflows (|d| < 2**-128: a block of tiny subnormals) ggml's C converts NaN/inf to an integer, which is
-  undefined; kvq takes ``id = 0`` there too (such a ``d`` is ±0 in fp16, so the block decodes to 0 either way);
-* q4_1 / q5_1: ``m`` / ``M`` = first minimum / maximum, ``d = (M - m) / (2**b - 1)``,
-  ``code = min(2**b - 1, floor((x - m) * id + 0.5))``;
-* q8_0: ``d = max|x| / 127``, ``code = roundf(x * id) + 128`` (round half away from zero).
-
-Packing (``pack``/``unpack``): codes of ``b < 8`` bits are packed along the last axis into uint8,
-lowest bits first: element ``i`` of the last axis lands in byte ``i // (8 // b)`` at bit offset
-``(i % (8 // b)) * b`` (for 4 bits: even element in the low nibble, odd element in the high nibble).
-3-, 5- and 6-bit codes are two planes along the last axis (:func:`~kvq_export.scheme.code_planes`): ``D * l / 8``
-bytes holding the low ``l`` bits as ``l``-bit codes, then ``D * (b - l) / 8`` bytes holding the higher bits as
-``(b - l)``-bit codes, with ``l = 4`` for 5 and 6 bits and ``l = 2`` for 3 bits. 6 bits: element ``i``'s top two
-bits in byte ``D/2 + i // 4`` at bit ``(i % 4) * 2``; 5 bits: ``D/8`` bytes of fifth bits (element ``i``'s high
-bit in byte ``D/2 + i // 8`` at bit ``i % 8``); 3 bits: ``D/4`` bytes of 2-bit codes, then element ``i``'s third
-bit in byte ``D/4 + i // 8`` at bit ``i % 8``.
-
-High channels (``TensorQuant.high_channels``, per-channel ``int`` / ``int_sym`` streams): the ``n`` channels of
-each kv head listed (ascending) in the calibrated ``high_channels`` ``[H, n]`` get 8-bit codes: ``int`` in
-``[0, 255]`` (scale = range / 255) beside the others' ``[0, 2**bits - 1]``, dequantized by the same
-``code * scale + min``; ``int_sym`` ``clamp(round(x / scale), -127, 127) + 128`` (scale = max|x| / 127) beside the
-others' ``± (2**(bits-1) - 1)`` and offset ``2**(bits-1)``, each dequantized with its own offset. Per token the
-stored bytes are the ``n`` high channels' 8-bit codes in ascending channel order, then the other channels'
-codes in ascending channel order, packed as above (their planes span those ``D - n`` channels).
+Every format's codes, ggml's quantizers, the byte layouts and high channels, and why: docs/design/codec.md.
 """
 
 from __future__ import annotations
@@ -76,6 +42,11 @@ class Quantized(NamedTuple):
     codes: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor | None
+
+
+#: (stored scales, stored zeros or None, scale, zero or None): the metadata :func:`quantize` returns, and the same as
+#: float32 broadcast against the grouped values it quantizes
+_Metadata = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
 
 
 def int_levels(tq: TensorQuant) -> tuple[int, int, int]:
@@ -170,6 +141,13 @@ def _group_view(x: torch.Tensor, tq: TensorQuant) -> tuple[torch.Tensor, int]:
     return x.reshape(*lead, tokens // group, group, dim), -2
 
 
+def _static_group_view(x: torch.Tensor, tq: TensorQuant) -> tuple[torch.Tensor, int]:
+    """(view, reduce dim) of ``[..., H, T, D]`` grouped as static metadata: token groups split off D, channels whole."""
+    if tq.axis == Axis.TOKEN:
+        return x.reshape(*x.shape[:-1], -1, tq.token_group(x.shape[-1])), -1
+    return x, -2
+
+
 def _static_view(meta: torch.Tensor, x: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
     """Broadcast static per-(head, group/channel) metadata ``[H, n]`` against the grouped view of x."""
     heads = x.shape[-3]
@@ -204,51 +182,81 @@ def quantize(
         raise QuantizationError("format fp16 is not quantized")
     check_finite(x)
     high = check_high_channels(high_channels, tq, x.shape[-3] if x.dim() >= 3 else 0, x.shape[-1])
-    sdtype = DType.get(tq.scale_dtype).torch
     xf = x.to(torch.float32)
     static = tq.scales == ScaleMode.STATIC
-    if static:
-        if static_scales is None or (tq.has_zero_point and static_zeros is None):
-            raise QuantizationError("static scales need static_scales (and static_zeros for format int)")
-        xg, reduce_dim = (xf.reshape(*xf.shape[:-1], -1, tq.token_group(xf.shape[-1])), -1) \
-            if tq.axis == Axis.TOKEN else (xf, -2)
-    else:
-        xg, reduce_dim = _group_view(xf, tq)
+    if static and (static_scales is None or (tq.has_zero_point and static_zeros is None)):
+        raise QuantizationError("static scales need static_scales (and static_zeros for format int)")
+    xg, reduce_dim = _static_group_view(xf, tq) if static else _group_view(xf, tq)
     if tq.quantizer == Quantizer.GGML:  # token axis, dynamic scales (the scheme refuses anything else)
         codes, scales, zeros = _quantize_ggml(xg, tq)
         _check_scales(scales, tq)
         return Quantized(codes.reshape(x.shape), scales, zeros)
-
-    lo, top, offset = int_levels(tq) if tq.is_int else (0, 0, 0)
-    if high is not None:  # per-channel levels, broadcast against [..., H, T, D] (static) or [..., H, T/G, G, D]
-        lo, top, offset = (t.reshape(high.shape[0], *([1] * (1 if static else 2)), -1)
-                           for t in channel_levels(tq, high, x.shape[-1]))
+    levels = _code_levels(tq, high, static, x.shape[-1])
     if static:
-        scales = static_scales.to(sdtype)
-        scale = _static_view(scales.float(), xf, tq)
-        zeros = static_zeros.to(sdtype) if tq.has_zero_point else None
-        zero = _static_view(zeros.float(), xf, tq) if zeros is not None else None
-    elif tq.has_zero_point:
+        scales, zeros, scale, zero = _static_metadata(xf, tq, static_scales, static_zeros)
+    else:
+        scales, zeros, scale, zero = _dynamic_metadata(xg, reduce_dim, tq, levels if high is not None else None)
+    _check_scales(scales, tq)
+    return Quantized(_codes(xg, tq, scale, zero, levels, high is not None).reshape(x.shape), scales, zeros)
+
+
+def _code_levels(tq: TensorQuant, high: torch.Tensor | None, static: bool, dim: int) -> tuple:
+    """(lowest code, highest code, offset) :func:`quantize` clamps and shifts by (zeros for fp8, which has none).
+
+    Ints for one code width; with high channels ``[H, ..., D]`` float32 per channel, shaped to broadcast against
+    the grouped values (``[..., H, T, D]`` for static scales, ``[..., H, T/G, G, D]`` for channel groups).
+    """
+    if high is None:
+        return int_levels(tq) if tq.is_int else (0, 0, 0)
+    return tuple(t.reshape(high.shape[0], *([1] * (1 if static else 2)), -1) for t in channel_levels(tq, high, dim))
+
+
+def _static_metadata(xf: torch.Tensor, tq: TensorQuant, static_scales: torch.Tensor,
+                     static_zeros: torch.Tensor | None) -> _Metadata:
+    """(stored scales, stored zeros, scale, zero) of the given static ``[H, n]`` metadata.
+
+    Stored: in ``scale_dtype``; scale and zero: those as float32, broadcast against the grouped values of ``xf``.
+    Zeros are None without a zero point.
+    """
+    sdtype = DType.get(tq.scale_dtype).torch
+    scales = static_scales.to(sdtype)
+    scale = _static_view(scales.float(), xf, tq)
+    zeros = static_zeros.to(sdtype) if tq.has_zero_point else None
+    zero = _static_view(zeros.float(), xf, tq) if zeros is not None else None
+    return scales, zeros, scale, zero
+
+
+def _dynamic_metadata(xg: torch.Tensor, reduce_dim: int, tq: TensorQuant,
+                      high_levels: tuple | None) -> _Metadata:
+    """(stored scales, stored zeros, scale, zero) of each group of ``xg`` (reduced along ``reduce_dim``).
+
+    Stored: in ``scale_dtype`` without the group dim; scale and zero: float32 keeping it, to broadcast. ``high_levels``:
+    :func:`_code_levels` of a stream with high channels, whose code range differs per channel.
+    """
+    lo, top, _ = high_levels if high_levels is not None else (None, None, None)
+    if tq.has_zero_point:
         scale_kd, zero_kd = metadata_from_range(
             tq, xg.amin(dim=reduce_dim, keepdim=True), xg.amax(dim=reduce_dim, keepdim=True),
-            None if high is None else top - lo)
-        scales, zeros = scale_kd.squeeze(reduce_dim), zero_kd.squeeze(reduce_dim)
-        scale, zero = scale_kd.float(), zero_kd.float()
-    else:
-        scale_kd = scale_from_amax(tq, xg.abs().amax(dim=reduce_dim, keepdim=True), None if high is None else top)
-        scales, zeros = scale_kd.squeeze(reduce_dim), None
-        scale, zero = scale_kd.float(), None
+            None if high_levels is None else top - lo)
+        return scale_kd.squeeze(reduce_dim), zero_kd.squeeze(reduce_dim), scale_kd.float(), zero_kd.float()
+    scale_kd = scale_from_amax(tq, xg.abs().amax(dim=reduce_dim, keepdim=True), top)
+    return scale_kd.squeeze(reduce_dim), None, scale_kd.float(), None
 
-    _check_scales(scales, tq)
+
+def _codes(xg: torch.Tensor, tq: TensorQuant, scale: torch.Tensor, zero: torch.Tensor | None, levels: tuple,
+           per_channel: bool) -> torch.Tensor:
+    """Codes of the grouped values against their metadata: float8_e4m3fn, or uint8 clamped to ``levels`` and offset.
+
+    A zero scale divides by 1 instead (codes stay finite). ``per_channel``: ``levels`` are tensors (high channels).
+    """
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     if tq.format == Format.FP8_E4M3:
-        codes = torch.clamp(xg / safe, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    else:
-        shifted = xg - zero if zero is not None else xg
-        rounded = torch.round(shifted / safe)
-        clamped = torch.clamp(rounded, lo, top) if high is None else torch.minimum(torch.maximum(rounded, lo), top)
-        codes = (clamped + offset).to(torch.uint8)
-    return Quantized(codes.reshape(x.shape), scales, zeros)
+        return torch.clamp(xg / safe, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    lo, top, offset = levels
+    shifted = xg - zero if zero is not None else xg
+    rounded = torch.round(shifted / safe)
+    clamped = torch.minimum(torch.maximum(rounded, lo), top) if per_channel else torch.clamp(rounded, lo, top)
+    return (clamped + offset).to(torch.uint8)
 
 
 def _check_scales(scales: torch.Tensor, tq: TensorQuant) -> None:
@@ -291,7 +299,7 @@ def _quantize_ggml(xg: torch.Tensor, tq: TensorQuant) -> tuple[torch.Tensor, tor
         mx = _first_at(xg, xg.argmax(dim=-1, keepdim=True))
         d = (mx - mn) / float(top)
     inv = 1.0 / torch.where(d == 0, torch.ones_like(d), d)
-    inv = torch.where((d == 0) | torch.isinf(inv), torch.zeros_like(d), inv)  # see the module doc: |d| < 2**-128
+    inv = torch.where((d == 0) | torch.isinf(inv), torch.zeros_like(d), inv)  # |d| < 2**-128: docs/design/codec.md
     if tq.format == Format.INT_SYM and tq.bits == 8:
         codes = round_away(xg * inv) + 128.0
     elif tq.format == Format.INT_SYM:
@@ -319,8 +327,7 @@ def dequantize(q: Quantized, tq: TensorQuant, out_dtype: torch.dtype = torch.flo
     else:
         values = codes.to(torch.float32) - float(int_levels(tq)[2])
     if static:
-        xg = values.reshape(*values.shape[:-1], -1, tq.token_group(values.shape[-1])) \
-            if tq.axis == Axis.TOKEN else values
+        xg, _ = _static_group_view(values, tq)
         scale = _static_view(q.scales.float(), values, tq)
         zero = _static_view(q.zeros.float(), values, tq) if q.zeros is not None else None
     else:
