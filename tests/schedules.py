@@ -15,6 +15,6 @@ def longest_unit(scheme: KVQuantScheme, layer: int = 0) -> int:
     return max([tq.flush_unit for tq in scheme.for_layer(layer) if tq.quantized] + [1])
 
 
-def crossing_steps(scheme: KVQuantScheme, least_unit: int = 1) -> int:
-    """Decode steps that fill the recent window and flush at least three units after it."""
-    return 3 * max(longest_unit(scheme), least_unit) + longest_window(scheme) + 2
+def crossing_steps(scheme: KVQuantScheme, least_unit: int = 1, units: int = 3) -> int:
+    """Decode steps that fill the recent window and flush at least ``units`` units after it."""
+    return units * max(longest_unit(scheme), least_unit) + longest_window(scheme) + 2

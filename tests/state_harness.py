@@ -119,17 +119,18 @@ REFERENCE_PROMPTS = {"solo": [[5, 17, 99, 3, 42, 8, 77]],
                      "padded": [[11, 12, 13, 14, 15], [60, 61, 2, 9, 100, 4, 4, 7, 1]]}
 
 
-def check_against_reference(directory, model, scheme, prompts: list[list[int]], *, label: str) -> None:
+def check_against_reference(directory, model, scheme, prompts: list[list[int]], *, label: str,
+                            units: int = 3) -> None:
     """The export against ``model`` on kvq's reference cache, teacher-forced past every flush boundary.
 
     ``prompts`` go through the export left-padded and through the model one at a time: logits, stored state
     and the manifest-decoded cache agree (tolerances: tests/test_export_runtime.py); a single prompt's bytes
-    held equal the memory model's prediction.
+    held equal the memory model's prediction. The decode steps flush ``units`` units out of the recent window.
     """
     session = KVQSession(directory)
     static = load_static(directory, session.manifest)
     rng = np.random.default_rng(len(prompts))
-    stream = rng.integers(0, VOCAB, (crossing_steps(scheme, least_unit=4), len(prompts)))
+    stream = rng.integers(0, VOCAB, (crossing_steps(scheme, least_unit=4, units=units), len(prompts)))
 
     width = max(map(len, prompts))
     onnx_logits, cache = teacher_force(session, prompts, stream)

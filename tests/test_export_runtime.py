@@ -2,7 +2,8 @@
 
 Each case teacher-forces the same token stream through both sides: a prefill, then enough single-token
 decode steps that every flush boundary (3 groups + the recent window) is crossed, for batch 1 and for
-a left-padded batch of 2. The PyTorch side runs each prompt alone.
+a left-padded batch of 2 on llama; the other architectures' left-padded batches flush one group. The
+PyTorch side runs each prompt alone.
 
 Tolerances (documented): logits max |Δ| <= 1e-4 (fp32). Cache state: ONNX Runtime and torch sum
 matmuls in different orders, so a K/V value sitting on an fp16 rounding boundary can land one fp16
@@ -73,10 +74,10 @@ def exports(tmp_path_factory):
     return get
 
 
-def _check_case(exports, arch, preset, batch):
+def _check_case(exports, arch, preset, batch, units=3):
     model, scheme = tiny_model(arch), fit_head_dim(_case(preset), 32)
     check_against_reference(exports(arch, preset), model, scheme, REFERENCE_PROMPTS[batch],
-                            label=f"{arch}/{preset}/{batch}")
+                            label=f"{arch}/{preset}/{batch}", units=units)
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -88,7 +89,9 @@ def test_llama_every_preset(exports, preset, batch):
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])
 def test_other_architectures_every_preset_left_padded(exports, arch, preset):
-    _check_case(exports, arch, preset, "padded")
+    # One unit flushed, not three: what these add to llama's cases is the decoder body around one cache graph,
+    # and the cache graph is the same for every architecture (every later flush is llama's and test_kv_graph's).
+    _check_case(exports, arch, preset, "padded", units=1)
 
 
 @pytest.mark.parametrize("batch", ["solo", "padded"])

@@ -37,6 +37,12 @@ def sessions(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def batches(sessions):
+    """Each export's 64 greedy tokens after every prompt, the prompts left-padded into one batch."""
+    return {name: session.generate(PROMPTS, 64, stop_at_eos=False) for name, session in sessions.items()}
+
+
 def _agreement(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -46,16 +52,15 @@ def test_fp16_export_reproduces_the_known_greedy_text(sessions):
     assert result.text.startswith(", the city of Nova Haven was a thriving metropolis")
 
 
-def test_left_padded_batch_equals_each_prompt_alone(sessions):
-    for name in ("fp16", "kivi-4"):
-        batch = sessions[name].generate(PROMPTS, 64)
+def test_left_padded_batch_equals_each_prompt_alone(sessions, batches):
+    for name, batch in batches.items():
         for prompt, result in zip(PROMPTS, batch):
-            assert sessions[name].generate([prompt], 64)[0].tokens == result.tokens, (name, prompt)
+            alone = sessions[name].generate([prompt], 64, stop_at_eos=False)[0]
+            assert alone.tokens == result.tokens, (name, prompt)
 
 
-def test_kivi4_vs_fp16_greedy_agreement(sessions):
-    base = sessions["fp16"].generate(PROMPTS, 64, stop_at_eos=False)
-    quant = sessions["kivi-4"].generate(PROMPTS, 64, stop_at_eos=False)
+def test_kivi4_vs_fp16_greedy_agreement(batches):
+    base, quant = batches["fp16"], batches["kivi-4"]
     agree = [_agreement(b.tokens, q.tokens) for b, q in zip(base, quant)]
     logger.warning("kivi-4 vs fp16, tokens before first divergence (64 max): %s", agree)
     # prompts + 64 tokens stay inside kivi's 128-token recent window, so nothing is quantized yet:
