@@ -38,7 +38,6 @@ from kvq_export.memory import predict
 from kvq_export.model_facts import Geometry
 from kvq_export.naming import present_name
 from kvq_export.plan import plan_scheme, scheme_from_choice
-from kvq_export.request import CalibrationSpec
 from kvq_export.runtime.genai import GenaiSession, builder_scale_file, serve_command
 from kvq_export.runtime.sampling import Sampler, SamplingConfig
 from kvq_export.runtime.session import KVQSession
@@ -489,13 +488,11 @@ def test_repetition_penalty_is_validated(value):
 
 
 @pytest.mark.slow
-def test_smollm2_text_prompts_through_genai(tmp_path):
+def test_smollm2_text_prompts_through_genai(tmp_path_factory):
     """On the real model og reads kvq's tokenizer files: the same ids, the same greedy continuation."""
-    from kvq_export.model_source import load_model
+    from smollm2_harness import deployer_export
 
-    model, tokenizer = load_model("smollm2")
-    directory = export_model(model, "ort-int8", tmp_path / "gqa8", flavor="ort-gqa", tokenizer=tokenizer,
-                             calibration=CalibrationSpec(tokens=1024))
+    directory = deployer_export(tmp_path_factory)
     prompts = ["Once upon a time", "The capital of France is a city that"]
     ours = KVQSession(directory).generate(prompts, 24)
     theirs = GenaiSession(directory).generate(prompts, 24)

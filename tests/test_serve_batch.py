@@ -373,28 +373,24 @@ def test_serve_raises_after_stopping_when_the_generation_thread_dies(export, mon
 
 
 @pytest.mark.slow
-def test_smollm2_prompts_of_many_lengths_get_their_answers_alone_under_load():
-    """SmolLM2 as a deployer exports it, prompts of 12 to 520 tokens at once: every answer is the one alone.
+def test_smollm2_prompts_of_many_lengths_get_their_answers_alone_under_load(tmp_path_factory):
+    """SmolLM2 as a deployer exports it, prompts of 12 to 300 tokens at once: every answer is the one alone.
 
-    The ort-int8 cache with int4 weights; 8 corpus prompts sent together to 4 rows with 128-token chunks.
+    The ort-int8 cache on int4 weights (tests/smollm2_harness.py); 8 corpus prompts sent together to 4 rows with
+    64-token chunks, so prompts end before, on and just past a chunk's end and run over up to five chunks.
     """
-    from kvq_export.corpus import load_corpus
-    from kvq_export.export.exporter import cached_export_dir, ensure_export
-    from kvq_export.flavors import FlavorName
-    from kvq_export.model_source import cache_dir
-    from kvq_export.request import DEFAULT_CALIBRATION, ExportRequest, WeightSpec
-    from kvq_export.runtime.text_codec import TextCodec
-    from kvq_export.vocab import WeightFormat
+    from smollm2_harness import deployer_export
 
-    request = ExportRequest(model="smollm2", scheme="ort-int8", flavor=FlavorName.ORT_GQA,
-                            weights=WeightSpec(format=WeightFormat.INT4), calibration=DEFAULT_CALIBRATION)
-    directory = ensure_export(request, cached_export_dir(request, cache_dir("exports")))
+    from kvq_export.corpus import load_corpus
+    from kvq_export.runtime.text_codec import TextCodec
+
+    directory = deployer_export(tmp_path_factory)
     codec = TextCodec(directory, Manifest.load(directory))
     text = load_corpus("britannica")[20000:60000]
     ids = codec.encode(text)
-    lengths = (12, 40, 77, 128, 129, 200, 300, 520)
-    jobs = [Job(tuple(ids[300 * i:300 * i + n]), 24, GREEDY) for i, n in enumerate(lengths)]
-    backend = open_backend(directory, max_seqs=4, prefill_chunk=128, limits=ServeLimits(context=1024),
+    lengths = (12, 40, 63, 64, 65, 129, 200, 300)
+    jobs = [Job(tuple(ids[300 * i:300 * i + n]), 16, GREEDY) for i, n in enumerate(lengths)]
+    backend = open_backend(directory, max_seqs=4, prefill_chunk=64, limits=ServeLimits(context=1024),
                            verify_weights=False)
     backend.start()
     try:
