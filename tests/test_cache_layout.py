@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvq_export.cache_layout import BUFFER, LAYOUTS, REGIONS, layout_named
 from kvq_export.errors import KVQError
-from kvq_export.flavors.reference.graph import _SplitOps
+from kvq_export.flavors.reference.graph import GraphSplitOps
 from kvq_export.graph.builder import GraphBuilder
 from kvq_export.model_facts import Geometry
 from kvq_export.naming import CAPACITY_AXIS
@@ -60,7 +60,7 @@ def test_split_rule_in_the_graph_matches_python():
     for split in (RegionSplit(4, 32, 1), RegionSplit(0, 32, 32), RegionSplit(2, 0, 64), RegionSplit(3, 8, 4, False)):
         b = GraphBuilder(opset=21)
         n = b.input("n", ir.DataType.INT64, ("rows",))
-        for name, value in zip(("sinks", "quantized", "recent"), split.lengths(n, _SplitOps(b))):
+        for name, value in zip(("sinks", "quantized", "recent"), split.lengths(n, GraphSplitOps(b))):
             b.output(value, name, ir.DataType.INT64, ("rows",))
         model = ir.serde.serialize_model(b.build())
         session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])

@@ -132,7 +132,7 @@ def _bypass_realignment(graph) -> int:
     """Drop the GatherND and Where nodes that realign left-padded rows; return how many.
 
     og's rows are right-padded (a prompt's padding after its tokens; every later call all ones, og.Engine's
-    shorter rows included, see the module docstring), so each row's tokens already sit where GroupQueryAttention
+    shorter rows included: docs/design/genai.md), so each row's tokens already sit where GroupQueryAttention
     wants them and the gathers are the identity. Padding positions then keep what the node leaves there instead
     of zeros, as in og's own graphs: nothing reads them (og takes each row's logits at its own last token, and
     the node never attends past a row's length).

@@ -93,7 +93,7 @@ class StoredStream:
         return {role: value for role, value in out.items() if value is not None}
 
 
-class _SplitOps:
+class GraphSplitOps:
     """:meth:`RegionSplit.lengths` as ONNX ops on int64 graph values (``Div`` floors non-negative ints)."""
 
     def __init__(self, b: GraphBuilder) -> None:
@@ -315,7 +315,7 @@ class QuantizedCacheGraph(LaidOutCache[RegionCall]):
     # -- per-row counts -------------------------------------------------------------------------------
     def _split(self, b: GraphBuilder, tq: TensorQuant, n: ir.Value) -> _Counts:
         """:class:`RegionSplit` of ``tq`` evaluated in the graph on a [B] int64 vector."""
-        return _Counts(*RegionSplit.of(tq, self.scheme).lengths(n, _SplitOps(b)))
+        return _Counts(*RegionSplit.of(tq, self.scheme).lengths(n, GraphSplitOps(b)))
 
     # -- one stream ---------------------------------------------------------------------------------------
     def store(self, b: GraphBuilder, call: RegionCall, layer: int, part: Part, tq: TensorQuant,
