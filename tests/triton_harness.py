@@ -123,7 +123,7 @@ def check_append(scheme: KVQuantScheme, append, seed: int, gen: torch.Generator,
     rng = random.Random(seed)
     rows = 3
     schedule = [[rng.randint(0, 9) for _ in range(rows)],
-                [rng.randint(0, crossing_steps(scheme)) for _ in range(rows)]]
+                [rng.randint(0, crossing_steps(scheme, units=2)) for _ in range(rows)]]  # up to two groups at once
     schedule += [[rng.randint(0, 3) for _ in range(rows)] for _ in range(3)] + [[1] * rows] * 2
     for part, tq in zip(("key", "value"), scheme.for_layer(0)):
         layout = StreamLayout.of(tq, scheme, dim)
