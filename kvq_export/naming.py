@@ -21,7 +21,7 @@ def packing_rule(bits: int, high_channels: int = 0) -> str:
     """The manifest's byte layout of ``bits``-wide integer codes along head_dim ``D`` (see the codec).
 
     One plane: packed lowest bits first. 3-, 5- and 6-bit codes: a plane of the low bits, then a plane of
-    the higher bits (:func:`~kvq_export.scheme.code_planes`). High channels: their 8-bit codes first.
+    the higher bits (:func:`~kvq_export.scheme_rules.code_planes`). High channels: their 8-bit codes first.
     """
     planes = code_planes(bits)
     width, start = ("D", "") if not high_channels else ("(D - n)", "n + ")

@@ -5,8 +5,8 @@ rewrites and returns a ``PassResult(model, modified)``, ``ensures`` checks what 
 nothing to change where it should have says why. The passes kvq runs after building a graph:
 
 * :class:`kvq_export.graph.weights.QuantizeWeightsPass` -- the weights stored as fp16 or int8 / int4 blocks;
-* :class:`kvq_export.flavors.ort_gqa.genai.GenaiProloguePass` and
-  :class:`kvq_export.flavors.ort_gqa.genai.BypassRealignmentPass` -- onnxruntime-genai's variant of an ort-gqa
+* :class:`kvq_export.flavors.ort_gqa.genai_graph.GenaiProloguePass` and
+  :class:`kvq_export.flavors.ort_gqa.genai_graph.BypassRealignmentPass` -- onnxruntime-genai's variant of an ort-gqa
   graph.
 
 :func:`run_passes` runs them and gives back the one-line :class:`~kvq_export.errors.KVQError` a pass raised (the

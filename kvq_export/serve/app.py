@@ -263,7 +263,7 @@ def serve(export_dir: str | os.PathLike[str], *, host: str = "127.0.0.1", port: 
     The port is bound before the model loads, so a taken port is a one-line :class:`KVQError`; ``port=0`` picks a
     free one (logged). ``api_key``: the bearer token clients must send (None: :data:`API_KEY_ENV` when set, else
     open). ``limits`` and ``batch_options`` (``max_seqs``, ``cache_budget``, ``prefill_chunk``,
-    ``allow_batch_variance``) go to :func:`~kvq_export.serve.backends.open_backend`. Raises :class:`KVQError`
+    ``allow_batch_variance``) go to :func:`~kvq_export.serve.factory.open_backend`. Raises :class:`KVQError`
     after stopping when the generation thread died, so the process exits non-zero.
     """
     import uvicorn

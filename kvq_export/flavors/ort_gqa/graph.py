@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 
 class GQACacheGraph(LaidOutCache[GQACall]):
-    """:class:`~kvq_export.export.decoder.CacheGraph` built on ``com.microsoft.GroupQueryAttention``.
+    """:class:`~kvq_export.flavors.cache_graph.CacheGraph` built on ``com.microsoft.GroupQueryAttention``.
 
     Args:
         scheme: the cache description (see :func:`unsupported` for what GQA can hold).
