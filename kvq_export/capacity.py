@@ -39,7 +39,6 @@ from kvq_export.memory import resident_bytes
 logger = logging.getLogger(__name__)
 
 
-
 class Backend(StrEnum):
     """What measures an export (``kvq bench-serve --backend``): a runner, or a rule that picks one per directory."""
 
