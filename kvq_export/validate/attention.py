@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -195,7 +195,7 @@ class AttentionSummary:
 
     def as_dict(self) -> dict[str, float]:
         """JSON form."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -228,7 +228,7 @@ class HeadError:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON form."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return asdict(self)
 
 
 @dataclass(frozen=True)
