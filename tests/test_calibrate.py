@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from kvq_export.calibration import Calibration, calibrate_static_scales
+from kvq_export.calibration.positions import KeyPositions, shift_keys, window_offsets
 from kvq_export.corpus import corpus_names, load_corpus, token_windows
 from kvq_export.errors import KVQError, SchemeError
 from kvq_export.presets import get_preset
@@ -42,15 +43,22 @@ def windows() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def kv(model, windows) -> dict[tuple[int, str], torch.Tensor]:
-    """Independent ground truth: every window's post-RoPE K/V from a DynamicCache, [H, tokens, D] fp32."""
+    """Independent ground truth: post-RoPE K/V from a DynamicCache, [H, tokens, D] fp32.
+
+    Keys as the model computes them with each window started at every offset that covers its 256 positions (0, 24,
+    ..., 216, then 232: static key scales hold keys at every position), values once per window.
+    """
     chunks: dict[tuple[int, str], list[torch.Tensor]] = {}
     with torch.inference_mode():
         for window in windows:
-            cache = DynamicCache()
-            model(input_ids=torch.tensor([window]), cache=cache, use_cache=True)
-            for layer in range(LAYERS):
-                chunks.setdefault((layer, "key"), []).append(cache.layers[layer].keys[0].float())
-                chunks.setdefault((layer, "value"), []).append(cache.layers[layer].values[0].float())
+            for offset in [*range(0, 256 - len(window) + 1, len(window)), 256 - len(window)]:
+                cache = DynamicCache()
+                positions = torch.arange(offset, offset + len(window))[None]
+                model(input_ids=torch.tensor([window]), position_ids=positions, cache=cache, use_cache=True)
+                for layer in range(LAYERS):
+                    chunks.setdefault((layer, "key"), []).append(cache.layers[layer].keys[0].float())
+                    if offset == 0:
+                        chunks.setdefault((layer, "value"), []).append(cache.layers[layer].values[0].float())
     return {k: torch.cat(v, dim=1) for k, v in chunks.items()}
 
 
@@ -80,7 +88,8 @@ def test_ort_presets_absmax_exact(model, windows, kv, preset):
             assert meta["scales"].shape == (KV_HEADS, HEAD_DIM) and meta["scales"].dtype == np.float32
             amax = kv[(layer, part)].abs().amax(dim=1).numpy()  # [H, D]
             expected = (amax / np.float32(qmax)).astype(np.float32)  # scale_dtype fp32
-            np.testing.assert_array_equal(meta["scales"], expected)
+            # keys: kvq turns the window's keys, the model computes them at each position: a rounding apart
+            np.testing.assert_allclose(meta["scales"], expected, rtol=1e-6 if part == Part.KEY else 0)
     Calibration.of(static).check(scheme, GEOMETRY)
 
 
@@ -100,8 +109,10 @@ def test_asymmetric_clip_and_fp8(model, windows, kv):
     k, v = kv[(0, "key")], kv[(0, "value")]
     mn, mx = k.amin(dim=1), k.amax(dim=1)
     mid, half = (mx + mn) * 0.5, (mx - mn) * (0.5 * 0.9)
-    np.testing.assert_array_equal(static[0]["key"]["zero_points"], (mid - half).numpy())
-    np.testing.assert_array_equal(static[0]["key"]["scales"], (((mid + half) - (mid - half)) / 15.0).numpy())
+    # keys: kvq turns the window's keys, the model computes them at each position: a rounding apart
+    np.testing.assert_allclose(static[0]["key"]["zero_points"], (mid - half).numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(static[0]["key"]["scales"], (((mid + half) - (mid - half)) / 15.0).numpy(),
+                               rtol=1e-5)
     np.testing.assert_array_equal(static[0]["value"]["scales"], (v.abs().amax(dim=1) / 448.0).numpy())
     assert "zero_points" not in static[0]["value"]
 
@@ -434,6 +445,8 @@ def test_static_from_samples_equals_calibration(model, windows):
     from kvq_export.calibration.passes import collect_attention_samples
 
     samples = collect_attention_samples(model, windows, [0, 1], LAYERS)
+    positions = KeyPositions.of(model.config, 256)
+    samples = {layer: positions.samples(layer, samples[layer]) for layer in samples}  # as calibration shifts them
     scheme = _static(ASYM_CHANNEL)
     for method in ("absmax", "attention"):
         want = calibrate_static_scales(model, scheme, windows, method=method)
@@ -473,3 +486,42 @@ def test_validate_knows_where_offset_calibration_text_lies():
     assert CalibrationResult.of(record, other).windows_overlap_calibration is False
     legacy = CalibrationRecord.from_dict({k: v for k, v in cal.items() if k != "offset"})
     assert CalibrationResult.of(legacy, protocol).windows_overlap_calibration is True
+
+
+# -- keys at every position -----------------------------------------------------------------------------------------
+def test_window_offsets_cover_every_position_once_tiled():
+    assert window_offsets(24, 256) == [0, 24, 48, 72, 96, 120, 144, 168, 192, 216, 232]
+    assert window_offsets(1024, 8192) == [0, 1024, 2048, 3072, 4096, 5120, 6144, 7168]
+    assert window_offsets(300, 256) == [0]
+
+
+def test_shifted_keys_are_the_models_keys_at_those_positions(model, windows):
+    """The shift equals transformers' own RoPE at the later positions; partial rotary channels pass through."""
+    inv_freq = KeyPositions.of(model.config, 256).inv_freq[0]
+    with torch.inference_mode():
+        def keys(offset):
+            cache = DynamicCache()
+            model(input_ids=torch.tensor([windows[0]]), position_ids=torch.arange(offset, offset + 24)[None],
+                  cache=cache, use_cache=True)
+            return cache.layers[0].keys[0].float()
+
+        torch.testing.assert_close(shift_keys(keys(0), inv_freq, 200), keys(200), rtol=1e-5, atol=1e-6)
+    x = torch.randn(2, 5, HEAD_DIM)
+    half = shift_keys(x, inv_freq[:4], 7)  # a rotary of 8 channels: the other 24 are left alone
+    assert torch.equal(half[..., 8:], x[..., 8:]) and not torch.equal(half[..., :8], x[..., :8])
+
+
+def test_far_keys_stay_inside_the_static_key_scales(model, windows, kv):
+    """Scales from 24-token windows hold a calibration window's keys run at positions 192-215.
+
+    Measured where the model ran the windows (positions 0-23) the same keys leave the scales.
+    """
+    static = calibrate_static_scales(model, get_preset("ort-int8"), windows)
+    with torch.inference_mode():
+        cache = DynamicCache()
+        model(input_ids=torch.tensor([windows[1]]), position_ids=torch.arange(192, 216)[None], cache=cache,
+              use_cache=True)
+    far = cache.layers[0].keys[0].float().abs().amax(dim=1).numpy()
+    assert np.all(far <= static[0]["key"]["scales"] * 127 * (1 + 1e-5))
+    near = torch.cat([kv[(0, "key")][:, i * 11 * 24:i * 11 * 24 + 24] for i in range(3)], dim=1)  # offset 0 only
+    assert np.any(far > near.abs().amax(dim=1).numpy() * (1 + 1e-3))

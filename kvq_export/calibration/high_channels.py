@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvq_export.calibration.passes import stream_samples
 from kvq_export.errors import KVQError
 from kvq_export.vocab import Part
 
@@ -38,7 +39,7 @@ def channel_importance(samples: Sequence[AttentionSample], part: Part, tq: Tenso
     """``[kv_heads, D]``: how much a channel's quantization error moves attention (see the module docstring)."""
     weight = range_sq = None
     ranging = ranging_group(tq)
-    for sample in samples:
+    for sample in stream_samples(samples, part):
         x = sample.keys if part == Part.KEY else sample.values  # [H, T, D]
         heads, tokens, dim = x.shape
         group = tokens if ranging is None else min(ranging, tokens)  # static: one range

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 from kvq_export.calibration.artifact import HIGH_CHANNELS, Calibration, high_channel_streams, static_streams
 from kvq_export.calibration.high_channels import choose_high_channels
 from kvq_export.calibration.methods import attention_metadata, check_method, stream_metadata
-from kvq_export.calibration.passes import check_windows, collect_attention_samples, collect_kv
+from kvq_export.calibration.passes import check_windows, collect_attention_samples, collect_kv, stream_samples
+from kvq_export.calibration.positions import KeyPositions
 from kvq_export.errors import SchemeError
 from kvq_export.model_source import model_facts
 from kvq_export.progress import task
@@ -80,13 +81,14 @@ def calibrate_static_scales(
     targets, high = _streams_to_calibrate(scheme, facts.num_layers)
     windows = check_windows(token_windows, facts.vocab_size)
     static: dict[int, dict[Part, dict]] = {}
-    samples = _shared_samples(model, windows, targets, high, method, facts.num_layers)
+    positions = KeyPositions.of(model.config, facts.max_position_embeddings)
+    samples = _shared_samples(model, windows, targets, high, method, facts.num_layers, positions)
     if high:
         _choose_high_channels(model, samples, high, static)
         logger.info("chose the high channels of %d stream(s) on %d token(s)", len(high),
                     sum(len(w) for w in windows))
     if targets:
-        _static_scales(model, windows, samples, targets, static, facts, method, percentile)
+        _static_scales(model, windows, samples, targets, static, facts, method, percentile, positions)
     return _checked(static, scheme, facts, measured_on)
 
 
@@ -117,14 +119,17 @@ def _streams_to_calibrate(scheme: KVQuantScheme, num_layers: int) -> tuple[Strea
 
 
 def _shared_samples(model: PreTrainedModel, windows: list[list[int]], targets: Streams, high: Streams, method: str,
-                    num_layers: int) -> Samples | None:
+                    num_layers: int, positions: KeyPositions) -> Samples | None:
     """The attention samples of the layers calibrated, when the channel choice or the method reads them (else None).
 
     One pass over the windows serves both; without either, :func:`_stream_scales` collects only the K/V it needs.
+    Each window's sample comes at every offset of :mod:`.positions` (keys as they stand anywhere in the context).
     """
     if not high and method != "attention":
         return None
-    return collect_attention_samples(model, windows, sorted({layer for layer, _, _ in (*high, *targets)}), num_layers)
+    layers = sorted({layer for layer, _, _ in (*high, *targets)})
+    samples = collect_attention_samples(model, windows, layers, num_layers)
+    return {layer: positions.samples(layer, samples[layer]) for layer in layers}
 
 
 def _choose_high_channels(model: PreTrainedModel, samples: Samples, high: Streams, static: dict) -> None:
@@ -144,12 +149,12 @@ def _chosen(static: dict, layer: int, part: Part) -> torch.Tensor | None:
 
 
 def _static_scales(model: PreTrainedModel, windows: list[list[int]], samples: Samples | None, targets: Streams,
-                   static: dict, facts: ModelFacts, method: str, percentile: float) -> None:
+                   static: dict, facts: ModelFacts, method: str, percentile: float, positions: KeyPositions) -> None:
     """Each static stream's scales (and zero points) into ``static``, by ``method``."""
     if method == "attention":
         _attention_scales(samples, targets, static, facts.head_dim)
     else:
-        _stream_scales(model, windows, samples, targets, static, facts.num_layers, facts.head_dim, method, percentile)
+        _stream_scales(model, windows, samples, targets, static, facts, method, percentile, positions)
     logger.info(
         "calibrated %d static stream(s) over %d layer(s) on %d token(s) in %d window(s) (method=%s%s)",
         len(targets), len(static), sum(len(w) for w in windows), len(windows), method,
@@ -163,25 +168,34 @@ def _attention_scales(samples: Samples, targets: Streams, static: dict, head_dim
         for layer, part, tq in targets:
             rotation = rotation_matrix(tq.rotation, head_dim)
             static.setdefault(layer, {}).setdefault(part, {}).update(attention_metadata(
-                [s.rotated(rotation) for s in samples[layer]], part, tq, _chosen(static, layer, part)))
+                [s.rotated(rotation) for s in stream_samples(samples[layer], part)], part, tq,
+                _chosen(static, layer, part)))
             advance()
 
 
 def _stream_scales(model: PreTrainedModel, windows: Sequence[Sequence[int]], samples: Samples | None,
-                   targets: Streams, static: dict, num_layers: int, head_dim: int, method: str,
-                   percentile: float) -> None:
-    """``absmax`` / ``percentile``: each static stream's metadata from every window's K/V of that stream."""
+                   targets: Streams, static: dict, facts: ModelFacts, method: str, percentile: float,
+                   positions: KeyPositions) -> None:
+    """``absmax`` / ``percentile``: each static stream's metadata from every window's K/V of that stream.
+
+    Keys count at every offset of :mod:`.positions` (the samples come shifted already), values once.
+    """
     import torch
 
     if samples is None:
         with task("calibration: forward passes", total=len(windows)) as advance:
-            collected = collect_kv(model, windows, {(layer, part) for layer, part, _ in targets}, num_layers, advance)
-    else:  # the samples hold every window's K/V already (the same forward passes)
-        collected = {(layer, part): torch.cat([s.keys if part == Part.KEY else s.values for s in samples[layer]],
-                                              dim=1) for layer, part, _ in targets}
+            collected = collect_kv(model, windows, {(layer, part) for layer, part, _ in targets}, facts.num_layers,
+                                   advance)
+        lengths = [len(w) for w in windows]
+        collected = {(layer, part): positions.keys(layer, x, lengths) if part == Part.KEY else x
+                     for (layer, part), x in collected.items()}
+    else:  # the samples hold every window's K/V already (the same forward passes), keys at every offset
+        collected = {(layer, part): torch.cat([s.keys if part == Part.KEY else s.values
+                                               for s in stream_samples(samples[layer], part)], dim=1)
+                     for layer, part, _ in targets}
     for layer, part, tq in targets:
         # a rotated stream stores (and so quantizes) x @ R: its static scales belong to that basis
-        values = rotate_torch(collected.pop((layer, part)), rotation_matrix(tq.rotation, head_dim))
+        values = rotate_torch(collected.pop((layer, part)), rotation_matrix(tq.rotation, facts.head_dim))
         static.setdefault(layer, {}).setdefault(part, {}).update(
             stream_metadata(values, tq, method, percentile, _chosen(static, layer, part)))
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvq_export.calibration.artifact import HIGH_CHANNELS, META_ROLES, Calibration, static_streams
+from kvq_export.calibration.passes import stream_samples
 from kvq_export.dtypes import DType
 from kvq_export.errors import KVQError, QuantizationError
 from kvq_export.request import DEFAULT_PERCENTILE, CalibrationMethod
@@ -87,6 +88,7 @@ def stream_from_samples(samples: Sequence[AttentionSample], part: Part, tq: Tens
 
     heads, _, dim = samples[0].keys.shape
     high = None if not tq.high_channels else check_high_channels(high_channels, tq, heads, dim)
+    samples = stream_samples(samples, part)
     if method == "attention":
         meta = attention_metadata(list(samples), part, tq, high)
     else:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvq_export.calibration.artifact import PARTS
+from kvq_export.calibration.positions import shift_keys
 from kvq_export.corpus import load_corpus, token_windows
 from kvq_export.errors import KVQError, ModelError
 from kvq_export.progress import task
@@ -117,6 +118,14 @@ class AttentionSample:
     values: torch.Tensor
     scaling: float
     residual_norm: torch.Tensor | None = None  # [P]: |residual stream| entering the layer (for planning)
+    offset: int = 0  # positions the window was shifted by (:meth:`shifted`); 0: where the model ran it
+
+    def shifted(self, inv_freq: np.ndarray, offset: int) -> AttentionSample:
+        """The same window ``offset`` positions later: queries and keys turned together, so scores are unchanged."""
+        if offset == 0:
+            return self
+        return replace(self, q=shift_keys(self.q, inv_freq, offset), keys=shift_keys(self.keys, inv_freq, offset),
+                       offset=self.offset + offset)
 
     def rotated(self, matrix: np.ndarray | None) -> AttentionSample:
         """The same window in a rotated basis (q, K and V times ``matrix``).
@@ -176,6 +185,14 @@ class AttentionSample:
 
         groups = self.q.shape[0] // self.keys.shape[0]
         return torch.arange(self.keys.shape[1])[None, :] - self.positions.repeat(groups)[:, None]
+
+
+def stream_samples(samples: Sequence[AttentionSample], part: Part) -> list[AttentionSample]:
+    """The samples a stream is measured on: keys at every offset (:meth:`AttentionSample.shifted`), values once.
+
+    A shift leaves the values, and the attention over them, as they were: their copies would only repeat them.
+    """
+    return list(samples) if part == Part.KEY else [s for s in samples if s.offset == 0]
 
 
 def collect_attention_samples(

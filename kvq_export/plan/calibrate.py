@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from kvq_export.calibration.artifact import HIGH_CHANNELS, PARTS
 from kvq_export.calibration.high_channels import channel_importance, ranging_group, top_channels
 from kvq_export.calibration.methods import stream_from_samples
+from kvq_export.calibration.passes import stream_samples
 from kvq_export.plan.candidates import CandidateSet
 from kvq_export.plan.damage import o_proj_weight
 from kvq_export.progress import task
@@ -66,8 +67,8 @@ def calibrate_candidates(model: PreTrainedModel, cset: CandidateSet, samples, nu
                     if tq.scales == ScaleMode.STATIC:
                         basis, stream = bases[tq.rotation], (part, tq.rotation)
                         if stream not in streams and method != CalibrationMethod.ATTENTION:
-                            streams[stream] = torch.cat([s.keys if part == Part.KEY else s.values for s in basis],
-                                                        dim=1)
+                            streams[stream] = torch.cat([s.keys if part == Part.KEY else s.values
+                                                         for s in stream_samples(basis, part)], dim=1)
                         meta = stream_from_samples(basis, part, tq, method=method, percentile=percentile,
                                                    high_channels=high, stream=streams.get(stream))
                     else:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvq_export.calibration.measure import measured_model
 from kvq_export.calibration.passes import check_windows, collect_attention_samples
+from kvq_export.calibration.positions import KeyPositions
 from kvq_export.errors import KVQError
 from kvq_export.memory import predict, stream_bytes
 from kvq_export.model_source import model_facts
@@ -158,12 +159,16 @@ def measure_candidates(
     """Every candidate's calibrated metadata (:func:`calibrate_candidates`) and damage by ``metric``.
 
     One model pass over ``windows`` collects the attention samples both stages read; the ``kl`` metric then
-    runs the model again per layer, stream and candidate (:func:`measure_kl`).
+    runs the model again per layer, stream and candidate (:func:`measure_kl`). Static scales are calibrated on
+    the samples shifted to every position of the context (:mod:`kvq_export.calibration.positions`), as ``kvq
+    export`` calibrates them; damage is measured where the model ran the windows.
     """
     samples = collect_attention_samples(model, windows, list(range(num_layers)), num_layers)
+    positions = KeyPositions.of(model.config, model_facts(model.config).max_position_embeddings)
     with _one_thread():
-        static_by = calibrate_candidates(model, cset, samples, num_layers, str(calibration.method),
-                                         calibration.percentile)
+        static_by = calibrate_candidates(model, cset, {layer: positions.samples(layer, samples[layer])
+                                                       for layer in samples}, num_layers,
+                                         str(calibration.method), calibration.percentile)
         if metric == PlanMetric.ATTENTION:
             damages = measure_attention(model, samples, cset, static_by, num_layers, sink_tokens)
     if metric == PlanMetric.KL:  # model forwards: at the caller's threads
