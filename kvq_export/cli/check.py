@@ -15,6 +15,7 @@ from kvq_export.cli._base import (
     utf8_text,
     write_json_output,
 )
+from kvq_export.cli.long_context import check_mode, long_context_options, run_long_context
 from kvq_export.cli_types import FRACTION, NON_NEGATIVE
 from kvq_export.errors import KVQError
 from kvq_export.manifest import Manifest
@@ -38,7 +39,8 @@ from kvq_export.validate.runner import validate as run_validation
               help="Corpus tokens skipped before the first window (e.g. past a static scheme's calibration text).")
 @click.option("--chunk", type=click.IntRange(1), default=None,
               help="Feed C tokens per step instead of strict one-token decode (faster, less strict: on ort-gqa "
-                   "exports a chunk's tokens attend over each other's exact K/V).")
+                   "exports a chunk's tokens attend over each other's exact K/V). With --long-context: the "
+                   "perplexity windows' tokens per step [default: 64].")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Greedy-agreement prompts, one per line (default: a built-in set of 8).")
 @click.option("--gen-tokens", type=click.IntRange(0), default=64, show_default=True,
@@ -55,17 +57,28 @@ from kvq_export.validate.runner import validate as run_validation
               help="Exit 1 when top-1 agreement with the baseline is below this (0..1).")
 @click.option("--max-kl", type=NON_NEGATIVE, default=None,
               help="Exit 1 when the mean per-token KL(baseline || export) exceeds this (nats).")
+@long_context_options
 def validate(export_dir, baseline, corpus, windows, window_len, offset, chunk, prompts_file, gen_tokens, json_out,
-             report_out, providers, quiet, no_verify, max_ppl_delta, min_top1, max_kl) -> None:
+             report_out, providers, quiet, no_verify, max_ppl_delta, min_top1, max_kl, **long_context) -> None:
     """Compare EXPORT_DIR with its fp16 baseline: tokens, attention (key vs value error), memory, latency.
 
     EXPORT_DIR: a kvq export directory.
 
     With --max-ppl-delta / --min-top1 / --max-kl the command is a gate: every number is still reported and
     written, then it exits 1 with one line naming each threshold missed.
+
+    With --long-context it measures where a quantized cache matters most instead: perplexity by distance over
+    corpus windows up to the export's positions, and retrieval (passkey, keyed needles among distractors, variable
+    tracking) on a grid of length x depth x trial, the baseline first (--min-retrieval and --max-group-ppl-delta
+    are its gates).
     """
     from rich.table import Table
 
+    check_mode(long_context["long_context"])
+    if long_context.pop("long_context"):
+        run_long_context(export_dir, baseline, corpus=corpus, offset=offset, chunk=chunk, json_out=json_out,
+                         report_out=report_out, providers=providers, quiet=quiet, no_verify=no_verify, **long_context)
+        return
     distinct_outputs({"--json": json_out, "--report": report_out}, {"--corpus": corpus, "--prompts": prompts_file})
     prompts = DEFAULT_PROMPTS
     if prompts_file:

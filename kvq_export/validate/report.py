@@ -146,7 +146,8 @@ def _mark_window(ax, result: ValidationResult, last: float) -> None:
         ax.legend()
 
 
-def _png(fig) -> str:
+def png_base64(fig) -> str:
+    """A matplotlib figure as a base64 PNG, for an ``<img src='data:...'>`` in a report."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
     return base64.b64encode(buf.getvalue()).decode()
@@ -171,7 +172,7 @@ def _plots(result: ValidationResult) -> list[tuple[str, str]]:
             im = ax.imshow(grids[metric], aspect="auto", cmap="viridis", vmin=0, vmax=top)
             ax.set(title=title, xlabel="query head", ylabel="layer")
             fig.colorbar(im, ax=ax)
-        out.append(("Per layer and head: key vs value error (relative to |o|)", _png(fig)))
+        out.append(("Per layer and head: key vs value error (relative to |o|)", png_base64(fig)))
         plt.close(fig)
         by_position = sorted(att.by_position, key=lambda p: p.position)
         positions = [p.position for p in by_position]
@@ -182,7 +183,7 @@ def _plots(result: ValidationResult) -> list[tuple[str, str]]:
         ax.set(xlabel="decode position", ylabel="attention output rel. error", title="Error vs position")
         ax.legend()
         _mark_window(ax, result, positions[-1] if positions else 0)
-        out.append(("Attention output error vs position", _png(fig)))
+        out.append(("Attention output error vs position", png_base64(fig)))
         plt.close(fig)
     kl = result.token.scores.kl_by_position
     if kl:
@@ -190,7 +191,7 @@ def _plots(result: ValidationResult) -> list[tuple[str, str]]:
         ax.plot(range(1, len(kl) + 1), kl)
         ax.set(xlabel="position in window", ylabel="mean KL(baseline || quantized)", title="Logit KL vs position")
         _mark_window(ax, result, len(kl))
-        out.append(("Logit KL vs position", _png(fig)))
+        out.append(("Logit KL vs position", png_base64(fig)))
         plt.close(fig)
     curve = result.memory.curve
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -198,12 +199,13 @@ def _plots(result: ValidationResult) -> list[tuple[str, str]]:
     ax.plot([c.seq_len for c in curve], [c.fp16_bytes / 2**20 for c in curve], marker="o", label="fp16")
     ax.set(xscale="log", xlabel="sequence length", ylabel="cache MiB (batch 1)", title="Memory vs sequence length")
     ax.legend()
-    out.append(("Cache memory vs sequence length", _png(fig)))
+    out.append(("Cache memory vs sequence length", png_base64(fig)))
     plt.close(fig)
     return out
 
 
-def _table(headers: list[str], rows: list[list[Any]]) -> str:
+def html_table(headers: list[str], rows: list[list[Any]]) -> str:
+    """An HTML table of ``rows`` under ``headers`` (floats to 4 significant digits, everything escaped)."""
     head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in row) + "</tr>" for row in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
@@ -215,31 +217,36 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def html_head(title: str) -> str:
+    """The start of a self-contained report page: its title and the tables' style."""
+    return (f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse;"
+            "margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#eee}</style>")
+
+
 def write_html(result: ValidationResult, path: str | os.PathLike[str]) -> Path:
     """One self-contained HTML file (plots embedded as PNG data URIs; never inside an export directory)."""
     check_output_path(path, "the HTML report")
     att, lat, mem = result.attention, result.latency, result.memory
     parts = [
-        "<!doctype html><meta charset='utf-8'><title>kvq validation</title>",
-        "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse;"
-        "margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#eee}</style>",
+        html_head("kvq validation"),
         f"<h1>kvq validation: {html.escape(str(result.scheme.name or 'custom'))}</h1>",
         f"<p>export <code>{html.escape(result.export)}</code> vs baseline "
         f"<code>{html.escape(result.baseline)}</code>, {result.seconds} s</p>",
-        "<h2>Summary</h2>", _table(["", ""], [list(r) for r in summary_rows(result)]),
+        "<h2>Summary</h2>", html_table(["", ""], [list(r) for r in summary_rows(result)]),
     ]
     if att.samples:
         parts += ["<h2>Layers/heads where key error hurts most</h2>",
-                  _table(["layer", "head", "key-induced", "out err (keys only)", "attention KL", "key MSE",
+                  html_table(["layer", "head", "key-induced", "out err (keys only)", "attention KL", "key MSE",
                           "MSE rank"],
                          [[t.layer, t.head, t.key_induced, t.out_rel_keys, t.kl_keys, t.key_mse, t.mse_rank]
                           for t in att.key_error_hurts_most])]
     parts += ["<h2>Latency</h2>",
-              _table(["context", "quantized median ms", "p10", "p90", "baseline median ms", "ratio"],
+              html_table(["context", "quantized median ms", "p10", "p90", "baseline median ms", "ratio"],
                      [[f"{b.context_from}-{b.context_to}", b.quantized.median_ms, b.quantized.p10_ms,
                        b.quantized.p90_ms, b.baseline.median_ms, b.ratio] for b in lat.buckets]),
               "<h2>Memory</h2>",
-              _table(["part", "bytes"], [[k, v] for k, v in mem.breakdown.items()]
+              html_table(["part", "bytes"], [[k, v] for k, v in mem.breakdown.items()]
                      + [["total (predicted)", mem.predicted_bytes], ["measured cache state", mem.measured_bytes],
                         ["fp16", mem.fp16_bytes],
                         [f"weights: export ({mem.weights.format})", mem.weights.total],
@@ -256,7 +263,7 @@ def _weight_only_html(section: WeightOnlyResult) -> list[str]:
     scores = section.scores
     if scores is None:
         return [head, f"<p>Skipped: {html.escape(str(section.skipped))}</p>"]
-    return [head, _table(
+    return [head, html_table(
         ["weights", "perplexity", "reference weights", "perplexity", "delta", "KL mean", "KL p99", "top-1",
          "predictions"],
         [[section.weights, scores.perplexity, section.reference_weights, scores.reference_perplexity,

@@ -121,8 +121,8 @@ def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike
     weights = export_weights(export_dir)
     base_dir = resolve_baseline(quant.manifest, baseline_dir, weights)
     base = KVQSession(base_dir, verify_weights=verify_weights, providers=providers)
-    _check_same_model(quant.manifest, base.manifest, export_dir, base_dir)
-    _check_same_weights(weights, export_weights(base_dir), export_dir, base_dir)
+    check_same_model(quant.manifest, base.manifest, export_dir, base_dir)
+    check_same_weights(weights, export_weights(base_dir), export_dir, base_dir)
     reference, skipped = _weight_reference(quant.manifest, base.manifest, weights, verify_weights, providers)
     tokens = np.asarray(token_windows(quant.tokenizer, load_corpus(config.corpus), config.windows,
                                       config.window_len, offset=config.offset), dtype=np.int64)
@@ -148,7 +148,7 @@ def validate(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike
     )
 
 
-def _check_same_weights(export: WeightSpec, base: WeightSpec, export_dir, base_dir) -> None:
+def check_same_weights(export: WeightSpec, base: WeightSpec, export_dir, base_dir) -> None:
     """A baseline with other weights would fold the weights' error into the cache's: refuse it in one line."""
     if weights_label(export) != weights_label(base):
         raise KVQError(f"baseline {base_dir} stores {weights_label(base)} weights, the export {export_dir} "
@@ -169,7 +169,7 @@ def _weight_reference(quant, base, weights: WeightSpec, verify_weights: bool,
     return KVQSession(directory, verify_weights=verify_weights, providers=providers), None
 
 
-def _check_same_model(quant, base, export_dir, base_dir) -> None:
+def check_same_model(quant, base, export_dir, base_dir) -> None:
     """The baseline must be the export's model: the same facts, and the same content where both record it."""
     from dataclasses import replace
 
