@@ -34,6 +34,9 @@ from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec, ExportReque
 from kvq_export.runtime.base import Generation, continuation_text
 from kvq_export.runtime.sampling import SamplingConfig
 from kvq_export.runtime.session import KVQSession
+from kvq_export.validate.long_context.config import LongContextConfig
+from kvq_export.validate.long_context.result import LongContextResult
+from kvq_export.validate.long_context.runner import validate_long_context
 from kvq_export.validate.scores import TokenScores, TokenSummary
 from kvq_export.vocab import WeightFormat
 
@@ -117,11 +120,16 @@ class DemoRow:
 
 @dataclass(frozen=True)
 class DemoResult:
-    """Every run's row, and the deployer's export against the baseline (its weights' and cache's error together)."""
+    """Every run's row, and the deployer's export against the baseline (its weights' and cache's error together).
+
+    ``long_range``: the last run against the run it is measured against at the model's full positions
+    (:func:`long_range`), or None when not asked for.
+    """
 
     rows: list[DemoRow]
     combined_top1: float | None = None
     combined_kl: float | None = None
+    long_range: LongContextResult | None = None
 
     def row(self, role: str) -> DemoRow:
         """The row of ``role``."""
@@ -182,14 +190,39 @@ def directory_bytes(directory: str | os.PathLike[str]) -> int:
     return sum(p.stat().st_size for p in Path(directory).rglob("*") if p.is_file())
 
 
+def long_range(directory: str | os.PathLike[str], baseline: str | os.PathLike[str],
+               providers: Sequence[str] | None = None) -> LongContextResult:
+    """``directory`` against ``baseline`` at the model's full positions, as ``kvq validate --long-context`` measures.
+
+    One corpus window of every position (perplexity by distance) and the passkey at that length at three depths:
+    what the cache costs where it matters, in about a minute on SmolLM2.
+    """
+    session = KVQSession(directory, verify_weights=False, tokenizer=False)
+    full = session.max_positions
+    config = LongContextConfig(tasks=("passkey",), lengths=(full,), depths=3, ppl_windows=(full,))
+    return validate_long_context(directory, baseline, config, verify_weights=False, providers=providers)
+
+
+def long_range_line(role: str, against: str, result: LongContextResult) -> str:
+    """One line: what ``role``'s cache costs against ``against`` at the model's full positions."""
+    far, near = result.distance[-1], result.distance[0]
+    summary = result.retrieval.summary()
+    return (f"{role} against the {against} at {max(result.config.lengths)} tokens: perplexity "
+            f"{far.perplexity_delta_rel:+.2%} at positions {far.label} ({near.perplexity_delta_rel:+.2%} at "
+            f"{near.label}), KL {far.kl_mean:.2g}; passkey at {len(result.config.depth_values)} depths "
+            f"{summary['export_hits']}/{summary['trials']} (its reference {summary['baseline_hits']}/"
+            f"{summary['trials']})")
+
+
 def run_demo(model_spec: str, prompt: str, max_new_tokens: int, workdir: str | os.PathLike[str] | None = None,
              sampling: SamplingConfig = DEMO_SAMPLING, runs: Sequence[DemoRun] = DEMO_RUNS,
              calibration: CalibrationSpec = DEFAULT_CALIBRATION,
-             providers: Sequence[str] | None = None) -> DemoResult:
+             providers: Sequence[str] | None = None, at_full_length: bool = True) -> DemoResult:
     """Export (or reuse) each of ``runs``, generate from ``prompt`` and score it; the first run is the baseline.
 
     Static-scale runs are calibrated as ``calibration`` says (``kvq export``'s defaults: held-out britannica text),
     on the weights they store. ``providers``: ONNX Runtime providers of the sessions (None: the runtime's default).
+    ``at_full_length``: also measure the last run against its reference at the model's positions (:func:`long_range`).
     """
     check_runs(runs)
     root = Path(workdir) if workdir else cache_dir("exports")
@@ -225,10 +258,12 @@ def run_demo(model_spec: str, prompt: str, max_new_tokens: int, workdir: str | o
         logger.info("%s (%s, %s, %s weights): top-1 %.3f, KL %.3g against %s; %.2f ms/token", run.role, row.scheme,
                     run.flavor, row.weights, row.top1, row.kl, against, decode_ms)
     last = rows[-1]
+    far = long_range(last.directory, next(r for r in rows if r.role == last.against).directory, providers) \
+        if at_full_length and last.against != last.role else None
     if last.against == base.role:
-        return DemoResult(rows)
+        return DemoResult(rows, long_range=far)
     together = score(logits[last.role], logits[base.role], base.tokens)
-    return DemoResult(rows, together.top1_agreement, together.kl.mean)
+    return DemoResult(rows, together.top1_agreement, together.kl.mean, far)
 
 
 def serve_lines(directory: str | os.PathLike[str], prompt: str, max_tokens: int, url: str = SERVE_URL) -> list[str]:

@@ -50,6 +50,14 @@ def demo(model_dir, work):
     return run_demo(str(model_dir), PROMPT, NEW, work)
 
 
+def test_the_deployers_cache_is_measured_at_the_models_full_positions(demo):
+    far = demo.long_range
+    assert far.config.lengths == (1024,) and far.config.ppl_windows == (1024,)
+    assert far.export == demo.rows[-1].directory and far.baseline == demo.rows[-2].directory
+    assert [g.label for g in far.distance] == ["0-512", "512-1024"]
+    assert len(far.retrieval.trials) == 3
+
+
 def test_five_runs_tell_the_weight_story_and_the_cache_story_apart(demo, model_dir, work):
     rows = demo.rows
     assert [r.role for r in rows] == [run.role for run in DEMO_RUNS]
@@ -79,7 +87,7 @@ def test_five_runs_tell_the_weight_story_and_the_cache_story_apart(demo, model_d
             assert r.text.startswith(r.shared) and len(r.shared) < len(r.text)
     # a second run reuses every export and measures the same
     stamps = {r.directory: Path(r.directory, "kvq.json").stat().st_mtime_ns for r in rows}
-    again = run_demo(str(model_dir), PROMPT, NEW, work)
+    again = run_demo(str(model_dir), PROMPT, NEW, work, at_full_length=False)
     assert {r.directory: Path(r.directory, "kvq.json").stat().st_mtime_ns for r in again.rows} == stamps
     assert [(r.tokens, r.top1, r.kl) for r in again.rows] == [(r.tokens, r.top1, r.kl) for r in rows]
 
@@ -100,7 +108,7 @@ def _validate_on(row, baseline_dir: str, text: Path, window_len: int, chunk: int
 def test_one_token_prompt_scores_equal_kvq_validate(model_dir, work, tmp_path, monkeypatch):
     """After a one-token prompt the demo's teacher-forced pass is validate's strict decode: the same numbers."""
     monkeypatch.setenv("KVQ_CACHE_DIR", str(tmp_path / "cache"))  # validate's fp32-weight reference goes here
-    result = run_demo(str(model_dir), "w7", NEW, work)
+    result = run_demo(str(model_dir), "w7", NEW, work, at_full_length=False)
     rows = {r.role: r for r in result.rows}
     text = tmp_path / "window.txt"
     text.write_text(" ".join(["w7", *_words(result.rows[0].tokens)]))
@@ -165,8 +173,9 @@ def test_serve_lines_name_the_absolute_export_and_its_model(tmp_path, monkeypatc
 
 def test_repetition_penalty_changes_greedy_text(model_dir, work):
     runs = (DemoRun("fp16 baseline", "fp16"),)
-    plain = run_demo(str(model_dir), PROMPT, 12, work, SamplingConfig(), runs).rows[0]
-    penalized = run_demo(str(model_dir), PROMPT, 12, work, SamplingConfig(repetition_penalty=3.0), runs).rows[0]
+    plain = run_demo(str(model_dir), PROMPT, 12, work, SamplingConfig(), runs, at_full_length=False).rows[0]
+    penalized = run_demo(str(model_dir), PROMPT, 12, work, SamplingConfig(repetition_penalty=3.0), runs,
+                         at_full_length=False).rows[0]
     assert len(set(penalized.tokens)) > len(set(plain.tokens))
 
 
@@ -174,7 +183,8 @@ def test_cli_demo(demo, model_dir, work):
     proc = kvq("demo", "--model", model_dir, "--prompt", PROMPT, "--max-new-tokens", NEW, "--work-dir", work)
     assert proc.returncode == 0, proc.stderr
     for text in (*(run.role for run in DEMO_RUNS), *filter(None, TABLE_COLUMNS),
-                 "deployer's export against the fp16 baseline", 'kvq serve "$EXPORT"', "curl -s "):
+                 "deployer's export against the fp16 baseline", 'kvq serve "$EXPORT"', "curl -s ",
+                 "deployer's export against the int4 weights, fp16 cache at 1024 tokens: perplexity"):
         assert text in proc.stdout, (text, proc.stdout)
     assert f"EXPORT={Path(demo.rows[-1].directory).resolve()}" in proc.stdout
     assert "python -c" not in proc.stdout

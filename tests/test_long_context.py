@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -223,6 +224,11 @@ def test_a_result_reads_back_the_numbers_it_reports(exports, tmp_path):
     again = validate_long_context(exports["reference"], exports["fp16-reference"], config)
     assert again.retrieval == result.retrieval and again.distance == result.distance  # reproducible from the seed
     assert json.loads(result.to_json())["retrieval"]["summary"]["trials"] == 2
+    reused = validate_long_context(exports["reference"], exports["fp16-reference"], config, baseline_from=result)
+    assert reused.retrieval == result.retrieval  # the baseline's trials taken, the export's run again: the same
+    with pytest.raises(KVQError, match="ran baseline .* on another grid or config"):
+        validate_long_context(exports["reference"], exports["fp16-reference"], dataclasses.replace(config, seed=1),
+                              baseline_from=result)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -54,7 +54,7 @@ def long_context_options(command):
         click.option("--ppl-windows", default=None, callback=_ints,
                      help="--long-context: corpus windows scored by distance, comma-separated lengths [default: "
                           "2048,4096 and the export's positions]."),
-        click.option("--prefill-chunk", type=click.IntRange(1), default=2048, show_default=True,
+        click.option("--prefill-chunk", type=click.IntRange(1), default=512, show_default=True,
                      help="--long-context: context tokens per prefill step (the question is a step of its own)."),
         click.option("--heatmap", "heatmap_out", type=click.Path(dir_okay=False), default=None,
                      callback=_png_target, metavar="FILE.png",

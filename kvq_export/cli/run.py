@@ -18,7 +18,7 @@ from kvq_export.cli._base import (
     write_json_output,
 )
 from kvq_export.cli_types import NON_NEGATIVE, ByteSize, FiniteFloat, outside_exports
-from kvq_export.demo import DEMO_PROMPT, DEMO_SAMPLING, DEPARTS, TABLE_COLUMNS, run_demo, serve_lines
+from kvq_export.demo import DEMO_PROMPT, DEMO_SAMPLING, DEPARTS, TABLE_COLUMNS, long_range_line, run_demo, serve_lines
 from kvq_export.runtime import RUNTIMES, open_session
 from kvq_export.runtime.base import continuation_text
 from kvq_export.runtime.ort_setup import choose_providers
@@ -152,6 +152,8 @@ def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir, provid
     if result.combined_top1 is not None:
         console.print(f"{escape(last.role)} against the {escape(base.role)} (its weights' and its cache's error "
                       f"together): top-1 {result.combined_top1:.3f}, KL {result.combined_kl:.2g}")
+    if result.long_range is not None:
+        console.print(escape(long_range_line(last.role, last.against, result.long_range)))
     console.print(f"\n[bold]serve the {escape(last.role)}[/bold] (an OpenAI-compatible API; the curl line from a "
                   "second shell):")
     first_sentence = prompt.split(". ")[0].rstrip(".") + "."

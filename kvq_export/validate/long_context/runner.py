@@ -22,12 +22,13 @@ from pathlib import Path
 import numpy as np
 
 from kvq_export.corpus import load_corpus, token_windows
+from kvq_export.errors import KVQError
 from kvq_export.progress import task as progress_task
 from kvq_export.runtime.session import KVQSession
 from kvq_export.validate.long_context.config import LongContextConfig
 from kvq_export.validate.long_context.distance import group_scores, score_window
 from kvq_export.validate.long_context.result import LongContextResult, RetrievalResult, TrialResult
-from kvq_export.validate.long_context.retrieval import TrialRunner, run_trials
+from kvq_export.validate.long_context.retrieval import Outcome, TrialRunner, run_trials
 from kvq_export.validate.long_context.tasks import Case, build_case, get_task, trial_rng
 from kvq_export.validate.result import weights_label
 from kvq_export.validate.runner import check_same_model, check_same_weights, export_weights, resolve_baseline
@@ -71,10 +72,13 @@ def make_cases(session: KVQSession, config: LongContextConfig) -> list[Case]:
 
 def validate_long_context(export_dir: str | os.PathLike[str], baseline_dir: str | os.PathLike[str] | None = None,
                           config: LongContextConfig | None = None, *, verify_weights: bool = True,
-                          providers: Sequence[str] | None = None) -> LongContextResult:
+                          providers: Sequence[str] | None = None,
+                          baseline_from: LongContextResult | None = None) -> LongContextResult:
     """Run the retrieval grid (the baseline first) and the distance windows; return every number.
 
-    Progress is reported through :mod:`kvq_export.progress` (the CLI shows it as a bar).
+    ``baseline_from``: an earlier result against the same baseline directory with the same config, whose baseline
+    trials are taken instead of run again (several exports of one model against one baseline); anything else is
+    refused. Progress is reported through :mod:`kvq_export.progress` (the CLI shows it as a bar).
     """
     start = time.perf_counter()
     open_args = dict(verify_weights=verify_weights, providers=providers)
@@ -87,7 +91,11 @@ def validate_long_context(export_dir: str | os.PathLike[str], baseline_dir: str 
     check_same_weights(weights, export_weights(base_dir), export_dir, base_dir)
     cases = make_cases(quant, config)
     outcomes = {}
+    if baseline_from is not None:
+        outcomes["baseline"] = _earlier_baseline(baseline_from, base_dir, config, cases)
     for name, session in (("baseline", base), ("export", quant)):  # the baseline first: its misses mark cells
+        if name in outcomes:
+            continue
         with progress_task(f"retrieval: {name}", total=sum(len(c.prompt) for c in cases)) as advance:
             runner = TrialRunner(session, chunk=config.chunk, decode=quant.decode, advance=advance)
             outcomes[name] = run_trials(runner, cases)
@@ -101,6 +109,19 @@ def validate_long_context(export_dir: str | os.PathLike[str], baseline_dir: str 
         export=str(export_dir), baseline=str(base_dir), scheme=manifest.scheme, baseline_scheme=base_manifest.scheme,
         flavor=manifest.flavor, weights=weights_label(weights), cpu=cpu_name(), config=config, distance=distance,
         retrieval=RetrievalResult(trials), seconds=round(time.perf_counter() - start, 1))
+
+
+def _earlier_baseline(earlier: LongContextResult, base_dir, config: LongContextConfig,
+                      cases: Sequence[Case]) -> list[Outcome]:
+    """The baseline's outcomes of ``earlier``, refused unless it ran this baseline on these very cases."""
+    trials = earlier.retrieval.trials
+    same = (Path(earlier.baseline).resolve() == Path(base_dir).resolve() and earlier.config == config
+            and [(t.task, t.length, t.depth, t.trial, t.answer) for t in trials]
+            == [(c.task, c.length, c.depth, c.trial, c.answer_text) for c in cases])
+    if not same:
+        raise KVQError(f"baseline_from: the earlier result ran baseline {earlier.baseline} on another grid or config; "
+                       f"allowed: a result of {base_dir} with the same config")
+    return [Outcome(t.baseline_hit, t.baseline_logprob, t.baseline_said) for t in trials]
 
 
 def _distance(export_dir: Path, base_dir: Path, config: LongContextConfig, providers: Sequence[str] | None):
