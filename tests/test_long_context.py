@@ -237,6 +237,7 @@ def test_a_result_reads_back_the_numbers_it_reports(exports, tmp_path):
     (("--long-context", "--tasks", "needle"), "unknown task 'needle'; allowed: passkey, multikey, vt"),
     (("--long-context", "--lengths", "5000"), "--lengths 5000 exceeds the 1024 positions"),
     (("--long-context", "--heatmap", "h.jpg"), "the heat map is a PNG"),
+    (("--long-context", "--tasks", "", "--heatmap", "h.png"), "--heatmap needs a retrieval task to map"),
 ])
 def test_options_of_the_other_mode_and_bad_values_are_one_line(exports, args, message):
     out = kvq("validate", exports["reference"], "--baseline", exports["fp16-reference"], *args)

@@ -123,13 +123,13 @@ def _shared_samples(model: PreTrainedModel, windows: list[list[int]], targets: S
     """The attention samples of the layers calibrated, when the channel choice or the method reads them (else None).
 
     One pass over the windows serves both; without either, :func:`_stream_scales` collects only the K/V it needs.
-    Each window's sample comes at every offset of :mod:`.positions` (keys as they stand anywhere in the context).
+    Each layer reads its windows' samples at every offset of :mod:`.positions` (keys as they stand anywhere in the
+    context), made when it is read.
     """
     if not high and method != "attention":
         return None
     layers = sorted({layer for layer, _, _ in (*high, *targets)})
-    samples = collect_attention_samples(model, windows, layers, num_layers)
-    return {layer: positions.samples(layer, samples[layer]) for layer in layers}
+    return positions.every_layer(collect_attention_samples(model, windows, layers, num_layers))
 
 
 def _choose_high_channels(model: PreTrainedModel, samples: Samples, high: Streams, static: dict) -> None:
@@ -186,16 +186,15 @@ def _stream_scales(model: PreTrainedModel, windows: Sequence[Sequence[int]], sam
         with task("calibration: forward passes", total=len(windows)) as advance:
             collected = collect_kv(model, windows, {(layer, part) for layer, part, _ in targets}, facts.num_layers,
                                    advance)
-        lengths = [len(w) for w in windows]
-        collected = {(layer, part): positions.keys(layer, x, lengths) if part == Part.KEY else x
-                     for (layer, part), x in collected.items()}
-    else:  # the samples hold every window's K/V already (the same forward passes), keys at every offset
-        collected = {(layer, part): torch.cat([s.keys if part == Part.KEY else s.values
-                                               for s in stream_samples(samples[layer], part)], dim=1)
-                     for layer, part, _ in targets}
     for layer, part, tq in targets:
+        if samples is None:
+            values = collected.pop((layer, part))
+            values = positions.keys(layer, values, [len(w) for w in windows]) if part == Part.KEY else values
+        else:  # the samples hold every window's K/V already (the same forward passes), keys at every offset
+            values = torch.cat([s.keys if part == Part.KEY else s.values for s in stream_samples(samples[layer], part)],
+                               dim=1)
         # a rotated stream stores (and so quantizes) x @ R: its static scales belong to that basis
-        values = rotate_torch(collected.pop((layer, part)), rotation_matrix(tq.rotation, facts.head_dim))
+        values = rotate_torch(values, rotation_matrix(tq.rotation, facts.head_dim))
         static.setdefault(layer, {}).setdefault(part, {}).update(
             stream_metadata(values, tq, method, percentile, _chosen(static, layer, part)))
 

@@ -95,3 +95,23 @@ class KeyPositions:
         """Every window's attention sample at each of its offsets (queries and keys turned together)."""
         return [s.shifted(self.inv_freq[layer], offset) for s in samples
                 for offset in window_offsets(s.keys.shape[1], self.max_positions)]
+
+    def every_layer(self, samples: Mapping[int, Sequence[AttentionSample]]) -> Mapping[int, list[AttentionSample]]:
+        """:meth:`samples` of each layer, made when a layer is read (one layer's copies in memory at a time)."""
+        return _Shifted(self, samples)
+
+
+class _Shifted(Mapping):
+    """The layers of ``samples``, each read as :meth:`KeyPositions.samples` (made anew at every read)."""
+
+    def __init__(self, positions: KeyPositions, samples: Mapping[int, Sequence[AttentionSample]]) -> None:
+        self._positions, self._samples = positions, samples
+
+    def __getitem__(self, layer: int) -> list[AttentionSample]:
+        return self._positions.samples(layer, self._samples[layer])
+
+    def __iter__(self):
+        return iter(self._samples)
+
+    def __len__(self) -> int:
+        return len(self._samples)

@@ -94,6 +94,9 @@ def run_long_context(export_dir, baseline, *, corpus, offset, chunk, json_out, r
     from kvq_export.validate.long_context.runner import validate_long_context
 
     distinct_outputs({"--json": json_out, "--report": report_out, "--heatmap": heatmap_out}, {"--corpus": corpus})
+    if heatmap_out and not tasks:
+        raise KVQError("--heatmap needs a retrieval task to map; allowed: --tasks with at least one of "
+                       f"{', '.join(TASKS)}")
     gates = LongContextGates(min_retrieval, tuple(parse_group_limit(v) for v in max_group_ppl_delta))
     config = LongContextConfig(tasks=tasks, lengths=lengths, depths=depths, trials=trials, seed=seed,
                                chunk=prefill_chunk, corpus=corpus, offset=offset, ppl_windows=ppl_windows,
@@ -106,8 +109,6 @@ def run_long_context(export_dir, baseline, *, corpus, offset, chunk, json_out, r
     if report_out:
         report.write_html(result, report_out)
     if heatmap_out:
-        if not result.retrieval.trials:
-            raise KVQError("--heatmap: no retrieval task ran (--tasks is empty), so there is no heat map to write")
         report.heatmap(result, heatmap_out)
     console = make_console(json_out=json_out)
     table = Table(title=f"kvq validate --long-context {export_dir} ({result.seconds} s)", show_header=False)

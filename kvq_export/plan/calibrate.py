@@ -50,19 +50,20 @@ def calibrate_candidates(model: PreTrainedModel, cset: CandidateSet, samples, nu
         for layer in range(num_layers):
             rankings: dict[tuple[str, int | None], torch.Tensor] = {}
             streams: dict[tuple[str, str], torch.Tensor] = {}
+            here = samples[layer]  # read once: a mapping may make a layer's samples when it is read
             # a rotated stream stores x @ R: its static scales belong to that basis (as kvq export calibrates them)
-            bases: dict[str, list] = {"none": samples[layer]}
+            bases: dict[str, list] = {"none": here}
             for tq, parts in wanted.items():
                 if tq.scales == ScaleMode.STATIC and tq.rotation not in bases:
-                    matrix = rotation_matrix(tq.rotation, samples[layer][0].keys.shape[-1])
-                    bases[tq.rotation] = [s.rotated(matrix) for s in samples[layer]]
+                    matrix = rotation_matrix(tq.rotation, here[0].keys.shape[-1])
+                    bases[tq.rotation] = [s.rotated(matrix) for s in here]
                 for part in parts:
                     high = None
                     if tq.high_channels:
                         ranking = (part, ranging_group(tq))
                         if ranking not in rankings:
                             rankings[ranking] = channel_importance(
-                                samples[layer], part, tq, o_proj_weight(model, layer) if part == Part.VALUE else None)
+                                here, part, tq, o_proj_weight(model, layer) if part == Part.VALUE else None)
                         high = top_channels(rankings[ranking], tq.high_channels)
                     if tq.scales == ScaleMode.STATIC:
                         basis, stream = bases[tq.rotation], (part, tq.rotation)

@@ -166,8 +166,7 @@ def measure_candidates(
     samples = collect_attention_samples(model, windows, list(range(num_layers)), num_layers)
     positions = KeyPositions.of(model.config, model_facts(model.config).max_position_embeddings)
     with _one_thread():
-        static_by = calibrate_candidates(model, cset, {layer: positions.samples(layer, samples[layer])
-                                                       for layer in samples}, num_layers,
+        static_by = calibrate_candidates(model, cset, positions.every_layer(samples), num_layers,
                                          str(calibration.method), calibration.percentile)
         if metric == PlanMetric.ATTENTION:
             damages = measure_attention(model, samples, cset, static_by, num_layers, sink_tokens)

@@ -1,1 +1,4 @@
-"""Validation against the fp16 baseline: token behaviour, attention behaviour, memory and latency."""
+"""Validation against the fp16 baseline: token behaviour, attention behaviour, memory and latency.
+
+At long range (perplexity by distance, retrieval): :mod:`.long_context`.
+"""
