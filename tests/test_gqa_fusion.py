@@ -62,20 +62,35 @@ def _ops(directory) -> collections.Counter:
     return collections.Counter(node.op_type for node in graph.node)
 
 
-def _max_logit_gap(a: KVQSession, b: KVQSession, steps: int = 8) -> float:
-    """Largest |Δ logit| over a left-padded prompt batch and ``steps`` single-token steps."""
+def _walk(a: KVQSession, b: KVQSession, steps: int = 8):
+    """Largest |Δ logit| over a left-padded prompt batch and ``steps`` single-token steps, and both caches after."""
     ids, mask = left_pad(PROMPTS["padded"])
     la, ca = a.step(ids, mask)
     lb, cb = b.step(ids, mask)
-    real = mask.astype(bool)
-    gap = float(np.abs(la - lb)[real].max())
+    gap = float(np.abs(la - lb)[mask.astype(bool)].max())
     rng = np.random.default_rng(0)
     for _ in range(steps):
         token = rng.integers(0, VOCAB, (ids.shape[0], 1))
         la, ca = a.step(token, None, ca)
         lb, cb = b.step(token, None, cb)
         gap = max(gap, float(np.abs(la - lb).max()))
-    return gap
+    return gap, ca, cb
+
+
+def _max_logit_gap(a: KVQSession, b: KVQSession, steps: int = 8) -> float:
+    """Largest |Δ logit| of :func:`_walk`."""
+    return _walk(a, b, steps)[0]
+
+
+def _gap_and_ties(a: KVQSession, b: KVQSession, steps: int = 8) -> tuple[float, int]:
+    """:func:`_walk`'s gap, and how many stored codes differ at its end (each by one level at most)."""
+    gap, ca, cb = _walk(a, b, steps)
+    ties = 0
+    for name, value in ca.items():
+        diff = np.abs(value.numpy().astype(np.int32) - cb[name].numpy().astype(np.int32))
+        assert diff.max() <= 1, name
+        ties += int((diff != 0).sum())
+    return gap, ties
 
 
 @pytest.mark.parametrize("arch", ARCHS + NEW_ARCHS)
@@ -119,7 +134,10 @@ def test_fused_projections_keep_folded_value_rotation_and_rotated_keys(tmp_path,
         assert ops["MatMul"] == 4 * LAYERS + 1 + (LAYERS if keys else 0)  # + one rotation of the q and k heads
         assert ops["GatherND"] == 2 * LAYERS  # packed q|k|v (RoPE in the body or not): realigned together
         fused, plain = KVQSession(fused_dir), KVQSession(plain_dir)
-        assert _max_logit_gap(fused, plain) <= 1e-5
+        # the two bodies sum in other orders: a value at a rounding tie may land one level apart (then its logits
+        # move by that level's weight), never more
+        gap, ties = _gap_and_ties(fused, plain)
+        assert ties <= 1 and gap <= (1e-5 if not ties else 1e-3), (gap, ties)
         ids, mask = left_pad(PROMPTS["padded"])
         _, ca = fused.step(ids, mask)
         _, cb = plain.step(ids, mask)

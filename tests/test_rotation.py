@@ -294,6 +294,7 @@ def test_gqa_static_rotated_codes_equal_the_reference_cache(tmp_path_factory):
 def test_static_calibration_measures_the_rotated_basis():
     from kvq_export.calibration import calibrate_static_scales
     from kvq_export.calibration.passes import collect_kv
+    from kvq_export.calibration.positions import KeyPositions
 
     model = tiny_model("llama")
     tq = TensorQuant(format="int_sym", bits=8, axis="channel", scales="static", scale_dtype="fp32")
@@ -301,6 +302,7 @@ def test_static_calibration_measures_the_rotated_basis():
     plain = calibrate_static_scales(model, KVQuantScheme(key=tq, value=tq), windows)
     rot = calibrate_static_scales(model, rotated(KVQuantScheme(key=tq, value=tq)), windows)
     keys = collect_kv(model, windows, {(0, "key")}, 2)[(0, "key")]
+    keys = KeyPositions.of(model.config, model.config.max_position_embeddings).keys(0, keys, [len(windows[0])])
     r = rotation_matrix("hadamard", 32)
     want = (rotate_torch(keys, r).abs().amax(dim=1) / 127).numpy()
     assert np.allclose(rot[0]["key"]["scales"], want, rtol=1e-6)

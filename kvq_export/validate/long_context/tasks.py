@@ -111,6 +111,16 @@ def get_task(name: str) -> Task:
         raise KVQError(f"unknown long-context task {name!r}; allowed: {', '.join(TASKS)}") from None
 
 
+def _distinct(draw: Callable[[], str], n: int) -> list[str]:
+    """``n`` different results of ``draw``, in the order drawn (a repeat is drawn again)."""
+    out: list[str] = []
+    while len(out) < n:
+        item = draw()
+        if item not in out:
+            out.append(item)
+    return out
+
+
 @register
 class Passkey(Task):
     """Landmark Attention's passkey retrieval."""
@@ -136,11 +146,8 @@ class MultiKey(Task):
     needles = 4
 
     def layout(self, depth: float, rng: np.random.Generator) -> Layout:
-        keys: list[str] = []
-        while len(keys) < self.needles:
-            key = f"{_ADJECTIVES[rng.integers(len(_ADJECTIVES))]}-{_NOUNS[rng.integers(len(_NOUNS))]}"
-            if key not in keys:
-                keys.append(key)
+        keys = _distinct(lambda: f"{_ADJECTIVES[rng.integers(len(_ADJECTIVES))]}-{_NOUNS[rng.integers(len(_NOUNS))]}",
+                         self.needles)
         values = [str(int(v)) for v in rng.integers(1_000_000, 10_000_000, size=self.needles)]
         depths = [depth, *rng.uniform(0.0, 1.0, size=self.needles - 1).tolist()]
         return Layout(
@@ -162,11 +169,8 @@ class VariableTracking(Task):
     hops = 4
 
     def layout(self, depth: float, rng: np.random.Generator) -> Layout:
-        names: list[str] = []
-        while len(names) < 2 * (self.hops + 1):
-            name = "".join(chr(ord("A") + int(c)) for c in rng.integers(0, 26, size=5))
-            if name not in names:
-                names.append(name)
+        names = _distinct(lambda: "".join(chr(ord("A") + int(c)) for c in rng.integers(0, 26, size=5)),
+                          2 * (self.hops + 1))
         values = [str(int(v)) for v in rng.choice(np.arange(10000, 100000), size=2, replace=False)]
         chains = [names[:self.hops + 1], names[self.hops + 1:]]
         needles = []
