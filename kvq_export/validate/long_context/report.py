@@ -27,6 +27,9 @@ def summary_rows(result: LongContextResult) -> list[tuple[str, str]]:
         ("grid", f"{', '.join(config.tasks) or 'no task'} x lengths {', '.join(map(str, config.lengths))} x "
                  f"{config.depths} depths x {config.trials} trial(s), seed {config.seed}, "
                  f"prefill chunk {config.chunk}"),
+        ("windows", f"{config.corpus} windows of {', '.join(map(str, config.ppl_windows))} tokens from token "
+                    f"{config.offset}, {config.ppl_chunk} per step (a step's tokens see each other as the flavour's "
+                    "prefill has them; 1 is strict decode)"),
     ]
     if r.trials:
         rate = "-" if s["pass_rate"] is None else f"{s['pass_rate']:.1%}"
