@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvq_export.calibration.artifact import PARTS
-from kvq_export.calibration.positions import shift_keys
 from kvq_export.corpus import load_corpus, token_windows
 from kvq_export.errors import KVQError, ModelError
 from kvq_export.progress import task
@@ -118,14 +117,7 @@ class AttentionSample:
     values: torch.Tensor
     scaling: float
     residual_norm: torch.Tensor | None = None  # [P]: |residual stream| entering the layer (for planning)
-    offset: int = 0  # positions the window was shifted by (:meth:`shifted`); 0: where the model ran it
-
-    def shifted(self, inv_freq: np.ndarray, offset: int) -> AttentionSample:
-        """The same window ``offset`` positions later: queries and keys turned together, so scores are unchanged."""
-        if offset == 0:
-            return self
-        return replace(self, q=shift_keys(self.q, inv_freq, offset), keys=shift_keys(self.keys, inv_freq, offset),
-                       offset=self.offset + offset)
+    offset: int = 0  # positions the window was shifted by (:func:`.positions.shifted`); 0: where the model ran it
 
     def rotated(self, matrix: np.ndarray | None) -> AttentionSample:
         """The same window in a rotated basis (q, K and V times ``matrix``).
@@ -188,7 +180,7 @@ class AttentionSample:
 
 
 def stream_samples(samples: Sequence[AttentionSample], part: Part) -> list[AttentionSample]:
-    """The samples a stream is measured on: keys at every offset (:meth:`AttentionSample.shifted`), values once.
+    """The samples a stream is measured on: keys at every offset (:func:`.positions.shifted`), values once.
 
     A shift leaves the values, and the attention over them, as they were: their copies would only repeat them.
     """

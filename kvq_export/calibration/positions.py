@@ -16,16 +16,16 @@ of keys is then about 0.1% at every position). Values are not rotated and are me
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvq_export.calibration.passes import AttentionSample
+
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
-
-    from kvq_export.calibration.passes import AttentionSample
 
 
 def window_offsets(window: int, max_positions: int) -> list[int]:
@@ -57,6 +57,14 @@ def shift_keys(x: torch.Tensor, inv_freq: np.ndarray, offset: int) -> torch.Tens
     sin = torch.as_tensor(np.sin(angle), dtype=x.dtype)
     x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
+def shifted(sample: AttentionSample, inv_freq: np.ndarray, offset: int) -> AttentionSample:
+    """``sample``'s window ``offset`` positions later: queries and keys turned together, so scores are unchanged."""
+    if offset == 0:
+        return sample
+    return replace(sample, q=shift_keys(sample.q, inv_freq, offset), keys=shift_keys(sample.keys, inv_freq, offset),
+                   offset=sample.offset + offset)
 
 
 def keys_at_every_position(keys: torch.Tensor, window_lengths: list[int], inv_freq: np.ndarray,
@@ -93,7 +101,7 @@ class KeyPositions:
 
     def samples(self, layer: int, samples: Sequence[AttentionSample]) -> list[AttentionSample]:
         """Every window's attention sample at each of its offsets (queries and keys turned together)."""
-        return [s.shifted(self.inv_freq[layer], offset) for s in samples
+        return [shifted(s, self.inv_freq[layer], offset) for s in samples
                 for offset in window_offsets(s.keys.shape[1], self.max_positions)]
 
     def every_layer(self, samples: Mapping[int, Sequence[AttentionSample]]) -> Mapping[int, list[AttentionSample]]:
