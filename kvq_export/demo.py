@@ -28,6 +28,7 @@ import numpy as np
 
 from kvq_export.errors import KVQError
 from kvq_export.export.exporter import cached_export_dir, ensure_export
+from kvq_export.manifest import Manifest
 from kvq_export.memory import predict
 from kvq_export.model_source import cache_dir
 from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec, ExportRequest, WeightSpec
@@ -197,8 +198,7 @@ def long_range(directory: str | os.PathLike[str], baseline: str | os.PathLike[st
     One corpus window of every position (perplexity by distance) and the passkey at that length at three depths:
     what the cache costs where it matters, in about a minute on SmolLM2.
     """
-    session = KVQSession(directory, verify_weights=False, tokenizer=False)
-    full = session.max_positions
+    full = Manifest.load(directory).model.max_position_embeddings  # the manifest says it: no graph to open
     config = LongContextConfig(tasks=("passkey",), lengths=(full,), depths=3, ppl_windows=(full,))
     return validate_long_context(directory, baseline, config, verify_weights=False, providers=providers)
 

@@ -146,11 +146,16 @@ def _mark_window(ax, result: ValidationResult, last: float) -> None:
         ax.legend()
 
 
-def png_base64(fig) -> str:
-    """A matplotlib figure as a base64 PNG, for an ``<img src='data:...'>`` in a report."""
+def png_bytes(fig) -> bytes:
+    """A matplotlib figure as the PNG every kvq report draws (90 dpi, tight bounds)."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    return base64.b64encode(buf.getvalue()).decode()
+    return buf.getvalue()
+
+
+def png_base64(fig) -> str:
+    """:func:`png_bytes` in base64, for an ``<img src='data:...'>`` in a report."""
+    return base64.b64encode(png_bytes(fig)).decode()
 
 
 def _plots(result: ValidationResult) -> list[tuple[str, str]]:
@@ -238,19 +243,19 @@ def write_html(result: ValidationResult, path: str | os.PathLike[str]) -> Path:
     if att.samples:
         parts += ["<h2>Layers/heads where key error hurts most</h2>",
                   html_table(["layer", "head", "key-induced", "out err (keys only)", "attention KL", "key MSE",
-                          "MSE rank"],
-                         [[t.layer, t.head, t.key_induced, t.out_rel_keys, t.kl_keys, t.key_mse, t.mse_rank]
-                          for t in att.key_error_hurts_most])]
+                              "MSE rank"],
+                             [[t.layer, t.head, t.key_induced, t.out_rel_keys, t.kl_keys, t.key_mse, t.mse_rank]
+                              for t in att.key_error_hurts_most])]
     parts += ["<h2>Latency</h2>",
               html_table(["context", "quantized median ms", "p10", "p90", "baseline median ms", "ratio"],
-                     [[f"{b.context_from}-{b.context_to}", b.quantized.median_ms, b.quantized.p10_ms,
-                       b.quantized.p90_ms, b.baseline.median_ms, b.ratio] for b in lat.buckets]),
+                         [[f"{b.context_from}-{b.context_to}", b.quantized.median_ms, b.quantized.p10_ms,
+                           b.quantized.p90_ms, b.baseline.median_ms, b.ratio] for b in lat.buckets]),
               "<h2>Memory</h2>",
               html_table(["part", "bytes"], [[k, v] for k, v in mem.breakdown.items()]
-                     + [["total (predicted)", mem.predicted_bytes], ["measured cache state", mem.measured_bytes],
-                        ["fp16", mem.fp16_bytes],
-                        [f"weights: export ({mem.weights.format})", mem.weights.total],
-                        [f"weights: baseline ({mem.baseline_weights.format})", mem.baseline_weights.total]])]
+                         + [["total (predicted)", mem.predicted_bytes], ["measured cache state", mem.measured_bytes],
+                            ["fp16", mem.fp16_bytes],
+                            [f"weights: export ({mem.weights.format})", mem.weights.total],
+                            [f"weights: baseline ({mem.baseline_weights.format})", mem.baseline_weights.total]])]
     parts += _weight_only_html(result.weight_only)
     for title, png in _plots(result):
         parts.append(f"<h2>{html.escape(title)}</h2><img src='data:image/png;base64,{png}'>")

@@ -9,7 +9,7 @@ from pathlib import Path
 from kvq_export._atomic import atomic_write
 from kvq_export.manifest import check_output_path
 from kvq_export.validate.long_context.result import LongContextResult
-from kvq_export.validate.report import html_head, html_table, png_base64
+from kvq_export.validate.report import html_head, html_table, png_base64, png_bytes
 
 
 def _rate(hits: int, total: int) -> str:
@@ -106,11 +106,7 @@ def heatmap(result: LongContextResult, path: str | os.PathLike[str] | None = Non
     fig.tight_layout()
     if path is not None:
         check_output_path(path, "the heat map")
-        import io
-
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-        atomic_write(path, buf.getvalue())
+        atomic_write(path, png_bytes(fig))
     return fig
 
 
