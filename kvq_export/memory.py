@@ -148,7 +148,8 @@ class WeightReport:
                 "breakdown": dict(self.breakdown)}
 
 
-def predict_weights(shapes: Mapping[str, Sequence[int]], weights: WeightStorage, dtype: str = "fp32") -> WeightReport:
+def predict_weights(shapes: Mapping[str, Sequence[int]], weights: WeightStorage, dtype: str = "fp32",
+                    embedding: str | None = None) -> WeightReport:
     """Bytes an export's weights hold: ``shapes`` are the model's parameters (a tied one once), Hugging Face layout.
 
     Every 2-D parameter is a linear weight ``[out, in]`` or the embedding ``[vocab, hidden]``; both are stored as
@@ -158,7 +159,9 @@ def predict_weights(shapes: Mapping[str, Sequence[int]], weights: WeightStorage,
     * ``int8`` / ``int4``: ONNX Runtime's MatMulNBits / GatherBlockQuantized layout: ``in`` is cut into
       ``ceil(in / block_size)`` blocks (the last one padded) of ``block_size * bits / 8`` bytes per output row,
       one ``dtype`` scale per block, and when not symmetric one zero point per block, packed ``8 / bits`` to a byte
-      and padded to whole bytes per row.
+      and padded to whole bytes per row;
+    * ``w8a8``: one int8 code per element and one float32 scale per output row; the ``embedding`` (its name) is
+      stored as int8 blocks of 32, as ``int8`` stores it.
     """
     fmt = str(weights.format)
     item = DType.get(dtype).itemsize
@@ -173,16 +176,20 @@ def predict_weights(shapes: Mapping[str, Sequence[int]], weights: WeightStorage,
             parts["unquantized"] += elements * item
         elif fmt == "fp16":
             parts["unquantized"] += elements * 2
-        elif fmt in _WEIGHT_BITS:
-            bits, (rows, cols) = _WEIGHT_BITS[fmt], shape
-            blocks = -(-int(cols) // weights.block_size)
-            parts["quantized"] += rows * blocks * weights.block_size * bits // 8
+        elif fmt in _WEIGHT_BITS or (fmt == "w8a8" and name == embedding):
+            bits, (rows, cols) = _WEIGHT_BITS.get(fmt, 8), shape
+            block = weights.block_size
+            blocks = -(-int(cols) // block)
+            parts["quantized"] += rows * blocks * block * bits // 8
             parts["scales"] += rows * blocks * item
             if not weights.symmetric:
                 per_byte = 8 // bits
                 parts["zero_points"] += rows * -(-blocks // per_byte)
+        elif fmt == "w8a8":  # an int8 code per element, a float32 scale per output row
+            parts["quantized"] += elements
+            parts["scales"] += int(shape[0]) * 4
         else:
-            raise KVQError(f"unknown weight format {fmt!r} for {name}; allowed: fp32, fp16, int8, int4")
+            raise KVQError(f"unknown weight format {fmt!r} for {name}; allowed: fp32, fp16, int8, int4, w8a8")
     return WeightReport(fmt, dtype, count, sum(parts.values()), count * item, parts)
 
 

@@ -30,7 +30,7 @@ from kvq_export.model_facts import known_fields
 from kvq_export.presets import resolve_scheme
 from kvq_export.scheme import KVQuantScheme
 from kvq_export.vocab import WeightFormat, parse_enum
-from kvq_export.weight_blocks import ACCURACY_LEVELS, BLOCK_SIZES
+from kvq_export.weight_blocks import ACCURACY_LEVELS, BLOCK_SIZES, BLOCKED_FORMATS
 
 #: The calibration text every command reads by default (``kvq validate`` scores the same corpus).
 DEFAULT_CORPUS = "britannica"
@@ -114,20 +114,27 @@ class CalibrationSpec:
 DEFAULT_CALIBRATION = CalibrationSpec()
 
 
+#: block size, symmetry and accuracy_level of int blocks when none are given (int8 activations: fast, and each row
+#: of a batch computed alone); a w8a8 spec keeps them, as they do not apply to it
+_BLOCK_DEFAULTS = (32, True, 4)
+
+
 @dataclass(frozen=True)
 class WeightSpec:
-    """How the graph's linear weights are stored: as computed (``fp32``), or quantized in blocks.
+    """How the graph's linear weights are stored: as computed (``fp32``), fp16, or quantized.
 
     ``int8``/``int4`` quantize each weight in blocks of ``block_size`` input channels (``symmetric``: no zero
     point) for ONNX Runtime's ``MatMulNBits``, which computes with activations of ``accuracy_level`` (1: fp32,
-    2: fp16, 3: bf16, 4: int8; None: ONNX Runtime's choice). Level 1 is the default: with int8 activations a
-    batched request can decode differently from the same request alone.
+    2: fp16, 3: bf16, 4: int8, the default: ONNX Runtime's fast CPU kernel, its activations rounded in blocks of
+    each row alone; None: ONNX Runtime's choice). ``w8a8`` stores int8 codes with one scale per output channel and
+    rounds each token's activations to int8 at run time, for ONNX Runtime's QGEMM kernels
+    (:mod:`kvq_export.graph.qgemm`); the block settings do not apply to it and keep their defaults.
     """
 
     format: WeightFormat = WeightFormat.FP32
-    block_size: int = 32
-    symmetric: bool = True
-    accuracy_level: int | None = 4  # int8 activations: fast, and each row of a batch computed alone
+    block_size: int = _BLOCK_DEFAULTS[0]
+    symmetric: bool = _BLOCK_DEFAULTS[1]
+    accuracy_level: int | None = _BLOCK_DEFAULTS[2]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "format", parse_enum(WeightFormat, self.format, "weights.format", ExportError))
@@ -140,21 +147,31 @@ class WeightSpec:
         if level is not None and (isinstance(level, bool) or level not in ACCURACY_LEVELS):
             raise ExportError(f"invalid weights.accuracy_level={level!r}: allowed: 1, 2, 3, 4, or null "
                               "(ONNX Runtime's)")
+        if self.format == WeightFormat.W8A8 and (self.block_size, self.symmetric, level) != _BLOCK_DEFAULTS:
+            raise ExportError("weights.block_size, symmetric and accuracy_level apply to int8/int4 blocks only; "
+                              "w8a8 stores one scale per output channel: leave them at their defaults")
 
     @property
     def quantized(self) -> bool:
-        """Whether the weights are stored as integer blocks."""
-        return self.format in (WeightFormat.INT8, WeightFormat.INT4)
+        """Whether the weights are stored as integer codes (blocks or w8a8)."""
+        return self.blocked or self.format == WeightFormat.W8A8
+
+    @property
+    def blocked(self) -> bool:
+        """Whether the weights are stored as MatMulNBits blocks (the block settings apply)."""
+        return self.format in BLOCKED_FORMATS
 
     @property
     def calibration_weights(self) -> dict[str, Any] | None:
         """The weights a calibration for this storage is measured on (``Calibration.weights``).
 
         Int blocks: their format, block size and symmetry (what the weights dequantize to; ``accuracy_level`` only
-        rounds activations at run time). None for fp32 and fp16: the model's own weights.
+        rounds activations at run time); w8a8: its format alone. None for fp32 and fp16: the model's own weights.
         """
         if not self.quantized:
             return None
+        if not self.blocked:
+            return {"format": str(self.format)}
         return {"format": str(self.format), "block_size": self.block_size, "symmetric": self.symmetric}
 
     def to_dict(self) -> dict[str, Any]:

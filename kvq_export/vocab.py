@@ -115,6 +115,7 @@ class WeightFormat(StrEnum):
     FP16 = "fp16"
     INT8 = "int8"
     INT4 = "int4"
+    W8A8 = "w8a8"  # int8 per output channel, int8 per-token activations: ONNX Runtime's QGEMM kernels
 
 
 # -- generation ----------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""Block-quantized weights: ONNX Runtime's block quantizer and what its blocks dequantize to.
+"""Quantized weights: ONNX Runtime's block quantizer, kvq's per-channel int8, and what each dequantizes to.
 
 The int8 / int4 weight formats (:mod:`kvq_export.graph.weights` writes them into a graph as ``MatMulNBits``) are
 ONNX Runtime's own ``MatMulNBitsQuantizer`` blocks; :func:`dequantized_blocks` gives the float weight those blocks
-compute with, which calibration measures on (:func:`kvq_export.calibration.weights.dequantized_model`).
+compute with. The w8a8 format (:mod:`kvq_export.graph.qgemm`) stores one int8 code per element and one scale per
+output channel (:func:`channel_codes`); :func:`dequantized_channels` is its float weight. Calibration measures on
+these (:func:`kvq_export.calibration.weights.dequantized_model`), and the graphs store these same codes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ from kvq_export.vocab import WeightFormat
 
 WEIGHT_FORMATS = tuple(WeightFormat)
 BITS = {WeightFormat.INT8: 8, WeightFormat.INT4: 4}
+#: the formats stored as MatMulNBits blocks (block size, symmetry and accuracy_level apply to these only)
+BLOCKED_FORMATS = tuple(str(f) for f in BITS)
+#: the oldest opset a w8a8 graph can be written in: its activations are quantized by QuantizeLinear in blocks
+W8A8_MIN_OPSET = 21
+#: the largest w8a8 code: symmetric int8 without -128, so a code and its negation both exist
+CHANNEL_CODE_MAX = 127
 #: block sizes MatMulNBits and GatherBlockQuantized take on CPU (a power of two, at least 16)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 #: MatMulNBits ``accuracy_level``: the activations' compute type
@@ -90,3 +98,25 @@ def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
     if bits == 8:
         return packed.astype(np.int16)
     return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.int16)
+
+
+def channel_codes(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 codes ``[K, N]`` and float32 scales ``[N]`` of a ``[K, N]`` weight, one scale per output column.
+
+    ``scale = max|w[:, n]| / 127`` (an all-zero column gets scale 1 and zero codes), codes rounded half to even as
+    ONNX's QuantizeLinear rounds. A column's codes depend on that column alone, so a fused weight's slices are
+    quantized alike whole or apart.
+    """
+    weight = np.asarray(weight, dtype=np.float32)
+    if weight.ndim != 2:
+        raise ExportError(f"a w8a8 weight must be 2-D [in, out], got shape {weight.shape}")
+    peak = np.abs(weight).max(axis=0)
+    scales = np.where(peak > 0, peak / CHANNEL_CODE_MAX, 1).astype(np.float32)
+    codes = np.clip(np.rint(weight / scales), -CHANNEL_CODE_MAX, CHANNEL_CODE_MAX).astype(np.int8)
+    return codes, scales
+
+
+def dequantized_channels(weight: np.ndarray) -> np.ndarray:
+    """The ``[K, N]`` float32 weight a w8a8 graph computes with for ``weight`` ``[K, N]`` (codes x column scale)."""
+    codes, scales = channel_codes(weight)
+    return codes.astype(np.float32) * scales

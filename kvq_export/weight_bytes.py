@@ -18,6 +18,7 @@ import onnx
 from kvq_export.dtypes import DType
 from kvq_export.errors import ExportError
 from kvq_export.graph.builder import CONTRIB_DOMAIN, EXTERNAL_DATA_SUFFIX
+from kvq_export.graph.qgemm import FUNCTION_DOMAIN, QGEMM_ROWS
 from kvq_export.graph.weights import WEIGHTS_KEY, attribute, is_parameter
 from kvq_export.manifest import MODEL_NAME
 
@@ -27,11 +28,12 @@ from kvq_export.manifest import MODEL_NAME
 class WeightBytes:
     """Initializer bytes of one graph, by role (shared initializers counted once).
 
-    ``quantized``: the integer payload of MatMulNBits / GatherBlockQuantized; ``scales``: their scales and zero
-    points; ``unquantized``: every other initializer by dtype (``fp32``, ``fp16``, ``int64``, ...): float weights,
-    norms, small constants. ``constants``: the part of ``unquantized`` that is the graph's own (rope tables,
-    rotations, shape constants), not the model's weights. ``settings``: what :func:`quantize_weights` recorded in the
-    graph (empty if nothing). ``files``: bytes of ``model.onnx`` and its external data on disk.
+    ``quantized``: the integer payload of MatMulNBits / GatherBlockQuantized or of w8a8's QGemmRows;
+    ``scales``: their scales and zero points; ``unquantized``: every other initializer by dtype (``fp32``, ``fp16``,
+    ``int64``, ...): float weights, norms, small constants. ``constants``: the part of ``unquantized`` that is the
+    graph's own (rope tables, rotations, shape constants), not the model's weights. ``settings``: what
+    :func:`quantize_weights` recorded in the graph (empty if nothing). ``files``: bytes of ``model.onnx`` and its
+    external data on disk.
     """
 
     format: str
@@ -90,6 +92,9 @@ def weight_bytes(directory: str | os.PathLike[str]) -> WeightBytes:
             payload.add(source(node.input[0] if node.op_type == "GatherBlockQuantized" else node.input[1]))
             scales.update(x for x in node.input[2:4] if x)
             bits.add(attribute(node, "bits", 4))
+        elif node.domain == FUNCTION_DOMAIN and node.op_type == QGEMM_ROWS:
+            payload.add(source(node.input[1]))
+            scales.add(node.input[2])
     quantized = scale_bytes = constants = 0
     unquantized: dict[str, int] = {}
     for tensor in graph.initializer:

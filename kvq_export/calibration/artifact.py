@@ -102,6 +102,8 @@ def describe_weights(weights: Mapping[str, Any] | None) -> str:
     """``"the model's own weights"`` or ``"int4 weights (blocks of 32, symmetric)"``."""
     if weights is None:
         return "the model's own weights"
+    if set(weights) == {"format"}:
+        return f"{weights['format']} weights (int8 per output channel)"
     return (f"{weights['format']} weights (blocks of {weights['block_size']}, "
             f"{'symmetric' if weights['symmetric'] else 'asymmetric'})")
 
@@ -110,10 +112,12 @@ def _checked_weights(weights: Any) -> dict[str, Any] | None:
     """``weights`` as :attr:`Calibration.weights` holds it, or a one-line :class:`KVQError`."""
     if weights is None:
         return None
+    if isinstance(weights, Mapping) and dict(weights) == {"format": "w8a8"}:
+        return {"format": "w8a8"}
     if not isinstance(weights, Mapping) or set(weights) != set(WEIGHTS_FIELDS) or not all(
             type(weights[name]) is kind for name, kind in WEIGHTS_FIELDS.items()):
-        raise KVQError(f"invalid calibration weights {weights!r}: allowed: None (the model's own weights) or "
-                       "{'format': 'int4'|'int8', 'block_size': int, 'symmetric': bool}")
+        raise KVQError(f"invalid calibration weights {weights!r}: allowed: None (the model's own weights), "
+                       "{'format': 'w8a8'} or {'format': 'int4'|'int8', 'block_size': int, 'symmetric': bool}")
     if weights["format"] not in ("int4", "int8"):
         raise KVQError(f"invalid calibration weights format {weights['format']!r}: allowed: int4, int8")
     return {name: weights[name] for name in WEIGHTS_FIELDS}

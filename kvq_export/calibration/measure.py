@@ -22,7 +22,7 @@ from kvq_export.model_source import model_facts
 from kvq_export.progress import task
 from kvq_export.request import DEFAULT_PERCENTILE
 from kvq_export.rotation import rotate_torch, rotation_matrix
-from kvq_export.vocab import Part
+from kvq_export.vocab import Part, WeightFormat
 
 if TYPE_CHECKING:
     import torch
@@ -75,7 +75,7 @@ def calibrate_static_scales(
 
     """
     check_method(method, percentile)
-    model, measured_on = measured_model(model, weights)
+    model, measured_on = measured_model(model, weights, token_windows)
     facts = model_facts(model.config)
     scheme.check_model(facts)
     targets, high = _streams_to_calibrate(scheme, facts.num_layers)
@@ -92,18 +92,23 @@ def calibrate_static_scales(
     return _checked(static, scheme, facts, measured_on)
 
 
-def measured_model(model: PreTrainedModel, weights: WeightSpec | None) -> tuple[PreTrainedModel, dict | None]:
+def measured_model(model: PreTrainedModel, weights: WeightSpec | None,
+                   windows: Sequence[Sequence[int]] = ()) -> tuple[PreTrainedModel, dict | None]:
     """The model calibration and planning run for an export storing its weights as ``weights``, and its record.
 
     Int blocks: a copy with the weights the export computes with (ONNX Runtime's codes and scales dequantized,
     :func:`kvq_export.calibration.weights.dequantized_model`) and their settings (:attr:`Calibration.weights`); else
-    ``model`` itself and None (its own weights).
+    ``model`` itself and None (its own weights). w8a8: the model smoothed on ``windows`` first, as an export smooths
+    it on the same calibration text (:mod:`kvq_export.calibration.smoothing`), unless it was smoothed already.
     """
     measured_on = None if weights is None else weights.calibration_weights
     if measured_on is None:
         return model, None
+    from kvq_export.calibration.smoothing import smoothed_model, smoothing_record
     from kvq_export.calibration.weights import dequantized_model
 
+    if weights.format == WeightFormat.W8A8 and smoothing_record(model) is None:
+        model = smoothed_model(model, windows)
     return dequantized_model(model, weights), measured_on
 
 

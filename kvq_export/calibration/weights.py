@@ -10,7 +10,8 @@ import numpy as np
 
 from kvq_export.errors import ExportError
 from kvq_export.model_facts import ModelFacts
-from kvq_export.weight_blocks import BITS, dequantized_blocks
+from kvq_export.vocab import WeightFormat
+from kvq_export.weight_blocks import BITS, dequantized_blocks, dequantized_channels
 
 logger = logging.getLogger(__name__)
 
@@ -20,16 +21,18 @@ def dequantized_model(model: Any, spec: Any) -> Any:
 
     ``spec`` (a :class:`~kvq_export.request.WeightSpec`) of an int format: every weight :func:`quantize_weights`
     quantizes -- each layer's q/k/v/o and MLP projections, the embedding and an untied lm_head (a tied one shares
-    the embedding, as in the graph) -- is replaced by :func:`dequantized_blocks` of it. Blocks run along each
+    the embedding, as in the graph) -- is replaced by :func:`dequantized_blocks` of it (w8a8:
+    :func:`dequantized_channels`, a scale per output row). Blocks run along each
     weight's input dimension, per output row, so a fused projection's slices are quantized alike whole or apart.
     Calibration and planning run this model, so the cache's static scales are measured on the keys and values the
-    export computes (MatMulNBits' ``accuracy_level`` rounds activations at run time, which no weight copy holds).
+    export computes (MatMulNBits' ``accuracy_level`` and w8a8 round activations at run time, which no weight copy
+    holds).
     Other formats return ``model`` itself: fp16 storage rounds weights far below any cache format's step.
 
     A layer whose values are stored rotated has the rotation folded into ``v_proj`` / ``o_proj`` before the export
     quantizes them; this copy quantizes the unrotated weights (the same block error, other rounding).
     """
-    if spec.format not in BITS:
+    if spec.format not in BITS and spec.format != WeightFormat.W8A8:
         return model
     import copy
 
@@ -52,10 +55,13 @@ def dequantized_model(model: Any, spec: Any) -> Any:
             except AttributeError:
                 raise ExportError(f"{facts.model_type}: weight {name!r} is not a parameter of the model") from None
             weight = param.detach().to(device="cpu", dtype=torch.float32).numpy()  # [out, in]
-            run = dequantized_blocks(weight.T, bits=BITS[spec.format], block_size=spec.block_size,
-                                     symmetric=spec.symmetric).T
+            if spec.format == WeightFormat.W8A8:
+                run = dequantized_channels(weight.T).T
+            else:
+                run = dequantized_blocks(weight.T, bits=BITS[spec.format], block_size=spec.block_size,
+                                         symmetric=spec.symmetric).T
             param.copy_(torch.from_numpy(np.ascontiguousarray(run)).to(param.dtype))
-    logger.info("dequantized %d weights of the model as %s blocks of %d (%s) in %.1f s", len(set(names)),
-                spec.format, spec.block_size, "symmetric" if spec.symmetric else "asymmetric",
-                time.perf_counter() - start)
+    logger.info("dequantized %d weights of the model as %s (%s) in %.1f s", len(set(names)), spec.format,
+                f"blocks of {spec.block_size}, {'symmetric' if spec.symmetric else 'asymmetric'}"
+                if spec.format in BITS else "int8 per output channel", time.perf_counter() - start)
     return copied

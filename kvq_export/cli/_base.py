@@ -18,7 +18,7 @@ from kvq_export.manifest import check_output_path
 from kvq_export.presets import scheme_from_formats, tensor_format_names
 from kvq_export.request import CalibrationMethod, CalibrationSpec, WeightFormat, WeightSpec
 from kvq_export.runtime.device import DEVICES, providers_for
-from kvq_export.weight_blocks import BLOCK_SIZES
+from kvq_export.weight_blocks import BLOCK_SIZES, BLOCKED_FORMATS
 
 
 class KVQGroup(click.Group):
@@ -239,9 +239,11 @@ def weight_options(*, accuracy_level: bool = False, measured: bool = False):
     """
     default = WeightSpec()
     about = ("How the export stores the linear weights and the embedding: int8/int4 blocks (ONNX Runtime's "
-             "MatMulNBits and GatherBlockQuantized) are what the model is measured on here, as kvq export does"
-             if measured else "How the linear weights and the embedding are stored: as computed, fp16, or int8/int4 "
-             "blocks (ONNX Runtime's MatMulNBits and GatherBlockQuantized; a tied embedding is stored once)")
+             "MatMulNBits and GatherBlockQuantized) or w8a8 are what the model is measured on here, as kvq export "
+             "does" if measured else "How the linear weights and the embedding are stored: as computed, fp16, "
+             "int8/int4 blocks (ONNX Runtime's MatMulNBits and GatherBlockQuantized), or w8a8 (int8 per output "
+             "channel and int8 activations per token, on ONNX Runtime's QGEMM kernels); a tied embedding is stored "
+             "once")
     options = [
         click.option("--weights", "weight_format", type=click.Choice([str(f) for f in WeightFormat]),
                      default=str(default.format), show_default=True, help=about + "."),
@@ -260,15 +262,15 @@ def weight_options(*, accuracy_level: bool = False, measured: bool = False):
         @functools.wraps(func)
         def command(*args, weight_format, weight_block_size, weight_asymmetric, **kwargs):
             level = kwargs.pop("weight_accuracy_level") if accuracy_level else default.accuracy_level
-            weights = WeightSpec(format=weight_format, block_size=int(weight_block_size),
-                                 symmetric=not weight_asymmetric, accuracy_level=level)
             ctx = click.get_current_context()  # an option that changes nothing is refused: no one thinks it applied
             given = [f"--{name.replace('_', '-')}" for name in ("weight_block_size", "weight_asymmetric",
                                                                 "weight_accuracy_level")
                      if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
-            if given and not weights.quantized:
-                raise KVQError(f"{', '.join(given)} apply to int8/int4 weights only; with --weights {weights.format} "
+            if given and weight_format not in BLOCKED_FORMATS:
+                raise KVQError(f"{', '.join(given)} apply to int8/int4 weights only; with --weights {weight_format} "
                                "drop them (allowed: --weights int8 or int4)")
+            weights = WeightSpec(format=weight_format, block_size=int(weight_block_size),
+                                 symmetric=not weight_asymmetric, accuracy_level=level)
             return func(*args, weights=weights, **kwargs)
 
         for option in reversed(options):

@@ -20,6 +20,7 @@ from kvq_export.cli._base import (
 )
 from kvq_export.cli_types import outside_exports
 from kvq_export.dtypes import COMPUTE_DTYPES
+from kvq_export.errors import KVQError
 from kvq_export.flavors import flavor_names, get_flavor
 from kvq_export.progress import tqdm_bars
 
@@ -141,3 +142,59 @@ def bench_serve(export_dirs, contexts, concurrent, budget_gb, new_tokens, backen
                    f"{speed} tok/s x{r.concurrent} ({r.status})")
     if plot_out:
         plot_capacity(rows, plot_out)
+
+
+def _form_list(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
+    """``--forms a,b``: each a known GEMM form (an unknown one is a one-line error naming the allowed ones)."""
+    from kvq_export.graph.gemm_forms import get_form
+
+    names = [f.strip() for f in value.split(",") if f.strip()]
+    try:
+        return [get_form(name).name for name in names]
+    except KVQError as err:
+        raise click.BadParameter(str(err)) from None
+
+
+@cli.command("bench-kernels")
+@click.option("--model", "model_spec", default="smollm2", show_default=True,
+              help="Built-in name (smollm2), a Hugging Face model directory, or a .gguf file: whose linear shapes.")
+@click.option("--forms", default="fp32,nbits4,nbits4-fp32,nbits8,dynamic-quantize,qgemm-rows", show_default=True,
+              callback=_form_list, help="Comma-separated GEMM forms (kvq_export.graph.gemm_forms).")
+@click.option("--rows", default="1,32,160,512", show_default=True,
+              help="Comma-separated row counts M (tokens of one call).")
+@click.option("--base", default="nbits4", show_default=True, help="The form every ratio is to.")
+@click.option("--rounds", type=click.IntRange(1), default=30, show_default=True, help="Timed rounds per cell.")
+@click.option("--threads", type=click.IntRange(1), default=None,
+              help="ONNX Runtime intra-op threads [default: OMP_NUM_THREADS when set, else ONNX Runtime's choice].")
+@json_option("the table (every cell, the CPU, its peaks, the forms chosen)")
+def bench_kernels(model_spec, forms, rows, base, rounds, threads, json_out) -> None:
+    """GFLOP/s of every GEMM form on the model's linear shapes, interleaved in one run, beside the CPU's peaks.
+
+    Each cell: GFLOP/s, its ratio to --base, and its share of the fp32 / int8 peak. The last lines per form sum
+    one layer (the head left out); "rows alone" says whether a row's result is independent of the other rows of
+    its call, checked bit for bit; "chosen" is the fastest form per row count that keeps rows alone.
+    """
+    from rich.table import Table
+
+    from kvq_export.measure.kernels import kernel_rows, model_shapes, run_kernel_table
+    from kvq_export.model_source import load_config
+
+    row_counts = int_list(rows)
+    if base not in forms:
+        raise click.BadParameter(f"{base!r} is not among --forms ({', '.join(forms)})", param_hint="--base")
+    table = run_kernel_table(model_shapes(load_config(model_spec)), forms, row_counts, rounds=rounds, threads=threads)
+    if json_out:
+        write_json_output(json_out, table.to_dict())
+        if json_out == STDOUT:
+            return
+    console = make_console()
+    view = Table("form", "shape", *[f"M={m}: GFLOP/s, x{base} (% fp32/int8 peak)" for m in row_counts],
+                 title=f"GEMM forms on {model_spec}'s linears, {table.cpu}")
+    for line in kernel_rows(table, base):
+        view.add_row(*line)
+    console.print(view)
+    console.print(f"peaks: fp32 {table.peaks['fp32'] or 0:.0f} GFLOP/s, int8 {table.peaks['int8'] or 0:.0f} GOP/s "
+                  f"({table.peaks['how']})")
+    console.print("max error vs fp32: " + ", ".join(f"{f} {e:.3f}" for f, e in table.max_error.items()))
+    console.print("rows alone: " + ", ".join(f"{f} {'yes' if ok else 'NO'}" for f, ok in table.rows_alone.items()))
+    console.print("chosen: " + ", ".join(f"M={m} {f}" for m, f in table.chosen().items()))

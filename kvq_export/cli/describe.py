@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from kvq_export import memory as mem
+from kvq_export.arch import get_arch
 from kvq_export.cli._base import STDOUT, cli, json_option, make_console, scheme_options, write_json_output
 from kvq_export.memory import BREAKDOWN_KEYS, WEIGHT_BREAKDOWN_KEYS, predict
 from kvq_export.model_facts import Geometry
@@ -146,7 +147,7 @@ def memory(model_spec: str, scheme_spec, seq_len: int, batch: int, weight_format
     weights = None
     if weight_format is not None:
         spec = WeightSpec(format=weight_format, block_size=int(weight_block_size), symmetric=not weight_asymmetric)
-        weights = mem.predict_weights(parameter_shapes(config), spec, dtype)
+        weights = mem.predict_weights(parameter_shapes(config), spec, dtype, embedding=get_arch(config).embed_name())
     if json_out:
         extra = {} if weights is None else {"weights": weights.to_dict(),
                                             "weights_and_cache_bytes": weights.total_bytes + report.total_bytes}

@@ -84,7 +84,9 @@ def plan_command(request: ExportRequest, candidates: str, name: str | None) -> l
         args += ["--value-window", str(spec.value_window)]
     weights = request.weights
     if weights.quantized:  # the model the candidates are measured on: the export's weights (accuracy_level aside)
-        args += ["--weights", str(weights.format), "--weight-block-size", str(weights.block_size)]
+        args += ["--weights", str(weights.format)]
+    if weights.blocked:
+        args += ["--weight-block-size", str(weights.block_size)]
         args += [] if weights.symmetric else ["--weight-asymmetric"]
     return args + ["--name", name or "plan", "--out", f"{name or 'plan'}.json"]
 

@@ -191,7 +191,7 @@ def _run(request: ExportRequest, out: Path, *, model: Any, tokenizer: Any, stati
     plan = plan_export(request, source, static=static, planned=planned)
     calibrated = calibrate(plan, source)
     graph, _ = build_graph(plan, source, calibrated.calibration)
-    graph = quantize_weights(graph, plan.request.weights)
+    graph = quantize_weights(graph, plan.request.weights, source)
     logger.info("built the %s graph in %.1f s", plan.flavor.name, time.perf_counter() - start)
     tmp = temp_dir_beside(out)
     try:

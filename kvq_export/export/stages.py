@@ -23,6 +23,7 @@ import kvq_export
 from kvq_export.arch import Arch, get_arch
 from kvq_export.calibration import Calibration, calibrate_static_scales, calibration_windows
 from kvq_export.calibration.artifact import StaticLike, describe_weights
+from kvq_export.calibration.smoothing import smoothed_model, smoothing_record
 from kvq_export.errors import ExportError
 from kvq_export.export.budget import PlannedScheme, plan_request
 from kvq_export.flavors import Flavor, Runtime, get_flavor, write_runtime_files
@@ -33,6 +34,7 @@ from kvq_export.model_digest import model_identity
 from kvq_export.model_facts import ModelFacts
 from kvq_export.model_source import canonical_spec, load_model
 from kvq_export.request import (
+    DEFAULT_CALIBRATION,
     MIN_OPSET,
     CalibrationMethod,
     CalibrationSpec,
@@ -40,6 +42,7 @@ from kvq_export.request import (
     WeightFormat,
     WeightSpec,
 )
+from kvq_export.weight_blocks import W8A8_MIN_OPSET
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -101,8 +104,20 @@ def load_source(request: ExportRequest, model: Any = None, tokenizer: Any = None
             raise ExportError("the request names no model (model=None): pass the loaded model to export()")
         spec = canonical_spec(request.model)  # absolute: the manifest names the same model from any directory
         model, tokenizer = load_model(spec)
-        return Source(model, tokenizer, spec)
-    return Source(model, tokenizer, None)
+        return _smoothed(request, Source(model, tokenizer, spec))
+    return _smoothed(request, Source(model, tokenizer, None))
+
+
+def _smoothed(request: ExportRequest, source: Source) -> Source:
+    """w8a8 weights: the model with its activation outliers moved into its weights, on the calibration text."""
+    if request.weights.format != WeightFormat.W8A8 or smoothing_record(source.model) is not None:
+        return source
+    _check_weights(request, get_flavor(request.flavor))  # before a minute of smoothing is spent on a refusal
+    if source.tokenizer is None:
+        raise ExportError("w8a8 weights smooth the activations on calibration text, which needs the model's tokenizer")
+    spec = request.calibration or DEFAULT_CALIBRATION
+    windows = calibration_windows(source.tokenizer, spec.corpus, spec.tokens, offset=spec.offset)
+    return Source(smoothed_model(source.model, windows), source.tokenizer, source.spec)
 
 
 def read_facts(source: Source) -> tuple[Arch, ModelFacts]:
@@ -124,7 +139,7 @@ def plan_budget(request: ExportRequest, source: Source, *, static: StaticLike | 
                           "static metadata with a scheme, not with a plan")
     check_opset(request.opset)
     flavor = get_flavor(request.flavor)
-    _check_weights(request.weights, flavor)
+    _check_weights(request, flavor)
     _, facts = read_facts(source)
     return plan_request(request, source, flavor, facts)
 
@@ -177,15 +192,20 @@ def plan_export(request: ExportRequest, source: Source, *, static: StaticLike | 
                               "kvq never guesses a scale or a channel)")
         if source.tokenizer is None:
             raise ExportError("calibrating from a corpus needs the model's tokenizer")
-    _check_weights(request.weights, flavor)
+    _check_weights(request, flavor)
     return ExportPlan(request, flavor, arch, facts, static, planned)
 
 
-def _check_weights(weights: WeightSpec, flavor: Flavor) -> None:
+def _check_weights(request: ExportRequest, flavor: Flavor) -> None:
+    weights = request.weights
     if weights.quantized and Runtime.ONNXRUNTIME not in flavor.runtimes:
-        raise ExportError(f"weights.format={weights.format} stores ONNX Runtime's MatMulNBits and "
-                          f"GatherBlockQuantized, which the {flavor.name} flavor's runtimes cannot run; allowed "
-                          f"there: {WeightFormat.FP32}, {WeightFormat.FP16}")
+        ops = "MatMulNBits and GatherBlockQuantized" if weights.blocked else "MatMulIntegerToFloat"
+        raise ExportError(f"weights.format={weights.format} stores ONNX Runtime's {ops}, which the {flavor.name} "
+                          f"flavor's runtimes cannot run; allowed there: {WeightFormat.FP32}, {WeightFormat.FP16}")
+    if weights.format == WeightFormat.W8A8 and (str(request.dtype) != "fp32" or request.opset < W8A8_MIN_OPSET):
+        raise ExportError(f"w8a8 weights need --dtype fp32 (ONNX Runtime's MatMulIntegerToFloat computes float32 on "
+                          f"CPU) and opset >= {W8A8_MIN_OPSET} (QuantizeLinear in blocks); got dtype "
+                          f"{request.dtype}, opset {request.opset}")
 
 
 @dataclass(frozen=True)
@@ -240,12 +260,17 @@ def build_graph(plan: ExportPlan, source: Source, static: Calibration | None) ->
     return graph, cache
 
 
-def quantize_weights(graph: ir.Model, spec: WeightSpec) -> ir.Model:
-    """The built graph with its weights stored as ``spec`` says (fp32: as built; see :mod:`.weights`)."""
+def quantize_weights(graph: ir.Model, spec: WeightSpec, source: Source | None = None) -> ir.Model:
+    """The built graph with its weights stored as ``spec`` says (fp32: as built; see :mod:`.weights`).
+
+    The graph records how; a w8a8 graph also records the smoothing its source model was given.
+    """
     from kvq_export.graph import weights  # lazy: imports onnx
 
+    smoothing = smoothing_record(source.model) if source is not None else None
     return weights.quantize_weights(graph, format=str(spec.format), block_size=spec.block_size,
-                                    symmetric=spec.symmetric, accuracy_level=spec.accuracy_level)
+                                    symmetric=spec.symmetric, accuracy_level=spec.accuracy_level,
+                                    smoothing=smoothing)
 
 
 def package(directory: Path, plan: ExportPlan, source: Source, graph: ir.Model, calibrated: Calibrated) -> Manifest:

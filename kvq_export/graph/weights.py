@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +40,16 @@ from onnx_ir.passes import FunctionalPass, PassResult
 from kvq_export.errors import ExportError
 from kvq_export.graph.builder import CONTRIB_DOMAIN
 from kvq_export.graph.passes import run_passes
+from kvq_export.graph.qgemm import add_qgemm_rows_function, qgemm_rows_node
 from kvq_export.vocab import WeightFormat
-from kvq_export.weight_blocks import BITS, DEFAULT_ACCURACY_LEVEL, block_quantizer, check_weight_options, ort_quantizer
+from kvq_export.weight_blocks import (
+    BITS,
+    DEFAULT_ACCURACY_LEVEL,
+    block_quantizer,
+    channel_codes,
+    check_weight_options,
+    ort_quantizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +66,7 @@ def quantize_weights(
     block_size: int = 32,
     symmetric: bool = True,
     accuracy_level: int | None = DEFAULT_ACCURACY_LEVEL,
+    smoothing: Mapping[str, Any] | None = None,
 ) -> onnx.ModelProto | ir.Model:
     """Store ``model``'s weights in ``format`` (see the module docstring); returns the same kind of model.
 
@@ -69,6 +78,8 @@ def quantize_weights(
         block_size: elements per scale along each weight's input dimension (int formats).
         symmetric: no zero points (int formats); asymmetric blocks store a zero point per block.
         accuracy_level: MatMulNBits' activation compute type (1 float32 .. 4 int8); None leaves ONNX Runtime's.
+        smoothing: w8a8: what :func:`~kvq_export.calibration.smoothing.smoothed_model` did to the model the graph
+            was built from, recorded beside the format.
 
     Raises:
         ExportError: an option kvq does not support, or a graph with no weight to convert.
@@ -82,7 +93,7 @@ def quantize_weights(
                        "fp32 weights per decode step); accuracy_level=4 (int8 activations) is the fast one",
                        accuracy_level)
     rewrite = QuantizeWeightsPass(format=format, block_size=block_size, symmetric=symmetric,
-                                  accuracy_level=accuracy_level)
+                                  accuracy_level=accuracy_level, smoothing=smoothing)
     if isinstance(model, ir.Model):
         return run_passes(model, [rewrite]).model
     _refuse_stored({prop.key: prop.value for prop in model.metadata_props})
@@ -101,12 +112,13 @@ class QuantizeWeightsPass(FunctionalPass):
     """
 
     def __init__(self, *, format: str, block_size: int = 32, symmetric: bool = True,
-                 accuracy_level: int | None = DEFAULT_ACCURACY_LEVEL) -> None:
+                 accuracy_level: int | None = DEFAULT_ACCURACY_LEVEL,
+                 smoothing: Mapping[str, Any] | None = None) -> None:
         check_weight_options(format, block_size, symmetric, accuracy_level)
         if format == WeightFormat.FP32:
             raise ExportError("fp32 weights are the graph as built: no pass rewrites them")
         self.format, self.block_size, self.symmetric = WeightFormat(format), block_size, symmetric
-        self.accuracy_level = accuracy_level
+        self.accuracy_level, self.smoothing = accuracy_level, dict(smoothing) if smoothing else None
 
     def requires(self, model: ir.Model) -> None:
         _refuse_stored(model.metadata_props)
@@ -123,6 +135,9 @@ class QuantizeWeightsPass(FunctionalPass):
         """The rewrite itself, on a ModelProto with its weights in memory (changed in place and returned)."""
         if self.format == WeightFormat.FP16:
             record = _store_fp16(proto)
+        elif self.format == WeightFormat.W8A8:
+            proto, record = _quantize_channels(proto)
+            record.update({"smoothing": self.smoothing} if self.smoothing else {})
         else:
             proto, record = _quantize_blocks(proto, BITS[self.format], self.block_size, self.symmetric,
                                              self.accuracy_level)
@@ -333,6 +348,35 @@ def _quantize_blocks(proto: onnx.ModelProto, bits: int, block_size: int, symmetr
                 made, bits, block_size, "symmetric" if symmetric else "asymmetric", accuracy_level)
     return proto, {"format": f"int{bits}", "block_size": block_size, "symmetric": symmetric,
                    "accuracy_level": accuracy_level}
+
+
+# -- w8a8: int8 channels for QGEMM --------------------------------------------------------------------------------
+def _quantize_channels(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """Every weight MatMul a ``kvq.QGemmRows`` on int8 codes per output channel; the embedding int8 blocks."""
+    g = _Graph(proto.graph)
+    embeddings, weights = _find_embeddings(g), g.weight_matmuls()
+    if not weights and not embeddings:
+        raise ExportError("found no weight MatMul or embedding Gather to quantize (is this a kvq decoder graph?)")
+    halves = [n.input[1] for n in weights if g.inits[n.input[1]].data_type != onnx.TensorProto.FLOAT]
+    halves += [e.name for e in embeddings if g.inits[e.name].data_type != onnx.TensorProto.FLOAT]
+    if halves:
+        raise ExportError(f"w8a8 weights need a float32-compute graph ({halves[0]} is not float32): ONNX Runtime's "
+                          "MatMulIntegerToFloat computes float32 on CPU; export with --dtype fp32")
+    add_qgemm_rows_function(proto)
+    _name_nodes(proto.graph.node, "MatMul")
+    # the embedding and a tied head stay int8 blocks: a head's row scale would follow the final norm's outliers,
+    # which no smoothing reaches through a table the embedding shares
+    heads = sum(_quantize_embedding(g, emb, 8, 32, True, DEFAULT_ACCURACY_LEVEL) for emb in embeddings)
+    for node in weights:
+        weight = onnx.numpy_helper.to_array(g.inits[node.input[1]])
+        codes, scales = channel_codes(weight)
+        stored = g.add_initializer(codes, f"{node.input[1]}_w8")
+        g.replace_node(node, [qgemm_rows_node(node.input[0], stored, g.add_initializer(scales, f"{stored}_scales"),
+                                              node.output[0], hidden=weight.shape[0], name=f"{node.name}_w8a8")])
+        g.drop_initializer(node.input[1])
+    logger.info("quantized %d MatMuls to w8a8 QGemmRows (int8 per output channel, int8 per-token activations)",
+                len(weights) + heads)
+    return proto, {"format": str(WeightFormat.W8A8)}
 
 
 def _name_nodes(nodes: Iterable[onnx.NodeProto], op_type: str) -> None:

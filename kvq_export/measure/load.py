@@ -5,7 +5,9 @@ ends), streaming, greedy (temperature 0), for ``duration`` seconds or until ``ma
 request records its time to first token and its latency; the point reports generated tokens/s (completion tokens
 from each reply's ``usage``, over the point's wall time), TTFT and latency p50/p99, requests done, errors, and how
 many answers differ from the same prompt's *solo* answer: each prompt served once with no other load, before the
-loaded points. Greedy decoding gives equal text unless batching changes the arithmetic.
+loaded points. Greedy decoding gives equal text unless batching changes the arithmetic. With ``distinct``, every
+loaded request sends a prompt never sent before (no server can reuse a cached prefix), and the solo answers of the
+prompts used come after the load.
 
 Beside the clients, optionally: a hostile client (:mod:`~kvq_export.measure.hostile`), the server's resident
 memory and a gauge from its metrics page (:mod:`~kvq_export.measure.watch`). Every request has a timeout and the
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -73,6 +76,7 @@ class LoadConfig:
     request_timeout: float = 300.0
     hostile: bool = False
     context_tokens: int = 8192
+    distinct: bool = False  # every loaded request a prompt never sent before; solo answers come after the load
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "clients", tuple(self.clients))
@@ -88,6 +92,11 @@ class LoadConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise KVQError(f"invalid {name}={value!r}: allowed: an integer >= {least}")
+
+    def prompts_needed(self, tokens_per_s: float) -> int:
+        """Prompts a distinct-prompt run may use if every count reached ``tokens_per_s`` (at most ``max_requests``)."""
+        per_point = self.max_requests or math.ceil(self.duration * tokens_per_s / self.max_tokens) + max(self.clients)
+        return per_point * len(self.clients)
 
     def run_bound(self, prompts: int) -> float:
         """Seconds the whole run may take: every solo answer and every point at their longest, plus a minute."""
@@ -253,22 +262,51 @@ def summarize_point(clients: int, wall: float, answers: list[tuple[int, Answer]]
                        error_samples=dict(errors.most_common(ERROR_SAMPLES)))
 
 
-async def run_point(client, endpoint: Endpoint, prompts: list[str], solo: list[Answer], clients: int,
-                    config: LoadConfig) -> PointResult:
+@dataclass
+class _Loaded:
+    """A point's raw outcome, before it is compared with solo answers."""
+
+    clients: int
+    wall: float
+    answers: list[tuple[int, Answer]]
+    hostile: HostileResult | None
+    gauge_max: float | None
+    out_of_prompts: bool = False
+
+
+class _Fresh:
+    """Prompt indices handed out once each, across every point of a distinct-prompt run."""
+
+    def __init__(self, count: int) -> None:
+        self.next, self.count = 0, count
+
+    def take(self) -> int | None:
+        if self.next >= self.count:
+            return None
+        self.next += 1
+        return self.next - 1
+
+
+async def run_point(client, endpoint: Endpoint, prompts: list[str], clients: int, config: LoadConfig,
+                    fresh: _Fresh | None = None) -> _Loaded:
     """``clients`` closed-loop clients for ``config.duration`` seconds (at most ``config.max_requests`` requests).
 
     Client ``c`` sends prompts ``c, c + clients, c + 2 * clients, ...`` (modulo their count): clients in flight
-    together send different prompts while there are enough.
+    together send different prompts while there are enough. With ``fresh`` every request takes the next prompt
+    never sent, and the point ends early when none is left.
     """
     deadline = time.monotonic() + config.duration
     answers: list[tuple[int, Answer]] = []
-    issued = 0
+    issued, out_of_prompts = 0, False
 
     async def one_client(c: int) -> None:
-        nonlocal issued
+        nonlocal issued, out_of_prompts
         k = 0
         while time.monotonic() < deadline and (config.max_requests is None or issued < config.max_requests):
-            index = (c + k * clients) % len(prompts)
+            index = (c + k * clients) % len(prompts) if fresh is None else fresh.take()
+            if index is None:
+                out_of_prompts = True
+                return
             k, issued = k + 1, issued + 1
             answers.append((index, await complete(client, endpoint.model, prompts[index], config.max_tokens,
                                                   config.request_timeout)))
@@ -285,10 +323,16 @@ async def run_point(client, endpoint: Endpoint, prompts: list[str], solo: list[A
         stop.set()
         if rogue is not None:
             await rogue
-    point = summarize_point(clients, wall, answers, solo)
-    point.hostile, point.gauge_max = hostile, None if gauge is None else gauge.max
-    logger.info("%d client(s): %d requests, %d errors, %.1f tok/s, %d of %d answers differ from solo", clients,
-                point.requests, point.errors, point.tokens_per_s, point.differ, point.compared)
+    return _Loaded(clients, wall, answers, hostile, None if gauge is None else gauge.max, out_of_prompts)
+
+
+def _summarized(loaded: _Loaded, solo: list[Answer]) -> PointResult:
+    point = summarize_point(loaded.clients, loaded.wall, loaded.answers, solo)
+    point.hostile, point.gauge_max = loaded.hostile, loaded.gauge_max
+    logger.info("%d client(s): %d requests, %d errors, %.1f tok/s, %d of %d answers differ from solo",
+                loaded.clients, point.requests, point.errors, point.tokens_per_s, point.differ, point.compared)
+    if loaded.out_of_prompts:
+        logger.warning("%d client(s): the point ran out of fresh prompts before its duration", loaded.clients)
     return point
 
 
@@ -298,6 +342,15 @@ class _nothing:
 
     async def __aexit__(self, *exc: object) -> None:
         return None
+
+
+def _record_solo(result: LoadResult, solo: list[Answer]) -> list[Answer]:
+    """Count ``solo``'s answers, errors and resends into ``result``; return ``solo``."""
+    result.solo_answers = sum(a.error is None for a in solo)
+    result.solo_errors = len(solo) - result.solo_answers
+    result.solo_error_samples = dict(Counter(a.error for a in solo if a.error is not None).most_common(ERROR_SAMPLES))
+    result.solo_resent = sum(a.resent for a in solo)
+    return solo
 
 
 async def run_load(endpoint: Endpoint, prompts: list[str], config: LoadConfig, name: str = "") -> LoadResult:
@@ -311,14 +364,16 @@ async def run_load(endpoint: Endpoint, prompts: list[str], config: LoadConfig, n
     start_load = os.getloadavg()[0]
     try:
         async with rss or _nothing(), asyncio.timeout(bound):
-            solo = await solo_answers(client, endpoint, prompts, config)
-            result.solo_answers = sum(a.error is None for a in solo)
-            result.solo_errors = len(solo) - result.solo_answers
-            failed = Counter(a.error for a in solo if a.error is not None)
-            result.solo_error_samples = dict(failed.most_common(ERROR_SAMPLES))
-            result.solo_resent = sum(a.resent for a in solo)
-            for clients in config.clients:
-                result.points.append(await run_point(client, endpoint, prompts, solo, clients, config))
+            if config.distinct:  # the load sends every prompt first; their solo answers come after it
+                fresh = _Fresh(len(prompts))
+                loaded = [await run_point(client, endpoint, prompts, n, config, fresh) for n in config.clients]
+                solo = _record_solo(result, await solo_answers(client, endpoint, prompts[:fresh.next], config))
+                result.points.extend(_summarized(point, solo) for point in loaded)
+            else:
+                solo = _record_solo(result, await solo_answers(client, endpoint, prompts, config))
+                for clients in config.clients:
+                    result.points.append(_summarized(await run_point(client, endpoint, prompts, clients, config),
+                                                     solo))
     except TimeoutError:
         result.incomplete = f"the run passed its bound of {bound:.0f} s"
         logger.warning("%s: %s after %d point(s)", result.name, result.incomplete, len(result.points))

@@ -96,18 +96,19 @@ def og_spec(build_dir: str | os.PathLike[str], *, name: str = "og") -> ServerSpe
 
 
 def llama_spec(binary: str | os.PathLike[str], gguf: str | os.PathLike[str], *, slots: int, name: str = "llama",
-               threads: int = 2, extra_args: Sequence[str] = ()) -> ServerSpec:
+               threads: int = 2, extra_args: Sequence[str] = (), cache_prompt: bool = False) -> ServerSpec:
     """``llama-server -m GGUF -np SLOTS -c SLOTS*1024 -ctk q8_0 -ctv q8_0 -fa on -t THREADS --metrics``.
 
     Each of the ``slots`` requests in flight gets 1024 positions (a longer prompt is refused). Prompt caching is
-    off (``--no-cache-prompt``): the benchmark sends each prompt again after its solo answer, which would let
-    llama-server skip the prefill that kvq and og.Engine (no prefix cache on CPU) do for every request.
+    off (``--no-cache-prompt``) unless ``cache_prompt``: a benchmark that sends each prompt again after its solo
+    answer would let llama-server skip the prefill that kvq and og.Engine (no prefix cache on CPU) do for every
+    request. A load of prompts never sent before leaves it on, llama-server's default.
     """
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise KVQError(f"invalid slots={slots!r}: allowed: an integer >= 1")
     argv = (os.fspath(binary), "-m", os.fspath(gguf), "-np", str(slots), "-c", str(slots * SLOT_CONTEXT),
             "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on", "-t", str(threads), "--host", HOST, "--port", "{port}",
-            "--alias", name, "--metrics", "--no-webui", "--no-cache-prompt", *extra_args)
+            "--alias", name, "--metrics", "--no-webui", *([] if cache_prompt else ["--no-cache-prompt"]), *extra_args)
     return ServerSpec(name=name, argv=argv, model=name, api_key=_option(extra_args, "--api-key"),
                       metrics_path="/metrics", gauge=LLAMA_GAUGE, context_tokens=SLOT_CONTEXT)
 

@@ -135,7 +135,7 @@ def _measured_inputs(
     cset = candidate_set(candidates) if isinstance(candidates, str) else candidates
     if value_window is not None:
         cset = with_value_window(cset, value_window)
-    model, measured_on = measured_model(model, weights)
+    model, measured_on = measured_model(model, weights, windows)
     facts = model_facts(model.config)
     return model, facts, fitting(cset, facts.head_dim), check_windows(windows, facts.vocab_size), measured_on
 

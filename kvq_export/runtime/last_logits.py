@@ -5,8 +5,9 @@ the exported graph multiplies every position by the ``[hidden, vocab]`` head: fo
 fifth of a prompt token's arithmetic, and ``chunk x vocab`` floats of output. :func:`last_position_model` returns
 the export's graph with a ``Slice`` of the last position put in front of the head; everything before the head is
 unchanged, and the weights stay in the export's external data file, which ONNX Runtime reads from the export's
-directory. The head must be a ``MatMul`` or ``MatMulNBits`` reached from the ``logits`` output through
-elementwise nodes only (a cast, a soft-cap); another form returns None and the caller keeps the full graph.
+directory. The head must be a ``MatMul``, ``MatMulNBits`` or w8a8 ``QGemmRows`` reached from the ``logits``
+output through elementwise nodes only (a cast, a soft-cap); another form returns None and the caller keeps the
+full graph.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ logger = logging.getLogger(__name__)
 LOGITS = "logits"
 #: nodes between the head and the ``logits`` output that act on each position alone
 ELEMENTWISE = frozenset({"Cast", "Mul", "Div", "Tanh", "Add", "Identity"})
-HEADS = frozenset({"MatMul", "MatMulNBits"})
+HEADS = frozenset({"MatMul", "MatMulNBits", "QGemmRows"})  # QGemmRows: the w8a8 head (one node per linear)
 #: ONNX Runtime's session option naming the folder of a model's external data when the model comes as bytes
 EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 

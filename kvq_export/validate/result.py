@@ -38,6 +38,8 @@ def weights_label(spec: WeightSpec) -> str:
     """
     if not spec.quantized:
         return str(spec.format)
+    if not spec.blocked:
+        return f"{spec.format} (int8 per output channel, int8 activations per token)"
     return (f"{spec.format} (blocks of {spec.block_size}, {'symmetric' if spec.symmetric else 'asymmetric'}, "
             f"accuracy_level {spec.accuracy_level})")
 

@@ -69,10 +69,14 @@ class _Accumulator:
 
 
 def export_weights(directory: str | os.PathLike[str]) -> WeightSpec:
-    """How an export's graph stores its weights, as the graph records it (a graph as built: ``fp32``)."""
+    """How an export's graph stores its weights, as the graph records it (a graph as built: ``fp32``).
+
+    What else the graph records of its weights (a w8a8 graph's smoothing) is left out: it is measured, not asked.
+    """
     from kvq_export.weight_bytes import weight_bytes  # lazy: imports onnx
 
-    return WeightSpec.from_dict(weight_bytes(directory).settings)
+    settings = weight_bytes(directory).settings
+    return WeightSpec.from_dict({k: v for k, v in settings.items() if k in WeightSpec.__dataclass_fields__})
 
 
 def _cached_export(manifest, scheme: Any, weights: WeightSpec, *, flavor: str | None = None,

@@ -23,6 +23,7 @@ import numpy as np
 
 from kvq_export.corpus import load_corpus, token_windows
 from kvq_export.errors import KVQError
+from kvq_export.measure.cpu import cpu_name
 from kvq_export.progress import task as progress_task
 from kvq_export.runtime.session import KVQSession
 from kvq_export.validate.long_context.config import LongContextConfig
@@ -34,22 +35,6 @@ from kvq_export.validate.result import weights_label
 from kvq_export.validate.runner import check_same_model, check_same_weights, export_weights, resolve_baseline
 
 logger = logging.getLogger(__name__)
-
-
-def cpu_name() -> str:
-    """The CPU's model name and the matrix extensions that decide which kernels run (``/proc/cpuinfo``)."""
-    import platform
-
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                platform.machine())
-    flags = next((set(line.split(":", 1)[1].split()) for line in info.splitlines() if line.startswith("flags")),
-                 set())
-    extras = [f for f in ("avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8") if f in flags]
-    return f"{name}, {os.cpu_count()} cores" + (f" ({', '.join(extras)})" if extras else "")
 
 
 def make_cases(session: KVQSession, config: LongContextConfig) -> list[Case]:
