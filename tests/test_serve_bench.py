@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import socket
 import subprocess
@@ -148,6 +149,22 @@ def test_answers_that_differ_from_the_solo_answer_are_counted():
     assert loaded.completion_tokens == 2 * loaded.requests
 
 
+def test_a_distinct_load_sends_each_prompt_once_then_asks_the_used_ones_alone():
+    served: list[str] = []
+    prompts = [f"p{i} text" for i in range(12)]
+    config = LoadConfig(clients=(1, 4), duration=0.5, max_tokens=2, request_timeout=5.0, distinct=True)
+    with serving(busy_app(served)) as url:
+        result = measure_endpoint(Endpoint(url, "m"), prompts, config)
+    loaded = sum(p.requests for p in result.points)
+    # the pool ran out: every prompt went out once under load, then once alone, and nothing else was sent
+    assert loaded == len(prompts) == result.solo_answers and len(served) == 2 * len(prompts)
+    assert served[loaded:] == ["alone"] * len(prompts)
+    assert sum(p.compared for p in result.points) == loaded
+    assert result.points[1].differ == served[:loaded].count("busy") - result.points[0].differ
+    assert config.prompts_needed(100.0) == 2 * (math.ceil(0.5 * 100 / 2) + 4)
+    assert LoadConfig(clients=(32,), max_requests=50, distinct=True).prompts_needed(1e6) == 50
+
+
 def accept_all_app():
     """Answers 200 to any body at all: every hostile request is a failure."""
     app = FastAPI()
@@ -282,6 +299,11 @@ def test_the_og_server_answers_as_og_generators_greedy(tmp_path):
 
 
 # -- pieces ----------------------------------------------------------------------------------------------------------
+def test_llama_server_keeps_its_prompt_cache_only_when_asked():
+    line = llama_spec("/opt/llama-server", "/m/model.gguf", slots=8, cache_prompt=True).command(8123)
+    assert "--no-cache-prompt" not in line
+
+
 def test_llama_server_command_line():
     spec = llama_spec("/opt/llama-server", "/m/model.gguf", slots=8, extra_args=("--api-key", "k"))
     command = spec.command(8123)

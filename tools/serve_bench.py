@@ -1,7 +1,9 @@
 """Serving benchmark: ``kvq serve``, a thin og.Engine server and llama-server, one after another, same load.
 
 Each server is started on 127.0.0.1, given every prompt once alone (its solo answers), then loaded by 1, 4, ...
-closed-loop streaming clients (the official ``openai`` client) for ``--duration`` seconds each, then stopped. What
+closed-loop streaming clients (the official ``openai`` client) for ``--duration`` seconds each, then stopped.
+``--distinct``: every loaded request is a prompt never sent before, so no server reuses a cached prompt; the solo
+answers of the prompts used come after the load. What
 each needs, built or found first:
 
 * kvq: an export directory (``--kvq DIR``, and ``--kvq NAME=DIR`` for another one), served with ``kvq serve``
@@ -67,6 +69,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS, help="distinct prompts (each one solo too)")
     parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds any one request may take")
     parser.add_argument("--hostile", action="store_true", help="a client sending bad requests beside the others")
+    parser.add_argument("--distinct", action="store_true",
+                        help="every loaded request a prompt never sent before (solo answers after the load); "
+                             "--prompts grows to what the counts could use at --peak-tok-s")
+    parser.add_argument("--peak-tok-s", type=float, default=250.0,
+                        help="with --distinct: the fastest generated tok/s any server may reach (sizes the prompts)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/kvq-serve-bench"),
                         help="builds and server logs (the og build is reused from here)")
     parser.add_argument("--llama-server", type=Path, default=None, help="llama-server binary (default: kvq's cache)")
@@ -95,7 +102,8 @@ def server_specs(args: argparse.Namespace) -> list:
         specs.append(og_spec(int4_int8_cache_build(args.model, args.work_dir / "og")))
     if "llama" in args.servers:
         binary = args.llama_server or llama_server_binary()
-        specs.append(llama_spec(binary, smollm2_gguf(), slots=max(args.clients), threads=args.llama_threads))
+        specs.append(llama_spec(binary, smollm2_gguf(), slots=max(args.clients), threads=args.llama_threads,
+                                cache_prompt=args.distinct))
     return specs
 
 
@@ -117,9 +125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         config = LoadConfig(clients=args.clients, duration=args.duration, max_requests=args.max_requests,
-                            max_tokens=args.max_tokens, request_timeout=args.request_timeout, hostile=args.hostile)
+                            max_tokens=args.max_tokens, request_timeout=args.request_timeout, hostile=args.hostile,
+                            distinct=args.distinct)
         tokenizer = AutoTokenizer.from_pretrained(model_hf_dir(args.model), local_files_only=True)
-        prompts = corpus_prompts(tokenizer, args.prompts, args.prompt_tokens)
+        count = max(args.prompts, config.prompts_needed(args.peak_tok_s)) if args.distinct else args.prompts
+        prompts = corpus_prompts(tokenizer, count, args.prompt_tokens)
         specs = server_specs(args)
     except KVQError as err:
         print(f"error: {err}", file=sys.stderr)
