@@ -8,13 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tiny_models import tiny_model
+from tiny_models import tiny_model, tiny_tokenizer
 from tool_harness import run_tool, tool
 
 from kvq_export.bench import plot, report_table, run_bench, synthetic_cache
 from kvq_export.bench_config import BenchConfig
 from kvq_export.errors import KVQError
-from kvq_export.request import CalibrationSpec
+from kvq_export.request import CalibrationSpec, WeightSpec
 
 
 def _char_tokenizer():
@@ -552,3 +552,23 @@ def test_peer_compare_cli_maps_its_options_onto_the_library_settings():
     with pytest.raises(SystemExit) as stopped:
         cli.main(["--peers", "kvq,bogus"])
     assert stopped.value.code == 2
+
+
+def test_step_bench_tool_times_prefill_and_decode_of_exports_side_by_side(tmp_path, caplog):
+    """tools/step_bench.py: a prefill rate per runner and a decode step per batch (values not asserted)."""
+    import logging
+
+    from kvq_export.export.exporter import export_model
+
+    tokenizer = tiny_tokenizer()
+    dirs = [export_model(tiny_model("llama"), "fp16", tmp_path / name, flavor="ort-gqa", tokenizer=tokenizer,
+                         weights=WeightSpec(format=fmt)) for name, fmt in (("a", "fp32"), ("b", "fp16"))]
+    out = tmp_path / "steps.json"
+    caplog.set_level(logging.INFO, logger="step_bench")
+    assert run_tool("step_bench", f"a={dirs[0]}", f"b={dirs[1]}", "--tokens", "12", "--rounds", "2", "--warmup", "0",
+                    "--genai", "--decode-batches", "1,3", "--json", out) == 0
+    data = json.loads(out.read_text())
+    assert set(data["prefill_tok_s"]) == {"kvq a", "kvq b", "og a", "og b"} and min(data["prefill_tok_s"].values()) > 0
+    assert set(data["decode_ms"]) == {"1", "3"} and set(data["decode_ms"]["3"]) == {"kvq a", "kvq b"}
+    assert "1.00x kvq a" in caplog.text and data["cpu"] in caplog.text
+    assert run_tool("step_bench", f"x={tmp_path / 'missing'}") == 1

@@ -1,4 +1,4 @@
-"""w8a8 weights: int8 per channel, int8 activations per row on QGEMM; their smoothing, the GEMM forms and their table."""
+"""w8a8 weights (int8 per channel, int8 activations per row, QGEMM), their smoothing, the GEMM forms, the table."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Weight storage formats of an export: fp32 as built, fp16, or block-quantized int8 / int4.
+"""Weight storage formats of an export: fp32 as built, fp16, block-quantized int8 / int4, or w8a8.
 
 :func:`quantize_weights` rewrites a built decoder graph after :func:`~kvq_export.export.decoder.build_decoder`
 and before :func:`~kvq_export.graph.builder.save`::
@@ -15,8 +15,13 @@ format, recorded under the graph metadata key :data:`WEIGHTS_KEY`; the cache and
 * ``fp16``: every 2-D weight of an fp32 graph stored as float16, with a ``Cast`` back to float32 in the graph;
 * ``int8`` / ``int4``: the weight MatMuls become ``com.microsoft.MatMulNBits`` through ONNX Runtime's own
   quantizer (blocks of ``block_size`` along the input dimension, zero points when not ``symmetric``), the
-  embedding ``com.microsoft.GatherBlockQuantized``, and a tied lm_head reads that same quantized table. These are
-  ONNX Runtime contrib ops: a graph for another runtime (the ``trt`` flavour) can take ``fp16`` only.
+  embedding ``com.microsoft.GatherBlockQuantized``, and a tied lm_head reads that same quantized table;
+* ``w8a8``: every weight MatMul becomes one ``kvq.QGemmRows`` (int8 codes per output channel, each row of
+  activations quantized to int8 at run time, on ONNX Runtime's QGEMM kernels: :mod:`kvq_export.graph.qgemm`); the
+  embedding and a tied head are int8 blocks, as ``int8`` stores them.
+
+The int formats are ONNX Runtime contrib ops: a graph for another runtime (the ``trt`` flavour) can take ``fp16``
+only.
 
 An option kvq does not support, or a graph with no weight to convert, is refused with an
 :class:`~kvq_export.errors.ExportError`. The block arithmetic is :mod:`kvq_export.weight_blocks`;
@@ -357,11 +362,11 @@ def _quantize_channels(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[st
     embeddings, weights = _find_embeddings(g), g.weight_matmuls()
     if not weights and not embeddings:
         raise ExportError("found no weight MatMul or embedding Gather to quantize (is this a kvq decoder graph?)")
-    halves = [n.input[1] for n in weights if g.inits[n.input[1]].data_type != onnx.TensorProto.FLOAT]
-    halves += [e.name for e in embeddings if g.inits[e.name].data_type != onnx.TensorProto.FLOAT]
-    if halves:
-        raise ExportError(f"w8a8 weights need a float32-compute graph ({halves[0]} is not float32): ONNX Runtime's "
-                          "MatMulIntegerToFloat computes float32 on CPU; export with --dtype fp32")
+    not_float = [n.input[1] for n in weights if g.inits[n.input[1]].data_type != onnx.TensorProto.FLOAT]
+    not_float += [e.name for e in embeddings if g.inits[e.name].data_type != onnx.TensorProto.FLOAT]
+    if not_float:
+        raise ExportError(f"w8a8 weights need a float32-compute graph ({not_float[0]} is not float32): ONNX "
+                          "Runtime's MatMulIntegerToFloat computes float32 on CPU; export with --dtype fp32")
     add_qgemm_rows_function(proto)
     _name_nodes(proto.graph.node, "MatMul")
     # the embedding and a tied head stay int8 blocks: a head's row scale would follow the final norm's outliers,
@@ -374,8 +379,8 @@ def _quantize_channels(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[st
         g.replace_node(node, [qgemm_rows_node(node.input[0], stored, g.add_initializer(scales, f"{stored}_scales"),
                                               node.output[0], hidden=weight.shape[0], name=f"{node.name}_w8a8")])
         g.drop_initializer(node.input[1])
-    logger.info("quantized %d MatMuls to w8a8 QGemmRows (int8 per output channel, int8 per-token activations)",
-                len(weights) + heads)
+    logger.info("quantized %d MatMuls to w8a8 QGemmRows (int8 per output channel, int8 per-token activations); "
+                "%d embedding(s) and %d tied head(s) as int8 blocks", len(weights), len(embeddings), heads)
     return proto, {"format": str(WeightFormat.W8A8)}
 
 

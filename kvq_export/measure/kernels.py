@@ -11,7 +11,7 @@ Beside the speed, per form and shape: the largest error relative to float32 on t
 ``N(0, 0.02)``, activations ``N(0, 1)`` with a few channels 20x larger, as LLM activations have), and whether a
 row computes alone: row 0 of a call of ``M`` rows, its other rows scaled up 100x, must equal row 0 run alone bit
 for bit. :func:`~kvq_export.graph.gemm_forms.fastest_forms` then names the fastest form per ``M`` among those
-that pass both.
+that compute rows alone and err no more than the int4 form kvq ships.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from kvq_export.measure.timing import interleaved
 logger = logging.getLogger(__name__)
 
 DEFAULT_ROWS = (1, 32, 160, 512)
-#: the forms' error bound for being chosen: an int8 path stays within a few percent of float32 here
-CHOSEN_MAX_ERROR = 0.05
+#: the error bound for being chosen when the table has no int4 form to compare with
+CHOSEN_MAX_ERROR = 0.1
 
 
 @dataclass(frozen=True)
@@ -91,12 +91,17 @@ class KernelTable:
         flops = sum(2 * rows * shapes[c.shape].k * shapes[c.shape].n for c in cells)
         return flops / sum(c.median_s for c in cells) / 1e9
 
-    def chosen(self) -> dict[int, str]:
-        """Per row count, the fastest form (over a layer) that computes rows alone within the error bound."""
+    def chosen(self, base: str = "nbits4") -> dict[int, str]:
+        """Per row count, the fastest form (over a layer) that computes rows alone and errs no more than ``base``.
+
+        ``base`` is the form kvq's int4 exports run (or, when the table has no such form, an error of at most
+        :data:`CHOSEN_MAX_ERROR`).
+        """
         from kvq_export.graph.gemm_forms import fastest_forms
 
         per_layer = {f: {m: g for m in self.rows if (g := self.layer_gflops(f, m))} for f in self.max_error}
-        return fastest_forms(per_layer, self.rows_alone, self.max_error, max_error=CHOSEN_MAX_ERROR)
+        bound = self.max_error.get(base, CHOSEN_MAX_ERROR)
+        return fastest_forms(per_layer, self.rows_alone, self.max_error, max_error=bound)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
