@@ -188,3 +188,16 @@ def test_w8a8_refuses_what_it_cannot_be_in_one_line(tmp_path):
     refused = kvq("export", "--model", tmp_path / "m", "--scheme", "fp16", "--out", tmp_path / "z", "--weights",
                   "w8a8", "--weight-block-size", "64")
     assert refused.returncode != 0 and "apply to int8/int4 weights only" in refused.stderr
+
+
+def test_calibration_on_w8a8_weights_smooths_first_and_records_them():
+    from kvq_export.calibration import calibrate_static_scales
+
+    rng = np.random.default_rng(4)
+    windows = [list(rng.integers(0, VOCAB, 32)) for _ in range(2)]
+    model = loud_model("llama")
+    static = calibrate_static_scales(model, PRESETS["ort-int8"][0], windows, weights=WeightSpec(format="w8a8"))
+    assert static.weights == {"format": "w8a8"} and smoothing_record(model) is None  # the caller's model untouched
+    with pytest.raises(Exception, match=r"measured on w8a8 weights \(int8 per output channel\), but the export runs "
+                                        r"the model's own weights"):
+        static.check_weights(None)

@@ -211,8 +211,9 @@ class Calibration(Mapping[int, Mapping[str, Mapping[str, np.ndarray]]]):
         """The weights the model ran on while this was measured.
 
         None: the model's own weights, as loaded (every calibration file without a record is one); else
-        ``{"format": "int4"|"int8", "block_size": n, "symmetric": bool}``: the model with its weights replaced by what
-        an export storing them so computes with (:func:`kvq_export.calibration.weights.dequantized_model`).
+        ``{"format": "int4"|"int8", "block_size": n, "symmetric": bool}`` or ``{"format": "w8a8"}``: the model with
+        its weights replaced by what an export storing them so computes with
+        (:func:`kvq_export.calibration.weights.dequantized_model`; w8a8: smoothed first).
         """
         return None if self._weights is None else MappingProxyType(self._weights)
 
