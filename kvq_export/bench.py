@@ -33,7 +33,8 @@ from kvq_export._atomic import atomic_write
 from kvq_export.bench_config import BenchConfig
 from kvq_export.corpus import load_corpus, token_windows
 from kvq_export.errors import DependencyError
-from kvq_export.export.exporter import ensure_export
+from kvq_export.export.exporter import ensure_export, weights_key
+from kvq_export.measure.cpu import cpu_name
 from kvq_export.measure.runners import KvqRunner
 from kvq_export.measure.scoring import perplexity
 from kvq_export.measure.synthetic import synthetic_cache
@@ -42,7 +43,7 @@ from kvq_export.memory import check_fits, check_positions, predict, resident_byt
 from kvq_export.model_source import cache_dir, load_config, load_model, model_facts
 from kvq_export.presets import resolve_scheme
 from kvq_export.progress import task
-from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec, ExportRequest
+from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec, ExportRequest, WeightSpec
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class BenchReport:
 # -- exports ------------------------------------------------------------------------------------------------
 def bench_export(
     model: Any, tokenizer: Any, scheme: Any, flavor: str, root: Path, *, tag: str, dtype: str = "fp32",
-    calibration: CalibrationSpec = DEFAULT_CALIBRATION, spec: str | None = None,
+    calibration: CalibrationSpec = DEFAULT_CALIBRATION, spec: str | None = None, weights: WeightSpec | None = None,
 ) -> Path:
     """Export ``scheme`` with ``flavor`` under ``root``; reuse an earlier one made with the same parameters.
 
@@ -118,8 +119,11 @@ def bench_export(
     "Same" is :func:`kvq_export.export.exporter.ensure_export`'s rule: the same request built by the same
     kvq source (its digest, not just its version), so a code change re-exports.
     """
-    request = ExportRequest(model=spec, scheme=scheme, flavor=flavor, dtype=dtype, calibration=calibration)
-    directory = root / f"{tag}-{flavor}-{(request.scheme.name or 'custom').replace('/', '_')}-{dtype}"
+    weights = weights or WeightSpec()
+    request = ExportRequest(model=spec, scheme=scheme, flavor=flavor, dtype=dtype, calibration=calibration,
+                            weights=weights)
+    stored = "" if weights == WeightSpec() else f"-{weights_key(weights)}"
+    directory = root / f"{tag}-{flavor}-{(request.scheme.name or 'custom').replace('/', '_')}-{dtype}{stored}"
     start = time.perf_counter()
     out = ensure_export(request, directory, model=model, tokenizer=tokenizer)
     logger.info("export %s ready in %.1f s", directory, time.perf_counter() - start)
@@ -202,7 +206,7 @@ def _export_all(config: BenchConfig, schemes: dict[str, Any], hf_model: Any,
             for name, scheme in schemes.items():
                 exports[flavor][name] = bench_export(hf_model, tokenizer, scheme, flavor, root, tag=tag,
                                                      dtype=config.dtype, calibration=config.calibration,
-                                                     spec=config.model)
+                                                     spec=config.model, weights=config.weights)
                 advance()
     return exports
 
@@ -218,8 +222,9 @@ class _Run:
         settings = {"flavors": list(config.flavors), "schemes": list(schemes), "contexts": list(config.contexts),
                     "batches": list(config.batches), "steps": config.steps, "warmup": config.warmup,
                     "prefill_tokens": config.prefill_tokens, "prefill_repeats": config.prefill_repeats,
-                    "threads": config.threads, "dtype": config.dtype, "cpu_count": os.cpu_count(),
-                    "calibration": config.calibration.to_dict(), "load_average_start": list(os.getloadavg())}
+                    "threads": config.threads, "dtype": config.dtype, "cpu_count": os.cpu_count(), "cpu": cpu_name(),
+                    "calibration": config.calibration.to_dict(), "weights": config.weights.to_dict(),
+                    "load_average_start": list(os.getloadavg())}
         self.report = BenchReport(model=config.model, baseline=self.base_name, fill=config.fill, settings=settings)
 
     def save(self) -> None:

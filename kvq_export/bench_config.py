@@ -16,7 +16,7 @@ from kvq_export.dtypes import COMPUTE_DTYPES
 from kvq_export.errors import KVQError
 from kvq_export.flavors import flavor_names, get_flavor
 from kvq_export.model_facts import known_fields
-from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec, _int
+from kvq_export.request import DEFAULT_CALIBRATION, CalibrationSpec, WeightSpec, _int
 
 DEFAULT_CONTEXTS = (512, 2048, 8192)
 DEFAULT_BATCHES = (1, 4)
@@ -43,6 +43,7 @@ class BenchConfig:
         dtype: compute dtype of the exports.
         work_dir: where exports are kept (default ``$KVQ_CACHE_DIR/bench``).
         calibration: how static-scale schemes are calibrated (see ``kvq export``).
+        weights: how every export stores its weights (``kvq export --weights``; the baseline's too).
         ppl_windows: when > 0, also a strict-decode perplexity per export on this many windows of the
             calibration corpus (from token :data:`PPL_OFFSET` on, the text ``kvq validate`` scores).
         ppl_tokens: tokens per perplexity window.
@@ -68,6 +69,7 @@ class BenchConfig:
     dtype: str = "fp32"
     work_dir: str | None = None
     calibration: CalibrationSpec = DEFAULT_CALIBRATION
+    weights: WeightSpec = WeightSpec()
     ppl_windows: int = 0
     ppl_tokens: int = 512
     seed: int = 0
@@ -100,6 +102,10 @@ class BenchConfig:
             put("calibration", CalibrationSpec.from_dict(self.calibration))
         if not isinstance(self.calibration, CalibrationSpec):
             raise KVQError(f"invalid calibration={self.calibration!r}: allowed: a CalibrationSpec")
+        if isinstance(self.weights, Mapping):
+            put("weights", WeightSpec.from_dict(self.weights))
+        if not isinstance(self.weights, WeightSpec):
+            raise KVQError(f"invalid weights={self.weights!r}: allowed: a WeightSpec")
         if self.fill not in FILLS:
             raise KVQError(f"invalid fill={self.fill!r}: allowed: {', '.join(FILLS)}")
         if self.providers is not None:
@@ -110,10 +116,10 @@ class BenchConfig:
             raise KVQError(f"context {too_short[0]} is shorter than warmup + steps + 1 = {least}")
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON form (sequences as lists, the calibration as its own JSON form)."""
+        """JSON form (sequences as lists, the calibration and the weights as their own JSON forms)."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data.update({name: list(data[name]) for name in ("schemes", "flavors", "contexts", "batches")})
-        data["calibration"] = self.calibration.to_dict()
+        data["calibration"], data["weights"] = self.calibration.to_dict(), self.weights.to_dict()
         data["providers"] = None if self.providers is None else list(self.providers)
         return data
 

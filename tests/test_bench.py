@@ -119,6 +119,7 @@ def test_bad_settings_are_refused(model_dir):
     ("dtype", "bf16", "invalid dtype='bf16': allowed: fp32, fp16"),
     ("fill", "disk", "invalid fill='disk': allowed: synthetic, prefill"),
     ("calibration", "britannica", "invalid calibration='britannica': allowed: a CalibrationSpec"),
+    ("weights", "int4", "invalid weights='int4': allowed: a WeightSpec"),
     ("schemes", ("int8", ""), "invalid schemes entry '': allowed: a non-empty string"),
 ])
 def test_bench_config_names_the_bad_field(field, value, message):
@@ -129,9 +130,10 @@ def test_bench_config_names_the_bad_field(field, value, message):
 def test_bench_config_round_trips_its_json_form(tmp_path):
     config = BenchConfig(tmp_path / "model", ["ort-int8", "kivi-4"], flavors=["reference"], contexts=[64],
                          batches=[1, 2], calibration={"tokens": 128}, json_out=tmp_path / "b.json",
-                         providers=["CPUExecutionProvider"])
+                         providers=["CPUExecutionProvider"], weights={"format": "w8a8"})
     assert config.model == str(tmp_path / "model") and config.contexts == (64,)
     assert config.calibration == CalibrationSpec(tokens=128) and config.providers == ("CPUExecutionProvider",)
+    assert config.weights == WeightSpec(format="w8a8")
     data = json.loads(json.dumps(config.to_dict()))
     assert data["schemes"] == ["ort-int8", "kivi-4"] and data["calibration"]["tokens"] == 128
     assert BenchConfig.from_dict(data) == config
@@ -151,12 +153,13 @@ def test_cli_passes_every_setting_through(model_dir, tmp_path):
             "--batch", "1", "--baseline", "fp16", "--steps", "2", "--warmup", "1", "--prefill-tokens", "4",
             "--fill", "prefill", "--calib-tokens", "128", "--calib-method", "percentile", "--percentile", "99",
             "--ppl-windows", "1", "--ppl-tokens", "10", "--work-dir", str(tmp_path / "work"), "--json", str(out),
-            "--plot", str(tmp_path / "bench.png")]
+            "--plot", str(tmp_path / "bench.png"), "--weights", "int8"]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     s = data["settings"]
     assert data["fill"] == "prefill" and s["warmup"] == 1 and s["steps"] == 2 and s["prefill_tokens"] == 4
+    assert s["weights"]["format"] == "int8" and s["cpu"]
     assert s["calibration"] == {"corpus": "britannica", "tokens": 128, "offset": 60000, "method": "percentile",
                                 "percentile": 99.0}
     assert all(d.startswith(str(tmp_path / "work")) for d in s["exports"]["ort-gqa"].values())

@@ -16,6 +16,7 @@ from kvq_export.cli._base import (
     int_list,
     json_option,
     make_console,
+    weight_options,
     write_json_output,
 )
 from kvq_export.cli_types import outside_exports
@@ -57,6 +58,7 @@ def _flavor_list(ctx: click.Context, param: click.Parameter, value: str) -> list
               help="Also report strict-decode perplexity on this many windows of the calibration corpus.")
 @click.option("--ppl-tokens", type=click.IntRange(2), default=512, show_default=True, help="Tokens per window.")
 @calibration_options()
+@weight_options()
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None, callback=outside_exports,
               help="Where the exports are kept and reused (default: the kvq cache directory).")
 @json_option("every result (a file is rewritten after each one)")
@@ -65,7 +67,8 @@ def _flavor_list(ctx: click.Context, param: click.Parameter, value: str) -> list
               help="PNG of decode latency and cache bytes against context length.")
 @click.option("--quiet", is_flag=True, help="No progress bars (they are also left out when stderr is not a terminal).")
 def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warmup, prefill_tokens, fill, dtype,
-          threads, ppl_windows, ppl_tokens, calibration, work_dir, json_out, providers, plot_out, quiet) -> None:
+          threads, ppl_windows, ppl_tokens, calibration, weights, work_dir, json_out, providers, plot_out,
+          quiet) -> None:
     """Decode latency, prefill throughput, cache bytes and RSS per scheme, as ratios to the baseline."""
     from rich.console import Console
 
@@ -74,7 +77,7 @@ def bench(model_spec, schemes, flavors, contexts, batches, baseline, steps, warm
         model_spec, [s for s in schemes.split(",") if s], flavors=flavors, contexts=int_list(contexts),
         batches=int_list(batches), baseline=baseline, steps=steps, warmup=warmup, prefill_tokens=prefill_tokens,
         fill=fill, dtype=dtype, threads=threads, ppl_windows=ppl_windows, ppl_tokens=ppl_tokens,
-        calibration=calibration, work_dir=work_dir, json_out=None if json_out == STDOUT else json_out,
+        calibration=calibration, weights=weights, work_dir=work_dir, json_out=None if json_out == STDOUT else json_out,
         providers=providers)
     progress = Console(stderr=True, highlight=False, soft_wrap=True)
 

@@ -132,11 +132,11 @@ def cached_export_dir(request: ExportRequest, root: str | os.PathLike[str]) -> P
               f"plan-{request.plan.budget:g}b"]
     parts += [str(request.flavor)] if request.flavor is not FlavorName.REFERENCE else []
     parts += [str(request.dtype)] if str(request.dtype) != "fp32" else []
-    parts += [_weights_key(request.weights)] if request.weights != WeightSpec() else []
+    parts += [weights_key(request.weights)] if request.weights != WeightSpec() else []
     return Path(root) / "-".join(parts)
 
 
-def _weights_key(weights: WeightSpec) -> str:
+def weights_key(weights: WeightSpec) -> str:
     """``w<format>`` plus each setting that differs from the default: ``wint4-b64-asym-acc1``."""
     default = WeightSpec()
     parts = [f"w{weights.format}"]
