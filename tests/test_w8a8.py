@@ -201,3 +201,17 @@ def test_calibration_on_w8a8_weights_smooths_first_and_records_them():
     with pytest.raises(Exception, match=r"measured on w8a8 weights \(int8 per output channel\), but the export runs "
                                         r"the model's own weights"):
         static.check_weights(None)
+
+
+def test_bench_kernels_cli_prints_the_table_and_writes_json(tmp_path):
+    model = save_tiny_model_dir(tmp_path / "m")
+    out = tmp_path / "k.json"
+    result = kvq("bench-kernels", "--model", model, "--rounds", "2", "--rows", "1,4", "--forms",
+                 "nbits4,qgemm-rows,dynamic-quantize", "--json", out)
+    assert result.returncode == 0 and "rows alone: nbits4 yes, qgemm-rows yes, dynamic-quantize NO" in result.stdout
+    data = json.loads(out.read_text())
+    assert {c["shape"] for c in data["cells"]} == {"qkv", "o", "gate_up", "down", "head"} and data["peaks"]["how"]
+    bad = kvq("bench-kernels", "--model", model, "--forms", "nbits4,x")
+    assert bad.returncode == 2 and "unknown GEMM form 'x'; allowed: fp32" in bad.stderr
+    bad = kvq("bench-kernels", "--model", model, "--forms", "qgemm-rows")
+    assert bad.returncode == 2 and "'nbits4' is not among --forms (qgemm-rows)" in bad.stderr

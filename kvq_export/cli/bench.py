@@ -179,6 +179,7 @@ def bench_kernels(model_spec, forms, rows, base, rounds, threads, json_out) -> N
     """
     from rich.table import Table
 
+    from kvq_export.graph.gemm_forms import GEMM_FORMS
     from kvq_export.measure.kernels import kernel_rows, model_shapes, run_kernel_table
     from kvq_export.model_source import load_config
 
@@ -196,6 +197,9 @@ def bench_kernels(model_spec, forms, rows, base, rounds, threads, json_out) -> N
     for line in kernel_rows(table, base):
         view.add_row(*line)
     console.print(view)
+    for name in forms:
+        form = GEMM_FORMS[name]
+        console.print(f"{name}: {form.summary}{'' if form.rows_alone else ' (rows depend on the call, by design)'}")
     console.print(f"peaks: fp32 {table.peaks['fp32'] or 0:.0f} GFLOP/s, int8 {table.peaks['int8'] or 0:.0f} GOP/s "
                   f"({table.peaks['how']})")
     console.print("max error vs fp32: " + ", ".join(f"{f} {e:.3f}" for f, e in table.max_error.items()))

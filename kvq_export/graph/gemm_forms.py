@@ -2,8 +2,9 @@
 
 A form is one way to compute ``y = x @ W`` for a ``[K, N]`` weight: its ops, how it stores ``W``, and whether a
 row's result depends on the other rows of the call (``rows_alone``). :func:`single_linear` builds a form as a
-one-linear graph through the same node makers the export uses, so ``kvq bench-kernels`` times exactly what an
-export runs. :data:`FORM_OF_WEIGHTS` is the one place that says which form each ``--weights`` format writes;
+one-linear graph with the ops, attributes and quantizer the export writes (w8a8: its very node maker; MatMulNBits:
+the block quantizer ONNX Runtime's ``MatMulNBitsQuantizer`` calls), so ``kvq bench-kernels`` times what an export
+runs. :data:`FORM_OF_WEIGHTS` is the one place that says which form each ``--weights`` format writes;
 :func:`fastest_forms` reads a measured kernel table and names, per row count, the fastest form that keeps rows
 alone and stays within an error bound -- the evidence that mapping answers to (docs/design/weights.md).
 """
@@ -31,9 +32,9 @@ _OPSET = DEFAULT_OPSET  # what an export is written in
 class GemmForm:
     """One way to run a linear: ``nodes(weight, add)`` returns its nodes from ``x`` to ``y``.
 
-    ``add(array, name)`` stores an initializer and returns its name. ``rows_alone``: the form computes each row
-    from that row only (a batched request computes what it computes alone) -- by construction; the kernel table
-    checks it bit for bit.
+    ``add(array, name)`` stores an initializer and returns its name. ``rows_alone``: by its design, the form
+    computes each row from that row only (a batched request computes what it computes alone); the kernel table
+    checks it bit for bit on the machine at hand, and only that check chooses.
     """
 
     name: str
@@ -71,8 +72,8 @@ GEMM_FORMS: dict[str, GemmForm] = {form.name: form for form in (
     GemmForm("fp32", "MatMul, float32 weights", True, _fp32),
     GemmForm("nbits4", "MatMulNBits 4-bit, blocks of 32, accuracy_level 4 (int8 activations per block)", True,
              _nbits(4, 4)),
-    GemmForm("nbits4-fp32", "MatMulNBits 4-bit, blocks of 32, accuracy_level 1 (float32 activations)", True,
-             _nbits(4, 1)),
+    GemmForm("nbits4-fp32", "MatMulNBits 4-bit, blocks of 32, accuracy_level 1 (float32 activations)", False,
+             _nbits(4, 1)),  # one row and several take different float kernels
     GemmForm("nbits8", "MatMulNBits 8-bit, blocks of 32, accuracy_level 4", True, _nbits(8, 4)),
     GemmForm("dynamic-quantize", "DynamicQuantizeMatMul: int8 per channel, ONE activation scale per call", False,
              _dynamic_quantize),

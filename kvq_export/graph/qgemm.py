@@ -9,10 +9,10 @@ it loads the graph::
 
 ``MatMulIntegerToFloat`` runs on MLAS's u8 x s8 QGEMM (AVX512-VNNI, AVX-VNNI, or AMX where the CPU has it, chosen
 at run time) and scales each int32 sum by its row's and its column's scale as it writes it (a row scale of shape
-``[..., 1]`` broadcasts over the columns, exactly). Integer sums are exact in any
-order, so a row's result depends on that row alone: a batched request computes what it computes alone, whatever
-else shares the call. ONNX Runtime's own ``DynamicQuantizeMatMul`` would share one activation scale over the whole
-input, so one row's outlier would round every other row: the reason for the per-row form.
+``[..., 1]`` broadcasts over the columns, exactly). Integer sums are exact in any order, so a row's result
+depends on that row alone: a batched request computes what it computes alone, whatever else shares the call.
+ONNX Runtime's own ``DynamicQuantizeMatMul`` would share one activation scale over the whole input, so one row's
+outlier would round every other row: the reason for the per-row form.
 
 The embedding (and a tied head reading it) stays int8 blocks of 32 (``GatherBlockQuantized`` / ``MatMulNBits``
 8-bit): a head's row scale would follow the final norm's outlier channels, which smoothing
@@ -46,8 +46,8 @@ def _constant(name: str, value: np.ndarray) -> onnx.NodeProto:
 def qgemm_rows_function(opset: int) -> onnx.FunctionProto:
     """The ``kvq.QGemmRows`` function proto (attribute ``hidden``: the rows' length, the input dimension K)."""
     quantize = helper.make_node("QuantizeLinear", ["x", "row_scale", "row_zero"], ["x_q"], axis=-1)
-    quantize.attribute.append(helper.make_attribute_ref("block_size", onnx.AttributeProto.INT))
-    quantize.attribute[-1].name, quantize.attribute[-1].ref_attr_name = "block_size", "hidden"
+    quantize.attribute.append(onnx.AttributeProto(name="block_size", ref_attr_name="hidden",
+                                                  type=onnx.AttributeProto.INT))  # a block is the whole row
     nodes = [
         _constant("last_axis", np.array([-1], np.int64)),
         _constant("tiny", _TINY),
