@@ -159,7 +159,7 @@ def test_a_distinct_load_sends_each_prompt_once_then_asks_the_used_ones_alone():
     # the pool ran out: every prompt went out once under load, then once alone, and nothing else was sent
     assert loaded == len(prompts) == result.solo_answers and len(served) == 2 * len(prompts)
     assert served[loaded:] == ["alone"] * len(prompts)
-    assert sum(p.compared for p in result.points) == loaded
+    assert sum(p.compared for p in result.points) == loaded and result.points[-1].to_dict()["out_of_prompts"]
     assert result.points[1].differ == served[:loaded].count("busy") - result.points[0].differ
     assert config.prompts_needed(100.0) == 2 * (math.ceil(0.5 * 100 / 2) + 4)
     assert LoadConfig(clients=(32,), max_requests=50, distinct=True).prompts_needed(1e6) == 50

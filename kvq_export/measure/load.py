@@ -137,6 +137,7 @@ class PointResult:
     error_samples: dict[str, int] = field(default_factory=dict)
     hostile: HostileResult | None = None
     gauge_max: float | None = None
+    out_of_prompts: bool = False  # a distinct-prompt point that used up its fresh prompts before its duration
 
     @property
     def tokens_per_s(self) -> float:
@@ -328,7 +329,7 @@ async def run_point(client, endpoint: Endpoint, prompts: list[str], clients: int
 
 def _summarized(loaded: _Loaded, solo: list[Answer]) -> PointResult:
     point = summarize_point(loaded.clients, loaded.wall, loaded.answers, solo)
-    point.hostile, point.gauge_max = loaded.hostile, loaded.gauge_max
+    point.hostile, point.gauge_max, point.out_of_prompts = loaded.hostile, loaded.gauge_max, loaded.out_of_prompts
     logger.info("%d client(s): %d requests, %d errors, %.1f tok/s, %d of %d answers differ from solo",
                 loaded.clients, point.requests, point.errors, point.tokens_per_s, point.differ, point.compared)
     if loaded.out_of_prompts:
