@@ -118,7 +118,7 @@ def _test_input(rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
     return x
 
 
-def _check(form_name: str, session, weight: np.ndarray, rows: int, rng) -> tuple[float, bool]:
+def _check(session, weight: np.ndarray, rows: int, rng) -> tuple[float, bool]:
     """(largest error relative to float32, whether row 0 computes alone) of one form's session."""
     x = _test_input(max(rows, 2), weight.shape[0], rng)
     want = x.astype(np.float64) @ weight.astype(np.float64)
@@ -151,7 +151,7 @@ def run_kernel_table(shapes: Sequence[LinearShape], forms: Sequence[str], rows: 
                                                session_options(threads),
                                                providers=["CPUExecutionProvider"]) for name in forms}
         for name, session in sessions.items():
-            error, alone = _check(name, session, weight, max(rows), rng)
+            error, alone = _check(session, weight, max(rows), rng)
             table.max_error[name] = max(table.max_error.get(name, 0.0), error)
             table.rows_alone[name] = table.rows_alone.get(name, True) and alone
         for m in rows:
