@@ -73,6 +73,7 @@ def test_w8a8_export_runs_close_to_fp32_and_weighs_what_was_predicted(exports, f
         n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1].endswith(".weight")]
     held = weight_bytes(out)
     assert held.format == "w8a8" and held.settings["smoothing"]["alpha"] in (0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+    assert held.settings["smoothing"]["offset"] == 0 and held.settings["smoothing"]["tokens"] == 256
     model = tiny_model(arch)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     predicted = predict_weights(shapes, WeightSpec(format="w8a8"), embedding="model.embed_tokens.weight")

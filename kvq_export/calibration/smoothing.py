@@ -152,10 +152,12 @@ def _mean_kl(reference: Sequence[Any], got: Sequence[Any]) -> float:
     return total / sum(ref.shape[0] for ref in reference)
 
 
-def smoothed_model(model: Any, windows: Sequence[Sequence[int]], alphas: Sequence[float] = ALPHAS) -> Any:
+def smoothed_model(model: Any, windows: Sequence[Sequence[int]], alphas: Sequence[float] = ALPHAS, *,
+                   text: dict[str, Any] | None = None) -> Any:
     """A copy of ``model`` smoothed for w8a8 at the ``alpha`` whose emulated logits are closest (see the module).
 
-    The copy records what was done (:func:`smoothing_record`). ``windows``: calibration token ids.
+    The copy records what was done (:func:`smoothing_record`). ``windows``: calibration token ids; ``text``: where
+    they came from (corpus, offset), recorded beside.
     """
     if not windows:
         raise KVQError("smoothing w8a8 activations needs calibration text: give at least one window")
@@ -170,7 +172,7 @@ def smoothed_model(model: Any, windows: Sequence[Sequence[int]], alphas: Sequenc
     best = min(kl, key=lambda a: (kl[a], a))
     chosen = _smooth(model, groups, peaks, best)
     setattr(chosen, SMOOTHED, {"alpha": best, "logit_kl": {str(a): round(v, 6) for a, v in kl.items()},
-                               "tokens": sum(len(w) for w in windows)})
+                               "tokens": sum(len(w) for w in windows), **(text or {})})
     logger.info("w8a8 smoothing: alpha %s (emulated logit KL %s)", best,
                 ", ".join(f"{a}: {v:.4g}" for a, v in kl.items()))
     return chosen

@@ -117,7 +117,8 @@ def _smoothed(request: ExportRequest, source: Source) -> Source:
         raise ExportError("w8a8 weights smooth the activations on calibration text, which needs the model's tokenizer")
     spec = request.calibration or DEFAULT_CALIBRATION
     windows = calibration_windows(source.tokenizer, spec.corpus, spec.tokens, offset=spec.offset)
-    return Source(smoothed_model(source.model, windows), source.tokenizer, source.spec)
+    smoothed = smoothed_model(source.model, windows, text={"corpus": spec.corpus, "offset": spec.offset})
+    return Source(smoothed, source.tokenizer, source.spec)
 
 
 def read_facts(source: Source) -> tuple[Arch, ModelFacts]:
