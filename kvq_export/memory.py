@@ -18,6 +18,7 @@ from kvq_export.errors import KVQError, SchemeError
 from kvq_export.model_facts import CacheGeometry
 from kvq_export.region_split import split_lengths
 from kvq_export.scheme import KVQuantScheme, TensorQuant
+from kvq_export.weight_blocks import BITS, W8A8_TABLE_BITS, W8A8_TABLE_BLOCK
 
 BREAKDOWN_KEYS = ("payload", "scales", "zero_points", "high_precision", "padding")
 
@@ -115,7 +116,6 @@ def curve(
 
 # -- the weights beside the cache -------------------------------------------------------------------------------
 WEIGHT_BREAKDOWN_KEYS = ("quantized", "scales", "zero_points", "unquantized")
-_WEIGHT_BITS = {"int8": 8, "int4": 4}
 
 
 class WeightStorage(Protocol):
@@ -176,13 +176,14 @@ def predict_weights(shapes: Mapping[str, Sequence[int]], weights: WeightStorage,
             parts["unquantized"] += elements * item
         elif fmt == "fp16":
             parts["unquantized"] += elements * 2
-        elif fmt in _WEIGHT_BITS or (fmt == "w8a8" and name == embedding):
-            bits, (rows, cols) = _WEIGHT_BITS.get(fmt, 8), shape
-            block = weights.block_size
+        elif fmt in BITS or (fmt == "w8a8" and name == embedding):
+            table = fmt == "w8a8"  # the w8a8 embedding: symmetric int8 blocks
+            bits = W8A8_TABLE_BITS if table else BITS[fmt]
+            block, (rows, cols) = W8A8_TABLE_BLOCK if table else weights.block_size, shape
             blocks = -(-int(cols) // block)
             parts["quantized"] += rows * blocks * block * bits // 8
             parts["scales"] += rows * blocks * item
-            if not weights.symmetric:
+            if not table and not weights.symmetric:
                 per_byte = 8 // bits
                 parts["zero_points"] += rows * -(-blocks // per_byte)
         elif fmt == "w8a8":  # an int8 code per element, a float32 scale per output row

@@ -24,6 +24,8 @@ BLOCKED_FORMATS = tuple(str(f) for f in BITS)
 W8A8_MIN_OPSET = 21
 #: the largest w8a8 code: symmetric int8 without -128, so a code and its negation both exist
 CHANNEL_CODE_MAX = 127
+#: how w8a8 stores the embedding (and a tied head reading it): symmetric int8 blocks, as ``--weights int8`` does
+W8A8_TABLE_BITS, W8A8_TABLE_BLOCK = 8, 32
 #: block sizes MatMulNBits and GatherBlockQuantized take on CPU (a power of two, at least 16)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 #: MatMulNBits ``accuracy_level``: the activations' compute type

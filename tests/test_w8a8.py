@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -217,3 +218,30 @@ def test_bench_kernels_cli_prints_the_table_and_writes_json(tmp_path):
     assert bad.returncode == 2 and "unknown GEMM form 'x'; allowed: fp32" in bad.stderr
     bad = kvq("bench-kernels", "--model", model, "--forms", "qgemm-rows")
     assert bad.returncode == 2 and "'nbits4' is not among --forms (qgemm-rows)" in bad.stderr
+
+
+def test_the_dequantized_w8a8_model_run_emulated_computes_what_the_graph_computes(tmp_path):
+    """Calibration's model (weights per channel, the embedding int8 blocks) with rows rounded as the graph rounds them.
+
+    An untied head is a QGemmRows too, so the whole model is emulated: the logits agree to float rounding, while the
+    model's own weights are far off. (A tied head runs MatMulNBits' own run-time rounding, which no copy holds.)
+    """
+    import onnx_ir as ir
+
+    from kvq_export.calibration.weights import dequantized_model
+    from kvq_export.graph.builder import save
+    from kvq_export.graph.weights import quantize_weights
+    from kvq_export.manifest import Manifest, weight_checksums
+
+    model = loud_model("llama")
+    cache = PRESETS["fp16"][0]
+    out = export_model(model, cache, tmp_path / "x", flavor="ort-gqa")  # no smoothing: the graph's weights as built
+    save(quantize_weights(ir.load(out / MODEL_NAME), format="w8a8"), out / MODEL_NAME)
+    dataclasses.replace(Manifest.load(out), weights=weight_checksums(out)).save(out)
+    got = KVQSession(out).step(PROMPT)[0][0]
+    run = dequantized_model(model, WeightSpec("w8a8"))
+    with torch.no_grad():
+        own = model(torch.tensor(PROMPT)).logits[0].numpy()
+        with w8a8_emulated(run):
+            want = run(torch.tensor(PROMPT)).logits[0].numpy()
+    assert np.abs(got - want).max() < 1e-4 < 0.01 < np.abs(own - want).max()

@@ -11,7 +11,13 @@ import numpy as np
 from kvq_export.errors import ExportError
 from kvq_export.model_facts import ModelFacts
 from kvq_export.vocab import WeightFormat
-from kvq_export.weight_blocks import BITS, dequantized_blocks, dequantized_channels
+from kvq_export.weight_blocks import (
+    BITS,
+    W8A8_TABLE_BITS,
+    W8A8_TABLE_BLOCK,
+    dequantized_blocks,
+    dequantized_channels,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +28,9 @@ def dequantized_model(model: Any, spec: Any) -> Any:
     ``spec`` (a :class:`~kvq_export.request.WeightSpec`) of an int format: every weight :func:`quantize_weights`
     quantizes -- each layer's q/k/v/o and MLP projections, the embedding and an untied lm_head (a tied one shares
     the embedding, as in the graph) -- is replaced by :func:`dequantized_blocks` of it (w8a8:
-    :func:`dequantized_channels`, a scale per output row). Blocks run along each
-    weight's input dimension, per output row, so a fused projection's slices are quantized alike whole or apart.
+    :func:`dequantized_channels`, a scale per output row, but the embedding int8 blocks, as the graph stores it).
+    Blocks run along each weight's input dimension, per output row, so a fused projection's slices are quantized
+    alike whole or apart.
     Calibration and planning run this model, so the cache's static scales are measured on the keys and values the
     export computes (MatMulNBits' ``accuracy_level`` and w8a8 round activations at run time, which no weight copy
     holds).
@@ -55,7 +62,10 @@ def dequantized_model(model: Any, spec: Any) -> Any:
             except AttributeError:
                 raise ExportError(f"{facts.model_type}: weight {name!r} is not a parameter of the model") from None
             weight = param.detach().to(device="cpu", dtype=torch.float32).numpy()  # [out, in]
-            if spec.format == WeightFormat.W8A8:
+            if spec.format == WeightFormat.W8A8 and name == arch.embed_name():  # the table: int8 blocks
+                run = dequantized_blocks(weight.T, bits=W8A8_TABLE_BITS, block_size=W8A8_TABLE_BLOCK,
+                                         symmetric=True).T
+            elif spec.format == WeightFormat.W8A8:
                 run = dequantized_channels(weight.T).T
             else:
                 run = dequantized_blocks(weight.T, bits=BITS[spec.format], block_size=spec.block_size,

@@ -50,6 +50,8 @@ from kvq_export.vocab import WeightFormat
 from kvq_export.weight_blocks import (
     BITS,
     DEFAULT_ACCURACY_LEVEL,
+    W8A8_TABLE_BITS,
+    W8A8_TABLE_BLOCK,
     block_quantizer,
     channel_codes,
     check_weight_options,
@@ -371,7 +373,8 @@ def _quantize_channels(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[st
     _name_nodes(proto.graph.node, "MatMul")
     # the embedding and a tied head stay int8 blocks: a head's row scale would follow the final norm's outliers,
     # which no smoothing reaches through a table the embedding shares
-    heads = sum(_quantize_embedding(g, emb, 8, 32, True, DEFAULT_ACCURACY_LEVEL) for emb in embeddings)
+    heads = sum(_quantize_embedding(g, emb, W8A8_TABLE_BITS, W8A8_TABLE_BLOCK, True, DEFAULT_ACCURACY_LEVEL)
+                for emb in embeddings)
     for node in weights:
         weight = onnx.numpy_helper.to_array(g.inits[node.input[1]])
         codes, scales = channel_codes(weight)
