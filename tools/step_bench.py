@@ -46,11 +46,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def prompt_ids(directory: Path, tokens: int) -> list[int]:
     """``tokens`` corpus tokens from past protocol P's text, with the export's own tokenizer."""
     from kvq_export.corpus import load_corpus, token_windows
-    from kvq_export.runtime.session import KVQSession
+    from kvq_export.manifest import Manifest
+    from kvq_export.runtime.session import load_tokenizer
 
-    tokenizer = KVQSession(directory, verify_weights=False).tokenizer
-    if tokenizer is None:
-        raise KVQError(f"{directory} has no tokenizer to cut a corpus prompt with")
+    tokenizer = load_tokenizer(directory, Manifest.load(directory))  # the tokenizer alone, not a session
     return token_windows(tokenizer, load_corpus("britannica"), 1, tokens, offset=DEFAULT_OFFSET)[0]
 
 

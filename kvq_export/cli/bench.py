@@ -175,7 +175,8 @@ def bench_kernels(model_spec, forms, rows, base, rounds, threads, json_out) -> N
 
     Each cell: GFLOP/s, its ratio to --base, and its share of the fp32 / int8 peak. The last lines per form sum
     one layer (the head left out); "rows alone" says whether a row's result is independent of the other rows of
-    its call, checked bit for bit; "chosen" is the fastest form per row count that keeps rows alone.
+    its call, checked bit for bit; "chosen" is the fastest form per row count that keeps rows alone and errs no
+    more than int4.
     """
     from rich.table import Table
 
