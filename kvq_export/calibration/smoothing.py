@@ -70,8 +70,9 @@ def _groups(model: Any) -> list[tuple[str, list[str], list[str]]]:
     return groups
 
 
-def _input_peaks(model: Any, groups, windows: Sequence[Sequence[int]]) -> dict[str, Any]:
-    """Max |x_j| per input channel of each group's first linear, over ``windows``."""
+@contextmanager
+def _input_peaks(model: Any, groups) -> Iterator[dict[str, Any]]:
+    """Max |x_j| per input channel of each group's first linear, over the forward passes run inside."""
     import torch
 
     modules = {name: model.get_submodule(weights[0].removesuffix(".weight")) for name, weights, _ in groups}
@@ -85,13 +86,10 @@ def _input_peaks(model: Any, groups, windows: Sequence[Sequence[int]]) -> dict[s
 
     handles = [module.register_forward_pre_hook(hook(name)) for name, module in modules.items()]
     try:
-        with torch.no_grad():
-            for window in windows:
-                model(torch.tensor([list(window)]))
+        yield peaks
     finally:
         for handle in handles:
             handle.remove()
-    return peaks
 
 
 def _smooth(model: Any, groups, peaks, alpha: float) -> Any:
@@ -162,8 +160,8 @@ def smoothed_model(model: Any, windows: Sequence[Sequence[int]], alphas: Sequenc
     if not windows:
         raise KVQError("smoothing w8a8 activations needs calibration text: give at least one window")
     groups = _groups(model)
-    reference = _log_probs(model, windows)
-    peaks = _input_peaks(model, groups, windows) if groups else {}
+    with _input_peaks(model, groups) as peaks:  # the reference pass measures the inputs too
+        reference = _log_probs(model, windows)
     kl = {}
     for alpha in (alphas if groups else (0.0,)):
         candidate = _smooth(model, groups, peaks, alpha)
