@@ -46,6 +46,10 @@ class RuntimeInputError(KVQError):
     """Inputs given to an exported model do not match its manifest."""
 
 
+class StoredPrefillError(RuntimeInputError):
+    """An export whose graph cannot attend over its stored codes on every call (it predates the switch)."""
+
+
 class QuantizationError(KVQError, ValueError):
     """Values cannot be quantized (NaN/Inf, wrong shape)."""
 

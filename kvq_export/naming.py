@@ -46,6 +46,11 @@ def packing_rule(bits: int, high_channels: int = 0) -> str:
             "as code * scale + zero_point")
 
 
+#: A ``buffer``-layout graph's optional bool input (default true): whether a call of several new tokens attends over
+#: their exact keys and values (true) or, as a decode step does, over their stored codes (false, so that what a row
+#: holds follows from its tokens alone, however they were split into calls).
+EXACT_PREFILL = "exact_prefill"
+
 #: Symbolic name of a ``buffer`` layout's token axis.
 CAPACITY_AXIS = "capacity"
 

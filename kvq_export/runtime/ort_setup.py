@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from kvq_export.dtypes import DType
-from kvq_export.errors import RuntimeInputError
+from kvq_export.errors import RuntimeInputError, StoredPrefillError
+from kvq_export.naming import EXACT_PREFILL
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,24 @@ def session_options(threads: int | None = None, *, spinning: bool = False):
     if not spinning:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
+
+
+def attend_stored(model_path: Path, options) -> list:
+    """Set the graph's :data:`~kvq_export.naming.EXACT_PREFILL` false in ``options``; returns the values it holds.
+
+    Every call of a quantized ``buffer``-layout graph then attends over the stored codes. Keep the values alive as
+    long as the session.
+    """
+    import onnx
+    import onnxruntime as ort
+
+    names = {init.name for init in onnx.load(str(model_path), load_external_data=False).graph.initializer}
+    if EXACT_PREFILL not in names:
+        raise StoredPrefillError(f"{model_path}: the graph has no {EXACT_PREFILL} switch, so a prompt always attends "
+                                "over its own exact keys and values; export it again with this kvq")
+    value = ort.OrtValue.ortvalue_from_numpy(np.array(False))
+    options.add_initializer(EXACT_PREFILL, value)
+    return [value]
 
 
 def ort_value(array: np.ndarray, dtype: str):

@@ -50,7 +50,7 @@ from kvq_export.runtime.base import (
     eos_token_ids,
 )
 from kvq_export.runtime.io_binding import Binding, BoundCache, CacheState
-from kvq_export.runtime.ort_setup import choose_providers, open_onnx, ort_value, session_options
+from kvq_export.runtime.ort_setup import attend_stored, choose_providers, open_onnx, ort_value, session_options
 from kvq_export.runtime.sampling import Sampler, SamplingConfig
 from kvq_export.vocab import Role
 
@@ -79,6 +79,10 @@ class KVQSession:
             (:func:`~kvq_export.runtime.last_logits.last_position_model`): ``step`` then returns logits
             ``[batch, 1, vocab]``. Where the graph's head has another form the full graph runs
             (:attr:`last_logits` says which).
+        stored_prefill: every call attends over the stored codes, a prompt's own tokens' too, as a decode step does
+            (the graph's :data:`~kvq_export.naming.EXACT_PREFILL` set false), so what a cache row holds follows from
+            its tokens alone, however they were split into calls (what prefix reuse needs). The default attends
+            exactly over a call's own tokens: faster at prompt length, and a prompt's tokens see each other exactly.
 
     An export is data, never code: every file it uses must lie inside ``directory``, its tokenizer loads
     with remote code disabled, the calibration file must match its digest and the graph's own constants, and the
@@ -90,7 +94,8 @@ class KVQSession:
 
     def __init__(self, directory: str | Path, *, providers: Sequence[str] | None = None,
                  threads: int | None = None, capacity: int | None = None, verify_weights: bool = True,
-                 spinning: bool = False, tokenizer: bool = True, last_logits: bool = False) -> None:
+                 spinning: bool = False, tokenizer: bool = True, last_logits: bool = False,
+                 stored_prefill: bool = False) -> None:
         self.directory = Path(directory)
         opened = export_identity(self.directory) if self.directory.is_dir() else None
         self.manifest = Manifest.load(self.directory)
@@ -107,8 +112,12 @@ class KVQSession:
             rewritten = last_position_model(model_path)
         #: whether the graph computes the logits of each row's last position only
         self.last_logits = rewritten is not None
-        self.session = open_onnx(model_path, session_options(threads, spinning=spinning), choose_providers(providers),
-                                 rewritten)
+        options = session_options(threads, spinning=spinning)
+        quantized = any(DType.get(spec.dtype).bits_numpy in (np.int8, np.uint8) for spec in self.manifest.cache("past"))
+        #: whether every call attends over what the cache stores (an unquantized cache stores its values exactly)
+        self.stored_prefill = stored_prefill or not quantized
+        self._overrides = attend_stored(model_path, options) if stored_prefill and quantized else []
+        self.session = open_onnx(model_path, options, choose_providers(providers), rewritten)
         self.past: list[CacheTensor] = self.manifest.cache("past")
         self.layout = self.manifest.cache_layout
         self.capacity = capacity

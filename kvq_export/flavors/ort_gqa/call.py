@@ -19,7 +19,7 @@ from kvq_export.flavors.ort_gqa.high_nodes import NodeShape
 from kvq_export.flavors.reference.graph import LaidOutCall
 from kvq_export.graph.builder import GraphBuilder
 from kvq_export.graph.decoder_spec import DecoderSpec
-from kvq_export.naming import ROTARY_TABLES, tensor_name
+from kvq_export.naming import EXACT_PREFILL, ROTARY_TABLES, tensor_name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,11 +58,12 @@ class GQACall(LaidOutCall):
 
 
 def begin_call(b: GraphBuilder, spec: DecoderSpec, past: dict[str, ir.Value], attention_mask: ir.Value,
-               shape: NodeShape, *, fused_rotary: bool) -> GQACall:
+               shape: NodeShape, *, fused_rotary: bool, exact_switch: bool = False) -> GQACall:
     """The call's :class:`GQACall` from the declared ``past`` inputs and the attention mask.
 
     ``fused_rotary``: the node applies RoPE (its cos/sin tables, no positions); otherwise the body does (the new
-    tokens' positions, no tables).
+    tokens' positions, no tables). ``exact_switch``: the exact branch's condition also reads the optional input
+    :data:`~kvq_export.naming.EXACT_PREFILL` (default true; false: every call attends over stored codes).
     """
     n0 = past[tensor_name("past", None, None, "seq_lengths")]
     mask = b.op("Cast", attention_mask, to=ir.DataType.INT64)
@@ -71,6 +72,9 @@ def begin_call(b: GraphBuilder, spec: DecoderSpec, past: dict[str, ir.Value], at
     t = b.op("Gather", b.op("Shape", mask), b.const([1]), axis=0)  # [1]
     t_scalar = b.op("Squeeze", t, b.const([0]))
     lengths = _lengths(b, n0, n1, m, t, t_scalar)
+    if exact_switch:
+        switch = b.initializer(EXACT_PREFILL, np.array(True))
+        lengths["exact"] = b.op("And", lengths["exact"], switch)
     # row b holds its m_b tokens contiguously from `first` (t - m_b when left-padded as kvq feeds them,
     # 0 when right-padded as onnxruntime-genai feeds a prompt); GQA wants them at [0, m_b)
     s = b.op("Unsqueeze", b.op("Range", b.const(0), t_scalar, b.const(1)), b.const([0]))  # [1, t]

@@ -57,7 +57,8 @@ class GQACacheGraph(LaidOutCache[GQACall]):
             ``com.microsoft.SkipSimplifiedLayerNormalization`` (see :class:`kvq_export.export.decoder._Body`).
             The graph needs ONNX Runtime anyway; False gives the portable body of the reference flavour.
         fast_prefill: a quantized layer attends exactly over a prompt's or chunk's own tokens and writes their
-            codes once (default; docs/design/ort-gqa.md); False runs the quantized node on every call.
+            codes once (default; docs/design/ort-gqa.md), unless a run feeds
+            :data:`~kvq_export.naming.EXACT_PREFILL` false; False runs the quantized node on every call.
     """
 
     layout = BUFFER
@@ -112,7 +113,8 @@ class GQACacheGraph(LaidOutCache[GQACall]):
                            "step (use hp_dtype fp32 for a copy-free CPU baseline)", hp.name, compute.name)
         shape = NodeShape(spec.facts, self.geometry.head_dim, self.kv_row, spec.dtype)
         return begin_call(b, spec, self.declare_past(b), attention_mask, shape,
-                          fused_rotary=self.attention is AttentionForm.PROJECTED)
+                          fused_rotary=self.attention is AttentionForm.PROJECTED,
+                          exact_switch=self.fast_prefill and any(plan.bits is not None for plan in self.plans))
 
     def attend(self, b: GraphBuilder, layer: int, inputs: AttentionInputs[GQACall]) -> ir.Value:
         """One GroupQueryAttention over the shared buffers, in any :class:`AttentionForm`.
