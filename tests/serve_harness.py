@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from contextlib import contextmanager
@@ -10,6 +11,7 @@ from tiny_models import WORDS, tiny_tokenizer
 
 from kvq_export.serve import create_app
 from kvq_export.serve.app import bind
+from kvq_export.serve.backends import Job, StreamEnd
 
 NAME = "tiny"
 TIMEOUT = 30.0  # seconds, any one request
@@ -64,3 +66,24 @@ def client(url: str, api_key: str = "unused"):
     import openai
 
     return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, timeout=TIMEOUT, max_retries=0)
+
+
+async def run_jobs(backend, jobs, delays=None, cancel_after=None) -> list[tuple[list[int], StreamEnd]]:
+    """Submit ``jobs`` (after ``delays`` seconds each), read every stream; ``cancel_after[i]`` tokens cancel job i."""
+    async def one(i: int, job: Job):
+        await asyncio.sleep(delays[i] if delays else 0)
+        stream = backend.submit(job)
+        tokens = []
+        async for token in stream:
+            tokens.append(token)
+            if cancel_after and cancel_after[i] is not None and len(tokens) >= cancel_after[i]:
+                stream.cancel()
+                return tokens, StreamEnd.CANCELLED
+        return tokens, stream.finish_reason
+
+    return await asyncio.gather(*(one(i, job) for i, job in enumerate(jobs)))
+
+
+def served(backend, jobs, **kwargs) -> list[tuple[list[int], StreamEnd]]:
+    """:func:`run_jobs` to the end (each job's tokens and how it ended), in a loop of its own."""
+    return asyncio.run(asyncio.wait_for(run_jobs(backend, jobs, **kwargs), timeout=120))

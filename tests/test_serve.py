@@ -54,8 +54,11 @@ def exports(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sessions(exports):
-    """The same exports on KVQSession: the answer each prompt gets alone."""
-    return {kind: KVQSession(directory) for kind, directory in exports.items()}
+    """The same exports on KVQSession: the answer each prompt gets alone.
+
+    The batch server reuses prefixes, so its every call attends over the stored codes (``stored_prefill``).
+    """
+    return {kind: KVQSession(directory, stored_prefill=kind == "batch") for kind, directory in exports.items()}
 
 
 @pytest.fixture(scope="module")

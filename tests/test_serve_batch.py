@@ -20,7 +20,7 @@ import pytest
 from gqa_harness import SCHEMES, calibration
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serve_harness import NAME, TIMEOUT, chat_tokenizer, client, running, words
+from serve_harness import NAME, TIMEOUT, chat_tokenizer, client, running, served, words
 from tiny_models import tiny_model
 
 from kvq_export.errors import KVQError
@@ -59,26 +59,6 @@ def prompt_ids(n: int, start: int = 0) -> tuple[int, ...]:
     return tuple(int(t) for t in (np.arange(n) * 7 + start) % 90 + 5)
 
 
-async def _run(backend, jobs, delays=None, cancel_after=None) -> list[tuple[list[int], StreamEnd]]:
-    """Submit ``jobs`` (after ``delays`` seconds each), read every stream; ``cancel_after[i]`` tokens cancel job i."""
-    async def one(i: int, job: Job):
-        await asyncio.sleep(delays[i] if delays else 0)
-        stream = backend.submit(job)
-        tokens = []
-        async for token in stream:
-            tokens.append(token)
-            if cancel_after and cancel_after[i] is not None and len(tokens) >= cancel_after[i]:
-                stream.cancel()
-                return tokens, StreamEnd.CANCELLED
-        return tokens, stream.finish_reason
-
-    return await asyncio.gather(*(one(i, job) for i, job in enumerate(jobs)))
-
-
-def served(backend, jobs, **kwargs) -> list[tuple[list[int], StreamEnd]]:
-    return asyncio.run(asyncio.wait_for(_run(backend, jobs, **kwargs), timeout=120))
-
-
 class Alone:
     """Each job's answer served with nothing else running (memoized)."""
 
@@ -96,9 +76,19 @@ def alone(backend):
     return Alone(backend)
 
 
-def test_alone_is_kvq_session_fed_the_same_chunks(export, backend, alone):
-    """A prompt of several chunks, served alone, gives what KVQSession gives stepping those chunks itself."""
-    session = KVQSession(export)
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_alone_is_kvq_session_fed_the_same_chunks(export, backend, alone, prefix_cache):
+    """A prompt of several chunks, served alone, gives what KVQSession gives stepping those chunks itself.
+
+    With prefix reuse (the default) every call attends over the stored codes, as ``KVQSession(stored_prefill=True)``
+    does; without it a chunk attends exactly over its own tokens, as the default session does.
+    """
+    if not prefix_cache:
+        backend = open_backend(export, max_seqs=2, prefill_chunk=CHUNK, prefix_cache=False)
+        backend.start()
+        alone = Alone(backend)
+    assert backend.pool.prefix_cache is prefix_cache
+    session = KVQSession(export, stored_prefill=prefix_cache)
     for n, max_tokens in ((3, 6), (CHUNK, 5), (2 * CHUNK + 3, 9)):
         prompt = prompt_ids(n, start=n)
         cache, fed = session.empty_cache(1, capacity=64), []
@@ -108,6 +98,8 @@ def test_alone_is_kvq_session_fed_the_same_chunks(export, backend, alone):
             fed.append(int(np.argmax(logits[0, -1])))
             logits, cache = session.step(np.array([[fed[-1]]]), cache=cache)
         assert alone(Job(prompt, max_tokens, GREEDY)) == fed, n
+    if not prefix_cache:
+        backend.close()
 
 
 @settings(max_examples=12, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -291,7 +283,8 @@ def test_metrics_count_tokens_and_show_every_sequence_running(server):
     last = seen[-1]
     assert last["kvq_generation_tokens_total"] >= 1200 and last["kvq_prompt_tokens_total"] >= 8
     assert last["kvq_time_to_first_token_seconds_count"] >= 2 and last["kvq_request_latency_seconds_count"] >= 2
-    assert last["kvq_batch_invariant"] == 1 and last["kvq_cache_rows_used"] + last["kvq_cache_rows_free"] == 2
+    rows = last["kvq_cache_rows_used"] + last["kvq_cache_rows_free"] + last["kvq_cache_rows_cached"]
+    assert last["kvq_batch_invariant"] == 1 and rows == 2 and last["kvq_cache_rows_cached"] == 2
     assert last["process_resident_memory_bytes"] > 0
 
 

@@ -178,6 +178,10 @@ def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir, provid
 @click.option("--prefill-chunk", type=click.IntRange(1), default=256, show_default=True,
               help="Prompt tokens per call and per scheduling round: a long prompt is prefilled in chunks between "
                    "decode steps.")
+@click.option("--no-prefix-cache", is_flag=True,
+              help="Do not keep cache rows after their request to reuse prompt prefixes. With reuse (the default) "
+                   "every call attends over the stored codes, so answers are the same with or without a hit; "
+                   "without it a prompt attends exactly over its own chunk's tokens (faster cold prompts).")
 @click.option("--max-waiting", type=click.IntRange(0), default=256, show_default=True,
               help="Requests waiting for a row beyond those running; more get 429 with Retry-After.")
 @click.option("--request-timeout", type=FiniteFloat(0.0, min_open=True), default=None,
@@ -192,8 +196,8 @@ def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir, provid
 @device_option()
 @click.option("--no-verify", "no_verify", is_flag=True,
               help="Skip checking the weight files against the checksums in kvq.json (faster on trusted storage).")
-def serve(export_dir, host, port, model_name, backend, max_seqs, cache_budget, context, prefill_chunk, max_waiting,
-          request_timeout, api_key, allow_batch_variance, shutdown_timeout, providers, no_verify) -> None:
+def serve(export_dir, host, port, model_name, backend, max_seqs, cache_budget, context, prefill_chunk, no_prefix_cache,
+          max_waiting, request_timeout, api_key, allow_batch_variance, shutdown_timeout, providers, no_verify) -> None:
     """Serve an export over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics).
 
     EXPORT_DIR: a kvq export directory.
@@ -205,7 +209,8 @@ def serve(export_dir, host, port, model_name, backend, max_seqs, cache_budget, c
     logging.getLogger("kvq_export.runtime.rows").setLevel(min(logging.getLogger().getEffectiveLevel(), logging.INFO))
     limits = ServeLimits(max_waiting=max_waiting, request_timeout=request_timeout, context=context)
     batch = dict(max_seqs=max_seqs, cache_budget=cache_budget, prefill_chunk=prefill_chunk,
-                 allow_batch_variance=allow_batch_variance) if backend != "session" else {}
+                 allow_batch_variance=allow_batch_variance, prefix_cache=not no_prefix_cache) \
+        if backend != "session" else {}
     run_server(export_dir, host=host, port=port, model_name=model_name, backend=backend,
                verify_weights=not no_verify, shutdown_timeout=shutdown_timeout, providers=providers,
                api_key=api_key, limits=limits, **batch)

@@ -65,7 +65,11 @@ class RowCache:
     """``rows`` cache rows of ``capacity`` tokens each for one ``buffer``-layout export, on the session's device.
 
     :meth:`run` feeds new tokens to a contiguous range of rows and returns each row's last logits; :meth:`clear`
-    empties a row for its next sequence. Not thread-safe: one thread (the server's scheduler) owns it.
+    empties a row for its next sequence, :meth:`truncate` keeps its first tokens and :meth:`copy_prefix` copies
+    them into another row. Not thread-safe: one thread (the server's scheduler) owns it.
+
+    A row's first tokens can serve another sequence exactly where the session attends over stored codes on every
+    call (``KVQSession(stored_prefill=True)``): what a row holds then follows from its tokens alone.
     """
 
     def __init__(self, session: KVQSession, rows: int, capacity: int) -> None:
@@ -121,6 +125,27 @@ class RowCache:
             base = value.data_ptr()
             ctypes.memmove(base + target * row_bytes, base + source * row_bytes, row_bytes)
         self.lengths[target] = self.lengths[source]
+
+    def copy_prefix(self, source: int, target: int, tokens: int) -> None:
+        """Make ``target`` hold the first ``tokens`` of what ``source`` holds (host memory only)."""
+        if self.device != "cpu":
+            raise RuntimeInputError(f"copy_prefix works on host memory; this cache is on {self.device}")
+        if not 0 <= tokens <= self.lengths[source]:
+            raise RuntimeInputError(f"row {source} holds {int(self.lengths[source])} tokens, not {tokens}")
+        for _, value, row_bytes in self.buffers:
+            base, heads, capacity = value.data_ptr(), *value.shape()[1:3]
+            token_bytes = row_bytes // (heads * capacity)
+            for head in range(heads):  # [rows, heads, capacity, width]: a head's tokens are contiguous
+                offset = head * capacity * token_bytes
+                ctypes.memmove(base + target * row_bytes + offset, base + source * row_bytes + offset,
+                               tokens * token_bytes)
+        self.lengths[target] = tokens
+
+    def truncate(self, row: int, tokens: int) -> None:
+        """Keep the first ``tokens`` that ``row`` holds (what lies past a row's length is never read)."""
+        if not 0 <= tokens <= self.lengths[row]:
+            raise RuntimeInputError(f"row {row} holds {int(self.lengths[row])} tokens, not {tokens}")
+        self.lengths[row] = tokens
 
     def clear(self, row: int) -> None:
         """Empty ``row`` (its buffer contents beyond the length are never read)."""

@@ -179,7 +179,7 @@ async def _generate(backend: Backend, http_request: Request, request: Generation
                            "temperature 0 for a reproducible answer", param="seed", code="unsupported_field")
     ids = prompt_tokens(backend, request)
     max_tokens = bounded_max_tokens(request, len(ids), backend.max_positions)
-    job = Job(tuple(ids), max_tokens, request.sampling)
+    job = Job(tuple(ids), max_tokens, request.sampling, cache_prompt=request.cache_prompt)
     tracker = TextTracker(backend.codec.decode, ids, request.stop)
     reply = Reply(request.chat, request.model)
     try:  # before any response starts: a full queue is a 429, streamed or not

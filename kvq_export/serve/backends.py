@@ -82,6 +82,8 @@ class Job:
     prompt_tokens: tuple[int, ...]
     max_tokens: int
     sampling: SamplingConfig
+    #: reuse a cached prefix of the prompt, and keep this one's codes for later requests (where the backend caches)
+    cache_prompt: bool = True
 
 
 class StreamEnd(StrEnum):

@@ -23,8 +23,8 @@ def open_backend(directory: str | Path, *, kind: str = "auto", verify_weights: b
                  **batch_options: Any) -> Backend:
     """The backend for an export: ``batch`` for a buffer-layout export (``auto``), else ``session``.
 
-    ``batch_options`` (``max_seqs``, ``cache_budget``, ``prefill_chunk``, ``allow_batch_variance``) go to
-    :class:`~kvq_export.serve.scheduler.BatchBackend`.
+    ``batch_options`` (``max_seqs``, ``cache_budget``, ``prefill_chunk``, ``allow_batch_variance``,
+    ``prefix_cache``) go to :class:`~kvq_export.serve.scheduler.BatchBackend`.
     """
     if kind not in BACKENDS:
         raise KVQError(f"unknown backend {kind!r}; allowed: {', '.join(BACKENDS)}")

@@ -1,8 +1,10 @@
 """``/metrics``: the server's Prometheus metrics, one registry per server (prometheus_client writes the text).
 
-Gauges: ``kvq_sequences_running`` and ``kvq_sequences_waiting``, ``kvq_cache_rows_used`` / ``kvq_cache_rows_free``,
-``kvq_cache_bytes`` and ``kvq_batch_invariant`` (1 when the start-up self-check found every row's logits in a
-batch equal to the same sequence alone). Counters: ``kvq_prompt_tokens_total``, ``kvq_generation_tokens_total``,
+Gauges: ``kvq_sequences_running`` and ``kvq_sequences_waiting``, ``kvq_cache_rows_used`` / ``kvq_cache_rows_free``
+/ ``kvq_cache_rows_cached`` (idle, keeping a prefix for reuse), ``kvq_cache_bytes`` and ``kvq_batch_invariant`` (1
+when the start-up self-check found every row's logits in a batch equal to the same sequence alone). Counters:
+``kvq_prompt_tokens_total``, ``kvq_prefix_cache_queries_total`` / ``kvq_prefix_cache_hits_total`` (prompt tokens
+looked up in the prefix cache / reused from it, as vLLM counts them), ``kvq_generation_tokens_total``,
 ``kvq_requests_total{finish}``. Histograms: ``kvq_time_to_first_token_seconds``, ``kvq_request_latency_seconds``
 (arrival to the last token). The process collector adds ``process_resident_memory_bytes``.
 """
@@ -35,6 +37,11 @@ class ServeMetrics:
                                      "1 when a row's logits in a batch equal its logits alone (start-up check).")
         self.prompt_tokens = Counter("kvq_prompt_tokens", "Prompt tokens of accepted requests.",
                                      registry=self.registry)
+        self.prefix_queries = Counter("kvq_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      registry=self.registry)
+        self.prefix_hits = Counter("kvq_prefix_cache_hits", "Prompt tokens reused from the prefix cache.",
+                                   registry=self.registry)
+        self.cache_rows_cached = gauge("kvq_cache_rows_cached", "Idle cache rows keeping a prefix for reuse.")
         self.generation_tokens = Counter("kvq_generation_tokens", "Tokens generated.", registry=self.registry)
         self.requests = Counter("kvq_requests", "Requests ended, by how they ended.", ["finish"],
                                 registry=self.registry)

@@ -22,7 +22,7 @@ from kvq_export.runtime.sampling import SamplingConfig
 
 #: Sampling fields both endpoints read (None = not given).
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "repetition_penalty")
-COMMON_FIELDS = ("model", "max_tokens", "stop", "stream", "stream_options", "user", *SAMPLING_FIELDS)
+COMMON_FIELDS = ("model", "max_tokens", "stop", "stream", "stream_options", "user", "cache_prompt", *SAMPLING_FIELDS)
 COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt")
 CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens")
 #: Fields accepted only at the value that asks for nothing (anything else is refused by name).
@@ -70,6 +70,9 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    #: reuse a cached prefix and leave this prompt's codes for later requests (llama-server's field); the answer is
+    #: the same either way
+    cache_prompt: bool = True
 
 
 def parse_completion(body: Any, *, served: str) -> GenerationRequest:
@@ -135,9 +138,12 @@ def _request(fields: dict[str, Any], served: str, *, chat: bool, prompt, max_tok
         include_usage = options.get("include_usage", False)
     if "user" in fields and not isinstance(fields["user"], str):
         raise RequestError("invalid user: allowed: a string", param="user")
+    cache_prompt = fields.get("cache_prompt", True)
+    if not isinstance(cache_prompt, bool):
+        raise RequestError(f"invalid cache_prompt={cache_prompt!r}: allowed: true or false", param="cache_prompt")
     return GenerationRequest(chat=chat, model=model, prompt=prompt, max_tokens=max_tokens,
                              sampling=_sampling(fields), stop=_stop(fields.get("stop")), stream=stream,
-                             include_usage=include_usage)
+                             include_usage=include_usage, cache_prompt=cache_prompt)
 
 
 def _sampling(fields: dict[str, Any]) -> SamplingConfig:

@@ -4,24 +4,29 @@
 :class:`~kvq_export.runtime.rows.RowCache` of ``max_seqs`` rows, each holding one sequence. Its thread loops:
 
 1. take new requests; end those cancelled (client gone, stop string) or past their deadline, freeing their rows;
-2. admit waiting requests first come, first served, each to the lowest free row;
-3. one decode step: every sequence that has a sampled token feeds it, all in one call over the range of rows
-   they occupy (rows between them feed padding and store nothing);
+2. admit waiting requests first come, first served: the :class:`~kvq_export.serve.cache_pool.CachePool`, the one
+   owner of the rows, gives each a row, with the longest prefix of its prompt that a row holds already reused;
+3. one decode step: every sequence that has a sampled token feeds it, in one call over the range of rows they
+   occupy (rows between them feed padding and store nothing), split where :data:`MAX_GAP` rows or more between
+   two of them would decode nothing;
 4. prompt chunks, first come, first served, until ``prefill_chunk`` tokens or more ran this round (fewer than
    two chunks' worth): each is one call on its own row, so a long prompt takes several rounds and stalls the
    decoding sequences by less than two chunks per round. A prompt's last chunk gives its first token.
 
-What a request gets does not depend on the load. A prompt's chunks start at multiples of ``prefill_chunk`` from
-its first token, whatever else runs, and each chunk is a call of its own on its own row; a row's decode step sees
-only its own row. The one thing batching changes is the size of a decode call and a row's place in it, and the
-start-up self-check (:mod:`kvq_export.serve.selfcheck`) compares exactly that bit for bit: where this CPU's
-kernels give a row in a batch other logits than alone, the server decodes each row in a call of its own (unless
-told to accept the difference), which is every sequence alone.
+What a request gets does not depend on the load. With prefix reuse (the default) every call attends over the stored
+codes, so what a row holds follows from its tokens alone, however they were split into chunks or shared with
+another request; without it (``prefix_cache=False``) a prompt attends exactly over its own chunk's tokens and its
+chunks start at multiples of ``prefill_chunk`` from its first token, whatever else runs. Each chunk is a call of
+its own on its own row; a row's decode step sees only its own row. The one thing batching changes is the size of a
+decode call and a row's place in it, and the start-up self-check (:mod:`kvq_export.serve.selfcheck`) compares
+exactly that bit for bit: where this CPU's kernels give a row in a batch other logits than alone, the server
+decodes each row in a call of its own (unless told to accept the difference), which is every sequence alone. It
+also checks that a prompt continued from a copied or truncated prefix gives what the whole prompt gives, and turns
+prefix reuse off where it does not.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import queue
 from collections import deque
@@ -31,14 +36,15 @@ from typing import Any
 
 import numpy as np
 
-from kvq_export.errors import KVQError
+from kvq_export.errors import KVQError, StoredPrefillError
 from kvq_export.memory import resident_bytes
 from kvq_export.runtime.base import eos_token_ids
 from kvq_export.runtime.rows import RowCache, rows_within
 from kvq_export.runtime.sampling import Sampler
 from kvq_export.runtime.session import KVQSession
 from kvq_export.serve.backends import Backend, StreamEnd, TokenStream
-from kvq_export.serve.selfcheck import InvarianceCheck, check_batch_invariance
+from kvq_export.serve.cache_pool import CachePool
+from kvq_export.serve.selfcheck import InvarianceCheck, check_batch_invariance, check_prefix_reuse
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +52,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_CACHE_BUDGET = 2 << 30
 #: ``--prefill-chunk``: prompt tokens per call, and per round of the loop
 DEFAULT_PREFILL_CHUNK = 256
+#: rows decoding nothing between two decoding rows that split a decode step into two calls (a row costs a decode
+#: call about a seventh of a call's fixed cost on SmolLM2, so a gap this wide costs more than a second call)
+MAX_GAP = 8
 
 
 class DecodeMode(StrEnum):
@@ -78,7 +87,7 @@ class BatchBackend(Backend):
 
     def __init__(self, *args: Any, max_seqs: int | None = None, cache_budget: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, allow_batch_variance: bool = False,
-                 **kwargs: Any) -> None:
+                 prefix_cache: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         for name, value in (("max_seqs", max_seqs), ("cache_budget", cache_budget), ("prefill_chunk", prefill_chunk)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -86,30 +95,36 @@ class BatchBackend(Backend):
         self.max_seqs, self.prefill_chunk = max_seqs, prefill_chunk
         self.cache_budget = cache_budget if cache_budget is not None or max_seqs is not None else DEFAULT_CACHE_BUDGET
         self.allow_batch_variance = allow_batch_variance
+        #: reuse cached prompt prefixes (asked for; :attr:`pool` says whether it is on)
+        self.prefix_cache = prefix_cache
+        self.pool: CachePool | None = None
         self.rows = 0
         self.resident_before_cache: int | None = None
         self.invariance: InvarianceCheck | None = None
         self.mode = DecodeMode.BATCHED
         self._inbox: queue.SimpleQueue[TokenStream | None] = queue.SimpleQueue()
-        self._free: list[int] = []
+        self._available = 0  # rows a new request could take (read by submit's thread)
 
     def describe(self) -> dict[str, Any]:
         """Adds the rows, the prefill chunk and the self-check's result."""
         return {**super().describe(), "max_seqs": self.rows, "prefill_chunk": self.prefill_chunk,
+                "prefix_cache": bool(self.pool and self.pool.prefix_cache),
                 "resident_bytes_before_cache": self.resident_before_cache,
                 "decode": str(self.mode), "batch_invariance": self.invariance and self.invariance.to_dict()}
 
     def free_slots(self) -> int:
-        return len(self._free)
+        return self._available
 
     def _rows_gauges(self) -> None:
-        self.metrics.cache_rows_used.set(self.rows - len(self._free))
-        self.metrics.cache_rows_free.set(len(self._free))
+        busy, cached = self.pool.busy(), self.pool.cached()
+        self._available = self.rows - busy
+        self.metrics.cache_rows_used.set(busy)
+        self.metrics.cache_rows_cached.set(cached)
+        self.metrics.cache_rows_free.set(self.rows - busy - cached)
 
     # -- loading ----------------------------------------------------------------------------------------------
-    def _load(self) -> RowCache:
-        session = KVQSession(self.directory, providers=self.providers, threads=self.threads,
-                             verify_weights=self.verify_weights, tokenizer=False, last_logits=True)
+    def _load(self) -> CachePool:
+        session = self._open_session()
         context = self.max_positions
         if context > session.max_positions:
             raise KVQError(f"a context of {context} tokens is beyond the {session.max_positions} positions of "
@@ -122,23 +137,54 @@ class BatchBackend(Backend):
         if self.resident_before_cache and after:
             logger.info("resident memory: %.0f MiB with the model loaded, %.0f MiB with the cache rows",
                         self.resident_before_cache / 2**20, after / 2**20)
+        self._check_batching(cache)
+        self.rows = cache.rows
+        self.pool = CachePool(cache, prefix_cache=session.stored_prefill and self._prefix_reuse_holds(cache))
+        self._rows_gauges()
+        return self.pool
+
+    def _open_session(self) -> KVQSession:
+        """The export's session; with prefix reuse asked for, one whose every call attends over stored codes."""
+        def open_one(stored: bool) -> KVQSession:
+            return KVQSession(self.directory, providers=self.providers, threads=self.threads,
+                              verify_weights=self.verify_weights, tokenizer=False, last_logits=True,
+                              stored_prefill=stored)
+
+        if self.prefix_cache:
+            try:
+                return open_one(True)
+            except StoredPrefillError as err:
+                logger.warning("prefix reuse off: %s", err)
+        return open_one(False)
+
+    def _check_batching(self, cache: RowCache) -> None:
+        """Run the self-check; decode row by row where batching changes a row's logits (unless allowed)."""
         self.invariance = self.self_check(cache)
         self.metrics.batch_invariant.set(int(self.invariance.invariant))
-        if not self.invariance.invariant:
-            if self.allow_batch_variance:
-                logger.warning("on this CPU a row's logits in a batch differ from the same sequence alone (by up to "
-                               "%.3g): batching anyway (--allow-batch-variance), so an answer may depend on the load",
-                               self.invariance.max_abs_diff)
-            else:
-                self.mode = DecodeMode.ROW_BY_ROW
-                logger.warning("on this CPU a row's logits in a batch differ from the same sequence alone (by up to "
-                               "%.3g): each row decodes in a call of its own so that answers do not depend on the "
-                               "load (slower; --allow-batch-variance batches anyway)", self.invariance.max_abs_diff)
-        self.rows = cache.rows
-        self._free = list(range(cache.rows))
-        heapq.heapify(self._free)
-        self._rows_gauges()
-        return cache
+        if self.invariance.invariant:
+            return
+        if self.allow_batch_variance:
+            logger.warning("on this CPU a row's logits in a batch differ from the same sequence alone (by up to "
+                           "%.3g): batching anyway (--allow-batch-variance), so an answer may depend on the load",
+                           self.invariance.max_abs_diff)
+        else:
+            self.mode = DecodeMode.ROW_BY_ROW
+            logger.warning("on this CPU a row's logits in a batch differ from the same sequence alone (by up to "
+                           "%.3g): each row decodes in a call of its own so that answers do not depend on the "
+                           "load (slower; --allow-batch-variance batches anyway)", self.invariance.max_abs_diff)
+
+    def _prefix_reuse_holds(self, cache: RowCache) -> bool:
+        """Whether a reused prefix gives what the whole prompt gives (:func:`check_prefix_reuse`); off where not."""
+        if not self.prefix_cache:
+            return False
+        if cache.device != "cpu":
+            logger.warning("prefix reuse off: rows are copied in host memory, and this cache is on %s", cache.device)
+            return False
+        difference = check_prefix_reuse(cache)
+        if difference:
+            logger.warning("prefix reuse off: on this CPU a prompt continued from a reused prefix gives other logits "
+                           "than the whole prompt (by up to %.3g)", difference)
+        return not difference
 
     def self_check(self, cache: RowCache) -> InvarianceCheck:
         """Whether a row's logits in a batch equal the same sequence alone (:func:`check_batch_invariance`)."""
@@ -170,16 +216,16 @@ class BatchBackend(Backend):
     def _cancel(self, stream: TokenStream) -> None:
         pass  # the loop checks every running stream's flag each round
 
-    def _serve(self, cache: RowCache) -> None:
-        loop = _Loop(self, cache)
+    def _serve(self, pool: CachePool) -> None:
+        loop = _Loop(self, pool)
         loop.run()
 
 
 class _Loop:
     """The scheduler's state, owned by the backend's thread."""
 
-    def __init__(self, backend: BatchBackend, cache: RowCache) -> None:
-        self.backend, self.cache = backend, cache
+    def __init__(self, backend: BatchBackend, pool: CachePool) -> None:
+        self.backend, self.pool = backend, pool
         self.eos = eos_token_ids(backend.manifest)
         self.waiting: deque[TokenStream] = deque()
         self.running: list[_Sequence] = []  # in admission order
@@ -223,17 +269,32 @@ class _Loop:
             self._finish(seq, StreamEnd.CANCELLED if seq.stream.cancelled.is_set() else None)
 
     def _admit(self) -> None:
-        """Waiting requests into free rows, first come first served (a free row is empty: :meth:`_finish`)."""
-        free = self.backend._free
-        if not (self.waiting and free):
-            return
-        while self.waiting and free:
-            stream = self.waiting.popleft()
-            sampler = Sampler(stream.job.sampling)
-            sampler.prime([stream.job.prompt_tokens])
-            self.running.append(_Sequence(stream, heapq.heappop(free), sampler))
+        """Waiting requests into rows, first come first served, each reusing the longest cached prefix it can.
+
+        A request whose prefix another one is still prefilling waits a round (later ones may go first), so the
+        shared part is computed once.
+        """
+        admitted, metrics = False, self.backend.metrics
+        for stream in list(self.waiting):
+            if not self.pool.available():
+                break
+            job = stream.job
+            lease = self.pool.acquire(np.asarray(job.prompt_tokens), lookup=job.cache_prompt)
+            if lease is None:
+                break
+            if lease.wait:
+                continue
+            self.waiting.remove(stream)
+            if job.cache_prompt and self.pool.prefix_cache:
+                metrics.prefix_queries.inc(len(job.prompt_tokens))
+                metrics.prefix_hits.inc(lease.reused)
+            sampler = Sampler(job.sampling)
+            sampler.prime([job.prompt_tokens])
+            self.running.append(_Sequence(stream, lease.row, sampler, fed=lease.reused))
             self.backend._started(stream)
-        self.backend._rows_gauges()
+            admitted = True
+        if admitted:
+            self.backend._rows_gauges()
 
     def _decode(self) -> None:
         """One token for every sequence that has one to feed."""
@@ -244,13 +305,13 @@ class _Loop:
             for seq in ready:
                 self._call([seq], seq.row, np.array([[seq.token]]), None)
             return
-        low = min(seq.row for seq in ready)
-        high = max(seq.row for seq in ready) + 1
-        ids = np.zeros((high - low, 1), dtype=np.int64)
-        mask = np.zeros_like(ids)
-        for seq in ready:
-            ids[seq.row - low, 0], mask[seq.row - low, 0] = seq.token, 1
-        self._call(ready, low, ids, mask)
+        for group in _row_groups(sorted(ready, key=lambda seq: seq.row)):
+            low, high = group[0].row, group[-1].row + 1
+            ids = np.zeros((high - low, 1), dtype=np.int64)
+            mask = np.zeros_like(ids)
+            for seq in group:
+                ids[seq.row - low, 0], mask[seq.row - low, 0] = seq.token, 1
+            self._call(group, low, ids, mask)
 
     def _prefill(self) -> None:
         """Prompt chunks, first come first served, until this round ran ``prefill_chunk`` tokens or more.
@@ -275,7 +336,7 @@ class _Loop:
               sample: bool = True) -> None:
         """Run rows from ``start``; sample the next token of each of ``seqs`` (a failed run fails them)."""
         try:
-            logits = self.cache.run(start, ids, mask)
+            logits = self.pool.run(start, ids, mask)
         except Exception as err:  # noqa: BLE001 - ONNX Runtime's own errors: the requests fail, the server stays
             logger.exception("a graph run failed")
             for seq in seqs:
@@ -303,13 +364,26 @@ class _Loop:
     def _finish(self, seq: _Sequence, reason: StreamEnd | None = None, *, error: str | None = None) -> None:
         """End ``seq`` (``reason``; None with no ``error``: its deadline passed) and free its row."""
         self.running.remove(seq)
-        self.cache.clear(seq.row)
-        heapq.heappush(self.backend._free, seq.row)
+        self.pool.release(seq.row, keep=seq.stream.job.cache_prompt and error is None)
         if error is not None:
             seq.stream.fail(error)
         else:
             _close(seq.stream, reason)
         self.backend._rows_gauges()
+
+
+def _row_groups(ready: list[_Sequence]) -> list[list[_Sequence]]:
+    """``ready`` (by row) in groups that decode in one call each.
+
+    A group ends where :data:`MAX_GAP` rows or more before the next sequence would feed padding.
+    """
+    groups = [[ready[0]]]
+    for seq in ready[1:]:
+        if seq.row - groups[-1][-1].row - 1 >= MAX_GAP:
+            groups.append([seq])
+        else:
+            groups[-1].append(seq)
+    return groups
 
 
 def _close(stream: TokenStream, reason: StreamEnd | None) -> None:

@@ -1,4 +1,4 @@
-"""The start-up self-check: whether a row's answer depends on what else is in the batch.
+"""The start-up self-checks: whether a row's answer depends on what else is in the batch, or on a reused prefix.
 
 A continuously batched server runs each sequence's decode step beside whatever else is running, at any row of
 the cache and in a batch of any size. Whether a row's logits then equal its logits alone depends on the CPU's
@@ -6,6 +6,10 @@ kernels (a matrix multiply may sum in another order for another number of rows).
 runs short prompts alone, then in batches of several sizes at other rows with an empty row among them, and
 compares every decode step's logits bit for bit. The server batches only when they are equal, or when told to
 accept the difference; otherwise it decodes each row in a call of its own, which is every sequence alone.
+
+:func:`check_prefix_reuse` runs one prompt whole, then continued from its first tokens copied into another row
+and from a row cut back to them, in chunks of other sizes, and compares logits and decode steps bit for bit: the
+server reuses prefixes only where they are equal.
 """
 
 from __future__ import annotations
@@ -109,3 +113,48 @@ def _batched(cache: RowCache, prompts, solo, size: int) -> float:
                 diff = float(np.abs(logits[row] - solo[i][1][step]).max())
                 worst = max(worst, diff if diff > 0 else float("inf"))  # NaN where alone is finite: inf
     return worst
+
+
+#: the prefix check's prompt: its length, and where reuse cuts and chunks split it
+PREFIX_PROMPT, PREFIX_CUT, PREFIX_SPLIT = 29, 13, 21
+
+
+def check_prefix_reuse(cache: RowCache, *, seed: int = 1) -> float:
+    """The largest logit difference between a prompt run whole and continued from a reused prefix (0: none).
+
+    In row 0 the prompt runs in one call, then decodes :data:`STEPS` greedy tokens. Row 1 gets its first
+    :data:`PREFIX_CUT` tokens copied from row 0 and the rest in two calls; row 0, cut back to the same tokens, gets
+    the rest in one call; each then feeds the same tokens. Needs two rows; leaves every row empty.
+    """
+    if cache.rows < 2 or PREFIX_PROMPT + STEPS >= cache.capacity:
+        return 0.0
+    prompt = np.random.default_rng(seed).integers(0, cache.vocab, PREFIX_PROMPT)
+    cache.clear(0)
+    whole = [cache.run(0, prompt[None])[0].copy()]
+    fed = []
+    for _ in range(STEPS):
+        fed.append(int(np.argmax(whole[-1])))
+        whole.append(cache.run(0, np.array([[fed[-1]]]))[0].copy())
+
+    def continued(row: int, pieces: list[np.ndarray]) -> float:
+        seen = [cache.run(row, piece[None])[0].copy() for piece in pieces][-1:]
+        seen += [cache.run(row, np.array([[token]]))[0].copy() for token in fed]
+        return max(_difference(got, want) for got, want in zip(seen, whole))
+
+    cache.copy_prefix(0, 1, PREFIX_CUT)
+    worst = continued(1, [prompt[PREFIX_CUT:PREFIX_SPLIT], prompt[PREFIX_SPLIT:]])
+    cache.truncate(0, PREFIX_CUT)
+    worst = max(worst, continued(0, [prompt[PREFIX_CUT:]]))
+    for row in (0, 1):
+        cache.clear(row)
+    logger.info("prefix self-check: %s", "a reused prefix gives what the whole prompt gives" if not worst else
+                f"a reused prefix changes the logits by up to {worst:.3g}")
+    return worst
+
+
+def _difference(got: np.ndarray, want: np.ndarray) -> float:
+    """0 when bit-equal, else the largest absolute difference (inf where it is 0 or NaN yet the bits differ)."""
+    if np.array_equal(got, want):
+        return 0.0
+    diff = float(np.abs(got - want).max())
+    return diff if diff > 0 else float("inf")
