@@ -91,6 +91,25 @@ def test_load_on_kvq_serve_reports_consistent_figures(kvq_server):
     assert result.rss.second_minute is None  # a run of seconds has no second minute
 
 
+def test_a_shared_prefix_load_on_kvq_serve_reads_its_prefix_counters(kvq_server):
+    from kvq_export.measure.prefix_load import measure_workload
+    from kvq_export.measure.reuse import ReuseSource
+    from kvq_export.measure.workloads import SharedPrefixSizes, SharedPrefixWorkload
+
+    prefixes = tuple(words(100, start=g) for g in range(2))
+    questions = tuple(tuple(words(8, start=40 + 11 * g + q) for q in range(3)) for g in range(2))
+    order = ((0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2))
+    workload = SharedPrefixWorkload(tiny_tokenizer(), SharedPrefixSizes(2, 3, 100, 8), prefixes, questions, order)
+    config = LoadConfig(clients=(2,), max_tokens=MAX_TOKENS, request_timeout=TIMEOUT)
+    result = measure_workload(kvq_server.endpoint(), workload, config)
+    (point,) = result.points
+    assert result.solo_answers == 6 and result.solo_errors == 0, result.solo_error_samples  # cache_prompt: false
+    assert point.requests == 6 and point.errors == 0 and point.compared == 6 and point.differ == 0
+    reuse = point.reuse
+    assert reuse.source is ReuseSource.METRICS and reuse.allowed_tokens == 4 * 100
+    assert reuse.looked_up is not None and reuse.hit_rate is not None and reuse.hit_rate > 0, reuse
+
+
 def test_every_hostile_request_gets_a_4xx_from_kvq_serve(kvq_server):
     result = load(kvq_server.endpoint(), (2,), hostile=True, duration=2.5, max_requests=500)
     point = result.points[0]
@@ -280,21 +299,39 @@ def og_greedy(directory, prompt: str, max_tokens: int) -> str:
     return "".join(stream.decode(int(token)) for token in tokens)
 
 
+#: a chat template og's tokenizer renders as transformers does (each message as ``<role>content``)
+BYTE_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
 def test_the_og_server_answers_as_og_generators_greedy(tmp_path):
-    # og reads BPE tokenizers only: the byte-level tiny model's
-    export = export_model(byte_model(), SCHEMES["fp32"], tmp_path / "bytes", flavor="ort-gqa",
-                          tokenizer=byte_tokenizer())
+    # og reads BPE tokenizers only: the byte-level tiny model's, with a chat template (saved beside it)
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = BYTE_TEMPLATE
+    export = export_model(byte_model(), SCHEMES["fp32"], tmp_path / "bytes", flavor="ort-gqa", tokenizer=tokenizer)
     prompt, max_tokens = "Once upon a time", 8
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]
     expected = og_greedy(export, prompt, max_tokens)
+    chat_expected = og_greedy(export, tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                    tokenize=False), max_tokens)
     with ServerProcess(og_spec(export, name="og-tiny"), tmp_path / "og.log") as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
         assert [m.id for m in client.models.list().data] == ["og-tiny"]
-        reply = client.completions.create(model="og-tiny", prompt=prompt, max_tokens=max_tokens, temperature=0)
+        reply = client.completions.create(model="og-tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                          extra_body={"cache_prompt": False})  # a field it does not read: ignored
         chunks = list(client.completions.create(model="og-tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
                                                 stream=True, stream_options={"include_usage": True}))
+        chat = client.chat.completions.create(model="og-tiny", messages=messages, max_tokens=max_tokens,
+                                              temperature=0)
+        chat_chunks = list(client.chat.completions.create(model="og-tiny", messages=messages, temperature=0,
+                                                          max_completion_tokens=max_tokens, stream=True,
+                                                          stream_options={"include_usage": True}))
     assert reply.choices[0].text == expected and reply.usage.completion_tokens == max_tokens
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert chunks[-1].usage.completion_tokens == max_tokens
+    assert chat.choices[0].message.content == chat_expected and chat.usage.completion_tokens == max_tokens
+    assert "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices) == chat_expected
+    assert chat_chunks[-1].usage.completion_tokens == max_tokens
     assert server.process.returncode is not None  # stopped
 
 

@@ -9,6 +9,9 @@ loaded points. Greedy decoding gives equal text unless batching changes the arit
 loaded request sends a prompt never sent before (no server can reuse a cached prefix), and the solo answers of the
 prompts used come after the load.
 
+:func:`complete` sends a text prompt to ``/v1/completions`` and chat messages to ``/v1/chat/completions``; the
+prefix-reuse workloads (:mod:`~kvq_export.measure.prefix_load`) drive it with their own loop.
+
 Beside the clients, optionally: a hostile client (:mod:`~kvq_export.measure.hostile`), the server's resident
 memory and a gauge from its metrics page (:mod:`~kvq_export.measure.watch`). Every request has a timeout and the
 whole run a bound (:meth:`LoadConfig.run_bound`); a run cut by its bound keeps the points it finished.
@@ -22,6 +25,7 @@ import math
 import os
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +33,7 @@ import numpy as np
 
 from kvq_export.errors import DependencyError, KVQError
 from kvq_export.measure.hostile import HOSTILE_TIMEOUT, HostileResult, hostile_cases, hostile_loop
+from kvq_export.measure.reuse import PrefixReuse, ReuseSource
 from kvq_export.measure.watch import GaugeWatch, RssSummary, RssWatch
 
 logger = logging.getLogger(__name__)
@@ -45,7 +50,8 @@ class Endpoint:
     """A server to load: base URL (with or without ``/v1``), the model name clients send, and what else is known.
 
     ``pid``: the server's process (its RSS is sampled); ``metrics_url``: a Prometheus text page scraped for
-    ``gauge``.
+    ``gauge``; ``reuse``: where its prefix reuse is read from; ``uncached_body``: body fields that serve a request
+    without any cached prefix (sent with the solo answers of the prefix-reuse workloads).
     """
 
     base_url: str
@@ -54,6 +60,8 @@ class Endpoint:
     pid: int | None = None
     metrics_url: str | None = None
     gauge: str = DEFAULT_GAUGE
+    reuse: ReuseSource = ReuseSource.NONE
+    uncached_body: dict[str, Any] = field(default_factory=dict)
 
     @property
     def v1(self) -> str:
@@ -77,6 +85,7 @@ class LoadConfig:
     hostile: bool = False
     context_tokens: int = 8192
     distinct: bool = False  # every loaded request a prompt never sent before; solo answers come after the load
+    solo_every: int = 1  # prefix-reuse workloads: every n-th loaded request is sent again alone (1: every one)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "clients", tuple(self.clients))
@@ -86,7 +95,7 @@ class LoadConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise KVQError(f"invalid {name}={value!r}: allowed: a number of seconds > 0")
-        for name, least in (("max_tokens", 1), ("context_tokens", 1), ("max_requests", 1)):
+        for name, least in (("max_tokens", 1), ("context_tokens", 1), ("max_requests", 1), ("solo_every", 1)):
             value = getattr(self, name)
             if value is None and name == "max_requests":
                 continue
@@ -115,6 +124,8 @@ class Answer:
     completion_tokens: int | None = None
     error: str | None = None
     resent: bool = False  # sent a second time after the connection failed before any answer
+    cache_n: int | None = None  # llama-server's timings: prompt tokens taken from its cache
+    prompt_n: int | None = None  # and prompt tokens it computed
 
 
 @dataclass
@@ -138,6 +149,7 @@ class PointResult:
     hostile: HostileResult | None = None
     gauge_max: float | None = None
     out_of_prompts: bool = False  # a distinct-prompt point that used up its fresh prompts before its duration
+    reuse: PrefixReuse | None = None  # the prefix-reuse workloads: reuse allowed and reused
 
     @property
     def tokens_per_s(self) -> float:
@@ -146,9 +158,10 @@ class PointResult:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
-        data = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "hostile"}
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__ if name not in ("hostile", "reuse")}
         data["tokens_per_s"] = self.tokens_per_s
         data["hostile"] = None if self.hostile is None else self.hostile.to_dict()
+        data["reuse"] = None if self.reuse is None else self.reuse.to_dict()
         return data
 
 
@@ -201,44 +214,72 @@ def open_client(endpoint: Endpoint, config: LoadConfig):
 
 
 async def open_stream(client, **request: Any) -> tuple[Any, bool]:
-    """``client.completions.create(**request)``, sent once more if the connection failed before any answer.
+    """``client.completions.create(**request)`` (chat's, with ``messages``), sent again if the connection failed.
 
-    As every OpenAI client does by default: a kept-alive connection the server closed just as the request went out
-    ("Server disconnected without sending a response") is a race of HTTP, not a refusal. Returns (the stream,
-    whether it was sent again); a second failure, a timeout or an HTTP error is raised.
+    Sent once more only if the connection failed before any answer. As every OpenAI client does by default: a
+    kept-alive connection the server closed just as the request went out ("Server disconnected without sending a
+    response") is a race of HTTP, not a refusal. Returns (the stream, whether it was sent again); a second failure,
+    a timeout or an HTTP error is raised.
     """
     openai = _openai()
+    create = client.chat.completions.create if "messages" in request else client.completions.create
     try:
-        return await client.completions.create(**request), False
+        return await create(**request), False
     except openai.APITimeoutError:
         raise
     except openai.APIConnectionError as err:
         logger.debug("sent again after a connection error: %s (%s)", err, err.__cause__)
-    return await client.completions.create(**request), True
+    return await create(**request), True
 
 
-async def complete(client, model: str, prompt: str, max_tokens: int, timeout: float) -> Answer:
-    """One streamed greedy completion of ``prompt``, bounded by ``timeout`` seconds as a whole."""
+def _chunk_text(chunk) -> str | None:
+    """A streamed event's text: a completion's ``text`` or a chat delta's ``content``."""
+    if not chunk.choices:
+        return None
+    choice = chunk.choices[0]
+    delta = getattr(choice, "delta", None)
+    return getattr(choice, "text", None) if delta is None else delta.content
+
+
+def _timings(chunk) -> tuple[int | None, int | None] | None:
+    """llama-server's ``(cache_n, prompt_n)`` from an event's ``timings`` block (an extra field), None without."""
+    timings = (chunk.model_extra or {}).get("timings")
+    if not isinstance(timings, dict):
+        return None
+    return timings.get("cache_n"), timings.get("prompt_n")
+
+
+async def complete(client, model: str, prompt: str | Sequence[dict[str, str]], max_tokens: int, timeout: float, *,
+                   extra_body: dict[str, Any] | None = None) -> Answer:
+    """One streamed greedy answer to ``prompt`` (chat ``messages`` when not a string), bounded by ``timeout`` s.
+
+    ``extra_body``: fields beyond OpenAI's (``cache_prompt``). llama-server's ``timings`` are kept when sent.
+    """
     start = time.perf_counter()
-    first, parts, tokens = None, [], None
+    first, parts, tokens, timings = None, [], None, None
+    body = {"prompt": prompt} if isinstance(prompt, str) else {"messages": list(prompt)}
     try:
         async with asyncio.timeout(timeout):
-            stream, resent = await open_stream(client, model=model, prompt=prompt, max_tokens=max_tokens,
-                                               temperature=0, stream=True, stream_options={"include_usage": True})
+            stream, resent = await open_stream(client, model=model, **body, max_tokens=max_tokens, temperature=0,
+                                               stream=True, stream_options={"include_usage": True},
+                                               **({"extra_body": extra_body} if extra_body else {}))
             async for chunk in stream:
-                text = chunk.choices[0].text if chunk.choices else None
+                text = _chunk_text(chunk)
                 if text:
                     first = first or time.perf_counter()
                     parts.append(text)
                 if chunk.usage is not None:
                     tokens = chunk.usage.completion_tokens
+                timings = _timings(chunk) or timings
     except TimeoutError:
         return Answer(error=f"no complete answer in {timeout:g} s")
     except Exception as err:  # noqa: BLE001 - any failure of the server or the connection is counted, not raised
         cause = f" ({type(err.__cause__).__name__}: {err.__cause__})" if err.__cause__ is not None else ""
         return Answer(error=f"{type(err).__name__}: {err}{cause}"[:240])
     end = time.perf_counter()
-    return Answer("".join(parts), (first or end) - start, end - start, tokens, resent=resent)
+    cache_n, prompt_n = timings or (None, None)
+    return Answer("".join(parts), (first or end) - start, end - start, tokens, resent=resent, cache_n=cache_n,
+                  prompt_n=prompt_n)
 
 
 async def solo_answers(client, endpoint: Endpoint, prompts: list[str], config: LoadConfig) -> list[Answer]:
@@ -345,7 +386,7 @@ class _nothing:
         return None
 
 
-def _record_solo(result: LoadResult, solo: list[Answer]) -> list[Answer]:
+def record_solo(result: LoadResult, solo: list[Answer]) -> list[Answer]:
     """Count ``solo``'s answers, errors and resends into ``result``; return ``solo``."""
     result.solo_answers = sum(a.error is None for a in solo)
     result.solo_errors = len(solo) - result.solo_answers
@@ -368,10 +409,10 @@ async def run_load(endpoint: Endpoint, prompts: list[str], config: LoadConfig, n
             if config.distinct:  # the load sends every prompt first; their solo answers come after it
                 fresh = _Fresh(len(prompts))
                 loaded = [await run_point(client, endpoint, prompts, n, config, fresh) for n in config.clients]
-                solo = _record_solo(result, await solo_answers(client, endpoint, prompts[:fresh.next], config))
+                solo = record_solo(result, await solo_answers(client, endpoint, prompts[:fresh.next], config))
                 result.points.extend(_summarized(point, solo) for point in loaded)
             else:
-                solo = _record_solo(result, await solo_answers(client, endpoint, prompts, config))
+                solo = record_solo(result, await solo_answers(client, endpoint, prompts, config))
                 for clients in config.clients:
                     result.points.append(_summarized(await run_point(client, endpoint, prompts, clients, config),
                                                      solo))

@@ -1,10 +1,11 @@
 """The thinnest OpenAI-style server around onnxruntime-genai's ``og.Engine``: the baseline a user would write.
 
 ``python -m kvq_export.measure.og_server MODEL_DIR --port P`` serves ``/v1/completions`` (text prompt, streamed or
-not), ``/v1/models`` and ``/health``. One thread creates ``og.Model``, its tokenizer and ``og.Engine`` and makes
-every call on them (og requires the engine's calls to come from the thread that created it); requests reach it
-through a queue, tokens come back to the event loop per request. Nothing is admitted, bounded or refused beyond
-what og itself does, and fields it has no use for are ignored: that is the point of a baseline.
+not), ``/v1/chat/completions`` (messages, rendered by og's own chat template), ``/v1/models`` and ``/health``.
+One thread creates ``og.Model``, its tokenizer and ``og.Engine`` and makes every call on them (og requires the
+engine's calls to come from the thread that created it); requests reach it through a queue, tokens come back to
+the event loop per request. Nothing is admitted, bounded or refused beyond what og itself does, and fields it has
+no use for are ignored (``cache_prompt`` among them): that is the point of a baseline.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 #: engine events fetched per step
 EVENTS = 256
+#: answer tokens when a request names none (OpenAI's completion default)
+DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass
@@ -40,6 +43,7 @@ class _Job:
     temperature: float
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
+    messages: list[dict[str, Any]] | None = None  # a chat request: rendered by og's chat template
     request: Any = None
     turn: int = 0
     decoder: Any = None
@@ -115,6 +119,8 @@ class EngineThread:
         import numpy as np
 
         try:
+            if job.messages is not None:
+                job.prompt = tokenizer.apply_chat_template(json.dumps(job.messages), add_generation_prompt=True)
             ids = np.asarray(tokenizer.encode(job.prompt), dtype=np.int32)
             job.prompt_tokens = len(ids)
             job.request = engine.create_request()
@@ -154,14 +160,34 @@ class Completion(BaseModel):
 
     model: str = ""
     prompt: str
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 1.0
     stream: bool = False
     stream_options: dict[str, Any] | None = None
 
 
+class Chat(BaseModel):
+    """The fields of OpenAI's chat-completion request this server reads (any others are ignored)."""
+
+    model: str = ""
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = 1.0
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+
+
+def _text_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "finish_reason": finish_reason}
+
+
+def _chat_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish_reason}
+
+
 def create_app(engine: EngineThread, model_name: str) -> FastAPI:
-    """The FastAPI app: ``/health``, ``/v1/models``, ``/v1/completions``."""
+    """The FastAPI app: ``/health``, ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``."""
     app = FastAPI()
 
     @app.get("/health")
@@ -174,19 +200,36 @@ def create_app(engine: EngineThread, model_name: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: Completion):
-        loop = asyncio.get_running_loop()
-        job = _Job(body.prompt, body.max_tokens, body.temperature, loop, asyncio.Queue())
+        job = _Job(body.prompt, body.max_tokens, body.temperature, asyncio.get_running_loop(), asyncio.Queue())
         engine.submit(job)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": model_name}
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_events(engine, job, head, usage), media_type="text/event-stream")
+            return StreamingResponse(_events(engine, job, head, usage, _text_choice),
+                                     media_type="text/event-stream")
         parts, end = await _collect(engine, job)
         if "error" in end:
             return JSONResponse({"error": {"message": end["error"], "type": "server_error"}}, status_code=500)
-        return {**head, "choices": [{"index": 0, "text": "".join(parts), "finish_reason": end["finish_reason"]}],
-                "usage": end["usage"]}
+        return {**head, "choices": [_text_choice("".join(parts), end["finish_reason"])], "usage": end["usage"]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: Chat):
+        max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
+        job = _Job("", max_tokens, body.temperature, asyncio.get_running_loop(), asyncio.Queue(),
+                   messages=body.messages)
+        engine.submit(job)
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
+        if body.stream:
+            usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(_events(engine, job, {**head, "object": "chat.completion.chunk"}, usage,
+                                             _chat_choice), media_type="text/event-stream")
+        parts, end = await _collect(engine, job)
+        if "error" in end:
+            return JSONResponse({"error": {"message": end["error"], "type": "server_error"}}, status_code=500)
+        message = {"role": "assistant", "content": "".join(parts)}
+        return {**head, "object": "chat.completion", "usage": end["usage"],
+                "choices": [{"index": 0, "message": message, "finish_reason": end["finish_reason"]}]}
 
     return app
 
@@ -202,19 +245,19 @@ async def _collect(engine: EngineThread, job: _Job) -> tuple[list[str], dict[str
     return parts, item
 
 
-async def _events(engine: EngineThread, job: _Job, head: dict[str, Any], usage: bool) -> AsyncIterator[str]:
+async def _events(engine: EngineThread, job: _Job, head: dict[str, Any], usage: bool, choice) -> AsyncIterator[str]:
     def event(data: dict[str, Any]) -> str:
         return f"data: {json.dumps(data)}\n\n"
 
     done = False
     try:
         while isinstance(item := await job.out.get(), str):
-            yield event({**head, "choices": [{"index": 0, "text": item, "finish_reason": None}]})
+            yield event({**head, "choices": [choice(item, None)]})
         done = True
         if "error" in item:
             yield event({"error": {"message": item["error"], "type": "server_error"}})
             return
-        yield event({**head, "choices": [{"index": 0, "text": "", "finish_reason": item["finish_reason"]}]})
+        yield event({**head, "choices": [choice("", item["finish_reason"])]})
         if usage:
             yield event({**head, "choices": [], "usage": item["usage"]})
         yield "data: [DONE]\n\n"

@@ -20,9 +20,11 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvq_export.errors import KVQError
 from kvq_export.measure.load import DEFAULT_GAUGE, Endpoint
+from kvq_export.measure.reuse import ReuseSource
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +37,17 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LLAMA_CPP_VERSION = "11434.0.0"
 #: positions per llama-server slot
 SLOT_CONTEXT = 1024
+#: the body field kvq serve and llama-server both read to serve one request with no cached prefix
+NO_PROMPT_CACHE = {"cache_prompt": False}
 
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """How to start one server: ``argv`` with ``{port}`` where the port goes, and what its clients need."""
+    """How to start one server: ``argv`` with ``{port}`` where the port goes, and what its clients need.
+
+    ``reuse``: where it reports prefix reuse; ``uncached_body``: the body fields that serve a request with no cached
+    prefix (empty where the server has no prefix cache).
+    """
 
     name: str
     argv: tuple[str, ...]
@@ -51,6 +59,8 @@ class ServerSpec:
     context_tokens: int = 8192
     startup_timeout: float = 300.0
     env: dict[str, str] = field(default_factory=dict)
+    reuse: ReuseSource = ReuseSource.NONE
+    uncached_body: dict[str, Any] = field(default_factory=dict)
 
     def command(self, port: int) -> list[str]:
         """The command line for ``port``."""
@@ -85,32 +95,41 @@ def kvq_spec(export_dir: str | os.PathLike[str], *, name: str = "kvq", extra_arg
     argv = (*command, "serve", os.fspath(export_dir), "--host", HOST, "--port", "{port}", "--model-name", name,
             *extra_args)
     return ServerSpec(name=name, argv=argv, model=name, api_key=_option(extra_args, "--api-key"),
-                      metrics_path="/metrics", gauge=DEFAULT_GAUGE)
+                      metrics_path="/metrics", gauge=DEFAULT_GAUGE, reuse=ReuseSource.METRICS,
+                      uncached_body=dict(NO_PROMPT_CACHE))
 
 
 def og_spec(build_dir: str | os.PathLike[str], *, name: str = "og") -> ServerSpec:
-    """The thin og.Engine server (:mod:`kvq_export.measure.og_server`) on an onnxruntime-genai model folder."""
+    """The thin og.Engine server (:mod:`kvq_export.measure.og_server`) on an onnxruntime-genai model folder.
+
+    og.Engine has no prefix cache on CPU: no reuse to report, nothing to switch off for solo answers (it would
+    ignore ``cache_prompt``: the server ignores fields it does not read).
+    """
     argv = (sys.executable, "-m", "kvq_export.measure.og_server", os.fspath(build_dir), "--host", HOST, "--port",
             "{port}", "--model-name", name)
     return ServerSpec(name=name, argv=argv, model=name)
 
 
 def llama_spec(binary: str | os.PathLike[str], gguf: str | os.PathLike[str], *, slots: int, name: str = "llama",
-               threads: int = 2, extra_args: Sequence[str] = (), cache_prompt: bool = False) -> ServerSpec:
-    """``llama-server -m GGUF -np SLOTS -c SLOTS*1024 -ctk q8_0 -ctv q8_0 -fa on -t THREADS --metrics``.
+               threads: int = 2, extra_args: Sequence[str] = (), cache_prompt: bool = False,
+               slot_context: int = SLOT_CONTEXT) -> ServerSpec:
+    """``llama-server -m GGUF -np SLOTS -c SLOTS*SLOT_CONTEXT -ctk q8_0 -ctv q8_0 -fa on -t THREADS --metrics``.
 
-    Each of the ``slots`` requests in flight gets 1024 positions (a longer prompt is refused). Prompt caching is
+    Each of the ``slots`` requests in flight gets ``slot_context`` positions (a longer prompt is refused); its
+    answers' ``timings`` say how many prompt tokens came from its cache. Prompt caching is
     off (``--no-cache-prompt``) unless ``cache_prompt``: a benchmark that sends each prompt again after its solo
     answer would let llama-server skip the prefill that kvq and og.Engine (no prefix cache on CPU) do for every
     request. A load of prompts never sent before leaves it on, llama-server's default.
     """
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-        raise KVQError(f"invalid slots={slots!r}: allowed: an integer >= 1")
-    argv = (os.fspath(binary), "-m", os.fspath(gguf), "-np", str(slots), "-c", str(slots * SLOT_CONTEXT),
+    for label, value in (("slots", slots), ("slot_context", slot_context)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise KVQError(f"invalid {label}={value!r}: allowed: an integer >= 1")
+    argv = (os.fspath(binary), "-m", os.fspath(gguf), "-np", str(slots), "-c", str(slots * slot_context),
             "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on", "-t", str(threads), "--host", HOST, "--port", "{port}",
             "--alias", name, "--metrics", "--no-webui", *([] if cache_prompt else ["--no-cache-prompt"]), *extra_args)
     return ServerSpec(name=name, argv=argv, model=name, api_key=_option(extra_args, "--api-key"),
-                      metrics_path="/metrics", gauge=LLAMA_GAUGE, context_tokens=SLOT_CONTEXT)
+                      metrics_path="/metrics", gauge=LLAMA_GAUGE, context_tokens=slot_context,
+                      reuse=ReuseSource.TIMINGS, uncached_body=dict(NO_PROMPT_CACHE))
 
 
 def smollm2_gguf() -> Path:
@@ -168,7 +187,7 @@ class ServerProcess:
         """What the load driver needs to reach and watch this server."""
         metrics = f"{self.url}{self.spec.metrics_path}" if self.spec.metrics_path else None
         return Endpoint(self.url, self.spec.model, api_key=self.spec.api_key, pid=self.pid, metrics_url=metrics,
-                        gauge=self.spec.gauge)
+                        gauge=self.spec.gauge, reuse=self.spec.reuse, uncached_body=dict(self.spec.uncached_body))
 
     def start(self) -> ServerProcess:
         """Start the server and wait until it is ready (a one-line :class:`KVQError` naming its log if it is not)."""

@@ -15,25 +15,54 @@ logger = logging.getLogger(__name__)
 
 HEADER = ("server", "clients", "requests", "errors", "differ from solo", "gen tok/s", "TTFT p50 s", "TTFT p99 s",
           "latency p50 s", "latency p99 s", "hostile 4xx", "gauge max", "RSS max MB")
+#: the columns added when a point carries prefix reuse (the shared-prefix and chat workloads)
+REUSE_HEADER = ("prefix hit", "reuse allowed", "hit / allowed")
 
 
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def _row(result: LoadResult, point: PointResult) -> list[str]:
+def _row(result: LoadResult, point: PointResult, reuse: bool) -> list[str]:
     hostile = "-" if point.hostile is None else f"{point.hostile.refused}/{point.hostile.sent}"
     rss = "-" if result.rss is None else f"{result.rss.max / 2**20:.0f}"
-    return [result.name, str(point.clients), str(point.requests), str(point.errors),
-            f"{point.differ}/{point.compared}", f"{point.tokens_per_s:.1f}", _seconds(point.ttft_p50),
-            _seconds(point.ttft_p99), _seconds(point.latency_p50), _seconds(point.latency_p99), hostile,
-            "-" if point.gauge_max is None else f"{point.gauge_max:g}", rss]
+    row = [result.name, str(point.clients), str(point.requests), str(point.errors),
+           f"{point.differ}/{point.compared}", f"{point.tokens_per_s:.1f}", _seconds(point.ttft_p50),
+           _seconds(point.ttft_p99), _seconds(point.latency_p50), _seconds(point.latency_p99), hostile,
+           "-" if point.gauge_max is None else f"{point.gauge_max:g}", rss]
+    if reuse:
+        shares = (None, None, None) if point.reuse is None else (point.reuse.hit_rate, point.reuse.allowed,
+                                                                  point.reuse.of_allowed)
+        row += ["-" if share is None else f"{share:.3f}" for share in shares]
+    return row
+
+
+def _reuse_notes(result: LoadResult) -> list[str]:
+    notes = []
+    for point in result.points:
+        reuse = point.reuse
+        if reuse is None:
+            continue
+        if reuse.looked_up is None:
+            said = "says nothing of its prefix reuse"
+        elif reuse.hit_rate is None:
+            said = f"looked up no prompt tokens in a prefix cache (its {reuse.source})"
+        else:
+            said = f"reused {reuse.reused:.0f} of {reuse.looked_up:.0f} prompt tokens (its {reuse.source})"
+        notes.append(f"- {result.name} at {point.clients} client(s): {said}; the workload allowed "
+                     f"{reuse.allowed_tokens} of {reuse.prompt_tokens} prompt tokens (the tokenizer's count)")
+    return notes
 
 
 def markdown_table(results: Sequence[LoadResult]) -> str:
-    """One row per server and client count; notes below it for failures, incomplete runs and memory."""
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(_row(r, p)) + " |" for r in results for p in r.points]
+    """One row per server and client count; notes below it for failures, incomplete runs and memory.
+
+    Points with prefix reuse add :data:`REUSE_HEADER`'s columns (fractions; "-" where unknown).
+    """
+    reuse = any(p.reuse is not None for r in results for p in r.points)
+    header = HEADER + (REUSE_HEADER if reuse else ())
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_row(r, p, reuse)) + " |" for r in results for p in r.points]
     notes = []
     for result in results:
         if result.incomplete:
@@ -65,6 +94,7 @@ def markdown_table(results: Sequence[LoadResult]) -> str:
             if point.missing_usage:
                 notes.append(f"- {result.name} at {point.clients} client(s): {point.missing_usage} answer(s) "
                              "without usage (their tokens are not counted)")
+        notes += _reuse_notes(result)
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
@@ -92,6 +122,32 @@ def write_plot(results: Sequence[LoadResult], path: str | os.PathLike[str], titl
         axis.legend()
     if title:
         fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    logger.info("wrote %s", out)
+    return out
+
+
+def write_bars(results: Sequence[LoadResult], path: str | os.PathLike[str], title: str = "") -> Path:
+    """Generated tokens/s and TTFT p99, one bar per server (its first point), as a PNG: one client count per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in results if r.points]
+    names = [r.name for r in shown]
+    fig, (speed, ttft) = plt.subplots(1, 2, figsize=(max(8.0, 1.6 * len(names) + 4), 4.2))
+    speed.bar(names, [r.points[0].tokens_per_s for r in shown])
+    ttft.bar(names, [r.points[0].ttft_p99 if r.points[0].ttft_p99 is not None else float("nan") for r in shown])
+    for axis, label in ((speed, "generated tokens/s"), (ttft, "time to first token p99 (s)")):
+        axis.set_ylabel(label)
+        axis.grid(True, axis="y", alpha=0.3)
+        axis.tick_params(axis="x", labelrotation=20)
+    clients = sorted({r.points[0].clients for r in shown})
+    fig.suptitle(", ".join(part for part in (title, f"{'/'.join(map(str, clients))} client(s)") if part))
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=110)
