@@ -18,12 +18,13 @@ from tiny_models import tiny_model
 
 from kvq_export.errors import StoredPrefillError
 from kvq_export.export.exporter import export_model
-from kvq_export.runtime.rows import RowCache
+from kvq_export.runtime.rows import rows_within
 from kvq_export.runtime.sampling import SamplingConfig
 from kvq_export.runtime.session import KVQSession
 from kvq_export.serve import open_backend
 from kvq_export.serve.backends import Job, ServeLimits
-from kvq_export.serve.cache_pool import MIN_SHARED, CachePool, RowState
+from kvq_export.serve.cache_pool import MIN_SHARED, CachePool
+from kvq_export.serve.segments import RowState, Sizing, Slot, capacity_classes
 
 GREEDY = SamplingConfig()
 CHUNK = 8
@@ -45,67 +46,117 @@ def ids(n: int, start: int = 0) -> np.ndarray:
     return (np.arange(n) * 11 + start) % 90 + 5
 
 
-def fed(pool: CachePool, row: int, prompt: np.ndarray, start: int = 0) -> np.ndarray:
-    """Feed ``prompt[start:]`` to ``row`` in one call; its last logits."""
-    return pool.run(row, prompt[None, start:]).copy()
+def pool_of(session, rows: int, *, capacity: int = 64, smallest: int = 64, prefix_cache: bool = True) -> CachePool:
+    """A pool whose budget holds ``rows`` rows of ``capacity`` tokens, in rows of ``smallest`` and up."""
+    row = rows_within(session, 1, capacity)
+    sizing = Sizing.of(session, row.static_bytes + rows * row.row_bytes, capacity, smallest)
+    return CachePool(session, sizing, prefix_cache=prefix_cache)
+
+
+def place(slot: Slot) -> tuple:
+    return slot.segment, slot.row
+
+
+def fed(pool: CachePool, slot: Slot, prompt: np.ndarray, start: int = 0) -> np.ndarray:
+    """Feed ``prompt[start:]`` to ``slot``'s row in one call; its last logits."""
+    return pool.run(slot.segment, slot.row, prompt[None, start:]).copy()
 
 
 # -- the pool -----------------------------------------------------------------------------------------------------
 def test_an_idle_row_serves_its_prefix_in_place_and_a_full_hit_computes_the_last_token(session):
-    pool = CachePool(RowCache(session, 2, 64), prefix_cache=True)
+    pool = pool_of(session, 2)
     first = ids(30)
-    lease = pool.acquire(first)
-    assert (lease.row, lease.reused, lease.copied) == (0, 0, False)
-    want = fed(pool, 0, first)
-    pool.release(0)
-    assert pool.state[0] is RowState.IDLE and pool.cached() == 1 and pool.available() == 2
-    again = pool.acquire(first)  # the whole prompt is cached: all but its last token are reused
-    assert (again.row, again.reused, again.copied) == (0, 29, False)
-    assert np.array_equal(fed(pool, 0, first, 29), want)
-    pool.release(0)
+    lease = pool.acquire(first, max_tokens=4)
+    assert lease.reused == 0
+    want = fed(pool, lease.slot, first)
+    pool.release(lease.slot)
+    assert pool._state(lease.slot) is RowState.IDLE and pool.cached() == 1 and pool.busy() == 0
+    again = pool.acquire(first, max_tokens=4)  # the whole prompt is cached: all but its last token are reused
+    assert (place(again.slot), again.reused) == (place(lease.slot), 29)
+    assert np.array_equal(fed(pool, again.slot, first, 29), want)
+    pool.release(again.slot)
     longer = np.concatenate([first, ids(9, start=3)])
-    lease = pool.acquire(longer)
-    assert (lease.row, lease.reused) == (0, 30)
+    assert pool.acquire(longer, max_tokens=4).reused == 30
 
 
 def test_a_busy_rows_prefix_is_copied_and_a_prompt_being_prefilled_makes_sharers_wait(session):
-    pool = CachePool(RowCache(session, 3, 64), prefix_cache=True)
+    pool = pool_of(session, 3)
     shared = ids(24)
     a = np.concatenate([shared, ids(10, start=1)])
     b = np.concatenate([shared, ids(7, start=2)])
-    assert pool.acquire(a).row == 0
-    assert pool.acquire(b).wait  # row 0 will hold the 24 shared tokens: compute them once
-    fed(pool, 0, a)
-    lease = pool.acquire(b)
-    assert (lease.row, lease.reused, lease.copied) == (1, 24, True)
-    solo = CachePool(RowCache(session, 1, 64), prefix_cache=False)
-    solo.acquire(b)
-    assert np.array_equal(fed(pool, 1, b, 24), fed(solo, 0, b))
+    first = pool.acquire(a, max_tokens=4).slot
+    assert pool.acquire(b, max_tokens=4).wait  # the busy row will hold the 24 shared tokens: compute them once
+    fed(pool, first, a)
+    lease = pool.acquire(b, max_tokens=4)
+    assert place(lease.slot) != place(first) and lease.reused == 24
+    solo = pool_of(session, 1, prefix_cache=False)
+    assert np.array_equal(fed(pool, lease.slot, b, 24), fed(solo, solo.acquire(b, max_tokens=4).slot, b))
 
 
 def test_short_prefixes_are_not_reused_and_the_least_recently_used_idle_row_is_evicted(session):
-    pool = CachePool(RowCache(session, 2, 64), prefix_cache=True)
-    for row, start in ((0, 0), (1, 1)):
+    pool = pool_of(session, 2)
+    slots = []
+    for start in (0, 1):
         prompt = ids(20, start=start)
-        assert pool.acquire(prompt).row == row
-        fed(pool, row, prompt)
-    pool.release(1)
-    pool.release(0)  # row 1 idle longest
+        slots.append(pool.acquire(prompt, max_tokens=4).slot)
+        fed(pool, slots[-1], prompt)
+    pool.release(slots[1])
+    pool.release(slots[0])  # row 1 idle longest
     near = np.concatenate([ids(MIN_SHARED - 1), ids(5, start=40)])  # shares too little with row 0
-    lease = pool.acquire(near)
-    assert (lease.row, lease.reused) == (1, 0) and pool.state[0] is RowState.IDLE
-    assert pool.acquire(ids(20, start=0), lookup=False).row == 0  # no lookup: an empty row, row 0 evicted
-    assert pool.acquire(ids(3)) is None  # every row busy
+    lease = pool.acquire(near, max_tokens=4)
+    assert (place(lease.slot), lease.reused) == (place(slots[1]), 0) and pool._state(slots[0]) is RowState.IDLE
+    assert place(pool.acquire(ids(20), lookup=False, max_tokens=4).slot) == place(slots[0])  # no lookup: evicted
+    assert pool.acquire(ids(3), max_tokens=4) is None  # every row busy
 
 
 def test_a_request_without_cache_prompt_leaves_nothing_behind(session):
-    pool = CachePool(RowCache(session, 1, 64), prefix_cache=True)
+    pool = pool_of(session, 1, smallest=16)
     prompt = ids(20)
-    pool.acquire(prompt, lookup=False)
-    fed(pool, 0, prompt)
-    pool.release(0, keep=False)
-    assert pool.state[0] is RowState.FREE and pool.cache.lengths[0] == 0
+    slot = pool.acquire(prompt, lookup=False, max_tokens=4).slot
+    fed(pool, slot, prompt)
+    pool.release(slot, keep=False)
+    assert pool.segments == [] and pool.allocated_bytes == 0  # its segment held nothing more: freed
 
+
+# -- rows sized by tokens -----------------------------------------------------------------------------------------
+def test_capacity_classes_step_by_about_the_square_root_of_two():
+    assert capacity_classes(8192) == (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+    assert capacity_classes(1000) == (256, 384, 512, 768, 1000) and capacity_classes(200) == (200,)
+
+
+def test_a_sequence_that_outgrows_its_row_moves_and_keeps_its_logits(session):
+    """Fed in pieces through rows of 16, 24, 32 and 48 tokens, a prompt gives what one row of 64 gives."""
+    pool = pool_of(session, 2, smallest=16)
+    prompt = ids(45, start=4)
+    lease = pool.acquire(prompt[:10], max_tokens=1)
+    slot, seen = lease.slot, []
+    assert slot.capacity == 16
+    for start, stop in ((0, 10), (10, 20), (20, 31), (31, 45)):
+        assert pool.grow(slot, stop)
+        seen.append(slot.capacity)
+        logits = fed(pool, slot, prompt[:stop], start)
+    assert seen == [16, 24, 32, 48] and slot.length == 45
+    whole = pool_of(session, 1, smallest=64, prefix_cache=False)
+    assert np.array_equal(logits, fed(whole, whole.acquire(prompt, max_tokens=1).slot, prompt))
+    assert [segment.capacity for segment in pool.segments] == [48]  # the smaller rows' segments were freed
+
+
+def test_the_budget_bounds_the_segments_and_idle_rows_give_way(session):
+    pool = pool_of(session, 2, capacity=64, smallest=16)  # 128 tokens' worth
+    budget = pool.sizing.budget_bytes
+    held = [pool.acquire(ids(40, start=k), max_tokens=8).slot for k in range(2)]  # two rows of 48
+    assert all(slot.capacity == 48 for slot in held) and pool.allocated_bytes <= budget
+    assert pool.acquire(ids(40, start=9), max_tokens=8) is None  # no room for a third: it waits
+    for slot, k in zip(held, range(2)):
+        fed(pool, slot, ids(40, start=k))
+        pool.release(slot)  # idle: kept while nothing needs the room
+    third = pool.acquire(ids(40, start=9), max_tokens=8)
+    assert third is not None and pool.cached() == 1 and pool.allocated_bytes <= budget
+    assert pool.grow(third.slot, 60) and third.slot.capacity == 64  # the other idle row gave way
+    assert pool.cached() == 0 and pool.allocated_bytes <= budget
+    fourth = pool.acquire(ids(40, start=20), max_tokens=8).slot
+    assert not pool.grow(fourth, 60)  # two rows of 64 and the one it moves from: beyond the budget
+    assert fourth.capacity == 48 and pool.allocated_bytes <= budget
 
 def test_an_export_without_the_switch_is_refused_by_name(export, tmp_path):
     from kvq_export.flavors.ort_gqa.graph import GQACacheGraph

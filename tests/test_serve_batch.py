@@ -80,15 +80,16 @@ def alone(backend):
 def test_alone_is_kvq_session_fed_the_same_chunks(export, backend, alone, prefix_cache):
     """A prompt of several chunks, served alone, gives what KVQSession gives stepping those chunks itself.
 
-    With prefix reuse (the default) every call attends over the stored codes, as ``KVQSession(stored_prefill=True)``
-    does; without it a chunk attends exactly over its own tokens, as the default session does.
+    Every call attends over the stored codes, as ``KVQSession(stored_prefill=True)`` does, with prefix reuse and rows
+    sized by tokens (the default) and without either (``--no-prefix-cache --fixed-rows``).
     """
     if not prefix_cache:
-        backend = open_backend(export, max_seqs=2, prefill_chunk=CHUNK, prefix_cache=False)
+        backend = open_backend(export, max_seqs=2, prefill_chunk=CHUNK, prefix_cache=False, fixed_rows=True)
         backend.start()
         alone = Alone(backend)
+        assert backend.pool.sizing.classes == (backend.max_positions,)
     assert backend.pool.prefix_cache is prefix_cache
-    session = KVQSession(export, stored_prefill=prefix_cache)
+    session = KVQSession(export, stored_prefill=True)
     for n, max_tokens in ((3, 6), (CHUNK, 5), (2 * CHUNK + 3, 9)):
         prompt = prompt_ids(n, start=n)
         cache, fed = session.empty_cache(1, capacity=64), []
@@ -122,7 +123,7 @@ def test_any_arrival_schedule_gives_every_request_its_answer_alone(backend, alon
 
 def _settle(backend, seconds: float = 10.0) -> None:
     deadline = time.monotonic() + seconds
-    while backend.active or backend.free_slots() < backend.rows:
+    while backend.active or backend.free_slots() < backend.max_seqs:
         assert time.monotonic() < deadline, "a request still holds its row"
         time.sleep(0.01)
 
@@ -266,12 +267,15 @@ def test_metrics_count_tokens_and_show_every_sequence_running(server):
     seen, stop = [], threading.Event()
 
     def scrape():
+        text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+        seen.append({s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples})
+
+    def watch():
         while not stop.is_set():
-            text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
-            seen.append({s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples})
+            scrape()
             time.sleep(0.01)
 
-    watcher = threading.Thread(target=scrape, daemon=True)
+    watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     api = client(url, key)
     with ThreadPoolExecutor(2) as pool:
@@ -279,12 +283,16 @@ def test_metrics_count_tokens_and_show_every_sequence_running(server):
                       (3, 5), timeout=4 * TIMEOUT))
     stop.set()
     watcher.join(TIMEOUT)
+    scrape()  # after the last token: a scrape under way as the load ended may have missed the last few
     assert max(sample["kvq_sequences_running"] for sample in seen) == 2
     last = seen[-1]
     assert last["kvq_generation_tokens_total"] >= 1200 and last["kvq_prompt_tokens_total"] >= 8
     assert last["kvq_time_to_first_token_seconds_count"] >= 2 and last["kvq_request_latency_seconds_count"] >= 2
-    rows = last["kvq_cache_rows_used"] + last["kvq_cache_rows_free"] + last["kvq_cache_rows_cached"]
-    assert last["kvq_batch_invariant"] == 1 and rows == 2 and last["kvq_cache_rows_cached"] == 2
+    budget = httpx.get(f"{url}/health", timeout=TIMEOUT).json()["cache_budget_bytes"]
+    assert last["kvq_batch_invariant"] == 1 and last["kvq_cache_rows_used"] == 0 and last["kvq_cache_tokens"] == 0
+    assert last["kvq_cache_rows_cached"] >= 1  # the answers' rows, kept as cached prefixes (room allowing)
+    assert last["kvq_cache_bytes_used"] + last["kvq_cache_bytes_free"] == budget >= last["kvq_cache_bytes"] > 0
+    assert max(sample["kvq_cache_tokens"] for sample in seen) >= 600
     assert last["process_resident_memory_bytes"] > 0
 
 

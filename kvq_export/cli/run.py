@@ -170,18 +170,22 @@ def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir, provid
               help="batch: continuous batching over the cache's rows (ort-gqa exports); session: kvq's loop, one "
                    "request at a time (every flavor); auto: batch where the export allows it.")
 @click.option("--max-seqs", type=click.IntRange(1), default=None,
-              help="Sequences generating at once (cache rows) [default: what --cache-budget holds at --context].")
+              help="At most this many sequences generating at once [default: as many as --cache-budget holds; alone: "
+                   "a budget of that many --context rows].")
 @click.option("--cache-budget", type=ByteSize(), default=None,
-              help="Bytes of KV cache the rows may hold, e.g. 2GiB [default: 2GiB unless --max-seqs is given].")
+              help="Bytes of KV cache, e.g. 2GiB: each sequence holds rows in proportion to its tokens, and a request "
+                   "waits while the budget is full [default: 2GiB unless --max-seqs is given].")
 @click.option("--context", type=click.IntRange(2), default=None,
               help="Tokens one request may hold, prompt plus generated [default: the export's positions].")
 @click.option("--prefill-chunk", type=click.IntRange(1), default=256, show_default=True,
               help="Prompt tokens per call and per scheduling round: a long prompt is prefilled in chunks between "
                    "decode steps.")
+@click.option("--fixed-rows", is_flag=True,
+              help="Give every sequence a row of the whole --context from its start, instead of rows in proportion "
+                   "to its tokens that grow with it (fewer sequences fit the budget; nothing is moved or preempted).")
 @click.option("--no-prefix-cache", is_flag=True,
-              help="Do not keep cache rows after their request to reuse prompt prefixes. With reuse (the default) "
-                   "every call attends over the stored codes, so answers are the same with or without a hit; "
-                   "without it a prompt attends exactly over its own chunk's tokens (faster cold prompts).")
+              help="Do not keep cache rows after their request to reuse prompt prefixes (reuse never changes an "
+                   "answer: every call attends over the stored codes).")
 @click.option("--max-waiting", type=click.IntRange(0), default=256, show_default=True,
               help="Requests waiting for a row beyond those running; more get 429 with Retry-After.")
 @click.option("--request-timeout", type=FiniteFloat(0.0, min_open=True), default=None,
@@ -196,8 +200,9 @@ def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir, provid
 @device_option()
 @click.option("--no-verify", "no_verify", is_flag=True,
               help="Skip checking the weight files against the checksums in kvq.json (faster on trusted storage).")
-def serve(export_dir, host, port, model_name, backend, max_seqs, cache_budget, context, prefill_chunk, no_prefix_cache,
-          max_waiting, request_timeout, api_key, allow_batch_variance, shutdown_timeout, providers, no_verify) -> None:
+def serve(export_dir, host, port, model_name, backend, max_seqs, cache_budget, context, prefill_chunk, fixed_rows,
+          no_prefix_cache, max_waiting, request_timeout, api_key, allow_batch_variance, shutdown_timeout, providers,
+          no_verify) -> None:
     """Serve an export over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics).
 
     EXPORT_DIR: a kvq export directory.
@@ -209,7 +214,7 @@ def serve(export_dir, host, port, model_name, backend, max_seqs, cache_budget, c
     logging.getLogger("kvq_export.runtime.rows").setLevel(min(logging.getLogger().getEffectiveLevel(), logging.INFO))
     limits = ServeLimits(max_waiting=max_waiting, request_timeout=request_timeout, context=context)
     batch = dict(max_seqs=max_seqs, cache_budget=cache_budget, prefill_chunk=prefill_chunk,
-                 allow_batch_variance=allow_batch_variance, prefix_cache=not no_prefix_cache) \
+                 allow_batch_variance=allow_batch_variance, prefix_cache=not no_prefix_cache, fixed_rows=fixed_rows) \
         if backend != "session" else {}
     run_server(export_dir, host=host, port=port, model_name=model_name, backend=backend,
                verify_weights=not no_verify, shutdown_timeout=shutdown_timeout, providers=providers,

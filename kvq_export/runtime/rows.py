@@ -65,8 +65,8 @@ class RowCache:
     """``rows`` cache rows of ``capacity`` tokens each for one ``buffer``-layout export, on the session's device.
 
     :meth:`run` feeds new tokens to a contiguous range of rows and returns each row's last logits; :meth:`clear`
-    empties a row for its next sequence, :meth:`truncate` keeps its first tokens and :meth:`copy_prefix` copies
-    them into another row. Not thread-safe: one thread (the server's scheduler) owns it.
+    empties a row for its next sequence and :meth:`truncate` keeps its first tokens (:func:`copy_prefix` copies them
+    into a row of any host-memory cache). Not thread-safe: one thread (the server's scheduler) owns it.
 
     A row's first tokens can serve another sequence exactly where the session attends over stored codes on every
     call (``KVQSession(stored_prefill=True)``): what a row holds then follows from its tokens alone.
@@ -105,7 +105,7 @@ class RowCache:
                 ctypes.memset(value.data_ptr(), 0, rows * row_bytes)
         self.lengths = np.zeros(rows, dtype=np.int64)
         self._logits = np.empty(0, dtype=np.float32)
-        logger.info("cache rows: %d x %d tokens, %.1f MiB on %s", rows, capacity, self.nbytes / 2**20, self.device)
+        logger.debug("cache rows: %d x %d tokens, %.1f MiB on %s", rows, capacity, self.nbytes / 2**20, self.device)
 
     @property
     def row_bytes(self) -> int:
@@ -125,21 +125,6 @@ class RowCache:
             base = value.data_ptr()
             ctypes.memmove(base + target * row_bytes, base + source * row_bytes, row_bytes)
         self.lengths[target] = self.lengths[source]
-
-    def copy_prefix(self, source: int, target: int, tokens: int) -> None:
-        """Make ``target`` hold the first ``tokens`` of what ``source`` holds (host memory only)."""
-        if self.device != "cpu":
-            raise RuntimeInputError(f"copy_prefix works on host memory; this cache is on {self.device}")
-        if not 0 <= tokens <= self.lengths[source]:
-            raise RuntimeInputError(f"row {source} holds {int(self.lengths[source])} tokens, not {tokens}")
-        for _, value, row_bytes in self.buffers:
-            base, heads, capacity = value.data_ptr(), *value.shape()[1:3]
-            token_bytes = row_bytes // (heads * capacity)
-            for head in range(heads):  # [rows, heads, capacity, width]: a head's tokens are contiguous
-                offset = head * capacity * token_bytes
-                ctypes.memmove(base + target * row_bytes + offset, base + source * row_bytes + offset,
-                               tokens * token_bytes)
-        self.lengths[target] = tokens
 
     def truncate(self, row: int, tokens: int) -> None:
         """Keep the first ``tokens`` that ``row`` holds (what lies past a row's length is never read)."""
@@ -191,4 +176,27 @@ class RowCache:
         if self._logits.size < positions * self.vocab:
             self._logits = np.empty(positions * self.vocab, dtype=np.float32)
         return self._logits[:positions * self.vocab]
+
+
+def copy_prefix(source: RowCache, source_row: int, target: RowCache, target_row: int, tokens: int) -> None:
+    """Make ``target_row`` of ``target`` hold the first ``tokens`` that ``source_row`` of ``source`` holds.
+
+    The two caches may have other capacities (the same export's buffers); host memory only. Per layer, stream and
+    kv head the held tokens' bytes are contiguous, so a copy is ``kv_heads`` moves per buffer.
+    """
+    if source.device != "cpu" or target.device != "cpu":
+        raise RuntimeInputError(f"copy_prefix works on host memory; these caches are on {source.device} and "
+                                f"{target.device}")
+    if not 0 <= tokens <= min(source.lengths[source_row], target.capacity):
+        raise RuntimeInputError(f"row {source_row} holds {int(source.lengths[source_row])} tokens and the target "
+                                f"row {target.capacity}: cannot copy {tokens}")
+    for (_, value, row_bytes), (_, other, other_bytes) in zip(source.buffers, target.buffers):
+        heads, capacity = value.shape()[1:3]
+        token_bytes = row_bytes // (heads * capacity)
+        other_capacity = other.shape()[2]
+        for head in range(heads):  # [rows, heads, capacity, width]
+            ctypes.memmove(other.data_ptr() + target_row * other_bytes + head * other_capacity * token_bytes,
+                           value.data_ptr() + source_row * row_bytes + head * capacity * token_bytes,
+                           tokens * token_bytes)
+    target.lengths[target_row] = tokens
 

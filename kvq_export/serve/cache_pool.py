@@ -1,23 +1,26 @@
-"""The one owner of a server's cache memory: which row each sequence holds, and the prefixes rows keep after.
+"""The one owner of a server's cache memory: rows sized by tokens, the prefixes rows keep, and the bytes of both.
 
-:class:`CachePool` wraps a :class:`~kvq_export.runtime.rows.RowCache`. The scheduler asks it for a row for a
-prompt (:meth:`CachePool.acquire`), feeds tokens through it (:meth:`CachePool.run`), and gives the row back when
-the sequence ends (:meth:`CachePool.release`); it never touches a row itself. The pool mirrors the tokens every row
-holds, so it can find the longest cached prefix of a prompt:
+:class:`CachePool` holds the cache as segments of rows of several capacities within one byte budget
+(:mod:`kvq_export.serve.segments`). The scheduler asks it for a row for a prompt (:meth:`CachePool.acquire`), for a
+larger row when a sequence outgrows its own (:meth:`CachePool.grow`), feeds tokens through it
+(:meth:`CachePool.run`), and gives the row back when the sequence ends or is preempted (:meth:`CachePool.release`);
+it never touches a row itself, and a sequence knows its row only through its :class:`~kvq_export.serve.segments.Slot`,
+which the pool moves.
 
-* a row whose sequence ended stays **idle** with its codes (prompt and answer) until it is needed, and the least
-  recently used idle row is evicted first;
-* a new prompt takes the idle row holding its longest prefix (the row keeps that prefix and drops the rest); where
-  the longest prefix sits in a **busy** row, its codes are copied into a free row;
-* a prefix shorter than :data:`MIN_SHARED` tokens is not reused (it costs a row's cached content or a copy);
-* a prompt sharing a prefix with a prompt still being prefilled waits until that row holds the shared part
-  (:attr:`Lease.wait`), so requests that arrive together compute it once;
-* a full hit still computes the prompt's last token (its logits give the first answer token).
+* **Bytes**: a request gets a row of the smallest class holding its prompt and a reserve (its ``max_tokens``, at most
+  :data:`RESERVE`), in a segment of that class with a free row, else in a new segment while the budget has room,
+  else in place of the least recently used idle rows (a segment none of whose rows holds anything is freed). A
+  request that finds no room waits; a sequence that finds no larger row is preempted by the scheduler.
+* **Prefixes** (``prefix_cache``): a row whose sequence ended stays idle with its codes (prompt and answer). A new
+  prompt takes the idle row holding its longest prefix where that row is of the class the prompt needs (the row
+  keeps the prefix and drops the rest), else the prefix's codes are copied into its new row (from an idle or a busy
+  row). A prefix shorter than :data:`MIN_SHARED` tokens is not reused; a prompt sharing a longer prefix with a
+  prompt still being prefilled waits until that row holds it (:attr:`Lease.wait`), so prompts arriving together
+  compute it once; a full hit still computes the prompt's last token (its logits give the first answer token).
 
-Reuse is exact only where what a row holds follows from its tokens alone, however they were split into calls: the
-session attends over stored codes on every call (``KVQSession(stored_prefill=True)``), so a row's first ``n``
-tokens are what any prompt starting with those tokens would have stored. Matching is token by token (no block
-granularity): rows are few (tens to hundreds) and a comparison over them is one numpy expression.
+Reuse and moves are exact only where what a row holds follows from its tokens alone, however they were split into
+calls: the session attends over stored codes on every call (``KVQSession(stored_prefill=True)``). Matching is token
+by token (no block granularity): rows are tens to hundreds, and a comparison over them is one numpy expression.
 """
 
 from __future__ import annotations
@@ -25,24 +28,19 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from enum import Enum
 
 import numpy as np
 
-from kvq_export.runtime.rows import RowCache
+from kvq_export.errors import KVQError
+from kvq_export.runtime.session import KVQSession
+from kvq_export.serve.segments import RowState, Segment, Sizing, Slot, copy_codes
 
 logger = logging.getLogger(__name__)
 
-#: shortest prefix worth reusing, copying out of a busy row or waiting for (tokens)
+#: shortest prefix worth reusing, copying or waiting for (tokens)
 MIN_SHARED = 16
-
-
-class RowState(Enum):
-    """What a row holds: nothing, a cached prefix with no sequence (idle), or a running sequence."""
-
-    FREE = "free"
-    IDLE = "idle"
-    BUSY = "busy"
+#: tokens past the prompt a new row holds at least room for (fewer where ``max_tokens`` asks for fewer)
+RESERVE = 64
 
 
 @dataclass(frozen=True)
@@ -52,141 +50,217 @@ class Lease:
     ``wait``: a prompt being prefilled in another row shares a longer prefix; try again after the next round.
     """
 
-    row: int = -1
+    slot: Slot | None = None
     reused: int = 0
-    copied: bool = False
     wait: bool = False
 
 
 class CachePool:
-    """Rows, what each holds, and cached prefixes, for one :class:`RowCache` (one thread owns it).
+    """Segments of rows within ``sizing``'s budget, what every row holds, and cached prefixes (one thread owns it).
 
-    ``prefix_cache``: keep rows after their sequence and reuse their prefixes (needs a cache whose rows follow from
-    their tokens alone, :attr:`RowCache.codes_only`); False: every row is emptied when its sequence ends.
+    ``prefix_cache``: keep rows after their sequence and reuse their prefixes; False: a row is emptied when its
+    sequence ends. ``max_seqs``: at most this many sequences hold rows at once (None: what the bytes allow).
+    ``reserve``: tokens past the prompt a new row has room for, at most (:data:`RESERVE`).
     """
 
-    def __init__(self, cache: RowCache, *, prefix_cache: bool) -> None:
-        self.cache = cache
-        self.prefix_cache = prefix_cache
-        self.rows = cache.rows
-        self.tokens = np.zeros((cache.rows, cache.capacity), dtype=np.int32)  # what each row holds, by position
-        self.state = [RowState.FREE] * cache.rows
-        self.idle: OrderedDict[int, None] = OrderedDict()  # least recently used first
-        self.planned: dict[int, np.ndarray] = {}  # busy rows still prefilling: the prompt they will hold
+    def __init__(self, session: KVQSession, sizing: Sizing, *, prefix_cache: bool, max_seqs: int | None = None,
+                 reserve: int = RESERVE):
+        self.session, self.sizing = session, sizing
+        self.prefix_cache, self.max_seqs, self.reserve = prefix_cache, max_seqs, reserve
+        self.segments: list[Segment] = []
+        self.idle: OrderedDict[tuple[Segment, int], None] = OrderedDict()  # least recently used first
+        self.planned: dict[tuple[Segment, int], np.ndarray] = {}  # busy rows still prefilling: their prompt
 
-    # -- what the scheduler asks ------------------------------------------------------------------------------
-    def available(self) -> int:
-        """Rows a new sequence could take now (free, or idle and evictable)."""
-        return self.rows - self.busy()
-
+    # -- what the pool holds -------------------------------------------------------------------------------------
     def busy(self) -> int:
         """Rows holding a running sequence."""
-        return sum(state is RowState.BUSY for state in self.state)
+        return sum(state is RowState.BUSY for segment in self.segments for state in segment.state)
 
     def cached(self) -> int:
         """Idle rows keeping a prefix."""
         return len(self.idle)
 
-    def acquire(self, prompt: np.ndarray, *, lookup: bool = True) -> Lease | None:
-        """A row for ``prompt`` (int token ids), with the longest cached prefix it can reuse; None: no row is free.
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of every segment allocated now."""
+        return sum(segment.nbytes for segment in self.segments)
 
-        ``lookup`` False: an empty row, whatever is cached (a request that asked for no reuse).
+    def used_bytes(self, *states: RowState) -> int:
+        """Bytes of the rows in ``states`` (default: busy and idle)."""
+        states = states or (RowState.BUSY, RowState.IDLE)
+        return sum(self.sizing.row_bytes[segment.capacity] * sum(state in states for state in segment.state)
+                   for segment in self.segments)
+
+    def held_tokens(self) -> int:
+        """Tokens the rows of running sequences hold."""
+        return sum(int(segment.cache.lengths[row]) for segment in self.segments
+                   for row, state in enumerate(segment.state) if state is RowState.BUSY)
+
+    def available(self) -> int:
+        """Smallest rows the budget could still give running sequences (idle rows count as free)."""
+        free = (self.sizing.budget_bytes - self.used_bytes(RowState.BUSY)) // self.sizing.row_bytes[
+            self.sizing.classes[0]]
+        return max(0, min(free, self.max_seqs - self.busy()) if self.max_seqs else free)
+
+    def preallocate(self) -> None:
+        """Allocate a segment of the largest class now (rows of one size: the whole cache, held from the start)."""
+        capacity = self.sizing.classes[-1]
+        self.segments.append(Segment.allocate(self.session, self.sizing.rows_per_segment[capacity], capacity))
+
+    # -- what the scheduler asks ---------------------------------------------------------------------------------
+    def acquire(self, prompt: np.ndarray, *, lookup: bool = True, max_tokens: int | None = None) -> Lease | None:
+        """A row for ``prompt`` (int token ids) and up to ``max_tokens`` more, with the longest cached prefix reused.
+
+        None: no room now (``max_seqs`` sequences run, or the budget holds no row of its class).
+
+        ``lookup`` False: nothing cached is reused (a request that asked for no reuse).
         """
         prompt = np.asarray(prompt)
         usable = len(prompt) - 1  # the last prompt token is always computed
-        source, held = -1, 0
+        source, held = None, 0
         if self.prefix_cache and lookup and usable > 0:
             source, held = self._longest(prompt, usable)
             if self._pending(prompt, usable, held):
                 return Lease(wait=True)
         if held < MIN_SHARED:  # too short to be worth a row's cached content, or a copy
-            source, held = -1, 0
-        if source >= 0 and self.state[source] is RowState.IDLE:
-            row = source
-            del self.idle[row]
-            self.cache.truncate(row, held)
+            source, held = None, 0
+        if self.max_seqs is not None and self.busy() >= self.max_seqs:
+            return None
+        capacity = self.sizing.class_for(len(prompt) + min(max_tokens or self.reserve, self.reserve))
+        if source is not None and source.capacity == capacity and self._state(source) is RowState.IDLE:
+            del self.idle[(source.segment, source.row)]
+            source.segment.cache.truncate(source.row, held)
+            slot = source
         else:
-            row = self._empty_row()
-            if row < 0:
+            slot = self._free_slot(capacity, protect=source)
+            if slot is None:
                 return None
             if held:
-                self.cache.copy_prefix(source, row, held)
-                self.tokens[row, :held] = self.tokens[source, :held]
-        self.state[row] = RowState.BUSY
-        self.planned[row] = prompt
-        return Lease(row=row, reused=held, copied=row != source and held > 0)
+                copy_codes(source, slot, held)
+        slot.segment.state[slot.row] = RowState.BUSY
+        self.planned[(slot.segment, slot.row)] = prompt
+        return Lease(slot=slot, reused=held)
 
-    def run(self, start: int, ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
-        """:meth:`RowCache.run` on rows ``[start, start + k)``, recording what each row now holds."""
-        before = self.cache.lengths[start:start + len(ids)].copy()
-        logits = self.cache.run(start, ids, mask)
+    def grow(self, slot: Slot, tokens: int) -> bool:
+        """Make ``slot``'s row hold ``tokens``; False: no room (the scheduler preempts a sequence).
+
+        Where its own row is too small the sequence moves into a row of a larger class (its codes copied).
+        """
+        if tokens <= slot.capacity:
+            return True
+        if tokens > self.sizing.classes[-1]:
+            raise KVQError(f"a row of {tokens} tokens is beyond the largest, {self.sizing.classes[-1]}")
+        target = self._free_slot(self.sizing.class_for(tokens), protect=slot)
+        if target is None:
+            return False
+        copy_codes(slot, target, slot.length)
+        target.segment.state[target.row] = RowState.BUSY
+        planned = self.planned.pop((slot.segment, slot.row), None)
+        if planned is not None:
+            self.planned[(target.segment, target.row)] = planned
+        self._empty(slot.segment, slot.row)
+        slot.segment, slot.row = target.segment, target.row
+        return True
+
+    def run(self, segment: Segment, start: int, ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`RowCache.run` on ``segment``'s rows ``[start, start + k)``, recording what each row now holds."""
+        before = segment.cache.lengths[start:start + len(ids)].copy()
+        logits = segment.cache.run(start, ids, mask)
         for offset, (n0, row_ids) in enumerate(zip(before, ids)):
             fed = row_ids if mask is None else row_ids[mask[offset].astype(bool)]
-            self.tokens[start + offset, n0:n0 + len(fed)] = fed
-            if start + offset in self.planned and n0 + len(fed) >= len(self.planned[start + offset]):
-                del self.planned[start + offset]  # its whole prompt is in
+            segment.tokens[start + offset, n0:n0 + len(fed)] = fed
+            key = (segment, start + offset)
+            if key in self.planned and n0 + len(fed) >= len(self.planned[key]):
+                del self.planned[key]  # its whole prompt is in
         return logits
 
-    def release(self, row: int, *, keep: bool = True) -> None:
-        """The sequence in ``row`` ended: keep its codes for reuse (``keep`` and the pool caches), or empty it."""
-        self.planned.pop(row, None)
-        if self.prefix_cache and keep and self.cache.lengths[row] > 0:
-            self.state[row] = RowState.IDLE
-            self.idle[row] = None
-        else:
-            self.cache.clear(row)
-            self.state[row] = RowState.FREE
+    def release(self, slot: Slot, *, keep: bool = True) -> None:
+        """The sequence in ``slot`` ended or was preempted: keep its codes for reuse, or empty its row.
 
-    # -- lookups -----------------------------------------------------------------------------------------------
-    def _longest(self, prompt: np.ndarray, usable: int) -> tuple[int, int]:
-        """(row, tokens) of the longest prefix of ``prompt[:usable]`` a row holds now; (-1, 0) if none.
-
-        Ties go to an idle row (reused in place, no copy), then to the one used most recently.
+        Kept where ``keep`` and the pool caches prefixes.
         """
-        rows = np.flatnonzero((self.cache.lengths > 0) & (self.tokens[:, 0] == prompt[0]))
-        if not len(rows):
-            return -1, 0
-        shared = _shared_lengths(self.tokens[rows], self.cache.lengths[rows], prompt[:usable])
-        recency = {row: rank for rank, row in enumerate(self.idle)}
-        best = max(range(len(rows)), key=lambda i: (shared[i], self.state[rows[i]] is RowState.IDLE,
-                                                      recency.get(int(rows[i]), -1)))
-        return (int(rows[best]), int(shared[best])) if shared[best] > 0 else (-1, 0)
+        key = (slot.segment, slot.row)
+        self.planned.pop(key, None)
+        if self.prefix_cache and keep and slot.length > 0:
+            slot.segment.state[slot.row] = RowState.IDLE
+            self.idle[key] = None
+        else:
+            self._empty(slot.segment, slot.row)
+
+    # -- rows ----------------------------------------------------------------------------------------------------
+    def _state(self, slot: Slot) -> RowState:
+        return slot.segment.state[slot.row]
+
+    def _free_slot(self, capacity: int, *, protect: Slot | None = None) -> Slot | None:
+        """A free row of ``capacity``; None when there is no room.
+
+        In a segment of that class, in a new segment while the budget has room, else where the least recently used
+        idle rows were (never ``protect``'s).
+        """
+        for segment in self.segments:
+            if segment.capacity == capacity and (row := segment.free_row()) >= 0:
+                return Slot(segment, row)
+        keep = None if protect is None else (protect.segment, protect.row)
+        while True:
+            if self.allocated_bytes + self.sizing.segment_bytes(capacity) <= self.sizing.budget_bytes:
+                segment = Segment.allocate(self.session, self.sizing.rows_per_segment[capacity], capacity)
+                self.segments.append(segment)
+                return Slot(segment, 0)
+            victim = next((key for key in self.idle if key != keep), None)
+            if victim is None:
+                return None
+            del self.idle[victim]
+            segment, row = victim
+            if segment.capacity == capacity:
+                segment.cache.clear(row)
+                segment.state[row] = RowState.FREE
+                return Slot(segment, row)
+            self._empty(segment, row)
+
+    def _empty(self, segment: Segment, row: int) -> None:
+        """Empty ``row``; free its segment when no row of it holds anything (and another class could use it)."""
+        segment.cache.clear(row)
+        segment.state[row] = RowState.FREE
+        if segment.unused() and len(self.sizing.classes) > 1:
+            self.segments.remove(segment)
+
+    # -- lookups -------------------------------------------------------------------------------------------------
+    def _longest(self, prompt: np.ndarray, usable: int) -> tuple[Slot | None, int]:
+        """The row holding the longest prefix of ``prompt[:usable]`` now, and its length; (None, 0) if none.
+
+        Ties go to an idle row (reusable in place), then to the one used most recently.
+        """
+        recency = {key: rank for rank, key in enumerate(self.idle)}
+        best, best_key = (None, 0), (0, False, -1)
+        for segment in self.segments:
+            lengths = segment.cache.lengths
+            rows = np.flatnonzero((lengths > 0) & (segment.tokens[:, 0] == prompt[0]))
+            if not len(rows):
+                continue
+            shared = _shared_lengths(segment.tokens[rows], lengths[rows], prompt[:usable])
+            for row, n in zip(rows.tolist(), shared.tolist()):
+                key = (n, segment.state[row] is RowState.IDLE, recency.get((segment, row), -1))
+                if n > 0 and key > best_key:
+                    best, best_key = (Slot(segment, row), n), key
+        return best
 
     def _pending(self, prompt: np.ndarray, usable: int, now: int) -> bool:
         """Whether a row still prefilling will hold more of ``prompt`` than the ``now`` tokens any row holds.
 
         More by :data:`MIN_SHARED` tokens or more; ``prompt[:usable]`` counts.
         """
-        for row, planned in self.planned.items():
+        for (segment, row), planned in self.planned.items():
             n = min(len(planned) - 1, usable)
             if n - now >= MIN_SHARED:
                 shared = _shared_lengths(planned[None, :n], np.array([n]), prompt[:n])[0]
-                if shared - now >= MIN_SHARED and shared > self.cache.lengths[row]:
+                if shared - now >= MIN_SHARED and shared > segment.cache.lengths[row]:
                     return True
         return False
-
-    def _empty_row(self) -> int:
-        """The lowest free row, else the least recently used idle row (evicted); -1 when every row is busy.
-
-        Low rows first keep running sequences together, so a decode call spans few rows that are not decoding.
-        """
-        for row, state in enumerate(self.state):
-            if state is RowState.FREE:
-                return row
-        if not self.idle:
-            return -1
-        row, _ = self.idle.popitem(last=False)
-        self.cache.clear(row)
-        self.state[row] = RowState.FREE
-        return row
 
 
 def _shared_lengths(held: np.ndarray, lengths: np.ndarray, prompt: np.ndarray) -> np.ndarray:
     """How many first tokens each row of ``held`` (its first ``lengths`` valid) shares with ``prompt``."""
-    n = len(prompt)
-    if held.shape[1] < n:
-        prompt = prompt[:held.shape[1]]
-        n = len(prompt)
-    differ = held[:, :n] != prompt[None, :]
+    n = min(len(prompt), held.shape[1])
+    differ = held[:, :n] != prompt[None, :n]
     first = np.where(differ.any(axis=1), differ.argmax(axis=1), n)
     return np.minimum(first, lengths)

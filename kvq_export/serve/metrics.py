@@ -1,12 +1,14 @@
 """``/metrics``: the server's Prometheus metrics, one registry per server (prometheus_client writes the text).
 
 Gauges: ``kvq_sequences_running`` and ``kvq_sequences_waiting``, ``kvq_cache_rows_used`` / ``kvq_cache_rows_free``
-/ ``kvq_cache_rows_cached`` (idle, keeping a prefix for reuse), ``kvq_cache_bytes`` and ``kvq_batch_invariant`` (1
-when the start-up self-check found every row's logits in a batch equal to the same sequence alone). Counters:
-``kvq_prompt_tokens_total``, ``kvq_prefix_cache_queries_total`` / ``kvq_prefix_cache_hits_total`` (prompt tokens
-looked up in the prefix cache / reused from it, as vLLM counts them), ``kvq_generation_tokens_total``,
-``kvq_requests_total{finish}``. Histograms: ``kvq_time_to_first_token_seconds``, ``kvq_request_latency_seconds``
-(arrival to the last token). The process collector adds ``process_resident_memory_bytes``.
+/ ``kvq_cache_rows_cached`` (idle, keeping a prefix for reuse), ``kvq_cache_bytes`` (allocated),
+``kvq_cache_bytes_used`` / ``kvq_cache_bytes_free`` (of the budget), ``kvq_cache_tokens`` (held by running
+sequences) and ``kvq_batch_invariant`` (1 when the start-up self-check found every row's logits in a batch equal to
+the same sequence alone). Counters: ``kvq_preemptions_total``, ``kvq_prompt_tokens_total``,
+``kvq_prefix_cache_queries_total`` / ``kvq_prefix_cache_hits_total`` (prompt tokens looked up in the prefix cache /
+reused from it, as vLLM counts them), ``kvq_generation_tokens_total``, ``kvq_requests_total{finish}``. Histograms:
+``kvq_time_to_first_token_seconds``, ``kvq_request_latency_seconds`` (arrival to the last token). The process
+collector adds ``process_resident_memory_bytes``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,12 @@ class ServeMetrics:
         self.sequences_waiting = gauge("kvq_sequences_waiting", "Requests waiting for a cache row.")
         self.cache_rows_used = gauge("kvq_cache_rows_used", "Cache rows holding a sequence.")
         self.cache_rows_free = gauge("kvq_cache_rows_free", "Cache rows free for the next request.")
-        self.cache_bytes = gauge("kvq_cache_bytes", "Bytes of the cache rows, allocated at start.")
+        self.cache_bytes = gauge("kvq_cache_bytes", "Bytes of the cache segments allocated now.")
+        self.cache_bytes_used = gauge("kvq_cache_bytes_used", "Bytes of the rows running or cached sequences hold.")
+        self.cache_bytes_free = gauge("kvq_cache_bytes_free", "Bytes of the cache budget no row holds.")
+        self.cache_tokens = gauge("kvq_cache_tokens", "Tokens the rows of running sequences hold.")
+        self.preemptions = Counter("kvq_preemptions", "Sequences preempted for want of cache memory (recomputed).",
+                                   registry=self.registry)
         self.batch_invariant = gauge("kvq_batch_invariant",
                                      "1 when a row's logits in a batch equal its logits alone (start-up check).")
         self.prompt_tokens = Counter("kvq_prompt_tokens", "Prompt tokens of accepted requests.",

@@ -1,49 +1,41 @@
-"""Continuous batching over the rows of one cache: requests join at the next step and leave at once.
+"""Continuous batching over kvq's cache rows: requests join at the next step and leave at once.
 
-:class:`BatchBackend` serves a ``buffer``-layout export (``--flavor ort-gqa``) from a
-:class:`~kvq_export.runtime.rows.RowCache` of ``max_seqs`` rows, each holding one sequence. Its thread loops:
+:class:`BatchBackend` serves a ``buffer``-layout export (``--flavor ort-gqa``). Its cache is a
+:class:`~kvq_export.serve.cache_pool.CachePool`, the one owner of cache memory: rows of several capacities in
+segments within one byte budget (:mod:`~kvq_export.serve.segments`), so a sequence holds memory in proportion to
+its tokens, and the prefixes rows keep after their request. Its thread runs
+:class:`~kvq_export.serve.batch_loop.BatchLoop`: admission into rows (reusing the longest cached prefix), one
+decode step for every running sequence, prompt chunks, moves into larger rows and preemption.
 
-1. take new requests; end those cancelled (client gone, stop string) or past their deadline, freeing their rows;
-2. admit waiting requests first come, first served: the :class:`~kvq_export.serve.cache_pool.CachePool`, the one
-   owner of the rows, gives each a row, with the longest prefix of its prompt that a row holds already reused;
-3. one decode step: every sequence that has a sampled token feeds it, in one call over the range of rows they
-   occupy (rows between them feed padding and store nothing), split where :data:`MAX_GAP` rows or more between
-   two of them would decode nothing;
-4. prompt chunks, first come, first served, until ``prefill_chunk`` tokens or more ran this round (fewer than
-   two chunks' worth): each is one call on its own row, so a long prompt takes several rounds and stalls the
-   decoding sequences by less than two chunks per round. A prompt's last chunk gives its first token.
-
-What a request gets does not depend on the load. With prefix reuse (the default) every call attends over the stored
-codes, so what a row holds follows from its tokens alone, however they were split into chunks or shared with
-another request; without it (``prefix_cache=False``) a prompt attends exactly over its own chunk's tokens and its
-chunks start at multiples of ``prefill_chunk`` from its first token, whatever else runs. Each chunk is a call of
-its own on its own row; a row's decode step sees only its own row. The one thing batching changes is the size of a
-decode call and a row's place in it, and the start-up self-check (:mod:`kvq_export.serve.selfcheck`) compares
-exactly that bit for bit: where this CPU's kernels give a row in a batch other logits than alone, the server
-decodes each row in a call of its own (unless told to accept the difference), which is every sequence alone. It
-also checks that a prompt continued from a copied or truncated prefix gives what the whole prompt gives, and turns
-prefix reuse off where it does not.
+What a request gets does not depend on the load. Every call attends over the stored codes (with prefix reuse, the
+default; and wherever rows are sized by tokens, since a sequence may move or be preempted and prefilled again), so
+what a row holds follows from its tokens alone, however they were split into chunks, shared with another request,
+moved or recomputed; without reuse on a cache of one row size (``prefix_cache=False`` on CUDA) a prompt attends
+exactly over its own chunk's tokens and its chunks start at multiples of ``prefill_chunk`` from its first token,
+whatever else runs. Each chunk is a call of its own on its own row; a row's decode step sees only its own row. The
+one thing batching changes is the size of a decode call and a row's place in it, and the start-up self-check
+(:mod:`kvq_export.serve.selfcheck`) compares exactly that bit for bit: where this CPU's kernels give a row in a
+batch other logits than alone, the server decodes each row in a call of its own (unless told to accept the
+difference), which is every sequence alone. It also checks that a prompt continued from a copied or truncated
+prefix gives what the whole prompt gives; where it does not, prefix reuse is off and every row has the context's
+size (nothing is moved or preempted).
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-from collections import deque
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-import numpy as np
-
 from kvq_export.errors import KVQError, StoredPrefillError
 from kvq_export.memory import resident_bytes
-from kvq_export.runtime.base import eos_token_ids
 from kvq_export.runtime.rows import RowCache, rows_within
-from kvq_export.runtime.sampling import Sampler
 from kvq_export.runtime.session import KVQSession
-from kvq_export.serve.backends import Backend, StreamEnd, TokenStream
-from kvq_export.serve.cache_pool import CachePool
+from kvq_export.serve.backends import Backend, TokenStream
+from kvq_export.serve.batch_loop import BatchLoop
+from kvq_export.serve.cache_pool import RESERVE, CachePool
+from kvq_export.serve.segments import SMALLEST_CLASS, Sizing
 from kvq_export.serve.selfcheck import InvarianceCheck, check_batch_invariance, check_prefix_reuse
 
 logger = logging.getLogger(__name__)
@@ -52,9 +44,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_CACHE_BUDGET = 2 << 30
 #: ``--prefill-chunk``: prompt tokens per call, and per round of the loop
 DEFAULT_PREFILL_CHUNK = 256
-#: rows decoding nothing between two decoding rows that split a decode step into two calls (a row costs a decode
-#: call about a seventh of a call's fixed cost on SmolLM2, so a gap this wide costs more than a second call)
-MAX_GAP = 8
+#: tokens a row of the self-checks holds (their prompts are shorter)
+CHECK_CAPACITY = 64
 
 
 class DecodeMode(StrEnum):
@@ -62,21 +53,6 @@ class DecodeMode(StrEnum):
 
     BATCHED = "batched"
     ROW_BY_ROW = "row-by-row"
-
-
-@dataclass(eq=False)
-class _Sequence:
-    """A request holding a row: how much of its prompt the row holds, and its next token to feed."""
-
-    stream: TokenStream
-    row: int
-    sampler: Sampler
-    fed: int = 0  # prompt tokens in the row
-    token: int | None = None  # sampled, fed at the next decode step
-
-    @property
-    def prompt(self) -> tuple[int, ...]:
-        return self.stream.job.prompt_tokens
 
 
 class BatchBackend(Backend):
@@ -87,9 +63,11 @@ class BatchBackend(Backend):
 
     def __init__(self, *args: Any, max_seqs: int | None = None, cache_budget: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, allow_batch_variance: bool = False,
-                 prefix_cache: bool = True, **kwargs: Any) -> None:
+                 prefix_cache: bool = True, smallest_row: int = SMALLEST_CLASS, row_reserve: int = RESERVE,
+                 fixed_rows: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        for name, value in (("max_seqs", max_seqs), ("cache_budget", cache_budget), ("prefill_chunk", prefill_chunk)):
+        for name, value in (("max_seqs", max_seqs), ("cache_budget", cache_budget), ("prefill_chunk", prefill_chunk),
+                            ("smallest_row", smallest_row), ("row_reserve", row_reserve)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise KVQError(f"invalid {name}={value!r}: allowed: an integer >= 1")
         self.max_seqs, self.prefill_chunk = max_seqs, prefill_chunk
@@ -97,8 +75,12 @@ class BatchBackend(Backend):
         self.allow_batch_variance = allow_batch_variance
         #: reuse cached prompt prefixes (asked for; :attr:`pool` says whether it is on)
         self.prefix_cache = prefix_cache
+        #: tokens of the smallest row (rows step up by about sqrt(2) to the context), and the most tokens past its
+        #: prompt a new sequence's row has room for
+        self.smallest_row, self.row_reserve = smallest_row, row_reserve
+        #: every sequence a row of the whole context (asked for), instead of rows in proportion to its tokens
+        self.fixed_rows = fixed_rows
         self.pool: CachePool | None = None
-        self.rows = 0
         self.resident_before_cache: int | None = None
         self.invariance: InvarianceCheck | None = None
         self.mode = DecodeMode.BATCHED
@@ -106,21 +88,34 @@ class BatchBackend(Backend):
         self._available = 0  # rows a new request could take (read by submit's thread)
 
     def describe(self) -> dict[str, Any]:
-        """Adds the rows, the prefill chunk and the self-check's result."""
-        return {**super().describe(), "max_seqs": self.rows, "prefill_chunk": self.prefill_chunk,
+        """Adds the cache's sizing, the prefill chunk and the self-checks' results."""
+        sizing = self.pool.sizing if self.pool else None
+        return {**super().describe(), "max_seqs": self.max_seqs, "prefill_chunk": self.prefill_chunk,
+                "cache_budget_bytes": sizing and sizing.budget_bytes, "row_capacities": sizing and sizing.classes,
                 "prefix_cache": bool(self.pool and self.pool.prefix_cache),
                 "resident_bytes_before_cache": self.resident_before_cache,
                 "decode": str(self.mode), "batch_invariance": self.invariance and self.invariance.to_dict()}
+
+    @property
+    def batched(self) -> bool:
+        """Whether decode steps run every decoding row of a segment in one call."""
+        return self.mode is DecodeMode.BATCHED
 
     def free_slots(self) -> int:
         return self._available
 
     def _rows_gauges(self) -> None:
-        busy, cached = self.pool.busy(), self.pool.cached()
-        self._available = self.rows - busy
-        self.metrics.cache_rows_used.set(busy)
-        self.metrics.cache_rows_cached.set(cached)
-        self.metrics.cache_rows_free.set(self.rows - busy - cached)
+        pool, metrics = self.pool, self.metrics
+        busy, cached = pool.busy(), pool.cached()
+        self._available = pool.available()
+        metrics.cache_rows_used.set(busy)
+        metrics.cache_rows_cached.set(cached)
+        metrics.cache_rows_free.set(sum(segment.rows for segment in pool.segments) - busy - cached)
+        metrics.cache_bytes.set(pool.allocated_bytes)
+        used = pool.used_bytes()
+        metrics.cache_bytes_used.set(used)
+        metrics.cache_bytes_free.set(pool.sizing.budget_bytes - used)
+        metrics.cache_tokens.set(pool.held_tokens())
 
     # -- loading ----------------------------------------------------------------------------------------------
     def _load(self) -> CachePool:
@@ -129,32 +124,44 @@ class BatchBackend(Backend):
         if context > session.max_positions:
             raise KVQError(f"a context of {context} tokens is beyond the {session.max_positions} positions of "
                            f"{self.directory}; allowed: --context <= {session.max_positions}")
-        rows = self._row_count(session, context)
+        if self.cache_budget is None:  # --max-seqs alone: that many sequences of the whole context
+            one = rows_within(session, 1, context)
+            budget = one.static_bytes + self.max_seqs * one.row_bytes
+        else:
+            budget = self.cache_budget
+        fixed = self._fixed_rows(session, budget, context)
+        by_tokens = Sizing.of(session, budget, context, self.smallest_row)
         self.resident_before_cache = resident_bytes()
-        cache = RowCache(session, rows, context)
-        self.metrics.cache_bytes.set(cache.nbytes)
-        after = resident_bytes()
-        if self.resident_before_cache and after:
-            logger.info("resident memory: %.0f MiB with the model loaded, %.0f MiB with the cache rows",
-                        self.resident_before_cache / 2**20, after / 2**20)
-        self._check_batching(cache)
-        self.rows = cache.rows
-        self.pool = CachePool(cache, prefix_cache=session.stored_prefill and self._prefix_reuse_holds(cache))
+        check = RowCache(session, max(fixed.rows_per_segment[context], *by_tokens.rows_per_segment.values()),
+                         min(CHECK_CAPACITY, context))
+        self._check_batching(check)
+        exact_moves = session.stored_prefill and self._reuse_holds(check)
+        del check
+        sizing = by_tokens if exact_moves and not self.fixed_rows else fixed
+        self.pool = CachePool(session, sizing, prefix_cache=exact_moves and self.prefix_cache, max_seqs=self.max_seqs,
+                              reserve=self.row_reserve)
+        if sizing is fixed:  # the whole cache, held from the start
+            self.pool.preallocate()
+        smallest = sizing.classes[0]
+        logger.info("cache budget %.1f MiB: %d tokens at %d bytes a token; rows of %s tokens, in segments of %.1f "
+                    "MiB (%s)", budget / 2**20, int(sizing.budget_bytes // sizing.token_bytes()), sizing.token_bytes(),
+                    ", ".join(map(str, sizing.classes)), sizing.segment_bytes(smallest) / 2**20,
+                    "every sequence holds a row of the whole context" if sizing is fixed else
+                    "a sequence holds rows in proportion to its tokens")
         self._rows_gauges()
         return self.pool
 
     def _open_session(self) -> KVQSession:
-        """The export's session; with prefix reuse asked for, one whose every call attends over stored codes."""
+        """The export's session, one whose every call attends over stored codes where the export can."""
         def open_one(stored: bool) -> KVQSession:
             return KVQSession(self.directory, providers=self.providers, threads=self.threads,
                               verify_weights=self.verify_weights, tokenizer=False, last_logits=True,
                               stored_prefill=stored)
 
-        if self.prefix_cache:
-            try:
-                return open_one(True)
-            except StoredPrefillError as err:
-                logger.warning("prefix reuse off: %s", err)
+        try:
+            return open_one(True)
+        except StoredPrefillError as err:
+            logger.warning("rows of the whole context, no prefix reuse: %s", err)
         return open_one(False)
 
     def _check_batching(self, cache: RowCache) -> None:
@@ -173,41 +180,36 @@ class BatchBackend(Backend):
                            "%.3g): each row decodes in a call of its own so that answers do not depend on the "
                            "load (slower; --allow-batch-variance batches anyway)", self.invariance.max_abs_diff)
 
-    def _prefix_reuse_holds(self, cache: RowCache) -> bool:
-        """Whether a reused prefix gives what the whole prompt gives (:func:`check_prefix_reuse`); off where not."""
-        if not self.prefix_cache:
-            return False
+    def _reuse_holds(self, cache: RowCache) -> bool:
+        """Whether a sequence's codes can be reused, moved and recomputed exactly (:func:`check_prefix_reuse`)."""
         if cache.device != "cpu":
-            logger.warning("prefix reuse off: rows are copied in host memory, and this cache is on %s", cache.device)
+            logger.warning("rows of the whole context, no prefix reuse: rows are copied in host memory, and this "
+                           "cache is on %s", cache.device)
             return False
         difference = check_prefix_reuse(cache)
         if difference:
-            logger.warning("prefix reuse off: on this CPU a prompt continued from a reused prefix gives other logits "
-                           "than the whole prompt (by up to %.3g)", difference)
+            logger.warning("rows of the whole context, no prefix reuse: on this CPU a prompt continued from a reused "
+                           "prefix gives other logits than the whole prompt (by up to %.3g)", difference)
         return not difference
 
     def self_check(self, cache: RowCache) -> InvarianceCheck:
         """Whether a row's logits in a batch equal the same sequence alone (:func:`check_batch_invariance`)."""
         return check_batch_invariance(cache)
 
-    def _row_count(self, session: KVQSession, context: int) -> int:
-        """``max_seqs``, checked against the budget when both are given; else what the budget holds."""
-        if self.cache_budget is None:
-            return self.max_seqs
-        fits = rows_within(session, self.cache_budget, context)
+    def _fixed_rows(self, session: KVQSession, budget: int, context: int) -> Sizing:
+        """Rows of the whole context: ``max_seqs`` (checked against the budget), else what the budget holds."""
+        fits = rows_within(session, budget, context)
         if self.max_seqs is not None and self.max_seqs > fits.rows:
             need = self.max_seqs * fits.row_bytes / 2**30
             raise KVQError(f"{self.max_seqs} sequences of {context} tokens need {need:.2f} GiB of cache, beyond the "
-                           f"budget of {self.cache_budget / 2**30:.2f} GiB; allowed: --max-seqs <= {fits.rows}, a "
+                           f"budget of {budget / 2**30:.2f} GiB; allowed: --max-seqs <= {fits.rows}, a "
                            "larger --cache-budget or a shorter --context")
         if fits.rows < 1:
             least = fits.row_bytes + fits.static_bytes
-            raise KVQError(f"a cache budget of {self.cache_budget} bytes holds no sequence of {context} tokens (one "
+            raise KVQError(f"a cache budget of {budget} bytes holds no sequence of {context} tokens (one "
                            f"needs {fits.row_bytes} bytes); allowed: --cache-budget >= {least} or a shorter --context")
         rows = self.max_seqs or fits.rows
-        logger.info("%d sequences of %d tokens: %.1f MiB of cache in a budget of %.1f MiB (%d bytes a row)", rows,
-                    context, rows * fits.row_bytes / 2**20, self.cache_budget / 2**20, fits.row_bytes)
-        return rows
+        return Sizing(budget - fits.static_bytes, (context,), {context: rows}, {context: fits.row_bytes})
 
     # -- the thread's loop --------------------------------------------------------------------------------------
     def _enqueue(self, stream: TokenStream | None) -> None:
@@ -217,178 +219,4 @@ class BatchBackend(Backend):
         pass  # the loop checks every running stream's flag each round
 
     def _serve(self, pool: CachePool) -> None:
-        loop = _Loop(self, pool)
-        loop.run()
-
-
-class _Loop:
-    """The scheduler's state, owned by the backend's thread."""
-
-    def __init__(self, backend: BatchBackend, pool: CachePool) -> None:
-        self.backend, self.pool = backend, pool
-        self.eos = eos_token_ids(backend.manifest)
-        self.waiting: deque[TokenStream] = deque()
-        self.running: list[_Sequence] = []  # in admission order
-        self.stopping = False
-
-    def run(self) -> None:
-        while not self.stopping:
-            self._take(block=not (self.waiting or self.running))
-            if self.stopping:
-                break
-            self._drop_ended()
-            self._admit()
-            self._decode()
-            self._prefill()
-        for seq in list(self.running):
-            self._finish(seq, StreamEnd.CANCELLED)
-        while self.waiting:
-            self.waiting.popleft().end(StreamEnd.CANCELLED)
-
-    def _take(self, *, block: bool) -> None:
-        """Move new requests into the wait queue (blocking for one while there is nothing to do)."""
-        inbox = self.backend._inbox
-        items = [inbox.get()] if block else []
-        while True:
-            try:
-                items.append(inbox.get_nowait())
-            except queue.Empty:
-                break
-        for stream in items:
-            if stream is None:
-                self.stopping = True
-            else:
-                self.waiting.append(stream)
-
-    def _drop_ended(self) -> None:
-        """End cancelled and overdue requests, waiting or running; their rows are free at once."""
-        for stream in [s for s in self.waiting if s.cancelled.is_set() or s.overdue]:
-            self.waiting.remove(stream)
-            _close(stream, StreamEnd.CANCELLED if stream.cancelled.is_set() else None)
-        for seq in [s for s in self.running if s.stream.cancelled.is_set() or s.stream.overdue]:
-            self._finish(seq, StreamEnd.CANCELLED if seq.stream.cancelled.is_set() else None)
-
-    def _admit(self) -> None:
-        """Waiting requests into rows, first come first served, each reusing the longest cached prefix it can.
-
-        A request whose prefix another one is still prefilling waits a round (later ones may go first), so the
-        shared part is computed once.
-        """
-        admitted, metrics = False, self.backend.metrics
-        for stream in list(self.waiting):
-            if not self.pool.available():
-                break
-            job = stream.job
-            lease = self.pool.acquire(np.asarray(job.prompt_tokens), lookup=job.cache_prompt)
-            if lease is None:
-                break
-            if lease.wait:
-                continue
-            self.waiting.remove(stream)
-            if job.cache_prompt and self.pool.prefix_cache:
-                metrics.prefix_queries.inc(len(job.prompt_tokens))
-                metrics.prefix_hits.inc(lease.reused)
-            sampler = Sampler(job.sampling)
-            sampler.prime([job.prompt_tokens])
-            self.running.append(_Sequence(stream, lease.row, sampler, fed=lease.reused))
-            self.backend._started(stream)
-            admitted = True
-        if admitted:
-            self.backend._rows_gauges()
-
-    def _decode(self) -> None:
-        """One token for every sequence that has one to feed."""
-        ready = [seq for seq in self.running if seq.token is not None]
-        if not ready:
-            return
-        if self.backend.mode is DecodeMode.ROW_BY_ROW:
-            for seq in ready:
-                self._call([seq], seq.row, np.array([[seq.token]]), None)
-            return
-        for group in _row_groups(sorted(ready, key=lambda seq: seq.row)):
-            low, high = group[0].row, group[-1].row + 1
-            ids = np.zeros((high - low, 1), dtype=np.int64)
-            mask = np.zeros_like(ids)
-            for seq in group:
-                ids[seq.row - low, 0], mask[seq.row - low, 0] = seq.token, 1
-            self._call(group, low, ids, mask)
-
-    def _prefill(self) -> None:
-        """Prompt chunks, first come first served, until this round ran ``prefill_chunk`` tokens or more.
-
-        A round stops at the first chunk boundary past the budget, so it runs fewer than two chunks' worth: short
-        prompts that arrived together (a burst) share one round instead of waiting a round each.
-        """
-        chunk, spent = self.backend.prefill_chunk, 0
-        for seq in [s for s in self.running if s.fed < len(s.prompt)]:
-            while seq.fed < len(seq.prompt):
-                if spent >= chunk:
-                    return
-                size = min(chunk, len(seq.prompt) - seq.fed)
-                ids = np.asarray(seq.prompt[seq.fed:seq.fed + size], dtype=np.int64)[None]
-                seq.fed += size
-                spent += size
-                self._call([seq], seq.row, ids, None, sample=seq.fed == len(seq.prompt))
-                if seq not in self.running:  # the call failed
-                    break
-
-    def _call(self, seqs: list[_Sequence], start: int, ids: np.ndarray, mask: np.ndarray | None, *,
-              sample: bool = True) -> None:
-        """Run rows from ``start``; sample the next token of each of ``seqs`` (a failed run fails them)."""
-        try:
-            logits = self.pool.run(start, ids, mask)
-        except Exception as err:  # noqa: BLE001 - ONNX Runtime's own errors: the requests fail, the server stays
-            logger.exception("a graph run failed")
-            for seq in seqs:
-                self._finish(seq, error=f"the graph run failed: {err}")
-            return
-        if sample:
-            for seq in seqs:
-                self._next_token(seq, logits[seq.row - start])
-
-    def _next_token(self, seq: _Sequence, logits: np.ndarray) -> None:
-        try:
-            token = int(seq.sampler(logits[None])[0])
-        except KVQError as err:
-            self._finish(seq, error=str(err))
-            return
-        stream = seq.stream
-        stream.put(token)
-        if token in self.eos:
-            self._finish(seq, StreamEnd.STOP)
-        elif stream.generated >= stream.job.max_tokens:
-            self._finish(seq, StreamEnd.LENGTH)
-        else:
-            seq.token = token
-
-    def _finish(self, seq: _Sequence, reason: StreamEnd | None = None, *, error: str | None = None) -> None:
-        """End ``seq`` (``reason``; None with no ``error``: its deadline passed) and free its row."""
-        self.running.remove(seq)
-        self.pool.release(seq.row, keep=seq.stream.job.cache_prompt and error is None)
-        if error is not None:
-            seq.stream.fail(error)
-        else:
-            _close(seq.stream, reason)
-        self.backend._rows_gauges()
-
-
-def _row_groups(ready: list[_Sequence]) -> list[list[_Sequence]]:
-    """``ready`` (by row) in groups that decode in one call each.
-
-    A group ends where :data:`MAX_GAP` rows or more before the next sequence would feed padding.
-    """
-    groups = [[ready[0]]]
-    for seq in ready[1:]:
-        if seq.row - groups[-1][-1].row - 1 >= MAX_GAP:
-            groups.append([seq])
-        else:
-            groups[-1].append(seq)
-    return groups
-
-
-def _close(stream: TokenStream, reason: StreamEnd | None) -> None:
-    """End a stream with ``reason``, or (None) fail it for its deadline."""
-    if reason is None:
-        stream.fail("the request's deadline passed", status=504)
-    else:
-        stream.end(reason)
+        BatchLoop(self, pool).run()

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kvq_export.runtime.rows import RowCache
+from kvq_export.runtime.rows import RowCache, copy_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def check_prefix_reuse(cache: RowCache, *, seed: int = 1) -> float:
         seen += [cache.run(row, np.array([[token]]))[0].copy() for token in fed]
         return max(_difference(got, want) for got, want in zip(seen, whole))
 
-    cache.copy_prefix(0, 1, PREFIX_CUT)
+    copy_prefix(cache, 0, cache, 1, PREFIX_CUT)
     worst = continued(1, [prompt[PREFIX_CUT:PREFIX_SPLIT], prompt[PREFIX_SPLIT:]])
     cache.truncate(0, PREFIX_CUT)
     worst = max(worst, continued(0, [prompt[PREFIX_CUT:]]))
