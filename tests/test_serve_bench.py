@@ -110,6 +110,28 @@ def test_a_shared_prefix_load_on_kvq_serve_reads_its_prefix_counters(kvq_server)
     assert reuse.looked_up is not None and reuse.hit_rate is not None and reuse.hit_rate > 0, reuse
 
 
+def test_a_mixed_load_on_kvq_serve_asks_each_answer_length_and_costs_tokens_by_its_export(kvq_server):
+    from kvq_export.manifest import Manifest
+    from kvq_export.measure.cache_use import token_bytes
+    from kvq_export.measure.prefix_load import measure_workload
+    from kvq_export.measure.workloads import MixedSizes, MixedWorkload
+
+    answers = (2, 8, 5, 3, 7, 4)
+    prompts = tuple(words(n, start=n) for n in (20, 60, 150, 35, 90, 10))
+    workload = MixedWorkload(tiny_tokenizer(), MixedSizes(6, 50, 10, 150, 2, 8), prompts, answers)
+    endpoint = kvq_server.endpoint()
+    result = measure_workload(endpoint, workload, LoadConfig(clients=(3,), max_tokens=8, request_timeout=TIMEOUT))
+    (point,) = result.points
+    assert result.solo_answers == 6 and result.solo_errors == 0, result.solo_error_samples
+    assert point.requests == 6 and point.errors == 0 and point.compared == 6 and point.differ == 0
+    assert point.completion_tokens == sum(answers)  # the tiny model has no EOS: each answer runs to its own length
+    assert point.reuse.allowed_tokens == 0  # distinct starts: nothing for a prefix cache
+    use, manifest = point.cache_use, Manifest.load(endpoint.export_dir)
+    assert use.bytes_per_token == token_bytes(manifest.scheme, manifest.model) > 0
+    assert use.running_max is None or 0 <= use.running_max <= 3  # sampled once a second: a short load may miss it
+    assert use.budget_bytes is None or use.budget_bytes > 0  # /health's cache_budget_bytes, where serve gives it
+
+
 def test_every_hostile_request_gets_a_4xx_from_kvq_serve(kvq_server):
     result = load(kvq_server.endpoint(), (2,), hostile=True, duration=2.5, max_requests=500)
     point = result.points[0]

@@ -1,8 +1,11 @@
-"""The serving benchmark's prefix-reuse workloads: shared prefix and chat (:mod:`kvq_export.measure.workloads`).
+"""The serving benchmark's closed-loop workloads: shared prefix, chat and mixed (:mod:`kvq_export.measure.workloads`).
 
-Their generation (deterministic, the asked shape), what a perfect prefix cache could reuse, how each server's reuse
-is read (kvq's counters, llama-server's timings), the load against small FastAPI apps written here (the chat's turn
-order and history, the solo answers sent with ``cache_prompt: false``), and ``tools/serve_bench.py``'s options.
+Their generation (deterministic, the asked shape; mixed: the length distribution, no shared 16-token prefix), what a
+perfect prefix cache could reuse, how each server's reuse is read (kvq's counters, llama-server's timings), the
+cache occupancy read from several gauges at once and the memory model's share of the budget
+(:mod:`kvq_export.measure.cache_use`), the load against small FastAPI apps written here (the chat's turn order and
+history, the solo answers sent with ``cache_prompt: false``, each mixed request's own answer tokens), and
+``tools/serve_bench.py``'s options.
 """
 
 from __future__ import annotations
@@ -21,8 +24,20 @@ from tiny_models import byte_tokenizer, tiny_tokenizer
 
 from kvq_export.errors import KVQError
 from kvq_export.measure import Endpoint, LoadConfig
+from kvq_export.measure.cache_use import (
+    BYTES_USED,
+    PREEMPTIONS,
+    RUNNING,
+    TOKENS,
+    WAITING,
+    CacheModel,
+    bytes_per_token,
+    summarize_cache_use,
+    token_bytes,
+)
 from kvq_export.measure.peers import kvq_spec, llama_spec, og_spec
 from kvq_export.measure.prefix_load import measure_workload
+from kvq_export.measure.prompts import corpus_windows
 from kvq_export.measure.report import markdown_table, write_bars
 from kvq_export.measure.reuse import (
     PREFIX_HITS,
@@ -34,14 +49,19 @@ from kvq_export.measure.reuse import (
     prefix_counters,
     timings_totals,
 )
+from kvq_export.measure.watch import MetricsWatch, gauge_max, metric_values
 from kvq_export.measure.workloads import (
     SEPARATOR,
     ChatSizes,
     ChatWorkload,
+    MixedSizes,
+    MixedWorkload,
     SharedPrefixSizes,
     SharedPrefixWorkload,
     chat_messages,
     chat_workload,
+    draw_lengths,
+    mixed_workload,
     shared_prefix_workload,
 )
 
@@ -117,6 +137,65 @@ def test_workload_sizes_refuse_bad_values_naming_what_is_allowed():
         shared_prefix_workload(byte_tokenizer(), SharedPrefixSizes(groups=1, prefix_tokens=10**6))
 
 
+def _shared_lead(prompts: list[list[int]]) -> int:
+    """The longest prefix any two of ``prompts`` (token ids) share."""
+    longest = 0
+    for k, ids in enumerate(prompts):
+        for other in prompts[:k]:
+            n = next((j for j, (a, b) in enumerate(zip(ids, other)) if a != b), min(len(ids), len(other)))
+            longest = max(longest, n)
+    return longest
+
+
+def test_mixed_lengths_are_lognormal_within_their_range_and_the_same_for_a_seed():
+    sizes = MixedSizes(requests=64)
+    prompts, answers = draw_lengths(sizes)
+    assert (prompts, answers) == draw_lengths(MixedSizes(requests=64))  # deterministic
+    assert draw_lengths(MixedSizes(requests=64, seed=1)) != (prompts, answers)
+    assert len(prompts) == len(answers) == 64
+    assert all(100 <= n <= 4000 for n in prompts) and all(32 <= n <= 256 for n in answers)
+    for seed in range(3):  # by strata: the median is near 600 at any seed, the tail reaches past 2500
+        drawn, _ = draw_lengths(MixedSizes(requests=64, seed=seed))
+        assert 570 <= sorted(drawn)[32] <= 630 and max(drawn) > 2500 and min(drawn) < 160
+    many, spread = draw_lengths(MixedSizes(requests=2000))
+    above = sum(n > 600 for n in many) / len(many)
+    assert 0.47 <= above <= 0.53 and max(many) > 3800 and min(many) < 110  # a lognormal's median, its range
+    assert min(spread) == 32 and max(spread) == 256 and 134 <= sum(spread) / len(spread) <= 154  # uniform
+    # one range changes, the other's draws do not
+    assert draw_lengths(MixedSizes(requests=64, answer_max=64))[0] == prompts
+    with pytest.raises(KVQError, match=r"min <= median <= max"):
+        MixedSizes(prompt_median=50)
+    with pytest.raises(KVQError, match=r"invalid answer lengths min=300 > max=256"):
+        MixedSizes(answer_min=300)
+
+
+def test_mixed_prompts_start_at_their_own_offsets_and_share_no_16_token_prefix(tmp_path):
+    from kvq_export.corpus import load_corpus
+
+    tokenizer = byte_tokenizer()  # one token per byte
+    workload = mixed_workload(tokenizer, MixedSizes(requests=24))
+    assert workload == mixed_workload(tokenizer, MixedSizes(requests=24)) and workload.jobs == workload.requests == 24
+    lengths, answers = draw_lengths(workload.sizes)
+    ids = [workload.prompt_ids(workload.request(job, [])) for job in range(24)]
+    assert all(abs(len(i) - n) <= 4 for i, n in zip(ids, lengths))  # stripped
+    assert _shared_lead(ids) < 15 and allowed_reuse((i, []) for i in ids)[1] < 15 * 24
+    assert [workload.answer_tokens(job, 32) for job in range(24)] == list(answers)
+    assert workload.request(3, ["its answer"]) is None and workload.context_needed(256) == 4000 + 8 + 256
+    # a short corpus, and one that repeats itself: windows overlap, yet none starts like another
+    text = load_corpus("britannica")[:6000]
+    (tmp_path / "short.txt").write_text(text)
+    (tmp_path / "periodic.txt").write_text(text[:700] * 12)
+    for name in ("short.txt", "periodic.txt"):
+        passages = corpus_windows(tokenizer, [900, 2500, 4000, 300, 1500] * 4, corpus=str(tmp_path / name),
+                                  offset=100)
+        assert len(passages) == 20 and sum(map(len, passages)) > 5 * len(text)
+        assert _shared_lead([tokenizer.encode(p, add_special_tokens=False) for p in passages]) < 15
+    with pytest.raises(KVQError, match="does not fit"):
+        corpus_windows(tokenizer, [7000], corpus=str(tmp_path / "short.txt"))
+    with pytest.raises(KVQError, match="one answer length per prompt"):
+        MixedWorkload(tokenizer, MixedSizes(), ("a", "b"), (32,))
+
+
 # -- what the workload allows, what the servers say -----------------------------------------------------------------
 def test_allowed_reuse_is_the_longest_prefix_of_an_earlier_prompt_and_its_answer():
     assert allowed_reuse([]) == (0, 0)
@@ -173,6 +252,76 @@ def test_each_server_declares_how_its_reuse_is_read_and_switched_off():
     assert " -np 16 -c 20480 " in f" {line} " and "--no-cache-prompt" not in line and llama.context_tokens == 1280
     with pytest.raises(KVQError, match=r"invalid slot_context=0: allowed"):
         llama_spec("/opt/llama-server", "/m/model.gguf", slots=1, slot_context=0)
+
+
+# -- cache occupancy ------------------------------------------------------------------------------------------------
+def test_several_metrics_are_read_from_one_prometheus_page():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+    registry = CollectorRegistry()
+    for name, value in ((RUNNING, 5), (WAITING, 2), (TOKENS, 3100), (BYTES_USED, 36_000_000)):
+        Gauge(name, "a gauge", registry=registry).set(value)
+    Counter(PREEMPTIONS[: -len("_total")], "a counter", registry=registry).inc(7)
+    Gauge("llamacpp:requests_processing", "per slot", ["slot"], registry=registry).labels("a").set(2)
+    page = generate_latest(registry).decode()
+    names = [RUNNING, WAITING, TOKENS, BYTES_USED, PREEMPTIONS, "llamacpp:requests_processing", "kvq_absent"]
+    assert metric_values(page, names) == {RUNNING: 5.0, WAITING: 2.0, TOKENS: 3100.0, BYTES_USED: 36e6,
+                                          PREEMPTIONS: 7.0, "llamacpp:requests_processing": 2.0}  # absent: left out
+    labelled = 'llamacpp:requests_processing{slot="a"} 2\nllamacpp:requests_processing{slot="b"} 5.0\n'
+    assert metric_values(labelled, ["llamacpp:requests_processing", RUNNING]) == {"llamacpp:requests_processing": 5.0}
+    assert gauge_max(page, TOKENS) == 3100.0 and gauge_max(page, "kvq_absent") is None  # the one-gauge read
+    assert metric_values("not { a page", [RUNNING]) is None
+    watch = MetricsWatch("http://127.0.0.1:9/metrics", [RUNNING, TOKENS, RUNNING])
+    assert watch.names == (RUNNING, TOKENS)
+    watch.samples += [(0.0, {RUNNING: 2.0}), (1.0, {RUNNING: 4.0, TOKENS: 10.0})]
+    assert watch.largest(RUNNING) == 4.0 and watch.largest(TOKENS) == 10.0 and watch.largest(WAITING) is None
+
+
+def test_budget_use_is_held_tokens_by_the_memory_model_while_requests_wait():
+    budget, per_token = 1_000_000, 100.0
+    samples = [
+        {RUNNING: 2, WAITING: 1, TOKENS: 3000, BYTES_USED: 400_000},  # waiting: the budget binds
+        {RUNNING: 4, WAITING: 2, TOKENS: 8000, BYTES_USED: 900_000},
+        {RUNNING: 1, WAITING: 0, TOKENS: 500, BYTES_USED: 60_000},  # nobody waits: not in the fair figure
+        {RUNNING: 0, WAITING: 3, TOKENS: 0, BYTES_USED: 0},  # nothing runs yet
+        {"llamacpp:requests_processing": 1},  # a scrape without kvq's gauges
+    ]
+    model = CacheModel.from_health({"status": "ok", "cache_budget_bytes": budget, "max_seqs": 4}, per_token)
+    assert model == CacheModel(budget, per_token, 4)
+    use = summarize_cache_use(samples, model, before={PREEMPTIONS: 3}, after={PREEMPTIONS: 5})
+
+    def holds(s: dict) -> float:  # the memory model: sequences of the running average size the budget holds
+        return budget / (s[TOKENS] / s[RUNNING] * per_token)
+
+    assert use.utilization == pytest.approx((2 / holds(samples[0]) + 4 / holds(samples[1])) / 2) == 0.55
+    assert use.utilization_running == pytest.approx((0.3 + 0.8 + 0.05) / 3)
+    assert use.bytes_used_share == pytest.approx((0.4 + 0.9) / 2)
+    assert (use.samples, use.waiting_samples, use.running_max, use.tokens_max) == (4, 2, 4, 8000)
+    assert (use.max_seqs, use.at_max_seqs) == (4, 1)  # the second sample waited on the sequence count
+    assert use.running_mean == pytest.approx(7 / 4) and use.tokens_mean == pytest.approx(11500 / 4)
+    assert use.preemptions == 2 and use.to_dict()["utilization"] == use.utilization
+    # a server without the gauges, the budget or the export: None, never 0
+    llama = summarize_cache_use([{"llamacpp:requests_processing": 3}], CacheModel.from_health({"status": "ok"}),
+                                before={}, after={})
+    assert llama.samples == 0 and llama.running_mean is None and llama.utilization is None
+    assert llama.preemptions is None and llama.tokens_max is None and llama.at_max_seqs is None
+    no_budget = summarize_cache_use(samples, CacheModel(bytes_per_token=per_token))
+    assert no_budget.utilization is None and no_budget.running_max == 4 and no_budget.preemptions is None
+    assert summarize_cache_use(samples, CacheModel(budget_bytes=budget)).utilization is None  # no bytes per token
+    assert CacheModel.from_health(None) == CacheModel.from_health({"cache_budget_bytes": True, "max_seqs": 0}) \
+        == CacheModel()
+
+
+def test_bytes_per_token_is_the_memory_models_growth_per_token(tmp_path):
+    from kvq_export.model_facts import Geometry
+    from kvq_export.presets import get_preset
+
+    smollm2 = Geometry(num_layers=30, num_kv_heads=3, head_dim=64)
+    assert token_bytes(get_preset("fp16"), smollm2) == 30 * 2 * 3 * 64 * 2  # keys and values, 2 bytes each
+    assert token_bytes(get_preset("ort-int8"), smollm2) == 30 * 2 * 3 * 64  # 1 byte; static scales cancel out
+    kivi = token_bytes(get_preset("kivi-4"), smollm2)  # its fp16 recent window is a fixed cost, not per token
+    assert 30 * 2 * 3 * 64 / 2 < kivi < 30 * 2 * 3 * 64
+    assert bytes_per_token(tmp_path) is None  # not an export: unknown, not 0
 
 
 # -- the load, against apps written here ----------------------------------------------------------------------------
@@ -292,7 +441,10 @@ def test_shared_prefix_load_reads_kvq_counters_around_the_load_only(counters, tm
         endpoint = Endpoint(url, "m", metrics_url=f"{url}/metrics", reuse=ReuseSource.METRICS,
                             uncached_body={"cache_prompt": False})
         result = measure_workload(endpoint, workload, LoadConfig(clients=(2,), request_timeout=TIMEOUT))
-    assert [r["prompt"] for r in seen[:6]] == [workload.prompt(j) for j in range(6)]  # the order, interleaved
+    # taken in job order (the order, interleaved), though two clients' requests may reach the server either way round;
+    # then alone, one after another, in the order sent
+    expected = [workload.prompt(j) for j in range(6)]
+    assert sorted(r["prompt"] for r in seen[:6]) == sorted(expected) and [r["prompt"] for r in seen[6:]] == expected
     assert [r["uncached"] for r in seen] == [False] * 6 + [True] * 6
     (point,) = result.points
     assert point.compared == 6 and point.differ == 6  # "cold" alone, "ok" under load: every answer counted
@@ -313,6 +465,86 @@ def test_a_prefix_workload_runs_at_one_client_count_without_the_hostile_client()
                             (LoadConfig(clients=(4,), hostile=True), "hostile")):
         with pytest.raises(KVQError, match=message):
             measure_workload(Endpoint("http://127.0.0.1:9", "m"), workload, config)
+
+
+def mixed_app(seen: list[dict], kvq: bool):
+    """Answers ``"ok"`` (``"cold"`` alone) after 0.3 s; ``/metrics`` with kvq's cache gauges when ``kvq``.
+
+    Its gauges say 2 sequences run holding 3000 tokens while 1 waits; each loaded request counts a preemption.
+    ``/health`` gives a budget of 10**6 bytes, 2 sequences at most and 300 positions when ``kvq``, llama-server's
+    bare status when not.
+    """
+    app, preempted = FastAPI(), [0]
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        cold = body.get("cache_prompt") is False
+        seen.append({"prompt": body["prompt"], "uncached": cold, "max_tokens": body["max_tokens"]})
+        preempted[0] += not cold
+        await asyncio.sleep(0.3)
+        events = [_event({"object": "text_completion",
+                          "choices": [{"index": 0, "text": "cold" if cold else "ok", "finish_reason": "length"}]}),
+                  _event({"object": "text_completion", "choices": [],
+                          "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}),
+                  "data: [DONE]\n\n"]
+        return StreamingResponse(iter(events), media_type="text/event-stream")
+
+    @app.get("/metrics")
+    async def metrics():
+        if not kvq:
+            return PlainTextResponse('llamacpp:requests_processing{slot="0"} 2\n')
+        return PlainTextResponse(f"{RUNNING} 2\n{WAITING} 1\n{TOKENS} 3000\n{BYTES_USED} 400000\n"
+                                 f"# TYPE kvq_preemptions counter\n{PREEMPTIONS} {preempted[0]}\n")
+
+    @app.get("/health")
+    async def health():
+        limits = {"cache_budget_bytes": 10**6, "max_seqs": 2, "max_positions": 300}
+        return {"status": "ok", **(limits if kvq else {})}
+
+    return app
+
+
+@pytest.mark.parametrize("kvq", [True, False])
+def test_a_mixed_load_asks_each_requests_own_answer_tokens_and_reads_the_cache(kvq, monkeypatch, caplog):
+    import kvq_export.measure.prefix_load as prefix_load
+
+    monkeypatch.setattr(prefix_load, "bytes_per_token", lambda directory: 100.0)  # the export's memory model
+    answers = (40, 33, 200, 77)
+    workload = MixedWorkload(tiny_tokenizer(), MixedSizes(requests=4, prompt_median=30, prompt_min=10, prompt_max=60),
+                             tuple(words(n, start=n) for n in (12, 30, 55, 21)), answers)
+    seen: list[dict] = []
+    gauge = RUNNING if kvq else "llamacpp:requests_processing"
+    with serving(mixed_app(seen, kvq)) as url, caplog.at_level("WARNING", logger="kvq_export.measure.prefix_load"):
+        endpoint = Endpoint(url, "m", metrics_url=f"{url}/metrics", gauge=gauge, reuse=ReuseSource.METRICS,
+                            uncached_body={"cache_prompt": False}, health_url=f"{url}/health",
+                            export_dir="/exports/x" if kvq else None)
+        result = measure_workload(endpoint, workload, LoadConfig(clients=(2,), max_tokens=256,
+                                                                 request_timeout=TIMEOUT))
+    loaded, solo = seen[:4], seen[4:]
+    asked = dict(zip(workload.prompts, answers))
+    assert sorted(r["prompt"] for r in loaded) == sorted(asked) and [r["prompt"] for r in solo] == list(asked)
+    assert all(r["max_tokens"] == asked[r["prompt"]] for r in seen)  # each request's own answer tokens
+    assert [r["uncached"] for r in seen] == [False] * 4 + [True] * 4
+    (point,) = result.points
+    use = point.cache_use
+    assert point.reuse.allowed_tokens == 0 and point.gauge_max == 2
+    if kvq:
+        assert use.samples >= 1 and use.waiting_samples == use.samples and use.running_max == 2
+        assert (use.budget_bytes, use.bytes_per_token, use.preemptions) == (10**6, 100.0, 4)
+        assert use.at_max_seqs == use.waiting_samples  # 2 run, the most it runs: the count keeps the waiting out
+        assert use.utilization == pytest.approx(0.3) and use.bytes_used_share == pytest.approx(0.4)
+        assert "serves 300 positions" in caplog.text  # fewer than 60 + 8 + 256 tokens: a warning
+    else:  # llama-server: none of kvq's gauges, no budget: unknown, never 0
+        assert use.samples == 0 and use.utilization is None and use.preemptions is None
+        assert use.budget_bytes is None and use.bytes_per_token is None
+    table = markdown_table([result])
+    assert "| running mean | running max | tokens held mean | budget use | preempted |" in table
+    row = table.splitlines()[2]
+    assert row.endswith("| 2.0 | 2 | 3000 | 0.300 | 4 |" if kvq else "| - | - | - | - | - |")
+    assert ("budget 0.9537 MiB, 100 bytes per token" in table and "with max_seqs=2 running" in table) if kvq \
+        else ("has no kvq_sequences_running" in table)
+    assert json.loads(json.dumps(result.to_dict()))["points"][0]["cache_use"]["utilization"] == use.utilization
 
 
 # -- the command line ------------------------------------------------------------------------------------------------
@@ -350,3 +582,25 @@ def test_one_kvq_server_gets_its_own_extra_arguments(serve_bench):
     args = serve_bench.parse_args(["--servers", "kvq", "--kvq", "/e", "--kvq-extra", "other=--no-prefix-cache"])
     with pytest.raises(KVQError, match=r"--kvq-extra 'other=--no-prefix-cache': allowed: .*\(kvq\)"):
         serve_bench.server_specs(args)
+
+
+def test_the_command_line_reads_the_mixed_workload(serve_bench):
+    args = serve_bench.parse_args(["--workload", "mixed"])
+    assert args.workload == "mixed" and args.clients == (16,) and args.max_requests == 64 and args.max_tokens == 256
+    assert serve_bench.mixed_sizes(args) == MixedSizes()
+    args = serve_bench.parse_args(["--workload", "mixed", "--clients", "8", "--max-requests", "32", "--median-tokens",
+                                   "500", "--prompt-range", "50,2000", "--answer-range", "16,64", "--solo-every", "4"])
+    assert serve_bench.mixed_sizes(args) == MixedSizes(32, 500, 50, 2000, 16, 64)
+    assert args.clients == (8,) and args.max_tokens == 64 and args.solo_every == 4
+    for wrong in (["--max-tokens", "32"], ["--prompt-range", "100"], ["--answer-range", "a,b"]):
+        with pytest.raises(SystemExit):
+            serve_bench.parse_args(["--workload", "mixed", *wrong])
+    args = serve_bench.parse_args(["--workload", "mixed", "--max-requests", "8", "--median-tokens", "200",
+                                   "--prompt-range", "100,400"])
+    config = LoadConfig(clients=args.clients, max_requests=args.max_requests, max_tokens=args.max_tokens)
+    work = serve_bench.load_input(args, config, byte_tokenizer())
+    assert isinstance(work, MixedWorkload) and work.requests == 8 and work.sizes.prompt_max == 400
+    assert serve_bench.workload_meta(args.workload, work)["requests"] == 8
+    # llama-server's slots hold the longest prompt the sizes allow and the most answer tokens, rounded up
+    assert serve_bench.slot_context(MixedWorkload(None), 256) == 4352
+    assert kvq_spec("/exports/x").export_dir == "/exports/x" and og_spec("/builds/og").export_dir is None

@@ -12,9 +12,16 @@ closed-loop streaming clients (the official ``openai`` client) for ``--duration`
   interleaved (shuffled, fixed seed), 32 greedy tokens out;
 * ``chat``: ``--conversations`` 32 of ``--turns`` 6 on ``/v1/chat/completions``, one ``--system-tokens`` 300
   system passage for all, ``--user-tokens`` 60 per user turn, the whole history (with the server's own replies)
-  resent each turn, 48 greedy tokens out.
+  resent each turn, 48 greedy tokens out;
+* ``mixed``: ``--max-requests`` (default 64) prompts on ``/v1/completions``, lengths lognormal with median
+  ``--median-tokens`` 600 truncated to ``--prompt-range`` 100,4000, each from its own corpus offset (no two share a
+  16-token prefix: a prefix cache cannot help), asking for ``--answer-range`` 32,256 greedy tokens (uniform; an
+  answer may end sooner at EOS). Beside the usual figures it reports the server's cache occupancy from its metrics
+  (``kvq_sequences_running`` mean and max, ``kvq_cache_tokens``, ``kvq_cache_bytes_used``, the change of
+  ``kvq_preemptions_total``) and the memory model's share of the budget the held tokens take while requests wait
+  (``/health``'s ``cache_budget_bytes``, bytes per token from the export; :mod:`kvq_export.measure.cache_use`).
 
-The last two run once, at one client count (``--clients``, default 16), then send each request alone with
+The last three run once, at one client count (``--clients``, default 16), then send each request alone with
 ``cache_prompt: false`` (kvq, llama-server), and report each server's prefix hit rate beside what the workload
 allowed (:mod:`kvq_export.measure.prefix_load`). What each server needs, built or found first:
 
@@ -31,6 +38,8 @@ Writes JSON, a markdown table and a PNG plot (``--json``, ``--markdown``, ``--pl
         --prompts 16 --hostile --json serve.json --markdown serve.md --plot serve.png
     python tools/serve_bench.py --workload shared-prefix --kvq kvq=EXPORT --kvq kvq-cold=EXPORT \\
         --kvq-extra kvq-cold=--no-prefix-cache --json prefix.json --markdown prefix.md --plot prefix.png
+    python tools/serve_bench.py --workload mixed --servers kvq,llama --kvq EXPORT --clients 16 --max-requests 64 \\
+        --json mixed.json --markdown mixed.md --plot mixed.png
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ from kvq_export.errors import KVQError
 from kvq_export.measure.load import DEFAULT_CLIENTS, LoadConfig
 from kvq_export.measure.prompts import DEFAULT_PROMPT_TOKENS, DEFAULT_PROMPTS, corpus_prompts
 from kvq_export.measure.report import write_bars, write_json, write_markdown, write_plot
-from kvq_export.measure.workloads import MAX_TOKENS, ChatSizes, SharedPrefixSizes, WorkloadKind
+from kvq_export.measure.workloads import MAX_TOKENS, ChatSizes, MixedSizes, SharedPrefixSizes, WorkloadKind
 
 logger = logging.getLogger("serve_bench")
 
@@ -65,6 +74,14 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r}: allowed: integers separated by commas") from None
 
 
+def _range(text: str) -> tuple[int, int]:
+    try:
+        low, high = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: MIN,MAX (two integers)") from None
+    return low, high
+
+
 def _servers(text: str) -> tuple[str, ...]:
     names = tuple(part.strip() for part in text.split(",") if part.strip())
     unknown = sorted(set(names) - set(SERVERS))
@@ -74,7 +91,7 @@ def _servers(text: str) -> tuple[str, ...]:
 
 
 def _sizes(parser: argparse.ArgumentParser) -> None:
-    shared, chat = SharedPrefixSizes(), ChatSizes()
+    shared, chat, mixed = SharedPrefixSizes(), ChatSizes(), MixedSizes()
     group = parser.add_argument_group("shared-prefix workload")
     group.add_argument("--groups", type=int, default=shared.groups, help="prefix groups")
     group.add_argument("--questions", type=int, default=shared.questions, help="questions per group")
@@ -85,6 +102,14 @@ def _sizes(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--turns", type=int, default=chat.turns, help="user turns per conversation")
     group.add_argument("--system-tokens", type=int, default=chat.system_tokens, help="tokens of the system prompt")
     group.add_argument("--user-tokens", type=int, default=chat.user_tokens, help="tokens per user turn")
+    group = parser.add_argument_group("mixed workload (its prompts: --max-requests, default "
+                                      f"{mixed.requests})")
+    group.add_argument("--median-tokens", type=int, default=mixed.prompt_median,
+                       help="median prompt tokens of the lognormal lengths")
+    group.add_argument("--prompt-range", type=_range, default=(mixed.prompt_min, mixed.prompt_max),
+                       metavar="MIN,MAX", help="prompt tokens, the lognormal truncated to them")
+    group.add_argument("--answer-range", type=_range, default=(mixed.answer_min, mixed.answer_max),
+                       metavar="MIN,MAX", help="answer tokens each request asks for (uniform)")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -100,13 +125,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--workload", choices=[str(kind) for kind in WorkloadKind], default=None,
                         help="what the clients send (default: repeated)")
     parser.add_argument("--clients", type=_ints, default=None,
-                        help="client counts (default 1,...,64; shared-prefix and chat: one count, default 16)")
+                        help="client counts (default 1,...,64; shared-prefix, chat and mixed: one count, default 16)")
     parser.add_argument("--duration", type=float, default=60.0,
-                        help="seconds of load per client count (shared-prefix and chat run to their end)")
-    parser.add_argument("--max-requests", type=int, default=None, help="at most this many requests per count")
-    parser.add_argument("--solo-every", type=int, default=1,
-                        help="shared-prefix and chat: every n-th loaded request is sent again alone (default 1: all)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="tokens per answer, greedy (default 32; chat 48)")
+                        help="seconds of load per client count (shared-prefix, chat and mixed run to their end)")
+    parser.add_argument("--max-requests", type=int, default=None,
+                        help="at most this many requests per count (mixed: its prompts, default 64)")
+    parser.add_argument("--solo-every", type=int, default=1, help="shared-prefix, chat and mixed: every n-th loaded "
+                        "request is sent again alone (default 1: all)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="tokens per answer, greedy (default 32; chat 48; mixed: see --answer-range)")
     parser.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, help="tokens per prompt")
     parser.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS, help="distinct prompts (each one solo too)")
     parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds any one request may take")
@@ -128,6 +155,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--distinct is --workload distinct; it conflicts with --workload {args.workload}")
     args.workload = WorkloadKind(args.workload or (WorkloadKind.DISTINCT if args.distinct else WorkloadKind.REPEATED))
     args.distinct = args.workload is WorkloadKind.DISTINCT
+    if args.workload is WorkloadKind.MIXED:
+        if args.max_tokens is not None:
+            parser.error("the mixed workload draws each request's answer tokens: --answer-range MIN,MAX, not "
+                         "--max-tokens")
+        args.max_tokens = args.answer_range[1]
+        args.max_requests = args.max_requests or MixedSizes().requests
     reuse = args.workload in MAX_TOKENS
     args.clients = args.clients or (WORKLOAD_CLIENTS if reuse else DEFAULT_CLIENTS)
     args.max_tokens = args.max_tokens or MAX_TOKENS.get(args.workload, 32)
@@ -184,10 +217,17 @@ def slot_context(work, max_tokens: int) -> int:
     return max(SLOT_CONTEXT, -(-work.context_needed(max_tokens) // SLOT_STEP) * SLOT_STEP)
 
 
+def mixed_sizes(args: argparse.Namespace) -> MixedSizes:
+    """The mixed workload's shape from the command line (a one-line :class:`KVQError` for a bad one)."""
+    return MixedSizes(requests=args.max_requests, prompt_median=args.median_tokens, prompt_min=args.prompt_range[0],
+                      prompt_max=args.prompt_range[1], answer_min=args.answer_range[0],
+                      answer_max=args.answer_range[1])
+
+
 def load_input(args: argparse.Namespace, config: LoadConfig, tokenizer):
-    """The prompts (repeated, distinct) or the workload (shared-prefix, chat) the clients send."""
+    """The prompts (repeated, distinct) or the workload (shared-prefix, chat, mixed) the clients send."""
     from kvq_export.measure.prefix_load import check_config
-    from kvq_export.measure.workloads import chat_workload, shared_prefix_workload
+    from kvq_export.measure.workloads import chat_workload, mixed_workload, shared_prefix_workload
 
     if args.workload is WorkloadKind.SHARED_PREFIX:
         work = shared_prefix_workload(tokenizer, SharedPrefixSizes(args.groups, args.questions, args.prefix_tokens,
@@ -195,6 +235,8 @@ def load_input(args: argparse.Namespace, config: LoadConfig, tokenizer):
     elif args.workload is WorkloadKind.CHAT:
         work = chat_workload(tokenizer, ChatSizes(args.conversations, args.turns, args.system_tokens,
                                                   args.user_tokens))
+    elif args.workload is WorkloadKind.MIXED:
+        work = mixed_workload(tokenizer, mixed_sizes(args))
     else:
         count = max(args.prompts, config.prompts_needed(args.peak_tok_s)) if args.distinct else args.prompts
         return corpus_prompts(tokenizer, count, args.prompt_tokens)

@@ -9,9 +9,10 @@ Three lines of Python load a running server::
 :mod:`~kvq_export.measure.load` is the closed-loop driver (the official ``openai`` client), with
 :mod:`~kvq_export.measure.hostile` (bad requests beside it) and :mod:`~kvq_export.measure.watch` (RSS, a metrics
 gauge); :mod:`~kvq_export.measure.prompts` cuts prompts from the offline corpus;
-:mod:`~kvq_export.measure.workloads` builds the prefix-reuse workloads (shared prefix, multi-turn chat), which
-:mod:`~kvq_export.measure.prefix_load` runs and :mod:`~kvq_export.measure.reuse` scores (hit rate against what the
-workload allowed); :mod:`~kvq_export.measure.peers`
+:mod:`~kvq_export.measure.workloads` builds the closed-loop workloads (shared prefix, multi-turn chat, mixed
+lengths), which :mod:`~kvq_export.measure.prefix_load` runs, :mod:`~kvq_export.measure.reuse` scores (hit rate
+against what the workload allowed) and :mod:`~kvq_export.measure.cache_use` weighs (cache occupancy against the
+memory model); :mod:`~kvq_export.measure.peers`
 starts and stops servers (``kvq serve``, :mod:`~kvq_export.measure.og_server`, llama-server) and
 :mod:`~kvq_export.measure.side_by_side` runs them one after another; :mod:`~kvq_export.measure.builder` makes
 onnxruntime-genai's builder export; :mod:`~kvq_export.measure.report` writes the table, the plot and JSON.

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from kvq_export.errors import DependencyError, KVQError
+from kvq_export.measure.cache_use import CacheUse
 from kvq_export.measure.hostile import HOSTILE_TIMEOUT, HostileResult, hostile_cases, hostile_loop
 from kvq_export.measure.reuse import PrefixReuse, ReuseSource
 from kvq_export.measure.watch import GaugeWatch, RssSummary, RssWatch
@@ -51,7 +52,8 @@ class Endpoint:
 
     ``pid``: the server's process (its RSS is sampled); ``metrics_url``: a Prometheus text page scraped for
     ``gauge``; ``reuse``: where its prefix reuse is read from; ``uncached_body``: body fields that serve a request
-    without any cached prefix (sent with the solo answers of the prefix-reuse workloads).
+    without any cached prefix (sent with the solo answers of the prefix-reuse workloads); ``health_url``: its health
+    page (kvq serve's gives its cache budget); ``export_dir``: the kvq export it serves (its memory model).
     """
 
     base_url: str
@@ -62,6 +64,8 @@ class Endpoint:
     gauge: str = DEFAULT_GAUGE
     reuse: ReuseSource = ReuseSource.NONE
     uncached_body: dict[str, Any] = field(default_factory=dict)
+    health_url: str | None = None
+    export_dir: str | None = None
 
     @property
     def v1(self) -> str:
@@ -150,6 +154,7 @@ class PointResult:
     gauge_max: float | None = None
     out_of_prompts: bool = False  # a distinct-prompt point that used up its fresh prompts before its duration
     reuse: PrefixReuse | None = None  # the prefix-reuse workloads: reuse allowed and reused
+    cache_use: CacheUse | None = None  # the mixed workload on a server with a metrics page: cache occupancy
 
     @property
     def tokens_per_s(self) -> float:
@@ -158,10 +163,10 @@ class PointResult:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
-        data = {name: getattr(self, name) for name in self.__dataclass_fields__ if name not in ("hostile", "reuse")}
+        nested = ("hostile", "reuse", "cache_use")
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__ if name not in nested}
         data["tokens_per_s"] = self.tokens_per_s
-        data["hostile"] = None if self.hostile is None else self.hostile.to_dict()
-        data["reuse"] = None if self.reuse is None else self.reuse.to_dict()
+        data.update({name: None if getattr(self, name) is None else getattr(self, name).to_dict() for name in nested})
         return data
 
 

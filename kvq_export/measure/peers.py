@@ -46,7 +46,8 @@ class ServerSpec:
     """How to start one server: ``argv`` with ``{port}`` where the port goes, and what its clients need.
 
     ``reuse``: where it reports prefix reuse; ``uncached_body``: the body fields that serve a request with no cached
-    prefix (empty where the server has no prefix cache).
+    prefix (empty where the server has no prefix cache); ``export_dir``: the kvq export it serves (its memory model
+    gives the cache's bytes per token), None for the others.
     """
 
     name: str
@@ -61,6 +62,7 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)
     reuse: ReuseSource = ReuseSource.NONE
     uncached_body: dict[str, Any] = field(default_factory=dict)
+    export_dir: str | None = None
 
     def command(self, port: int) -> list[str]:
         """The command line for ``port``."""
@@ -96,7 +98,7 @@ def kvq_spec(export_dir: str | os.PathLike[str], *, name: str = "kvq", extra_arg
             *extra_args)
     return ServerSpec(name=name, argv=argv, model=name, api_key=_option(extra_args, "--api-key"),
                       metrics_path="/metrics", gauge=DEFAULT_GAUGE, reuse=ReuseSource.METRICS,
-                      uncached_body=dict(NO_PROMPT_CACHE))
+                      uncached_body=dict(NO_PROMPT_CACHE), export_dir=os.fspath(export_dir))
 
 
 def og_spec(build_dir: str | os.PathLike[str], *, name: str = "og") -> ServerSpec:
@@ -187,7 +189,8 @@ class ServerProcess:
         """What the load driver needs to reach and watch this server."""
         metrics = f"{self.url}{self.spec.metrics_path}" if self.spec.metrics_path else None
         return Endpoint(self.url, self.spec.model, api_key=self.spec.api_key, pid=self.pid, metrics_url=metrics,
-                        gauge=self.spec.gauge, reuse=self.spec.reuse, uncached_body=dict(self.spec.uncached_body))
+                        gauge=self.spec.gauge, reuse=self.spec.reuse, uncached_body=dict(self.spec.uncached_body),
+                        health_url=f"{self.url}{self.spec.health_path}", export_dir=self.spec.export_dir)
 
     def start(self) -> ServerProcess:
         """Start the server and wait until it is ready (a one-line :class:`KVQError` naming its log if it is not)."""

@@ -9,21 +9,28 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvq_export.measure.cache_use import RUNNING, CacheUse
 from kvq_export.measure.load import LoadResult, PointResult
 
 logger = logging.getLogger(__name__)
 
 HEADER = ("server", "clients", "requests", "errors", "differ from solo", "gen tok/s", "TTFT p50 s", "TTFT p99 s",
           "latency p50 s", "latency p99 s", "hostile 4xx", "gauge max", "RSS max MB")
-#: the columns added when a point carries prefix reuse (the shared-prefix and chat workloads)
+#: the columns added when a point carries prefix reuse (the shared-prefix, chat and mixed workloads)
 REUSE_HEADER = ("prefix hit", "reuse allowed", "hit / allowed")
+#: the columns added when a point carries cache occupancy (the mixed workload, on a server with a metrics page)
+CACHE_HEADER = ("running mean", "running max", "tokens held mean", "budget use", "preempted")
 
 
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def _row(result: LoadResult, point: PointResult, reuse: bool) -> list[str]:
+def _number(value: float | None, form: str) -> str:
+    return "-" if value is None else format(value, form)
+
+
+def _row(result: LoadResult, point: PointResult, reuse: bool, cache: bool) -> list[str]:
     hostile = "-" if point.hostile is None else f"{point.hostile.refused}/{point.hostile.sent}"
     rss = "-" if result.rss is None else f"{result.rss.max / 2**20:.0f}"
     row = [result.name, str(point.clients), str(point.requests), str(point.errors),
@@ -34,7 +41,38 @@ def _row(result: LoadResult, point: PointResult, reuse: bool) -> list[str]:
         shares = (None, None, None) if point.reuse is None else (point.reuse.hit_rate, point.reuse.allowed,
                                                                   point.reuse.of_allowed)
         row += ["-" if share is None else f"{share:.3f}" for share in shares]
+    if cache:
+        use = point.cache_use or CacheUse()
+        row += [_number(use.running_mean, ".1f"), _number(use.running_max, "g"), _number(use.tokens_mean, ".0f"),
+                _number(use.utilization, ".3f"), _number(use.preemptions, "g")]
     return row
+
+
+def _cache_notes(result: LoadResult) -> list[str]:
+    notes = []
+    for point in result.points:
+        use = point.cache_use
+        if use is None:
+            continue
+        where = f"- {result.name} at {point.clients} client(s), cache:"
+        if not use.samples:
+            notes.append(f"{where} its metrics page has no {RUNNING} (occupancy unknown)")
+            continue
+        budget = "no budget on /health" if use.budget_bytes is None else f"budget {use.budget_bytes / 2**20:.4g} MiB"
+        per_token = "no bytes per token" if use.bytes_per_token is None else f"{use.bytes_per_token:g} bytes per token"
+        said = (f"{where} {budget}, {per_token} (the memory model); requests waited in {use.waiting_samples} of "
+                f"{use.samples} samples")
+        if use.at_max_seqs:
+            said += (f", {use.at_max_seqs} of them with max_seqs={use.max_seqs} running (the sequence count, not the "
+                     "budget, kept requests out)")
+        if use.utilization is not None:
+            said += f"; there the held tokens took {use.utilization:.3f} of the budget by the memory model"
+        if use.utilization_running is not None:
+            said += f" ({use.utilization_running:.3f} over every sample with a sequence running)"
+        if use.bytes_used_share is not None:
+            said += f", and the server counted {use.bytes_used_share:.3f} of it used"
+        notes.append(said)
+    return notes
 
 
 def _reuse_notes(result: LoadResult) -> list[str]:
@@ -57,12 +95,14 @@ def _reuse_notes(result: LoadResult) -> list[str]:
 def markdown_table(results: Sequence[LoadResult]) -> str:
     """One row per server and client count; notes below it for failures, incomplete runs and memory.
 
-    Points with prefix reuse add :data:`REUSE_HEADER`'s columns (fractions; "-" where unknown).
+    Points with prefix reuse add :data:`REUSE_HEADER`'s columns (fractions; "-" where unknown), points with cache
+    occupancy :data:`CACHE_HEADER`'s (budget use: the memory model's share while requests waited).
     """
     reuse = any(p.reuse is not None for r in results for p in r.points)
-    header = HEADER + (REUSE_HEADER if reuse else ())
+    cache = any(p.cache_use is not None for r in results for p in r.points)
+    header = HEADER + (REUSE_HEADER if reuse else ()) + (CACHE_HEADER if cache else ())
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(_row(r, p, reuse)) + " |" for r in results for p in r.points]
+    lines += ["| " + " | ".join(_row(r, p, reuse, cache)) + " |" for r in results for p in r.points]
     notes = []
     for result in results:
         if result.incomplete:
@@ -94,7 +134,7 @@ def markdown_table(results: Sequence[LoadResult]) -> str:
             if point.missing_usage:
                 notes.append(f"- {result.name} at {point.clients} client(s): {point.missing_usage} answer(s) "
                              "without usage (their tokens are not counted)")
-        notes += _reuse_notes(result)
+        notes += _reuse_notes(result) + _cache_notes(result)
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 

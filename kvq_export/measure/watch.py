@@ -1,9 +1,11 @@
-"""What a server holds while it is loaded: its resident memory and a gauge from its metrics page.
+"""What a server holds while it is loaded: its resident memory and gauges from its metrics page.
 
 :class:`RssWatch` reads ``VmRSS`` of a process and of its descendants from ``/proc`` once a second;
-:class:`GaugeWatch` scrapes a Prometheus text page (``/metrics``) once a second for the largest value of one
-gauge (every series of that name, whatever its labels). Both run as asyncio tasks beside the load and never fail
-it: a vanished process or an unreachable page is a sample missed, counted, not an error.
+:class:`MetricsWatch` scrapes a Prometheus text page (``/metrics``) once a second for several samples at once (each
+name's largest value over its series, whatever their labels), and :class:`GaugeWatch` is the one-gauge case (its
+largest value over the load). They run as asyncio tasks beside the load and never fail it: a vanished process or
+an unreachable page is a sample missed, counted, not an error. :func:`read_metrics` is one scrape, for a counter
+read before and after a load.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 import logging
 import statistics
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -82,19 +85,41 @@ def summarize_rss(samples: list[tuple[float, int]]) -> RssSummary | None:
                       samples=len(samples))
 
 
-def gauge_max(text: str, name: str) -> float | None:
-    """The largest value of gauge ``name`` on a Prometheus text page (any labels), read by prometheus_client.
+def metric_values(text: str, names: Iterable[str]) -> dict[str, float] | None:
+    """The largest value of each of ``names`` on a Prometheus text page (any labels), read by prometheus_client.
 
-    None when the page has no such series or does not parse.
+    A name is a sample's name as the page writes it (a counter's ends in ``_total``); names the page lacks are left
+    out of the answer, never 0. None when the page does not parse.
     """
     from prometheus_client.parser import text_string_to_metric_families
 
+    wanted, found = set(names), {}
     try:
-        values = [sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-                  if sample.name == name]
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in wanted:
+                    found[sample.name] = max(found.get(sample.name, sample.value), sample.value)
     except ValueError:
         return None
-    return max(values) if values else None
+    return found
+
+
+def gauge_max(text: str, name: str) -> float | None:
+    """The largest value of gauge ``name`` on a Prometheus text page (any labels); None when absent or unparsed."""
+    return (metric_values(text, [name]) or {}).get(name)
+
+
+async def read_metrics(url: str, names: Iterable[str], timeout: float = 10.0) -> dict[str, float] | None:
+    """One scrape of ``url``: :func:`metric_values` of ``names``; None (and a warning) when the page is unreachable."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            reply = await client.get(url)
+    except httpx.HTTPError as err:
+        logger.warning("metrics %s: %s", url, err)
+        return None
+    return metric_values(reply.text, names) if reply.status_code == 200 else None
 
 
 class _EverySecond:
@@ -136,24 +161,38 @@ class RssWatch(_EverySecond):
         return summarize_rss(self.samples)
 
 
-class GaugeWatch(_EverySecond):
-    """Scrapes ``url`` once a second for the largest value of gauge ``name`` while running (``async with``)."""
+class MetricsWatch(_EverySecond):
+    """Scrapes ``url`` once a second for :func:`metric_values` of ``names`` while running (``async with``).
 
-    def __init__(self, url: str, name: str, timeout: float = 5.0) -> None:
-        self.url, self.name, self.timeout = url, name, timeout
-        self.max: float | None = None
-        self.scrapes = 0
+    ``samples``: ``(seconds since the start, {name: value})`` per scrape that found at least one of the names; a
+    scrape that found none (or failed) is counted in ``missed``.
+    """
+
+    def __init__(self, url: str, names: Iterable[str], timeout: float = 5.0) -> None:
+        self.url, self.names, self.timeout = url, tuple(dict.fromkeys(names)), timeout
+        self.samples: list[tuple[float, dict[str, float]]] = []
         self.missed = 0
+
+    @property
+    def scrapes(self) -> int:
+        """Scrapes that found at least one of the names."""
+        return len(self.samples)
+
+    def largest(self, name: str) -> float | None:
+        """The largest value ``name`` had over the samples; None when no sample had it."""
+        values = [found[name] for _, found in self.samples if name in found]
+        return max(values) if values else None
 
     async def _run(self) -> None:
         import httpx
 
+        start = time.monotonic()
         async with httpx.AsyncClient(timeout=self.timeout) as client:
             while True:
-                await self._scrape(client)
+                await self._scrape(client, start)
                 await asyncio.sleep(INTERVAL)
 
-    async def _scrape(self, client) -> None:
+    async def _scrape(self, client, start: float) -> None:
         import httpx
 
         try:
@@ -162,10 +201,21 @@ class GaugeWatch(_EverySecond):
             self.missed += 1
             logger.debug("metrics %s: %s", self.url, err)
             return
-        value = gauge_max(reply.text, self.name) if reply.status_code == 200 else None
-        if value is None:
+        found = metric_values(reply.text, self.names) if reply.status_code == 200 else None
+        if not found:
             self.missed += 1
             return
-        self.scrapes += 1
-        self.max = value if self.max is None else max(self.max, value)
+        self.samples.append((time.monotonic() - start, found))
 
+
+class GaugeWatch(MetricsWatch):
+    """Scrapes ``url`` once a second for the largest value of gauge ``name`` while running (``async with``)."""
+
+    def __init__(self, url: str, name: str, timeout: float = 5.0) -> None:
+        super().__init__(url, [name], timeout)
+        self.name = name
+
+    @property
+    def max(self) -> float | None:
+        """The gauge's largest value over the samples; None when no sample had it."""
+        return self.largest(self.name)

@@ -1,7 +1,8 @@
-"""Workloads whose prompts share prefixes: SGLang's generated shared prefix, and multi-turn chat.
+"""Workloads for closed-loop clients: SGLang's generated shared prefix, multi-turn chat, and mixed lengths.
 
-Both are cut from the offline corpus by :func:`~kvq_export.measure.prompts.corpus_passages` (distinct passages,
-tokenized with the served model's tokenizer and decoded back to text), and both are deterministic.
+All are cut from the offline corpus (:func:`~kvq_export.measure.prompts.corpus_passages` and
+:func:`~kvq_export.measure.prompts.corpus_windows`: passages tokenized with the served model's tokenizer and decoded
+back to text), and all are deterministic.
 
 * :func:`shared_prefix_workload`: ``groups`` x ``questions`` requests; each group has a prefix passage of
   ``prefix_tokens``, each request adds its own question passage of ``question_tokens``; the requests are shuffled
@@ -9,8 +10,15 @@ tokenized with the served model's tokenizer and decoded back to text), and both 
 * :func:`chat_workload`: ``conversations`` of ``turns`` turns on ``/v1/chat/completions``, one system passage
   shared by all, a distinct user passage per turn, the whole history resent each turn with the replies the server
   actually gave. 48 answer tokens.
+* :func:`mixed_workload`: ``requests`` prompts on ``/v1/completions`` whose lengths follow a lognormal (median
+  ``prompt_median``, sigma :data:`MIXED_SIGMA`) truncated to ``[prompt_min, prompt_max]`` tokens, each asking for a
+  number of answer tokens drawn uniformly from ``[answer_min, answer_max]`` (greedy; an answer may end sooner, at
+  EOS). Every prompt starts at its own corpus offset and no two share a prefix of
+  :data:`~kvq_export.measure.prompts.DISTINCT_PREFIX` tokens, so a prefix cache has nothing to reuse: what the
+  server holds grows with the tokens of the sequences it runs, which is what this workload measures
+  (:mod:`~kvq_export.measure.cache_use`).
 
-A workload is a list of jobs; a job is one request (shared prefix) or one conversation (chat). The load
+A workload is a list of jobs; a job is one request (shared prefix, mixed) or one conversation (chat). The load
 (:mod:`~kvq_export.measure.prefix_load`) hands jobs to clients as they free up and asks :meth:`Workload.request`
 for a job's next request given the replies so far; :meth:`Workload.prompt_ids` gives a request's token ids for
 :func:`~kvq_export.measure.reuse.allowed_reuse`.
@@ -18,15 +26,17 @@ for a job's next request given the replies so far; :meth:`Workload.prompt_ids` g
 
 from __future__ import annotations
 
+import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from statistics import NormalDist
 from typing import Any, ClassVar
 
 from kvq_export.errors import KVQError
-from kvq_export.measure.prompts import DEFAULT_OFFSET, corpus_passages
+from kvq_export.measure.prompts import DEFAULT_OFFSET, corpus_passages, corpus_windows
 
 #: a request: a text prompt (``/v1/completions``) or chat messages (``/v1/chat/completions``)
 Request = str | tuple[dict[str, str], ...]
@@ -43,10 +53,13 @@ class WorkloadKind(StrEnum):
     DISTINCT = "distinct"
     SHARED_PREFIX = "shared-prefix"
     CHAT = "chat"
+    MIXED = "mixed"
 
 
-#: answer tokens per request, by workload
-MAX_TOKENS = {WorkloadKind.SHARED_PREFIX: 32, WorkloadKind.CHAT: 48}
+#: answer tokens per request, by workload (mixed: the most a request asks for)
+MAX_TOKENS = {WorkloadKind.SHARED_PREFIX: 32, WorkloadKind.CHAT: 48, WorkloadKind.MIXED: 256}
+#: the mixed workload's lognormal prompt lengths: sigma of the length's logarithm (its mu: log of the median)
+MIXED_SIGMA = 0.8
 
 
 def _check_sizes(sizes: Any) -> None:
@@ -84,11 +97,57 @@ class ChatSizes:
 
 
 @dataclass(frozen=True)
+class MixedSizes:
+    """The mixed workload's shape: requests, prompt tokens (median and range), answer tokens (range), seed."""
+
+    requests: int = 64
+    prompt_median: int = 600
+    prompt_min: int = 100
+    prompt_max: int = 4000
+    answer_min: int = 32
+    answer_max: int = MAX_TOKENS[WorkloadKind.MIXED]
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_sizes(self)
+        if not self.prompt_min <= self.prompt_median <= self.prompt_max:
+            raise KVQError(f"invalid prompt lengths min={self.prompt_min}, median={self.prompt_median}, "
+                           f"max={self.prompt_max}: allowed: min <= median <= max")
+        if self.answer_min > self.answer_max:
+            raise KVQError(f"invalid answer lengths min={self.answer_min} > max={self.answer_max}: allowed: min <= max")
+
+
+def draw_lengths(sizes: MixedSizes) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(prompt tokens, answer tokens) of each request of the mixed workload, drawn with ``sizes.seed``.
+
+    Prompt lengths: a lognormal with mu = log(``prompt_median``) and sigma :data:`MIXED_SIGMA`, truncated to
+    ``[prompt_min, prompt_max]``, sampled by strata: request ``i`` of ``n`` takes the truncated distribution's
+    quantile at a random point of ``[i/n, (i+1)/n)``, then the lengths are shuffled. So any count follows the
+    distribution closely (at 64 the median is within a few % of ``prompt_median`` and the longest prompt near
+    ``prompt_max``), whatever the seed. Answer lengths: uniform integers in ``[answer_min, answer_max]``, from a
+    second generator, so changing one range leaves the other's draws alone.
+    """
+    drawn, n = random.Random(f"mixed-prompts-{sizes.seed}"), sizes.requests
+    lognormal = NormalDist(math.log(sizes.prompt_median), MIXED_SIGMA)  # of the length's logarithm
+    low, high = lognormal.cdf(math.log(sizes.prompt_min)), lognormal.cdf(math.log(sizes.prompt_max))
+    prompts = []
+    for i in range(n):
+        level = min(max(low + (i + drawn.random()) / n * (high - low), 1e-12), 1 - 1e-12)
+        prompts.append(min(max(round(math.exp(lognormal.inv_cdf(level))), sizes.prompt_min), sizes.prompt_max))
+    drawn.shuffle(prompts)
+    drawn = random.Random(f"mixed-answers-{sizes.seed}")
+    answers = [drawn.randint(sizes.answer_min, sizes.answer_max) for _ in range(n)]
+    return tuple(prompts), tuple(answers)
+
+
+@dataclass(frozen=True)
 class Workload(ABC):
     """Jobs for closed-loop clients; ``tokenizer`` (the served model's) turns requests into token ids."""
 
     tokenizer: Any = field(repr=False, compare=False)
     kind: ClassVar[WorkloadKind]
+    #: whether the load samples the server's cache occupancy (:mod:`~kvq_export.measure.cache_use`)
+    watches_cache: ClassVar[bool] = False
 
     @property
     @abstractmethod
@@ -115,6 +174,10 @@ class Workload(ABC):
     def answer_ids(self, text: str) -> list[int]:
         """An answer's token ids."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def answer_tokens(self, job: int, default: int) -> int:
+        """The answer tokens job ``job``'s requests ask for: ``default`` (the load's) unless the workload draws them."""
+        return default
 
 
 @dataclass(frozen=True)
@@ -187,6 +250,43 @@ class ChatWorkload(Workload):
         return (sizes.system_tokens + sizes.turns * (sizes.user_tokens + max_tokens) + messages * TEMPLATE_TOKENS)
 
 
+@dataclass(frozen=True)
+class MixedWorkload(Workload):
+    """``prompts[j]`` asking for ``answers[j]`` tokens, one request per job, sent in order."""
+
+    sizes: MixedSizes = MixedSizes()
+    prompts: tuple[str, ...] = ()
+    answers: tuple[int, ...] = ()
+    kind: ClassVar[WorkloadKind] = WorkloadKind.MIXED
+    watches_cache: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if len(self.prompts) != len(self.answers):
+            raise KVQError(f"the mixed workload needs one answer length per prompt; given {len(self.prompts)} "
+                           f"prompts and {len(self.answers)} lengths")
+
+    @property
+    def jobs(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def requests(self) -> int:
+        return len(self.prompts)
+
+    def request(self, job: int, replies: Sequence[str]) -> Request | None:
+        return None if replies else self.prompts[job]
+
+    def prompt_ids(self, request: Request) -> list[int]:
+        return list(self.tokenizer.encode(request, add_special_tokens=False))
+
+    def context_needed(self, max_tokens: int) -> int:
+        """The longest prompt the sizes allow and the most answer tokens (``max_tokens`` is not what it asks)."""
+        return self.sizes.prompt_max + TEMPLATE_TOKENS + self.sizes.answer_max
+
+    def answer_tokens(self, job: int, default: int) -> int:
+        return self.answers[job]
+
+
 def chat_messages(system: str, users: Sequence[str], replies: Sequence[str]) -> tuple[dict[str, str], ...]:
     """The history as sent: the system prompt, then each user turn followed by its reply (the last has none yet)."""
     if len(users) != len(replies) + 1:
@@ -229,3 +329,20 @@ def chat_workload(tokenizer: Any, sizes: ChatSizes = ChatSizes(), *, corpus: str
                                       corpus=corpus, offset=offset)
     users = tuple(tuple(flat[c * sizes.turns : (c + 1) * sizes.turns]) for c in range(sizes.conversations))
     return ChatWorkload(tokenizer, sizes, system, users)
+
+
+def mixed_workload(tokenizer: Any, sizes: MixedSizes = MixedSizes(), *, corpus: str = "britannica",
+                   offset: int = DEFAULT_OFFSET) -> MixedWorkload:
+    """The mixed workload: :func:`draw_lengths`, each prompt a window of its length from its own corpus offset.
+
+    The windows (:func:`~kvq_export.measure.prompts.corpus_windows`) are cut one after another from ``offset`` and
+    start over, a little further on, when the corpus ends: long prompts may overlap others' text, but no two prompts
+    share a prefix of :data:`~kvq_export.measure.prompts.DISTINCT_PREFIX` tokens.
+
+    Raises:
+        KVQError: bad sizes, or a prompt longer than the corpus after ``offset``.
+
+    """
+    prompt_lengths, answers = draw_lengths(sizes)
+    prompts = corpus_windows(tokenizer, prompt_lengths, corpus=corpus, offset=offset)
+    return MixedWorkload(tokenizer, sizes, tuple(prompts), answers)
