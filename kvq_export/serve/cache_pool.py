@@ -105,7 +105,7 @@ class CachePool:
     def preallocate(self) -> None:
         """Allocate a segment of the largest class now (rows of one size: the whole cache, held from the start)."""
         capacity = self.sizing.classes[-1]
-        self.segments.append(Segment.allocate(self.session, self.sizing.rows_per_segment[capacity], capacity))
+        self.segments.append(Segment.allocate(self.session, self.sizing.most_rows[capacity], capacity))
 
     # -- what the scheduler asks ---------------------------------------------------------------------------------
     def acquire(self, prompt: np.ndarray, *, lookup: bool = True, max_tokens: int | None = None) -> Lease | None:
@@ -202,8 +202,9 @@ class CachePool:
                 return Slot(segment, row)
         keep = None if protect is None else (protect.segment, protect.row)
         while True:
-            if self.allocated_bytes + self.sizing.segment_bytes(capacity) <= self.sizing.budget_bytes:
-                segment = Segment.allocate(self.session, self.sizing.rows_per_segment[capacity], capacity)
+            rows = self.sizing.segment_rows(capacity, sum(s.rows for s in self.segments if s.capacity == capacity))
+            if self.allocated_bytes + rows * self.sizing.row_bytes[capacity] <= self.sizing.budget_bytes:
+                segment = Segment.allocate(self.session, rows, capacity)
                 self.segments.append(segment)
                 return Slot(segment, 0)
             victim = next((key for key in self.idle if key != keep), None)

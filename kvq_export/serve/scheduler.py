@@ -132,7 +132,7 @@ class BatchBackend(Backend):
         fixed = self._fixed_rows(session, budget, context)
         by_tokens = Sizing.of(session, budget, context, self.smallest_row)
         self.resident_before_cache = resident_bytes()
-        check = RowCache(session, max(fixed.rows_per_segment[context], *by_tokens.rows_per_segment.values()),
+        check = RowCache(session, max(fixed.most_rows[context], *by_tokens.most_rows.values()),
                          min(CHECK_CAPACITY, context))
         self._check_batching(check)
         exact_moves = session.stored_prefill and self._reuse_holds(check)
@@ -143,9 +143,10 @@ class BatchBackend(Backend):
         if sizing is fixed:  # the whole cache, held from the start
             self.pool.preallocate()
         smallest = sizing.classes[0]
-        logger.info("cache budget %.1f MiB: %d tokens at %d bytes a token; rows of %s tokens, in segments of %.1f "
-                    "MiB (%s)", budget / 2**20, int(sizing.budget_bytes // sizing.token_bytes()), sizing.token_bytes(),
-                    ", ".join(map(str, sizing.classes)), sizing.segment_bytes(smallest) / 2**20,
+        logger.info("cache budget %.1f MiB: %d tokens at %d bytes a token; rows of %s tokens, in segments of %d to %d "
+                    "of the smallest (%s)", budget / 2**20, int(sizing.budget_bytes // sizing.token_bytes()),
+                    sizing.token_bytes(), ", ".join(map(str, sizing.classes)), sizing.first_rows[smallest],
+                    sizing.most_rows[smallest],
                     "every sequence holds a row of the whole context" if sizing is fixed else
                     "a sequence holds rows in proportion to its tokens")
         self._rows_gauges()
@@ -209,7 +210,8 @@ class BatchBackend(Backend):
             raise KVQError(f"a cache budget of {budget} bytes holds no sequence of {context} tokens (one "
                            f"needs {fits.row_bytes} bytes); allowed: --cache-budget >= {least} or a shorter --context")
         rows = self.max_seqs or fits.rows
-        return Sizing(budget - fits.static_bytes, (context,), {context: rows}, {context: fits.row_bytes})
+        rows_of = {context: rows}
+        return Sizing(budget - fits.static_bytes, (context,), rows_of, rows_of, {context: fits.row_bytes})
 
     # -- the thread's loop --------------------------------------------------------------------------------------
     def _enqueue(self, stream: TokenStream | None) -> None:

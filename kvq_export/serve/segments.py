@@ -6,8 +6,8 @@ therefore cut into **segments**: a :class:`Segment` is a :class:`~kvq_export.run
 one capacity (its **class**), allocated when a class needs a row and the budget has room, and freed when none of its
 rows holds anything. The classes step by about sqrt(2) (:func:`capacity_classes`: 256, 384, 512, 768, ... up to the
 context), so a sequence holds at most about 1.41x the tokens it needs, plus the rows its class's last segment has
-not handed out yet (a segment is :data:`SEGMENTS_PER_BUDGET`-th of the budget, or :data:`ROWS_PER_CALL` rows
-where they fit in an eighth of it, or one row: at most an eighth of the budget per class in use). A sequence that
+not handed out yet (a class's first segment is :data:`SEGMENTS_PER_BUDGET`-th of the budget or one row, and each
+further one doubles the class's rows, up to :data:`ROWS_PER_CALL` rows or an eighth of the budget). A sequence that
 outgrows its row moves into a row of the next class: its codes are copied (host memory, the held tokens only).
 """
 
@@ -23,9 +23,10 @@ from kvq_export.runtime.session import KVQSession
 
 #: the smallest row, in tokens
 SMALLEST_CLASS = 256
-#: a segment is this fraction of the budget, or :data:`ROWS_PER_CALL` rows where those fit in
-#: :data:`MOST_PER_SEGMENT` of it, or one row: sequences decode in one call per segment, and a call's fixed cost
-#: (reading the weights) is several rows' worth, so small rows come many to a segment
+#: a class's first segment is this fraction of the budget (or one row); each further one has as many rows as the
+#: class has already (doubling it), up to :data:`ROWS_PER_CALL` rows or a :data:`MOST_PER_SEGMENT`-th of the budget:
+#: sequences decode in one call per segment, and a call's fixed cost (reading the weights) is several rows' worth, so
+#: a class in demand gets large segments and a rare one small segments
 SEGMENTS_PER_BUDGET = 32
 ROWS_PER_CALL = 64
 MOST_PER_SEGMENT = 8
@@ -102,14 +103,15 @@ class Slot:
 
 @dataclass(frozen=True)
 class Sizing:
-    """How one budget is cut: the classes, each class's rows per segment and bytes per row.
+    """How one budget is cut: the classes, each class's rows in a first and in the largest segment, bytes per row.
 
     ``budget_bytes``: what the rows may hold (the budget less the static scales, which the graph holds once).
     """
 
     budget_bytes: int
     classes: tuple[int, ...]
-    rows_per_segment: dict[int, int]
+    first_rows: dict[int, int]
+    most_rows: dict[int, int]
     row_bytes: dict[int, int]
 
     @classmethod
@@ -122,17 +124,18 @@ class Sizing:
         fits = {capacity: rows_within(session, budget_bytes, capacity) for capacity in classes}
         row_bytes = {capacity: fit.row_bytes for capacity, fit in fits.items()}
         cache_bytes = budget_bytes - fits[classes[0]].static_bytes  # the static scales live in the graph
-        rows = {capacity: max(1, cache_bytes // SEGMENTS_PER_BUDGET // size,
-                              min(ROWS_PER_CALL, cache_bytes // MOST_PER_SEGMENT // size))
+        first = {capacity: max(1, cache_bytes // SEGMENTS_PER_BUDGET // size) for capacity, size in row_bytes.items()}
+        most = {capacity: max(first[capacity], min(ROWS_PER_CALL, cache_bytes // MOST_PER_SEGMENT // size))
                 for capacity, size in row_bytes.items()}
-        return cls(cache_bytes, classes, rows, row_bytes)
+        return cls(cache_bytes, classes, first, most, row_bytes)
 
     def class_for(self, tokens: int) -> int:
         """The smallest class holding ``tokens`` (the largest class for more)."""
         return next((capacity for capacity in self.classes if capacity >= tokens), self.classes[-1])
 
-    def segment_bytes(self, capacity: int) -> int:
-        return self.rows_per_segment[capacity] * self.row_bytes[capacity]
+    def segment_rows(self, capacity: int, rows_now: int) -> int:
+        """Rows of a new segment of ``capacity`` where the class has ``rows_now`` rows already."""
+        return min(max(self.first_rows[capacity], rows_now), self.most_rows[capacity])
 
     def token_bytes(self) -> float:
         """Bytes one cached token holds (every layer's keys and values)."""
