@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from serve_harness import chat_tokenizer, served
 from tiny_models import tiny_model
 
+from kvq_export.errors import KVQError
 from kvq_export.export.exporter import export_model
 from kvq_export.runtime.rows import rows_within
 from kvq_export.runtime.sampling import SamplingConfig
@@ -116,3 +117,22 @@ def test_smollm2_sequences_moved_and_preempted_answer_as_alone(tmp_path_factory)
         assert loaded == [alone(backend, job) for job in jobs]
     finally:
         backend.close()
+
+
+def test_a_full_row_between_two_decoding_rows_splits_the_decode_call(export):
+    """GroupQueryAttention wants room for a call's token in every row of the call, a row feeding padding too."""
+    from kvq_export.runtime.sampling import Sampler
+    from kvq_export.serve.batch_loop import _row_groups, _Sequence
+    from kvq_export.serve.cache_pool import CachePool
+    from kvq_export.serve.segments import Sizing
+
+    session = KVQSession(export, tokenizer=False, last_logits=True, stored_prefill=True)
+    pool = CachePool(session, Sizing.of(session, budget_of(export, 128, 16), 16, 16), prefix_cache=True)  # 4 a segment
+    slots = [pool.acquire(np.asarray(ids(8 if k != 1 else 15, start=k)), max_tokens=1).slot for k in range(3)]
+    assert len({id(slot.segment) for slot in slots}) == 1
+    for k, slot in enumerate(slots):
+        pool.run(slot.segment, slot.row, np.asarray(ids(16 if k == 1 else 8, start=k))[None])
+    with pytest.raises(KVQError, match="capacity of 16"):
+        pool.run(slots[0].segment, 0, np.zeros((3, 1), dtype=np.int64), np.array([[1], [0], [1]]))
+    seqs = [_Sequence(None, slot, Sampler(GREEDY), ()) for slot in (slots[0], slots[2])]
+    assert [len(group) for group in _row_groups(seqs)] == [1, 1]

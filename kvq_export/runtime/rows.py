@@ -140,18 +140,19 @@ class RowCache:
         """Feed ``input_ids [k, t]`` (left-padded, ``mask`` 0 = padding) to rows ``[start, start + k)``.
 
         Returns the last position's logits ``[k, vocab]`` (a view, valid until the next run). A row whose mask is all
-        zeros stores nothing and its logits are meaningless.
+        zeros stores nothing and its logits are meaningless; every row needs room for ``t`` more tokens, as
+        GroupQueryAttention checks (a row feeding padding too).
         """
         k, t = input_ids.shape
         stop = start + k
         if not (0 <= start and stop <= self.rows):
             raise RuntimeInputError(f"rows [{start}, {stop}) are outside the cache's {self.rows} rows")
         mask = np.ones_like(input_ids) if mask is None else mask
-        need = self.lengths[start:stop] + mask.sum(axis=1)
+        need = self.lengths[start:stop] + t  # GroupQueryAttention wants room for the call's t in every row
         if int(need.max()) > self.capacity:
             row = start + int(np.argmax(need))
-            raise RuntimeInputError(f"row {row} would hold {int(need.max())} tokens, beyond the cache rows' "
-                                    f"capacity of {self.capacity}")
+            raise RuntimeInputError(f"row {row} holds {int(self.lengths[row])} tokens: a call of {t} more is beyond "
+                                    f"the cache rows' capacity of {self.capacity} (a row feeding padding too)")
         binding = self.session.session.io_binding()
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("attention_mask", np.ascontiguousarray(mask, dtype=np.int64))

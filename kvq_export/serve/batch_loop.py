@@ -238,12 +238,15 @@ class BatchLoop:
 def _row_groups(ready: list[_Sequence]) -> list[list[_Sequence]]:
     """``ready`` in groups that decode in one call each: by segment, then by row.
 
-    A group ends where :data:`MAX_GAP` rows or more before the next sequence of its segment would feed padding.
+    A group ends where :data:`MAX_GAP` rows or more before the next sequence of its segment would feed padding, or
+    where a row between them is full: ONNX Runtime's GroupQueryAttention wants room for the call's token in every
+    row of a call, the rows that feed padding included.
     """
     groups: list[list[_Sequence]] = []
     for seq in sorted(ready, key=lambda s: (id(s.slot.segment), s.slot.row)):
         last = groups[-1][-1].slot if groups else None
-        if last is None or last.segment is not seq.slot.segment or seq.slot.row - last.row - 1 >= MAX_GAP:
+        if last is None or last.segment is not seq.slot.segment or seq.slot.row - last.row - 1 >= MAX_GAP or \
+                (last.segment.cache.lengths[last.row + 1:seq.slot.row] >= last.capacity).any():
             groups.append([seq])
         else:
             groups[-1].append(seq)
