@@ -8,12 +8,13 @@ it never touches a row itself, and a sequence knows its row only through its :cl
 which the pool moves.
 
 * **Bytes**: a request gets a row of the smallest class holding its prompt and a reserve (its ``max_tokens``, at most
-  :data:`RESERVE`), in a segment of that class with a free row, else in a new segment while the budget has room,
-  else in place of the least recently used idle rows (a segment none of whose rows holds anything is freed). A
-  request that finds no room waits; a sequence that finds no larger row is preempted by the scheduler.
+  :data:`RESERVE`): a free row of that class or of one up to twice as large (fewer segments decoding, fewer calls),
+  else one in a new segment while the budget has room, else in place of the least recently used idle rows (a
+  segment none of whose rows holds anything is freed). A request that finds no room waits; a sequence that finds
+  no larger row is preempted by the scheduler.
 * **Prefixes** (``prefix_cache``): a row whose sequence ended stays idle with its codes (prompt and answer). A new
-  prompt takes the idle row holding its longest prefix where that row is of the class the prompt needs (the row
-  keeps the prefix and drops the rest), else the prefix's codes are copied into its new row (from an idle or a busy
+  prompt takes the idle row holding its longest prefix where that row is of the class the prompt needs or up to
+  twice as large (the row keeps the prefix and drops the rest), else the prefix's codes are copied into its new row (from an idle or a busy
   row). A prefix shorter than :data:`MIN_SHARED` tokens is not reused; a prompt sharing a longer prefix with a
   prompt still being prefilled waits until that row holds it (:attr:`Lease.wait`), so prompts arriving together
   compute it once; a full hit still computes the prompt's last token (its logits give the first answer token).
@@ -127,7 +128,7 @@ class CachePool:
         if self.max_seqs is not None and self.busy() >= self.max_seqs:
             return None
         capacity = self.sizing.class_for(len(prompt) + min(max_tokens or self.reserve, self.reserve))
-        if source is not None and source.capacity == capacity and self._state(source) is RowState.IDLE:
+        if source is not None and capacity <= source.capacity <= 2 * capacity and self._state(source) is RowState.IDLE:
             del self.idle[(source.segment, source.row)]
             source.segment.cache.truncate(source.row, held)
             slot = source
@@ -192,13 +193,17 @@ class CachePool:
         return slot.segment.state[slot.row]
 
     def _free_slot(self, capacity: int, *, protect: Slot | None = None) -> Slot | None:
-        """A free row of ``capacity``; None when there is no room.
+        """A free row of ``capacity`` or more; None when there is no room.
 
-        In a segment of that class, in a new segment while the budget has room, else where the least recently used
-        idle rows were (never ``protect``'s).
+        In a segment of that class or one up to twice as large, in a new segment of that class while the budget has
+        room, else where the least recently used idle rows were (never ``protect``'s).
         """
-        for segment in self.segments:
-            if segment.capacity == capacity and (row := segment.free_row()) >= 0:
+        # a free row of this class, else of a class up to twice as large: a row already allocated beats a new
+        # segment, and every segment with a decoding row costs a decode step one more call
+        fits = sorted((segment for segment in self.segments if capacity <= segment.capacity <= 2 * capacity),
+                      key=lambda segment: segment.capacity)
+        for segment in fits:
+            if (row := segment.free_row()) >= 0:
                 return Slot(segment, row)
         keep = None if protect is None else (protect.segment, protect.row)
         while True:
