@@ -14,10 +14,11 @@ which the pool moves.
   no larger row is preempted by the scheduler.
 * **Prefixes** (``prefix_cache``): a row whose sequence ended stays idle with its codes (prompt and answer). A new
   prompt takes the idle row holding its longest prefix where that row is of the class the prompt needs or up to
-  twice as large (the row keeps the prefix and drops the rest), else the prefix's codes are copied into its new row (from an idle or a busy
-  row). A prefix shorter than :data:`MIN_SHARED` tokens is not reused; a prompt sharing a longer prefix with a
-  prompt still being prefilled waits until that row holds it (:attr:`Lease.wait`), so prompts arriving together
-  compute it once; a full hit still computes the prompt's last token (its logits give the first answer token).
+  twice as large (the row keeps the prefix and drops the rest), else the prefix's codes are copied into its new row
+  (from an idle or a busy row). A prefix shorter than :data:`MIN_SHARED` tokens is not reused; a prompt sharing a
+  longer prefix with a prompt still being prefilled waits until that row holds it (:attr:`Lease.wait`), so prompts
+  arriving together compute it once; a full hit still computes the prompt's last token (its logits give the first
+  answer token).
 
 Reuse and moves are exact only where what a row holds follows from its tokens alone, however they were split into
 calls: the session attends over stored codes on every call (``KVQSession(stored_prefill=True)``). Matching is token
