@@ -16,7 +16,7 @@ import logging
 import queue
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -26,9 +26,6 @@ from kvq_export.runtime.sampling import Sampler
 from kvq_export.serve.backends import StreamEnd, TokenStream
 from kvq_export.serve.cache_pool import CachePool
 from kvq_export.serve.segments import Segment, Slot
-
-if TYPE_CHECKING:
-    from kvq_export.serve.scheduler import BatchBackend
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +47,26 @@ class _Sequence:
     generated: list[int] = field(default_factory=list)
 
 
+class LoopOwner(Protocol):
+    """What the loop reads of the backend that runs it (a :class:`~kvq_export.serve.scheduler.BatchBackend`)."""
+
+    manifest: Any
+    metrics: Any  # ServeMetrics
+    prefill_chunk: int
+    _inbox: queue.SimpleQueue
+
+    @property
+    def batched(self) -> bool: ...
+
+    def _started(self, stream: TokenStream) -> None: ...
+
+    def _rows_gauges(self) -> None: ...
+
+
 class BatchLoop:
     """The scheduler's state, owned by the backend's thread."""
 
-    def __init__(self, backend: BatchBackend, pool: CachePool) -> None:
+    def __init__(self, backend: LoopOwner, pool: CachePool) -> None:
         self.backend, self.pool = backend, pool
         self.eos = eos_token_ids(backend.manifest)
         self.waiting: deque[TokenStream] = deque()
