@@ -119,12 +119,7 @@ class RowCache:
 
     def copy_row(self, source: int, target: int) -> None:
         """Make ``target`` hold what ``source`` holds (host memory only; on a GPU, prefill the row instead)."""
-        if self.device != "cpu":
-            raise RuntimeInputError(f"copy_row works on host memory; this cache is on {self.device}")
-        for _, value, row_bytes in self.buffers:
-            base = value.data_ptr()
-            ctypes.memmove(base + target * row_bytes, base + source * row_bytes, row_bytes)
-        self.lengths[target] = self.lengths[source]
+        copy_prefix(self, source, self, target, int(self.lengths[source]))
 
     def truncate(self, row: int, tokens: int) -> None:
         """Keep the first ``tokens`` that ``row`` holds (what lies past a row's length is never read)."""
