@@ -23,8 +23,9 @@ from kvq_export.runtime.session import KVQSession
 
 #: the smallest row, in tokens
 SMALLEST_CLASS = 256
-#: a class's first segment is this fraction of the budget (or one row); each further one has as many rows as the
-#: class has already (doubling it), up to :data:`ROWS_PER_CALL` rows or a :data:`MOST_PER_SEGMENT`-th of the budget:
+#: a class's first segment is this fraction of the budget (or one row; the smallest class's is its largest); each
+#: further one has as many rows as the class has already (doubling it), up to :data:`ROWS_PER_CALL` rows or a
+#: :data:`MOST_PER_SEGMENT`-th of the budget:
 #: sequences decode in one call per segment, and a call's fixed cost (reading the weights) is several rows' worth, so
 #: a class in demand gets large segments and a rare one small segments
 SEGMENTS_PER_BUDGET = 32
@@ -124,9 +125,11 @@ class Sizing:
         fits = {capacity: rows_within(session, budget_bytes, capacity) for capacity in classes}
         row_bytes = {capacity: fit.row_bytes for capacity, fit in fits.items()}
         cache_bytes = budget_bytes - fits[classes[0]].static_bytes  # the static scales live in the graph
-        first = {capacity: max(1, cache_bytes // SEGMENTS_PER_BUDGET // size) for capacity, size in row_bytes.items()}
-        most = {capacity: max(first[capacity], min(ROWS_PER_CALL, cache_bytes // MOST_PER_SEGMENT // size))
+        most = {capacity: max(1, cache_bytes // SEGMENTS_PER_BUDGET // size,
+                              min(ROWS_PER_CALL, cache_bytes // MOST_PER_SEGMENT // size))
                 for capacity, size in row_bytes.items()}
+        first = {capacity: max(1, cache_bytes // SEGMENTS_PER_BUDGET // size) for capacity, size in row_bytes.items()}
+        first[classes[0]] = most[classes[0]]  # short requests are the many: the smallest rows come in one large segment
         return cls(cache_bytes, classes, first, most, row_bytes)
 
     def class_for(self, tokens: int) -> int:
