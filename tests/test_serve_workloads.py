@@ -329,6 +329,15 @@ def _event(data: dict) -> str:
     return f"data: {json.dumps({'id': 'x', 'created': 0, 'model': 'm', **data})}\n\n"
 
 
+def _completion_events(text: str) -> list[str]:
+    """A streamed one-token completion of ``text``, its usage, and the end."""
+    return [_event({"object": "text_completion",
+                    "choices": [{"index": 0, "text": text, "finish_reason": "length"}]}),
+            _event({"object": "text_completion", "choices": [],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}),
+            "data: [DONE]\n\n"]
+
+
 def chat_app(seen: list[dict]):
     """Streams ``"r<turn> <first word of the conversation's first user turn>"`` after a short wait.
 
@@ -413,12 +422,7 @@ def completion_app(seen: list[dict], counters: bool):
         if not cold:
             totals["queries"] += 10
             totals["hits"] += 6
-        events = [_event({"object": "text_completion",
-                          "choices": [{"index": 0, "text": "cold" if cold else "ok", "finish_reason": "length"}]}),
-                  _event({"object": "text_completion", "choices": [],
-                          "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}),
-                  "data: [DONE]\n\n"]
-        return StreamingResponse(iter(events), media_type="text/event-stream")
+        return StreamingResponse(iter(_completion_events("cold" if cold else "ok")), media_type="text/event-stream")
 
     @app.get("/metrics")
     async def metrics():
@@ -483,12 +487,7 @@ def mixed_app(seen: list[dict], kvq: bool):
         seen.append({"prompt": body["prompt"], "uncached": cold, "max_tokens": body["max_tokens"]})
         preempted[0] += not cold
         await asyncio.sleep(0.3)
-        events = [_event({"object": "text_completion",
-                          "choices": [{"index": 0, "text": "cold" if cold else "ok", "finish_reason": "length"}]}),
-                  _event({"object": "text_completion", "choices": [],
-                          "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}),
-                  "data: [DONE]\n\n"]
-        return StreamingResponse(iter(events), media_type="text/event-stream")
+        return StreamingResponse(iter(_completion_events("cold" if cold else "ok")), media_type="text/event-stream")
 
     @app.get("/metrics")
     async def metrics():
