@@ -72,16 +72,17 @@ def session_options(threads: int | None = None, *, spinning: bool = False):
     return options
 
 
-def attend_stored(model_path: Path, options) -> list:
+def attend_stored(model_path: Path, options, model=None) -> list:
     """Set the graph's :data:`~kvq_export.naming.EXACT_PREFILL` false in ``options``; returns the values it holds.
 
     Every call of a quantized ``buffer``-layout graph then attends over the stored codes. Keep the values alive as
-    long as the session.
+    long as the session. ``model``: the graph already loaded (a rewrite of ``model_path``'s), read instead of the file.
     """
     import onnx
     import onnxruntime as ort
 
-    names = {init.name for init in onnx.load(str(model_path), load_external_data=False).graph.initializer}
+    graph = (model or onnx.load(str(model_path), load_external_data=False)).graph
+    names = {init.name for init in graph.initializer}
     if EXACT_PREFILL not in names:
         raise StoredPrefillError(f"{model_path}: the graph has no {EXACT_PREFILL} switch, so a prompt always attends "
                                 "over its own exact keys and values; export it again with this kvq")

@@ -113,10 +113,10 @@ class KVQSession:
         #: whether the graph computes the logits of each row's last position only
         self.last_logits = rewritten is not None
         options = session_options(threads, spinning=spinning)
-        quantized = any(DType.get(spec.dtype).bits_numpy in (np.int8, np.uint8) for spec in self.manifest.cache("past"))
+        quantized = self.manifest.scheme.quantized
         #: whether every call attends over what the cache stores (an unquantized cache stores its values exactly)
         self.stored_prefill = stored_prefill or not quantized
-        self._overrides = attend_stored(model_path, options) if stored_prefill and quantized else []
+        self._overrides = attend_stored(model_path, options, rewritten) if stored_prefill and quantized else []
         self.session = open_onnx(model_path, options, choose_providers(providers), rewritten)
         self.past: list[CacheTensor] = self.manifest.cache("past")
         self.layout = self.manifest.cache_layout
