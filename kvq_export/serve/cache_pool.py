@@ -57,6 +57,23 @@ class Lease:
     wait: bool = False
 
 
+@dataclass(frozen=True)
+class PoolUsage:
+    """What a pool's rows hold at one moment (:meth:`CachePool.usage`).
+
+    Rows busy, idle (keeping a prefix) and free in the allocated segments; bytes of the busy and idle rows; tokens the
+    busy rows hold; and the smallest rows the budget could still give running sequences (idle rows count as free,
+    ``max_seqs`` bounds them).
+    """
+
+    busy: int
+    cached: int
+    free: int
+    used_bytes: int
+    held_tokens: int
+    available: int
+
+
 class CachePool:
     """Segments of rows within ``sizing``'s budget, what every row holds, and cached prefixes (one thread owns it).
 
@@ -87,22 +104,21 @@ class CachePool:
         """Bytes of every segment allocated now."""
         return sum(segment.nbytes for segment in self.segments)
 
-    def used_bytes(self, *states: RowState) -> int:
-        """Bytes of the rows in ``states`` (default: busy and idle)."""
-        states = states or (RowState.BUSY, RowState.IDLE)
-        return sum(self.sizing.row_bytes[segment.capacity] * sum(state in states for state in segment.state)
-                   for segment in self.segments)
-
-    def held_tokens(self) -> int:
-        """Tokens the rows of running sequences hold."""
-        return sum(int(segment.cache.lengths[row]) for segment in self.segments
-                   for row, state in enumerate(segment.state) if state is RowState.BUSY)
-
-    def available(self) -> int:
-        """Smallest rows the budget could still give running sequences (idle rows count as free)."""
-        free = (self.sizing.budget_bytes - self.used_bytes(RowState.BUSY)) // self.sizing.row_bytes[
-            self.sizing.classes[0]]
-        return max(0, min(free, self.max_seqs - self.busy()) if self.max_seqs else free)
+    def usage(self) -> PoolUsage:
+        """What the rows hold now, counted in one pass (the server's gauges read it every round)."""
+        busy = idle = rows = used = busy_bytes = tokens = 0
+        for segment in self.segments:
+            row_bytes, lengths = self.sizing.row_bytes[segment.capacity], segment.cache.lengths
+            rows += segment.rows
+            for row, state in enumerate(segment.state):
+                if state is RowState.BUSY:
+                    busy, busy_bytes, tokens = busy + 1, busy_bytes + row_bytes, tokens + int(lengths[row])
+                elif state is RowState.IDLE:
+                    idle += 1
+                used += row_bytes * (state is not RowState.FREE)
+        free = (self.sizing.budget_bytes - busy_bytes) // self.sizing.row_bytes[self.sizing.classes[0]]
+        available = max(0, min(free, self.max_seqs - busy) if self.max_seqs else free)
+        return PoolUsage(busy, idle, rows - busy - idle, used, tokens, available)
 
     def preallocate(self) -> None:
         """Allocate a segment of the largest class now (rows of one size: the whole cache, held from the start)."""

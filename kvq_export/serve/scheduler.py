@@ -106,16 +106,15 @@ class BatchBackend(Backend):
 
     def _rows_gauges(self) -> None:
         pool, metrics = self.pool, self.metrics
-        busy, cached = pool.busy(), pool.cached()
-        self._available = pool.available()
-        metrics.cache_rows_used.set(busy)
-        metrics.cache_rows_cached.set(cached)
-        metrics.cache_rows_free.set(sum(segment.rows for segment in pool.segments) - busy - cached)
+        usage = pool.usage()
+        self._available = usage.available
+        metrics.cache_rows_used.set(usage.busy)
+        metrics.cache_rows_cached.set(usage.cached)
+        metrics.cache_rows_free.set(usage.free)
         metrics.cache_bytes.set(pool.allocated_bytes)
-        used = pool.used_bytes()
-        metrics.cache_bytes_used.set(used)
-        metrics.cache_bytes_free.set(pool.sizing.budget_bytes - used)
-        metrics.cache_tokens.set(pool.held_tokens())
+        metrics.cache_bytes_used.set(usage.used_bytes)
+        metrics.cache_bytes_free.set(pool.sizing.budget_bytes - usage.used_bytes)
+        metrics.cache_tokens.set(usage.held_tokens)
 
     # -- loading ----------------------------------------------------------------------------------------------
     def _load(self) -> CachePool:
