@@ -208,8 +208,14 @@ def test_the_command_writes_json_heat_map_and_report_and_gates(exports, tmp_path
     assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
     assert "retrieval by task and length" in out.stdout
     assert "Perplexity by distance" in (tmp_path / "r.html").read_text()
-    missed = _long(exports, tmp_path, "--max-group-ppl-delta", "100-200=0.1", "--max-group-ppl-delta", "0")
+    # the second run takes the baseline's trials from the first's JSON: the same trials, the same numbers
+    missed = _long(exports, tmp_path, "--max-group-ppl-delta", "100-200=0.1", "--max-group-ppl-delta", "0",
+                   "--baseline-trials", tmp_path / "r.json", "--json", tmp_path / "again.json")
     assert missed.returncode == 1 and "group 100-200 was not measured" in missed.stderr
+    assert json.loads((tmp_path / "again.json").read_text())["retrieval"] == data["retrieval"]
+    (tmp_path / "bad.json").write_text('{"config": {}}')
+    bad = _long(exports, tmp_path, "--baseline-trials", tmp_path / "bad.json")
+    assert bad.returncode == 1 and "bad.json: not a kvq validate --long-context --json result" in bad.stderr
 
 
 def test_a_result_reads_back_the_numbers_it_reports(exports, tmp_path):
@@ -224,6 +230,7 @@ def test_a_result_reads_back_the_numbers_it_reports(exports, tmp_path):
     again = validate_long_context(exports["reference"], exports["fp16-reference"], config)
     assert again.retrieval == result.retrieval and again.distance == result.distance  # reproducible from the seed
     assert json.loads(result.to_json())["retrieval"]["summary"]["trials"] == 2
+    assert LongContextResult.from_dict(json.loads(result.to_json())) == result  # what --baseline-trials reads
     reused = validate_long_context(exports["reference"], exports["fp16-reference"], config, baseline_from=result)
     assert reused.retrieval == result.retrieval  # the baseline's trials taken, the export's run again: the same
     with pytest.raises(KVQError, match="ran baseline .* on another grid or config"):
@@ -233,6 +240,7 @@ def test_a_result_reads_back_the_numbers_it_reports(exports, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (("--lengths", "600"), "--lengths applies only to --long-context"),
+    (("--baseline-trials", __file__), "--baseline-trials applies only to --long-context"),
     (("--long-context", "--windows", "2"), "--windows applies only to validation without --long-context"),
     (("--long-context", "--tasks", "needle"), "unknown task 'needle'; allowed: passkey, multikey, vt"),
     (("--long-context", "--lengths", "5000"), "--lengths 5000 exceeds the 1024 positions"),

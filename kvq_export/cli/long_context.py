@@ -13,7 +13,7 @@ from kvq_export.validate.long_context.tasks import TASKS
 #: options that only the ordinary validation reads, and only the long-context one
 SHORT_ONLY = ("windows", "window_len", "prompts_file", "gen_tokens", "max_ppl_delta", "min_top1", "max_kl")
 LONG_ONLY = ("tasks", "lengths", "depths", "trials", "seed", "ppl_windows", "prefill_chunk", "heatmap_out",
-             "min_retrieval", "max_group_ppl_delta")
+             "min_retrieval", "max_group_ppl_delta", "baseline_trials")
 
 
 def _names(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
@@ -59,6 +59,11 @@ def long_context_options(command):
         click.option("--heatmap", "heatmap_out", type=click.Path(dir_okay=False), default=None,
                      callback=_png_target, metavar="FILE.png",
                      help="--long-context: write the length x depth heat map (baseline, export, difference) here."),
+        click.option("--baseline-trials", type=click.Path(exists=True, dir_okay=False), default=None,
+                     metavar="RESULT.json",
+                     help="--long-context: take the baseline's retrieval trials from an earlier --json run against "
+                          "the same --baseline with the same grid instead of running them again (several exports, "
+                          "one baseline)."),
         click.option("--min-retrieval", type=FRACTION, default=None,
                      help="--long-context: exit 1 when the export answers fewer than this fraction of the trials in "
                           "cells the baseline passes (0..1)."),
@@ -84,13 +89,14 @@ def check_mode(long_context: bool) -> None:
 
 def run_long_context(export_dir, baseline, *, corpus, offset, chunk, json_out, report_out, providers, quiet,
                      no_verify, tasks, lengths, depths, trials, seed, ppl_windows, prefill_chunk, heatmap_out,
-                     min_retrieval, max_group_ppl_delta) -> None:
+                     baseline_trials, min_retrieval, max_group_ppl_delta) -> None:
     """The long-context mode of ``kvq validate``: run, write what was asked for, print the tables, then gate."""
     from rich.table import Table
 
     from kvq_export.validate.long_context import report
     from kvq_export.validate.long_context.config import LongContextConfig
     from kvq_export.validate.long_context.gates import LongContextGates, parse_group_limit
+    from kvq_export.validate.long_context.result import LongContextResult
     from kvq_export.validate.long_context.runner import validate_long_context
 
     distinct_outputs({"--json": json_out, "--report": report_out, "--heatmap": heatmap_out}, {"--corpus": corpus})
@@ -101,9 +107,10 @@ def run_long_context(export_dir, baseline, *, corpus, offset, chunk, json_out, r
     config = LongContextConfig(tasks=tasks, lengths=lengths, depths=depths, trials=trials, seed=seed,
                                chunk=prefill_chunk, corpus=corpus, offset=offset, ppl_windows=ppl_windows,
                                ppl_chunk=chunk or 64)
+    earlier = LongContextResult.load(baseline_trials) if baseline_trials else None
     with tqdm_bars(not quiet):
         result = validate_long_context(export_dir, baseline, config, verify_weights=not no_verify,
-                                       providers=providers)
+                                       providers=providers, baseline_from=earlier)
     if json_out:
         write_json_output(json_out, result.to_json())
     if report_out:

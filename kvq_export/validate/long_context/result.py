@@ -10,9 +10,13 @@ p-value.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
+from kvq_export.errors import KVQError
 from kvq_export.scheme import KVQuantScheme
 from kvq_export.validate.long_context.config import LongContextConfig
 from kvq_export.validate.long_context.distance import DistanceGroup
@@ -148,3 +152,26 @@ class LongContextResult:
     def to_json(self) -> str:
         """:meth:`as_dict` as indented JSON."""
         return json.dumps(self.as_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LongContextResult:
+        """The result :meth:`as_dict` wrote (what is derived from the trials is derived again)."""
+        config = data["config"]
+        return cls(
+            export=data["export"], baseline=data["baseline"], scheme=KVQuantScheme.from_dict(data["scheme"]),
+            baseline_scheme=KVQuantScheme.from_dict(data["baseline_scheme"]), flavor=data["flavor"],
+            weights=data["weights"], cpu=data["cpu"],
+            config=LongContextConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in config.items()}),
+            distance=tuple(DistanceGroup(**{f.name: g[f.name] for f in fields(DistanceGroup)})
+                           for g in data["distance"]),
+            retrieval=RetrievalResult(tuple(TrialResult(**t) for t in data["retrieval"]["trials"])),
+            seconds=data["seconds"])
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> LongContextResult:
+        """An earlier ``--json``; one line naming the file when it is not such a result."""
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, ValueError, KeyError, TypeError, KVQError) as err:
+            raise KVQError(f"{path}: not a kvq validate --long-context --json result "
+                           f"({type(err).__name__}: {err})") from None

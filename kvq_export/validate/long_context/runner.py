@@ -104,7 +104,7 @@ def _earlier_baseline(earlier: LongContextResult, base_dir, config: LongContextC
             and [(t.task, t.length, t.depth, t.trial, t.answer) for t in trials]
             == [(c.task, c.length, c.depth, c.trial, c.answer_text) for c in cases])
     if not same:
-        raise KVQError(f"baseline_from: the earlier result ran baseline {earlier.baseline} on another grid or config; "
+        raise KVQError(f"the earlier result ran baseline {earlier.baseline} on another grid or config; "
                        f"allowed: a result of {base_dir} with the same config")
     return [Outcome(t.baseline_hit, t.baseline_logprob, t.baseline_said) for t in trials]
 
