@@ -26,21 +26,17 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
-#: decode queries per 1024 tokens of a window that the ``attention`` method and the planner score (evenly spaced)
+#: decode queries per window the ``attention`` method scores (evenly spaced positions)
 ATTENTION_QUERIES = 128
 
-#: tokens per calibration window of static scales (their far positions are reached by shifting, :mod:`.positions`)
-CALIBRATION_WINDOW = 1024
 
+def calibration_windows(tokenizer: Any, corpus: str, tokens: int, *, offset: int = 0) -> list[list[int]]:
+    """About ``tokens`` calibration tokens of ``corpus`` from token ``offset`` on, in whole windows of <= 1024.
 
-def calibration_windows(tokenizer: Any, corpus: str, tokens: int, *, offset: int = 0,
-                        window: int = CALIBRATION_WINDOW) -> list[list[int]]:
-    """About ``tokens`` calibration tokens of ``corpus`` from token ``offset`` on, in whole windows of <= ``window``.
-
-    ``kvq export`` and ``kvq bench`` cut calibration text the same way, so the same options give the same
-    scales; ``kvq plan`` asks for windows as long as the model reaches (:func:`kvq_export.plan.plan_windows`).
+    ``kvq export``, ``kvq bench`` and ``kvq plan`` cut calibration text the same way, so the same options
+    give the same scales.
     """
-    window = min(window, tokens)
+    window = min(1024, tokens)
     return token_windows(tokenizer, load_corpus(corpus), max(1, tokens // window), window, offset=offset)
 
 
@@ -196,8 +192,8 @@ def collect_attention_samples(
 ) -> dict[int, list[AttentionSample]]:
     """K/V from the cache and post-RoPE queries (hooked on each attention module) for every window.
 
-    Queries are taken at :data:`ATTENTION_QUERIES` evenly spaced positions per 1024 tokens of each window
-    (all of them when the window is shorter). RoPE is applied with the module's own ``position_embeddings`` and
+    Queries are taken at :data:`ATTENTION_QUERIES` evenly spaced positions of each window (all of them
+    when the window is shorter). RoPE is applied with the module's own ``position_embeddings`` and
     ``transformers``' Llama ``apply_rotary_pos_emb`` (the Llama family's convention).
     """
     import torch
@@ -237,8 +233,7 @@ def collect_attention_samples(
                 captured.clear()
                 kv = collect_kv(model, [window], {(layer, part) for layer in layers for part in PARTS}, num_layers)
                 n = len(window)
-                queries = min(n, ATTENTION_QUERIES * -(-n // 1024))
-                positions = torch.unique(torch.linspace(0, n - 1, queries).round().long())
+                positions = torch.unique(torch.linspace(0, n - 1, min(n, ATTENTION_QUERIES)).round().long())
                 for layer in layers:
                     module = modules[layer]
                     scaling = float(getattr(module, "scaling", module.head_dim ** -0.5))

@@ -198,7 +198,8 @@ def calibration_options(*, optional: bool = False, short_names: bool = False):
         click.option(*names("corpus"), "calib_corpus", default=None if optional else default.corpus,
                      show_default=not optional, help="Calibration text: corpus name (britannica) or text file."),
         click.option(*names("tokens"), "calib_tokens", type=click.IntRange(1), default=default.tokens,
-                     show_default=True, help="Calibration tokens."),
+                     show_default=True, help="Calibration tokens, read in windows of at most 1024 (keys at later "
+                     "positions are reached by shifting each window's RoPE angles)."),
         click.option(*names("offset"), "calib_offset", type=click.IntRange(0), default=default.offset,
                      show_default=True, help="Corpus tokens skipped before the calibration text (kvq validate scores "
                      "from token 0: keep the calibration text apart from it)."),

@@ -8,6 +8,7 @@ import json
 import click
 
 from kvq_export._atomic import atomic_write
+from kvq_export.calibration import calibration_windows
 from kvq_export.cli._base import (
     STDOUT,
     calibration_options,
@@ -25,7 +26,7 @@ from kvq_export.errors import KVQError
 from kvq_export.export.exporter import export
 from kvq_export.flavors import FLAVORS, flavor_names
 from kvq_export.model_source import load_model
-from kvq_export.plan import plan_scheme, plan_windows
+from kvq_export.plan import plan_scheme
 from kvq_export.progress import tqdm_bars
 from kvq_export.request import (
     DEFAULT_OPSET,
@@ -162,7 +163,7 @@ def plan(model_spec, calibration, weights, plan, out_path, json_out, quiet) -> N
     model, tokenizer = load_model(model_spec)
     if tokenizer is None:
         raise KVQError(f"model {model_spec} has no tokenizer: kvq plan reads calibration text")
-    windows = plan_windows(tokenizer, calibration, model.config.max_position_embeddings)
+    windows = calibration_windows(tokenizer, calibration.corpus, calibration.tokens, offset=calibration.offset)
     with tqdm_bars(not quiet):
         result = plan_scheme(model, windows, budget=plan.budget, context=plan.context, candidates=plan.candidates,
                              metric=str(plan.metric), calibration=calibration, sink_tokens=plan.sink_tokens,

@@ -22,17 +22,10 @@ import shlex
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from kvq_export.calibration import calibration_windows
 from kvq_export.errors import ExportError
 from kvq_export.flavors import Flavor, Runtime
-from kvq_export.plan import (
-    CandidateSet,
-    Plan,
-    candidate_set,
-    fitting,
-    plan_scheme,
-    plan_windows,
-    with_value_window,
-)
+from kvq_export.plan import CandidateSet, Plan, candidate_set, fitting, plan_scheme, with_value_window
 from kvq_export.request import (
     DEFAULT_CALIBRATION,
     DEFAULT_PLAN_CANDIDATES,
@@ -143,7 +136,7 @@ def plan_request(request: ExportRequest, source: Any, flavor: Flavor, facts: Mod
     if source.tokenizer is None:
         raise ExportError("planning a scheme reads calibration text: the model has no tokenizer")
     cset, servable = plan_candidates(spec, flavor, facts)
-    windows = plan_windows(source.tokenizer, calibration, facts.max_position_embeddings)
+    windows = calibration_windows(source.tokenizer, calibration.corpus, calibration.tokens, offset=calibration.offset)
     plan = plan_scheme(source.model, windows, budget=spec.budget, context=spec.context, candidates=cset,
                        metric=str(spec.metric), calibration=calibration, name=spec.name,
                        sink_tokens=spec.sink_tokens, value_window=None,  # the window is in cset already

@@ -39,13 +39,13 @@ from kvq_export.plan.damage import (
     reference_dequant,
 )
 from kvq_export.plan.genai import genai_view
-from kvq_export.plan.planner import METRICS, measure_candidates, plan_scheme, plan_windows
+from kvq_export.plan.planner import METRICS, measure_candidates, plan_scheme
 from kvq_export.plan.result import Plan
 
 __all__ = [
     "BATCH_ELEMENTS", "CANDIDATE_SETS", "GQA_HIGH_CHANNELS", "METRICS", "RECENT_VALUE_WINDOWS", "RESOLUTION",
     "CandidateSet", "Damage", "Option", "Plan", "allocate", "attention_damage", "attention_damages",
     "calibrate_candidates", "candidate_set", "fitting", "genai_view", "layer_options", "measure_attention",
-    "measure_candidates", "measure_kl", "o_proj_weight", "plan_scheme", "plan_windows", "reference_dequant",
-    "scheme_from_choice", "with_value_window",
+    "measure_candidates", "measure_kl", "o_proj_weight", "plan_scheme", "reference_dequant", "scheme_from_choice",
+    "with_value_window",
 ]

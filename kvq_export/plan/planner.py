@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvq_export.calibration.measure import measured_model
-from kvq_export.calibration.passes import calibration_windows, check_windows, collect_attention_samples
+from kvq_export.calibration.passes import check_windows, collect_attention_samples
 from kvq_export.calibration.positions import KeyPositions
 from kvq_export.errors import KVQError
 from kvq_export.memory import predict, stream_bytes
@@ -59,17 +59,6 @@ def _one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-def plan_windows(tokenizer: Any, calibration: CalibrationSpec, max_positions: int) -> list[list[int]]:
-    """``calibration``'s text cut into windows as long as the model reaches (``max_positions``).
-
-    A plan's damage is then measured over contexts of the length asked for: ``--tokens 8192`` reads keys and values
-    8192 tokens back, as a long prompt's decode does, not eight 1024-token windows. Static scales for the export
-    are still calibrated on 1024-token windows, shifted over every position (:mod:`kvq_export.calibration`).
-    """
-    return calibration_windows(tokenizer, calibration.corpus, calibration.tokens, offset=calibration.offset,
-                               window=max_positions)
 
 
 def plan_scheme(
@@ -232,8 +221,7 @@ def _recorded_settings(cset: CandidateSet, calibration: CalibrationSpec, sink_to
                        windows: Sequence[Sequence[int]], measured_on: dict | None) -> dict[str, Any]:
     """How the plan was made, as :attr:`Plan.settings` records it."""
     return {"candidates": cset.about, "calib_method": str(calibration.method), "sink_tokens": sink_tokens,
-            "value_window": value_window, "windows": len(windows), "window": max(map(len, windows)),
-            "tokens": sum(len(w) for w in windows),
+            "value_window": value_window, "windows": len(windows), "tokens": sum(len(w) for w in windows),
             "weights": measured_on}
 
 
