@@ -178,6 +178,24 @@ def test_distance_groups_pool_the_windows_by_target_position():
     assert all(g.perplexity_delta_rel == 0 and g.kl_mean == 0 and g.top1_agreement == 1 for g in groups)
 
 
+def test_the_log_probability_gate_reads_every_trial_and_misses_on_none():
+    from types import SimpleNamespace
+
+    # _trial: -1.0 for both, but -2.0 for the export where it loses the answer: mean drop 0.25 nats over 4 trials
+    trials = (_trial("passkey", 1024, 0.0, True, True), _trial("passkey", 1024, 0.0, True, False, 1),
+              _trial("vt", 1024, 0.0, False, False), _trial("vt", 1024, 1.0, False, True))
+    result = SimpleNamespace(retrieval=RetrievalResult(trials), distance=())
+    assert LongContextGates(max_logprob_drop=0.25).misses(result) == []
+    missed = LongContextGates(max_logprob_drop=0.2).misses(result)
+    assert missed == ["the gold answers' log-probability -0.250 nats vs the baseline (mean of 4 trials) drops by "
+                      "more than --max-logprob-drop 0.2"]
+    empty = SimpleNamespace(retrieval=RetrievalResult(()), distance=())
+    assert LongContextGates(max_logprob_drop=1).misses(empty) == ["--max-logprob-drop: no retrieval trial was run"]
+    for bad in (-0.1, float("nan"), True):
+        with pytest.raises(GateError, match="allowed: a finite number >= 0"):
+            LongContextGates(max_logprob_drop=bad)
+
+
 def test_group_limits_parse_and_unmeasured_groups_miss():
     assert parse_group_limit("0.005") == (None, 0.005)
     assert parse_group_limit("4096-8192=0.01") == ("4096-8192", 0.01)
@@ -199,7 +217,7 @@ def _long(exports, tmp_path, *extra):
 
 def test_the_command_writes_json_heat_map_and_report_and_gates(exports, tmp_path):
     out = _long(exports, tmp_path, "--json", tmp_path / "r.json", "--heatmap", tmp_path / "h.png",
-                "--report", tmp_path / "r.html", "--max-group-ppl-delta", "512-600=10")
+                "--report", tmp_path / "r.html", "--max-group-ppl-delta", "512-600=10", "--max-logprob-drop", "100")
     assert out.returncode == 0, out.stderr
     data = json.loads((tmp_path / "r.json").read_text())
     assert [g["start"] for g in data["distance"]] == [0, 512]
@@ -241,6 +259,7 @@ def test_a_result_reads_back_the_numbers_it_reports(exports, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (("--lengths", "600"), "--lengths applies only to --long-context"),
     (("--baseline-trials", __file__), "--baseline-trials applies only to --long-context"),
+    (("--max-logprob-drop", "0.1"), "--max-logprob-drop applies only to --long-context"),
     (("--long-context", "--windows", "2"), "--windows applies only to validation without --long-context"),
     (("--long-context", "--tasks", "needle"), "unknown task 'needle'; allowed: passkey, multikey, vt"),
     (("--long-context", "--lengths", "5000"), "--lengths 5000 exceeds the 1024 positions"),

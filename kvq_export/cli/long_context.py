@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from kvq_export.cli._base import distinct_outputs, int_list, make_console, write_json_output
-from kvq_export.cli_types import FRACTION, outside_exports
+from kvq_export.cli_types import FRACTION, NON_NEGATIVE, outside_exports
 from kvq_export.errors import KVQError, OutputPathError
 from kvq_export.progress import tqdm_bars
 from kvq_export.validate.long_context.tasks import TASKS
@@ -13,7 +13,7 @@ from kvq_export.validate.long_context.tasks import TASKS
 #: options that only the ordinary validation reads, and only the long-context one
 SHORT_ONLY = ("windows", "window_len", "prompts_file", "gen_tokens", "max_ppl_delta", "min_top1", "max_kl")
 LONG_ONLY = ("tasks", "lengths", "depths", "trials", "seed", "ppl_windows", "prefill_chunk", "heatmap_out",
-             "min_retrieval", "max_group_ppl_delta", "baseline_trials")
+             "min_retrieval", "max_group_ppl_delta", "max_logprob_drop", "baseline_trials")
 
 
 def _names(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
@@ -70,6 +70,10 @@ def long_context_options(command):
         click.option("--max-group-ppl-delta", multiple=True,
                      help="--long-context: exit 1 when a distance group's perplexity exceeds the baseline's by more "
                           "than VALUE: START-END=VALUE for one group, VALUE for every group; repeatable."),
+        click.option("--max-logprob-drop", type=NON_NEGATIVE, default=None,
+                     help="--long-context: exit 1 when the gold answers' mean teacher-forced log-probability falls "
+                          "below the baseline's by more than this many nats (over every trial; steadier than exact "
+                          "matches, which flip on near ties)."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -89,7 +93,7 @@ def check_mode(long_context: bool) -> None:
 
 def run_long_context(export_dir, baseline, *, corpus, offset, chunk, json_out, report_out, providers, quiet,
                      no_verify, tasks, lengths, depths, trials, seed, ppl_windows, prefill_chunk, heatmap_out,
-                     baseline_trials, min_retrieval, max_group_ppl_delta) -> None:
+                     baseline_trials, min_retrieval, max_group_ppl_delta, max_logprob_drop) -> None:
     """The long-context mode of ``kvq validate``: run, write what was asked for, print the tables, then gate."""
     from rich.table import Table
 
@@ -103,7 +107,8 @@ def run_long_context(export_dir, baseline, *, corpus, offset, chunk, json_out, r
     if heatmap_out and not tasks:
         raise KVQError("--heatmap needs a retrieval task to map; allowed: --tasks with at least one of "
                        f"{', '.join(TASKS)}")
-    gates = LongContextGates(min_retrieval, tuple(parse_group_limit(v) for v in max_group_ppl_delta))
+    gates = LongContextGates(min_retrieval, tuple(parse_group_limit(v) for v in max_group_ppl_delta),
+                             max_logprob_drop)
     config = LongContextConfig(tasks=tasks, lengths=lengths, depths=depths, trials=trials, seed=seed,
                                chunk=prefill_chunk, corpus=corpus, offset=offset, ppl_windows=ppl_windows,
                                ppl_chunk=chunk or 64)

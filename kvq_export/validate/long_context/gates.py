@@ -2,8 +2,10 @@
 
 ``--min-retrieval`` reads the pass rate (the export's exact matches over the trials of the cells the baseline
 passes); ``--max-group-ppl-delta`` the relative perplexity change of one distance group (``4096-8192=0.005``) or of
-every group (``0.005``). A gate whose number was not measured (no cell the baseline passes, a group no window
-reached) misses, naming why: a gate never passes on nothing.
+every group (``0.005``); ``--max-logprob-drop`` the gold answers' mean teacher-forced log-probability against the
+baseline's, over every trial (a continuous score: it moves with the cache's error where exact matches flip on near
+ties, and still reads where the baseline misses). A gate whose number was not measured (no cell the baseline
+passes, a group no window reached, no trial) misses, naming why: a gate never passes on nothing.
 """
 
 from __future__ import annotations
@@ -40,17 +42,22 @@ class LongContextGates:
 
     min_retrieval: float | None = None
     max_group_ppl_delta: tuple[tuple[str | None, float], ...] = ()
+    max_logprob_drop: float | None = None  # nats
 
     def __post_init__(self) -> None:
         value = self.min_retrieval
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not 0 <= value <= 1):
             raise GateError(f"invalid min_retrieval={value!r}: allowed: a number in [0, 1]")
+        drop = self.max_logprob_drop
+        if drop is not None and (isinstance(drop, bool) or not isinstance(drop, (int, float))
+                                 or not math.isfinite(drop) or drop < 0):
+            raise GateError(f"invalid max_logprob_drop={drop!r}: allowed: a finite number >= 0 (nats)")
 
     @property
     def any(self) -> bool:
         """Whether any threshold is set."""
-        return self.min_retrieval is not None or bool(self.max_group_ppl_delta)
+        return self.min_retrieval is not None or bool(self.max_group_ppl_delta) or self.max_logprob_drop is not None
 
     def misses(self, result: LongContextResult) -> list[str]:
         """One phrase per threshold ``result`` misses (empty: every gate passed)."""
@@ -62,6 +69,7 @@ class LongContextGates:
             elif not hits / total >= self.min_retrieval:
                 out.append(f"retrieval {hits}/{total} ({hits / total:.1%}) of the trials in cells the baseline passes "
                            f"is below --min-retrieval {self.min_retrieval:g}")
+        out += self._logprob_misses(result)
         groups = {g.label: g for g in result.distance}
         for label, limit in self.max_group_ppl_delta:
             for name in ([label] if label else list(groups)):
@@ -73,6 +81,18 @@ class LongContextGates:
                     out.append(f"perplexity at positions {name} {group.perplexity_delta_rel:+.3%} vs the baseline "
                                f"exceeds --max-group-ppl-delta {limit:g} ({limit:+.3%})")
         return out
+
+    def _logprob_misses(self, result: LongContextResult) -> list[str]:
+        if self.max_logprob_drop is None:
+            return []
+        summary = result.retrieval.summary()
+        delta = summary["logprob_delta"]
+        if delta is None:
+            return ["--max-logprob-drop: no retrieval trial was run"]
+        if not -delta <= self.max_logprob_drop:
+            return [f"the gold answers' log-probability {delta:+.3f} nats vs the baseline (mean of "
+                    f"{summary['trials']} trials) drops by more than --max-logprob-drop {self.max_logprob_drop:g}"]
+        return []
 
     def check(self, result: LongContextResult) -> None:
         """Raise :class:`GateError` (one line naming every miss) unless ``result`` passes every gate."""
