@@ -180,8 +180,26 @@ class Workload(ABC):
         return default
 
 
+class OnePromptWorkload(Workload):
+    """A workload whose every job sends one plain-text prompt (:meth:`prompt`) and is done after its answer."""
+
+    @abstractmethod
+    def prompt(self, job: int) -> str:
+        """Job ``job``'s prompt."""
+
+    @property
+    def requests(self) -> int:
+        return self.jobs
+
+    def request(self, job: int, replies: Sequence[str]) -> Request | None:
+        return None if replies else self.prompt(job)
+
+    def prompt_ids(self, request: Request) -> list[int]:
+        return self.answer_ids(request)  # plain text, tokenized as an answer is
+
+
 @dataclass(frozen=True)
-class SharedPrefixWorkload(Workload):
+class SharedPrefixWorkload(OnePromptWorkload):
     """``prefixes[g] + SEPARATOR + questions[g][q]`` for every ``(g, q)`` of ``order`` (the order sent)."""
 
     sizes: SharedPrefixSizes = SharedPrefixSizes()
@@ -194,20 +212,9 @@ class SharedPrefixWorkload(Workload):
     def jobs(self) -> int:
         return len(self.order)
 
-    @property
-    def requests(self) -> int:
-        return len(self.order)
-
     def prompt(self, job: int) -> str:
-        """Job ``job``'s prompt."""
         group, question = self.order[job]
         return self.prefixes[group] + SEPARATOR + self.questions[group][question]
-
-    def request(self, job: int, replies: Sequence[str]) -> Request | None:
-        return None if replies else self.prompt(job)
-
-    def prompt_ids(self, request: Request) -> list[int]:
-        return list(self.tokenizer.encode(request, add_special_tokens=False))
 
     def context_needed(self, max_tokens: int) -> int:
         return self.sizes.prefix_tokens + self.sizes.question_tokens + TEMPLATE_TOKENS + max_tokens
@@ -251,7 +258,7 @@ class ChatWorkload(Workload):
 
 
 @dataclass(frozen=True)
-class MixedWorkload(Workload):
+class MixedWorkload(OnePromptWorkload):
     """``prompts[j]`` asking for ``answers[j]`` tokens, one request per job, sent in order."""
 
     sizes: MixedSizes = MixedSizes()
@@ -269,15 +276,8 @@ class MixedWorkload(Workload):
     def jobs(self) -> int:
         return len(self.prompts)
 
-    @property
-    def requests(self) -> int:
-        return len(self.prompts)
-
-    def request(self, job: int, replies: Sequence[str]) -> Request | None:
-        return None if replies else self.prompts[job]
-
-    def prompt_ids(self, request: Request) -> list[int]:
-        return list(self.tokenizer.encode(request, add_special_tokens=False))
+    def prompt(self, job: int) -> str:
+        return self.prompts[job]
 
     def context_needed(self, max_tokens: int) -> int:
         """The longest prompt the sizes allow and the most answer tokens (``max_tokens`` is not what it asks)."""
