@@ -170,8 +170,10 @@ class BatchLoop:
     def _decode(self) -> None:
         """One token for every sequence that has one to feed."""
         ready = [seq for seq in self.running if seq.token is not None]
-        ready = [seq for seq in ready if seq in self.running and self._room(seq, seq.slot.length + 1)]
-        ready = [seq for seq in ready if seq in self.running]  # a later one's room may have preempted an earlier one
+        for seq in ready:
+            if seq in self.running:  # not preempted to make room for an earlier one
+                self._room(seq, seq.slot.length + 1)
+        ready = [seq for seq in ready if seq in self.running]  # making room may have preempted any of them
         if not ready:
             return
         if self.backend.batched:
