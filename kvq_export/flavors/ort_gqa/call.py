@@ -28,8 +28,10 @@ class GQACall(LaidOutCall):
 
     int32 inputs of the node: ``seqlens_k`` [B], ``query_seqlens`` [B], ``total`` (scalar). The exact branch:
     ``held`` [1] (the longest row already held), ``exact`` (bool scalar: a prompt, a chunk, or empty caches),
-    ``exact_total`` and ``exact_seqlens`` (its node's inputs), ``new_places`` / ``new_real`` [B, 1, t, 1] (where
-    the new tokens' codes go, and which are real). The realignment: ``to_right`` / ``to_left`` [B, t, 1] and
+    ``exact_total`` and ``exact_seqlens`` (its node's inputs), ``new_rows`` [B, kv_heads, t, 1] (each new token's
+    place in its row: GatherND indices, batch_dims 2), ``new_cells`` [B, kv_heads, t, 3] (the same places as
+    ScatterND indices into a buffer) and ``new_real`` [B, 1, t, 1] (which new tokens are real). The realignment:
+    ``to_right`` / ``to_left`` [B, t, 1] and
     ``valid`` [B, t, 1]. ``zero``: the compute dtype's 0; ``tables``: cos/sin per distinct RoPE (fused RoPE);
     ``shape``: the node's rows, as the high-channel nodes read them.
     """
@@ -41,7 +43,8 @@ class GQACall(LaidOutCall):
     exact: ir.Value
     exact_total: ir.Value
     exact_seqlens: ir.Value
-    new_places: ir.Value
+    new_rows: ir.Value
+    new_cells: ir.Value
     new_real: ir.Value
     to_right: ir.Value
     to_left: ir.Value
@@ -78,9 +81,7 @@ def begin_call(b: GraphBuilder, spec: DecoderSpec, past: dict[str, ir.Value], at
     # row b holds its m_b tokens contiguously from `first` (t - m_b when left-padded as kvq feeds them,
     # 0 when right-padded as onnxruntime-genai feeds a prompt); GQA wants them at [0, m_b)
     s = b.op("Unsqueeze", b.op("Range", b.const(0), t_scalar, b.const(1)), b.const([0]))  # [1, t]
-    # where an exact call's new tokens go in the buffers: row b's j-th at n0_b + j, [B, 1, t, 1] (a
-    # padding token's place lies past the row's length, inside the capacity a step needs)
-    new_places = b.op("Unsqueeze", b.op("Add", b.op("Unsqueeze", n0, b.const([1])), s), b.const([1, 3]))
+    new_rows, new_cells = _new_places(b, n0, s, mask, shape.facts.num_kv_heads)
     new_real = b.op("Unsqueeze", b.op("Less", s, b.op("Unsqueeze", m, b.const([1]))), b.const([1, 3]))
     shift = b.op("ArgMax", b.op("Cast", mask, to=ir.DataType.INT32), axis=1, keepdims=1)  # [B, 1]; 0 if idle
     to_right = b.op("Unsqueeze", b.op("Mod", b.op("Add", s, shift), t), b.const([-1]))  # [B, t, 1]
@@ -100,9 +101,28 @@ def begin_call(b: GraphBuilder, spec: DecoderSpec, past: dict[str, ir.Value], at
     else:  # positions of the new tokens for the body's RoPE (pads clamp to 0), as in the reference flavour
         offset = b.op("Sub", b.op("Unsqueeze", n0, b.const([1])), shift)
         positions = b.op("Max", b.op("Add", s, offset), b.const(0))
-    return GQACall(spec=spec, positions=positions, past=past, n1=n1, **lengths, new_places=new_places,
-                   new_real=new_real, to_right=to_right, to_left=to_left, valid=valid, zero=zero, tables=tables,
-                   shape=shape)
+    return GQACall(spec=spec, positions=positions, past=past, n1=n1, **lengths, new_rows=new_rows,
+                   new_cells=new_cells, new_real=new_real, to_right=to_right, to_left=to_left, valid=valid,
+                   zero=zero, tables=tables, shape=shape)
+
+
+def _new_places(b: GraphBuilder, n0: ir.Value, s: ir.Value, mask: ir.Value, kv_heads: int) -> tuple[ir.Value, ir.Value]:
+    """Where an exact call's new tokens go in the buffers: row b's j-th at n0_b + j (``new_rows``, ``new_cells``).
+
+    A padding token's place lies past its row's length, inside the capacity a step needs. Whole head rows are
+    gathered and scattered (GatherND/ScatterND copy a row at a time, where the element-wise GatherElements and
+    ScatterElements compute an index per byte).
+    """
+    places = b.op("Unsqueeze", b.op("Add", b.op("Unsqueeze", n0, b.const([1])), s), b.const([1, 3]))  # [B, 1, t, 1]
+    dims = b.op("Shape", mask)  # [B, t]
+    wide = b.op("Concat", b.op("Slice", dims, b.const([0]), b.const([1])), b.const([kv_heads]),
+                b.op("Slice", dims, b.const([1]), b.const([2])), b.const([1]), axis=0)  # [B, kv_heads, t, 1]
+    rows = b.op("Expand", places, wide)
+    batch = b.op("Reshape", b.op("Range", b.const(0), b.op("Squeeze", b.op("Slice", dims, b.const([0]), b.const([1])),
+                                                        b.const([0])), b.const(1)), b.const([-1, 1, 1, 1]))
+    heads = b.const(np.arange(kv_heads, dtype=np.int64).reshape(1, kv_heads, 1, 1))
+    cells = b.op("Concat", b.op("Expand", batch, wide), b.op("Expand", heads, wide), rows, axis=-1)
+    return rows, cells
 
 
 def _lengths(b: GraphBuilder, n0: ir.Value, n1: ir.Value, m: ir.Value, t: ir.Value,

@@ -288,11 +288,7 @@ class GQACacheGraph(LaidOutCache[GQACall]):
 
     def _new_rows(self, b: GraphBuilder, call: GQACall, present: ir.Value) -> ir.Value:
         """The new tokens' rows of the exact node's ``present`` [B, kv_heads, held + t, D]: [B, kv_heads, t, D]."""
-        shape = b.op("Shape", present)
-        t = b.op("Gather", b.op("Shape", call.new_places), b.const([2]), axis=0)
-        wide = b.op("Concat", b.op("Slice", shape, b.const([0]), b.const([2])), t,
-                    b.op("Slice", shape, b.const([3]), b.const([4])), axis=0)
-        return b.op("GatherElements", present, b.op("Expand", call.new_places, wide), axis=2)
+        return b.op("GatherND", present, call.new_rows, batch_dims=2)
 
     def _write(self, b: GraphBuilder, call: GQACall, buffer: ir.Value, codes: ir.Value, bits: int) -> ir.Value:
         """``buffer`` with ``codes`` [B, kv_heads, t, ..] written at each row's new places (zero bytes for padding).
@@ -301,8 +297,7 @@ class GQACacheGraph(LaidOutCache[GQACall]):
         of the tokens alone.
         """
         zero = b.const(np.array(0, np.int8 if bits == 8 else np.uint8))
-        codes = b.op("Where", call.new_real, codes, zero)
-        return b.op("ScatterElements", buffer, b.op("Expand", call.new_places, b.op("Shape", codes)), codes, axis=2)
+        return b.op("ScatterND", buffer, call.new_cells, b.op("Where", call.new_real, codes, zero))
 
     def _offset(self, b: GraphBuilder, call: GQACall, layer: int, what: str, array: np.ndarray) -> ir.Value:
         return b.initializer(static_name(layer, what, "offset"), array.astype(call.np_type))
