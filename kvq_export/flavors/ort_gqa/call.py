@@ -31,9 +31,8 @@ class GQACall(LaidOutCall):
     ``exact_total`` and ``exact_seqlens`` (its node's inputs), ``new_rows`` [B, kv_heads, t, 1] (each new token's
     place in its row: GatherND indices, batch_dims 2), ``new_cells`` [B, kv_heads, t, 3] (the same places as
     ScatterND indices into a buffer) and ``new_real`` [B, 1, t, 1] (which new tokens are real). The realignment:
-    ``to_right`` / ``to_left`` [B, t, 1] and
-    ``valid`` [B, t, 1]. ``zero``: the compute dtype's 0; ``tables``: cos/sin per distinct RoPE (fused RoPE);
-    ``shape``: the node's rows, as the high-channel nodes read them.
+    ``to_right`` / ``to_left`` [B, t, 1] and ``valid`` [B, t, 1]. ``zero``: the compute dtype's 0; ``tables``:
+    cos/sin per distinct RoPE (fused RoPE); ``shape``: the node's rows, as the high-channel nodes read them.
     """
 
     seqlens_k: ir.Value
