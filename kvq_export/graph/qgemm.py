@@ -3,7 +3,7 @@
 One node per linear, ``kvq.QGemmRows(x, w_codes, w_scales)``, a model-local function ONNX Runtime inlines when
 it loads the graph::
 
-    scale  = max(|x|, last axis) / 127                 one scale per row (token)
+    scale  = max(|x|, last axis) / 127                 one scale per row (token), from max(x) and min(x)
     x_q    = QuantizeLinear(x, scale, 128)             uint8, zero point 128, blocks of the whole row
     y      = MatMulIntegerToFloat(x_q, w_codes, scale, w_scales, 128)
 
@@ -50,13 +50,17 @@ def qgemm_rows_function(opset: int) -> onnx.FunctionProto:
                                                   type=onnx.AttributeProto.INT))  # a block is the whole row
     nodes = [
         _constant("last_axis", np.array([-1], np.int64)),
-        _constant("tiny", _TINY),
+        _constant("tiny_scale", _TINY * np.float32(1 / CHANNEL_CODE_MAX)),
         _constant("per_code", np.float32(1 / CHANNEL_CODE_MAX)),
+        _constant("per_negative_code", np.float32(-1 / CHANNEL_CODE_MAX)),
         _constant("zero", np.uint8(ACTIVATION_ZERO_POINT)),
-        helper.make_node("Abs", ["x"], ["magnitude"]),
-        helper.make_node("ReduceMax", ["magnitude", "last_axis"], ["peak"], keepdims=1),
-        helper.make_node("Max", ["peak", "tiny"], ["peak_or_tiny"]),
-        helper.make_node("Mul", ["peak_or_tiny", "per_code"], ["row_scale"]),
+        # max|x| / 127 as max(max(x) / 127, min(x) / -127): two reads of x, no |x| written (scaling by a positive
+        # constant keeps the order, so this is max|x| / 127 bit for bit)
+        helper.make_node("ReduceMax", ["x", "last_axis"], ["top"], keepdims=1),
+        helper.make_node("ReduceMin", ["x", "last_axis"], ["bottom"], keepdims=1),
+        helper.make_node("Mul", ["top", "per_code"], ["top_scale"]),
+        helper.make_node("Mul", ["bottom", "per_negative_code"], ["bottom_scale"]),
+        helper.make_node("Max", ["top_scale", "bottom_scale", "tiny_scale"], ["row_scale"]),
         helper.make_node("Shape", ["row_scale"], ["rows"]),
         helper.make_node("Expand", ["zero", "rows"], ["row_zero"]),
         quantize,
