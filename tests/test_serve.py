@@ -231,7 +231,8 @@ def test_health_and_models_say_how_requests_run(servers):
     assert batch["status"] == session["status"] == "ok"
     assert batch["batching"] is True and batch["max_seqs"] == 8 and batch["flavor"] == "ort-gqa"
     assert batch["decode"] == "batched" and batch["batch_invariance"]["invariant"] is True
-    assert batch["batch_invariance"]["batch_sizes"] == [2, 3, 8]
+    sizes = batch["batch_invariance"]["batch_sizes"]  # up to the rows a decode call may span (paged: not max_seqs)
+    assert sizes[:3] == [2, 3, 8] and sizes == sorted(sizes)
     assert session["batching"] is False and "one request at a time" in session["backend"]
     assert "regions cache layout" in session["reason"]
     assert batch["max_positions"] == session["max_positions"] == 1024

@@ -1,9 +1,9 @@
 """Cache memory in proportion to tokens in ``kvq serve``: moving, preempting and resuming keep every answer.
 
-A tiny export served with rows of 8 to 64 tokens in a budget of three 64-token rows, a new row reserving 4 tokens
-past its prompt: sequences start in small rows,
-move up as they grow, and are preempted (then prefilled again from their prompt and generated tokens) when the
-budget has no larger row. Hypothesis draws prompt lengths, answer lengths and arrival orders; every answer is
+A tiny export served in a budget of three 64-token rows, a new row reserving 4 tokens past its prompt, in rows of 8 to
+64 tokens (sequences start in small rows and move up as they grow) and in paged rows of 64 tokens (counted in pages of
+16 tokens a head row): sequences are preempted (then prefilled again from their prompt and generated tokens) when the
+budget has no room for them. Hypothesis draws prompt lengths, answer lengths and arrival orders; every answer is
 compared with the same request alone with no cache. The slow test does the same on SmolLM2.
 """
 
@@ -42,10 +42,12 @@ def budget_of(directory, rows: int, capacity: int) -> int:
     return fits.static_bytes + rows * fits.row_bytes
 
 
-@pytest.fixture(scope="module")
-def tight(export):
+@pytest.fixture(scope="module", params=["classes", "paged"])
+def tight(export, request):
+    """Rows of classes 8 to 64 tokens, or paged rows of 64 tokens counted in pages of 16 tokens a head row."""
     backend = open_backend(export, cache_budget=budget_of(export, 3, CONTEXT), smallest_row=8, row_reserve=4,
-                           prefill_chunk=8, limits=ServeLimits(context=CONTEXT, max_waiting=64))
+                           prefill_chunk=8, limits=ServeLimits(context=CONTEXT, max_waiting=64),
+                           row_classes=request.param == "classes", page_bytes=256)
     backend.start()
     yield backend
     backend.close()
@@ -61,7 +63,8 @@ def alone(backend, job: Job):
 
 def test_rows_are_sized_by_tokens(tight):
     described = tight.describe()
-    assert described["row_capacities"] == (8, 12, 16, 24, 32, 48, 64)
+    assert tight.pool.sizing.paged is not tight.row_classes
+    assert described["row_capacities"] == ((64,) if tight.pool.sizing.paged else (8, 12, 16, 24, 32, 48, 64))
     assert described["cache_budget_bytes"] == tight.pool.sizing.budget_bytes
 
 

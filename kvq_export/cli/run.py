@@ -183,6 +183,10 @@ def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir, provid
 @click.option("--fixed-rows", is_flag=True,
               help="Give every sequence a row of the whole --context from its start, instead of rows in proportion "
                    "to its tokens that grow with it (fewer sequences fit the budget; nothing is moved or preempted).")
+@click.option("--row-classes", is_flag=True,
+              help="Hold sequences in rows of several capacities (256, 384, 512, ... tokens), moved to a larger row as "
+                   "they grow, instead of rows of the whole --context whose memory the system commits page by page "
+                   "(the default on a CPU where a row's head rows are whole pages).")
 @click.option("--no-prefix-cache", is_flag=True,
               help="Do not keep cache rows after their request to reuse prompt prefixes (reuse never changes an "
                    "answer: every call attends over the stored codes).")
@@ -201,8 +205,8 @@ def demo(model_spec, prompt, max_new_tokens, repetition_penalty, workdir, provid
 @click.option("--no-verify", "no_verify", is_flag=True,
               help="Skip checking the weight files against the checksums in kvq.json (faster on trusted storage).")
 def serve(export_dir, host, port, model_name, backend, max_seqs, cache_budget, context, prefill_chunk, fixed_rows,
-          no_prefix_cache, max_waiting, request_timeout, api_key, allow_batch_variance, shutdown_timeout, providers,
-          no_verify) -> None:
+          row_classes, no_prefix_cache, max_waiting, request_timeout, api_key, allow_batch_variance, shutdown_timeout,
+          providers, no_verify) -> None:
     """Serve an export over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics).
 
     EXPORT_DIR: a kvq export directory.
@@ -214,8 +218,8 @@ def serve(export_dir, host, port, model_name, backend, max_seqs, cache_budget, c
     logging.getLogger("kvq_export.runtime.rows").setLevel(min(logging.getLogger().getEffectiveLevel(), logging.INFO))
     limits = ServeLimits(max_waiting=max_waiting, request_timeout=request_timeout, context=context)
     batch = dict(max_seqs=max_seqs, cache_budget=cache_budget, prefill_chunk=prefill_chunk,
-                 allow_batch_variance=allow_batch_variance, prefix_cache=not no_prefix_cache, fixed_rows=fixed_rows) \
-        if backend != "session" else {}
+                 allow_batch_variance=allow_batch_variance, prefix_cache=not no_prefix_cache, fixed_rows=fixed_rows,
+                 row_classes=row_classes) if backend != "session" else {}
     run_server(export_dir, host=host, port=port, model_name=model_name, backend=backend,
                verify_weights=not no_verify, shutdown_timeout=shutdown_timeout, providers=providers,
                api_key=api_key, limits=limits, **batch)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +33,36 @@ logger = logging.getLogger(__name__)
 
 SEQ_LENGTHS = tensor_name("past", None, None, "seq_lengths")
 CUDA = "CUDAExecutionProvider"
+#: the operating system's page: a paged cache's memory is committed (and given back) in these
+PAGE_BYTES = mmap.PAGESIZE
+
+
+def token_widths(session: KVQSession) -> dict[int, int]:
+    """Bytes one token takes in one head's row of a buffer -> how many such head rows one cache row has."""
+    widths: dict[int, int] = {}
+    for spec in session.past:
+        if session.layout.shared(spec):
+            width = int(np.prod(spec.shape[3:])) * np.dtype(DType.get(spec.dtype).bits_numpy).itemsize
+            widths[width] = widths.get(width, 0) + int(spec.shape[1])
+    return widths
+
+
+def paged_bytes(widths: Mapping[int, int], tokens: int | np.ndarray, page_bytes: int = PAGE_BYTES) -> np.ndarray:
+    """Bytes a row holding ``tokens`` commits in a paged cache: each head row's tokens rounded up to whole pages."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    return sum(count * -(-tokens * width // page_bytes) * page_bytes for width, count in widths.items())
+
+
+@dataclass(frozen=True)
+class _Buffer:
+    """One layer and stream's buffer ``[rows, kv_heads, capacity, width]`` at ``address``; ``owner`` keeps it."""
+
+    spec: CacheTensor
+    address: int
+    shape: tuple[int, ...]
+    row_bytes: int
+    dtype: np.dtype
+    owner: object
 
 
 @dataclass(frozen=True)
@@ -72,7 +104,8 @@ class RowCache:
     call (``KVQSession(stored_prefill=True)``): what a row holds then follows from its tokens alone.
     """
 
-    def __init__(self, session: KVQSession, rows: int, capacity: int) -> None:
+    def __init__(self, session: KVQSession, rows: int, capacity: int, *, paged: bool = False,
+                 page_bytes: int = PAGE_BYTES) -> None:
         import onnxruntime as ort
 
         layout = session.layout
@@ -88,29 +121,43 @@ class RowCache:
         self.vocab = session.manifest.model.vocab_size
         providers = session.session.get_providers()
         self.device = "cuda" if providers and providers[0] == CUDA else "cpu"
-        self.buffers: list[tuple[CacheTensor, object, int]] = []  # (spec, OrtValue, bytes per row)
+        if paged and self.device != "cpu":
+            raise RuntimeInputError(f"paged cache rows need host memory; this session's cache is on {self.device}")
+        #: memory is committed page by page as rows fill, and given back as they empty (else held from the start)
+        self.paged, self.page_bytes = paged, page_bytes
+        self.widths = token_widths(session)
+        if paged and any(capacity * width % page_bytes for width in self.widths):
+            raise RuntimeInputError(f"paged rows of {capacity} tokens do not end on {page_bytes}-byte pages (tokens of "
+                                    f"{sorted(self.widths)} bytes a head): allowed: a capacity whose head rows are "
+                                    "whole pages")
+        self.buffers: list[_Buffer] = []
         for spec in session.past:
             if not layout.shared(spec):
                 if spec.role != Role.SEQ_LENGTHS:
                     raise RuntimeInputError(f"{session.directory}: cache tensor {spec.name} is neither a shared "
                                             "buffer nor seq_lengths; rows cannot hold it")
                 continue
-            shape = [rows, *(capacity if dim == "capacity" else dim for dim in spec.shape[1:])]
-            dtype = DType.get(spec.dtype).bits_numpy
-            value = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, self.device, 0)
-            row_bytes = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
-            self.buffers.append((spec, value, row_bytes))
-        if self.device == "cpu":  # touch every page now: the cache's memory is held from the start, not as rows fill
-            for _, value, row_bytes in self.buffers:
-                ctypes.memset(value.data_ptr(), 0, rows * row_bytes)
+            shape = (rows, *(capacity if dim == "capacity" else dim for dim in spec.shape[1:]))
+            dtype = np.dtype(DType.get(spec.dtype).bits_numpy)
+            row_bytes = int(np.prod(shape[1:])) * dtype.itemsize
+            if paged:  # private anonymous pages: untouched ones hold no memory, MADV_DONTNEED gives them back
+                owner = mmap.mmap(-1, rows * row_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                address = ctypes.addressof(ctypes.c_char.from_buffer(owner))
+            else:
+                owner = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device, 0)
+                address = owner.data_ptr()
+                if self.device == "cpu":  # touch every page now: the memory is held from the start
+                    ctypes.memset(address, 0, rows * row_bytes)
+            self.buffers.append(_Buffer(spec, address, shape, row_bytes, dtype, owner))
         self.lengths = np.zeros(rows, dtype=np.int64)
         self._logits = np.empty(0, dtype=np.float32)
-        logger.debug("cache rows: %d x %d tokens, %.1f MiB on %s", rows, capacity, self.nbytes / 2**20, self.device)
+        logger.debug("cache rows: %d x %d tokens, %.1f MiB on %s%s", rows, capacity, self.nbytes / 2**20, self.device,
+                     " (paged: committed as rows fill)" if paged else "")
 
     @property
     def row_bytes(self) -> int:
         """Bytes one row's buffers hold."""
-        return sum(row_bytes for _, _, row_bytes in self.buffers)
+        return sum(buffer.row_bytes for buffer in self.buffers)
 
     @property
     def nbytes(self) -> int:
@@ -121,15 +168,41 @@ class RowCache:
         """Make ``target`` hold what ``source`` holds (host memory only; on a GPU, prefill the row instead)."""
         copy_prefix(self, source, self, target, int(self.lengths[source]))
 
+    def held_bytes(self, tokens: int | np.ndarray) -> np.ndarray:
+        """Bytes a row holding ``tokens`` holds: whole pages of them where paged, else the whole row."""
+        if self.paged:
+            return paged_bytes(self.widths, tokens, self.page_bytes)
+        return np.full(np.shape(tokens), self.row_bytes, dtype=np.int64)
+
     def truncate(self, row: int, tokens: int) -> None:
-        """Keep the first ``tokens`` that ``row`` holds (what lies past a row's length is never read)."""
+        """Keep the first ``tokens`` that ``row`` holds (what lies past a row's length is never read).
+
+        Paged, the pages past them go back to the system.
+        """
         if not 0 <= tokens <= self.lengths[row]:
             raise RuntimeInputError(f"row {row} holds {int(self.lengths[row])} tokens, not {tokens}")
         self.lengths[row] = tokens
+        self._give_back(row, tokens)
 
     def clear(self, row: int) -> None:
-        """Empty ``row`` (its buffer contents beyond the length are never read)."""
+        """Empty ``row`` (its buffer contents beyond the length are never read; paged, its pages go back)."""
         self.lengths[row] = 0
+        self._give_back(row, 0)
+
+    def _give_back(self, row: int, tokens: int) -> None:
+        """Paged: give back every whole system page of ``row``'s head rows past their first ``tokens``."""
+        if not self.paged:
+            return
+        for buffer in self.buffers:
+            heads, width = buffer.shape[1], buffer.row_bytes // (buffer.shape[1] * self.capacity)
+            spans = [(0, buffer.row_bytes)] if tokens == 0 else \
+                [(head * self.capacity * width + tokens * width, (head + 1) * self.capacity * width)
+                 for head in range(heads)]
+            for low, high in spans:
+                low = -(-(row * buffer.row_bytes + low) // PAGE_BYTES) * PAGE_BYTES
+                high = (row * buffer.row_bytes + high) // PAGE_BYTES * PAGE_BYTES
+                if high > low:
+                    buffer.owner.madvise(mmap.MADV_DONTNEED, low, high - low)
 
     def run(self, start: int, input_ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
         """Feed ``input_ids [k, t]`` (left-padded, ``mask`` 0 = padding) to rows ``[start, start + k)``.
@@ -157,12 +230,10 @@ class RowCache:
         positions = 1 if self.session.last_logits else t
         logits = self._logits_buffer(k * positions).reshape(k, positions, self.vocab)
         binding.bind_output("logits", "cpu", 0, np.float32, [k, positions, self.vocab], logits.ctypes.data)
-        for spec, value, row_bytes in self.buffers:
-            shape = [k, *value.shape()[1:]]
-            address = value.data_ptr() + start * row_bytes
-            dtype = DType.get(spec.dtype).bits_numpy
-            binding.bind_input(spec.name, self.device, 0, dtype, shape, address)
-            binding.bind_output(present_name(spec.name), self.device, 0, dtype, shape, address)
+        for buffer in self.buffers:
+            shape, address = [k, *buffer.shape[1:]], buffer.address + start * buffer.row_bytes
+            binding.bind_input(buffer.spec.name, self.device, 0, buffer.dtype, shape, address)
+            binding.bind_output(present_name(buffer.spec.name), self.device, 0, buffer.dtype, shape, address)
         self.session.session.run_with_iobinding(binding)
         self.lengths[start:stop] = lengths
         return logits[:, -1]
@@ -186,13 +257,12 @@ def copy_prefix(source: RowCache, source_row: int, target: RowCache, target_row:
     if not 0 <= tokens <= min(source.lengths[source_row], target.capacity):
         raise RuntimeInputError(f"row {source_row} holds {int(source.lengths[source_row])} tokens and the target "
                                 f"row {target.capacity}: cannot copy {tokens}")
-    for (_, value, row_bytes), (_, other, other_bytes) in zip(source.buffers, target.buffers):
-        heads, capacity = value.shape()[1:3]
-        token_bytes = row_bytes // (heads * capacity)
-        other_capacity = other.shape()[2]
+    for buffer, other in zip(source.buffers, target.buffers):
+        heads, capacity = buffer.shape[1:3]
+        token_bytes = buffer.row_bytes // (heads * capacity)
         for head in range(heads):  # [rows, heads, capacity, width]
-            ctypes.memmove(other.data_ptr() + target_row * other_bytes + head * other_capacity * token_bytes,
-                           value.data_ptr() + source_row * row_bytes + head * capacity * token_bytes,
+            ctypes.memmove(other.address + target_row * other.row_bytes + head * other.shape[2] * token_bytes,
+                           buffer.address + source_row * buffer.row_bytes + head * capacity * token_bytes,
                            tokens * token_bytes)
     target.lengths[target_row] = tokens
 

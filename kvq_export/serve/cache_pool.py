@@ -89,6 +89,12 @@ class CachePool:
         self.segments: list[Segment] = []
         self.idle: OrderedDict[tuple[Segment, int], None] = OrderedDict()  # least recently used first
         self.planned: dict[tuple[Segment, int], np.ndarray] = {}  # busy rows still prefilling: their prompt
+        if sizing.paged:  # one segment, allocated now: its memory is committed page by page as its rows fill
+            capacity = sizing.classes[-1]
+            self.segments.append(Segment.allocate(session, sizing.most_rows[capacity], capacity, paged=True,
+                                                  page_bytes=sizing.page_bytes))
+        #: paged: the tokens each busy row is counted for at least (its prompt and reserve, then what it grew to)
+        self.promised = np.zeros(sizing.most_rows[sizing.classes[-1]] if sizing.paged else 0, dtype=np.int64)
 
     # -- what the pool holds -------------------------------------------------------------------------------------
     def busy(self) -> int:
@@ -101,11 +107,29 @@ class CachePool:
 
     @property
     def allocated_bytes(self) -> int:
-        """Bytes of every segment allocated now."""
+        """Bytes of every segment allocated now (paged: the pages its rows are counted for)."""
+        if self.sizing.paged:
+            return int(self._paged_bytes()[0].sum())
         return sum(segment.nbytes for segment in self.segments)
+
+    def _paged_bytes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Paged: (bytes each row is counted for, busy rows, idle rows): a busy row's promise or its tokens."""
+        segment = self.segments[0]
+        busy = np.fromiter((state is RowState.BUSY for state in segment.state), bool, segment.rows)
+        idle = np.fromiter((state is RowState.IDLE for state in segment.state), bool, segment.rows)
+        lengths = segment.cache.lengths
+        return segment.cache.held_bytes(np.where(busy, np.maximum(lengths, self.promised), lengths)), busy, idle
 
     def usage(self) -> PoolUsage:
         """What the rows hold now, counted in one pass (the server's gauges read it every round)."""
+        if self.sizing.paged:
+            held, busy, idle = self._paged_bytes()
+            busy_bytes, lengths = int(held[busy].sum()), self.segments[0].cache.lengths
+            free = min(int(np.count_nonzero(~busy)), (self.sizing.budget_bytes - busy_bytes)
+                       // int(self.segments[0].cache.held_bytes(self.reserve)))
+            available = max(0, min(free, self.max_seqs - int(busy.sum())) if self.max_seqs else free)
+            return PoolUsage(int(busy.sum()), int(idle.sum()), int(np.count_nonzero(~busy & ~idle)), int(held.sum()),
+                             int(lengths[busy].sum()), available)
         busy = idle = rows = used = busy_bytes = tokens = 0
         for segment in self.segments:
             row_bytes, lengths = self.sizing.row_bytes[segment.capacity], segment.cache.lengths
@@ -144,8 +168,14 @@ class CachePool:
             source, held = None, 0
         if self.max_seqs is not None and self.busy() >= self.max_seqs:
             return None
-        capacity = self.sizing.class_for(len(prompt) + min(max_tokens or self.reserve, self.reserve))
-        if source is not None and capacity <= source.capacity <= 2 * capacity and self._state(source) is RowState.IDLE:
+        need = len(prompt) + min(max_tokens or self.reserve, self.reserve)
+        capacity = self.sizing.class_for(need)
+        if self.sizing.paged:
+            slot = self._paged_slot(source, held, need)
+            if slot is None:
+                return None
+        elif source is not None and capacity <= source.capacity <= 2 * capacity and \
+                self._state(source) is RowState.IDLE:
             del self.idle[(source.segment, source.row)]
             source.segment.cache.truncate(source.row, held)
             slot = source
@@ -164,6 +194,13 @@ class CachePool:
 
         Where its own row is too small the sequence moves into a row of a larger class (its codes copied).
         """
+        if self.sizing.paged and tokens <= slot.capacity:  # the row has room: the budget, pages for them?
+            counted = max(slot.length, int(self.promised[slot.row]))
+            extra = int(slot.segment.cache.held_bytes(tokens) - slot.segment.cache.held_bytes(counted))
+            if extra > 0 and not self._make_room(extra, protect=slot):
+                return False
+            self.promised[slot.row] = max(counted, tokens)
+            return True
         if tokens <= slot.capacity:
             return True
         if tokens > self.sizing.classes[-1]:
@@ -240,11 +277,60 @@ class CachePool:
                 return Slot(segment, row)
             self._empty(segment, row)
 
+    def _paged_slot(self, source: Slot | None, held: int, need: int) -> Slot | None:
+        """Paged: a row for a prompt counted for ``need`` tokens whose first ``held`` ``source`` holds; None: no room.
+
+        An idle ``source`` is taken in place (its pages past the prefix go back), else a free row (the prefix copied
+        into it). Least recently used idle rows are evicted while the budget lacks the row's pages or no row is free.
+        """
+        segment = self.segments[0]
+        need = min(need, segment.capacity)
+        in_place = source is not None and self._state(source) is RowState.IDLE
+        if in_place:
+            del self.idle[(source.segment, source.row)]
+            segment.cache.truncate(source.row, held)
+            slot = source
+        else:
+            row = segment.free_row()
+            while row < 0 and self._evict(protect=source):
+                row = segment.free_row()
+            if row < 0:
+                return None
+            slot = Slot(segment, row)
+        extra = int(segment.cache.held_bytes(need) - segment.cache.held_bytes(slot.length))
+        if not self._make_room(extra, protect=source):
+            if in_place:  # still idle, with the prefix it was asked for
+                self.idle[(segment, slot.row)] = None
+            return None
+        if held and not in_place:
+            copy_codes(source, slot, held)
+        self.promised[slot.row] = need
+        return slot
+
+    def _make_room(self, extra: int, *, protect: Slot | None) -> bool:
+        """Paged: evict least recently used idle rows (never ``protect``'s) until ``extra`` more bytes fit."""
+        while self.allocated_bytes + extra > self.sizing.budget_bytes:
+            if not self._evict(protect=protect):
+                return False
+        return True
+
+    def _evict(self, *, protect: Slot | None) -> bool:
+        """Empty the least recently used idle row (never ``protect``'s); False: there is none."""
+        keep = None if protect is None else (protect.segment, protect.row)
+        victim = next((key for key in self.idle if key != keep), None)
+        if victim is None:
+            return False
+        del self.idle[victim]
+        self._empty(*victim)
+        return True
+
     def _empty(self, segment: Segment, row: int) -> None:
         """Empty ``row``; free its segment when no row of it holds anything (and another class could use it)."""
         segment.cache.clear(row)
         segment.state[row] = RowState.FREE
-        if segment.unused() and len(self.sizing.classes) > 1:
+        if self.sizing.paged:
+            self.promised[row] = 0
+        elif segment.unused() and len(self.sizing.classes) > 1:
             self.segments.remove(segment)
 
     # -- lookups -------------------------------------------------------------------------------------------------

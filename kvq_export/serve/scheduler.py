@@ -28,9 +28,9 @@ import queue
 from enum import StrEnum
 from typing import Any
 
-from kvq_export.errors import KVQError, StoredPrefillError
+from kvq_export.errors import KVQError, RuntimeInputError, StoredPrefillError
 from kvq_export.memory import resident_bytes
-from kvq_export.runtime.rows import RowCache, rows_within
+from kvq_export.runtime.rows import PAGE_BYTES, RowCache, rows_within, token_widths
 from kvq_export.runtime.session import KVQSession
 from kvq_export.serve.backends import Backend, TokenStream
 from kvq_export.serve.batch_loop import BatchLoop
@@ -64,7 +64,8 @@ class BatchBackend(Backend):
     def __init__(self, *args: Any, max_seqs: int | None = None, cache_budget: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, allow_batch_variance: bool = False,
                  prefix_cache: bool = True, smallest_row: int = SMALLEST_CLASS, row_reserve: int = RESERVE,
-                 fixed_rows: bool = False, **kwargs: Any) -> None:
+                 fixed_rows: bool = False, row_classes: bool = False, page_bytes: int = PAGE_BYTES,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         for name, value in (("max_seqs", max_seqs), ("cache_budget", cache_budget), ("prefill_chunk", prefill_chunk),
                             ("smallest_row", smallest_row), ("row_reserve", row_reserve)):
@@ -80,6 +81,9 @@ class BatchBackend(Backend):
         self.smallest_row, self.row_reserve = smallest_row, row_reserve
         #: every sequence a row of the whole context (asked for), instead of rows in proportion to its tokens
         self.fixed_rows = fixed_rows
+        #: rows of several capacities, moved as they grow (asked for), instead of paged rows of the whole context;
+        #: the pages a paged cache counts in
+        self.row_classes, self.page_bytes = row_classes, page_bytes
         self.pool: CachePool | None = None
         self.resident_before_cache: int | None = None
         self.invariance: InvarianceCheck | None = None
@@ -129,10 +133,14 @@ class BatchBackend(Backend):
         else:
             budget = self.cache_budget
         fixed = self._fixed_rows(session, budget, context)
-        by_tokens = Sizing.of(session, budget, context, self.smallest_row)
+        by_tokens = self._by_tokens(session, budget, context)
         self.resident_before_cache = resident_bytes()
-        check = RowCache(session, max(fixed.most_rows[context], *by_tokens.most_rows.values()),
-                         min(CHECK_CAPACITY, context))
+        check_rows = max(fixed.most_rows[context], *by_tokens.most_rows.values())
+        check_capacity = min(CHECK_CAPACITY, context)
+        try:  # paged where it can be (host memory, whole pages): the check's many rows hold only what it writes
+            check = RowCache(session, check_rows, check_capacity, paged=True)
+        except RuntimeInputError:
+            check = RowCache(session, check_rows, check_capacity)
         self._check_batching(check)
         exact_moves = session.stored_prefill and self._reuse_holds(check)
         del check
@@ -142,12 +150,16 @@ class BatchBackend(Backend):
         if sizing is fixed:  # the whole cache, held from the start
             self.pool.preallocate()
         smallest = sizing.classes[0]
-        logger.info("cache budget %.1f MiB: %d tokens at %d bytes a token; rows of %s tokens, in segments of %d to %d "
-                    "of the smallest (%s)", budget / 2**20, int(sizing.budget_bytes // sizing.token_bytes()),
-                    sizing.token_bytes(), ", ".join(map(str, sizing.classes)), sizing.first_rows[smallest],
-                    sizing.most_rows[smallest],
-                    "every sequence holds a row of the whole context" if sizing is fixed else
+        if sizing.paged:
+            rows = (f"up to {sizing.most_rows[smallest]} rows of {smallest} tokens, each holding whole "
+                    f"{sizing.page_bytes}-byte pages of its tokens (memory in proportion to tokens)")
+        else:
+            held = ("every sequence holds a row of the whole context" if sizing is fixed else
                     "a sequence holds rows in proportion to its tokens")
+            rows = (f"rows of {', '.join(map(str, sizing.classes))} tokens, in segments of "
+                    f"{sizing.first_rows[smallest]} to {sizing.most_rows[smallest]} of the smallest ({held})")
+        logger.info("cache budget %.1f MiB: %d tokens at %d bytes a token; %s", budget / 2**20,
+                    int(sizing.budget_bytes // sizing.token_bytes()), sizing.token_bytes(), rows)
         self._rows_gauges()
         return self.pool
 
@@ -195,6 +207,19 @@ class BatchBackend(Backend):
     def self_check(self, cache: RowCache) -> InvarianceCheck:
         """Whether a row's logits in a batch equal the same sequence alone (:func:`check_batch_invariance`)."""
         return check_batch_invariance(cache)
+
+    def _by_tokens(self, session: KVQSession, budget: int, context: int) -> Sizing:
+        """Paged rows of the whole context where their head rows are whole pages of host memory, else row classes."""
+        widths = token_widths(session)
+        if not self.row_classes:
+            if session.session.get_providers()[0] != "CPUExecutionProvider":
+                logger.info("rows in classes of capacities: paged rows need host memory")
+            elif any(context * width % self.page_bytes for width in widths):
+                logger.info("rows in classes of capacities: rows of %d tokens are not whole %d-byte pages (tokens of "
+                            "%s bytes a head)", context, self.page_bytes, sorted(widths))
+            else:
+                return Sizing.paged_rows(session, budget, context, self.smallest_row, self.page_bytes)
+        return Sizing.of(session, budget, context, self.smallest_row)
 
     def _fixed_rows(self, session: KVQSession, budget: int, context: int) -> Sizing:
         """Rows of the whole context: ``max_seqs`` (checked against the budget), else what the budget holds."""

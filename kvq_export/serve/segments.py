@@ -18,7 +18,7 @@ from enum import Enum
 
 import numpy as np
 
-from kvq_export.runtime.rows import RowCache, copy_prefix, rows_within
+from kvq_export.runtime.rows import PAGE_BYTES, RowCache, copy_prefix, paged_bytes, rows_within, token_widths
 from kvq_export.runtime.session import KVQSession
 
 #: the smallest row, in tokens
@@ -60,8 +60,9 @@ class Segment:
     state: list[RowState]
 
     @classmethod
-    def allocate(cls, session: KVQSession, rows: int, capacity: int) -> Segment:
-        cache = RowCache(session, rows, capacity)
+    def allocate(cls, session: KVQSession, rows: int, capacity: int, *, paged: bool = False,
+                 page_bytes: int = PAGE_BYTES) -> Segment:
+        cache = RowCache(session, rows, capacity, paged=paged, page_bytes=page_bytes)
         return cls(cache, np.zeros((rows, capacity), dtype=np.int32), [RowState.FREE] * rows)
 
     @property
@@ -114,6 +115,10 @@ class Sizing:
     first_rows: dict[int, int]
     most_rows: dict[int, int]
     row_bytes: dict[int, int]
+    #: one segment of rows of the whole context whose memory the system commits page by page (:meth:`paged`)
+    paged: bool = False
+    #: the pages a paged cache counts in (the system's, unless a test asks for finer)
+    page_bytes: int = PAGE_BYTES
 
     @classmethod
     def of(cls, session: KVQSession, budget_bytes: int, context: int, smallest: int = SMALLEST_CLASS) -> Sizing:
@@ -131,6 +136,20 @@ class Sizing:
         first = {capacity: max(1, cache_bytes // SEGMENTS_PER_BUDGET // size) for capacity, size in row_bytes.items()}
         first[classes[0]] = most[classes[0]]  # short requests are the many: the smallest rows come in one large segment
         return cls(cache_bytes, classes, first, most, row_bytes)
+
+    @classmethod
+    def paged_rows(cls, session: KVQSession, budget_bytes: int, context: int, smallest: int = SMALLEST_CLASS,
+                   page_bytes: int = PAGE_BYTES) -> Sizing:
+        """Rows of the whole ``context`` in one segment, each holding whole pages of its tokens (:meth:`paged`).
+
+        As many rows as the budget holds sequences of ``smallest`` tokens: their address space is reserved, their
+        memory is not.
+        """
+        fits = rows_within(session, budget_bytes, context)
+        cache_bytes = budget_bytes - fits.static_bytes
+        rows = max(1, cache_bytes // int(paged_bytes(token_widths(session), min(smallest, context), page_bytes)))
+        return cls(cache_bytes, (context,), {context: rows}, {context: rows}, {context: fits.row_bytes}, paged=True,
+                   page_bytes=page_bytes)
 
     def class_for(self, tokens: int) -> int:
         """The smallest class holding ``tokens`` (the largest class for more)."""
