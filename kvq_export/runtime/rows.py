@@ -10,6 +10,10 @@ output: a prompt chunk runs on its one row, a decode step on the range of runnin
 CUDAExecutionProvider), the host's copy of every row's length, and the runs. Its bytes are the memory model's
 (:func:`kvq_export.memory.predict`) less the static scales, which live in the graph: :func:`rows_within` says how
 many rows of ``capacity`` tokens a byte budget holds, and the tests check the allocation against it.
+
+A **paged** cache (``paged=True``, host memory) maps its buffers as private anonymous memory and never touches them:
+the system commits a page when a call first writes into it, so a row holds the whole pages its tokens reach
+(:meth:`RowCache.held_bytes`, :func:`paged_bytes`), and emptying or cutting back a row gives its pages back.
 """
 
 from __future__ import annotations
@@ -102,6 +106,10 @@ class RowCache:
 
     A row's first tokens can serve another sequence exactly where the session attends over stored codes on every
     call (``KVQSession(stored_prefill=True)``): what a row holds then follows from its tokens alone.
+
+    ``paged``: host memory the system commits page by page as calls write into it (else held from the start);
+    every head row must be whole pages of ``page_bytes``, the size :meth:`held_bytes` counts in (the system's page;
+    a test may count in finer ones, while pages go back to the system whole).
     """
 
     def __init__(self, session: KVQSession, rows: int, capacity: int, *, paged: bool = False,

@@ -1,17 +1,20 @@
 """The one owner of a server's cache memory: rows sized by tokens, the prefixes rows keep, and the bytes of both.
 
-:class:`CachePool` holds the cache as segments of rows of several capacities within one byte budget
-(:mod:`kvq_export.serve.segments`). The scheduler asks it for a row for a prompt (:meth:`CachePool.acquire`), for a
-larger row when a sequence outgrows its own (:meth:`CachePool.grow`), feeds tokens through it
-(:meth:`CachePool.run`), and gives the row back when the sequence ends or is preempted (:meth:`CachePool.release`);
-it never touches a row itself, and a sequence knows its row only through its :class:`~kvq_export.serve.segments.Slot`,
-which the pool moves.
+:class:`CachePool` holds the cache within one byte budget, as one segment of paged rows of the whole context (a row
+counted by the pages its tokens reach) or as segments of rows of several capacities
+(:mod:`kvq_export.serve.segments`). The scheduler asks it for a row for a prompt (:meth:`CachePool.acquire`), for
+room when a sequence grows (:meth:`CachePool.grow`), feeds tokens through it (:meth:`CachePool.run`), and gives the
+row back when the sequence ends or is preempted (:meth:`CachePool.release`); it never touches a row itself, and a
+sequence knows its row only through its :class:`~kvq_export.serve.segments.Slot`, which the pool moves.
 
-* **Bytes**: a request gets a row of the smallest class holding its prompt and a reserve (its ``max_tokens``, at most
-  :data:`RESERVE`): a free row of that class or of one up to twice as large (fewer segments decoding, fewer calls),
-  else one in a new segment while the budget has room, else in place of the least recently used idle rows (a
-  segment none of whose rows holds anything is freed). A request that finds no room waits; a sequence that finds
-  no larger row is preempted by the scheduler.
+* **Bytes, paged**: a request gets a free row (or an idle one holding its prefix) while the budget holds the pages of
+  its prompt and reserve, evicting the least recently used idle rows for room; a sequence's next page is counted as
+  it grows, and where the budget has no room for it the scheduler preempts a sequence.
+* **Bytes, classes**: a request gets a row of the smallest class holding its prompt and a reserve (its
+  ``max_tokens``, at most :data:`RESERVE`): a free row of that class or of one up to twice as large (fewer segments
+  decoding, fewer calls), else one in a new segment while the budget has room, else in place of the least recently
+  used idle rows (a segment none of whose rows holds anything is freed). A request that finds no room waits; a
+  sequence that finds no larger row is preempted by the scheduler.
 * **Prefixes** (``prefix_cache``): a row whose sequence ended stays idle with its codes (prompt and answer). A new
   prompt takes the idle row holding its longest prefix where that row is of the class the prompt needs or up to
   twice as large (the row keeps the prefix and drops the rest), else the prefix's codes are copied into its new row

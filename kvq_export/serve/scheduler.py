@@ -1,9 +1,10 @@
 """Continuous batching over kvq's cache rows: requests join at the next step and leave at once.
 
 :class:`BatchBackend` serves a ``buffer``-layout export (``--flavor ort-gqa``). Its cache is a
-:class:`~kvq_export.serve.cache_pool.CachePool`, the one owner of cache memory: rows of several capacities in
-segments within one byte budget (:mod:`~kvq_export.serve.segments`), so a sequence holds memory in proportion to
-its tokens, and the prefixes rows keep after their request. Its thread runs
+:class:`~kvq_export.serve.cache_pool.CachePool`, the one owner of cache memory within one byte budget: paged rows of
+the whole context whose pages the system commits as they fill (on a CPU where a row's head rows are whole pages),
+else rows of several capacities in segments (:mod:`~kvq_export.serve.segments`), so a sequence holds memory in
+proportion to its tokens; and the prefixes rows keep after their request. Its thread runs
 :class:`~kvq_export.serve.batch_loop.BatchLoop`: admission into rows (reusing the longest cached prefix), one
 decode step for every running sequence, prompt chunks, moves into larger rows and preemption.
 

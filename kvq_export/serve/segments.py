@@ -9,6 +9,10 @@ context), so a sequence holds at most about 1.41x the tokens it needs, plus the 
 not handed out yet (a class's first segment is :data:`SEGMENTS_PER_BUDGET`-th of the budget or one row, and each
 further one doubles the class's rows, up to :data:`ROWS_PER_CALL` rows or an eighth of the budget). A sequence that
 outgrows its row moves into a row of the next class: its codes are copied (host memory, the held tokens only).
+
+A **paged** sizing (:meth:`Sizing.paged_rows`, the server's default on a CPU) is one segment of rows of the whole
+context whose memory the system commits page by page (:class:`~kvq_export.runtime.rows.RowCache` with ``paged``):
+no classes, no moves, and a row holds the whole pages of its tokens.
 """
 
 from __future__ import annotations
