@@ -107,3 +107,12 @@ def test_an_idle_row_taken_in_place_keeps_only_its_prefix(session):
     assert (lease.slot.row, lease.reused) == (first.row, 30)
     assert pool.segments[0].cache.lengths[first.row] == 30
     assert pool.allocated_bytes == pool.segments[0].cache.held_bytes(36)
+
+
+def test_a_prompt_admitted_by_its_first_chunk_is_counted_chunk_by_chunk(session):
+    pool = paged_pool(session, 64)
+    cache = pool.segments[0].cache
+    slot = pool.acquire(prompt(40)[0], max_tokens=8, chunk=16).slot  # its first call writes 16 tokens
+    assert pool.allocated_bytes == cache.held_bytes(16)
+    pool.run(slot.segment, slot.row, prompt(40)[:, :16])
+    assert pool.grow(slot, 32) and pool.allocated_bytes == cache.held_bytes(32)

@@ -119,18 +119,25 @@ class BatchLoop:
 
         A request whose prefix another one is still prefilling waits a round (later ones may go first), so the
         shared part is computed once; a request the budget has no row for stops admission until a row frees.
+        Paged rows are counted chunk by chunk, so new requests are admitted only while the running ones' prompt
+        tokens still to prefill are under two rounds' worth: a prompt is counted when it starts, not while it waits
+        rounds for the ones before it (and preempted for them).
         """
-        metrics = self.backend.metrics
+        metrics, chunk = self.backend.metrics, self.backend.prefill_chunk
+        backlog = sum(len(seq.tokens) - seq.fed for seq in self.running) if self.pool.sizing.paged else 0
         for stream in list(self.waiting):
+            if backlog >= 2 * chunk and stream not in self.preempted:
+                break
             job, resumed = stream.job, self.preempted.get(stream)
             tokens = job.prompt_tokens if resumed is None else job.prompt_tokens + tuple(resumed.generated)
             left = job.max_tokens - (0 if resumed is None else len(resumed.generated))
-            lease = self.pool.acquire(np.asarray(tokens), lookup=job.cache_prompt, max_tokens=left)
+            lease = self.pool.acquire(np.asarray(tokens), lookup=job.cache_prompt, max_tokens=left, chunk=chunk)
             if lease is None:
                 break
             if lease.wait:
                 continue
             self.waiting.remove(stream)
+            backlog += (len(tokens) - lease.reused) * self.pool.sizing.paged
             if resumed is None:
                 if job.cache_prompt and self.pool.prefix_cache:
                     metrics.prefix_queries.inc(len(tokens))

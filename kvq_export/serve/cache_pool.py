@@ -153,12 +153,15 @@ class CachePool:
         self.segments.append(Segment.allocate(self.session, self.sizing.most_rows[capacity], capacity))
 
     # -- what the scheduler asks ---------------------------------------------------------------------------------
-    def acquire(self, prompt: np.ndarray, *, lookup: bool = True, max_tokens: int | None = None) -> Lease | None:
+    def acquire(self, prompt: np.ndarray, *, lookup: bool = True, max_tokens: int | None = None,
+                chunk: int | None = None) -> Lease | None:
         """A row for ``prompt`` (int token ids) and up to ``max_tokens`` more, with the longest cached prefix reused.
 
         None: no room now (``max_seqs`` sequences run, or the budget holds no row of its class).
 
-        ``lookup`` False: nothing cached is reused (a request that asked for no reuse).
+        ``lookup`` False: nothing cached is reused (a request that asked for no reuse). ``chunk``: paged, the row is
+        counted for its first call (the reused prefix and ``chunk`` more prompt tokens), and each later chunk as it
+        runs (:meth:`grow`), as a paged cache commits them; None: for the whole prompt and its reserve from the start.
         """
         prompt = np.asarray(prompt)
         usable = len(prompt) - 1  # the last prompt token is always computed
@@ -174,7 +177,7 @@ class CachePool:
         need = len(prompt) + min(max_tokens or self.reserve, self.reserve)
         capacity = self.sizing.class_for(need)
         if self.sizing.paged:
-            slot = self._paged_slot(source, held, need)
+            slot = self._paged_slot(source, held, need if chunk is None else min(need, held + chunk))
             if slot is None:
                 return None
         elif source is not None and capacity <= source.capacity <= 2 * capacity and \
