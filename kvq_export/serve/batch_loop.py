@@ -199,7 +199,9 @@ class BatchLoop:
         """Prompt chunks, first come first served, until this round ran ``prefill_chunk`` tokens or more.
 
         A round stops at the first chunk boundary past the budget, so it runs fewer than two chunks' worth: short
-        prompts that arrived together (a burst) share one round instead of waiting a round each.
+        prompts that arrived together (a burst) share one round instead of waiting a round each. Where the cache has
+        no room for a chunk while sequences decode, prefill pauses until their ends free some: a preemption would
+        throw the prompt's chunks away; with nothing decoding, the newest sequences are preempted.
         """
         chunk, spent = self.backend.prefill_chunk, 0
         for seq in [s for s in self.running if s.fed < len(s.tokens)]:
@@ -207,6 +209,9 @@ class BatchLoop:
                 if spent >= chunk:
                     return
                 size = min(chunk, len(seq.tokens) - seq.fed)
+                if not self.pool.grow(seq.slot, seq.fed + size) and \
+                        any(other.fed == len(other.tokens) for other in self.running):
+                    return
                 if not self._room(seq, seq.fed + size):
                     break
                 ids = np.asarray(seq.tokens[seq.fed:seq.fed + size], dtype=np.int64)[None]

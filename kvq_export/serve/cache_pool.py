@@ -352,7 +352,8 @@ class CachePool:
             rows = np.flatnonzero((lengths > 0) & (segment.tokens[:, 0] == prompt[0]))
             if not len(rows):
                 continue
-            shared = _shared_lengths(segment.tokens[rows], lengths[rows], prompt[:usable])
+            # the prompt's columns only: a paged row's tokens span the whole context
+            shared = _shared_lengths(segment.tokens[rows, :usable], lengths[rows], prompt[:usable])
             for row, n in zip(rows.tolist(), shared.tolist()):
                 key = (n, segment.state[row] is RowState.IDLE, recency.get((segment, row), -1))
                 if n > 0 and key > best_key:
