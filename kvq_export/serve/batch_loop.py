@@ -119,14 +119,17 @@ class BatchLoop:
 
         A request whose prefix another one is still prefilling waits a round (later ones may go first), so the
         shared part is computed once; a request the budget has no row for stops admission until a row frees.
-        Paged rows are counted chunk by chunk, so new requests are admitted only while the running ones' prompt
-        tokens still to prefill are under two rounds' worth: a prompt is counted when it starts, not while it waits
-        rounds for the ones before it (and preempted for them).
+        Paged rows are counted chunk by chunk; where the budget could not hold every admitted prompt whole, new
+        requests are admitted only while the running ones' prompt tokens still to prefill are under two rounds'
+        worth: a prompt is counted when it starts, not while it waits rounds for the ones before it (and paused or
+        preempted for them).
         """
-        metrics, chunk = self.backend.metrics, self.backend.prefill_chunk
-        backlog = sum(len(seq.tokens) - seq.fed for seq in self.running) if self.pool.sizing.paged else 0
+        metrics, chunk, sizing = self.backend.metrics, self.backend.prefill_chunk, self.pool.sizing
+        backlog = sum(len(seq.tokens) - seq.fed for seq in self.running) if sizing.paged else 0
+        room = (sizing.budget_bytes - self.pool.allocated_bytes) / sizing.token_bytes() if sizing.paged else 0
         for stream in list(self.waiting):
-            if backlog >= 2 * chunk and stream not in self.preempted:
+            if backlog >= 2 * chunk and backlog + len(stream.job.prompt_tokens) > room and \
+                    stream not in self.preempted:
                 break
             job, resumed = stream.job, self.preempted.get(stream)
             tokens = job.prompt_tokens if resumed is None else job.prompt_tokens + tuple(resumed.generated)
