@@ -57,6 +57,11 @@ def paged_bytes(widths: Mapping[int, int], tokens: int | np.ndarray, page_bytes:
     return sum(count * -(-tokens * width // page_bytes) * page_bytes for width, count in widths.items())
 
 
+def whole_pages(widths: Mapping[int, int], capacity: int, page_bytes: int = PAGE_BYTES) -> bool:
+    """Whether every head row of ``capacity`` tokens is whole pages (what a paged cache needs to count exactly)."""
+    return not any(capacity * width % page_bytes for width in widths)
+
+
 @dataclass(frozen=True)
 class _Buffer:
     """One layer and stream's buffer ``[rows, kv_heads, capacity, width]`` at ``address``; ``owner`` keeps it."""
@@ -134,7 +139,7 @@ class RowCache:
         #: memory is committed page by page as rows fill, and given back as they empty (else held from the start)
         self.paged, self.page_bytes = paged, page_bytes
         self.widths = token_widths(session)
-        if paged and any(capacity * width % page_bytes for width in self.widths):
+        if paged and not whole_pages(self.widths, capacity, page_bytes):
             raise RuntimeInputError(f"paged rows of {capacity} tokens do not end on {page_bytes}-byte pages (tokens of "
                                     f"{sorted(self.widths)} bytes a head): allowed: a capacity whose head rows are "
                                     "whole pages")

@@ -140,7 +140,8 @@ class BatchLoop:
             if lease.wait:
                 continue
             self.waiting.remove(stream)
-            backlog += (len(tokens) - lease.reused) * self.pool.sizing.paged
+            if sizing.paged:
+                backlog += len(tokens) - lease.reused
             if resumed is None:
                 if job.cache_prompt and self.pool.prefix_cache:
                     metrics.prefix_queries.inc(len(tokens))

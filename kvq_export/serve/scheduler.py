@@ -31,7 +31,7 @@ from typing import Any
 
 from kvq_export.errors import KVQError, RuntimeInputError, StoredPrefillError
 from kvq_export.memory import resident_bytes
-from kvq_export.runtime.rows import PAGE_BYTES, RowCache, rows_within, token_widths
+from kvq_export.runtime.rows import PAGE_BYTES, RowCache, rows_within, token_widths, whole_pages
 from kvq_export.runtime.session import KVQSession
 from kvq_export.serve.backends import Backend, TokenStream
 from kvq_export.serve.batch_loop import BatchLoop
@@ -215,7 +215,7 @@ class BatchBackend(Backend):
         if not self.row_classes:
             if session.session.get_providers()[0] != "CPUExecutionProvider":
                 logger.info("rows in classes of capacities: paged rows need host memory")
-            elif any(context * width % self.page_bytes for width in widths):
+            elif not whole_pages(widths, context, self.page_bytes):
                 logger.info("rows in classes of capacities: rows of %d tokens are not whole %d-byte pages (tokens of "
                             "%s bytes a head)", context, self.page_bytes, sorted(widths))
             else:
