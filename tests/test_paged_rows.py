@@ -116,3 +116,23 @@ def test_a_prompt_admitted_by_its_first_chunk_is_counted_chunk_by_chunk(session)
     assert pool.allocated_bytes == cache.held_bytes(16)
     pool.run(slot.segment, slot.row, prompt(40)[:, :16])
     assert pool.grow(slot, 32) and pool.allocated_bytes == cache.held_bytes(32)
+
+
+def test_a_platform_that_cannot_give_pages_back_gets_row_classes(session, monkeypatch):
+    import kvq_export.runtime.rows as rows
+    from kvq_export.serve import open_backend
+
+    def sizing():
+        backend = open_backend(session.directory, cache_budget=2**20, page_bytes=256)
+        backend.start()
+        try:
+            return backend.pool.sizing
+        finally:
+            backend.close()
+
+    assert sizing().paged  # where the platform can
+    monkeypatch.setattr(rows, "PAGED_MEMORY", False)
+    with pytest.raises(RuntimeInputError, match="MADV_DONTNEED"):
+        RowCache(session, 2, 1024, paged=True)
+    fallback = sizing()
+    assert not fallback.paged and len(fallback.classes) > 1

@@ -39,6 +39,8 @@ SEQ_LENGTHS = tensor_name("past", None, None, "seq_lengths")
 CUDA = "CUDAExecutionProvider"
 #: the operating system's page: a paged cache's memory is committed (and given back) in these
 PAGE_BYTES = mmap.PAGESIZE
+#: whether this platform maps private anonymous memory and takes pages back (``MADV_DONTNEED``): what paged rows need
+PAGED_MEMORY = all(hasattr(mmap, name) for name in ("MAP_PRIVATE", "MAP_ANONYMOUS", "MADV_DONTNEED"))
 
 
 def token_widths(session: KVQSession) -> dict[int, int]:
@@ -136,6 +138,9 @@ class RowCache:
         self.device = "cuda" if providers and providers[0] == CUDA else "cpu"
         if paged and self.device != "cpu":
             raise RuntimeInputError(f"paged cache rows need host memory; this session's cache is on {self.device}")
+        if paged and not PAGED_MEMORY:
+            raise RuntimeInputError("paged cache rows need private anonymous memory whose pages can be given back "
+                                    "(mmap's MAP_ANONYMOUS and MADV_DONTNEED), which this platform lacks")
         #: memory is committed page by page as rows fill, and given back as they empty (else held from the start)
         self.paged, self.page_bytes = paged, page_bytes
         self.widths = token_widths(session)

@@ -31,6 +31,7 @@ from typing import Any
 
 from kvq_export.errors import KVQError, RuntimeInputError, StoredPrefillError
 from kvq_export.memory import resident_bytes
+from kvq_export.runtime import rows
 from kvq_export.runtime.rows import PAGE_BYTES, RowCache, rows_within, token_widths, whole_pages
 from kvq_export.runtime.session import KVQSession
 from kvq_export.serve.backends import Backend, TokenStream
@@ -215,6 +216,8 @@ class BatchBackend(Backend):
         if not self.row_classes:
             if session.session.get_providers()[0] != "CPUExecutionProvider":
                 logger.info("rows in classes of capacities: paged rows need host memory")
+            elif not rows.PAGED_MEMORY:
+                logger.info("rows in classes of capacities: this platform cannot give pages back (no MADV_DONTNEED)")
             elif not whole_pages(widths, context, self.page_bytes):
                 logger.info("rows in classes of capacities: rows of %d tokens are not whole %d-byte pages (tokens of "
                             "%s bytes a head)", context, self.page_bytes, sorted(widths))
