@@ -75,6 +75,11 @@ class _Buffer:
     dtype: np.dtype
     owner: object
 
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token takes in one head's row."""
+        return self.row_bytes // (self.shape[1] * self.shape[2])
+
 
 @dataclass(frozen=True)
 class RowBudget:
@@ -212,10 +217,10 @@ class RowCache:
         if not self.paged:
             return
         for buffer in self.buffers:
-            heads, width = buffer.shape[1], buffer.row_bytes // (buffer.shape[1] * self.capacity)
+            width = buffer.token_bytes
             spans = [(0, buffer.row_bytes)] if tokens == 0 else \
                 [(head * self.capacity * width + tokens * width, (head + 1) * self.capacity * width)
-                 for head in range(heads)]
+                 for head in range(buffer.shape[1])]
             for low, high in spans:
                 low = -(-(row * buffer.row_bytes + low) // PAGE_BYTES) * PAGE_BYTES
                 high = (row * buffer.row_bytes + high) // PAGE_BYTES * PAGE_BYTES
@@ -277,7 +282,7 @@ def copy_prefix(source: RowCache, source_row: int, target: RowCache, target_row:
                                 f"row {target.capacity}: cannot copy {tokens}")
     for buffer, other in zip(source.buffers, target.buffers):
         heads, capacity = buffer.shape[1:3]
-        token_bytes = buffer.row_bytes // (heads * capacity)
+        token_bytes = buffer.token_bytes
         for head in range(heads):  # [rows, heads, capacity, width]
             ctypes.memmove(other.address + target_row * other.row_bytes + head * other.shape[2] * token_bytes,
                            buffer.address + source_row * buffer.row_bytes + head * capacity * token_bytes,

@@ -213,11 +213,11 @@ class BatchLoop:
                 if spent >= chunk:
                     return
                 size = min(chunk, len(seq.tokens) - seq.fed)
-                if not self.pool.grow(seq.slot, seq.fed + size) and \
-                        any(other.fed == len(other.tokens) for other in self.running):
-                    return
-                if not self._room(seq, seq.fed + size):
-                    break
+                if not self.pool.grow(seq.slot, seq.fed + size):
+                    if any(other.fed == len(other.tokens) for other in self.running):
+                        return  # pause: decoding sequences will free pages
+                    if not self._room(seq, seq.fed + size):
+                        break
                 ids = np.asarray(seq.tokens[seq.fed:seq.fed + size], dtype=np.int64)[None]
                 seq.fed += size
                 spent += size

@@ -265,17 +265,15 @@ class CachePool:
         for segment in fits:
             if (row := segment.free_row()) >= 0:
                 return Slot(segment, row)
-        keep = None if protect is None else (protect.segment, protect.row)
         while True:
             rows = self.sizing.segment_rows(capacity, sum(s.rows for s in self.segments if s.capacity == capacity))
             if self.allocated_bytes + rows * self.sizing.row_bytes[capacity] <= self.sizing.budget_bytes:
                 segment = Segment.allocate(self.session, rows, capacity)
                 self.segments.append(segment)
                 return Slot(segment, 0)
-            victim = next((key for key in self.idle if key != keep), None)
+            victim = self._take_victim(protect)
             if victim is None:
                 return None
-            del self.idle[victim]
             segment, row = victim
             if segment.capacity == capacity:
                 segment.cache.clear(row)
@@ -322,13 +320,19 @@ class CachePool:
 
     def _evict(self, *, protect: Slot | None) -> bool:
         """Empty the least recently used idle row (never ``protect``'s); False: there is none."""
-        keep = None if protect is None else (protect.segment, protect.row)
-        victim = next((key for key in self.idle if key != keep), None)
+        victim = self._take_victim(protect)
         if victim is None:
             return False
-        del self.idle[victim]
         self._empty(*victim)
         return True
+
+    def _take_victim(self, protect: Slot | None) -> tuple[Segment, int] | None:
+        """The least recently used idle row (never ``protect``'s), no longer idle; None: there is none."""
+        keep = None if protect is None else (protect.segment, protect.row)
+        victim = next((key for key in self.idle if key != keep), None)
+        if victim is not None:
+            del self.idle[victim]
+        return victim
 
     def _empty(self, segment: Segment, row: int) -> None:
         """Empty ``row``; free its segment when no row of it holds anything (and another class could use it)."""
